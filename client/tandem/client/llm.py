@@ -1,0 +1,265 @@
+"""LLM and AsyncLLM: the seed's API over tandem's gRPC service."""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator, Optional, Sequence, Union
+
+from google.protobuf import json_format, struct_pb2
+
+from tandem.client.params import (ConversationParams, DisaggregatedParams, KvCacheRetentionConfig, LoRARequest,
+                                  PreprocessedInputs, PromptAdapterRequest, SamplingParams, SchedulingParams,
+                                  prompt_to_proto)
+from tandem.client.results import RequestOutput
+from tandem.client.tokenizer import RemoteTokenizer
+from tandem.client.transport import Transport, iterate_stream
+from tandem.v1 import llm_pb2
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _to_dicts(msg: llm_pb2.JsonList) -> list[dict]:
+    return [json_format.MessageToDict(item) for item in msg.items]
+
+
+class LLM:
+    """A tandem cluster (its router) seen as tensorrt_llm's LLM. `target` is host:port."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: Optional[str] = None, credentials=None,
+                 default_timeout: Optional[float] = None, **kwargs: Any):
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}: model and engine options are server-side "
+                            "(tandem serve ... flags or the Helm chart values)")
+        self.target = target
+        self._transport = Transport(target, auth_token=auth_token, credentials=credentials)
+        self._timeout = default_timeout
+        self._info: Optional[llm_pb2.ServerInfo] = None
+        self._tokenizer: Optional[RemoteTokenizer] = None
+
+    # -- helpers --
+    def _call(self, method: str, request, timeout: Optional[float] = None):
+        return self._transport.run_sync(self._transport.unary(method, request, timeout or self._timeout))
+
+    async def _acall(self, method: str, request, timeout: Optional[float] = None):
+        return await self._transport.run_async(self._transport.unary(method, request, timeout or self._timeout))
+
+    def _server_info(self) -> llm_pb2.ServerInfo:
+        if self._info is None:
+            self._info = self._call("GetServerInfo", llm_pb2.GetServerInfoRequest())
+        return self._info
+
+    # -- generation --
+    def generate_async(self, inputs, sampling_params: Optional[SamplingParams] = None,
+                       lora_request: Optional[LoRARequest] = None,
+                       prompt_adapter_request: Optional[PromptAdapterRequest] = None, streaming: bool = False,
+                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
+                       disaggregated_params: Optional[DisaggregatedParams] = None,
+                       trace_headers: Optional[dict[str, str]] = None,
+                       scheduling_params: Optional[SchedulingParams] = None,
+                       conversation_params: Optional[ConversationParams] = None,
+                       cache_salt: Optional[str] = None, priority: float = 0.5,
+                       request_id: Optional[str] = None) -> RequestOutput:
+        """Submits one prompt; returns a RequestOutput to await, iterate (streaming) or abort()."""
+        request = llm_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt_to_proto(inputs),
+                                          streaming=streaming, priority=priority)
+        if sampling_params is not None:
+            request.sampling_params.CopyFrom(sampling_params.to_proto())
+        for field, value in (("lora_request", lora_request), ("prompt_adapter_request", prompt_adapter_request),
+                             ("kv_cache_retention_config", kv_cache_retention_config),
+                             ("disaggregated_params", disaggregated_params), ("scheduling_params", scheduling_params),
+                             ("conversation_params", conversation_params)):
+            if value is not None:
+                getattr(request, field).CopyFrom(value.to_proto())
+        if trace_headers:
+            request.trace_headers.update(trace_headers)
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        return RequestOutput(self._transport, request, streaming)
+
+    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True, lora_request=None,
+                 prompt_adapter_request=None, kv_cache_retention_config=None, disaggregated_params=None,
+                 scheduling_params=None, conversation_params=None, cache_salt=None, priority=0.5):
+        """Runs one prompt or a batch concurrently and blocks until all are done."""
+        single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
+            isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs))
+        batch = [inputs] if single else list(inputs)
+        n = len(batch)
+        per = {name: _broadcast(value, n, name) for name, value in (
+            ("sampling_params", sampling_params), ("lora_request", lora_request),
+            ("prompt_adapter_request", prompt_adapter_request),
+            ("kv_cache_retention_config", kv_cache_retention_config),
+            ("disaggregated_params", disaggregated_params), ("scheduling_params", scheduling_params),
+            ("conversation_params", conversation_params), ("cache_salt", cache_salt), ("priority", priority))}
+        futures = [self.generate_async(p, **{k: v[i] for k, v in per.items()}) for i, p in enumerate(batch)]
+        bar = None
+        if use_tqdm:
+            try:
+                from tqdm import tqdm
+                bar = tqdm(total=n, desc="Processed requests", dynamic_ncols=True)
+            except ImportError:
+                bar = None
+        results = []
+        try:
+            for f in futures:
+                results.append(f.result())
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results[0] if single else results
+
+    # -- model I/O helpers --
+    def preprocess(self, inputs, sampling_params: Optional[SamplingParams] = None,
+                   disaggregated_params: Optional[DisaggregatedParams] = None) -> PreprocessedInputs:
+        request = llm_pb2.PreprocessRequest(prompt=prompt_to_proto(inputs))
+        if sampling_params is not None:
+            request.sampling_params.CopyFrom(sampling_params.to_proto())
+        if disaggregated_params is not None:
+            request.disaggregated_params.CopyFrom(disaggregated_params.to_proto())
+        out = self._call("Preprocess", request)
+        return PreprocessedInputs(
+            prompt_token_ids=list(out.prompt_token_ids), prompt=out.prompt if out.HasField("prompt") else None,
+            sampling_params=out.sampling_params if out.HasField("sampling_params") else None,
+            disaggregated_params=DisaggregatedParams.from_proto(out.disaggregated_params)
+            if out.HasField("disaggregated_params") else None)
+
+    def encode(self, inputs, add_special_tokens: bool = True, batch_indexed_model_output: bool = True,
+               copy_logits_to_host: bool = True, return_raw_logits: bool = False, **model_kwargs: Any):
+        single = isinstance(inputs, (str, dict)) or (isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs))
+        batch = [inputs] if single else list(inputs)
+        request = llm_pb2.EncodeRequest(inputs=[prompt_to_proto(p) for p in batch],
+                                        add_special_tokens=add_special_tokens, return_raw_logits=return_raw_logits)
+        if model_kwargs:
+            request.model_kwargs.update(json.loads(json.dumps(model_kwargs)))
+        from tandem.client.encode import decode_encode_response
+        return decode_encode_response(self._call("Encode", request), single, return_raw_logits)
+
+    # -- runtime introspection --
+    def get_data_transceiver_state(self, worker_id: str = "") -> bytes:
+        return self._call("GetDataTransceiverState", llm_pb2.GetDataTransceiverStateRequest(worker_id=worker_id)).state
+
+    def get_kv_cache_capacity(self, worker_id: str = "") -> dict:
+        cap = self._call("GetKvCacheCapacity", llm_pb2.GetKvCacheCapacityRequest(worker_id=worker_id))
+        return {"maxNumBlocks": cap.max_num_blocks, "tokensPerBlock": cap.tokens_per_block,
+                "maxNumTokens": cap.max_num_tokens, "numFreeBlocks": cap.num_free_blocks}
+
+    def get_kv_cache_events(self, timeout: Optional[float] = 2) -> list[dict]:
+        request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
+        return _to_dicts(self._call("GetKvCacheEvents", request, timeout=(timeout or 2) + 30))
+
+    def get_kv_cache_events_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+        return self._json_stream("StreamKvCacheEvents", timeout)
+
+    def get_stats(self, timeout: Optional[float] = 2) -> list[dict]:
+        request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
+        return _to_dicts(self._call("GetStats", request, timeout=(timeout or 2) + 30))
+
+    def get_stats_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+        return self._json_stream("StreamStats", timeout)
+
+    async def _json_stream(self, method: str, timeout: Optional[float]):
+        request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
+        async for item in iterate_stream(self._transport, method, request):
+            yield json_format.MessageToDict(item.item)
+
+    # -- properties --
+    @property
+    def llm_id(self) -> str:
+        return self._server_info().llm_id
+
+    @property
+    def disaggregated_params(self) -> dict:
+        return json_format.MessageToDict(self._server_info().disaggregated_params)
+
+    @property
+    def startup_metrics(self) -> dict:
+        try:
+            return json_format.MessageToDict(self._server_info().startup_metrics)
+        except Exception:  # noqa: BLE001 - the seed returns {} when metrics cannot be had
+            return {}
+
+    @property
+    def tokenizer(self) -> Optional[RemoteTokenizer]:
+        if self._tokenizer is None:
+            files = self._call("GetTokenizer", llm_pb2.GetTokenizerRequest())
+            self._tokenizer = RemoteTokenizer(self, files)
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the cluster behind the router (admin) and closes this client."""
+        try:
+            self._call("Shutdown", llm_pb2.AdminRequest())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Closes this client's connection; the cluster keeps running."""
+        self._transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncLLM(LLM):
+    """tensorrt_llm.llmapi.AsyncLLM over gRPC: `llm = await AsyncLLM("host:port")`."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, placement_groups=None, placement_bundle_indices=None,
+                 per_worker_gpu_share=None, **kwargs: Any):
+        if placement_groups or placement_bundle_indices or per_worker_gpu_share:
+            raise ValueError("placement_groups / placement_bundle_indices / per_worker_gpu_share are Ray placement "
+                             "options; tandem places workers with its Helm chart (deploy/helm)")
+        super().__init__(target, **kwargs)
+
+    def __await__(self):
+        async def _setup():
+            await self.setup_async()
+            return self
+        return _setup().__await__()
+
+    async def setup_async(self, timeout: float = 60.0) -> None:
+        self._info = await self._acall("Setup", llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self._acall("Abort", llm_pb2.AbortRequest(request_id=request_id))).aborted
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None,
+                             unique_reply_rank: Optional[int] = None,
+                             target_ranks: Union[int, list[int], None] = None) -> list[Any]:
+        request = llm_pb2.CollectiveRpcRequest(method=method)
+        request.args.extend(json.loads(json.dumps(list(args))))
+        if kwargs:
+            request.kwargs.update(json.loads(json.dumps(kwargs)))
+        if unique_reply_rank is not None:
+            request.unique_reply_rank = unique_reply_rank
+        if target_ranks is not None:
+            request.target_ranks.extend([target_ranks] if isinstance(target_ranks, int) else target_ranks)
+        reply = await self._acall("CollectiveRpc", request)
+        return [json_format.MessageToDict(struct_pb2.Struct(fields={"v": v}))["v"] for v in reply.results]
+
+    async def pause_generation(self) -> None:
+        await self._acall("PauseGeneration", llm_pb2.AdminRequest())
+
+    async def resume_generation(self) -> None:
+        await self._acall("ResumeGeneration", llm_pb2.AdminRequest())
+
+    async def release(self, tags: list[str]) -> None:
+        await self._acall("Release", llm_pb2.MemoryTagsRequest(tags=tags))
+
+    async def resume(self, tags: list[str]) -> None:
+        await self._acall("Resume", llm_pb2.MemoryTagsRequest(tags=tags))
+
+    async def update_weights(self, weights: Union[dict[str, str], str]) -> None:
+        """weights: device UUID -> IPC handle map (TRT-LLM format), or a checkpoint directory path."""
+        request = (llm_pb2.UpdateWeightsRequest(checkpoint_path=weights) if isinstance(weights, str)
+                   else llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights)))
+        await self._acall("UpdateWeights", request)

@@ -1,0 +1,201 @@
+"""The seed's parameter types (tensorrt_llm names) and their protobuf form."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence, TypedDict, Union
+
+from tandem.v1 import llm_pb2, types_pb2
+
+
+class TextPrompt(TypedDict, total=False):
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class SamplingParams:
+    """tensorrt_llm.SamplingParams. None means the server's default (see types.proto)."""
+    max_tokens: Optional[int] = None
+    min_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    stop: Union[str, Sequence[str], None] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    return_prompt_token_ids: bool = True
+
+    def to_proto(self) -> types_pb2.SamplingParams:
+        msg = types_pb2.SamplingParams()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "stop":
+                msg.stop.extend([value] if isinstance(value, str) else list(value))
+            elif f.name == "stop_token_ids":
+                msg.stop_token_ids.extend(value)
+            else:
+                setattr(msg, f.name, value)
+        return msg
+
+
+@dataclass
+class DisaggregatedParams:
+    """tensorrt_llm.disaggregated_params.DisaggregatedParams."""
+    request_type: Optional[str] = None  # "context_only" | "generation_only" | "context_and_generation"
+    first_gen_tokens: Optional[list[int]] = None
+    ctx_request_id: Optional[int] = None
+    opaque_state: Optional[bytes] = None
+    draft_tokens: Optional[list[int]] = None
+    disagg_request_id: Optional[int] = None
+    ctx_endpoint: Optional[str] = None
+
+    _TYPES = {"context_and_generation": types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
+              "context_only": types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
+              "generation_only": types_pb2.REQUEST_TYPE_GENERATION_ONLY}
+
+    def to_proto(self) -> types_pb2.DisaggregatedParams:
+        msg = types_pb2.DisaggregatedParams()
+        if self.request_type is not None:
+            if self.request_type not in self._TYPES:
+                raise ValueError(f"request_type must be one of {sorted(self._TYPES)}, got {self.request_type!r}")
+            msg.request_type = self._TYPES[self.request_type]
+        msg.first_gen_tokens.extend(self.first_gen_tokens or [])
+        msg.draft_tokens.extend(self.draft_tokens or [])
+        if self.ctx_request_id is not None:
+            msg.ctx_request_id = self.ctx_request_id
+        if self.disagg_request_id is not None:
+            msg.disagg_request_id = self.disagg_request_id
+        msg.opaque_state = self.opaque_state or b""
+        msg.ctx_endpoint = self.ctx_endpoint or ""
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.DisaggregatedParams) -> "DisaggregatedParams":
+        names = {v: k for k, v in cls._TYPES.items()}
+        return cls(request_type=names[msg.request_type], first_gen_tokens=list(msg.first_gen_tokens),
+                   ctx_request_id=msg.ctx_request_id if msg.HasField("ctx_request_id") else None,
+                   opaque_state=msg.opaque_state or None, draft_tokens=list(msg.draft_tokens) or None,
+                   disagg_request_id=msg.disagg_request_id if msg.HasField("disagg_request_id") else None,
+                   ctx_endpoint=msg.ctx_endpoint or None)
+
+
+@dataclass
+class SchedulingParams:
+    attention_dp_rank: Optional[int] = None
+    attention_dp_relax: bool = False
+    agent_hierarchy: Optional[str] = None
+
+    def to_proto(self) -> types_pb2.SchedulingParams:
+        return types_pb2.SchedulingParams(**{k: v for k, v in vars(self).items() if v is not None})
+
+
+@dataclass
+class ConversationParams:
+    conversation_id: str = ""
+    turn: Optional[int] = None
+
+    def to_proto(self) -> types_pb2.ConversationParams:
+        return types_pb2.ConversationParams(**{k: v for k, v in vars(self).items() if v is not None})
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def to_proto(self) -> types_pb2.LoRARequest:
+        return types_pb2.LoRARequest(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=self.lora_path)
+
+
+@dataclass
+class PromptAdapterRequest:
+    prompt_adapter_name: str
+    prompt_adapter_id: int
+    prompt_adapter_local_path: str = ""
+    prompt_adapter_num_virtual_tokens: int = 0
+
+    def to_proto(self) -> types_pb2.PromptAdapterRequest:
+        return types_pb2.PromptAdapterRequest(**vars(self))
+
+
+@dataclass
+class KvCacheRetentionConfig:
+    """token_range_retention_configs: list of (token_start, token_end | None, priority, duration_seconds | None)."""
+    token_range_retention_configs: list[tuple] = field(default_factory=list)
+    decode_retention_priority: int = 35
+    decode_duration_seconds: Optional[float] = None
+
+    def to_proto(self) -> types_pb2.KvCacheRetentionConfig:
+        msg = types_pb2.KvCacheRetentionConfig(decode_retention_priority=self.decode_retention_priority)
+        if self.decode_duration_seconds is not None:
+            msg.decode_duration_seconds = self.decode_duration_seconds
+        for start, end, priority, duration in self.token_range_retention_configs:
+            r = msg.token_range_retention_configs.add(token_start=start, priority=priority)
+            if end is not None:
+                r.token_end = end
+            if duration is not None:
+                r.duration_seconds = duration
+        return msg
+
+
+@dataclass
+class PreprocessedInputs:
+    """What preprocess() returns; generate_async accepts it and skips tokenization."""
+    prompt_token_ids: list[int]
+    prompt: Optional[str] = None
+    sampling_params: Optional[types_pb2.SamplingParams] = None
+    disaggregated_params: Optional[DisaggregatedParams] = None
+
+    def to_proto(self) -> llm_pb2.PreprocessedInputs:
+        msg = llm_pb2.PreprocessedInputs(prompt_token_ids=self.prompt_token_ids)
+        if self.prompt is not None:
+            msg.prompt = self.prompt
+        if self.sampling_params is not None:
+            msg.sampling_params.CopyFrom(self.sampling_params)
+        if self.disaggregated_params is not None:
+            msg.disaggregated_params.CopyFrom(self.disaggregated_params.to_proto())
+        return msg
+
+
+PromptInputs = Union[str, list[int], TextPrompt, TokensPrompt, PreprocessedInputs]
+
+
+def prompt_to_proto(inputs: Any) -> types_pb2.Prompt:
+    """str | list[int] | {"prompt": str} | {"prompt_token_ids": [...]} | PreprocessedInputs -> Prompt."""
+    if isinstance(inputs, str):
+        return types_pb2.Prompt(text=inputs)
+    if isinstance(inputs, PreprocessedInputs):
+        return types_pb2.Prompt(preprocessed=inputs.to_proto())
+    if isinstance(inputs, dict):
+        if "prompt_token_ids" in inputs:
+            return types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=list(inputs["prompt_token_ids"])))
+        if "prompt" in inputs:
+            return types_pb2.Prompt(text=inputs["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
+        return types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=list(inputs)))
+    raise TypeError(f"unsupported prompt type {type(inputs).__name__}: give str, list[int], TextPrompt, "
+                    "TokensPrompt or PreprocessedInputs")

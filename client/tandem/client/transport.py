@@ -1,0 +1,115 @@
+"""The client's gRPC side: one background event loop thread owns the grpc.aio channel,
+so the sync API (LLM) and the async API (AsyncLLM) share one implementation and an
+AsyncLLM can be used from any event loop."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import grpc
+
+from tandem.v1 import llm_pb2_grpc
+
+_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class Transport:
+    def __init__(self, target: str, auth_token: Optional[str] = None, credentials: Optional[grpc.ChannelCredentials] = None):
+        self.target = target
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
+        self._thread.start()
+        self._credentials = credentials
+        self.stub: llm_pb2_grpc.AsyncLLMStub = self.run_sync(self._open())
+        self._closed = False
+
+    async def _open(self) -> llm_pb2_grpc.AsyncLLMStub:
+        options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+        if self._credentials is not None:
+            self.channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        return llm_pb2_grpc.AsyncLLMStub(self.channel)
+
+    def submit(self, coro: Awaitable) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run_sync(self, coro: Awaitable, timeout: Optional[float] = None) -> Any:
+        if _in_loop_thread(self._loop):
+            raise RuntimeError("a blocking tandem call was made from the client's own loop thread")
+        return self.submit(coro).result(timeout)
+
+    async def run_async(self, coro: Awaitable) -> Any:
+        return await asyncio.wrap_future(self.submit(coro))
+
+    def unary(self, method: str, request, timeout: Optional[float] = None):
+        """A coroutine (to run on the transport loop) calling a unary RPC."""
+        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+
+    def stream_to(self, method: str, request, on_item: Callable[[Any], None], on_done: Callable[[Optional[BaseException]], None]):
+        """Starts a server-streaming call on the transport loop; returns a cancel function."""
+        call_holder: dict = {}
+
+        async def pump():
+            call = getattr(self.stub, method)(request, metadata=self.metadata)
+            call_holder["call"] = call
+            try:
+                async for item in call:
+                    on_item(item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                on_done(exc)
+                return
+            on_done(None)
+
+        future = self.submit(pump())
+
+        def cancel():
+            def _cancel():
+                call = call_holder.get("call")
+                if call is not None:
+                    call.cancel()
+            self._loop.call_soon_threadsafe(_cancel)
+            future.cancel()
+        return cancel
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.run_sync(self.channel.close(), timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+async def iterate_stream(transport: Transport, method: str, request) -> AsyncIterator:
+    """Async iterator, usable on any loop, over a server-streaming call run on the transport loop."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+    cancel = transport.stream_to(
+        method, request,
+        on_item=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+        on_done=lambda exc: loop.call_soon_threadsafe(queue.put_nowait, (done, exc)))
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, tuple) and len(item) == 2 and item[0] is done:
+                if item[1] is not None and not isinstance(item[1], asyncio.CancelledError):
+                    raise item[1]
+                return
+            yield item
+    finally:
+        cancel()

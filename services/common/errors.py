@@ -1,0 +1,59 @@
+"""Exceptions that carry a gRPC status, and the mapping of every other exception onto one.
+
+Kept free of torch so the router and the client side can import it.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class RpcError(Exception):
+    """Raise inside a servicer to answer with this status and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ResourceExhaustedError(RuntimeError):
+    """A request that can never fit (RESOURCE_EXHAUSTED)."""
+
+
+class IncompatibleHandoffError(RuntimeError):
+    """A KV handoff between workers with different layouts (FAILED_PRECONDITION)."""
+
+
+def invalid(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def unavailable(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def unimplemented(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNIMPLEMENTED, message)
+
+
+_BY_TYPE: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (IncompatibleHandoffError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a servicer answers with for exc. User mistakes are never INTERNAL."""
+    if isinstance(exc, RpcError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A downstream worker's status passes through unchanged (the router relays it).
+        return exc.code(), exc.details() or ""
+    for exc_type, code in _BY_TYPE:
+        if isinstance(exc, exc_type):
+            return code, str(exc) or exc_type.__name__
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,166 @@
+"""Requests in, per-step outputs out. Single-threaded: the worker's engine thread owns it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampler import Sampler
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
+
+
+class PromptTooLongError(ValueError):
+    """The prompt exceeds the model's context length (INVALID_ARGUMENT)."""
+
+
+class PromptNeverFitsError(RuntimeError):
+    """The prompt needs more KV blocks than the whole pool has (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float] | None]
+    cumulative_logprob: float
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass
+class EngineCounters:
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    last_step_seconds: float = 0.0
+    last_batch: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed)
+        self.counters = EngineCounters()
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def check_prompt(self, num_prompt_tokens: int, vocab_ids: list[int] | None = None) -> None:
+        """Raises the error a prompt of that length would meet; the worker calls it before queueing."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; the model's context is {self.max_model_len} "
+                f"tokens and at least one must be left to generate")
+        if self.block_manager.num_blocks_for(num_prompt_tokens + 1) > self.block_manager.num_blocks:
+            raise PromptNeverFitsError(
+                f"the prompt needs {self.block_manager.num_blocks_for(num_prompt_tokens + 1)} KV blocks; "
+                f"the pool has {self.block_manager.num_blocks}")
+        if vocab_ids:
+            bad = [t for t in vocab_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
+                    phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
+                    cache_salt: str | None = None) -> Sequence:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_prompt(len(prompt_token_ids), prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt)
+        self._seqs[request_id] = seq
+        self._generators[request_id] = Sampler.make_generator(options.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._generators.pop(request_id, None)
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = FinishReason.CANCELLED
+        return True
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        started = time.perf_counter()
+        logits, sample_indices = self.runner.execute(batch)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
+            self.counters.num_prompt_tokens_computed += prompt_part
+            seq.num_computed_tokens += num_new
+        sampled = [batch.seqs[i] for i in sample_indices]
+        outputs: list[StepOutput] = []
+        if sampled:
+            result = self.sampler.sample(
+                logits,
+                [s.options for s in sampled],
+                [self._generators[s.request_id] for s in sampled],
+                [s.all_token_ids for s in sampled],
+                [s.output_token_ids for s in sampled],
+                [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in sampled],
+            )
+            for k, seq in enumerate(sampled):
+                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+        self.counters.num_steps += 1
+        self.counters.last_step_seconds = time.perf_counter() - started
+        self.counters.last_batch = {
+            "numScheduledRequests": len(batch.seqs),
+            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens == 0),
+            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens > 0),
+            "numCtxTokens": batch.num_tokens - len(sampled),
+        }
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.output_token_ids.append(token_id)
+        seq.output_logprobs.append(top)
+        seq.cumulative_logprob += logprob
+        self.counters.num_generated_tokens += 1
+        opts = seq.options
+        if seq.num_output_tokens >= opts.min_tokens and token_id in opts.end_ids():
+            seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token_id
+        elif seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        elif seq.phase is Phase.CONTEXT_ONLY:
+            # The context phase ends with its first token; the decode worker carries on.
+            seq.finish_reason = FinishReason.LENGTH
+        finished = seq.finish_reason is not None
+        if finished:
+            self._finish(seq)
+        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
+                          seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens)
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)

@@ -1,0 +1,65 @@
+"""The device side: model weights, the KV pool, and turning a scheduled batch into logits."""
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.kv_cache[0].numel() * self.kv_cache.element_size()
+
+    def _num_blocks_for_memory(self, gigabytes: float) -> int:
+        mc = self.model_config
+        per_block = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        num_blocks = int(gigabytes * (1 << 30)) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Runs one step. Returns logits of the sequences that computed their last
+        token this step (they sample) and those sequences' indices in the batch."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_indices: list[int] = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            tokens = seq.all_token_ids
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sample_indices.append(i)
+        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
+                                       block_tables=[seq.block_table for seq in batch.seqs],
+                                       block_size=self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, meta, self.kv_cache)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+        return logits.float().cpu(), sample_indices

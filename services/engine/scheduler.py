@@ -1,0 +1,109 @@
+"""Continuous batching: which sequences run this step and how many tokens each.
+
+One token budget per step covers prefill chunks and decode tokens alike
+(chunked prefill). Running sequences go first, by priority; waiting ones are
+admitted while budget, sequence slots and blocks last. When blocks run out a
+running sequence of the lowest priority is preempted by recompute: its blocks
+are freed and it goes back to waiting with its tokens so far as the new prompt.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+def _order(seq: Sequence) -> tuple[float, int]:
+    return (-seq.priority, seq.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_seq = next(self._arrivals)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        self.running.sort(key=_order)
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for a higher-priority one
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, num_new):
+                continue
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        self.waiting.sort(key=_order)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, num_new)):
+                break
+            self.block_manager.grow(seq, num_new)
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _reserve(self, seq: Sequence, num_new: int) -> bool:
+        """Make sure seq has blocks for num_new more tokens, preempting lower-priority sequences."""
+        while not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, num_new)):
+            victim = max(self.running, key=_order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq, num_new)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.num_preemptions += 1

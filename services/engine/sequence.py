@@ -1,0 +1,80 @@
+"""The state unit of the engine: one sequence being generated."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.engine.sampling_options import SamplingOptions
+
+
+class Phase(enum.Enum):
+    """Which part of the request lifecycle this engine runs (DisaggregatedParams.request_type)."""
+    CONTEXT_AND_GENERATION = 0
+    CONTEXT_ONLY = 1
+    GENERATION_ONLY = 2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    phase: Phase = Phase.CONTEXT_AND_GENERATION
+    priority: float = 0.5
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (computed here or imported from a prefill worker).
+    num_computed_tokens: int = 0
+    # Prompt tokens served without computing them (prefix cache or KV import).
+    num_cached_prompt_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    arrival_seq: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while prompt tokens remain to be computed (the next step does not sample unless it ends the prompt)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

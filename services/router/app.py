@@ -1,0 +1,41 @@
+"""Runs the router process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tandem.common.server import GrpcServer
+from tandem.router.config import RouterConfig
+from tandem.router.servicer import RouterServicer
+from tandem.router.workers import WorkerPool
+from tandem.v1 import llm_pb2, llm_pb2_grpc
+
+log = logging.getLogger("tandem.router")
+
+
+async def _track_readiness(server: GrpcServer, pool: WorkerPool) -> None:
+    """The router is SERVING while it can route: at least one worker that can prefill and one that can decode."""
+    serving = None
+    while True:
+        ready = pool.ready_workers
+        now = any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
+        if now != serving:
+            await server.set_serving(now)
+            serving = now
+        await asyncio.sleep(pool.health_interval_s / 2)
+
+
+async def serve_router(config: RouterConfig) -> None:
+    server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name])
+    pool = WorkerPool(config.workers, config.health_interval_s)
+    llm_pb2_grpc.add_AsyncLLMServicer_to_server(RouterServicer(pool, server.address, server.request_stop), server.server)
+    await server.start()
+    server.install_signal_handlers()
+    pool.start()
+    tracker = asyncio.create_task(_track_readiness(server, pool))
+    log.info("router on %s, workers %s", server.address, ", ".join(config.workers))
+    try:
+        await server.wait_for_stop()
+    finally:
+        tracker.cancel()
+        await pool.close()

@@ -1,0 +1,26 @@
+"""The router's configuration."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Worker addresses (host:port); each worker reports its own role.
+    workers: tuple[str, ...] = ()
+    # Seconds between health polls of the workers.
+    health_interval_s: float = 1.0
+
+    def __post_init__(self):
+        if not self.workers:
+            raise ValueError("the router needs at least one worker address (--workers host:port,...)")
+        for address in self.workers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"worker address {address!r} is not host:port")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"worker addresses repeat: {list(self.workers)}")
+        if self.health_interval_s <= 0:
+            raise ValueError("health_interval_s must be > 0")

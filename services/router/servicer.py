@@ -1,0 +1,183 @@
+"""tandem.v1.AsyncLLM on the router: routes generation, fans admin calls out to workers."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+from google.protobuf import struct_pb2
+
+from tandem.common.errors import RpcError, unavailable
+from tandem.router.workers import WorkerHandle, WorkerPool
+from tandem.v1 import llm_pb2, llm_pb2_grpc
+
+
+class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
+    def __init__(self, pool: WorkerPool, address: str, request_stop):
+        self.pool = pool
+        self.address = address
+        self.request_stop = request_stop
+        self.llm_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        # request id -> worker currently serving it (for Abort).
+        self.routes: dict[str, WorkerHandle] = {}
+
+    async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        elif request.request_id in self.routes:
+            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
+        worker = self.pool.pick("both")
+        self.routes[request.request_id] = worker
+        worker.in_flight += 1
+        call = worker.llm.Generate(request)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+            worker.in_flight -= 1
+            self.routes.pop(request.request_id, None)
+
+    async def Abort(self, request, context):
+        worker = self.routes.get(request.request_id)
+        if worker is None:
+            return llm_pb2.AbortResponse(aborted=False)
+        return await worker.llm.Abort(request)
+
+    async def _any(self, method: str, request):
+        worker = self.pool.pick("both") if any(w.role == "both" for w in self.pool.ready_workers) else self.pool.pick("prefill")
+        return await getattr(worker.llm, method)(request)
+
+    async def Preprocess(self, request, context):
+        return await self._any("Preprocess", request)
+
+    async def Detokenize(self, request, context):
+        return await self._any("Detokenize", request)
+
+    async def GetTokenizer(self, request, context):
+        return await self._any("GetTokenizer", request)
+
+    async def Encode(self, request, context):
+        return await self._any("Encode", request)
+
+    async def GetDataTransceiverState(self, request, context):
+        worker = self.pool.by_address(request.worker_id) if request.worker_id else self.pool.pick("prefill")
+        return await worker.llm.GetDataTransceiverState(request)
+
+    async def GetKvCacheCapacity(self, request, context):
+        if request.worker_id:
+            return await self.pool.by_address(request.worker_id).llm.GetKvCacheCapacity(request)
+        workers = [w for w in self.pool.ready_workers if w.can_decode]
+        if not workers:
+            raise unavailable("no ready decode-capable worker")
+        caps = await asyncio.gather(*(w.llm.GetKvCacheCapacity(request) for w in workers))
+        return llm_pb2.KvCacheCapacity(
+            max_num_blocks=sum(c.max_num_blocks for c in caps), tokens_per_block=caps[0].tokens_per_block,
+            max_num_tokens=sum(c.max_num_tokens for c in caps), num_free_blocks=sum(c.num_free_blocks for c in caps))
+
+    async def _fan_out(self, method: str, request, workers: list[WorkerHandle] | None = None) -> list:
+        workers = self.pool.ready_workers if workers is None else workers
+        if not workers:
+            raise unavailable("no ready worker")
+        return await asyncio.gather(*(getattr(w.llm, method)(request) for w in workers))
+
+    async def _admin(self, method: str, request) -> llm_pb2.AdminResponse:
+        replies = await self._fan_out(method, request)
+        return llm_pb2.AdminResponse(detail=[d for r in replies for d in r.detail])
+
+    async def PauseGeneration(self, request, context):
+        return await self._admin("PauseGeneration", request)
+
+    async def ResumeGeneration(self, request, context):
+        return await self._admin("ResumeGeneration", request)
+
+    async def Release(self, request, context):
+        return await self._admin("Release", request)
+
+    async def Resume(self, request, context):
+        return await self._admin("Resume", request)
+
+    async def UpdateWeights(self, request, context):
+        return await self._admin("UpdateWeights", request)
+
+    async def CollectiveRpc(self, request, context):
+        replies = await self._fan_out("CollectiveRpc", request)
+        return llm_pb2.CollectiveRpcResponse(results=[v for r in replies for v in r.results])
+
+    async def GetStats(self, request, context):
+        replies = await self._fan_out("GetStats", request)
+        return llm_pb2.JsonList(items=[i for r in replies for i in r.items])
+
+    async def GetKvCacheEvents(self, request, context):
+        replies = await self._fan_out("GetKvCacheEvents", request)
+        return llm_pb2.JsonList(items=[i for r in replies for i in r.items])
+
+    async def StreamStats(self, request, context):
+        async for item in self._merge_streams("StreamStats", request):
+            yield item
+
+    async def StreamKvCacheEvents(self, request, context):
+        async for item in self._merge_streams("StreamKvCacheEvents", request):
+            yield item
+
+    async def _merge_streams(self, method: str, request):
+        queue: asyncio.Queue = asyncio.Queue()
+        calls = [getattr(w.llm, method)(request) for w in self.pool.ready_workers]
+
+        async def pump(call):
+            try:
+                async for item in call:
+                    await queue.put(item)
+            except grpc.aio.AioRpcError as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(c)) for c in calls]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, grpc.aio.AioRpcError):
+                    raise item
+                yield item
+        finally:
+            for c in calls:
+                c.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def Setup(self, request, context):
+        timeout = request.timeout if request.HasField("timeout") else 60.0
+        if not await self.pool.wait_ready(timeout):
+            raise unavailable(f"workers not ready after {timeout} s: "
+                              + ", ".join(w.address for w in self.pool.workers if not w.ready))
+        return await self.GetServerInfo(llm_pb2.GetServerInfoRequest(), context)
+
+    async def Shutdown(self, request, context):
+        try:
+            reply = await self._admin("Shutdown", request)
+        except RpcError:
+            reply = llm_pb2.AdminResponse()
+        self.request_stop()
+        return llm_pb2.AdminResponse(detail=list(reply.detail) + [f"router {self.address}: stopping"])
+
+    async def GetServerInfo(self, request, context):
+        info = llm_pb2.ServerInfo(llm_id=self.llm_id, role="router")
+        for w in self.pool.workers:
+            info.workers.add(worker_id=w.address, role=w.role, ready=w.ready)
+        ready = self.pool.ready_workers
+        if ready:
+            worker_info = await ready[0].llm.GetServerInfo(request)
+            info.model = worker_info.model
+            info.max_model_len = worker_info.max_model_len
+            info.encode_only = worker_info.encode_only
+            info.collective_rpc_methods.extend(worker_info.collective_rpc_methods)
+            info.startup_metrics.update({f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()})
+        roles = sorted({w.role for w in self.pool.workers if w.role})
+        info.disaggregated_params.update({
+            "mode": "disaggregated" if "prefill" in roles and "decode" in roles else "aggregated",
+            "prefill_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_prefill]),
+            "decode_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_decode]),
+        })
+        info.startup_metrics.update({"router_uptime_s": time.time() - self.started_at})
+        return info

@@ -1,0 +1,123 @@
+"""The router's view of its workers: channels, roles, readiness, and the pick policy."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.common.errors import unavailable
+from tandem.common.server import CHANNEL_OPTIONS
+from tandem.v1 import llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("tandem.router.workers")
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel
+    llm: llm_pb2_grpc.AsyncLLMStub
+    internal: worker_pb2_grpc.WorkerStub
+    health: health_pb2_grpc.HealthStub
+    role: str = ""
+    ready: bool = False
+    in_flight: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+class WorkerPool:
+    def __init__(self, addresses: tuple[str, ...], health_interval_s: float):
+        self.health_interval_s = health_interval_s
+        self.workers: list[WorkerHandle] = []
+        for address in addresses:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.workers.append(WorkerHandle(address, channel, llm_pb2_grpc.AsyncLLMStub(channel),
+                                             worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)))
+        self._rr = itertools.count()
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for w in self.workers:
+            await w.channel.close()
+
+    @property
+    def ready_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.ready]
+
+    @property
+    def all_ready(self) -> bool:
+        return all(w.ready for w in self.workers)
+
+    def by_address(self, address: str) -> WorkerHandle:
+        for w in self.workers:
+            if w.address == address:
+                return w
+        raise ValueError(f"unknown worker {address!r}; workers are {[w.address for w in self.workers]}")
+
+    def pick(self, need: str) -> WorkerHandle:
+        """The ready worker that can do `need` ("prefill", "decode", "both") with the fewest requests in flight;
+        round-robin among equals."""
+        if need == "both":
+            candidates = [w for w in self.ready_workers if w.role == "both"]
+        elif need == "prefill":
+            candidates = [w for w in self.ready_workers if w.can_prefill]
+        else:
+            candidates = [w for w in self.ready_workers if w.can_decode]
+        if not candidates:
+            raise unavailable(f"no ready worker can serve {need} requests (workers: "
+                              + ", ".join(f"{w.address}={w.role or '?'}{'' if w.ready else ' not ready'}" for w in self.workers) + ")")
+        start = next(self._rr) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda w: w.in_flight)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(w) for w in self.workers))
+            self.changed.set()
+            self.changed = asyncio.Event()
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            ready = resp.status == health_pb2.HealthCheckResponse.SERVING
+            if ready and not w.role:
+                state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
+                w.role = state.role
+        except grpc.aio.AioRpcError:
+            ready = False
+        if ready != w.ready:
+            log.info("worker %s (%s) is %s", w.address, w.role or "?", "ready" if ready else "not ready")
+        w.ready = ready
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Waits until every worker is ready; False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.all_ready:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True

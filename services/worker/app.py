@@ -1,0 +1,33 @@
+"""Runs one worker process (prefill, decode or both)."""
+from __future__ import annotations
+
+import logging
+
+from tandem.common.server import GrpcServer
+from tandem.worker.config import WorkerConfig
+from tandem.worker.runtime import WorkerRuntime
+from tandem.worker.servicer import WorkerInternalServicer, WorkerLLMServicer
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("tandem.worker")
+
+SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
+                 worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
+
+
+async def serve_worker(config: WorkerConfig) -> None:
+    server = GrpcServer(config.host, config.port, SERVICE_NAMES)
+    runtime = WorkerRuntime(config, server)
+    llm_servicer = WorkerLLMServicer(runtime)
+    llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime), server.server)
+    await server.start()
+    server.install_signal_handlers()
+    try:
+        await runtime.load()
+        await server.set_serving(True)
+        log.info("%s worker ready on %s (model %s)", config.role, server.address, config.engine.model_dir)
+        await server.wait_for_stop()
+    finally:
+        await llm_servicer.abort_all()
+        runtime.close()

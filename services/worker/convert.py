@@ -1,0 +1,71 @@
+"""Proto messages <-> the engine's types. Validation errors are ValueErrors (INVALID_ARGUMENT)."""
+from __future__ import annotations
+
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sequence import FinishReason, Phase
+from tandem.v1 import types_pb2
+
+PHASES = {
+    types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION: Phase.CONTEXT_AND_GENERATION,
+    types_pb2.REQUEST_TYPE_CONTEXT_ONLY: Phase.CONTEXT_ONLY,
+    types_pb2.REQUEST_TYPE_GENERATION_ONLY: Phase.GENERATION_ONLY,
+}
+
+FINISH_REASONS = {
+    None: types_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def _opt(msg, name: str, default):
+    return getattr(msg, name) if msg.HasField(name) else default
+
+
+def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingOptions:
+    """SamplingParams -> SamplingOptions with the engine's defaults (greedy unless a temperature is given)."""
+    end_id = _opt(params, "end_id", None)
+    best_of = _opt(params, "best_of", None)
+    n = _opt(params, "n", 1)
+    if best_of is not None and best_of != n:
+        raise NotImplementedError("best_of different from n is not supported yet; leave best_of unset")
+    return SamplingOptions(
+        max_tokens=_opt(params, "max_tokens", 32),
+        min_tokens=_opt(params, "min_tokens", 0),
+        temperature=_opt(params, "temperature", 0.0),
+        top_k=_opt(params, "top_k", 0),
+        top_p=_opt(params, "top_p", 1.0),
+        min_p=_opt(params, "min_p", 0.0),
+        seed=_opt(params, "seed", None),
+        n=n,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        ignore_eos=params.ignore_eos,
+        repetition_penalty=_opt(params, "repetition_penalty", 1.0),
+        presence_penalty=_opt(params, "presence_penalty", 0.0),
+        frequency_penalty=_opt(params, "frequency_penalty", 0.0),
+        logprobs=_opt(params, "logprobs", None),
+        prompt_logprobs=_opt(params, "prompt_logprobs", None),
+        detokenize=_opt(params, "detokenize", True),
+        skip_special_tokens=_opt(params, "skip_special_tokens", True),
+        spaces_between_special_tokens=_opt(params, "spaces_between_special_tokens", True),
+        eos_token_ids=(end_id,) if end_id is not None else eos_token_ids,
+    )
+
+
+def check_unsupported(request) -> None:
+    """Fields whose feature this build does not have fail loudly instead of being ignored."""
+    if request.HasField("lora_request") and request.lora_request.lora_name:
+        raise NotImplementedError("LoRA adapters are not supported yet (lora_request)")
+    if request.HasField("prompt_adapter_request") and request.prompt_adapter_request.prompt_adapter_name:
+        raise NotImplementedError("prompt adapters are not supported yet (prompt_adapter_request)")
+    if request.sampling_params.HasField("prompt_logprobs"):
+        raise NotImplementedError("prompt_logprobs is not supported yet")
+    if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:
+        raise ValueError(f"priority must be in [0, 1], got {request.priority}")
+
+
+def logprobs_proto(entry: dict[int, float] | None) -> types_pb2.TokenLogprobs:
+    return types_pb2.TokenLogprobs(logprobs=entry or {})

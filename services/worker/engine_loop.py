@@ -1,0 +1,164 @@
+"""The engine thread and its bridge to the asyncio loop.
+
+The gRPC loop never runs model code: it puts commands on a queue; one thread
+owns the LLMEngine, drains the queue, runs steps and hands each step's outputs
+back to the loop with call_soon_threadsafe. A slow client never stalls a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tandem.engine.llm_engine import LLMEngine, StepOutput
+
+log = logging.getLogger("tandem.engine_loop")
+
+
+@dataclass
+class EngineFailure:
+    """Delivered to a request's stream when the engine could not run it."""
+    error: BaseException
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000):
+        self.engine = engine
+        self.loop = loop
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self.iteration_stats: deque[dict] = deque(maxlen=stats_history)
+        self.stats_event = asyncio.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def add_request(self, request_id: str, stream: asyncio.Queue, **kwargs) -> None:
+        """Queues a request; its StepOutputs (or an EngineFailure) arrive on stream."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running on this worker")
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, kwargs))
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request; no further output reaches its stream. Returns whether it was known."""
+        known = self._streams.pop(request_id, None) is not None
+        self._commands.put(("abort", request_id, None))
+        return known
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Runs fn(engine) on the engine thread between steps and returns its result."""
+        future = self.loop.create_future()
+        self._commands.put(("call", fn, future))
+        return await future
+
+    def _run(self) -> None:
+        while not self._stopping:
+            idle = self.engine.num_unfinished == 0
+            try:
+                command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = None
+            while command is not None:
+                self._handle(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._stopping:
+                break
+            if self.engine.num_unfinished:
+                self._step()
+
+    def _handle(self, command) -> None:
+        kind, key, payload = command
+        if kind == "add":
+            try:
+                self.engine.add_request(key, **payload)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller's stream
+                self._deliver(key, EngineFailure(exc))
+        elif kind == "abort":
+            self.engine.abort_request(key)
+        elif kind == "call":
+            fn, future = key, payload
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001
+                self.loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                self.loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
+            log.exception("engine step failed")
+            for request_id in list(self._streams):
+                self.engine.abort_request(request_id)
+                self._deliver(request_id, EngineFailure(exc))
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        self._record_stats()
+
+    def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
+        self.loop.call_soon_threadsafe(self._put, request_id, item)
+
+    def _put(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return  # aborted meanwhile
+        if isinstance(item, EngineFailure) or item.finished:
+            self._streams.pop(request_id, None)
+        stream.put_nowait(item)
+
+    def _record_stats(self) -> None:
+        engine = self.engine
+        bm = engine.block_manager
+        stats = {
+            "iter": engine.counters.num_steps,
+            "timestamp": time.time(),
+            "iterLatencyMS": engine.counters.last_step_seconds * 1e3,
+            "numActiveRequests": engine.num_unfinished,
+            "numQueuedRequests": len(engine.scheduler.waiting),
+            "maxNumActiveRequests": engine.config.max_num_seqs,
+            "kvCacheStats": {
+                "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
+                "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
+            },
+            "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0),
+        }
+        self.loop.call_soon_threadsafe(self._push_stats, stats)
+
+    def _push_stats(self, stats: dict) -> None:
+        self.iteration_stats.append(stats)
+        self.stats_event.set()
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,178 @@
+"""The AsyncLLM and Worker services of one worker process."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from google.protobuf import json_format, struct_pb2
+
+from tandem.common.errors import unavailable, unimplemented
+from tandem.worker.convert import PHASES, check_unsupported, sampling_options
+from tandem.worker.generate import GenerateCall
+from tandem.worker.runtime import WorkerRuntime
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+
+
+def _struct(d: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    json_format.ParseDict(d, s)
+    return s
+
+
+class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.rt = runtime
+        self.calls: dict[str, GenerateCall] = {}
+
+    def _prompt(self, prompt: types_pb2.Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
+        kind = prompt.WhichOneof("kind")
+        if kind == "text":
+            if not prompt.text:
+                raise ValueError("the prompt is empty: give text or token ids")
+            return self.rt.tokenizer.encode(prompt.text, add_special_tokens), prompt.text
+        if kind == "token_ids":
+            return list(prompt.token_ids.ids), None
+        if kind == "preprocessed":
+            p = prompt.preprocessed
+            return list(p.prompt_token_ids), (p.prompt if p.HasField("prompt") else None)
+        raise ValueError("the prompt is empty: set prompt.text, prompt.token_ids or prompt.preprocessed")
+
+    async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        if self.rt.paused:
+            raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
+        check_unsupported(request)
+        params = request.sampling_params
+        options = sampling_options(params, self.rt.eos_token_ids)
+        add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
+        prompt_ids, prompt_text = self._prompt(request.prompt, add_special)
+        if params.HasField("truncate_prompt_tokens"):
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
+        self.rt.engine.check_prompt(len(prompt_ids), prompt_ids)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.calls:
+            raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
+        call = GenerateCall(self.rt.engine_loop, self.rt.tokenizer, request_id, prompt_ids, prompt_text, options,
+                            PHASES[request.disaggregated_params.request_type],
+                            request.priority if request.HasField("priority") else 0.5,
+                            request.cache_salt if request.HasField("cache_salt") else None,
+                            request.streaming)
+        self.calls[request_id] = call
+        try:
+            async for msg in call.outputs():
+                yield msg
+        finally:
+            self.calls.pop(request_id, None)
+
+    async def Abort(self, request, context):
+        call = self.calls.get(request.request_id)
+        if call is None:
+            return llm_pb2.AbortResponse(aborted=False)
+        call.cancel()
+        return llm_pb2.AbortResponse(aborted=True)
+
+    async def abort_all(self) -> int:
+        calls = list(self.calls.values())
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    async def Preprocess(self, request, context):
+        params = request.sampling_params
+        add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
+        ids, text = self._prompt(request.prompt, add_special)
+        self.rt.engine.check_prompt(len(ids), ids)
+        out = llm_pb2.PreprocessedInputs(prompt_token_ids=ids, disaggregated_params=request.disaggregated_params)
+        if text is not None:
+            out.prompt = text
+        if request.HasField("sampling_params"):
+            options = sampling_options(params, self.rt.eos_token_ids)
+            out.sampling_params.CopyFrom(params)
+            if not params.HasField("end_id") and options.eos_token_ids:
+                out.sampling_params.end_id = options.eos_token_ids[0]
+        return out
+
+    async def Detokenize(self, request, context):
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        vocab = self.rt.tokenizer.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        return llm_pb2.DetokenizeResponse(text=self.rt.tokenizer.decode(list(request.token_ids), skip))
+
+    async def GetKvCacheCapacity(self, request, context):
+        return self.rt.kv_capacity()
+
+    async def GetServerInfo(self, request, context):
+        return self.rt.server_info()
+
+    async def GetTokenizer(self, request, context):
+        return llm_pb2.TokenizerFiles(files=self.rt.tokenizer.files(), eos_token_ids=self.rt.eos_token_ids,
+                                      **({"bos_token_id": self.rt.bos_token_id} if self.rt.bos_token_id is not None else {}))
+
+    async def Setup(self, request, context):
+        timeout = request.timeout if request.HasField("timeout") else 60.0
+        try:
+            await asyncio.wait_for(self.rt.ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise unavailable(f"worker not ready after {timeout} s") from None
+        return self.rt.server_info()
+
+    async def Shutdown(self, request, context):
+        self.rt.request_stop()
+        return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: stopping"])
+
+    async def GetStats(self, request, context):
+        timeout = request.timeout if request.HasField("timeout") else 2.0
+        items = await self.rt.drain_stats(timeout)
+        return llm_pb2.JsonList(items=[_struct(s) for s in items])
+
+    async def StreamStats(self, request, context):
+        while True:
+            for s in await self.rt.drain_stats(None):
+                yield llm_pb2.JsonItem(item=_struct(s))
+
+    async def PauseGeneration(self, request, context):
+        self.rt.paused = True
+        num_aborted = await self.abort_all()
+        await self.rt.drain()
+        return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"])
+
+    async def ResumeGeneration(self, request, context):
+        self.rt.paused = False
+        return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: resumed"])
+
+    async def GetDataTransceiverState(self, request, context):
+        return llm_pb2.GetDataTransceiverStateResponse(state=self.rt.transceiver_state(), worker_id=self.rt.worker_id)
+
+    async def GetKvCacheEvents(self, request, context):
+        raise unimplemented("KV cache events need prefix caching (block reuse), which this build does not have yet")
+
+    async def StreamKvCacheEvents(self, request, context):
+        raise unimplemented("KV cache events need prefix caching (block reuse), which this build does not have yet")
+        yield  # pragma: no cover - makes this an async generator like the other stream RPCs
+
+    async def Encode(self, request, context):
+        raise unimplemented("encode needs an encoder-only model; this build serves decoder-only models only")
+
+    async def CollectiveRpc(self, request, context):
+        raise unimplemented("collective_rpc is not available yet")
+
+    async def Release(self, request, context):
+        raise unimplemented("release(tags) is not available yet")
+
+    async def Resume(self, request, context):
+        raise unimplemented("resume(tags) is not available yet")
+
+    async def UpdateWeights(self, request, context):
+        raise unimplemented("update_weights is not available yet")
+
+
+class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.rt = runtime
+
+    async def GetWorkerState(self, request, context):
+        return await self.rt.worker_state()
+
+    async def ReleaseKv(self, request, context):
+        return worker_pb2.ReleaseKvResponse(released=False)

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny checkpoints, the transformers oracle, local clusters."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+# Model files for every test session live in one throwaway TANDEM_HOME; child
+# processes inherit it, so the default model is written once per session.
+_HOME = Path(os.environ.setdefault("TANDEM_HOME", str(Path(__file__).resolve().parent.parent / ".tandem" / "test-home")))
+
+
+@pytest.fixture(scope="session")
+def model_dirs() -> dict[str, Path]:
+    from tandem.engine.checkpoints import default_model_dir, write_tiny_checkpoint
+    dirs = {"llama": default_model_dir()}
+    for model_type in ("qwen2", "qwen3"):
+        target = _HOME / "models" / f"tiny-{model_type}-test"
+        if not (target / "config.json").is_file():
+            write_tiny_checkpoint(target, model_type, seed=1)
+        dirs[model_type] = target
+    return dirs
+
+
+class Oracle:
+    """transformers' implementation of a checkpoint: the reference for greedy tokens."""
+
+    def __init__(self, model_dir: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos = self.model.generation_config.eos_token_id
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation, cut after the first EOS (which it includes), like tandem's output."""
+        with self.torch.no_grad():
+            out = self.model.generate(self.torch.tensor([prompt_ids]), attention_mask=self.torch.ones(1, len(prompt_ids), dtype=self.torch.long),
+                                      do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.eos)
+        new = out[0, len(prompt_ids):].tolist()
+        eos = {self.eos} if isinstance(self.eos, int) else set(self.eos)
+        for i, t in enumerate(new):
+            if t in eos:
+                return new[: i + 1]
+        return new
+
+
+_ORACLES: dict[Path, Oracle] = {}
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    def get(model_dir: Path) -> Oracle:
+        if model_dir not in _ORACLES:
+            _ORACLES[model_dir] = Oracle(model_dir)
+        return _ORACLES[model_dir]
+    return get
+
+
+def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
+    """Polls every worker until its free blocks equal its total; returns the last capacity per worker."""
+    deadline = time.monotonic() + timeout
+    info = llm._server_info()
+    while True:
+        caps = {w.worker_id: llm.get_kv_cache_capacity(w.worker_id) for w in info.workers}
+        if all(c["numFreeBlocks"] == c["maxNumBlocks"] for c in caps.values()) or time.monotonic() > deadline:
+            return caps
+        time.sleep(0.05)
+
+
+def assert_all_blocks_free(llm) -> None:
+    caps = wait_all_blocks_free(llm)
+    leaked = {w: c for w, c in caps.items() if c["numFreeBlocks"] != c["maxNumBlocks"]}
+    assert not leaked, f"KV blocks not returned: {leaked}"
