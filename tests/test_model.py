@@ -214,3 +214,40 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     save_file(tensors, model_dir / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.0\.extra\.weight"):
         load_model(model_dir)
+
+
+def test_shape_mismatch_is_a_value_error(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path, "qwen2")
+    raw = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**raw, "intermediate_size": 128}))
+    with pytest.raises(ValueError, match="gate_proj"):
+        load_model(model_dir)
+
+
+def test_default_model_dir_survives_concurrent_first_use(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    with ThreadPoolExecutor(4) as pool:
+        dirs = list(pool.map(lambda _: default_model_dir(), range(4)))
+    assert len(set(dirs)) == 1
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v1"]
+    load_model(dirs[0])
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_tiny_checkpoint(tmp_path, "llama", seed=5)
+    single, config = load_model(model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file_name, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, model_dir / file_name, metadata={"format": "pt"})
+    (model_dir / "model.safetensors").unlink()
+    weight_map = {n: f for f, shard_names in shards.items() for n in shard_names}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded, _ = load_model(model_dir)
+    for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -78,9 +78,15 @@ def load_model(
             f"checkpoint {model_dir} does not match {config.model_type}: "
             f"missing tensors {missing}, unexpected tensors {unexpected}")
 
+    shapes = dict((name, param.shape) for name, param in model.named_parameters())
     state = {}
     for name, parts in expected.items():
-        state[name] = torch.cat([tensors.pop(p) for p in parts]).to(device=device, dtype=dtype)
+        tensor = torch.cat([tensors.pop(p) for p in parts])
+        if tensor.shape != shapes[name]:
+            raise ValueError(
+                f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}, "
+                f"config.json implies {tuple(shapes[name])}")
+        state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers are still on the meta device; rebuild them for real.
     model.rotary = type(model.rotary)(config).to(device)
