@@ -1,0 +1,106 @@
+"""Builds a CausalLM from an HF checkpoint directory (*.safetensors) and sizes its KV cache."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.engine.model import CausalLM
+from tandem.engine.model_config import ModelConfig
+
+# Fused engine parameter <- the HF tensors concatenated along dim 0, in this order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Present in some older checkpoints, recomputed here from the config.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def _hf_name(engine_name: str) -> str:
+    return engine_name if engine_name.startswith("lm_head.") else "model." + engine_name
+
+
+def _expected_hf_names(model: CausalLM) -> dict[str, tuple[str, ...]]:
+    """engine parameter name -> the HF tensor names it is made of."""
+    expected: dict[str, tuple[str, ...]] = {}
+    for name, _ in model.named_parameters():
+        module, leaf = name.rsplit(".", 1)
+        parts = None
+        for fused, sources in _FUSED.items():
+            if module.endswith(fused):
+                prefix = module[: -len(fused)]
+                parts = tuple(_hf_name(f"{prefix}{src}.{leaf}") for src in sources)
+        expected[name] = parts or (_hf_name(name),)
+    return expected
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+) -> tuple[CausalLM, ModelConfig]:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    dtype = dtype or config.torch_dtype
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = _expected_hf_names(model)
+    tensors = _read_tensors(_checkpoint_files(model_dir))
+
+    wanted = {hf for parts in expected.values() for hf in parts}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(wanted - tensors.keys())
+    unexpected = sorted(
+        k for k in tensors.keys() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match {config.model_type}: "
+            f"missing tensors {missing}, unexpected tensors {unexpected}")
+
+    shapes = dict((name, param.shape) for name, param in model.named_parameters())
+    state = {}
+    for name, parts in expected.items():
+        tensor = torch.cat([tensors.pop(p) for p in parts])
+        if tensor.shape != shapes[name]:
+            raise ValueError(
+                f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}, "
+                f"config.json implies {tuple(shapes[name])}")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    # Non-persistent buffers are still on the meta device; rebuild them for real.
+    model.rotary = type(model.rotary)(config).to(device)
+    return model.eval(), config
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int,
+    dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zeroed.
+
+    Zeroed rather than empty: padded block-table entries point at block 0 and are
+    masked, and masked garbage that happens to be NaN would still poison the sum.
+    """
+    shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype or config.torch_dtype, device=device)
