@@ -46,9 +46,9 @@ class Transport:
     async def run_async(self, coro: Awaitable) -> Any:
         return await asyncio.wrap_future(self.submit(coro))
 
-    def unary(self, method: str, request, timeout: Optional[float] = None):
-        """A coroutine (to run on the transport loop) calling a unary RPC."""
-        return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+    async def unary(self, method: str, request, timeout: Optional[float] = None):
+        """Calls a unary RPC; a coroutine to run on the transport loop (the call must be made there)."""
+        return await getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
 
     def stream_to(self, method: str, request, on_item: Callable[[Any], None], on_done: Callable[[Optional[BaseException]], None]):
         """Starts a server-streaming call on the transport loop; returns a cancel function."""
