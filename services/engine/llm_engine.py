@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.common.errors import ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
@@ -19,7 +20,7 @@ class PromptTooLongError(ValueError):
     """The prompt exceeds the model's context length (INVALID_ARGUMENT)."""
 
 
-class PromptNeverFitsError(RuntimeError):
+class PromptNeverFitsError(ResourceExhaustedError):
     """The prompt needs more KV blocks than the whole pool has (RESOURCE_EXHAUSTED)."""
 
 

@@ -81,7 +81,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
         ids, text = self._prompt(request.prompt, add_special)
         self.rt.engine.check_prompt(len(ids), ids)
-        out = llm_pb2.PreprocessedInputs(prompt_token_ids=ids, disaggregated_params=request.disaggregated_params)
+        out = types_pb2.PreprocessedInputs(prompt_token_ids=ids, disaggregated_params=request.disaggregated_params)
         if text is not None:
             out.prompt = text
         if request.HasField("sampling_params"):

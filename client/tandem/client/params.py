@@ -169,8 +169,8 @@ class PreprocessedInputs:
     sampling_params: Optional[types_pb2.SamplingParams] = None
     disaggregated_params: Optional[DisaggregatedParams] = None
 
-    def to_proto(self) -> llm_pb2.PreprocessedInputs:
-        msg = llm_pb2.PreprocessedInputs(prompt_token_ids=self.prompt_token_ids)
+    def to_proto(self) -> types_pb2.PreprocessedInputs:
+        msg = types_pb2.PreprocessedInputs(prompt_token_ids=self.prompt_token_ids)
         if self.prompt is not None:
             msg.prompt = self.prompt
         if self.sampling_params is not None:

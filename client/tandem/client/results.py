@@ -75,8 +75,15 @@ class RequestOutput(RequestOutputState):
             if self._error is not None:
                 raise self._error
             return
-        while self._take(await self._next_async()):
-            yield self
+        try:
+            while self._take(await self._next_async()):
+                yield self
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away (task cancelled, loop left early): cancel the RPC so the
+            # server aborts the request instead of generating for nobody.
+            if not self._done:
+                self._cancel()
+            raise
 
     async def aresult(self) -> "RequestOutput":
         async for _ in self:
