@@ -6,9 +6,10 @@
 {{- $model := $root.Values.model }}
 {{- $resources := deepCopy $spec.resources }}
 {{- if eq $spec.device "cuda" }}
-{{- $gpus := dict "nvidia.com/gpu" (int $spec.gpus) }}
-{{- $_ := set $resources "limits" (merge $gpus (default dict $resources.limits)) }}
-{{- $_ := set $resources "requests" (merge $gpus (default dict $resources.requests)) }}
+{{- $gpus := int $spec.gpus }}
+{{- /* merge writes into its first argument: a fresh dict each time */}}
+{{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) }}
+{{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) }}
 {{- end }}
 apiVersion: v1
 kind: Service
@@ -23,7 +24,7 @@ spec:
   publishNotReadyAddresses: true
   ports:
     - name: grpc
-      port: {{ $spec.port }}
+      port: {{ int $spec.port }}
       targetPort: grpc
       appProtocol: grpc
   selector:
@@ -38,7 +39,7 @@ metadata:
     {{- include "tandem.labels" . | nindent 4 }}
 spec:
   serviceName: {{ $name }}
-  replicas: {{ $spec.replicas }}
+  replicas: {{ int $spec.replicas }}
   podManagementPolicy: Parallel
   selector:
     matchLabels:
@@ -58,19 +59,19 @@ spec:
             - serve
             - {{ .component }}
             - --host=0.0.0.0
-            - --port={{ $spec.port }}
+            - --port={{ int $spec.port }}
             {{- if ne $model.source "default" }}
             - --model={{ printf "/models/%s" $model.path | trimSuffix "/" }}
             {{- end }}
             - --dtype={{ $root.Values.engine.dtype }}
-            - --block-size={{ $root.Values.engine.blockSize }}
+            - --block-size={{ int $root.Values.engine.blockSize }}
             {{- if gt (int $spec.numBlocks) 0 }}
-            - --num-blocks={{ $spec.numBlocks }}
+            - --num-blocks={{ int $spec.numBlocks }}
             {{- else }}
             - --kv-cache-gb={{ $spec.kvCacheGb }}
             {{- end }}
-            - --max-num-seqs={{ $spec.maxNumSeqs }}
-            - --max-num-batched-tokens={{ $spec.maxNumBatchedTokens }}
+            - --max-num-seqs={{ int $spec.maxNumSeqs }}
+            - --max-num-batched-tokens={{ int $spec.maxNumBatchedTokens }}
             - --device={{ $spec.device }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
             {{- range $spec.extraArgs }}
@@ -84,7 +85,7 @@ spec:
             {{- end }}
           ports:
             - name: grpc
-              containerPort: {{ $spec.port }}
+              containerPort: {{ int $spec.port }}
           {{- include "tandem.probes" (dict "root" $root "port" $spec.port) | nindent 10 }}
           {{- with $resources }}
           resources:
