@@ -1,0 +1,79 @@
+{{/* Pod parts shared by the router and the workers. */}}
+
+{{/* grpc.health.v1 probes on the named port; every process reports NOT_SERVING until ready. (dict "root" $ "port" N) */}}
+{{- define "tandem.probes" -}}
+{{- $p := .root.Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.startupFailureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.periodSeconds }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.livenessFailureThreshold }}
+{{- end }}
+
+{{/* Writable scratch under a read-only root filesystem. */}}
+{{- define "tandem.scratchVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shmSizeLimit }}
+{{- end }}
+
+{{- define "tandem.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
+{{- end }}
+
+{{/* Scheduling, security and image settings of a pod spec. (dict "root" $ "spec" <role values>) */}}
+{{- define "tandem.podCommon" -}}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ .root.Values.terminationGracePeriodSeconds }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .spec.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* An optional PodDisruptionBudget for one component. (dict "root" $ "component" "x") */}}
+{{- define "tandem.pdb" -}}
+{{- if .root.Values.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "tandem.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "tandem.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ .root.Values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "tandem.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}

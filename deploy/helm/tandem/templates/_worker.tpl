@@ -1,0 +1,117 @@
+{{/* One worker role: headless Service + StatefulSet (+ PDB). (dict "root" $ "component" "prefill"|"decode"|"both") */}}
+{{- define "tandem.worker" -}}
+{{- $root := .root }}
+{{- $spec := index $root.Values .component }}
+{{- $name := include "tandem.componentName" . }}
+{{- $model := $root.Values.model }}
+{{- $resources := deepCopy $spec.resources }}
+{{- if eq $spec.device "cuda" }}
+{{- $gpus := int $spec.gpus }}
+{{- /* merge writes into its first argument: a fresh dict each time */}}
+{{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) }}
+{{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) }}
+{{- end }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "tandem.labels" . | nindent 4 }}
+spec:
+  clusterIP: None
+  # The router polls each worker's health itself, so its pods resolve before they are ready.
+  publishNotReadyAddresses: true
+  ports:
+    - name: grpc
+      port: {{ int $spec.port }}
+      targetPort: grpc
+      appProtocol: grpc
+  selector:
+    {{- include "tandem.selectorLabels" . | nindent 4 }}
+---
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "tandem.labels" . | nindent 4 }}
+spec:
+  serviceName: {{ $name }}
+  replicas: {{ int $spec.replicas }}
+  podManagementPolicy: Parallel
+  selector:
+    matchLabels:
+      {{- include "tandem.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "tandem.labels" . | nindent 8 }}
+    spec:
+      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec) | nindent 6 }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "tandem.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: [tandem]
+          args:
+            - serve
+            - {{ .component }}
+            - --host=0.0.0.0
+            - --port={{ int $spec.port }}
+            {{- if ne $model.source "default" }}
+            - --model={{ printf "/models/%s" $model.path | trimSuffix "/" }}
+            {{- end }}
+            - --dtype={{ $root.Values.engine.dtype }}
+            - --block-size={{ int $root.Values.engine.blockSize }}
+            {{- if gt (int $spec.numBlocks) 0 }}
+            - --num-blocks={{ int $spec.numBlocks }}
+            {{- else }}
+            - --kv-cache-gb={{ $spec.kvCacheGb }}
+            {{- end }}
+            - --max-num-seqs={{ int $spec.maxNumSeqs }}
+            - --max-num-batched-tokens={{ int $spec.maxNumBatchedTokens }}
+            - --device={{ $spec.device }}
+            - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
+            {{- range $spec.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          env:
+            - name: HOME
+              value: /tmp
+            {{- with $spec.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ int $spec.port }}
+          {{- include "tandem.probes" (dict "root" $root "port" $spec.port) | nindent 10 }}
+          {{- with $resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            {{- include "tandem.scratchMounts" $root | nindent 12 }}
+            {{- if ne $model.source "default" }}
+            - name: model
+              mountPath: /models
+              readOnly: true
+            {{- end }}
+      volumes:
+        {{- include "tandem.scratchVolumes" $root | nindent 8 }}
+        {{- if eq $model.source "pvc" }}
+        - name: model
+          persistentVolumeClaim:
+            claimName: {{ $model.claimName }}
+            readOnly: true
+        {{- else if eq $model.source "hostPath" }}
+        - name: model
+          hostPath:
+            path: {{ $model.hostPath }}
+            type: Directory
+        {{- end }}
+{{- include "tandem.pdb" . }}
+{{- end }}

@@ -1,0 +1,193 @@
+"""The Helm chart: lint, render, Kubernetes-schema validation, wiring, values schema, golden renders.
+
+Needs helm-python-sdk (Helm's Go SDK through ctypes: no helm binary), kubernetes-validate and pyyaml.
+TANDEM_UPDATE_GOLDEN=1 rewrites tests/golden/helm/*.yaml from the current chart.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+yaml = pytest.importorskip("yaml", reason="pip install pyyaml")
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART_DIR = ROOT / "deploy" / "helm" / "tandem"
+GOLDEN_DIR = ROOT / "tests" / "golden" / "helm"
+RELEASE, NAMESPACE = "llm", "serving"
+KUBE_VERSION = "1.35.0"
+
+VALUE_SETS = {
+    "default": {},
+    "disaggregated": {
+        "model": {"source": "pvc", "claimName": "models", "path": "Llama-3.1-8B-Instruct"},
+        "engine": {"dtype": "bfloat16"},
+        "prefill": {"replicas": 2, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
+        "decode": {"replicas": 3, "device": "cuda", "gpus": 1, "kvCacheGb": 40,
+                   "resources": {"limits": {"memory": "64Gi"}},
+                   "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "podDisruptionBudget": {"enabled": True},
+    },
+    "aggregated": {
+        "model": {"source": "hostPath", "hostPath": "/mnt/models", "path": "qwen3"},
+        "prefill": {"replicas": 0}, "decode": {"replicas": 0},
+        "both": {"replicas": 2, "numBlocks": 4096, "maxNumBatchedTokens": 1048576, "extraArgs": ["--seed", "7"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+def render(chart, values: dict) -> dict[str, str]:
+    return chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+
+def objects(chart, values: dict) -> list[dict]:
+    return [doc for text in render(chart, values).values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def containers(docs: list[dict]) -> list[dict]:
+    return [c for d in docs if d["kind"] in ("Deployment", "StatefulSet") for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def flag(container: dict, name: str) -> str | None:
+    values = [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}=")]
+    return values[0] if values else None
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_lint_is_clean(case):
+    report = helm.lint(CHART_DIR, VALUE_SETS[case], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_manifests_are_valid_kubernetes(chart, case):
+    docs = objects(chart, VALUE_SETS[case])
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_router_workers_are_exactly_the_worker_pods(chart, case):
+    values = helm.Chart.merge_values(chart, VALUE_SETS[case])
+    docs = objects(chart, VALUE_SETS[case])
+    headless = {s["metadata"]["name"] for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"}
+    expected = []
+    for sts in by_kind(docs, "StatefulSet"):
+        role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert sts["spec"]["replicas"] == values[role]["replicas"] > 0
+        svc = sts["spec"]["serviceName"]
+        assert svc in headless
+        port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        expected += [f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:{port}"
+                     for i in range(sts["spec"]["replicas"])]
+    assert len(expected) == sum(values[r]["replicas"] for r in ("prefill", "decode", "both"))
+    (router,) = by_kind(docs, "Deployment")
+    workers = flag(router["spec"]["template"]["spec"]["containers"][0], "workers").split(",")
+    assert sorted(workers) == sorted(expected)
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_probes_are_grpc_health_checks_on_the_serving_port(chart, case):
+    for container in containers(objects(chart, VALUE_SETS[case])):
+        port = container["ports"][0]["containerPort"]
+        assert flag(container, "port") == str(port)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": port}
+            assert not {"httpGet", "tcpSocket", "exec"} & container[probe].keys()
+
+
+def test_router_service_is_cluster_ip_on_50051(chart):
+    (svc,) = [s for s in by_kind(objects(chart, {}), "Service") if s["metadata"]["name"].endswith("-router")]
+    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 50051
+
+
+def test_gpu_requests_follow_the_device(chart):
+    docs = objects(chart, VALUE_SETS["disaggregated"])
+    by_role = {c["name"]: c for c in containers(docs)}
+    decode = by_role["decode"]["resources"]
+    assert decode["limits"] == {"nvidia.com/gpu": 1, "memory": "64Gi"}
+    assert decode["requests"] == {"nvidia.com/gpu": 1}
+    assert flag(by_role["decode"], "device") == "cuda"
+    assert "nvidia.com/gpu" not in str(by_role["prefill"].get("resources"))
+
+
+@pytest.mark.parametrize("case, model_flag", [("default", None), ("disaggregated", "/models/Llama-3.1-8B-Instruct"),
+                                             ("aggregated", "/models/qwen3")])
+def test_model_source(chart, case, model_flag):
+    docs = objects(chart, VALUE_SETS[case])
+    for sts in by_kind(docs, "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        assert flag(pod["containers"][0], "model") == model_flag
+        assert any(v["name"] == "model" for v in pod["volumes"]) == (model_flag is not None)
+
+
+def test_large_integers_render_as_integers(chart):
+    (sts,) = by_kind(objects(chart, VALUE_SETS["aggregated"]), "StatefulSet")
+    assert flag(sts["spec"]["template"]["spec"]["containers"][0], "max-num-batched-tokens") == "1048576"
+
+
+def test_pods_run_as_non_root(chart):
+    docs = objects(chart, VALUE_SETS["disaggregated"])
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in containers(docs))
+    assert len(by_kind(docs, "PodDisruptionBudget")) == 3
+
+
+def test_long_names_are_truncated_to_dns_labels(chart):
+    docs = objects(chart, {"fullnameOverride": "x" * 63, "both": {"replicas": 1}})
+    for sts in by_kind(docs, "StatefulSet"):
+        # the controller-revision-hash label is "<name>-<10 chars>" and must stay a 63-char label
+        assert len(sts["metadata"]["name"]) <= 52
+    router = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert all(len(label) <= 63 for address in flag(router, "workers").split(",")
+               for label in address.rsplit(":", 1)[0].split("."))
+
+
+@pytest.mark.parametrize("bad", [
+    {"prefill": {"replicas": -1}},
+    {"mixed": {"replicas": 1}},
+    {"decode": {"replica": 2}},
+    {"both": {"device": "tpu"}},
+    {"router": {"port": 70000}},
+    {"model": {"source": "pvc"}},
+    {"model": {"source": "s3"}},
+    {"engine": {"dtype": "int4"}},
+], ids=lambda bad: repr(bad))
+def test_schema_rejects_bad_values(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, bad)
+
+
+def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):
+    with pytest.raises(helm.HelmRenderError, match="prefill and one that can decode"):
+        render(chart, {"decode": {"replicas": 0}})
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_golden_render(chart, case):
+    manifests = render(chart, VALUE_SETS[case])
+    text = "".join(f"# Source: {path}\n{manifests[path].strip()}\n" for path in sorted(manifests))
+    golden = GOLDEN_DIR / f"{case}.yaml"
+    if os.environ.get("TANDEM_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.is_file(), f"{golden} missing: run with TANDEM_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), f"{golden.name} differs from the render: review, then TANDEM_UPDATE_GOLDEN=1"
