@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
-yaml = pytest.importorskip("yaml", reason="pip install pyyaml")
+# `make install` installs these; a missing one is a broken install, so the import fails loudly.
+import helm_python as helm
+import kubernetes_validate
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART_DIR = ROOT / "deploy" / "helm" / "tandem"
