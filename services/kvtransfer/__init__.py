@@ -1,0 +1,26 @@
+"""KV cache transfer between prefill and decode workers over NIXL (decode pulls with READ)."""
+
+from tandem.kvtransfer.errors import (
+    KvTransferError,
+    LayoutMismatchError,
+    TransceiverClosedError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
+from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
+from tandem.kvtransfer.transceiver import KvTransceiver, Transfer, coalesce_runs
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KvTransceiver",
+    "KvTransferError",
+    "LayoutMismatchError",
+    "TransceiverClosedError",
+    "TransceiverState",
+    "Transfer",
+    "TransferError",
+    "TransferTimeoutError",
+    "UnknownPeerError",
+    "coalesce_runs",
+]
