@@ -9,7 +9,8 @@ from tandem.kvtransfer.errors import (
     UnknownPeerError,
 )
 from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
-from tandem.kvtransfer.transceiver import KvTransceiver, Transfer, coalesce_runs
+from tandem.kvtransfer.transceiver import KvTransceiver, coalesce_runs
+from tandem.kvtransfer.transfer import Transfer
 
 __all__ = [
     "FORMAT_VERSION",

@@ -16,35 +16,25 @@ Not thread-safe: one owner thread (the worker's engine thread) drives it.
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
-from nixl import _bindings as nixl_bindings
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+from nixl._api import nixl_agent, nixl_agent_config
 
 from tandem.kvtransfer.errors import (
     KvTransferError,
     LayoutMismatchError,
     TransceiverClosedError,
     TransferError,
-    TransferTimeoutError,
     UnknownPeerError,
 )
 from tandem.kvtransfer.state import TransceiverState
+from tandem.kvtransfer.transfer import NIXL_ERRORS, Transfer, settled
 
 logger = logging.getLogger(__name__)
 
 KV_CACHE_NDIM = 6
-# Every binding error derives straight from Exception; catching this tuple keeps
-# programming errors (TypeError, ...) out of the NIXL error path.
-_NIXL_ERRORS = tuple(
-    getattr(nixl_bindings, name)
-    for name in dir(nixl_bindings)
-    if name.startswith("nixl") and name.endswith("Error")
-)
-_MAX_POLL_SLEEP_S = 1e-3
 
 
 def coalesce_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -64,87 +54,18 @@ def coalesce_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int
     return runs
 
 
-class Transfer:
-    """One in-flight READ; releases its NIXL handle as soon as it finishes."""
-
-    def __init__(
-        self,
-        agent: nixl_agent | None,
-        handle: nixl_xfer_handle | None,
-        peer_name: str,
-        num_descriptors: int,
-        nbytes: int,
-        on_finish: Callable[[Transfer], None] | None = None,
-    ):
-        self._agent = agent
-        self._handle = handle
-        self._on_finish = on_finish
-        self._error: TransferError | None = None
-        self.peer_name = peer_name
-        self.num_descriptors = num_descriptors
-        self.nbytes = nbytes
-
-    @classmethod
-    def completed(cls, peer_name: str) -> Transfer:
-        return cls(None, None, peer_name, num_descriptors=0, nbytes=0)
-
-    def done(self) -> bool:
-        """True once the data is in the local blocks; raises TransferError on failure."""
-        if self._handle is None:
-            if self._error is not None:
-                raise self._error
-            return True
-        try:
-            state = self._agent.check_xfer_state(self._handle)
-        except _NIXL_ERRORS as exc:
-            state = f"ERR ({type(exc).__name__})"
-        if state == "PROC":
-            return False
-        self._finish()
-        if state != "DONE":
-            self._error = TransferError(
-                f"NIXL READ from peer {self.peer_name!r} ({self.num_descriptors} descriptors, "
-                f"{self.nbytes} bytes) failed: state {state}"
-            )
-            raise self._error
-        return True
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until done; TransferTimeoutError if it is still running at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        # Spin first: small transfers finish in microseconds and a sleep would
-        # dominate their latency; back off so a long one does not burn a core.
-        sleep_s = 0.0
-        while not self.done():
-            if time.monotonic() >= deadline:
-                raise TransferTimeoutError(
-                    f"READ from peer {self.peer_name!r} ({self.nbytes} bytes) not done after {timeout_s} s"
-                )
-            if sleep_s:
-                time.sleep(sleep_s)
-            sleep_s = min(max(2 * sleep_s, 1e-5), _MAX_POLL_SLEEP_S)
-
-    def abort(self) -> None:
-        """Release the handle now; NIXL cancels the transfer if it is still running."""
-        if self._handle is not None:
-            self._finish()
-            self._error = TransferError(f"READ from peer {self.peer_name!r} was aborted")
-
-    def _finish(self) -> None:
-        handle, self._handle = self._handle, None
-        try:
-            self._agent.release_xfer_handle(handle)
-        except _NIXL_ERRORS as exc:
-            # The handle object re-queues itself for release at agent teardown.
-            logger.warning("releasing NIXL handle for peer %r failed: %s", self.peer_name, exc)
-        if self._on_finish is not None:
-            self._on_finish(self)
-
-
 class KvTransceiver:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, agent_name: str, kv_cache: torch.Tensor, layout_hash: str):
+    def __init__(self, agent_name: str, kv_cache: torch.Tensor, layout_hash: str, *, progress_thread: bool = True):
+        """`progress_thread`: NIXL's own UCX progress thread. With it, a READ completes
+        whatever the peer is doing; without it, UCX progresses only inside
+        Transfer.done() and poll_notifications(), and a READ completes only once the
+        *target* also polls (measured: a 10 ms prefill poll loop gives every READ a
+        10 ms floor). The price is a busy core per agent (1.0 CPU-s per s while idle),
+        which on a host with ~2 cores starves memcpy; turn it off only where both
+        sides poll tightly.
+        """
         if not isinstance(agent_name, str) or not agent_name:
             raise ValueError("agent_name must be a non-empty string")
         if not isinstance(layout_hash, str) or not layout_hash:
@@ -166,12 +87,14 @@ class KvTransceiver:
         self._layout_hash = layout_hash
         self._peers: dict[str, TransceiverState] = {}
         self._in_flight: set[Transfer] = set()
-        self._agent: nixl_agent | None = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        self._agent: nixl_agent | None = nixl_agent(
+            agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        )
         if "UCX" not in self._agent.backends:
             raise KvTransferError("NIXL UCX backend is not available in this environment")
         try:
             self._registration = self._agent.register_memory(kv_cache)
-        except _NIXL_ERRORS as exc:
+        except NIXL_ERRORS as exc:
             raise KvTransferError(f"registering the KV pool ({memory_type}) with NIXL failed: {exc}") from exc
         # Metadata is taken after registration so that it carries the pool's keys.
         self._local = TransceiverState(
@@ -230,7 +153,7 @@ class KvTransceiver:
             self.remove_peer(remote.agent_name)
         try:
             loaded_name = agent.add_remote_agent(remote.agent_metadata)
-        except _NIXL_ERRORS as exc:
+        except NIXL_ERRORS as exc:
             raise ValueError(f"NIXL rejected the metadata of peer {remote.agent_name!r}: {exc}") from exc
         # The binding returns the name as bytes.
         loaded_name = loaded_name.decode() if isinstance(loaded_name, bytes) else loaded_name
@@ -247,7 +170,7 @@ class KvTransceiver:
             return False
         running = [t for t in self._in_flight if t.peer_name == name]
         # A finished but never polled read still sits in _in_flight; polling settles it.
-        num_running = sum(1 for t in running if not _settled(t))
+        num_running = sum(1 for t in running if not settled(t))
         if num_running:
             raise KvTransferError(f"peer {name!r} has {num_running} transfers in flight; wait or abort them first")
         del self._peers[name]
@@ -297,7 +220,7 @@ class KvTransceiver:
                 peer_name,
                 notify,
             )
-        except _NIXL_ERRORS as exc:
+        except NIXL_ERRORS as exc:
             raise TransferError(f"preparing READ from peer {peer_name!r} failed: {exc}") from exc
         transfer = Transfer(
             agent, handle, peer_name, len(runs), len(remote_block_ids) * block_nbytes, self._in_flight.discard
@@ -305,7 +228,7 @@ class KvTransceiver:
         self._in_flight.add(transfer)
         try:
             status = agent.transfer(handle)
-        except _NIXL_ERRORS as exc:
+        except NIXL_ERRORS as exc:
             status = f"ERR ({type(exc).__name__}: {exc})"
         if status not in ("DONE", "PROC"):
             transfer.abort()
@@ -327,7 +250,7 @@ class KvTransceiver:
         for name in list(self._peers):
             try:
                 agent.remove_remote_agent(name)
-            except _NIXL_ERRORS as exc:
+            except NIXL_ERRORS as exc:
                 logger.warning("removing peer %r on close failed: %s", name, exc)
         self._peers.clear()
         agent.deregister_memory(self._registration)
@@ -352,10 +275,3 @@ def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> No
             raise ValueError(f"{side} block id {block_id!r} is not an integer")
         if not 0 <= block_id < num_blocks:
             raise ValueError(f"{side} block id {block_id} is out of range [0, {num_blocks})")
-
-
-def _settled(transfer: Transfer) -> bool:
-    try:
-        return transfer.done()
-    except TransferError:
-        return True
