@@ -1,0 +1,27 @@
+"""KV cache transfer between prefill and decode workers over NIXL (decode pulls with READ)."""
+
+from tandem.kvtransfer.errors import (
+    KvTransferError,
+    LayoutMismatchError,
+    TransceiverClosedError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
+from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
+from tandem.kvtransfer.transceiver import KvTransceiver, coalesce_runs
+from tandem.kvtransfer.transfer import Transfer
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KvTransceiver",
+    "KvTransferError",
+    "LayoutMismatchError",
+    "TransceiverClosedError",
+    "TransceiverState",
+    "Transfer",
+    "TransferError",
+    "TransferTimeoutError",
+    "UnknownPeerError",
+    "coalesce_runs",
+]

@@ -1,0 +1,117 @@
+"""DataTransceiverState: what a peer needs to READ from our KV pool.
+
+Wire format (no pickle: the bytes cross process and trust boundaries):
+
+    magic b"TKVS" | version u16 | header_len u32 | JSON header | metadata_len u32 | metadata
+
+The JSON header holds the scalar fields; the NIXL agent metadata is opaque
+binary, so it travels length-prefixed beside the header rather than
+base64-inflated inside it. All integers are big-endian.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"TKVS"
+FORMAT_VERSION = 1
+MEMORY_TYPES = ("DRAM", "VRAM")
+
+_PREFIX = struct.Struct("!4sHI")
+_LENGTH = struct.Struct("!I")
+# Header keys and their JSON types; the dataclass fields minus agent_metadata.
+_HEADER_FIELDS = {
+    "agent_name": str,
+    "base_address": int,
+    "block_nbytes": int,
+    "num_blocks": int,
+    "memory_type": str,
+    "device_id": int,
+    "layout_hash": str,
+}
+
+
+@dataclass(frozen=True)
+class TransceiverState:
+    """One worker's KV pool as seen by a remote reader."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    block_nbytes: int
+    num_blocks: int
+    memory_type: str
+    device_id: int
+    layout_hash: str
+
+    def __post_init__(self) -> None:
+        if not self.agent_name:
+            raise ValueError("agent_name must be non-empty")
+        if not self.agent_metadata:
+            raise ValueError("agent_metadata must be non-empty")
+        if self.memory_type not in MEMORY_TYPES:
+            raise ValueError(f"memory_type must be one of {MEMORY_TYPES}, got {self.memory_type!r}")
+        if self.base_address <= 0 or self.block_nbytes <= 0 or self.num_blocks <= 0:
+            raise ValueError(
+                f"base_address, block_nbytes and num_blocks must be positive, got "
+                f"{self.base_address}, {self.block_nbytes}, {self.num_blocks}"
+            )
+        if self.device_id < 0:
+            raise ValueError(f"device_id must be >= 0, got {self.device_id}")
+
+    def block_address(self, block_id: int) -> int:
+        return self.base_address + block_id * self.block_nbytes
+
+    def to_bytes(self) -> bytes:
+        header = json.dumps(
+            {name: getattr(self, name) for name in _HEADER_FIELDS}, separators=(",", ":")
+        ).encode()
+        return b"".join(
+            (
+                _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)),
+                header,
+                _LENGTH.pack(len(self.agent_metadata)),
+                self.agent_metadata,
+            )
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TransceiverState:
+        """Parse bytes from to_bytes(); anything malformed raises ValueError."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"transceiver state must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < _PREFIX.size:
+            raise ValueError(f"transceiver state truncated: {len(data)} bytes")
+        magic, version, header_len = _PREFIX.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise ValueError(f"not a transceiver state: bad magic {magic!r}")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"transceiver state format version {version} is not supported (expected {FORMAT_VERSION})"
+            )
+        offset = _PREFIX.size
+        header_bytes = data[offset : offset + header_len]
+        offset += header_len
+        if len(header_bytes) != header_len or len(data) < offset + _LENGTH.size:
+            raise ValueError("transceiver state truncated inside the header")
+        (metadata_len,) = _LENGTH.unpack_from(data, offset)
+        offset += _LENGTH.size
+        if len(data) != offset + metadata_len:
+            raise ValueError(
+                f"transceiver state length mismatch: metadata declares {metadata_len} bytes, "
+                f"{len(data) - offset} present"
+            )
+        try:
+            header = json.loads(header_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"transceiver state header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict) or set(header) != set(_HEADER_FIELDS):
+            raise ValueError(f"transceiver state header must have exactly the keys {sorted(_HEADER_FIELDS)}")
+        for name, kind in _HEADER_FIELDS.items():
+            # bool is an int subclass in Python; a JSON true is never a valid count.
+            if not isinstance(header[name], kind) or isinstance(header[name], bool):
+                raise ValueError(f"transceiver state field {name!r} must be {kind.__name__}")
+        return cls(agent_metadata=data[offset:], **header)
