@@ -1,0 +1,104 @@
+"""The engine in-process: continuous batching under pressure (chunked prefill,
+preemption by recompute, priorities) still gives transformers' greedy tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine, PromptNeverFitsError, PromptTooLongError
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sampler import Sampler, _truncation_mask
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]], options: SamplingOptions, priorities=None) -> dict[str, list[int]]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options, priority=(priorities or {}).get(rid, 0.5))
+    outputs = {rid: [] for rid in prompts}
+    for _ in range(10_000):
+        if not engine.num_unfinished:
+            break
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert engine.num_unfinished == 0
+    return outputs
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+@pytest.mark.parametrize("num_blocks, budget", [(200, 512), (16, 16), (12, 7)])
+def test_batching_under_pressure_matches_transformers(model_dirs, oracle, model, num_blocks, budget):
+    ref = oracle(model_dirs[model])
+    rng = random.Random(num_blocks * 31 + budget)
+    prompts = {f"r{i}": [1] + [rng.randrange(4, ref.model.config.vocab_size) for _ in range(rng.randrange(4, 28))]
+               for i in range(6)}
+    engine = LLMEngine(EngineConfig(str(model_dirs[model]), block_size=4, num_blocks=num_blocks,
+                                    max_num_seqs=4, max_num_batched_tokens=budget))
+    got = _run(engine, prompts, SamplingOptions(max_tokens=16, eos_token_ids=(2,)))
+    for rid, ids in prompts.items():
+        assert got[rid] == ref.greedy(ids, 16), rid
+    assert engine.block_manager.num_free_blocks == num_blocks
+    if num_blocks <= 16:
+        assert engine.scheduler.num_preemptions > 0  # the pressure was real
+
+
+def test_higher_priority_finishes_first(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=64, max_num_seqs=1))
+    opts = SamplingOptions(max_tokens=4, ignore_eos=True)
+    engine.add_request("low", [1, 5, 6], opts, priority=0.1)
+    engine.add_request("high", [1, 7, 8], opts, priority=0.9)
+    finished = []
+    while engine.num_unfinished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["high", "low"]
+
+
+def test_prompt_limits(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64))
+    with pytest.raises(PromptTooLongError, match="context"):
+        engine.add_request("long", [1] * 64, SamplingOptions())
+    with pytest.raises(PromptNeverFitsError, match="KV blocks"):
+        engine.add_request("huge", [1] * 40, SamplingOptions())
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", [1, 10 ** 6], SamplingOptions())
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_abort_frees_blocks(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=32))
+    engine.add_request("a", [1, 9, 10, 11, 12], SamplingOptions(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < 32
+    assert engine.abort_request("a") and not engine.abort_request("a")
+    assert engine.block_manager.num_free_blocks == 32 and engine.num_unfinished == 0
+
+
+def test_truncation_mask_keeps_top_k_top_p_min_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1], [0.7, 0.2, 0.06, 0.04]])
+    cut = _truncation_mask(probs, top_k=torch.tensor([2, 0, 0]), top_p=torch.tensor([1.0, 0.65, 1.0]),
+                           min_p=torch.tensor([0.0, 0.0, 0.1]))
+    assert cut.tolist() == [[False, False, True, True], [False, False, True, True], [False, False, True, True]]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    sampler = Sampler(seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    opts = [SamplingOptions(temperature=1.0, seed=5), SamplingOptions(temperature=0.7, top_k=10), SamplingOptions()]
+
+    def draw(rows):
+        gens = [Sampler.make_generator(opts[r].seed) for r in rows]
+        return sampler.sample(logits[rows], [opts[r] for r in rows], gens, [[]] * len(rows), [[]] * len(rows),
+                              [frozenset()] * len(rows)).token_ids
+    assert draw([0, 1, 2])[0] == draw([0])[0]
+    assert draw([0, 1, 2])[2] == int(logits[2].argmax())
+
+
+def test_penalties_and_min_tokens_change_the_choice():
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
+    base = SamplingOptions()
+    assert sampler.sample(logits, [base], [None], [[1]], [[1]], [frozenset()]).token_ids == [1]
+    penal = SamplingOptions(repetition_penalty=1.5)
+    assert sampler.sample(logits, [penal], [None], [[1]], [[1]], [frozenset()]).token_ids == [2]
+    assert sampler.sample(logits, [base], [None], [[]], [[]], [frozenset({1, 2})]).token_ids == [3]
