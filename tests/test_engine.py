@@ -87,7 +87,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     opts = [SamplingOptions(temperature=1.0, seed=5), SamplingOptions(temperature=0.7, top_k=10), SamplingOptions()]
 
     def draw(rows):
-        gens = [Sampler.make_generator(opts[r].seed) for r in rows]
+        gens = [Sampler.step_generator(opts[r].seed, 0) for r in rows]
         return sampler.sample(logits[rows], [opts[r] for r in rows], gens, [[]] * len(rows), [[]] * len(rows),
                               [frozenset()] * len(rows)).token_ids
     assert draw([0, 1, 2])[0] == draw([0])[0]

@@ -85,6 +85,7 @@ class LocalCluster:
                                              start_new_session=True)
         try:
             self.wait_serving([s.address for s in self.services], timeout)
+            self.wait_router_setup(timeout)
         except BaseException:
             self.stop()
             raise
@@ -105,6 +106,12 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{address} not SERVING after {timeout} s\n{self._tails()}")
                     time.sleep(0.1)
+
+    def wait_router_setup(self, timeout: float) -> None:
+        """Setup returns once the router itself has seen every worker ready (its health polls lag)."""
+        from tandem.v1 import llm_pb2, llm_pb2_grpc
+        with grpc.insecure_channel(self.router.address) as channel:
+            llm_pb2_grpc.AsyncLLMStub(channel).Setup(llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
 
     def check_alive(self) -> None:
         for s in self.services:

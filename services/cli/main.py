@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
         p = serve_sub.add_parser(role, help=f"a {role} worker")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
+        p.add_argument("--nixl-progress-thread", action="store_true",
+                       help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
         _add_engine_args(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)")
     router.add_argument("--host", default="127.0.0.1")
@@ -43,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--prefill", type=int, default=0, help="prefill workers (0 with --decode 0: one aggregated worker)")
+    up.add_argument("--prefill", type=int, default=0,
+                    help="prefill workers (default: 1 prefill + 1 decode when no role count is given)")
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
     up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
@@ -68,7 +71,8 @@ def _engine_config(args):
     return EngineConfig(model_dir=str(args.model or default_model_dir()), block_size=args.block_size,
                         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed)
+                        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
+                        kv_lease_seconds=args.kv_lease_seconds)
 
 
 def _serve(args) -> int:
@@ -82,7 +86,7 @@ def _serve(args) -> int:
     from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=args.role, engine=_engine_config(args), host=args.host, port=args.port,
-                          kv_lease_seconds=args.kv_lease_seconds)
+                          nixl_progress_thread=args.nixl_progress_thread)
     asyncio.run(serve_worker(config))
     return 0
 

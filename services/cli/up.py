@@ -15,13 +15,13 @@ def _engine_args(args, engine) -> list[str]:
             "--kv-cache-gb", str(engine.kv_cache_memory_gb), "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-model-len", str(engine.max_model_len),
             "--dtype", engine.dtype, "--device", engine.device, "--seed", str(engine.seed),
-            "--kv-lease-seconds", str(args.kv_lease_seconds)]
+            "--kv-lease-seconds", str(engine.kv_lease_seconds)]
 
 
 def up(args, engine) -> int:
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.both
     if not roles:
-        roles = ["both"]
+        roles = ["prefill", "decode"]
     if (args.prefill == 0) != (args.decode == 0):
         print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
         return 2

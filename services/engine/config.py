@@ -22,6 +22,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    # Prefill side of a handoff: seconds a handed-off request's KV stays leased if the
+    # decode side never says it has pulled it.
+    kv_lease_seconds: float = 30.0
 
     def __post_init__(self):
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -33,5 +36,7 @@ class EngineConfig:
             raise ValueError("num_blocks and max_model_len must be >= 0 (0 means automatic)")
         if self.num_blocks == 0 and self.kv_cache_memory_gb <= 0:
             raise ValueError("give num_blocks > 0 or kv_cache_memory_gb > 0 to size the KV cache")
+        if self.kv_lease_seconds <= 0:
+            raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")

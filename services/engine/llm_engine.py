@@ -36,6 +36,8 @@ class StepOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # Set when a context_only request hands off: its KV blocks, now under lease.
+    handoff_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -58,7 +60,11 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         self._seqs: dict[str, Sequence] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        # context_only requests that handed off: request id -> (KV blocks kept for the decode side,
+        # unix time they are freed anyway).
+        self.leases: dict[str, tuple[list[int], float]] = {}
+        # generation_only requests whose KV is being pulled: blocks allocated, not scheduled yet.
+        self.imports: dict[str, Sequence] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -86,24 +92,79 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                     phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
-                    cache_salt: str | None = None) -> Sequence:
-        if request_id in self._seqs:
+                    cache_salt: str | None = None, output_token_ids: list[int] | None = None) -> Sequence:
+        """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled)."""
+        if request_id in self._seqs or request_id in self.imports or request_id in self.leases:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(len(prompt_token_ids), prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt)
+        seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt,
+                       output_token_ids=list(output_token_ids or []))
         self._seqs[request_id] = seq
-        self._generators[request_id] = Sampler.make_generator(options.seed)
         self.scheduler.add(seq)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
+        if request_id in self.imports:
+            return self.cancel_import(request_id)
+        if request_id in self.leases:
+            return self.release_lease(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        self._generators.pop(request_id, None)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = FinishReason.CANCELLED
+        return True
+
+    # -- disaggregation: the prefill side keeps a handed-off request's blocks under lease --
+    def release_lease(self, request_id: str) -> bool:
+        lease = self.leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self.block_manager.free(lease[0])
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Frees leases nobody pulled in time (the decode side died or never came)."""
+        expired = [rid for rid, (_, expires_at) in self.leases.items() if expires_at <= now]
+        for rid in expired:
+            self.release_lease(rid)
+        return expired
+
+    @property
+    def num_leased_blocks(self) -> int:
+        return sum(len(blocks) for blocks, _ in self.leases.values())
+
+    # -- disaggregation: the decode side imports a request's KV, then generates --
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
+                       options: SamplingOptions, priority: float = 0.5, cache_salt: str | None = None) -> list[int] | None:
+        """Allocates blocks for the prompt's KV of a generation_only request and parks it until
+        complete_import(). Returns the block ids to pull into, or None when the pool cannot hold the
+        prompt now (the caller then falls back to computing the prompt here)."""
+        if request_id in self._seqs or request_id in self.imports:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_prompt(len(prompt_token_ids), prompt_token_ids)
+        num_blocks = self.block_manager.num_blocks_for(len(prompt_token_ids))
+        if not self.block_manager.can_allocate(num_blocks):
+            return None
+        seq = Sequence(request_id, list(prompt_token_ids), options, phase=Phase.GENERATION_ONLY, priority=priority,
+                       cache_salt=cache_salt, output_token_ids=list(first_token_ids))
+        seq.block_table = self.block_manager.allocate(num_blocks)
+        self.imports[request_id] = seq
+        return list(seq.block_table)
+
+    def complete_import(self, request_id: str) -> None:
+        """The prompt's KV has landed in the reserved blocks: schedule the request for decoding."""
+        seq = self.imports.pop(request_id)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def cancel_import(self, request_id: str) -> bool:
+        seq = self.imports.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.release(seq)
         return True
 
     def step(self) -> list[StepOutput]:
@@ -122,7 +183,7 @@ class LLMEngine:
             result = self.sampler.sample(
                 logits,
                 [s.options for s in sampled],
-                [self._generators[s.request_id] for s in sampled],
+                [Sampler.step_generator(s.options.seed, s.num_output_tokens) for s in sampled],
                 [s.all_token_ids for s in sampled],
                 [s.output_token_ids for s in sampled],
                 [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in sampled],
@@ -151,17 +212,21 @@ class LLMEngine:
             seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token_id
         elif seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        elif seq.phase is Phase.CONTEXT_ONLY:
-            # The context phase ends with its first token; the decode worker carries on.
-            seq.finish_reason = FinishReason.LENGTH
         finished = seq.finish_reason is not None
-        if finished:
-            self._finish(seq)
-        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
-                          seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens)
+        # A context_only request that is not done ends here with its first token; its KV
+        # stays leased for the decode worker to pull.
+        handoff = not finished and seq.phase is Phase.CONTEXT_ONLY
+        handoff_blocks = list(seq.block_table) if handoff else None
+        if finished or handoff:
+            self._finish(seq, lease=handoff)
+        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or handoff,
+                          seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
+                          handoff_blocks)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, lease: bool = False) -> None:
         seq.status = Status.FINISHED
+        if lease:
+            self.leases[seq.request_id] = (seq.block_table, time.time() + self.config.kv_lease_seconds)
+            seq.block_table = []
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
-        self._generators.pop(seq.request_id, None)

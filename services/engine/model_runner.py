@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_layout import kv_layout
 from tandem.engine.loader import allocate_kv_cache, load_model
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -21,6 +22,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    @property
+    def kv_layout(self) -> dict:
+        return kv_layout(self.config.model_dir, self.model_config, str(self.dtype).removeprefix("torch."), self.block_size)
 
     @property
     def block_nbytes(self) -> int:

@@ -1,9 +1,9 @@
 """Batched sampling with per-request parameters.
 
 Every row gets its own temperature, top-k, top-p, min-p and penalties in one
-pass. Random rows draw their noise from a per-request generator (seeded when
-the request has a seed), so a seeded request gives the same tokens whatever
-else shares the batch.
+pass. Random rows draw their noise from a per-step generator derived from the
+request's seed, so a seeded request gives the same tokens whatever else shares
+the batch and wherever each step runs.
 """
 from __future__ import annotations
 
@@ -53,8 +53,13 @@ class Sampler:
         self._default_generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
-    def make_generator(seed: int | None) -> torch.Generator | None:
-        return torch.Generator().manual_seed(seed) if seed is not None else None
+    def step_generator(seed: int | None, step: int) -> torch.Generator | None:
+        """The generator of a seeded request's step-th token. Derived from (seed, step) rather
+        than carried along, so a request continued on another worker (KV handoff, migration)
+        draws exactly what it would have drawn in one place."""
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed((seed * 0x9E3779B1 + step * 0x85EBCA77) % (1 << 63))
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], generators: list[torch.Generator | None],
                histories: list[list[int]], outputs: list[list[int]], min_tokens_block: list[frozenset[int]]) -> SampleResult:

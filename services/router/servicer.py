@@ -9,6 +9,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from tandem.common.errors import RpcError, unavailable
+from tandem.router import generate
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, llm_pb2_grpc
 
@@ -20,35 +21,27 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.request_stop = request_stop
         self.llm_id = uuid.uuid4().hex
         self.started_at = time.time()
-        # request id -> worker currently serving it (for Abort).
-        self.routes: dict[str, WorkerHandle] = {}
+        # request id -> where it runs now (for Abort).
+        self.routes: dict[str, generate.Route] = {}
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
-        worker = self.pool.pick("both")
-        self.routes[request.request_id] = worker
-        worker.in_flight += 1
-        call = worker.llm.Generate(request)
-        try:
-            async for msg in call:
-                yield msg
-        finally:
-            call.cancel()
-            worker.in_flight -= 1
-            self.routes.pop(request.request_id, None)
+        async for msg in generate.run(self.pool, self.routes, request):
+            yield msg
 
     async def Abort(self, request, context):
-        worker = self.routes.get(request.request_id)
-        if worker is None:
+        route = self.routes.get(request.request_id)
+        if route is None:
             return llm_pb2.AbortResponse(aborted=False)
-        return await worker.llm.Abort(request)
+        route.cancelled = True
+        reply = await route.worker.llm.Abort(request)
+        return llm_pb2.AbortResponse(aborted=True) if not reply.aborted else reply
 
     async def _any(self, method: str, request):
-        worker = self.pool.pick("both") if any(w.role == "both" for w in self.pool.ready_workers) else self.pool.pick("prefill")
-        return await getattr(worker.llm, method)(request)
+        return await getattr(self.pool.pick("any").llm, method)(request)
 
     async def Preprocess(self, request, context):
         return await self._any("Preprocess", request)
@@ -63,7 +56,11 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self._any("Encode", request)
 
     async def GetDataTransceiverState(self, request, context):
-        worker = self.pool.by_address(request.worker_id) if request.worker_id else self.pool.pick("prefill")
+        if request.worker_id:
+            worker = self.pool.by_address(request.worker_id)
+        else:  # a cluster without prefill workers has no transceiver: its workers answer empty bytes
+            has_prefill = any(w.role == "prefill" for w in self.pool.ready_workers)
+            worker = self.pool.pick("prefill" if has_prefill else "any")
         return await worker.llm.GetDataTransceiverState(request)
 
     async def GetKvCacheCapacity(self, request, context):

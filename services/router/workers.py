@@ -66,6 +66,12 @@ class WorkerPool:
     def all_ready(self) -> bool:
         return all(w.ready for w in self.workers)
 
+    @property
+    def can_disaggregate(self) -> bool:
+        """Whether a ready prefill-only and a ready decode-only worker exist."""
+        ready = self.ready_workers
+        return any(w.role == "prefill" for w in ready) and any(w.role == "decode" for w in ready)
+
     def by_address(self, address: str) -> WorkerHandle:
         for w in self.workers:
             if w.address == address:
@@ -73,14 +79,12 @@ class WorkerPool:
         raise ValueError(f"unknown worker {address!r}; workers are {[w.address for w in self.workers]}")
 
     def pick(self, need: str) -> WorkerHandle:
-        """The ready worker that can do `need` ("prefill", "decode", "both") with the fewest requests in flight;
+        """The ready worker that can do `need` ("prefill", "decode", "both", "any") with the fewest requests in flight;
         round-robin among equals."""
-        if need == "both":
-            candidates = [w for w in self.ready_workers if w.role == "both"]
-        elif need == "prefill":
-            candidates = [w for w in self.ready_workers if w.can_prefill]
-        else:
-            candidates = [w for w in self.ready_workers if w.can_decode]
+        if need == "any":
+            candidates = self.ready_workers
+        else:  # a split needs the transceivers only prefill and decode workers have
+            candidates = [w for w in self.ready_workers if w.role == need]
         if not candidates:
             raise unavailable(f"no ready worker can serve {need} requests (workers: "
                               + ", ".join(f"{w.address}={w.role or '?'}{'' if w.ready else ' not ready'}" for w in self.workers) + ")")

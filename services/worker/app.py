@@ -25,9 +25,10 @@ async def serve_worker(config: WorkerConfig) -> None:
     server.install_signal_handlers()
     try:
         await runtime.load()
+        runtime.start_background()
         await server.set_serving(True)
         log.info("%s worker ready on %s (model %s)", config.role, server.address, config.engine.model_dir)
         await server.wait_for_stop()
     finally:
         await llm_servicer.abort_all()
-        runtime.close()
+        await runtime.close()

@@ -47,10 +47,19 @@ class EngineLoop:
 
     def add_request(self, request_id: str, stream: asyncio.Queue, **kwargs) -> None:
         """Queues a request; its StepOutputs (or an EngineFailure) arrive on stream."""
-        if request_id in self._streams:
+        if self._streams.get(request_id, stream) is not stream:
             raise ValueError(f"request id {request_id!r} is already running on this worker")
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, kwargs))
+
+    def register(self, request_id: str, stream: asyncio.Queue) -> None:
+        """Routes a request's outputs to stream before it reaches the engine (a KV import in flight)."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running on this worker")
+        self._streams[request_id] = stream
+
+    def deliver_failure(self, request_id: str, exc: BaseException) -> None:
+        self._put(request_id, EngineFailure(exc))
 
     def abort(self, request_id: str) -> bool:
         """Stops a request; no further output reaches its stream. Returns whether it was known."""
@@ -86,6 +95,8 @@ class EngineLoop:
                     command = None
             if self._stopping:
                 break
+            if self.engine.leases:
+                self.engine.expire_leases(time.time())
             if self.engine.num_unfinished:
                 self._step()
 

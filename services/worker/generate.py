@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import time
 
+from tandem.common.outputs import merge_outputs
 from tandem.engine.llm_engine import StepOutput
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase
@@ -24,34 +25,84 @@ class _SequenceState:
     index: int
     engine_id: str
     detokenizer: IncrementalDetokenizer | None
+    options: SamplingOptions
     finished: bool = False
     num_tokens: int = 0
 
 
 class GenerateCall:
+    """phase picks the lifecycle: CONTEXT_AND_GENERATION runs everything here; CONTEXT_ONLY ends
+    with the first token and a handoff (handoff_keeper); GENERATION_ONLY starts from a handoff
+    whose KV start_import() pulls (first_token_ids are the tokens the context phase produced)."""
+
     def __init__(self, engine_loop: EngineLoop, tokenizer: Tokenizer, request_id: str, prompt_token_ids: list[int],
                  prompt_text: str | None, options: SamplingOptions, phase: Phase, priority: float,
-                 cache_salt: str | None, streaming: bool):
+                 cache_salt: str | None, streaming: bool, disaggregated_params: types_pb2.DisaggregatedParams | None = None,
+                 handoff_keeper=None):
+        if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
+            raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
         self.engine_loop = engine_loop
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.prompt_text = prompt_text
         self.options = options
+        self.phase = phase
+        self.priority = priority
+        self.cache_salt = cache_salt
         self.streaming = streaming
+        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
+        self.handoff_keeper = handoff_keeper
         self.stream: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.num_cached_prompt_tokens = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_s = 0.0
+        self._undelivered_handoffs: list[int] = []
+        self._import_task: asyncio.Task | None = None
         self.sequences: dict[str, _SequenceState] = {}
         for i in range(options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
             opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
             detok = (IncrementalDetokenizer(tokenizer, opts.skip_special_tokens, opts.stop, opts.include_stop_str_in_output)
                      if opts.detokenize else None)
-            self.sequences[engine_id] = _SequenceState(i, engine_id, detok)
-            engine_loop.add_request(engine_id, stream=self.stream, prompt_token_ids=prompt_token_ids,
-                                    options=dataclasses.replace(opts, n=1), phase=phase, priority=priority,
-                                    cache_salt=cache_salt)
+            self.sequences[engine_id] = _SequenceState(i, engine_id, detok, options=dataclasses.replace(opts, n=1))
+
+    def submit(self) -> None:
+        for state in self.sequences.values():
+            self.engine_loop.add_request(state.engine_id, stream=self.stream, prompt_token_ids=self.prompt_token_ids,
+                                         options=state.options, phase=self.phase, priority=self.priority,
+                                         cache_salt=self.cache_salt)
+
+    def start_import(self, importer, handoff) -> None:
+        """GENERATION_ONLY: reserve blocks, pull the prompt's KV, then let the engine decode."""
+        (state,) = self.sequences.values()
+        first = list(self.disagg_in.first_gen_tokens)
+        if state.detokenizer is not None:
+            state.detokenizer.add(first)  # the context phase already streamed this text
+        state.num_tokens = len(first)
+        self.engine_loop.register(state.engine_id, self.stream)
+        self._import_task = asyncio.create_task(self._import(importer, handoff, state, first))
+
+    async def _import(self, importer, handoff, state: _SequenceState, first: list[int]) -> None:
+        rid = state.engine_id
+        try:
+            blocks = await self.engine_loop.call(lambda e: e.reserve_import(
+                rid, self.prompt_token_ids, first, state.options, self.priority, self.cache_salt))
+            if blocks is None:
+                # No room for the prompt's KV now: compute it here instead of pulling.
+                self.engine_loop.add_request(rid, stream=self.stream, prompt_token_ids=self.prompt_token_ids,
+                                             options=state.options, phase=self.phase, priority=self.priority,
+                                             cache_salt=self.cache_salt, output_token_ids=first)
+                return
+            self.kv_transfer_bytes, self.kv_transfer_s = await importer.pull(handoff, blocks)
+            self.num_cached_prompt_tokens = len(self.prompt_token_ids)
+            await self.engine_loop.call(lambda e: e.complete_import(rid))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
+            self.engine_loop.abort(rid)
+            self.engine_loop.deliver_failure(rid, exc)
 
     @property
     def is_finished(self) -> bool:
@@ -77,14 +128,21 @@ class GenerateCall:
                 first = False
                 if self.streaming:
                     yield msg
+                    self._undelivered_handoffs.clear()
                 else:
                     pending.append(msg)
+            if not self.streaming:
+                yield merge_outputs(pending)
+                self._undelivered_handoffs.clear()
         finally:
+            if self._import_task is not None:
+                self._import_task.cancel()
             for state in self.sequences.values():
                 if not state.finished:
                     self.engine_loop.abort(state.engine_id)
-        if not self.streaming:
-            yield _merge(pending)
+            for ctx_request_id in self._undelivered_handoffs:
+                # Nobody will ever pull a handoff the caller did not receive.
+                asyncio.ensure_future(self.handoff_keeper.release(ctx_request_id))
 
     def _message(self, items: list, first: bool) -> types_pb2.RequestOutput:
         by_seq: dict[str, types_pb2.CompletionOutput] = {}
@@ -112,6 +170,8 @@ class GenerateCall:
             metrics.e2e_latency_s = now - self.arrival
             metrics.num_cached_prompt_tokens = self.num_cached_prompt_tokens
             metrics.num_computed_prompt_tokens = len(self.prompt_token_ids) - self.num_cached_prompt_tokens
+            metrics.kv_transfer_bytes = self.kv_transfer_bytes
+            metrics.kv_transfer_s = self.kv_transfer_s
         return msg
 
     def _completion(self, by_seq: dict, state: _SequenceState) -> types_pb2.CompletionOutput:
@@ -125,7 +185,7 @@ class GenerateCall:
             return  # a token that raced with a stop string
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+        self.num_cached_prompt_tokens = max(self.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
         comp = self._completion(by_seq, state)
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = out.cumulative_logprob
@@ -134,36 +194,38 @@ class GenerateCall:
         state.num_tokens += len(out.new_token_ids)
         finish_reason = out.finish_reason if out.finished else None
         if state.detokenizer is not None:
-            comp.text += state.detokenizer.add(out.new_token_ids, final=out.finished)
+            # A handoff is not the end of the text: the decode side holds back what we would hold back.
+            final = out.finished and out.handoff_block_ids is None
+            comp.text += state.detokenizer.add(out.new_token_ids, final=final)
             if state.detokenizer.stop_string is not None and not out.finished:
                 self.engine_loop.abort(state.engine_id)
                 finish_reason = FinishReason.STOP
             if state.detokenizer.stop_string is not None:
                 comp.stop_string = state.detokenizer.stop_string
                 finish_reason = FinishReason.STOP
+        if out.handoff_block_ids is not None:
+            if finish_reason is FinishReason.STOP:
+                self.engine_loop.abort(state.engine_id)  # a stop string in the first token: nothing to hand off
+            else:
+                self._hand_off(comp, out)
+            state.finished = True
         if finish_reason is not None:
             state.finished = True
             comp.finish_reason = FINISH_REASONS[finish_reason]
             if out.stop_token_id is not None and not comp.HasField("stop_string"):
                 comp.stop_token_id = out.stop_token_id
 
-
-def _merge(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestOutput:
-    """Folds a request's streamed messages into one (non-streaming Generate)."""
-    merged = types_pb2.RequestOutput()
-    by_index: dict[int, types_pb2.CompletionOutput] = {}
-    for msg in messages:
-        outputs = list(msg.outputs)
-        msg.ClearField("outputs")
-        merged.MergeFrom(msg)
-        for out in outputs:
-            target = by_index.setdefault(out.index, types_pb2.CompletionOutput(index=out.index))
-            text, ids, lps = target.text + out.text, list(target.token_ids) + list(out.token_ids), list(target.logprobs) + list(out.logprobs)
-            target.MergeFrom(out)
-            target.text = text
-            del target.token_ids[:]
-            target.token_ids.extend(ids)
-            del target.logprobs[:]
-            target.logprobs.extend(lps)
-    merged.outputs.extend(by_index[i] for i in sorted(by_index))
-    return merged
+    def _hand_off(self, comp: types_pb2.CompletionOutput, out: StepOutput) -> None:
+        """CONTEXT_ONLY done: the first token plus where its KV is. finish_reason stays unset:
+        the request continues on a decode worker."""
+        ctx_request_id, opaque = self.handoff_keeper.handoff(out.request_id, out.handoff_block_ids,
+                                                            len(self.prompt_token_ids))
+        self._undelivered_handoffs.append(ctx_request_id)
+        params = comp.disaggregated_params
+        params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
+        params.first_gen_tokens.extend(out.new_token_ids)
+        params.ctx_request_id = ctx_request_id
+        params.opaque_state = opaque
+        params.ctx_endpoint = self.handoff_keeper.endpoint
+        if self.disagg_in.HasField("disagg_request_id"):
+            params.disagg_request_id = self.disagg_in.disagg_request_id

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from tandem.common.server import GrpcServer
+from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.worker.config import WorkerConfig
@@ -29,6 +30,11 @@ class WorkerRuntime:
         self.tokenizer: Tokenizer | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.bos_token_id: int | None = None
+        self.kv_layout: dict = {}
+        self.kv_layout_hash = ""
+        self.transceiver = None
+        self.handoff_keeper = None
+        self.importer = None
 
     async def load(self) -> None:
         """Loads tokenizer and model off the event loop, warms the engine up, starts its thread."""
@@ -41,10 +47,31 @@ class WorkerRuntime:
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
         self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        self.kv_layout = self.engine.runner.kv_layout
+        self.kv_layout_hash = layout_hash(self.kv_layout)
+        if self.config.role in ("prefill", "decode"):
+            await asyncio.to_thread(self._start_transceiver)
         self.engine_loop.start()
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
                                 "total_s": time.perf_counter() - started}
         self.ready.set()
+
+    def _start_transceiver(self) -> None:
+        from tandem.decode.importer import KvImporter
+        from tandem.kvtransfer import KvTransceiver
+        from tandem.prefill.handoff import HandoffKeeper
+        agent_name = f"{self.config.role}-{self.worker_id}-{self.llm_id[:8]}"
+        self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_cache, self.kv_layout_hash,
+                                         progress_thread=self.config.nixl_progress_thread)
+        if self.config.role == "prefill":
+            self.handoff_keeper = HandoffKeeper(self.engine_loop, self.transceiver, self.worker_id, self.kv_layout,
+                                                self.kv_layout_hash, self.config.engine.kv_lease_seconds)
+        else:
+            self.importer = KvImporter(self.transceiver)
+
+    def start_background(self) -> None:
+        if self.handoff_keeper is not None:
+            self.handoff_keeper.start()
 
     def _warm_up(self) -> None:
         """One prefill and one decode step so the first real request does not pay for lazy init."""
@@ -58,9 +85,15 @@ class WorkerRuntime:
     def request_stop(self) -> None:
         self.server.request_stop()
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        if self.handoff_keeper is not None:
+            self.handoff_keeper.stop()
+        if self.importer is not None:
+            await self.importer.close()
         if self.engine_loop is not None:
             self.engine_loop.stop()
+        if self.transceiver is not None:
+            self.transceiver.close()
 
     def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
         bm = self.engine.block_manager
@@ -70,7 +103,8 @@ class WorkerRuntime:
     def server_info(self) -> llm_pb2.ServerInfo:
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, model=os.path.abspath(self.config.engine.model_dir),
                                   role=self.config.role, max_model_len=self.engine.max_model_len if self.engine else 0)
-        info.disaggregated_params.update({"role": self.config.role})
+        info.disaggregated_params.update({"role": self.config.role, "kv_layout_hash": self.kv_layout_hash,
+                                          "transceiver": self.transceiver.agent_name if self.transceiver else ""})
         info.startup_metrics.update(self.startup_metrics)
         return info
 
@@ -79,9 +113,11 @@ class WorkerRuntime:
             bm = engine.block_manager
             c = engine.counters
             return worker_pb2.WorkerState(
-                role=self.config.role, num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
-                num_active_requests=engine.num_unfinished, num_prompt_tokens_computed=c.num_prompt_tokens_computed,
-                num_generated_tokens=c.num_generated_tokens, num_steps=c.num_steps, paused=self.paused)
+                role=self.config.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=bm.num_blocks,
+                num_free_blocks=bm.num_free_blocks, num_active_requests=engine.num_unfinished + len(engine.imports),
+                num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
+                num_steps=c.num_steps, num_leased_blocks=engine.num_leased_blocks, paused=self.paused,
+                kv_bytes_received=self.importer.num_bytes_received if self.importer else 0)
         return await self.engine_loop.call(read)
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
@@ -105,4 +141,4 @@ class WorkerRuntime:
 
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
-        return b""
+        return self.transceiver.get_state() if self.transceiver is not None else b""

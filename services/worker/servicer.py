@@ -6,7 +6,11 @@ import uuid
 
 from google.protobuf import json_format, struct_pb2
 
-from tandem.common.errors import unavailable, unimplemented
+import grpc
+
+from tandem.common.errors import RpcError, unavailable, unimplemented
+from tandem.decode.importer import parse_handoff
+from tandem.engine.sequence import Phase
 from tandem.worker.convert import PHASES, check_unsupported, sampling_options
 from tandem.worker.generate import GenerateCall
 from tandem.worker.runtime import WorkerRuntime
@@ -51,17 +55,36 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.calls:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
-        call = GenerateCall(self.rt.engine_loop, self.rt.tokenizer, request_id, prompt_ids, prompt_text, options,
-                            PHASES[request.disaggregated_params.request_type],
+        phase = PHASES[request.disaggregated_params.request_type]
+        handoff = self._check_phase(phase, request.disaggregated_params)
+        call = GenerateCall(self.rt.engine_loop, self.rt.tokenizer, request_id, prompt_ids, prompt_text, options, phase,
                             request.priority if request.HasField("priority") else 0.5,
                             request.cache_salt if request.HasField("cache_salt") else None,
-                            request.streaming)
+                            request.streaming, request.disaggregated_params, self.rt.handoff_keeper)
+        if handoff is not None:
+            call.start_import(self.rt.importer, handoff)
+        else:
+            call.submit()
         self.calls[request_id] = call
         try:
             async for msg in call.outputs():
                 yield msg
         finally:
             self.calls.pop(request_id, None)
+
+    def _check_phase(self, phase: Phase, params: types_pb2.DisaggregatedParams):
+        """Refuses a phase this worker cannot run; for GENERATION_ONLY returns the parsed handoff."""
+        if phase is Phase.CONTEXT_ONLY and self.rt.handoff_keeper is None:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"this {self.rt.config.role} worker cannot run context_only requests; send them to a prefill worker")
+        if phase is Phase.GENERATION_ONLY:
+            if self.rt.importer is None:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"this {self.rt.config.role} worker cannot run generation_only requests; send them to a decode worker")
+            if not params.first_gen_tokens:
+                raise ValueError("generation_only needs disaggregated_params.first_gen_tokens from the context phase")
+            return parse_handoff(params.opaque_state, self.rt.kv_layout, self.rt.kv_layout_hash)
+        return None
 
     async def Abort(self, request, context):
         call = self.calls.get(request.request_id)
@@ -175,4 +198,6 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         return await self.rt.worker_state()
 
     async def ReleaseKv(self, request, context):
-        return worker_pb2.ReleaseKvResponse(released=False)
+        keeper = self.rt.handoff_keeper
+        released = keeper is not None and await keeper.release(request.ctx_request_id)
+        return worker_pb2.ReleaseKvResponse(released=released)

@@ -7,7 +7,9 @@ import collections
 import threading
 from typing import Optional
 
-from tandem.client.outputs import RequestOutputState
+import grpc
+
+from tandem.client.outputs import CompletionOutput, RequestOutputState
 from tandem.v1 import llm_pb2
 
 _END = object()
@@ -27,6 +29,7 @@ class RequestOutput(RequestOutputState):
             self._loop, self._event = None, None
         self._error: Optional[BaseException] = None
         self._done = False
+        self._aborted_locally = False
         self._cancel = transport.stream_to("Generate", request, self._push, lambda exc: self._push((_END, exc)))
 
     # -- delivery (transport thread) --
@@ -42,13 +45,23 @@ class RequestOutput(RequestOutputState):
         if isinstance(item, tuple) and item and item[0] is _END:
             self._done = True
             exc = item[1]
-            if exc is not None and not isinstance(exc, asyncio.CancelledError):
+            if self._aborted_locally and (exc is None or isinstance(exc, (asyncio.CancelledError, grpc.RpcError))):
+                self._finish_cancelled()
+            elif exc is not None and not isinstance(exc, asyncio.CancelledError):
                 self._error = exc
             if self._error is not None:
                 raise self._error
             return False
         self._apply(item)
         return True
+
+    def _finish_cancelled(self) -> None:
+        """The call was cancelled from this side after abort(): finish like a server-side abort."""
+        if not self.outputs:
+            self.outputs.append(CompletionOutput(index=0))
+        for out in self.outputs:
+            out.finish_reason = out.finish_reason or "cancelled"
+        self.finished = True
 
     def _next_sync(self, timeout: Optional[float] = None):
         with self._cv:
@@ -105,8 +118,9 @@ class RequestOutput(RequestOutputState):
         future = self._transport.submit(self._transport.unary("Abort", llm_pb2.AbortRequest(request_id=self.request_id)))
 
         def after_abort(f):
-            # A request the server no longer knows (not yet registered, or finished) is cancelled locally.
+            # A request the server does not know (not registered yet, or finished) is cancelled locally.
             if f.cancelled() or f.exception() is not None or not f.result().aborted:
+                self._aborted_locally = True
                 self._cancel()
         future.add_done_callback(after_abort)
 

@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -45,3 +47,25 @@ class ReleaseKvResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class KvHandoff(_message.Message):
+    __slots__ = ("version", "ctx_endpoint", "agent_name", "layout_hash", "layout_json", "block_ids", "num_prompt_tokens", "ctx_request_id", "lease_expires_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CTX_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ctx_endpoint: str
+    agent_name: str
+    layout_hash: str
+    layout_json: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    ctx_request_id: int
+    lease_expires_at: float
+    def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ...) -> None: ...

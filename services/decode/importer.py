@@ -1,0 +1,82 @@
+"""The decode side of a handoff: checks the layout, learns each prefill's
+transceiver state once, pulls the prompt's KV with a NIXL READ (which notifies
+the prefill to free its lease)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+
+from tandem.common.errors import IncompatibleHandoffError
+from tandem.common.server import CHANNEL_OPTIONS
+from tandem.engine.kv_layout import describe_mismatch
+from tandem.kvtransfer import KvTransceiver
+from tandem.prefill.handoff import release_message
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
+
+
+def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str) -> worker_pb2.KvHandoff:
+    """The handoff of a generation_only request, refused (FAILED_PRECONDITION) when its KV layout is not ours."""
+    handoff = worker_pb2.KvHandoff()
+    try:
+        handoff.ParseFromString(opaque_state)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError
+        raise ValueError(f"disaggregated_params.opaque_state is not a tandem KV handoff: {exc}") from None
+    if handoff.version != 1 or not handoff.ctx_endpoint or not handoff.block_ids:
+        raise ValueError("disaggregated_params.opaque_state is not a tandem KV handoff (version 1 with blocks and "
+                         "an endpoint); pass the context_only response's disaggregated_params unchanged")
+    if handoff.layout_hash != layout_hash:
+        theirs = json.loads(handoff.layout_json) if handoff.layout_json else {}
+        raise IncompatibleHandoffError(
+            f"KV handoff from {handoff.ctx_endpoint} is incompatible with this decode worker: "
+            f"{describe_mismatch(layout, theirs)}")
+    return handoff
+
+
+class KvImporter:
+    def __init__(self, transceiver: KvTransceiver):
+        self.transceiver = transceiver
+        self._peers: dict[str, str] = {}  # prefill endpoint -> agent name
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._lock = asyncio.Lock()
+        self.num_bytes_received = 0
+
+    async def _peer(self, handoff: worker_pb2.KvHandoff) -> str:
+        """The prefill's agent, registered once per peer (again if the prefill restarted under a new agent)."""
+        endpoint = handoff.ctx_endpoint
+        if self._peers.get(endpoint) == handoff.agent_name:
+            return handoff.agent_name
+        async with self._lock:
+            if self._peers.get(endpoint) != handoff.agent_name:
+                channel = self._channels.get(endpoint)
+                if channel is None:
+                    channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+                reply = await llm_pb2_grpc.AsyncLLMStub(channel).GetDataTransceiverState(
+                    llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
+                state = self.transceiver.add_peer(reply.state)
+                self._peers[endpoint] = state.agent_name
+        return self._peers[endpoint]
+
+    async def pull(self, handoff: worker_pb2.KvHandoff, local_block_ids: list[int], timeout_s: float = 30.0) -> tuple[int, float]:
+        """READs the handoff's blocks into local_block_ids; returns (bytes, seconds)."""
+        started = time.perf_counter()
+        agent = await self._peer(handoff)
+        transfer = self.transceiver.read_blocks(agent, list(handoff.block_ids), local_block_ids,
+                                                release_message(handoff.ctx_request_id))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not transfer.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"KV pull from {handoff.ctx_endpoint} took over {timeout_s} s")
+                await asyncio.sleep(0.0002)
+        except BaseException:
+            transfer.abort()
+            raise
+        self.num_bytes_received += transfer.nbytes
+        return transfer.nbytes, time.perf_counter() - started
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

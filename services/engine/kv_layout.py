@@ -1,0 +1,27 @@
+"""What a worker's KV blocks look like, and the hash two workers compare before a handoff."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tandem.engine.model_config import ModelConfig
+
+
+def kv_layout(model_dir: str, config: ModelConfig, dtype_name: str, block_size: int) -> dict:
+    """The fields that must agree for one worker's KV blocks to be usable by another. The model's
+    config.json digest stands for "the same model": same shapes with other weights would be wrong KV."""
+    config_digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+    return {"model_config_sha256": config_digest, "model_type": config.model_type, "num_layers": config.num_layers,
+            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "dtype": dtype_name,
+            "block_size": block_size}
+
+
+def layout_hash(layout: dict) -> str:
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def describe_mismatch(ours: dict, theirs: dict) -> str:
+    diffs = [f"{k}: prefill {theirs.get(k)!r} vs decode {ours.get(k)!r}"
+             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    return "; ".join(diffs) or "layout hashes differ"

@@ -1,0 +1,82 @@
+"""The prefill side of a handoff: turns a finished context phase into the opaque
+state the decode worker needs, and frees the leased KV when the decode side says
+it has pulled it (a NIXL notification, or the ReleaseKv RPC)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import time
+
+from tandem.kvtransfer import KvTransceiver
+from tandem.worker.engine_loop import EngineLoop
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger("tandem.prefill")
+
+RELEASE_PREFIX = b"release:"
+
+
+def release_message(ctx_request_id: int) -> bytes:
+    return RELEASE_PREFIX + str(ctx_request_id).encode()
+
+
+class HandoffKeeper:
+    def __init__(self, engine_loop: EngineLoop, transceiver: KvTransceiver, endpoint: str, layout: dict,
+                 layout_hash: str, lease_seconds: float):
+        self.engine_loop = engine_loop
+        self.transceiver = transceiver
+        self.endpoint = endpoint
+        self.layout_json = json.dumps(layout, sort_keys=True)
+        self.layout_hash = layout_hash
+        self.lease_seconds = lease_seconds
+        # ctx_request_id -> (engine request id, lease expiry). Random base: ids from a restarted
+        # prefill never collide with leases the decode side may still name.
+        self._leases: dict[int, tuple[str, float]] = {}
+        self._ids = itertools.count(random.SystemRandom().randrange(1 << 40, 1 << 52))
+        self._task: asyncio.Task | None = None
+
+    def handoff(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> tuple[int, bytes]:
+        """Registers a lease; returns (ctx_request_id, opaque_state)."""
+        ctx_request_id = next(self._ids)
+        expires_at = time.time() + self.lease_seconds
+        self._leases[ctx_request_id] = (request_id, expires_at)
+        state = worker_pb2.KvHandoff(
+            version=1, ctx_endpoint=self.endpoint, agent_name=self.transceiver.agent_name,
+            layout_hash=self.layout_hash, layout_json=self.layout_json, block_ids=block_ids,
+            num_prompt_tokens=num_prompt_tokens, ctx_request_id=ctx_request_id, lease_expires_at=expires_at)
+        return ctx_request_id, state.SerializeToString()
+
+    async def release(self, ctx_request_id: int) -> bool:
+        lease = self._leases.pop(ctx_request_id, None)
+        if lease is None:
+            return False
+        request_id = lease[0]
+        return await self.engine_loop.call(lambda engine: engine.release_lease(request_id))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll_forever())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _poll_forever(self) -> None:
+        """Without NIXL's progress thread, a decode's READ of our blocks progresses only while we
+        poll: poll tightly while leases are out, lazily otherwise."""
+        while True:
+            try:
+                for peer, message in self.transceiver.poll_notifications():
+                    if message.startswith(RELEASE_PREFIX):
+                        ctx_request_id = int(message[len(RELEASE_PREFIX):])
+                        await self.release(ctx_request_id)
+                    else:
+                        log.warning("unexpected notification from %s: %r", peer, message[:64])
+                now = time.time()
+                for ctx_request_id in [c for c, (_, exp) in self._leases.items() if exp + 1.0 < now]:
+                    self._leases.pop(ctx_request_id, None)  # the engine expired the blocks itself
+            except Exception:  # noqa: BLE001 - the poller must outlive one bad message
+                log.exception("handoff poller")
+            await asyncio.sleep(0.0005 if self._leases else 0.02)

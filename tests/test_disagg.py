@@ -1,0 +1,145 @@
+"""Disaggregated serving: router -> prefill (context_only) -> NIXL READ -> decode
+(generation_only), as real processes. The aggregated worker in the same cluster
+and transformers are the oracles."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from conftest import assert_all_blocks_free
+from tandem.cli.cluster import LocalCluster
+from tandem.client import AsyncLLM, LLM, SamplingParams
+from tandem.kvtransfer import TransceiverState
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+BLOCK_SIZE = 8
+ENGINE_ARGS = ["--num-blocks", "128", "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", "128"]
+
+
+def worker_state(address: str) -> worker_pb2.WorkerState:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def served(request, model_dirs):
+    """prefill + decode (the router splits every request) and an aggregated worker to compare with."""
+    model_dir = model_dirs[request.param]
+    with LocalCluster(roles=["prefill", "decode", "both"], engine_args=["--model", str(model_dir), *ENGINE_ARGS]) as c:
+        with LLM(c.address) as llm, LLM(c.workers[2].address) as aggregated:
+            yield model_dir, c, llm, aggregated
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(served):
+    yield
+    assert_all_blocks_free(served[2])
+
+
+def _prompts(vocab_size: int, num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(4, vocab_size) for _ in range(rng.randrange(2, 70))] for _ in range(num)]
+
+
+def _block_nbytes(model_dir) -> int:
+    from tandem.engine.model_config import ModelConfig
+    mc = ModelConfig.from_pretrained(model_dir)
+    return mc.num_layers * 2 * BLOCK_SIZE * mc.num_kv_heads * mc.head_dim * 4  # float32
+
+
+def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
+    model_dir, cluster, llm, aggregated = served
+    ref = oracle(model_dir)
+    prefill, decode = cluster.workers[0].address, cluster.workers[1].address
+    before = worker_state(decode)
+    prompts = _prompts(ref.model.config.vocab_size, 8, seed=11)
+    greedy = SamplingParams(max_tokens=20)
+    seeded = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(8)]
+
+    async def both_ways():
+        split, local = await AsyncLLM(cluster.address), await AsyncLLM(cluster.workers[2].address)
+        try:
+            return await asyncio.gather(
+                asyncio.gather(*(split.generate_async(p, greedy) for p in prompts)),
+                asyncio.gather(*(split.generate_async(p, s) for p, s in zip(prompts, seeded))),
+                asyncio.gather(*(local.generate_async(p, s) for p, s in zip(prompts, seeded))))
+        finally:
+            split.close()
+            local.close()
+    split_greedy, split_seeded, local_seeded = asyncio.run(both_ways())
+    for p, out in zip(prompts, split_greedy):
+        assert out.outputs[0].token_ids == ref.greedy(p, 20)
+        assert out.metrics.served_by == [prefill, decode] or len(out.outputs[0].token_ids) == 1
+    for a, b in zip(split_seeded, local_seeded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+    # The KV really moved: the decode worker computed no prompt token and received
+    # exactly the prompts' blocks.
+    after = worker_state(decode)
+    assert after.num_prompt_tokens_computed == before.num_prompt_tokens_computed == 0
+    handed_off = [o for o in split_greedy + split_seeded if o.metrics.kv_transfer_bytes]
+    assert len(handed_off) >= 14
+    expected = sum(-(-len(o.prompt_token_ids) // BLOCK_SIZE) * _block_nbytes(model_dir) for o in handed_off)
+    assert after.kv_bytes_received - before.kv_bytes_received == expected
+    assert sum(o.metrics.kv_transfer_bytes for o in handed_off) == expected
+
+
+def test_streaming_through_the_split_is_one_continuous_stream(served):
+    _, cluster, llm, aggregated = served
+
+    async def go():
+        aio = await AsyncLLM(cluster.address)
+        try:
+            ids, text, n = [], "", 0
+            async for out in aio.generate_async("stream me across workers", SamplingParams(max_tokens=16, ignore_eos=True),
+                                                streaming=True):
+                n += 1
+                ids += out.outputs[0].token_ids_diff
+                text += out.outputs[0].text_diff
+            return out, ids, text, n
+        finally:
+            aio.close()
+    out, ids, text, n = asyncio.run(go())
+    expected = aggregated.generate("stream me across workers", SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert n >= 2 and ids == out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert text == out.outputs[0].text == expected.outputs[0].text
+    assert out.prompt_token_ids == expected.prompt_token_ids
+
+
+def test_request_that_ends_in_the_context_phase_skips_decode(served):
+    _, cluster, llm, _ = served
+    before = worker_state(cluster.workers[1].address).num_generated_tokens
+    out = llm.generate("just one", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert out.metrics.served_by == [cluster.workers[0].address]
+    assert worker_state(cluster.workers[1].address).num_generated_tokens == before
+
+
+def test_transceiver_state_is_served(served):
+    _, cluster, llm, _ = served
+    state = TransceiverState.from_bytes(llm.get_data_transceiver_state())
+    assert state.memory_type == "DRAM" and state.num_blocks == 128
+    assert llm.get_data_transceiver_state(cluster.workers[1].address) != llm.get_data_transceiver_state()
+    assert llm.disaggregated_params["mode"] == "disaggregated"
+
+
+def test_cancel_during_decode_reaches_both_workers(served):
+    _, cluster, llm, _ = served
+    decode = cluster.workers[1].address
+
+    async def go():
+        aio = await AsyncLLM(cluster.address)
+        try:
+            result = aio.generate_async("long decode", SamplingParams(max_tokens=400, ignore_eos=True), streaming=True)
+            async for out in result:
+                if len(out.outputs[0].token_ids) >= 4:
+                    result.abort()
+            return out
+        finally:
+            aio.close()
+    out = asyncio.run(go())
+    assert out.outputs[0].finish_reason == "cancelled" and len(out.outputs[0].token_ids) < 400
+    assert worker_state(decode).num_active_requests == 0
