@@ -13,13 +13,15 @@ second kernel merges their partial outputs by log-sum-exp.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.launch_checks import check_index, check_kv_layer, check_tokens, require
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -52,6 +54,32 @@ def _store_kv_kernel(
     dst = kv_ptr + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + heads * stride_head + dims
     tl.store(dst, key.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+    stride_block, stride_kv, stride_slot,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + TILE_N), gathered through the block table."""
+    pos = start + tl.arange(0, TILE_N)
+    pos_valid = pos < kv_hi
+    block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+    kv_offs = block_id * stride_block + (pos % BLOCK_SIZE) * stride_slot + head_off
+    tile_mask = pos_valid[:, None] & dim_valid[None, :]
+    k = tl.load(kv_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(kv_ptr + stride_kv + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
+    if MASKED:
+        visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -96,23 +124,17 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     head_off = kv_head * stride_head
-    for start in range(kv_lo, kv_hi, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        pos_valid = pos < kv_hi
-        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        kv_offs = block_id * stride_block + (pos % BLOCK_SIZE) * stride_slot + head_off
-        tile_mask = pos_valid[:, None] & dim_valid[None, :]
-        k = tl.load(kv_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-        v = tl.load(kv_ptr + stride_kv + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
-        visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
-        m_i = m_new
+    # Tiles wholly below the block's first row's diagonal need no mask; only the rest pay for it.
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1) - kv_lo, 0) // TILE_N
+    unmasked_hi = kv_lo + num_unmasked * TILE_N
+    for start in range(kv_lo, unmasked_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, False, UPCAST_DOT)
+    for start in range(unmasked_hi, kv_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, True, UPCAST_DOT)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -154,46 +176,18 @@ def _merge_splits_kernel(
 _IS_INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_kv_layer(kv_layer: torch.Tensor) -> None:
-    _require(kv_layer.dim() == 5 and kv_layer.shape[1] == 2,
-             f"kv_layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got {tuple(kv_layer.shape)}")
-    _require(kv_layer.dtype in _FLOAT_DTYPES, f"kv_layer dtype {kv_layer.dtype} is not fp16/bf16/fp32")
-    # Blocks may be strided (a layer view of the whole cache); each token's heads must be dense rows.
-    _require(kv_layer.stride(-1) == 1, f"kv_layer needs unit stride in head_dim, got strides {kv_layer.stride()}")
-
-
-def _check_tokens(name: str, tensor: torch.Tensor, num_heads: int, head_dim: int, device: torch.device) -> None:
-    _require(tensor.dim() == 3 and tensor.shape[1:] == (num_heads, head_dim),
-             f"{name} must be [T, {num_heads}, {head_dim}], got {tuple(tensor.shape)}")
-    _require(tensor.device == device, f"{name} is on {tensor.device}, kv_layer on {device}")
-    _require(tensor.dtype in _FLOAT_DTYPES, f"{name} dtype {tensor.dtype} is not fp16/bf16/fp32")
-    _require(tensor.stride(-1) == 1, f"{name} needs unit stride in head_dim, got strides {tensor.stride()}")
-
-
-def _check_index(name: str, tensor: torch.Tensor, dims: int, dtypes: tuple, device: torch.device) -> None:
-    _require(tensor.dim() == dims, f"{name} must have {dims} dims, got shape {tuple(tensor.shape)}")
-    _require(tensor.dtype in dtypes, f"{name} dtype {tensor.dtype} not in {dtypes}")
-    _require(tensor.device == device, f"{name} is on {tensor.device}, kv_layer on {device}")
-    _require(tensor.stride(-1) == 1 or tensor.shape[-1] <= 1, f"{name} must be contiguous in its last dim")
-
-
 def store_kv_triton(
     key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
-    _check_kv_layer(kv_layer)
+    check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    _check_tokens("key", key, num_kv_heads, head_dim, kv_layer.device)
-    _check_tokens("value", value, num_kv_heads, head_dim, kv_layer.device)
-    _check_index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), kv_layer.device)
+    check_tokens("key", key, num_kv_heads, head_dim, kv_layer.device)
+    check_tokens("value", value, num_kv_heads, head_dim, kv_layer.device)
+    check_index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), kv_layer.device)
     num_tokens = key.shape[0]
-    _require(value.shape[0] == num_tokens == slot_mapping.shape[0],
-             f"key, value and slot_mapping disagree on T: {key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}")
+    require(value.shape[0] == num_tokens == slot_mapping.shape[0],
+            f"key, value and slot_mapping disagree on T: {key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
@@ -203,6 +197,22 @@ def store_kv_triton(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
     )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    rows: int  # query rows per program: tokens x GQA group
+    tile_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(has_prefill: bool, dim_pad: int) -> LaunchConfig:
+    """Tile sizes per step kind. A decode-only step has one token per sequence, so it
+    takes only the 16 rows tl.dot requires, mostly filled by the GQA group."""
+    if has_prefill:
+        return LaunchConfig(64, 64 if dim_pad <= 128 else 32, 4, 2)
+    return LaunchConfig(16, 64 if dim_pad <= 128 else 32, 4, 2)
 
 
 def _default_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
@@ -225,21 +235,21 @@ def paged_attention_triton(
     query [T, Hq, D] -> [T, Hq, D]. The new tokens' KV must already be stored.
     `num_kv_splits` overrides the key-segment count (tests; None picks one per grid size).
     """
-    _check_kv_layer(kv_layer)
+    check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    _require(query.dim() == 3, f"query must be [T, Hq, D], got {tuple(query.shape)}")
+    require(query.dim() == 3, f"query must be [T, Hq, D], got {tuple(query.shape)}")
     num_heads = query.shape[1]
-    _check_tokens("query", query, num_heads, head_dim, kv_layer.device)
-    _require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    _require(query.dtype == kv_layer.dtype, f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}")
-    _check_index("meta.query_start_loc", meta.query_start_loc, 1, (torch.int32,), kv_layer.device)
-    _check_index("meta.seq_lens", meta.seq_lens, 1, (torch.int32,), kv_layer.device)
-    _check_index("meta.block_tables", meta.block_tables, 2, (torch.int32,), kv_layer.device)
+    check_tokens("query", query, num_heads, head_dim, kv_layer.device)
+    require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    require(query.dtype == kv_layer.dtype, f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}")
+    check_index("meta.query_start_loc", meta.query_start_loc, 1, (torch.int32,), kv_layer.device)
+    check_index("meta.seq_lens", meta.seq_lens, 1, (torch.int32,), kv_layer.device)
+    check_index("meta.block_tables", meta.block_tables, 2, (torch.int32,), kv_layer.device)
     num_seqs = meta.num_seqs
-    _require(meta.query_start_loc.shape[0] == num_seqs + 1 and meta.block_tables.shape[0] == num_seqs,
-             f"metadata disagrees on the number of sequences ({num_seqs})")
-    _require(meta.max_query_len >= 1, f"max_query_len must be >= 1, got {meta.max_query_len}")
-    _require(num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+    require(meta.query_start_loc.shape[0] == num_seqs + 1 and meta.block_tables.shape[0] == num_seqs,
+            f"metadata disagrees on the number of sequences ({num_seqs})")
+    require(meta.max_query_len >= 1, f"max_query_len must be >= 1, got {meta.max_query_len}")
+    require(num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens = query.shape[0]
@@ -247,12 +257,10 @@ def paged_attention_triton(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # Prefill tiles want many rows; a decode-only step has one token per sequence, so
-    # only the 16 rows tl.dot requires, mostly filled by the GQA group.
-    target_rows = 64 if meta.max_query_len > 1 else 16
-    block_q = max(1, target_rows // group_pad)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_n = 64 if dim_pad <= 128 else 32
+    config = launch_config(meta.max_query_len > 1, dim_pad)
+    block_q = max(1, config.rows // group_pad)
+    tile_n = config.tile_n
     num_q_blocks = triton.cdiv(meta.max_query_len, block_q)
     num_splits = num_kv_splits or _default_num_splits(
         num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device)
@@ -272,7 +280,7 @@ def paged_attention_triton(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         GROUP_PAD=group_pad, DIM_PAD=dim_pad, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
         UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
-        num_warps=4 if block_q * group_pad <= 64 else 8,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

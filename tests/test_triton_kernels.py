@@ -29,6 +29,7 @@ CASES = {
     "mixed": (16, 8, 2, 32, [(5, 5), (1, 30), (9, 9), (1, 3)]),
     "chunk_continuation": (4, 8, 2, 64, [(6, 37), (1, 12)]),
     "group_of_3": (16, 6, 2, 32, [(3, 20), (1, 9)]),
+    "long_context_mqa": (16, 4, 1, 32, [(3, 150), (1, 70)]),  # unmasked tiles below the diagonal
 }
 
 
