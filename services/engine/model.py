@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.paged_attention import paged_attention, store_kv
+from tandem.kernels.dispatch import paged_attention, store_kv
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,203 @@
+"""Paged attention and KV store: Triton vs the torch reference, against the H200 roofline.
+
+    python bench/kernels.py            # CUDA: Llama-3.1-8B shapes (32 q / 8 kv heads, head_dim 128, bf16)
+    python bench/kernels.py --tiny     # small shapes; on a CPU, Triton runs under TRITON_INTERPRET
+
+Decode rows report KV bytes read over time (GB/s) against HBM bandwidth; prefill rows
+report causal attention FLOPs over time (TFLOP/s) against dense bf16. On a CPU the shapes
+are always tiny and the Triton column is filled only with --tiny (the interpreter is
+slow and its timings mean nothing); the point there is that the script itself runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import paged_attention as reference
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+HBM_PEAK_TBS = 4.8  # H200 datasheet
+HBM_COPY_TBS = 4.1  # device-to-device copy measured on an H200 (read + write)
+BF16_DENSE_TFLOPS = 989.0  # H200 datasheet, dense
+
+
+@dataclass(frozen=True)
+class Shapes:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_sizes: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    prefill_lens: tuple[int, ...]
+
+
+LLAMA_8B = Shapes(32, 8, 128, (16, 32), (1, 16, 64), (1024, 4096), (2048,))
+TINY = Shapes(4, 2, 32, (16,), (1, 4), (64, 256), (128,))
+
+
+class Bench:
+    """Builds random paged batches (blocks scattered over a multi-layer cache) and times both backends."""
+
+    NUM_LAYERS = 2  # enough for a strided layer view, as the engine passes it
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, dtype, device, seed, run_triton):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype, self.device, self.run_triton = dtype, device, run_triton
+        self.gen = torch.Generator(device).manual_seed(seed)
+        if run_triton:
+            from tandem.kernels import paged_attention_triton
+            self.triton = paged_attention_triton
+
+    def _randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype)
+
+    def _batch(self, block_size, query_lens, seq_lens):
+        num_blocks = [-(-s // block_size) for s in seq_lens]
+        total = sum(num_blocks)
+        cache = self._randn(total, self.NUM_LAYERS, 2, block_size, self.num_kv_heads, self.head_dim)
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(total)).tolist()
+        tables, start = [], 0
+        for n in num_blocks:
+            tables.append(order[start:start + n])
+            start += n
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=self.device)
+        query = self._randn(sum(query_lens), self.num_heads, self.head_dim)
+        return query, cache[:, 1], meta
+
+    def _time(self, fn, graph: bool = False) -> float:
+        """Median ms. CUDA: do_bench flushes L2 before each call; with `graph`, a captured
+        CUDA graph is replayed (the engine's decode path), which leaves out Python launch cost."""
+        if self.device.type == "cuda":
+            import triton.testing
+            if graph:
+                fn()  # compile outside the capture
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph):
+                    fn()
+                fn = cuda_graph.replay
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
+
+    def _row(self, kernel, case, block_size, torch_fn, triton_fn, work, unit, roofline):
+        error = None
+        if self.run_triton and kernel != "store_kv":
+            # Correct before fast: the relative error at the very shapes being timed.
+            expected, actual = torch_fn().float(), triton_fn().float()
+            error = float((actual - expected).norm() / expected.norm())
+        torch_ms = self._time(torch_fn)
+        triton_ms = self._time(triton_fn, graph=True) if self.run_triton else None
+        rate = work / (triton_ms * 1e-3) / (1e9 if unit == "GB/s" else 1e12) if triton_ms else None
+        return dict(kernel=kernel, case=case, block=block_size, torch_ms=torch_ms, triton_ms=triton_ms,
+                    rate=rate, unit=unit, roofline=roofline, error=error)
+
+    def decode(self, block_size, batch, context):
+        query, kv_layer, meta = self._batch(block_size, [1] * batch, [context] * batch)
+        scale = self.head_dim ** -0.5
+        kv_bytes = batch * context * 2 * self.num_kv_heads * self.head_dim * kv_layer.element_size()
+        return self._row("decode", f"batch {batch} ctx {context}", block_size,
+                         lambda: reference.paged_attention(query, kv_layer, meta, scale),
+                         lambda: self.triton.paged_attention_triton(query, kv_layer, meta, scale),
+                         kv_bytes, "GB/s", HBM_PEAK_TBS * 1e3)
+
+    def prefill(self, block_size, length):
+        query, kv_layer, meta = self._batch(block_size, [length], [length])
+        scale = self.head_dim ** -0.5
+        flops = self._causal_flops([length], [length])
+        return self._row("prefill", f"1 x {length} tokens", block_size,
+                         lambda: reference.paged_attention(query, kv_layer, meta, scale),
+                         lambda: self.triton.paged_attention_triton(query, kv_layer, meta, scale),
+                         flops, "TFLOP/s", BF16_DENSE_TFLOPS)
+
+    def mixed(self, block_size, context, num_decodes):
+        chunk = context // 2
+        query, kv_layer, meta = self._batch(block_size, [chunk] + [1] * num_decodes, [context] * (num_decodes + 1))
+        scale = self.head_dim ** -0.5
+        flops = self._causal_flops([chunk] + [1] * num_decodes, [context] * (num_decodes + 1))
+        decode_bytes = num_decodes * context * 2 * self.num_kv_heads * self.head_dim * kv_layer.element_size()
+        # The chunk is compute-bound and the decode rows memory-bound: the ceiling is each
+        # part at its own roofline, expressed as the FLOP rate that finishes in that time.
+        floor_s = flops / (BF16_DENSE_TFLOPS * 1e12) + decode_bytes / (HBM_PEAK_TBS * 1e12)
+        return self._row("mixed", f"{chunk} chunk + {num_decodes} dec", block_size,
+                         lambda: reference.paged_attention(query, kv_layer, meta, scale),
+                         lambda: self.triton.paged_attention_triton(query, kv_layer, meta, scale),
+                         flops, "TFLOP/s", flops / floor_s / 1e12)
+
+    def _causal_flops(self, query_lens, seq_lens) -> int:
+        pairs = sum(q * s - q * (q - 1) // 2 for q, s in zip(query_lens, seq_lens))
+        return 4 * self.num_heads * self.head_dim * pairs
+
+    def store(self, block_size, num_tokens):
+        _, kv_layer, meta = self._batch(block_size, [num_tokens], [num_tokens])
+        key, value = (self._randn(num_tokens, self.num_kv_heads, self.head_dim) for _ in range(2))
+        moved = 2 * 2 * key.numel() * key.element_size()  # k and v, read once and written once
+        return self._row("store_kv", f"{num_tokens} tokens", block_size,
+                         lambda: reference.store_kv(key, value, kv_layer, meta.slot_mapping),
+                         lambda: self.triton.store_kv_triton(key, value, kv_layer, meta.slot_mapping),
+                         moved, "GB/s", HBM_PEAK_TBS * 1e3)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="small shapes; Triton through the interpreter on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    on_cuda = torch.cuda.is_available()
+    run_triton = on_cuda or args.tiny
+    if run_triton and not on_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at import
+
+    shapes = LLAMA_8B if on_cuda and not args.tiny else TINY
+    device = torch.device("cuda" if on_cuda else "cpu")
+    dtype = torch.bfloat16
+    bench = Bench(shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, dtype, device, args.seed, run_triton)
+    print(f"device: {torch.cuda.get_device_name() if on_cuda else 'cpu'}; heads {shapes.num_heads}/"
+          f"{shapes.num_kv_heads}, head_dim {shapes.head_dim}, {dtype}; roofline: H200 HBM {HBM_PEAK_TBS} TB/s "
+          f"peak, {HBM_COPY_TBS} TB/s measured copy, {BF16_DENSE_TFLOPS:.0f} TFLOP/s bf16 dense")
+    rows = []
+    for block_size in shapes.block_sizes:
+        for batch in shapes.decode_batches:
+            for context in shapes.decode_contexts:
+                rows.append(bench.decode(block_size, batch, context))
+        for prefill_len in shapes.prefill_lens:
+            rows.append(bench.prefill(block_size, prefill_len))
+        rows.append(bench.store(block_size, max(shapes.prefill_lens)))
+    # A chunk continuing a cached prefix next to decode rows: the engine's mixed steps.
+    rows.append(bench.mixed(shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches)))
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'kernel':<10}{'case':<24}{'block':>6}{'torch ms':>11}{'triton ms':>11}{'triton rate':>16}{'roofline':>16}{'% roof':>8}{'rel err':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        rate, roof, unit = row["rate"], row["roofline"], row["unit"]
+        triton_ms = f"{row['triton_ms']:.4f}" if row["triton_ms"] is not None else "-"
+        achieved = f"{rate:.1f} {unit}" if rate is not None else "-"
+        percent = f"{100 * rate / roof:.1f}" if rate is not None else "-"
+        error = f"{row['error']:.1e}" if row["error"] is not None else "-"
+        print(f"{row['kernel']:<10}{row['case']:<24}{row['block']:>6}{row['torch_ms']:>11.4f}{triton_ms:>11}"
+              f"{achieved:>16}{f'{roof:.0f} {unit}':>16}{percent:>8}{error:>10}")
+    print(f"roofline: GB/s rows against HBM peak {HBM_PEAK_TBS} TB/s (a measured device copy reaches "
+          f"{HBM_COPY_TBS}); TFLOP/s rows against {BF16_DENSE_TFLOPS:.0f} bf16 dense, causal FLOPs = "
+          "4*Hq*D per visible query-key pair; the mixed row's ceiling is the chunk at the FLOP "
+          "roofline plus the decode rows' KV at HBM peak. CUDA: triton timed as CUDA-graph replay, torch eager.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Picks the attention backend per call: Triton for CUDA tensors, the torch reference otherwise.
+
+`TANDEM_ATTENTION_BACKEND=torch|triton` forces one (read at each call, so tests and
+benchmarks can flip it); forcing triton on CPU tensors needs TRITON_INTERPRET=1.
+Triton is imported lazily: a CPU-only install without it still serves.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from tandem.kernels import paged_attention as reference
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+_BACKENDS = ("torch", "triton")
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    try:
+        from tandem.kernels import paged_attention_triton
+    except ImportError:
+        return None
+    return paged_attention_triton
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend a call on `device` uses: the env override, else triton on CUDA when it imports."""
+    forced = os.environ.get("TANDEM_ATTENTION_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"TANDEM_ATTENTION_BACKEND={forced!r}; expected one of {_BACKENDS}")
+        if forced == "triton" and _triton_module() is None:
+            raise ValueError("TANDEM_ATTENTION_BACKEND=triton but triton does not import")
+        return forced
+    return "triton" if device.type == "cuda" and _triton_module() is not None else "torch"
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
+    if backend_for(kv_layer.device) == "triton":
+        _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping)
+    else:
+        reference.store_kv(key, value, kv_layer, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D]."""
+    if backend_for(kv_layer.device) == "triton":
+        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
+    return reference.paged_attention(query, kv_layer, meta, scale)

@@ -1,0 +1,291 @@
+"""Triton paged KV store and paged attention: same signatures as `paged_attention.py`.
+
+One attention kernel serves a whole mixed batch (prefill chunks and decode rows). A
+program owns (sequence, query block, kv head, kv split): its rows are BLOCK_Q query
+tokens x the GROUP query heads that share the kv head, so each K/V tile is read once
+for the whole group (GQA) and the row count is large enough for tensor-core dots even
+when a sequence brings one token. Keys are walked in tiles of TILE_N tokens gathered
+through the block table, with an online softmax in base 2.
+
+When the grid is too small to fill the GPU (few decode sequences over long contexts),
+the keys are split into segments handled by separate programs (flash-decoding) and a
+second kernel merges their partial outputs by log-sum-exp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.launch_checks import check_index, check_kv_layer, check_tokens, require
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # Triton 3.9's interpreter multiplies bf16 operands as their raw bits: upcast there only.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, kv_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_block, stride_kv, stride_slot, stride_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    row = token.to(tl.int64)
+    key = tl.load(key_ptr + row * stride_kt + heads * stride_kh + dims, mask=mask)
+    value = tl.load(value_ptr + row * stride_vt + heads * stride_vh + dims, mask=mask)
+    dst = kv_ptr + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + heads * stride_head + dims
+    tl.store(dst, key.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+    stride_block, stride_kv, stride_slot,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + TILE_N), gathered through the block table."""
+    pos = start + tl.arange(0, TILE_N)
+    pos_valid = pos < kv_hi
+    block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+    kv_offs = block_id * stride_block + (pos % BLOCK_SIZE) * stride_slot + head_off
+    tile_mask = pos_valid[:, None] & dim_valid[None, :]
+    k = tl.load(kv_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(kv_ptr + stride_kv + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
+    if MASKED:
+        visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    scale_log2, split_len,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_block, stride_kv, stride_slot, stride_head, stride_table,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(2)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    if q_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_index = q_block * BLOCK_Q + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_valid = (q_index < query_len) & (rows % GROUP_PAD < GROUP)
+    # Row r may see keys at positions <= its own absolute position (causal).
+    q_pos = context_len + q_index
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_offs = (query_start + q_index).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+    # A finite floor keeps fully masked rows at exp2(-inf - floor) = 0 instead of NaN.
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    head_off = kv_head * stride_head
+    # Tiles wholly below the block's first row's diagonal need no mask; only the rest pay for it.
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1) - kv_lo, 0) // TILE_N
+    unmasked_hi = kv_lo + num_unmasked * TILE_N
+    for start in range(kv_lo, unmasked_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, False, UPCAST_DOT)
+    for start in range(unmasked_hi, kv_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
+            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, True, UPCAST_DOT)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    token = (query_start + q_index).to(tl.int64)
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials are contiguous: out [T, Hq, NUM_SPLITS, DIM_PAD], lse [T, Hq, NUM_SPLITS].
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * DIM_PAD + dims[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    base = (token * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    # Split 0 always holds key 0, so the max is finite and the weights sum to >= 1.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
+                   mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(tl.where(weight[:, None] > 0, part * weight[:, None], 0.0), 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+# Decided when the kernels were decorated (TRITON_INTERPRET=1 then), not at launch.
+_IS_INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def store_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
+    check_kv_layer(kv_layer)
+    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    check_tokens("key", key, num_kv_heads, head_dim, kv_layer.device)
+    check_tokens("value", value, num_kv_heads, head_dim, kv_layer.device)
+    check_index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), kv_layer.device)
+    num_tokens = key.shape[0]
+    require(value.shape[0] == num_tokens == slot_mapping.shape[0],
+            f"key, value and slot_mapping disagree on T: {key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kv_layer, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    rows: int  # query rows per program: tokens x GQA group
+    tile_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(has_prefill: bool, dim_pad: int) -> LaunchConfig:
+    """Tile sizes per step kind. A decode-only step has one token per sequence, so it
+    takes only the 16 rows tl.dot requires, mostly filled by the GQA group."""
+    if has_prefill:
+        return LaunchConfig(64, 64 if dim_pad <= 128 else 32, 4, 2)
+    return LaunchConfig(16, 64 if dim_pad <= 128 else 32, 4, 2)
+
+
+def _default_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
+    """Enough key segments to give every SM about two programs, each segment >= 4 tiles."""
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if num_programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, num_programs)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * tile_n), 32))
+
+
+def paged_attention_triton(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of each sequence's new tokens over its whole paged KV.
+
+    query [T, Hq, D] -> [T, Hq, D]. The new tokens' KV must already be stored.
+    `num_kv_splits` overrides the key-segment count (tests; None picks one per grid size).
+    """
+    check_kv_layer(kv_layer)
+    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    require(query.dim() == 3, f"query must be [T, Hq, D], got {tuple(query.shape)}")
+    num_heads = query.shape[1]
+    check_tokens("query", query, num_heads, head_dim, kv_layer.device)
+    require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    require(query.dtype == kv_layer.dtype, f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}")
+    check_index("meta.query_start_loc", meta.query_start_loc, 1, (torch.int32,), kv_layer.device)
+    check_index("meta.seq_lens", meta.seq_lens, 1, (torch.int32,), kv_layer.device)
+    check_index("meta.block_tables", meta.block_tables, 2, (torch.int32,), kv_layer.device)
+    num_seqs = meta.num_seqs
+    require(meta.query_start_loc.shape[0] == num_seqs + 1 and meta.block_tables.shape[0] == num_seqs,
+            f"metadata disagrees on the number of sequences ({num_seqs})")
+    require(meta.max_query_len >= 1, f"max_query_len must be >= 1, got {meta.max_query_len}")
+    require(num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens = query.shape[0]
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    config = launch_config(meta.max_query_len > 1, dim_pad)
+    block_q = max(1, config.rows // group_pad)
+    tile_n = config.tile_n
+    num_q_blocks = triton.cdiv(meta.max_query_len, block_q)
+    num_splits = num_kv_splits or _default_num_splits(
+        num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device)
+    split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), tile_n) * tile_n
+    num_splits = triton.cdiv(meta.max_seq_len, split_len)
+    if num_splits > 1:
+        part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _attention_kernel[(num_seqs, num_q_blocks * num_splits, num_kv_heads)](
+        query, kv_layer, out, part_out, part_lse,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, split_len,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP_PAD=group_pad, DIM_PAD=dim_pad, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )
+    return out
