@@ -130,6 +130,8 @@ def main() -> None:
                         help="block ids of a request: one run, or random blocks of the pool on both sides")
     parser.add_argument("--no-progress-thread", dest="progress_thread", action="store_false",
                         help="no NIXL UCX progress thread in either agent (each one spins a core)")
+    parser.add_argument("--max-desc-mib", type=float, default=None,
+                        help="cut block runs into descriptors of at most this many MiB (default: one per run)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
@@ -178,7 +180,8 @@ def main() -> None:
     state = conn.recv_bytes()
 
     decode_pool = shape.pool(pool_blocks, decode_device)
-    transceiver = KvTransceiver(DECODE_NAME, decode_pool, shape.layout_hash, progress_thread=args.progress_thread)
+    transceiver = KvTransceiver(DECODE_NAME, decode_pool, shape.layout_hash, progress_thread=args.progress_thread,
+                                max_descriptor_bytes=int(args.max_desc_mib * 2 ** 20) if args.max_desc_mib else None)
     transceiver.add_peer(state)
     rng = random.Random(SEED)
     num_reads = 0
@@ -191,7 +194,8 @@ def main() -> None:
         return transfer
 
     print(f"# KV transfer, NIXL READ ({args.device}, {args.layout} blocks, progress thread "
-          f"{'on' if args.progress_thread else 'off'}), shape {args.shape}: {shape}")
+          f"{'on' if args.progress_thread else 'off'}, max descriptor {args.max_desc_mib or 'unlimited'} MiB), "
+          f"shape {args.shape}: {shape}")
     print(f"# block = {shape.block_nbytes / 2**10:.0f} KiB; median of {args.iters} after {args.warmup} warm-up; "
           f"roofline = best torch copy of the same bytes "
           f"({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'CPU memcpy'}), this run, before the agents start")

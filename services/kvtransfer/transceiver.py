@@ -54,10 +54,22 @@ def coalesce_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int
     return runs
 
 
+def split_runs(runs: list[tuple[int, int, int]], max_blocks: int | None) -> list[tuple[int, int, int]]:
+    """Cuts runs longer than max_blocks: several descriptors let the backend move them in parallel."""
+    if not max_blocks:
+        return runs
+    out = []
+    for remote_start, local_start, count in runs:
+        for offset in range(0, count, max_blocks):
+            out.append((remote_start + offset, local_start + offset, min(max_blocks, count - offset)))
+    return out
+
+
 class KvTransceiver:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, agent_name: str, kv_cache: torch.Tensor, layout_hash: str, *, progress_thread: bool = True):
+    def __init__(self, agent_name: str, kv_cache: torch.Tensor, layout_hash: str, *, progress_thread: bool = True,
+                 max_descriptor_bytes: int | None = None):
         """`progress_thread`: NIXL's own UCX progress thread. With it, a READ completes
         whatever the peer is doing; without it, UCX progresses only inside
         Transfer.done() and poll_notifications(), and a READ completes only once the
@@ -108,6 +120,9 @@ class KvTransceiver:
             layout_hash=layout_hash,
         )
         self._state_bytes = self._local.to_bytes()
+        if max_descriptor_bytes is not None and max_descriptor_bytes <= 0:
+            raise ValueError(f"max_descriptor_bytes must be > 0, got {max_descriptor_bytes}")
+        self._max_run_blocks = max(1, max_descriptor_bytes // self.block_nbytes) if max_descriptor_bytes else None
 
     @property
     def agent_name(self) -> str:
@@ -203,7 +218,7 @@ class KvTransceiver:
                 agent.send_notif(peer_name, notify)
             return Transfer.completed(peer_name)
 
-        runs = coalesce_runs(remote_block_ids, local_block_ids)
+        runs = split_runs(coalesce_runs(remote_block_ids, local_block_ids), self._max_run_blocks)
         block_nbytes = self.block_nbytes
         remote_descs = np.array(
             [(peer.block_address(r), n * block_nbytes, peer.device_id) for r, _, n in runs], dtype=np.uint64

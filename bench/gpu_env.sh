@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Source on a device machine (the device tool): installs the carried wheels in .whl
+# (nixl + nixl-cu13 for Python 3.12, grpc health/reflection, protobuf) and maps the
+# source tree onto the tandem namespace, without pip-installing the project.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+mkdir -p /tmp/ns/tandem
+for m in engine prefill decode router worker common kvtransfer cli; do ln -sfn "$PWD/services/$m" "/tmp/ns/tandem/$m"; done
+ln -sfn "$PWD/kernels" /tmp/ns/tandem/kernels
+ln -sfn "$PWD/client/tandem/client" /tmp/ns/tandem/client
+ln -sfn "$PWD/client/tandem/v1" /tmp/ns/tandem/v1
+export PYTHONPATH=/tmp/site:/tmp/ns TANDEM_HOME=/tmp/tandem-home PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
