@@ -244,3 +244,9 @@ def test_state_round_trip_and_close_is_idempotent():
 def test_coalesce_runs_requires_both_sides_consecutive():
     assert coalesce_runs([4, 5, 6, 9, 10, 11], [0, 1, 7, 8, 9, 2]) == [(4, 0, 2), (6, 7, 1), (9, 8, 2), (11, 2, 1)]
     assert coalesce_runs([], []) == []
+
+
+def test_split_runs_caps_descriptor_length():
+    from tandem.kvtransfer.transceiver import split_runs
+    assert split_runs([(10, 0, 5), (3, 20, 2)], 2) == [(10, 0, 2), (12, 2, 2), (14, 4, 1), (3, 20, 2)]
+    assert split_runs([(10, 0, 5)], None) == [(10, 0, 5)]

@@ -99,6 +99,8 @@ class GenerateCall:
             self.num_cached_prompt_tokens = len(self.prompt_token_ids)
             await self.engine_loop.call(lambda e: e.complete_import(rid))
         except asyncio.CancelledError:
+            # Queued after our reserve_import, so it frees whatever that reserved.
+            self.engine_loop.abort(rid)
             raise
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             self.engine_loop.abort(rid)
@@ -110,6 +112,8 @@ class GenerateCall:
 
     def cancel(self) -> None:
         """Abort every unfinished sequence; the stream then ends with finish_reason cancelled."""
+        if self._import_task is not None:
+            self._import_task.cancel()
         for state in self.sequences.values():
             if not state.finished:
                 self.engine_loop.abort(state.engine_id)
