@@ -39,6 +39,8 @@ chart: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/kv_transfer.py
+	$(PY) bench/disagg_e2e.py
+	$(PY) bench/kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info
