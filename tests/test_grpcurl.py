@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import assert_all_blocks_free
 from tandem.cli.cluster import LocalCluster
+from tandem.client import LLM
 
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 
@@ -18,6 +20,13 @@ GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl"
 def cluster(model_dirs):
     with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"]) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(cluster):
+    yield
+    with LLM(cluster.address) as llm:
+        assert_all_blocks_free(llm)
 
 
 def grpcurl(*args: str, data: str | None = None) -> str:

@@ -1,0 +1,59 @@
+"""Process lifecycle: health is NOT_SERVING until the model is loaded, SIGTERM stops
+gracefully, Shutdown stops the whole cluster, and the CLI streams a completion."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.cli.cluster import LocalCluster, free_port
+from tandem.client import LLM
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+
+def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp_path):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "both", "--port", str(port),
+                             "--model", str(model_dirs["llama"]), "--num-blocks", "16"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not seen or seen[-1] != "SERVING"):
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()
+            seen.append(_health(address))
+            time.sleep(0.02)
+        assert seen[-1] == "SERVING"
+        assert "NOT_SERVING" in seen, seen  # the port answered before the model was ready
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_shutdown_stops_the_cluster_and_the_cli_streams(model_dirs):
+    cluster = LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"])
+    with cluster:
+        cli = subprocess.run([sys.executable, "-m", "tandem.cli.main", "generate", "--target", cluster.address,
+                              "--max-tokens", "6", "Hello from the command line"],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert "[length: 6 tokens]" in cli.stdout
+        llm = LLM(cluster.address)
+        llm.shutdown()
+        for service in cluster.services:
+            assert service.process.wait(timeout=20) == 0, service.log_tail()
