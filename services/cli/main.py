@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         p = serve_sub.add_parser(role, help=f"a {role} worker")
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
+        p.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+                       help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)")
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
         _add_engine_args(p)
@@ -41,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", required=True, help="comma-separated worker addresses host:port")
     router.add_argument("--health-interval", type=float, default=1.0)
+    router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+                        help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -80,13 +85,14 @@ def _serve(args) -> int:
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
+                              admin_token=args.admin_token,
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
     from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=args.role, engine=_engine_config(args), host=args.host, port=args.port,
-                          nixl_progress_thread=args.nixl_progress_thread)
+                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token)
     asyncio.run(serve_worker(config))
     return 0
 

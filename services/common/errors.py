@@ -20,7 +20,11 @@ class ResourceExhaustedError(RuntimeError):
     """A request that can never fit (RESOURCE_EXHAUSTED)."""
 
 
-class IncompatibleHandoffError(RuntimeError):
+class PreconditionError(RuntimeError):
+    """The call is fine but the server is not in a state to run it (FAILED_PRECONDITION)."""
+
+
+class IncompatibleHandoffError(PreconditionError):
     """A KV handoff between workers with different layouts (FAILED_PRECONDITION)."""
 
 
@@ -37,7 +41,7 @@ def unimplemented(message: str) -> RpcError:
 
 
 _BY_TYPE: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (IncompatibleHandoffError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),

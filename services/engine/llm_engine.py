@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.common.errors import ResourceExhaustedError
+from tandem.common.errors import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
@@ -166,6 +166,31 @@ class LLMEngine:
             return False
         self.block_manager.release(seq)
         return True
+
+    # -- memory release / resume (RL flows: pause, release, update weights, resume) --
+    MEMORY_TAGS = ("model", "kv_cache")
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Frees the memory behind tags. Refused while requests run; drops KV leases first."""
+        if self.num_unfinished or self.imports:
+            raise PreconditionError(f"{self.num_unfinished + len(self.imports)} requests are in flight; "
+                                    "call pause_generation before release")
+        if "kv_cache" in tags:
+            for request_id in list(self.leases):
+                self.release_lease(request_id)
+            self.runner.release_kv_cache()
+        if "model" in tags:
+            self.runner.release_weights()
+
+    def resume_memory(self, tags: list[str]) -> None:
+        if "model" in tags:
+            self.runner.restore_weights()
+        if "kv_cache" in tags:
+            self.runner.restore_kv_cache()
+
+    @property
+    def released_tags(self) -> list[str]:
+        return [t for t, gone in (("model", self.runner.model is None), ("kv_cache", self.runner.kv_cache is None)) if gone]
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()

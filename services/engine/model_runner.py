@@ -9,6 +9,9 @@ from tandem.engine.loader import allocate_kv_cache, load_model
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention_metadata import AttentionMetadata
 
+# What must agree for new weights to replace the served ones.
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -19,9 +22,58 @@ class ModelRunner:
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
+        # Where the current weights came from; Resume(["model"]) reloads from here.
+        self.weights_source = config.model_dir
+        self.weights_version = 0
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    # -- memory management (release / resume / update_weights) --
+    @property
+    def weight_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        tensors = {t.data_ptr(): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def release_weights(self) -> None:
+        self.model = None
+        self._empty_device_cache()
+
+    def restore_weights(self) -> None:
+        if self.model is None:
+            self.model, _ = load_model(self.weights_source, dtype=self.dtype, device=self.device)
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        self._empty_device_cache()
+
+    def restore_kv_cache(self) -> None:
+        if self.kv_cache is None:
+            self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    def load_weights(self, checkpoint_dir: str):
+        """Loads a checkpoint of this model's architecture (off the engine thread); swap_weights() installs it."""
+        model, config = load_model(checkpoint_dir, dtype=self.dtype, device=self.device)
+        mismatch = [f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"
+                    for name in _SHAPE_FIELDS if getattr(config, name) != getattr(self.model_config, name)]
+        if mismatch:
+            raise ValueError(f"checkpoint {checkpoint_dir} does not fit the served model: " + "; ".join(mismatch))
+        return model
+
+    def swap_weights(self, model, source: str) -> None:
+        self.model = model
+        self.weights_source = source
+        self.weights_version += 1
+
+    def _empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def kv_layout(self) -> dict:

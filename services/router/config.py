@@ -12,6 +12,8 @@ class RouterConfig:
     workers: tuple[str, ...] = ()
     # Seconds between health polls of the workers.
     health_interval_s: float = 1.0
+    # Admin RPCs need this bearer token when set; the router sends it on to the workers.
+    admin_token: str | None = None
 
     def __post_init__(self):
         if not self.workers:

@@ -55,10 +55,11 @@ def _cancelled_output(request_id: str) -> types_pb2.RequestOutput:
     return out
 
 
-async def _release_lease(prefill: WorkerHandle, ctx_request_id: int) -> None:
+async def _release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int) -> None:
     """Best effort: the decode's NIXL notification normally released it already."""
     try:
-        await prefill.internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id), timeout=5)
+        await prefill.internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id), timeout=5,
+                                         metadata=pool.admin_metadata)
     except grpc.aio.AioRpcError as exc:
         log.info("ReleaseKv(%d) on %s: %s (the lease expires anyway)", ctx_request_id, prefill.address, exc.code())
 
@@ -110,7 +111,7 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
                     m.num_computed_prompt_tokens = prefill_metrics.num_computed_prompt_tokens
                 yield msg
     finally:
-        asyncio.ensure_future(_release_lease(prefill, handoff.ctx_request_id))
+        asyncio.ensure_future(_release_lease(pool, prefill, handoff.ctx_request_id))
 
 
 async def run(pool: WorkerPool, route_table: dict[str, Route], request: llm_pb2.GenerateRequest):

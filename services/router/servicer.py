@@ -8,10 +8,11 @@ import uuid
 import grpc
 from google.protobuf import struct_pb2
 
+from tandem.common.auth import ADMIN_METHODS
 from tandem.common.errors import RpcError, unavailable
 from tandem.router import generate
 from tandem.router.workers import WorkerHandle, WorkerPool
-from tandem.v1 import llm_pb2, llm_pb2_grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
 
 class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
@@ -78,7 +79,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         workers = self.pool.ready_workers if workers is None else workers
         if not workers:
             raise unavailable("no ready worker")
-        return await asyncio.gather(*(getattr(w.llm, method)(request) for w in workers))
+        metadata = self.pool.admin_metadata if method in ADMIN_METHODS else ()
+        return await asyncio.gather(*(getattr(w.llm, method)(request, metadata=metadata) for w in workers))
 
     async def _admin(self, method: str, request) -> llm_pb2.AdminResponse:
         replies = await self._fan_out(method, request)
@@ -91,17 +93,54 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self._admin("ResumeGeneration", request)
 
     async def Release(self, request, context):
-        return await self._admin("Release", request)
+        undo = llm_pb2.MemoryTagsRequest(tags=request.tags)
+        return await self._all_or_nothing("Release", request, lambda w: ("Resume", undo))
 
     async def Resume(self, request, context):
         return await self._admin("Resume", request)
 
     async def UpdateWeights(self, request, context):
-        return await self._admin("UpdateWeights", request)
+        states = {w.address: await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+                  for w in self.pool.ready_workers}
+        return await self._all_or_nothing("UpdateWeights", request, lambda w: (
+            "UpdateWeights", llm_pb2.UpdateWeightsRequest(checkpoint_path=states[w.address].weights_source)))
+
+    async def _all_or_nothing(self, method: str, request, undo) -> llm_pb2.AdminResponse:
+        """Runs an admin call on every worker; if any refuses, undoes it on those that applied it,
+        so the cluster never ends up half-changed."""
+        workers = self.pool.ready_workers
+        if not workers:
+            raise unavailable("no ready worker")
+        metadata = self.pool.admin_metadata
+        replies = await asyncio.gather(*(getattr(w.llm, method)(request, metadata=metadata) for w in workers),
+                                       return_exceptions=True)
+        failures = [r for r in replies if isinstance(r, BaseException)]
+        if failures:
+            applied = [w for w, r in zip(workers, replies) if not isinstance(r, BaseException)]
+            for w in applied:
+                undo_method, undo_request = undo(w)
+                await getattr(w.llm, undo_method)(undo_request, metadata=metadata)
+            raise failures[0]
+        return llm_pb2.AdminResponse(detail=[d for r in replies for d in r.detail])
 
     async def CollectiveRpc(self, request, context):
-        replies = await self._fan_out("CollectiveRpc", request)
-        return llm_pb2.CollectiveRpcResponse(results=[v for r in replies for v in r.results])
+        """Ranks are worker indices in the router's --workers order."""
+        workers = self.pool.workers
+        ranks = list(request.target_ranks) or list(range(len(workers)))
+        bad = [r for r in ranks if not 0 <= r < len(workers)]
+        if bad:
+            raise ValueError(f"target_ranks {bad} out of range: there are {len(workers)} workers (ranks 0..{len(workers) - 1})")
+        if request.HasField("unique_reply_rank") and request.unique_reply_rank not in ranks:
+            raise ValueError(f"unique_reply_rank {request.unique_reply_rank} is not among the target ranks {ranks}")
+        targets = [workers[r] for r in ranks]
+        not_ready = [w.address for w in targets if not w.ready]
+        if not_ready:
+            raise unavailable(f"workers not ready: {not_ready}")
+        replies = await self._fan_out("CollectiveRpc", request, targets)
+        results = [r.results[0] for r in replies]
+        if request.HasField("unique_reply_rank"):
+            results = [results[ranks.index(request.unique_reply_rank)]]
+        return llm_pb2.CollectiveRpcResponse(results=results)
 
     async def GetStats(self, request, context):
         replies = await self._fan_out("GetStats", request)

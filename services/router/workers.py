@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.common.auth import bearer_metadata
 from tandem.common.errors import unavailable
 from tandem.common.server import CHANNEL_OPTIONS
 from tandem.v1 import llm_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -38,8 +39,10 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], health_interval_s: float):
+    def __init__(self, addresses: tuple[str, ...], health_interval_s: float, admin_token: str | None = None):
         self.health_interval_s = health_interval_s
+        # Sent on every admin call to a worker.
+        self.admin_metadata = bearer_metadata(admin_token)
         self.workers: list[WorkerHandle] = []
         for address in addresses:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

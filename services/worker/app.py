@@ -16,7 +16,7 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 
 
 async def serve_worker(config: WorkerConfig) -> None:
-    server = GrpcServer(config.host, config.port, SERVICE_NAMES)
+    server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token)
     runtime = WorkerRuntime(config, server)
     llm_servicer = WorkerLLMServicer(runtime)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)

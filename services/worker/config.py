@@ -16,6 +16,8 @@ class WorkerConfig:
     port: int = 0
     # NIXL's UCX progress thread: READs progress without polling, at the price of a busy core.
     nixl_progress_thread: bool = False
+    # Admin RPCs need this bearer token when set.
+    admin_token: str | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -10,6 +10,7 @@ from tandem.common.server import GrpcServer
 from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.tokenizer import Tokenizer, generation_eos_ids
@@ -35,6 +36,7 @@ class WorkerRuntime:
         self.transceiver = None
         self.handoff_keeper = None
         self.importer = None
+        self._transceiver_generation = 0
 
     async def load(self) -> None:
         """Loads tokenizer and model off the event loop, warms the engine up, starts its thread."""
@@ -50,17 +52,20 @@ class WorkerRuntime:
         self.kv_layout = self.engine.runner.kv_layout
         self.kv_layout_hash = layout_hash(self.kv_layout)
         if self.config.role in ("prefill", "decode"):
-            await asyncio.to_thread(self._start_transceiver)
+            await asyncio.to_thread(self.start_transceiver)
         self.engine_loop.start()
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
                                 "total_s": time.perf_counter() - started}
         self.ready.set()
 
-    def _start_transceiver(self) -> None:
+    def start_transceiver(self) -> None:
+        """A NIXL agent over the KV pool; a new agent name each time, so peers that cached
+        the old one (before a release of the pool) fetch the new state."""
         from tandem.decode.importer import KvImporter
         from tandem.kvtransfer import KvTransceiver
         from tandem.prefill.handoff import HandoffKeeper
-        agent_name = f"{self.config.role}-{self.worker_id}-{self.llm_id[:8]}"
+        self._transceiver_generation += 1
+        agent_name = f"{self.config.role}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
         self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_cache, self.kv_layout_hash,
                                          progress_thread=self.config.nixl_progress_thread)
         if self.config.role == "prefill":
@@ -68,6 +73,15 @@ class WorkerRuntime:
                                                 self.kv_layout_hash, self.config.engine.kv_lease_seconds)
         else:
             self.importer = KvImporter(self.transceiver)
+
+    def stop_transceiver(self) -> None:
+        if self.handoff_keeper is not None:
+            self.handoff_keeper.stop()
+        if self.importer is not None:
+            asyncio.ensure_future(self.importer.close())
+        if self.transceiver is not None:
+            self.transceiver.close()
+        self.transceiver = self.handoff_keeper = self.importer = None
 
     def start_background(self) -> None:
         if self.handoff_keeper is not None:
@@ -86,14 +100,9 @@ class WorkerRuntime:
         self.server.request_stop()
 
     async def close(self) -> None:
-        if self.handoff_keeper is not None:
-            self.handoff_keeper.stop()
-        if self.importer is not None:
-            await self.importer.close()
         if self.engine_loop is not None:
             self.engine_loop.stop()
-        if self.transceiver is not None:
-            self.transceiver.close()
+        self.stop_transceiver()
 
     def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
         bm = self.engine.block_manager
@@ -106,6 +115,7 @@ class WorkerRuntime:
         info.disaggregated_params.update({"role": self.config.role, "kv_layout_hash": self.kv_layout_hash,
                                           "transceiver": self.transceiver.agent_name if self.transceiver else ""})
         info.startup_metrics.update(self.startup_metrics)
+        info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
         return info
 
     async def worker_state(self) -> worker_pb2.WorkerState:
@@ -117,7 +127,9 @@ class WorkerRuntime:
                 num_free_blocks=bm.num_free_blocks, num_active_requests=engine.num_unfinished + len(engine.imports),
                 num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
                 num_steps=c.num_steps, num_leased_blocks=engine.num_leased_blocks, paused=self.paused,
-                kv_bytes_received=self.importer.num_bytes_received if self.importer else 0)
+                kv_bytes_received=self.importer.num_bytes_received if self.importer else 0,
+                weight_bytes=engine.runner.weight_bytes, kv_cache_bytes=engine.runner.kv_cache_bytes,
+                weights_source=engine.runner.weights_source, weights_version=engine.runner.weights_version)
         return await self.engine_loop.call(read)
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:

@@ -11,6 +11,7 @@ import grpc
 from tandem.common.errors import RpcError, unavailable, unimplemented
 from tandem.decode.importer import parse_handoff
 from tandem.engine.sequence import Phase
+from tandem.worker import admin
 from tandem.worker.convert import PHASES, check_unsupported, sampling_options
 from tandem.worker.generate import GenerateCall
 from tandem.worker.runtime import WorkerRuntime
@@ -44,6 +45,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         if self.rt.paused:
             raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
+        released = self.rt.engine.released_tags
+        if released:
+            raise unavailable(f"memory {released} is released (Release); call Resume({released}) first")
         check_unsupported(request)
         params = request.sampling_params
         options = sampling_options(params, self.rt.eos_token_ids)
@@ -178,16 +182,18 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         raise unimplemented("encode needs an encoder-only model; this build serves decoder-only models only")
 
     async def CollectiveRpc(self, request, context):
-        raise unimplemented("collective_rpc is not available yet")
+        value = await admin.collective_rpc(self.rt, request.method, json_format.MessageToDict(request.args) or [],
+                                           json_format.MessageToDict(request.kwargs) or {})
+        return llm_pb2.CollectiveRpcResponse(results=[value])
 
     async def Release(self, request, context):
-        raise unimplemented("release(tags) is not available yet")
+        return llm_pb2.AdminResponse(detail=[await admin.release(self.rt, request.tags)])
 
     async def Resume(self, request, context):
-        raise unimplemented("resume(tags) is not available yet")
+        return llm_pb2.AdminResponse(detail=[await admin.resume(self.rt, request.tags)])
 
     async def UpdateWeights(self, request, context):
-        raise unimplemented("update_weights is not available yet")
+        return llm_pb2.AdminResponse(detail=[await admin.update_weights(self.rt, request)])
 
 
 class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):

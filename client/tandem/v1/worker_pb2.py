@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\"\x14\n\x12WorkerStateRequest\"\x9e\x02\n\x0bWorkerState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0ekv_layout_hash\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x05 \x01(\x05\x12\"\n\x1anum_prompt_tokens_computed\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x11\n\tnum_steps\x18\x08 \x01(\x03\x12\x19\n\x11num_leased_blocks\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\"*\n\x10ReleaseKvRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xd0\x01\n\tKvHandoff\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x63tx_endpoint\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0e\x63tx_request_id\x18\x08 \x01(\x03\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\x32\x99\x01\n\x06Worker\x12G\n\x0eGetWorkerState\x12\x1d.tandem.v1.WorkerStateRequest\x1a\x16.tandem.v1.WorkerState\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\"\x14\n\x12WorkerStateRequest\"\xfd\x02\n\x0bWorkerState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0ekv_layout_hash\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x05 \x01(\x05\x12\"\n\x1anum_prompt_tokens_computed\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x11\n\tnum_steps\x18\x08 \x01(\x03\x12\x19\n\x11num_leased_blocks\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x03\x12\x16\n\x0eweights_source\x18\x0e \x01(\t\x12\x17\n\x0fweights_version\x18\x0f \x01(\x03\"*\n\x10ReleaseKvRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xd0\x01\n\tKvHandoff\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x63tx_endpoint\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0e\x63tx_request_id\x18\x08 \x01(\x03\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\x32\x99\x01\n\x06Worker\x12G\n\x0eGetWorkerState\x12\x1d.tandem.v1.WorkerStateRequest\x1a\x16.tandem.v1.WorkerState\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATEREQUEST']._serialized_start=37
   _globals['_WORKERSTATEREQUEST']._serialized_end=57
   _globals['_WORKERSTATE']._serialized_start=60
-  _globals['_WORKERSTATE']._serialized_end=346
-  _globals['_RELEASEKVREQUEST']._serialized_start=348
-  _globals['_RELEASEKVREQUEST']._serialized_end=390
-  _globals['_RELEASEKVRESPONSE']._serialized_start=392
-  _globals['_RELEASEKVRESPONSE']._serialized_end=429
-  _globals['_KVHANDOFF']._serialized_start=432
-  _globals['_KVHANDOFF']._serialized_end=640
-  _globals['_WORKER']._serialized_start=643
-  _globals['_WORKER']._serialized_end=796
+  _globals['_WORKERSTATE']._serialized_end=441
+  _globals['_RELEASEKVREQUEST']._serialized_start=443
+  _globals['_RELEASEKVREQUEST']._serialized_end=485
+  _globals['_RELEASEKVRESPONSE']._serialized_start=487
+  _globals['_RELEASEKVRESPONSE']._serialized_end=524
+  _globals['_KVHANDOFF']._serialized_start=527
+  _globals['_KVHANDOFF']._serialized_end=735
+  _globals['_WORKER']._serialized_start=738
+  _globals['_WORKER']._serialized_end=891
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class WorkerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused")
+    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,10 @@ class WorkerState(_message.Message):
     NUM_LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     role: str
     kv_layout_hash: str
     num_total_blocks: int
@@ -34,7 +38,11 @@ class WorkerState(_message.Message):
     num_leased_blocks: int
     kv_bytes_received: int
     paused: bool
-    def __init__(self, role: _Optional[str] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+    weight_bytes: int
+    kv_cache_bytes: int
+    weights_source: str
+    weights_version: int
+    def __init__(self, role: _Optional[str] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("ctx_request_id",)

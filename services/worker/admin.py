@@ -1,0 +1,101 @@
+"""A worker's admin calls: release / resume memory by tag, update_weights, collective_rpc.
+
+Each call either applies whole or not at all: validation and loading happen before
+anything changes, and the swap itself runs on the engine thread between steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from tandem.common.errors import RpcError, unavailable
+from tandem.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from tandem.worker.runtime import WorkerRuntime
+
+# collective_rpc runs only these, with JSON arguments (never pickle).
+COLLECTIVE_RPC_METHODS = ("get_worker_state", "weights_checksum", "kv_cache_capacity")
+
+
+def check_tags(tags) -> list[str]:
+    tags = list(tags)
+    unknown = sorted(set(tags) - set(LLMEngine.MEMORY_TAGS))
+    if not tags or unknown:
+        raise ValueError(f"tags must be a non-empty subset of {list(LLMEngine.MEMORY_TAGS)}; got {tags}")
+    return tags
+
+
+async def release(rt: WorkerRuntime, tags) -> str:
+    tags = check_tags(tags)
+    await rt.engine_loop.call(lambda e: e.release_memory([]))  # refuses while requests run, changes nothing
+    stopped = "kv_cache" in tags and rt.transceiver is not None
+    if stopped:
+        rt.stop_transceiver()  # deregister the pool before its memory goes
+    try:
+        await rt.engine_loop.call(lambda e: e.release_memory(tags))
+    except BaseException:
+        if stopped:  # a request slipped in: put things back as they were
+            await asyncio.to_thread(rt.start_transceiver)
+            rt.start_background()
+        raise
+    return f"{rt.worker_id}: released {tags}"
+
+
+async def resume(rt: WorkerRuntime, tags) -> str:
+    tags = check_tags(tags)
+    await rt.engine_loop.call(lambda e: e.resume_memory(tags))
+    if "kv_cache" in tags and rt.config.role in ("prefill", "decode") and rt.transceiver is None:
+        await asyncio.to_thread(rt.start_transceiver)
+        rt.start_background()
+    return f"{rt.worker_id}: resumed {tags}"
+
+
+async def update_weights(rt: WorkerRuntime, request) -> str:
+    source = request.WhichOneof("source")
+    if source == "ipc_handles":
+        raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
+                       "update_weights with CUDA IPC handles is not supported: TensorRT-LLM's handle format is "
+                       "pickled, which tandem never accepts across processes; pass checkpoint_path instead")
+    if source != "checkpoint_path" or not request.checkpoint_path:
+        raise ValueError("update_weights needs checkpoint_path (a directory with config.json and *.safetensors)")
+    path = request.checkpoint_path
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker")
+    if "model" in rt.engine.released_tags:
+        raise unavailable("the model weights are released; call resume(['model']) before update_weights")
+    model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
+    await rt.engine_loop.call(lambda e: e.runner.swap_weights(model, path))
+    return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
+
+
+def _checksum(engine: LLMEngine) -> str:
+    runner = engine.runner
+    if runner.model is None:
+        return ""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(runner.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+async def collective_rpc(rt: WorkerRuntime, method: str, args: list, kwargs: dict) -> struct_pb2.Value:
+    if method not in COLLECTIVE_RPC_METHODS:
+        raise ValueError(f"collective_rpc method {method!r} is not allowed; allowed: {list(COLLECTIVE_RPC_METHODS)}")
+    if args or kwargs:
+        raise ValueError(f"collective_rpc method {method!r} takes no arguments")
+    if method == "get_worker_state":
+        result = json_format.MessageToDict(await rt.worker_state(), preserving_proto_field_name=True)
+    elif method == "weights_checksum":
+        result = await rt.engine_loop.call(_checksum)
+    else:
+        result = json_format.MessageToDict(rt.kv_capacity(), preserving_proto_field_name=True)
+    value = struct_pb2.Value()
+    json_format.ParseDict({"worker_id": rt.worker_id, "result": result}, value)
+    return value
