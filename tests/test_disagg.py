@@ -143,3 +143,16 @@ def test_cancel_during_decode_reaches_both_workers(served):
     out = asyncio.run(go())
     assert out.outputs[0].finish_reason == "cancelled" and len(out.outputs[0].token_ids) < 400
     assert worker_state(decode).num_active_requests == 0
+
+
+def test_n_sequences_through_the_split_equal_the_aggregated_worker(served):
+    _, cluster, llm, aggregated = served
+    # A high temperature: the tiny models are so peaked that cooler samples often coincide.
+    params = SamplingParams(max_tokens=10, n=3, temperature=8.0, seed=42, ignore_eos=True)
+    split = llm.generate("three ways", params, use_tqdm=False)
+    local = aggregated.generate("three ways", params, use_tqdm=False)
+    assert [o.index for o in split.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in split.outputs] == [o.token_ids for o in local.outputs]
+    assert [o.text for o in split.outputs] == [o.text for o in local.outputs]
+    assert len({tuple(o.token_ids) for o in split.outputs}) > 1
+    assert split.finished and all(o.finish_reason == "length" for o in split.outputs)

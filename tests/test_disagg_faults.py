@@ -120,3 +120,24 @@ def test_200_mixed_requests_leave_no_block_behind(model_dirs):
             assert s.num_free_blocks == s.num_total_blocks, s
             assert s.num_leased_blocks == 0 and s.num_active_requests == 0, s
         c.check_alive()  # no worker died on the way
+
+
+def test_a_dead_prefill_fails_the_pull_instead_of_hanging(model_dirs):
+    model = str(model_dirs["llama"])
+    with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", model, "--num-blocks", "32", "--block-size", "8"]) as c, \
+            LLM(c.address) as llm:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        ctx = llm.generate("orphaned handoff", params, use_tqdm=False,
+                           disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        h = ctx.outputs[0].disaggregated_params
+        c.workers[0].process.kill()
+        c.workers[0].process.wait()
+        started = time.monotonic()
+        with LLM(c.workers[1].address) as decode, pytest.raises(grpc.RpcError) as err:
+            decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+                request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
+                ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
+        assert time.monotonic() - started < 20
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value
+        state = worker_state(c.workers[1].address)
+        assert state.num_free_blocks == state.num_total_blocks and state.num_active_requests == 0

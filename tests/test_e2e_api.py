@@ -93,6 +93,9 @@ def test_sync_generate_batch_with_tqdm(llm, capsys):
     ("hi", SamplingParams(max_tokens=4, temperature=1.0, top_p=1.5), "top_p"),
     ([1] * 300, SamplingParams(max_tokens=4), "context"),
     ("hi", SamplingParams(max_tokens=4, temperature=-1.0), "temperature"),
+    ("hi", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10 ** 7]), "stop_token_ids"),
+    ("hi", SamplingParams(max_tokens=4, stop_token_ids=[-1]), "stop_token_ids"),
+    ("hi", SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_invalid_argument(llm, inputs, params, fragment):
     with pytest.raises(grpc.RpcError) as err:
@@ -219,3 +222,34 @@ def test_pause_blocks_new_requests_until_resume(cluster, llm):
         finally:
             aio.close()
     _run(go())
+
+
+def test_a_bad_request_does_not_fail_its_neighbours(cluster):
+    async def go():
+        aio = await AsyncLLM(cluster.address)
+        try:
+            good = aio.generate_async("neighbour", SamplingParams(max_tokens=40, ignore_eos=True))
+            with pytest.raises(grpc.RpcError) as err:
+                await aio.generate_async("bad", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10 ** 7]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            return await good
+        finally:
+            aio.close()
+    out = _run(go())
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 40
+
+
+def test_immediate_aborts_are_never_lost(cluster):
+    async def go():
+        aio = await AsyncLLM(cluster.address)
+        try:
+            results = []
+            for i in range(30):
+                result = aio.generate_async(f"abort at once {i}", SamplingParams(max_tokens=200, ignore_eos=True))
+                result.abort()
+                results.append(await result)
+            return results
+        finally:
+            aio.close()
+    reasons = [r.outputs[0].finish_reason for r in _run(go())]
+    assert reasons == ["cancelled"] * 30

@@ -102,3 +102,17 @@ def test_penalties_and_min_tokens_change_the_choice():
     penal = SamplingOptions(repetition_penalty=1.5)
     assert sampler.sample(logits, [penal], [None], [[1]], [[1]], [frozenset()]).token_ids == [2]
     assert sampler.sample(logits, [base], [None], [[]], [[]], [frozenset({1, 2})]).token_ids == [3]
+
+
+def test_a_sequence_that_outgrows_the_pool_ends_with_length(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=8, num_blocks=4))
+    engine.add_request("big", [1] * 10, SamplingOptions(max_tokens=50, ignore_eos=True))
+    outs = []
+    for _ in range(200):
+        if not engine.num_unfinished:
+            break
+        outs += engine.step()
+    assert engine.num_unfinished == 0, "the request never finished"
+    # 32 KV slots hold the prompt and all outputs but the last (whose KV is never computed)
+    assert outs[-1].finish_reason.value == "length" and len(outs) == 4 * 8 - 10 + 1
+    assert engine.block_manager.num_free_blocks == 4

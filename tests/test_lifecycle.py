@@ -23,6 +23,18 @@ def _health(address: str) -> str:
             return exc.code().name
 
 
+def _generate_code(address: str) -> str:
+    from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
+    with grpc.insecure_channel(address) as channel:
+        request = llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(text="early"),
+                                          sampling_params=types_pb2.SamplingParams(max_tokens=1))
+        try:
+            list(llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, timeout=5))
+            return "OK"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+
 def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -30,14 +42,17 @@ def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "both", "--port", str(port),
                              "--model", str(model_dirs["llama"]), "--num-blocks", "16"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        seen = []
+        seen, early = [], set()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (not seen or seen[-1] != "SERVING"):
             assert proc.poll() is None, (tmp_path / "worker.log").read_text()
             seen.append(_health(address))
+            if seen[-1] == "NOT_SERVING":
+                early.add(_generate_code(address))
             time.sleep(0.02)
         assert seen[-1] == "SERVING"
         assert "NOT_SERVING" in seen, seen  # the port answered before the model was ready
+        assert early <= {"UNAVAILABLE", "OK"}, early  # never INTERNAL while loading
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:

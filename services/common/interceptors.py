@@ -17,6 +17,33 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     await context.abort(code, message)
 
 
+class ReadinessInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAVAILABLE until the service is ready (the port opens before the model is loaded)."""
+
+    def __init__(self, is_ready, exempt: frozenset[str]):
+        self._is_ready = is_ready
+        self._exempt = exempt
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if self._is_ready() or method.rsplit("/", 1)[-1] in self._exempt or not method.startswith("/tandem."):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+
+        async def unavailable_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly")
+
+        async def unavailable_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly")
+            yield  # pragma: no cover
+
+        if handler is not None and handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(unavailable_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unavailable_unary, handler.request_deserializer if handler else None,
+                                                   handler.response_serializer if handler else None)
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a servicer into the status status_for() names."""
 

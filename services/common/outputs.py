@@ -5,21 +5,29 @@ from tandem.v1 import types_pb2
 
 
 def merge_outputs(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestOutput:
-    """Folds a request's streamed messages into one (non-streaming Generate)."""
+    """Folds a request's streamed messages into one (non-streaming Generate). Linear in the
+    total size: text pieces and ids are collected first and set once per sequence."""
     merged = types_pb2.RequestOutput()
-    by_index: dict[int, types_pb2.CompletionOutput] = {}
+    last: dict[int, types_pb2.CompletionOutput] = {}
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[types_pb2.TokenLogprobs]] = {}
     for msg in messages:
-        outputs = list(msg.outputs)
-        msg.ClearField("outputs")
-        merged.MergeFrom(msg)
-        for out in outputs:
-            target = by_index.setdefault(out.index, types_pb2.CompletionOutput(index=out.index))
-            text, ids, lps = target.text + out.text, list(target.token_ids) + list(out.token_ids), list(target.logprobs) + list(out.logprobs)
-            target.MergeFrom(out)
-            target.text = text
-            del target.token_ids[:]
-            target.token_ids.extend(ids)
-            del target.logprobs[:]
-            target.logprobs.extend(lps)
-    merged.outputs.extend(by_index[i] for i in sorted(by_index))
+        head = types_pb2.RequestOutput()
+        head.CopyFrom(msg)
+        head.ClearField("outputs")
+        merged.MergeFrom(head)
+        for out in msg.outputs:
+            last.setdefault(out.index, types_pb2.CompletionOutput(index=out.index)).MergeFrom(out)
+            texts.setdefault(out.index, []).append(out.text)
+            ids.setdefault(out.index, []).extend(out.token_ids)
+            logprobs.setdefault(out.index, []).extend(out.logprobs)
+    for index in sorted(last):
+        out = merged.outputs.add()
+        out.CopyFrom(last[index])
+        out.text = "".join(texts[index])
+        del out.token_ids[:]
+        out.token_ids.extend(ids[index])
+        del out.logprobs[:]
+        out.logprobs.extend(logprobs[index])
     return merged

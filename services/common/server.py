@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AdminAuthInterceptor
-from tandem.common.interceptors import ErrorMappingInterceptor
+from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
 
 log = logging.getLogger("tandem.server")
 
@@ -25,10 +25,11 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], grace_seconds: float = 5.0,
-                 admin_token: str | None = None):
+                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
         self.service_names = list(service_names)
         self.grace_seconds = grace_seconds
-        interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + [ErrorMappingInterceptor()]
+        interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
+            ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

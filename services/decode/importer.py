@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import grpc
@@ -15,6 +16,8 @@ from tandem.engine.kv_layout import describe_mismatch
 from tandem.kvtransfer import KvTransceiver
 from tandem.prefill.handoff import release_message
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
+
+log = logging.getLogger("tandem.decode")
 
 
 def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str) -> worker_pb2.KvHandoff:
@@ -76,6 +79,14 @@ class KvImporter:
             raise
         self.num_bytes_received += transfer.nbytes
         return transfer.nbytes, time.perf_counter() - started
+
+    async def release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
+        """Tells the prefill to free the handoff's blocks without reading them (best effort)."""
+        try:
+            agent = await self._peer(handoff)
+            self.transceiver.read_blocks(agent, [], [], release_message(handoff.ctx_request_id))
+        except Exception as exc:  # noqa: BLE001 - the lease expires anyway
+            log.info("could not release lease %d on %s: %s", handoff.ctx_request_id, handoff.ctx_endpoint, exc)
 
     async def close(self) -> None:
         for channel in self._channels.values():

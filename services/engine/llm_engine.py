@@ -59,6 +59,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
+        # True when the last step found nothing it could run (everything waits for blocks).
+        self.last_step_was_idle = False
+        self.current_batch_ids: list[str] = []
         self._seqs: dict[str, Sequence] = {}
         # context_only requests that handed off: request id -> (KV blocks kept for the decode side,
         # unix time they are freed anyway).
@@ -90,6 +93,13 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """Token ids in the options index the logits: out of range they would fail a whole step."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in options.stop_token_ids + options.eos_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                     phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
                     cache_salt: str | None = None, output_token_ids: list[int] | None = None) -> Sequence:
@@ -97,6 +107,7 @@ class LLMEngine:
         if request_id in self._seqs or request_id in self.imports or request_id in self.leases:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(len(prompt_token_ids), prompt_token_ids)
+        self.check_options(options)
         seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt,
                        output_token_ids=list(output_token_ids or []))
         self._seqs[request_id] = seq
@@ -194,6 +205,8 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_was_idle = batch.is_empty
+        self.current_batch_ids = [seq.request_id for seq in batch.seqs]
         if batch.is_empty:
             return []
         started = time.perf_counter()
@@ -209,7 +222,7 @@ class LLMEngine:
                 logits,
                 [s.options for s in sampled],
                 [Sampler.step_generator(s.options.seed, s.num_output_tokens) for s in sampled],
-                [s.all_token_ids for s in sampled],
+                [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in sampled],
                 [s.output_token_ids for s in sampled],
                 [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in sampled],
             )
@@ -235,7 +248,9 @@ class LLMEngine:
         opts = seq.options
         if seq.num_output_tokens >= opts.min_tokens and token_id in opts.end_ids():
             seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token_id
-        elif seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len
+              or self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks):
+            # The last condition: the whole KV pool cannot hold the next step's KV.
             seq.finish_reason = FinishReason.LENGTH
         finished = seq.finish_reason is not None
         # A context_only request that is not done ends here with its first token; its KV

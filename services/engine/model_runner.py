@@ -104,8 +104,7 @@ class ModelRunner:
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
-            tokens = seq.all_token_ids
-            input_ids.extend(tokens[start:end])
+            input_ids.extend(seq.token_slice(start, end))
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)

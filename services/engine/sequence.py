@@ -27,7 +27,7 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues test membership, and field-wise __eq__ is O(tokens)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -53,6 +53,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without copying the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,24 @@ class Route:
     worker: WorkerHandle
     cancelled: bool = False
     served_by: list[str] = field(default_factory=list)
+    # The downstream Generate call in progress; Abort cancels it when the worker does not know
+    # the request yet (its Generate is still on the way).
+    call: grpc.aio.UnaryStreamCall | None = None
+    # n > 1 on a split cluster: one child route per sequence.
+    children: list["Route"] = field(default_factory=list)
+    request_id: str = ""
+
+
+async def abort(route: Route) -> None:
+    """Stops a request wherever it is: the worker aborts it, or (not registered there yet) its call is cancelled."""
+    route.cancelled = True
+    for child in route.children:
+        await abort(child)
+    if route.worker is None:
+        return
+    reply = await route.worker.llm.Abort(llm_pb2.AbortRequest(request_id=route.request_id))
+    if not reply.aborted and route.call is not None:
+        route.call.cancel()
 
 
 class _Tracked:
@@ -40,13 +59,18 @@ class _Tracked:
         self.worker.in_flight -= 1
 
 
-async def relay(worker: WorkerHandle, request: llm_pb2.GenerateRequest):
-    call = worker.llm.Generate(request)
+async def relay(worker: WorkerHandle, request: llm_pb2.GenerateRequest, route: Route):
+    call = route.call = worker.llm.Generate(request)
     try:
         async for msg in call:
             yield msg
+    except asyncio.CancelledError:
+        if not route.cancelled:
+            raise  # the client went away
+        yield _cancelled_output(request.request_id)  # Abort cancelled the call
     finally:
         call.cancel()
+        route.call = None
 
 
 def _cancelled_output(request_id: str) -> types_pb2.RequestOutput:
@@ -66,6 +90,7 @@ async def _release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id
 
 async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.GenerateRequest):
     """Yields the client's messages for a request split over a prefill and a decode worker."""
+    started = time.monotonic()
     ctx = llm_pb2.GenerateRequest()
     ctx.CopyFrom(request)
     ctx.streaming = False
@@ -74,7 +99,7 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
     prefill = pool.pick("prefill")
     with _Tracked(route, prefill):
         ctx_out = None
-        async for ctx_out in relay(prefill, ctx):
+        async for ctx_out in relay(prefill, ctx, route):
             pass
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
@@ -84,6 +109,7 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
         ctx_out.metrics.served_by[:] = route.served_by
         yield ctx_out
         return
+    first_token_s = time.monotonic() - started
     prefill_metrics = types_pb2.RequestMetrics()
     prefill_metrics.CopyFrom(ctx_out.metrics)
     ctx_out.ClearField("metrics")  # metrics come once, on the last message
@@ -93,6 +119,9 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
             return
         ctx_out.finished = False
         yield ctx_out  # the first token reaches the client before the KV moves
+        if route.cancelled:  # aborted while the first token was on its way
+            yield _cancelled_output(request.request_id)
+            return
         gen = llm_pb2.GenerateRequest()
         gen.CopyFrom(request)
         gen.streaming = True
@@ -101,17 +130,72 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         decode = pool.pick("decode")
         with _Tracked(route, decode):
-            async for msg in relay(decode, gen):
+            async for msg in relay(decode, gen, route):
                 msg.ClearField("prompt")
                 del msg.prompt_token_ids[:]
                 if msg.finished:
                     m = msg.metrics
+                    # The client's view: the whole request as the router saw it; the prompt was
+                    # computed (or cached) on the prefill, the decode only pulled it.
                     m.served_by[:] = route.served_by
-                    m.time_to_first_token_s = prefill_metrics.time_to_first_token_s
+                    m.time_to_first_token_s = first_token_s
+                    m.e2e_latency_s = time.monotonic() - started
                     m.num_computed_prompt_tokens = prefill_metrics.num_computed_prompt_tokens
+                    m.num_cached_prompt_tokens = prefill_metrics.num_cached_prompt_tokens
                 yield msg
     finally:
         asyncio.ensure_future(_release_lease(pool, prefill, handoff.ctx_request_id))
+
+
+async def split_n(pool: WorkerPool, route: Route, request: llm_pb2.GenerateRequest):
+    """n > 1 over prefill/decode: n single-sequence splits (seed + i, as an aggregated worker
+    seeds its n sequences), streamed together, outputs re-indexed, one final message."""
+    n = request.sampling_params.n
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(index: int, sub: llm_pb2.GenerateRequest, child: Route) -> None:
+        try:
+            async for msg in disaggregated(pool, child, sub):
+                await queue.put((index, msg))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done_marker))
+
+    tasks = []
+    for i in range(n):
+        sub = llm_pb2.GenerateRequest()
+        sub.CopyFrom(request)
+        sub.request_id = f"{request.request_id}/{i}"
+        sub.sampling_params.n = 1
+        if sub.sampling_params.HasField("seed"):
+            sub.sampling_params.seed += i
+        child = Route(worker=None, request_id=sub.request_id)
+        route.children.append(child)
+        tasks.append(asyncio.create_task(pump(i, sub, child)))
+    try:
+        num_done, first = 0, True
+        while num_done < n:
+            index, item = await queue.get()
+            if item is done_marker:
+                num_done += 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            item.request_id = request.request_id
+            item.finished = False
+            for out in item.outputs:
+                out.index = index
+            if not first:
+                item.ClearField("prompt")
+                del item.prompt_token_ids[:]
+            first = False
+            yield item
+        yield types_pb2.RequestOutput(request_id=request.request_id, finished=True)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def run(pool: WorkerPool, route_table: dict[str, Route], request: llm_pb2.GenerateRequest):
@@ -125,15 +209,17 @@ async def run(pool: WorkerPool, route_table: dict[str, Route], request: llm_pb2.
         worker, split = None, True
     else:
         worker, split = pool.pick("both"), False
-    route = Route(worker=worker)
+    route = Route(worker=worker, request_id=request.request_id)
     route_table[request.request_id] = route
     try:
-        if split:
+        if split and request.sampling_params.n > 1:
+            messages = split_n(pool, route, request)
+        elif split:
             messages = disaggregated(pool, route, request)
         else:
             async def direct():
                 with _Tracked(route, worker):
-                    async for msg in relay(worker, request):
+                    async for msg in relay(worker, request, route):
                         yield msg
             messages = direct()
         if request.streaming or not split:

@@ -37,9 +37,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         route = self.routes.get(request.request_id)
         if route is None:
             return llm_pb2.AbortResponse(aborted=False)
-        route.cancelled = True
-        reply = await route.worker.llm.Abort(request)
-        return llm_pb2.AbortResponse(aborted=True) if not reply.aborted else reply
+        await generate.abort(route)
+        return llm_pb2.AbortResponse(aborted=True)
 
     async def _any(self, method: str, request):
         return await getattr(self.pool.pick("any").llm, method)(request)

@@ -1,8 +1,10 @@
 """Runs one worker process (prefill, decode or both)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.worker.config import WorkerConfig
 from tandem.worker.runtime import WorkerRuntime
@@ -16,8 +18,10 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 
 
 async def serve_worker(config: WorkerConfig) -> None:
-    server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token)
-    runtime = WorkerRuntime(config, server)
+    ready = asyncio.Event()
+    server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token,
+                        readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
+    runtime = WorkerRuntime(config, server, ready)
     llm_servicer = WorkerLLMServicer(runtime)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime), server.server)

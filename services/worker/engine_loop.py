@@ -58,9 +58,6 @@ class EngineLoop:
             raise ValueError(f"request id {request_id!r} is already running on this worker")
         self._streams[request_id] = stream
 
-    def deliver_failure(self, request_id: str, exc: BaseException) -> None:
-        self._put(request_id, EngineFailure(exc))
-
     def abort(self, request_id: str) -> bool:
         """Stops a request; no further output reaches its stream. Returns whether it was known."""
         known = self._streams.pop(request_id, None) is not None
@@ -83,8 +80,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopping:
             idle = self.engine.num_unfinished == 0
+            # Requests that all wait for blocks (held by leases, say): wait a little for the
+            # command that frees them instead of spinning on empty steps with the GIL held.
+            stalled = not idle and self.engine.last_step_was_idle
             try:
-                command = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+                if idle or stalled:
+                    command = self._commands.get(timeout=0.5 if idle else 0.005)
+                else:
+                    command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
             while command is not None:
@@ -121,9 +124,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the worker
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the worker
             log.exception("engine step failed")
-            for request_id in list(self._streams):
+            for request_id in self.engine.current_batch_ids:
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, EngineFailure(exc))
             return

@@ -18,6 +18,8 @@ from tandem.v1 import types_pb2
 
 # Put on a request's stream by Abort / PauseGeneration.
 CANCELLED = object()
+# Seconds of lease a KV pull needs left to start; with less the decode computes the prompt itself.
+LEASE_SAFETY_MARGIN_S = 1.0
 
 
 @dataclasses.dataclass
@@ -87,13 +89,18 @@ class GenerateCall:
     async def _import(self, importer, handoff, state: _SequenceState, first: list[int]) -> None:
         rid = state.engine_id
         try:
-            blocks = await self.engine_loop.call(lambda e: e.reserve_import(
-                rid, self.prompt_token_ids, first, state.options, self.priority, self.cache_salt))
+            blocks = None
+            # A lease about to run out may be freed (and its blocks reused) while we read.
+            if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
+                blocks = await self.engine_loop.call(lambda e: e.reserve_import(
+                    rid, self.prompt_token_ids, first, state.options, self.priority, self.cache_salt))
             if blocks is None:
-                # No room for the prompt's KV now: compute it here instead of pulling.
+                # No room for the prompt's KV now (or no time): compute it here, and let the
+                # prefill free its copy at once.
                 self.engine_loop.add_request(rid, stream=self.stream, prompt_token_ids=self.prompt_token_ids,
                                              options=state.options, phase=self.phase, priority=self.priority,
                                              cache_salt=self.cache_salt, output_token_ids=first)
+                await importer.release_remote(handoff)
                 return
             self.kv_transfer_bytes, self.kv_transfer_s = await importer.pull(handoff, blocks)
             self.num_cached_prompt_tokens = len(self.prompt_token_ids)
@@ -103,8 +110,8 @@ class GenerateCall:
             self.engine_loop.abort(rid)
             raise
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
-            self.engine_loop.abort(rid)
-            self.engine_loop.deliver_failure(rid, exc)
+            self.engine_loop.abort(rid)  # stops routing outputs to our stream, so tell it directly
+            self.stream.put_nowait(EngineFailure(exc))
 
     @property
     def is_finished(self) -> bool:

@@ -18,12 +18,12 @@ from tandem.v1 import llm_pb2, worker_pb2
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, server: GrpcServer):
+    def __init__(self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event):
         self.config = config
         self.server = server
         self.worker_id = server.address
         self.llm_id = uuid.uuid4().hex
-        self.ready = asyncio.Event()
+        self.ready = ready
         self.paused = False
         self.startup_metrics: dict[str, float] = {}
         self.engine: LLMEngine | None = None

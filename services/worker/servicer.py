@@ -54,8 +54,11 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
         prompt_ids, prompt_text = self._prompt(request.prompt, add_special)
         if params.HasField("truncate_prompt_tokens"):
+            if params.truncate_prompt_tokens <= 0:
+                raise ValueError(f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}")
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
         self.rt.engine.check_prompt(len(prompt_ids), prompt_ids)
+        self.rt.engine.check_options(options)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.calls:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
