@@ -62,14 +62,18 @@ def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
     async def both_ways():
         split, local = await AsyncLLM(cluster.address), await AsyncLLM(cluster.workers[2].address)
         try:
-            return await asyncio.gather(
-                asyncio.gather(*(split.generate_async(p, greedy) for p in prompts)),
+            # Greedy first and alone: these prompts share no block, so nothing comes from the
+            # decode's prefix cache and every prompt block must be pulled.
+            greedy_outs = await asyncio.gather(*(split.generate_async(p, greedy) for p in prompts))
+            middle = worker_state(decode)
+            seeded_outs = await asyncio.gather(
                 asyncio.gather(*(split.generate_async(p, s) for p, s in zip(prompts, seeded))),
                 asyncio.gather(*(local.generate_async(p, s) for p, s in zip(prompts, seeded))))
+            return greedy_outs, middle, *seeded_outs
         finally:
             split.close()
             local.close()
-    split_greedy, split_seeded, local_seeded = asyncio.run(both_ways())
+    split_greedy, middle, split_seeded, local_seeded = asyncio.run(both_ways())
     for p, out in zip(prompts, split_greedy):
         assert out.outputs[0].token_ids == ref.greedy(p, 20)
         assert out.metrics.served_by == [prefill, decode] or len(out.outputs[0].token_ids) == 1
@@ -80,10 +84,10 @@ def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
     # exactly the prompts' blocks.
     after = worker_state(decode)
     assert after.num_prompt_tokens_computed == before.num_prompt_tokens_computed == 0
-    handed_off = [o for o in split_greedy + split_seeded if o.metrics.kv_transfer_bytes]
-    assert len(handed_off) >= 14
+    handed_off = [o for o in split_greedy if o.metrics.kv_transfer_bytes]
+    assert len(handed_off) >= 7
     expected = sum(-(-len(o.prompt_token_ids) // BLOCK_SIZE) * _block_nbytes(model_dir) for o in handed_off)
-    assert after.kv_bytes_received - before.kv_bytes_received == expected
+    assert middle.kv_bytes_received - before.kv_bytes_received == expected
     assert sum(o.metrics.kv_transfer_bytes for o in handed_off) == expected
 
 
@@ -156,3 +160,36 @@ def test_n_sequences_through_the_split_equal_the_aggregated_worker(served):
     assert [o.text for o in split.outputs] == [o.text for o in local.outputs]
     assert len({tuple(o.token_ids) for o in split.outputs}) > 1
     assert split.finished and all(o.finish_reason == "length" for o in split.outputs)
+
+
+def test_prefix_caching_on_both_sides_of_the_split(served):
+    """A repeated prompt: the prefill recomputes only the tail after its cached blocks, and
+    the decode pulls only the blocks its own cache lacks."""
+    _, cluster, llm, _ = served
+    prefill, decode = cluster.workers[0].address, cluster.workers[1].address
+    prompt = [1] + [(7 * i) % 300 + 4 for i in range(45)]  # 46 tokens: 5 full blocks of 8 and a tail
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = llm.generate(prompt, params, use_tqdm=False)
+    p0, d0 = worker_state(prefill), worker_state(decode)
+    second = llm.generate(prompt, params, use_tqdm=False)
+    p1, d1 = worker_state(prefill), worker_state(decode)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert p1.num_prompt_tokens_computed - p0.num_prompt_tokens_computed == 46 - 5 * BLOCK_SIZE
+    assert second.metrics.num_cached_prompt_tokens == 5 * BLOCK_SIZE
+    # The decode had all 5 full blocks: only the partial last block moved.
+    assert d1.kv_bytes_received - d0.kv_bytes_received == second.metrics.kv_transfer_bytes == 1 * _block_nbytes(served[0])
+    salted = llm.generate(prompt, params, use_tqdm=False, cache_salt="tenant-b")
+    assert salted.metrics.num_cached_prompt_tokens == 0  # another salt shares nothing
+    assert salted.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_kv_cache_events(served):
+    _, cluster, llm, _ = served
+    llm.get_kv_cache_events(timeout=0.1)  # drop what earlier tests produced
+    llm.generate([1] + [5] * 20, SamplingParams(max_tokens=2), use_tqdm=False)
+    events = llm.get_kv_cache_events(timeout=2)
+    stored = [e for e in events if e["data"]["type"] == "stored"]
+    assert {e["worker_id"] for e in stored} >= {cluster.workers[0].address, cluster.workers[1].address}
+    block = stored[0]["data"]["blocks"][0]
+    assert block["type"] == "stored_block" and len(block["tokens"]) == BLOCK_SIZE
+    assert all(isinstance(e["event_id"], (int, float)) for e in events)

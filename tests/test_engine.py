@@ -116,3 +116,39 @@ def test_a_sequence_that_outgrows_the_pool_ends_with_length(model_dirs):
     # 32 KV slots hold the prompt and all outputs but the last (whose KV is never computed)
     assert outs[-1].finish_reason.value == "length" and len(outs) == 4 * 8 - 10 + 1
     assert engine.block_manager.num_free_blocks == 4
+
+
+def test_prefix_cache_reuse_eviction_and_events(model_dirs, oracle):
+    ref = oracle(model_dirs["llama"])
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=24))
+    assert engine.block_manager.drain_events() == [{"type": "created", "num_blocks_per_cache_level": [24, 0]}]
+    shared = [1] + list(range(10, 25))  # 16 tokens: 4 full blocks
+    opts = SamplingOptions(max_tokens=6, ignore_eos=True)
+    first = _run(engine, {"a": shared + [40, 41]}, opts)["a"]
+    computed = engine.counters.num_prompt_tokens_computed
+    second = _run(engine, {"b": shared + [50, 51, 52]}, opts)["b"]
+    assert engine.counters.num_prompt_tokens_computed - computed == 3  # only the new tail
+    assert first == ref.greedy(shared + [40, 41], 6) and second == ref.greedy(shared + [50, 51, 52], 6)
+    events = engine.block_manager.drain_events()
+    stored = [b for e in events if e["type"] == "stored" for b in e["blocks"]]
+    assert [t["token_id"] for t in stored[0]["tokens"]] == shared[:4]
+    # Fill the pool with other prompts: cached blocks get reused and leave the cache.
+    others = {f"o{i}": [1] + [100 + 20 * i + j for j in range(15)] for i in range(6)}
+    got = _run(engine, others, opts)
+    assert got == {k: ref.greedy(v, 6) for k, v in others.items()}
+    assert any(e["type"] == "removed" for e in engine.block_manager.drain_events())
+    assert engine.block_manager.num_free_blocks == 24
+
+
+def test_cache_salt_separates_tenants(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=32))
+    prompt = [1] + list(range(30, 45))
+    opts = SamplingOptions(max_tokens=2, ignore_eos=True)
+    engine.add_request("a", prompt, opts, cache_salt="alice")
+    while engine.num_unfinished:
+        engine.step()
+    before = engine.counters.num_prompt_tokens_computed
+    engine.add_request("b", prompt, opts, cache_salt="bob")
+    while engine.num_unfinished:
+        engine.step()
+    assert engine.counters.num_prompt_tokens_computed - before == len(prompt)

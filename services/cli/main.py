@@ -19,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV of prompt prefixes seen before")
     p.add_argument("--kv-lease-seconds", type=float, default=30.0,
                    help="prefill: seconds a handed-off KV stays pinned waiting for the decode side")
 
@@ -77,7 +79,7 @@ def _engine_config(args):
                         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
-                        kv_lease_seconds=args.kv_lease_seconds)
+                        kv_lease_seconds=args.kv_lease_seconds, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _serve(args) -> int:

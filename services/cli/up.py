@@ -15,7 +15,8 @@ def _engine_args(args, engine) -> list[str]:
             "--kv-cache-gb", str(engine.kv_cache_memory_gb), "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-model-len", str(engine.max_model_len),
             "--dtype", engine.dtype, "--device", engine.device, "--seed", str(engine.seed),
-            "--kv-lease-seconds", str(engine.kv_lease_seconds)]
+            "--kv-lease-seconds", str(engine.kv_lease_seconds),
+            *([] if engine.enable_prefix_caching else ["--no-prefix-caching"])]
 
 
 def up(args, engine) -> int:

@@ -10,10 +10,10 @@ import time
 
 import grpc
 
-from tandem.common.errors import IncompatibleHandoffError
+from tandem.common.errors import IncompatibleHandoffError, unavailable
 from tandem.common.server import CHANNEL_OPTIONS
 from tandem.engine.kv_layout import describe_mismatch
-from tandem.kvtransfer import KvTransceiver
+from tandem.kvtransfer import KvTransceiver, TransferError
 from tandem.prefill.handoff import release_message
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
@@ -62,18 +62,23 @@ class KvImporter:
                 self._peers[endpoint] = state.agent_name
         return self._peers[endpoint]
 
-    async def pull(self, handoff: worker_pb2.KvHandoff, local_block_ids: list[int], timeout_s: float = 30.0) -> tuple[int, float]:
-        """READs the handoff's blocks into local_block_ids; returns (bytes, seconds)."""
+    async def pull(self, handoff: worker_pb2.KvHandoff, plan, timeout_s: float = 30.0) -> tuple[int, float]:
+        """READs the handoff's blocks the plan (an engine ImportPlan) does not have cached; returns
+        (bytes, seconds). The READ's notification tells the prefill to free its lease."""
         started = time.perf_counter()
         agent = await self._peer(handoff)
-        transfer = self.transceiver.read_blocks(agent, list(handoff.block_ids), local_block_ids,
-                                                release_message(handoff.ctx_request_id))
+        transfer = self.transceiver.read_blocks(agent, list(handoff.block_ids)[plan.num_cached_blocks:],
+                                                plan.block_ids, release_message(handoff.ctx_request_id))
         deadline = time.monotonic() + timeout_s
         try:
             while not transfer.done():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"KV pull from {handoff.ctx_endpoint} took over {timeout_s} s")
                 await asyncio.sleep(0.0002)
+        except TransferError as exc:
+            transfer.abort()
+            raise unavailable(f"pulling the KV from {handoff.ctx_endpoint} failed (the prefill worker is gone "
+                              f"or released its KV cache): {exc}") from None
         except BaseException:
             transfer.abort()
             raise

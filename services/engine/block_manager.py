@@ -1,25 +1,58 @@
-"""KV block bookkeeping: a free list and reference counts. Pure CPU, no tensors."""
+"""KV block bookkeeping: a free list, reference counts, and prefix caching by a
+hash chain over full blocks. Pure CPU, no tensors.
+
+A full block's hash covers its tokens and its parent's hash (and the request's
+cache_salt at the root), so equal hashes mean equal prefixes. A freed block keeps
+its hash and stays findable until the allocator reuses it, least recently freed
+first; that is when it leaves the cache (a "removed" KV event).
+"""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from tandem.engine.sequence import Sequence
+
+# TRT-LLM's default retention priority, reported on stored blocks.
+DEFAULT_PRIORITY = 35
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def chain_hash(parent: int | None, token_ids, salt: str | None) -> int:
+    """Deterministic across processes (unlike hash()), so KV events from different workers agree."""
+    digest = hashlib.blake2b(digest_size=8)
+    if parent is None:
+        digest.update(b"root:" + (salt or "").encode())
+    else:
+        digest.update(parent.to_bytes(8, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1  # fits a signed int64 (protobuf, JSON)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        # KV events in TensorRT-LLM's schema, drained by the engine.
+        self.events: list[dict] = [{"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}]
+        self.num_cache_hits = 0  # blocks served from the cache
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -30,9 +63,12 @@ class BlockManager:
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
-        for b in blocks:
-            self._ref_counts[b] = 1
+        blocks = []
+        for _ in range(num_blocks):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -41,8 +77,92 @@ class BlockManager:
                 raise RuntimeError(f"double free of KV block {b}")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
+    # -- prefix cache --
+    def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of token_ids (at most max_tokens tokens):
+        (block ids, their hashes)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        bs = self.block_size
+        parent = None
+        for start in range(0, (max_tokens // bs) * bs, bs):
+            h = chain_hash(parent, token_ids[start:start + bs], salt)
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def num_free_needed(self, cached_blocks: list[int], num_new_blocks: int) -> int:
+        """Free-list blocks that taking cached_blocks plus num_new_blocks fresh ones consumes."""
+        return sum(1 for b in cached_blocks if self._ref_counts[b] == 0) + num_new_blocks
+
+    def take_cached(self, seq: Sequence, blocks: list[int], hashes: list[int]) -> None:
+        """Gives seq the cached prefix blocks: their KV counts as computed."""
+        for b in blocks:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+        seq.block_table = list(blocks)
+        seq.block_hashes = list(hashes)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        self.num_cache_hits += len(blocks)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Hashes seq's newly full, computed blocks into the cache (a "stored" event)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if num_full <= len(seq.block_hashes):
+            return
+        tokens = seq.all_token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        stored = []
+        for i in range(len(seq.block_hashes), num_full):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            h = chain_hash(parent, chunk, seq.cache_salt)
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self._by_hash and self._block_hash[block] is None:
+                self._by_hash[h] = block
+                self._block_hash[block] = h
+                stored.append({"type": "stored_block", "block_hash": h,
+                               "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
+                               "lora_id": None, "cache_level": 0, "priority": DEFAULT_PRIORITY})
+            parent = h
+        if stored:
+            first_parent = seq.block_hashes[-len(stored) - 1] if len(seq.block_hashes) > len(stored) else None
+            self.events.append({"type": "stored", "parent_hash": first_parent, "blocks": stored})
+
+    def _evict(self, block: int) -> None:
+        h = self._block_hash[block]
+        if h is not None:
+            self._block_hash[block] = None
+            if self._by_hash.get(h) == block:
+                del self._by_hash[h]
+            self.events.append({"type": "removed", "block_hashes": [h]})
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block (their KV is about to become invalid: new weights, a new pool)."""
+        hashes = list(self._by_hash)
+        for block in self._by_hash.values():
+            self._block_hash[block] = None
+        self._by_hash.clear()
+        if hashes:
+            self.events.append({"type": "removed", "block_hashes": hashes})
+
+    def drain_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+    # -- per-sequence helpers --
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks seq needs so that num_new_tokens more tokens have KV slots."""
         return max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
@@ -53,3 +173,4 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         self.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []

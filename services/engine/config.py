@@ -25,6 +25,8 @@ class EngineConfig:
     # Prefill side of a handoff: seconds a handed-off request's KV stays leased if the
     # decode side never says it has pulled it.
     kv_lease_seconds: float = 30.0
+    # Reuse the KV of full blocks whose token prefix (and cache_salt) was seen before.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if not (Path(self.model_dir) / "config.json").is_file():

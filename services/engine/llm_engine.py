@@ -41,6 +41,14 @@ class StepOutput:
 
 
 @dataclass
+class ImportPlan:
+    """Where a generation_only request's KV goes: the first num_cached_blocks prompt blocks were
+    found in our prefix cache; the prefill's remaining blocks are pulled into block_ids."""
+    num_cached_blocks: int
+    block_ids: list[int]
+
+
+@dataclass
 class EngineCounters:
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0
@@ -55,7 +63,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
@@ -128,6 +136,18 @@ class LLMEngine:
         return True
 
     # -- disaggregation: the prefill side keeps a handed-off request's blocks under lease --
+    def release_all_leases(self) -> int:
+        """pause_generation: handoffs nobody will pull now."""
+        request_ids = list(self.leases)
+        for request_id in request_ids:
+            self.release_lease(request_id)
+        return len(request_ids)
+
+    def swap_weights(self, model, source: str) -> None:
+        """New weights between two steps; cached KV was computed with the old ones."""
+        self.runner.swap_weights(model, source)
+        self.block_manager.reset_prefix_cache()
+
     def release_lease(self, request_id: str) -> bool:
         lease = self.leases.pop(request_id, None)
         if lease is None:
@@ -150,24 +170,29 @@ class LLMEngine:
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
                        options: SamplingOptions, priority: float = 0.5, cache_salt: str | None = None) -> list[int] | None:
         """Allocates blocks for the prompt's KV of a generation_only request and parks it until
-        complete_import(). Returns the block ids to pull into, or None when the pool cannot hold the
-        prompt now (the caller then falls back to computing the prompt here)."""
+        complete_import(). Prompt blocks already in the prefix cache are reused; the plan says which
+        of the prefill's blocks still have to be pulled, into which of ours. None when the pool cannot
+        hold the prompt now (the caller then falls back to computing the prompt here)."""
         if request_id in self._seqs or request_id in self.imports:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(len(prompt_token_ids), prompt_token_ids)
-        num_blocks = self.block_manager.num_blocks_for(len(prompt_token_ids))
-        if not self.block_manager.can_allocate(num_blocks):
+        bm = self.block_manager
+        cached, hashes = bm.match_prefix(prompt_token_ids, cache_salt, len(prompt_token_ids))
+        num_blocks = bm.num_blocks_for(len(prompt_token_ids))
+        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
             return None
         seq = Sequence(request_id, list(prompt_token_ids), options, phase=Phase.GENERATION_ONLY, priority=priority,
                        cache_salt=cache_salt, output_token_ids=list(first_token_ids))
-        seq.block_table = self.block_manager.allocate(num_blocks)
+        bm.take_cached(seq, cached, hashes)
+        seq.block_table += bm.allocate(num_blocks - len(cached))
         self.imports[request_id] = seq
-        return list(seq.block_table)
+        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):])
 
     def complete_import(self, request_id: str) -> None:
         """The prompt's KV has landed in the reserved blocks: schedule the request for decoding."""
         seq = self.imports.pop(request_id)
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
+        self.block_manager.register_computed(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -186,9 +211,11 @@ class LLMEngine:
         if self.num_unfinished or self.imports:
             raise PreconditionError(f"{self.num_unfinished + len(self.imports)} requests are in flight; "
                                     "call pause_generation before release")
+        if self.leases and "kv_cache" in tags:
+            raise PreconditionError(f"{len(self.leases)} KV handoffs wait for their decode worker; "
+                                    "call pause_generation before release")
         if "kv_cache" in tags:
-            for request_id in list(self.leases):
-                self.release_lease(request_id)
+            self.block_manager.reset_prefix_cache()
             self.runner.release_kv_cache()
         if "model" in tags:
             self.runner.release_weights()
@@ -215,6 +242,7 @@ class LLMEngine:
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
             self.counters.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += num_new
+            self.block_manager.register_computed(seq)
         sampled = [batch.seqs[i] for i in sample_indices]
         outputs: list[StepOutput] = []
         if sampled:

@@ -78,10 +78,9 @@ class Scheduler:
         self.waiting.sort(key=_order)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, num_new)):
+            num_new = self._admit(seq, budget)
+            if num_new is None:
                 break
-            self.block_manager.grow(seq, num_new)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -89,6 +88,28 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Gives a waiting sequence its blocks (reusing cached prefix blocks) and returns how many of
+        its tokens this step computes; None if the blocks are not free."""
+        bm = self.block_manager
+        if seq.block_table:  # a KV import: its prompt blocks are already there
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(bm.blocks_needed(seq, num_new)):
+                return None
+            bm.grow(seq, num_new)
+            return num_new
+        # At least the last token is computed: its logits are what the step samples from.
+        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, seq.num_tokens - 1)
+        num_cached = len(cached) * bm.block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):
+            return None
+        bm.take_cached(seq, cached, hashes)
+        if seq.num_output_tokens == 0:
+            seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+        bm.grow(seq, num_new)
+        return num_new
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make sure seq has blocks for num_new more tokens, preempting lower-priority sequences."""

@@ -42,6 +42,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     block_table: list[int] = field(default_factory=list)
+    # Chain hashes of the full blocks of block_table whose KV is computed (prefix cache).
+    block_hashes: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (computed here or imported from a prefill worker).
     num_computed_tokens: int = 0
     # Prompt tokens served without computing them (prefix cache or KV import).

@@ -9,7 +9,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from tandem.common.auth import ADMIN_METHODS
-from tandem.common.errors import RpcError, unavailable
+from tandem.common.errors import PreconditionError, RpcError, unavailable
 from tandem.router import generate
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
@@ -92,6 +92,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self._admin("ResumeGeneration", request)
 
     async def Release(self, request, context):
+        if self.routes:  # a request between its prefill and decode workers would lose its KV
+            raise PreconditionError(f"{len(self.routes)} requests are in flight; call pause_generation before release")
         undo = llm_pb2.MemoryTagsRequest(tags=request.tags)
         return await self._all_or_nothing("Release", request, lambda w: ("Resume", undo))
 

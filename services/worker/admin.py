@@ -70,7 +70,7 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
     if "model" in rt.engine.released_tags:
         raise unavailable("the model weights are released; call resume(['model']) before update_weights")
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.engine_loop.call(lambda e: e.runner.swap_weights(model, path))
+    await rt.engine_loop.call(lambda e: e.swap_weights(model, path))
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
 
 

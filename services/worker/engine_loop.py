@@ -20,6 +20,31 @@ from tandem.engine.llm_engine import LLMEngine, StepOutput
 log = logging.getLogger("tandem.engine_loop")
 
 
+class JsonBuffer:
+    """Dicts the engine thread publishes (iteration stats, KV events) for Get*/Stream* RPCs.
+    Lives on the asyncio side; bounded, oldest dropped first."""
+
+    def __init__(self, maxlen: int):
+        self.items: deque[dict] = deque(maxlen=maxlen)
+        self._event = asyncio.Event()
+
+    def push(self, items: list[dict]) -> None:
+        self.items.extend(items)
+        self._event.set()
+
+    async def drain(self, timeout: float | None) -> list[dict]:
+        """What arrived since the last drain, waiting up to timeout seconds (None: forever) for something."""
+        if not self.items:
+            self._event.clear()
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
 @dataclass
 class EngineFailure:
     """Delivered to a request's stream when the engine could not run it."""
@@ -34,8 +59,9 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
-        self.iteration_stats: deque[dict] = deque(maxlen=stats_history)
-        self.stats_event = asyncio.Event()
+        self.iteration_stats = JsonBuffer(stats_history)
+        self.kv_events = JsonBuffer(stats_history * 10)
+        self._next_event_id = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -102,6 +128,7 @@ class EngineLoop:
                 self.engine.expire_leases(time.time())
             if self.engine.num_unfinished:
                 self._step()
+            self._publish_kv_events()
 
     def _handle(self, command) -> None:
         kind, key, payload = command
@@ -158,14 +185,21 @@ class EngineLoop:
             "kvCacheStats": {
                 "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
                 "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
+                "reusedBlocks": bm.num_cache_hits, "cachedBlocks": bm.num_cached_blocks,
             },
             "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0),
         }
-        self.loop.call_soon_threadsafe(self._push_stats, stats)
+        self.loop.call_soon_threadsafe(self.iteration_stats.push, [stats])
 
-    def _push_stats(self, stats: dict) -> None:
-        self.iteration_stats.append(stats)
-        self.stats_event.set()
+    def _publish_kv_events(self) -> None:
+        """KV events in TensorRT-LLM's shape: {event_id, data, window_size}."""
+        if not self.engine.block_manager.events:
+            return
+        events = []
+        for data in self.engine.block_manager.drain_events():
+            events.append({"event_id": self._next_event_id, "data": data, "window_size": self.engine.max_model_len})
+            self._next_event_id += 1
+        self.loop.call_soon_threadsafe(self.kv_events.push, events)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

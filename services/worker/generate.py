@@ -89,12 +89,12 @@ class GenerateCall:
     async def _import(self, importer, handoff, state: _SequenceState, first: list[int]) -> None:
         rid = state.engine_id
         try:
-            blocks = None
+            plan = None
             # A lease about to run out may be freed (and its blocks reused) while we read.
             if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
-                blocks = await self.engine_loop.call(lambda e: e.reserve_import(
+                plan = await self.engine_loop.call(lambda e: e.reserve_import(
                     rid, self.prompt_token_ids, first, state.options, self.priority, self.cache_salt))
-            if blocks is None:
+            if plan is None:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.
                 self.engine_loop.add_request(rid, stream=self.stream, prompt_token_ids=self.prompt_token_ids,
@@ -102,7 +102,7 @@ class GenerateCall:
                                              cache_salt=self.cache_salt, output_token_ids=first)
                 await importer.release_remote(handoff)
                 return
-            self.kv_transfer_bytes, self.kv_transfer_s = await importer.pull(handoff, blocks)
+            self.kv_transfer_bytes, self.kv_transfer_s = await importer.pull(handoff, plan)
             self.num_cached_prompt_tokens = len(self.prompt_token_ids)
             await self.engine_loop.call(lambda e: e.complete_import(rid))
         except asyncio.CancelledError:

@@ -134,16 +134,10 @@ class WorkerRuntime:
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
-        loop = self.engine_loop
-        if not loop.iteration_stats:
-            loop.stats_event.clear()
-            try:
-                await asyncio.wait_for(loop.stats_event.wait(), timeout)
-            except asyncio.TimeoutError:
-                return []
-        items = [dict(s, worker_id=self.worker_id) for s in loop.iteration_stats]
-        loop.iteration_stats.clear()
-        return items
+        return [dict(s, worker_id=self.worker_id) for s in await self.engine_loop.iteration_stats.drain(timeout)]
+
+    async def drain_kv_events(self, timeout: float | None) -> list[dict]:
+        return [dict(e, worker_id=self.worker_id) for e in await self.engine_loop.kv_events.drain(timeout)]
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Waits until the engine holds no request."""

@@ -165,6 +165,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt.paused = True
         num_aborted = await self.abort_all()
         await self.rt.drain()
+        await self.rt.engine_loop.call(lambda e: e.release_all_leases())
         return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"])
 
     async def ResumeGeneration(self, request, context):
@@ -175,11 +176,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return llm_pb2.GetDataTransceiverStateResponse(state=self.rt.transceiver_state(), worker_id=self.rt.worker_id)
 
     async def GetKvCacheEvents(self, request, context):
-        raise unimplemented("KV cache events need prefix caching (block reuse), which this build does not have yet")
+        timeout = request.timeout if request.HasField("timeout") else 2.0
+        return llm_pb2.JsonList(items=[_struct(e) for e in await self.rt.drain_kv_events(timeout)])
 
     async def StreamKvCacheEvents(self, request, context):
-        raise unimplemented("KV cache events need prefix caching (block reuse), which this build does not have yet")
-        yield  # pragma: no cover - makes this an async generator like the other stream RPCs
+        while True:
+            for e in await self.rt.drain_kv_events(None):
+                yield llm_pb2.JsonItem(item=_struct(e))
 
     async def Encode(self, request, context):
         raise unimplemented("encode needs an encoder-only model; this build serves decoder-only models only")
