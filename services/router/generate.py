@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.common.outputs import merge_outputs
+from tandem.router import failover
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
@@ -96,11 +97,7 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
     ctx.streaming = False
     ctx.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
     ctx.disaggregated_params.disagg_request_id = random.getrandbits(63)
-    prefill = pool.pick("prefill")
-    with _Tracked(route, prefill):
-        ctx_out = None
-        async for ctx_out in relay(prefill, ctx, route):
-            pass
+    prefill, ctx_out = await failover.context_with_retry(pool, route, ctx, _Tracked, relay)
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
     for out in ctx_out.outputs:
@@ -128,21 +125,21 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
         gen.prompt.token_ids.ids[:] = ctx_out.prompt_token_ids
         gen.disaggregated_params.CopyFrom(handoff)
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
-        decode = pool.pick("decode")
-        with _Tracked(route, decode):
-            async for msg in relay(decode, gen, route):
-                msg.ClearField("prompt")
-                del msg.prompt_token_ids[:]
-                if msg.finished:
-                    m = msg.metrics
-                    # The client's view: the whole request as the router saw it; the prompt was
-                    # computed (or cached) on the prefill, the decode only pulled it.
-                    m.served_by[:] = route.served_by
-                    m.time_to_first_token_s = first_token_s
-                    m.e2e_latency_s = time.monotonic() - started
-                    m.num_computed_prompt_tokens = prefill_metrics.num_computed_prompt_tokens
-                    m.num_cached_prompt_tokens = prefill_metrics.num_cached_prompt_tokens
-                yield msg
+        tokens_so_far = list(handoff.first_gen_tokens)
+        async for msg in failover.stream_with_migration(pool, route, gen, pool.pick("decode"), "decode",
+                                                        list(ctx_out.prompt_token_ids), tokens_so_far, _Tracked, relay):
+            msg.ClearField("prompt")
+            del msg.prompt_token_ids[:]
+            if msg.finished:
+                m = msg.metrics
+                # The client's view: the whole request as the router saw it; the prompt was
+                # computed (or cached) on the prefill, the decode only pulled it.
+                m.served_by[:] = route.served_by
+                m.time_to_first_token_s = first_token_s
+                m.e2e_latency_s = time.monotonic() - started
+                m.num_computed_prompt_tokens = prefill_metrics.num_computed_prompt_tokens
+                m.num_cached_prompt_tokens = prefill_metrics.num_cached_prompt_tokens
+            yield msg
     finally:
         asyncio.ensure_future(_release_lease(pool, prefill, handoff.ctx_request_id))
 
@@ -217,12 +214,15 @@ async def run(pool: WorkerPool, route_table: dict[str, Route], request: llm_pb2.
         elif split:
             messages = disaggregated(pool, route, request)
         else:
-            async def direct():
-                with _Tracked(route, worker):
-                    async for msg in relay(worker, request, route):
-                        yield msg
-            messages = direct()
-        if request.streaming or not split:
+            if request.sampling_params.n > 1 or phase != types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION:
+                async def direct():
+                    with _Tracked(route, worker):
+                        async for msg in relay(worker, request, route):
+                            yield msg
+                messages = direct()
+            else:  # one sequence on one worker: it can move if the worker dies
+                messages = failover.stream_with_migration(pool, route, request, worker, "both", [], [], _Tracked, relay)
+        if request.streaming:
             async for msg in messages:
                 yield msg
         else:

@@ -81,15 +81,25 @@ class WorkerPool:
                 return w
         raise ValueError(f"unknown worker {address!r}; workers are {[w.address for w in self.workers]}")
 
-    def pick(self, need: str) -> WorkerHandle:
+    def mark_down(self, worker: WorkerHandle) -> None:
+        """A call failed as if the worker were gone: stop picking it until its health check passes."""
+        worker.ready = False
+
+    def pick(self, need: str, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
         """The ready worker that can do `need` ("prefill", "decode", "both", "any") with the fewest requests in flight;
         round-robin among equals."""
-        if need == "any":
-            candidates = self.ready_workers
-        else:  # a split needs the transceivers only prefill and decode workers have
-            candidates = [w for w in self.ready_workers if w.role == need]
+        return self.pick_any_of((need,), exclude)
+
+    def pick_any_of(self, needs: tuple[str, ...], exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
+        """pick() for the first of needs that has a candidate."""
+        for need in needs:
+            ready = [w for w in self.ready_workers if w.address not in exclude]
+            # A split needs the transceivers only prefill and decode workers have.
+            candidates = ready if need == "any" else [w for w in ready if w.role == need]
+            if candidates:
+                break
         if not candidates:
-            raise unavailable(f"no ready worker can serve {need} requests (workers: "
+            raise unavailable(f"no ready worker can serve {'/'.join(needs)} requests (workers: "
                               + ", ".join(f"{w.address}={w.role or '?'}{'' if w.ready else ' not ready'}" for w in self.workers) + ")")
         start = next(self._rr) % len(candidates)
         rotated = candidates[start:] + candidates[:start]

@@ -76,13 +76,29 @@ class GenerateCall:
                                          options=state.options, phase=self.phase, priority=self.priority,
                                          cache_salt=self.cache_salt)
 
+    def resume(self) -> None:
+        """GENERATION_ONLY without a handoff: carry on after first_gen_tokens, recomputing the KV here
+        (a request migrated from a worker that died)."""
+        (state,) = self.sequences.values()
+        first = list(self.disagg_in.first_gen_tokens)
+        self._prime(state, first)
+        self.engine_loop.add_request(state.engine_id, stream=self.stream, prompt_token_ids=self.prompt_token_ids,
+                                     options=state.options, phase=Phase.CONTEXT_AND_GENERATION, priority=self.priority,
+                                     cache_salt=self.cache_salt, output_token_ids=first)
+
+    def _prime(self, state: _SequenceState, tokens: list[int]) -> None:
+        """Feeds tokens another worker already streamed, one at a time as it did, so the
+        text held back here is exactly what it held back."""
+        if state.detokenizer is not None:
+            for token in tokens:
+                state.detokenizer.add([token])
+        state.num_tokens = len(tokens)
+
     def start_import(self, importer, handoff) -> None:
         """GENERATION_ONLY: reserve blocks, pull the prompt's KV, then let the engine decode."""
         (state,) = self.sequences.values()
         first = list(self.disagg_in.first_gen_tokens)
-        if state.detokenizer is not None:
-            state.detokenizer.add(first)  # the context phase already streamed this text
-        state.num_tokens = len(first)
+        self._prime(state, first)  # the context phase already streamed this text
         self.engine_loop.register(state.engine_id, self.stream)
         self._import_task = asyncio.create_task(self._import(importer, handoff, state, first))
 

@@ -70,6 +70,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                             request.streaming, request.disaggregated_params, self.rt.handoff_keeper)
         if handoff is not None:
             call.start_import(self.rt.importer, handoff)
+        elif phase is Phase.GENERATION_ONLY:
+            call.resume()
         else:
             call.submit()
         self.calls[request_id] = call
@@ -84,6 +86,11 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if phase is Phase.CONTEXT_ONLY and self.rt.handoff_keeper is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this {self.rt.config.role} worker cannot run context_only requests; send them to a prefill worker")
+        if phase is Phase.GENERATION_ONLY and not params.opaque_state:
+            if not params.first_gen_tokens:
+                raise ValueError("generation_only needs disaggregated_params.first_gen_tokens (and the context "
+                                 "phase's opaque_state, or none to recompute the KV here)")
+            return None  # a resumed request (migration): any worker recomputes its KV
         if phase is Phase.GENERATION_ONLY:
             if self.rt.importer is None:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
