@@ -69,6 +69,17 @@ def test_bert_loader_names_missing_and_unexpected_tensors(tmp_path):
         load_bert(model_dir)
 
 
+def test_bert_loader_accepts_bert_prefixed_names(tmp_path):
+    from safetensors.torch import load_file, save_file
+    model_dir = _random_bert(tmp_path)
+    plain, _ = load_bert(model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({f"bert.{k}": v for k, v in tensors.items()}, model_dir / "model.safetensors")
+    prefixed, _ = load_bert(model_dir)
+    ids, mask, types = _padded([5, 9], vocab=97)
+    torch.testing.assert_close(prefixed(ids, mask, types), plain(ids, mask, types))
+
+
 def test_pooling_follows_the_sentence_transformers_config(tmp_path):
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([
