@@ -6,7 +6,9 @@ import logging
 
 from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
+from tandem.engine.bert import is_encoder_only
 from tandem.worker.config import WorkerConfig
+from tandem.worker.encode_servicer import EncodeOnlyLLMServicer
 from tandem.worker.runtime import WorkerRuntime
 from tandem.worker.servicer import WorkerInternalServicer, WorkerLLMServicer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -22,7 +24,9 @@ async def serve_worker(config: WorkerConfig) -> None:
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token,
                         readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
     runtime = WorkerRuntime(config, server, ready)
-    llm_servicer = WorkerLLMServicer(runtime)
+    # An encoder-only checkpoint gets a servicer whose generative RPCs refuse (the runtime loads it likewise).
+    servicer_type = EncodeOnlyLLMServicer if is_encoder_only(config.engine.model_dir) else WorkerLLMServicer
+    llm_servicer = servicer_type(runtime)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime), server.server)
     await server.start()

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from tandem.common.server import GrpcServer
+from tandem.engine.bert import is_encoder_only
 from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
@@ -37,10 +38,18 @@ class WorkerRuntime:
         self.handoff_keeper = None
         self.importer = None
         self._transceiver_generation = 0
+        # Set instead of engine when the model is encoder-only (Encode, not Generate).
+        self.encoder = None
+
+    @property
+    def encode_only(self) -> bool:
+        return self.encoder is not None
 
     async def load(self) -> None:
         """Loads tokenizer and model off the event loop, warms the engine up, starts its thread."""
         started = time.perf_counter()
+        if is_encoder_only(self.config.engine.model_dir):
+            return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.config.engine.model_dir)
         self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
         loaded = time.perf_counter()
@@ -54,6 +63,19 @@ class WorkerRuntime:
         if self.config.role in ("prefill", "decode"):
             await asyncio.to_thread(self.start_transceiver)
         self.engine_loop.start()
+        self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
+                                "total_s": time.perf_counter() - started}
+        self.ready.set()
+
+    async def _load_encoder(self, started: float) -> None:
+        from tandem.worker.encoder import EncoderRuntime
+        if self.config.role != "both":
+            raise ValueError(f"{self.config.engine.model_dir} is an encoder-only model: serve it in the both role "
+                             f"(there is no prefill/decode split to make), not {self.config.role}")
+        self.encoder = await asyncio.to_thread(EncoderRuntime, self.config.engine)
+        self.tokenizer = self.encoder.tokenizer
+        loaded = time.perf_counter()
+        await asyncio.to_thread(self.encoder.warm_up)
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
                                 "total_s": time.perf_counter() - started}
         self.ready.set()
@@ -102,6 +124,8 @@ class WorkerRuntime:
     async def close(self) -> None:
         if self.engine_loop is not None:
             self.engine_loop.stop()
+        if self.encoder is not None:
+            self.encoder.close()
         self.stop_transceiver()
 
     def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
@@ -116,9 +140,13 @@ class WorkerRuntime:
                                           "transceiver": self.transceiver.agent_name if self.transceiver else ""})
         info.startup_metrics.update(self.startup_metrics)
         info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
+        if self.encoder is not None:
+            info.encode_only, info.max_model_len = True, self.encoder.max_model_len
         return info
 
     async def worker_state(self) -> worker_pb2.WorkerState:
+        if self.encoder is not None:  # no KV cache; the router only needs the role
+            return worker_pb2.WorkerState(role=self.config.role, paused=self.paused)
         def read(engine: LLMEngine) -> worker_pb2.WorkerState:
             bm = engine.block_manager
             c = engine.counters

@@ -8,7 +8,7 @@ from google.protobuf import json_format, struct_pb2
 
 import grpc
 
-from tandem.common.errors import RpcError, unavailable, unimplemented
+from tandem.common.errors import PreconditionError, RpcError, unavailable
 from tandem.decode.importer import parse_handoff
 from tandem.engine.sequence import Phase
 from tandem.worker import admin
@@ -192,7 +192,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 yield llm_pb2.JsonItem(item=_struct(e))
 
     async def Encode(self, request, context):
-        raise unimplemented("encode needs an encoder-only model; this build serves decoder-only models only")
+        # The seed's encode raises RuntimeError unless encode_only; the encode-only servicer overrides this.
+        raise PreconditionError(f"Encode needs an encoder-only model (e.g. BertModel); this worker serves the "
+                                f"generative model {self.rt.config.engine.model_dir}")
 
     async def CollectiveRpc(self, request, context):
         value = await admin.collective_rpc(self.rt, request.method, json_format.MessageToDict(request.args) or [],

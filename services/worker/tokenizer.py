@@ -17,6 +17,10 @@ class Tokenizer:
         if not path.is_file():
             raise ValueError(f"{self.model_dir} has no tokenizer.json; tandem needs a fast (tokenizers) tokenizer")
         self._tok = HfTokenizer.from_file(str(path))
+        # Some tokenizer.json files (sentence-transformers exports) pad and truncate every
+        # encoding to a fixed length; the server checks lengths itself and pads batches as it needs.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

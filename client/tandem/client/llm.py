@@ -132,12 +132,20 @@ class LLM:
 
     def encode(self, inputs, add_special_tokens: bool = True, batch_indexed_model_output: bool = True,
                copy_logits_to_host: bool = True, return_raw_logits: bool = False, **model_kwargs: Any):
-        single = isinstance(inputs, (str, dict)) or (isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs))
+        """Token embeddings and pooled (sentence) embeddings from an encoder-only model, as nested lists
+        (the client has no torch). One EncoderOutput for one input, a list for a batch; the raw
+        [batch, max_len, dim] output (padding rows zero) with return_raw_logits. model_kwargs:
+        token_type_ids, one list per input. Outputs are always copied to the host and indexed
+        by input, so batch_indexed_model_output and copy_logits_to_host change nothing here."""
+        single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
+            isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, int) for t in inputs))
         batch = [inputs] if single else list(inputs)
         request = llm_pb2.EncodeRequest(inputs=[prompt_to_proto(p) for p in batch],
                                         add_special_tokens=add_special_tokens, return_raw_logits=return_raw_logits)
         if model_kwargs:
-            request.model_kwargs.update(json.loads(json.dumps(model_kwargs)))
+            # Arrays and tensors (numpy, torch) travel as their nested lists.
+            plain = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in model_kwargs.items()}
+            request.model_kwargs.update(json.loads(json.dumps(plain)))
         from tandem.client.encode import decode_encode_response
         return decode_encode_response(self._call("Encode", request), single, return_raw_logits)
 

@@ -21,6 +21,9 @@ class RemoteTokenizer:
             from tokenizers import Tokenizer
             if "tokenizer.json" in self.files:
                 self._local = Tokenizer.from_str(self.files["tokenizer.json"].decode())
+                # As on the server: no fixed-length padding or silent truncation from tokenizer.json.
+                self._local.no_padding()
+                self._local.no_truncation()
         except ImportError:
             pass
 
