@@ -39,13 +39,18 @@ def main() -> None:
         "decode-1": ["--device", args.decode_device, *extra],
         "both-1": ["--device", args.prefill_device]})
     rng = random.Random(SEED)
-    prompts = [[1] + [rng.randrange(4, 300) for _ in range(args.prompt_len - 1)] for _ in range(args.num_requests)]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
+    def fresh_prompts():
+        """New prompts for every pass: a prompt seen before would come from the prefix cache."""
+        return [[1] + [rng.randrange(4, 300) for _ in range(args.prompt_len - 1)] for _ in range(args.num_requests)]
+    sequential_prompts, concurrent_prompts = fresh_prompts(), fresh_prompts()
+
     async def run(address: str, concurrent: bool):
+        prompts = concurrent_prompts if concurrent else sequential_prompts
         llm = await AsyncLLM(address)
         try:
-            await llm.generate_async(prompts[0], params)  # warm-up: peers, kernels
+            await llm.generate_async(fresh_prompts()[0], params)  # warm-up: peers, kernels
             started = time.perf_counter()
             if concurrent:
                 outs = await asyncio.gather(*(llm.generate_async(p, params) for p in prompts))
@@ -56,6 +61,7 @@ def main() -> None:
             llm.close()
 
     with cluster:
+        # The aggregated worker and the split never share a cache, so both see every prompt fresh.
         split_seq, _ = asyncio.run(run(cluster.address, concurrent=False))
         local_seq, _ = asyncio.run(run(cluster.workers[2].address, concurrent=False))
         split_conc, split_wall = asyncio.run(run(cluster.address, concurrent=True))
