@@ -38,6 +38,19 @@ def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str) -> worker
     return handoff
 
 
+async def _settle(transfer, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not transfer.done():
+            if time.monotonic() > deadline:
+                log.warning("a cancelled KV pull did not settle in %.1f s; releasing it anyway", timeout_s)
+                break
+            await asyncio.sleep(0.001)
+    except Exception:  # noqa: BLE001 - a failed READ has settled too
+        pass
+    transfer.abort()
+
+
 class KvImporter:
     def __init__(self, transceiver: KvTransceiver):
         self.transceiver = transceiver
@@ -80,7 +93,9 @@ class KvImporter:
             raise unavailable(f"pulling the KV from {handoff.ctx_endpoint} failed (the prefill worker is gone "
                               f"or released its KV cache): {exc}") from None
         except BaseException:
-            transfer.abort()
+            # Cancelled (or timed out) mid-READ: the caller frees our blocks next, so let the
+            # READ land first rather than have it write into blocks another request now owns.
+            await _settle(transfer)
             raise
         self.num_bytes_received += transfer.nbytes
         return transfer.nbytes, time.perf_counter() - started
