@@ -32,6 +32,7 @@ VALUE_SETS = {
                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "podDisruptionBudget": {"enabled": True},
+        "adminToken": {"secretName": "tandem-admin"},
     },
     "aggregated": {
         "model": {"source": "hostPath", "hostPath": "/mnt/models", "path": "qwen3"},
@@ -141,6 +142,13 @@ def test_model_source(chart, case, model_flag):
 def test_large_integers_render_as_integers(chart):
     (sts,) = by_kind(objects(chart, VALUE_SETS["aggregated"]), "StatefulSet")
     assert flag(sts["spec"]["template"]["spec"]["containers"][0], "max-num-batched-tokens") == "1048576"
+
+
+def test_admin_token_comes_from_the_secret_in_every_process(chart):
+    for c in containers(objects(chart, VALUE_SETS["disaggregated"])):
+        (env,) = [e for e in c["env"] if e["name"] == "TANDEM_ADMIN_TOKEN"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "tandem-admin", "key": "token"}
+    assert all("TANDEM_ADMIN_TOKEN" not in str(c["env"]) for c in containers(objects(chart, VALUE_SETS["default"])))
 
 
 def test_pods_run_as_non_root(chart):

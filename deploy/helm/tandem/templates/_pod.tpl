@@ -19,6 +19,17 @@ livenessProbe:
   failureThreshold: {{ $p.livenessFailureThreshold }}
 {{- end }}
 
+{{/* TANDEM_ADMIN_TOKEN from the configured Secret, if any. (root context) */}}
+{{- define "tandem.adminTokenEnv" -}}
+{{- with .Values.adminToken.secretName }}
+- name: TANDEM_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.adminToken.secretKey }}
+{{- end }}
+{{- end }}
+
 {{/* Writable scratch under a read-only root filesystem. */}}
 {{- define "tandem.scratchVolumes" -}}
 - name: tmp

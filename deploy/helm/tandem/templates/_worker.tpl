@@ -80,6 +80,7 @@ spec:
           env:
             - name: HOME
               value: /tmp
+            {{- with include "tandem.adminTokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
