@@ -98,6 +98,7 @@ def test_update_weights_from_a_checkpoint(cluster, model_dirs, tmp_path):
     with LLM(cluster.address, auth_token=TOKEN) as llm:
         old = llm.generate("new weights", PARAMS, use_tqdm=False).outputs[0].token_ids
         old_sums = run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("weights_checksum")))
+        run(_admin(cluster.address, TOKEN, lambda a: a.pause_generation()))  # weights change only while idle
         with pytest.raises(grpc.RpcError) as err:
             run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(model_dirs["qwen3"]))))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in err.value.details()
@@ -106,6 +107,7 @@ def test_update_weights_from_a_checkpoint(cluster, model_dirs, tmp_path):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("weights_checksum"))) == old_sums
         run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(other))))
+        run(_admin(cluster.address, TOKEN, lambda a: a.resume_generation()))
         new_sums = run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("weights_checksum")))
         assert all(n["result"] != o["result"] for n, o in zip(new_sums, old_sums))
         assert new_sums[0]["result"] == new_sums[1]["result"]  # prefill and decode agree
@@ -113,8 +115,40 @@ def test_update_weights_from_a_checkpoint(cluster, model_dirs, tmp_path):
         assert new != old
         with LocalCluster(roles=["both"], engine_args=["--model", str(other), "--num-blocks", "32"]) as ref, LLM(ref.address) as r:
             assert r.generate("new weights", PARAMS, use_tqdm=False).outputs[0].token_ids == new
+        run(_admin(cluster.address, TOKEN, lambda a: a.pause_generation()))
         run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(model_dirs["llama"]))))
+        run(_admin(cluster.address, TOKEN, lambda a: a.resume_generation()))
         assert llm.generate("new weights", PARAMS, use_tqdm=False).outputs[0].token_ids == old
+
+
+def test_handoffs_are_signed_and_bound_to_their_prompt(cluster):
+    """With an admin token, a client cannot reuse one prompt's KV for another (it would poison the
+    decode worker's prefix cache) nor edit a handoff."""
+    from tandem.client import DisaggregatedParams
+    from tandem.v1 import worker_pb2
+    with LLM(cluster.address) as llm:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        ctx = llm.generate("the real prompt", params, use_tqdm=False,
+                           disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        h = ctx.outputs[0].disaggregated_params
+        forged = worker_pb2.KvHandoff.FromString(h.opaque_state)
+        forged.num_prompt_tokens += 1
+        for prompt, opaque, fragment in ((ctx.prompt_token_ids[:-1] + [7], h.opaque_state, "another prompt"),
+                                         (ctx.prompt_token_ids, forged.SerializeToString(), "signature")):
+            with pytest.raises(grpc.RpcError) as err:
+                llm.generate(prompt, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+                    request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
+                    ctx_request_id=h.ctx_request_id, opaque_state=opaque))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and fragment in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # out-of-vocabulary first tokens are bad input
+            llm.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+                request_type="generation_only", first_gen_tokens=[10 ** 9], opaque_state=h.opaque_state))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        gen = llm.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+            request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
+            ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
+        assert len(gen.outputs[0].token_ids) == 3
+        assert_all_blocks_free(llm)
 
 
 def test_collective_rpc_allowlist_and_ranks(cluster):

@@ -152,3 +152,32 @@ def test_cache_salt_separates_tenants(model_dirs):
     while engine.num_unfinished:
         engine.step()
     assert engine.counters.num_prompt_tokens_computed - before == len(prompt)
+
+
+def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
+    """An import holds its blocks while parked; it reserves its first token's slot too, so a
+    running sequence that runs out of blocks cannot wait for it forever."""
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8))
+    opts = SamplingOptions(max_tokens=40, ignore_eos=True)
+    engine.add_request("a", [1, 5, 6], opts)
+    for _ in range(3):
+        engine.step()
+    plan = engine.reserve_import("b", [1] + list(range(10, 21)), [30], opts)  # 12 prompt tokens: 3 full blocks
+    assert plan is not None and len(plan.block_ids) == 3
+    engine.complete_import("b")
+    for _ in range(500):
+        if not engine.num_unfinished:
+            break
+        engine.step()
+    assert engine.num_unfinished == 0 and engine.block_manager.num_free_blocks == 8
+
+
+def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("x", [1, 2], SamplingOptions(), output_token_ids=[10 ** 9])
+    with pytest.raises(PromptNeverFitsError):
+        engine.add_request("y", [1, 2], SamplingOptions(), output_token_ids=[5] * 40)
+    with pytest.raises(PromptTooLongError):
+        engine.reserve_import("z", [1, 2], [5] * 70, SamplingOptions())
+    assert engine.block_manager.num_free_blocks == 8 and not engine.imports

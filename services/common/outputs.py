@@ -31,3 +31,10 @@ def merge_outputs(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestO
         del out.logprobs[:]
         out.logprobs.extend(logprobs[index])
     return merged
+
+
+def cancelled_output(request_id: str) -> types_pb2.RequestOutput:
+    """The last message of a request aborted before its worker could say so itself."""
+    out = types_pb2.RequestOutput(request_id=request_id, finished=True)
+    out.outputs.add(index=0, finish_reason=types_pb2.FINISH_REASON_CANCELLED)
+    return out

@@ -4,24 +4,27 @@ the prefill to free its lease)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 
 import grpc
 
-from tandem.common.errors import IncompatibleHandoffError, unavailable
+from tandem.common.errors import IncompatibleHandoffError, PreconditionError, unavailable
 from tandem.common.server import CHANNEL_OPTIONS
 from tandem.engine.kv_layout import describe_mismatch
 from tandem.kvtransfer import KvTransceiver, TransferError
-from tandem.prefill.handoff import release_message
+from tandem.prefill.handoff import prompt_digest, release_message, sign
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
 log = logging.getLogger("tandem.decode")
 
 
-def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str) -> worker_pb2.KvHandoff:
-    """The handoff of a generation_only request, refused (FAILED_PRECONDITION) when its KV layout is not ours."""
+def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str, prompt_token_ids: list[int],
+                  cache_salt: str | None, signing_key: bytes | None) -> worker_pb2.KvHandoff:
+    """The handoff of a generation_only request, refused (FAILED_PRECONDITION) when its KV layout is
+    not ours, when it belongs to another prompt, or when its signature does not verify."""
     handoff = worker_pb2.KvHandoff()
     try:
         handoff.ParseFromString(opaque_state)
@@ -35,6 +38,13 @@ def parse_handoff(opaque_state: bytes, layout: dict, layout_hash: str) -> worker
         raise IncompatibleHandoffError(
             f"KV handoff from {handoff.ctx_endpoint} is incompatible with this decode worker: "
             f"{describe_mismatch(layout, theirs)}")
+    if signing_key and not hmac.compare_digest(handoff.signature, sign(handoff, signing_key)):
+        raise PreconditionError("the KV handoff's signature does not verify: pass the context_only response's "
+                                "disaggregated_params unchanged")
+    if (handoff.num_prompt_tokens != len(prompt_token_ids)
+            or handoff.prompt_digest != prompt_digest(prompt_token_ids, cache_salt)):
+        raise PreconditionError("the KV handoff belongs to another prompt (or cache_salt): send generation_only "
+                                "with the context phase's prompt_token_ids and cache_salt")
     return handoff
 
 

@@ -72,7 +72,9 @@ class BlockManager:
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+        # Tail first: the least recently freed is evicted first, and a prefix's root must go last,
+        # or one eviction would strand all the blocks that chain from it.
+        for b in reversed(blocks):
             if self._ref_counts[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
             self._ref_counts[b] -= 1
@@ -122,24 +124,21 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if num_full <= len(seq.block_hashes):
             return
-        tokens = seq.all_token_ids
         parent = seq.block_hashes[-1] if seq.block_hashes else None
-        stored = []
         for i in range(len(seq.block_hashes), num_full):
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = seq.token_slice(i * bs, (i + 1) * bs)
             h = chain_hash(parent, chunk, seq.cache_salt)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self._by_hash and self._block_hash[block] is None:
                 self._by_hash[h] = block
                 self._block_hash[block] = h
-                stored.append({"type": "stored_block", "block_hash": h,
-                               "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
-                               "lora_id": None, "cache_level": 0, "priority": DEFAULT_PRIORITY})
+                # One event per block: its parent is exact even when a neighbour was cached already.
+                self.events.append({"type": "stored", "parent_hash": parent, "blocks": [{
+                    "type": "stored_block", "block_hash": h,
+                    "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
+                    "lora_id": None, "cache_level": 0, "priority": DEFAULT_PRIORITY}]})
             parent = h
-        if stored:
-            first_parent = seq.block_hashes[-len(stored) - 1] if len(seq.block_hashes) > len(stored) else None
-            self.events.append({"type": "stored", "parent_hash": first_parent, "blocks": stored})
 
     def _evict(self, block: int) -> None:
         h = self._block_hash[block]

@@ -114,7 +114,8 @@ class LLMEngine:
         """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled)."""
         if request_id in self._seqs or request_id in self.imports or request_id in self.leases:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(len(prompt_token_ids), prompt_token_ids)
+        self.check_prompt(len(prompt_token_ids) + len(output_token_ids or ()),
+                          list(prompt_token_ids) + list(output_token_ids or ()))
         self.check_options(options)
         seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt,
                        output_token_ids=list(output_token_ids or []))
@@ -143,8 +144,17 @@ class LLMEngine:
             self.release_lease(request_id)
         return len(request_ids)
 
+    def require_idle(self, what: str) -> None:
+        """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
+        weights in the current pool."""
+        busy = self.num_unfinished + len(self.imports) + len(self.leases)
+        if busy:
+            raise PreconditionError(f"{busy} requests or KV handoffs are in flight; call pause_generation "
+                                    f"before {what}")
+
     def swap_weights(self, model, source: str) -> None:
-        """New weights between two steps; cached KV was computed with the old ones."""
+        """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
+        self.require_idle("update_weights")
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
@@ -175,10 +185,13 @@ class LLMEngine:
         hold the prompt now (the caller then falls back to computing the prompt here)."""
         if request_id in self._seqs or request_id in self.imports:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(len(prompt_token_ids), prompt_token_ids)
+        self.check_prompt(len(prompt_token_ids) + len(first_token_ids), list(prompt_token_ids) + list(first_token_ids))
+        self.check_options(options)
         bm = self.block_manager
         cached, hashes = bm.match_prefix(prompt_token_ids, cache_salt, len(prompt_token_ids))
-        num_blocks = bm.num_blocks_for(len(prompt_token_ids))
+        # Room for the first generated token's KV too: a parked import that still needed a block
+        # could wait behind a preempted sequence that needs the same blocks, forever.
+        num_blocks = bm.num_blocks_for(len(prompt_token_ids) + 1)
         if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
             return None
         seq = Sequence(request_id, list(prompt_token_ids), options, phase=Phase.GENERATION_ONLY, priority=priority,
@@ -186,7 +199,8 @@ class LLMEngine:
         bm.take_cached(seq, cached, hashes)
         seq.block_table += bm.allocate(num_blocks - len(cached))
         self.imports[request_id] = seq
-        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):])
+        num_prompt_blocks = bm.num_blocks_for(len(prompt_token_ids))
+        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):num_prompt_blocks])
 
     def complete_import(self, request_id: str) -> None:
         """The prompt's KV has landed in the reserved blocks: schedule the request for decoding."""
@@ -208,12 +222,7 @@ class LLMEngine:
 
     def release_memory(self, tags: list[str]) -> None:
         """Frees the memory behind tags. Refused while requests run; drops KV leases first."""
-        if self.num_unfinished or self.imports:
-            raise PreconditionError(f"{self.num_unfinished + len(self.imports)} requests are in flight; "
-                                    "call pause_generation before release")
-        if self.leases and "kv_cache" in tags:
-            raise PreconditionError(f"{len(self.leases)} KV handoffs wait for their decode worker; "
-                                    "call pause_generation before release")
+        self.require_idle("release")
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()
             self.runner.release_kv_cache()

@@ -4,11 +4,14 @@ it has pulled it (a NIXL notification, or the ReleaseKv RPC)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import json
 import logging
 import random
 import time
+from array import array
 
 from tandem.kvtransfer import KvTransceiver
 from tandem.worker.engine_loop import EngineLoop
@@ -23,9 +26,27 @@ def release_message(ctx_request_id: int) -> bytes:
     return RELEASE_PREFIX + str(ctx_request_id).encode()
 
 
+def prompt_digest(prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((cache_salt or "").encode() + b"\0")
+    digest.update(array("q", prompt_token_ids).tobytes())
+    return digest.digest()
+
+
+def sign(handoff: worker_pb2.KvHandoff, key: bytes | None) -> bytes:
+    """HMAC of the handoff without its signature; empty without a key (an open cluster trusts its clients)."""
+    if not key:
+        return b""
+    unsigned = worker_pb2.KvHandoff()
+    unsigned.CopyFrom(handoff)
+    unsigned.signature = b""
+    return hmac.new(key, unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+
 class HandoffKeeper:
     def __init__(self, engine_loop: EngineLoop, transceiver: KvTransceiver, endpoint: str, layout: dict,
-                 layout_hash: str, lease_seconds: float):
+                 layout_hash: str, lease_seconds: float, signing_key: bytes | None = None):
+        self.signing_key = signing_key
         self.engine_loop = engine_loop
         self.transceiver = transceiver
         self.endpoint = endpoint
@@ -38,7 +59,8 @@ class HandoffKeeper:
         self._ids = itertools.count(random.SystemRandom().randrange(1 << 40, 1 << 52))
         self._task: asyncio.Task | None = None
 
-    def handoff(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> tuple[int, bytes]:
+    def handoff(self, request_id: str, block_ids: list[int], prompt_token_ids: list[int],
+                cache_salt: str | None) -> tuple[int, bytes]:
         """Registers a lease; returns (ctx_request_id, opaque_state)."""
         ctx_request_id = next(self._ids)
         expires_at = time.time() + self.lease_seconds
@@ -46,7 +68,9 @@ class HandoffKeeper:
         state = worker_pb2.KvHandoff(
             version=1, ctx_endpoint=self.endpoint, agent_name=self.transceiver.agent_name,
             layout_hash=self.layout_hash, layout_json=self.layout_json, block_ids=block_ids,
-            num_prompt_tokens=num_prompt_tokens, ctx_request_id=ctx_request_id, lease_expires_at=expires_at)
+            num_prompt_tokens=len(prompt_token_ids), ctx_request_id=ctx_request_id, lease_expires_at=expires_at,
+            prompt_digest=prompt_digest(prompt_token_ids, cache_salt))
+        state.signature = sign(state, self.signing_key)
         return ctx_request_id, state.SerializeToString()
 
     async def release(self, ctx_request_id: int) -> bool:

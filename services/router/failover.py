@@ -14,6 +14,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tandem.common.outputs import cancelled_output
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2
 
@@ -82,6 +83,9 @@ async def stream_with_migration(pool: WorkerPool, route, request: llm_pb2.Genera
         except grpc.aio.AioRpcError as exc:
             if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc):
                 raise
+            if route.cancelled:  # aborted while its worker died: nothing to carry on
+                yield cancelled_output(request.request_id)
+                return
             log.warning("worker %s died under %s after %d tokens; migrating", worker.address, request.request_id,
                         len(tokens_so_far))
             pool.mark_down(worker)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.common.outputs import merge_outputs
+from tandem.common.outputs import cancelled_output, merge_outputs
 from tandem.router import failover
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -39,8 +39,12 @@ async def abort(route: Route) -> None:
         await abort(child)
     if route.worker is None:
         return
-    reply = await route.worker.llm.Abort(llm_pb2.AbortRequest(request_id=route.request_id))
-    if not reply.aborted and route.call is not None:
+    try:
+        reply = await route.worker.llm.Abort(llm_pb2.AbortRequest(request_id=route.request_id), timeout=5)
+        aborted = reply.aborted
+    except grpc.aio.AioRpcError:  # the worker is gone (a migration may be under way): cancel our side
+        aborted = False
+    if not aborted and route.call is not None:
         route.call.cancel()
 
 
@@ -68,16 +72,10 @@ async def relay(worker: WorkerHandle, request: llm_pb2.GenerateRequest, route: R
     except asyncio.CancelledError:
         if not route.cancelled:
             raise  # the client went away
-        yield _cancelled_output(request.request_id)  # Abort cancelled the call
+        yield cancelled_output(request.request_id)  # Abort cancelled the call
     finally:
         call.cancel()
         route.call = None
-
-
-def _cancelled_output(request_id: str) -> types_pb2.RequestOutput:
-    out = types_pb2.RequestOutput(request_id=request_id, finished=True)
-    out.outputs.add(index=0, finish_reason=types_pb2.FINISH_REASON_CANCELLED)
-    return out
 
 
 async def _release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int) -> None:
@@ -112,12 +110,12 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
     ctx_out.ClearField("metrics")  # metrics come once, on the last message
     try:
         if route.cancelled:
-            yield _cancelled_output(request.request_id)
+            yield cancelled_output(request.request_id)
             return
         ctx_out.finished = False
         yield ctx_out  # the first token reaches the client before the KV moves
         if route.cancelled:  # aborted while the first token was on its way
-            yield _cancelled_output(request.request_id)
+            yield cancelled_output(request.request_id)
             return
         gen = llm_pb2.GenerateRequest()
         gen.CopyFrom(request)
@@ -201,7 +199,9 @@ async def run(pool: WorkerPool, route_table: dict[str, Route], request: llm_pb2.
     if phase == types_pb2.REQUEST_TYPE_CONTEXT_ONLY:
         worker, split = pool.pick("prefill"), False
     elif phase == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
-        worker, split = pool.pick("decode"), False
+        # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
+        needs = ("decode",) if request.disaggregated_params.opaque_state else ("decode", "both")
+        worker, split = pool.pick_any_of(needs), False
     elif pool.can_disaggregate:
         worker, split = None, True
     else:

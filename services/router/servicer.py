@@ -101,6 +101,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self._admin("Resume", request)
 
     async def UpdateWeights(self, request, context):
+        if self.routes:
+            raise PreconditionError(f"{len(self.routes)} requests are in flight; call pause_generation before update_weights")
         states = {w.address: await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
                   for w in self.pool.ready_workers}
         return await self._all_or_nothing("UpdateWeights", request, lambda w: (

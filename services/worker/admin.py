@@ -69,6 +69,7 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise ValueError(f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker")
     if "model" in rt.engine.released_tags:
         raise unavailable("the model weights are released; call resume(['model']) before update_weights")
+    await rt.engine_loop.call(lambda e: e.require_idle("update_weights"))  # fail before a slow load
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
     await rt.engine_loop.call(lambda e: e.swap_weights(model, path))
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"

@@ -80,6 +80,11 @@ class WorkerRuntime:
                                 "total_s": time.perf_counter() - started}
         self.ready.set()
 
+    @property
+    def signing_key(self) -> bytes | None:
+        """Handoffs are signed with the admin token: a cluster with one authenticates them too."""
+        return self.config.admin_token.encode() if self.config.admin_token else None
+
     def start_transceiver(self) -> None:
         """A NIXL agent over the KV pool; a new agent name each time, so peers that cached
         the old one (before a release of the pool) fetch the new state."""
@@ -92,7 +97,8 @@ class WorkerRuntime:
                                          progress_thread=self.config.nixl_progress_thread)
         if self.config.role == "prefill":
             self.handoff_keeper = HandoffKeeper(self.engine_loop, self.transceiver, self.worker_id, self.kv_layout,
-                                                self.kv_layout_hash, self.config.engine.kv_lease_seconds)
+                                                self.kv_layout_hash, self.config.engine.kv_lease_seconds,
+                                                self.signing_key)
         else:
             self.importer = KvImporter(self.transceiver)
 

@@ -63,7 +63,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if request_id in self.calls:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
         phase = PHASES[request.disaggregated_params.request_type]
-        handoff = self._check_phase(phase, request.disaggregated_params)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        handoff = self._check_phase(phase, request.disaggregated_params, prompt_ids, salt)
         call = GenerateCall(self.rt.engine_loop, self.rt.tokenizer, request_id, prompt_ids, prompt_text, options, phase,
                             request.priority if request.HasField("priority") else 0.5,
                             request.cache_salt if request.HasField("cache_salt") else None,
@@ -81,7 +82,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         finally:
             self.calls.pop(request_id, None)
 
-    def _check_phase(self, phase: Phase, params: types_pb2.DisaggregatedParams):
+    def _check_phase(self, phase: Phase, params: types_pb2.DisaggregatedParams, prompt_ids: list[int],
+                     cache_salt: str | None):
         """Refuses a phase this worker cannot run; for GENERATION_ONLY returns the parsed handoff."""
         if phase is Phase.CONTEXT_ONLY and self.rt.handoff_keeper is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -97,7 +99,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                                f"this {self.rt.config.role} worker cannot run generation_only requests; send them to a decode worker")
             if not params.first_gen_tokens:
                 raise ValueError("generation_only needs disaggregated_params.first_gen_tokens from the context phase")
-            return parse_handoff(params.opaque_state, self.rt.kv_layout, self.rt.kv_layout_hash)
+            return parse_handoff(params.opaque_state, self.rt.kv_layout, self.rt.kv_layout_hash, prompt_ids,
+                                 cache_salt, self.rt.signing_key)
         return None
 
     async def Abort(self, request, context):

@@ -57,7 +57,7 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KvHandoff(_message.Message):
-    __slots__ = ("version", "ctx_endpoint", "agent_name", "layout_hash", "layout_json", "block_ids", "num_prompt_tokens", "ctx_request_id", "lease_expires_at")
+    __slots__ = ("version", "ctx_endpoint", "agent_name", "layout_hash", "layout_json", "block_ids", "num_prompt_tokens", "ctx_request_id", "lease_expires_at", "prompt_digest", "signature")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CTX_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class KvHandoff(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     ctx_endpoint: str
     agent_name: str
@@ -76,4 +78,6 @@ class KvHandoff(_message.Message):
     num_prompt_tokens: int
     ctx_request_id: int
     lease_expires_at: float
-    def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ...) -> None: ...
+    prompt_digest: bytes
+    signature: bytes
+    def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
