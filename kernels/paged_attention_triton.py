@@ -262,10 +262,16 @@ def paged_attention_triton(
     block_q = max(1, config.rows // group_pad)
     tile_n = config.tile_n
     num_q_blocks = triton.cdiv(meta.max_query_len, block_q)
-    num_splits = num_kv_splits or _default_num_splits(
-        num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device)
-    split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), tile_n) * tile_n
-    num_splits = triton.cdiv(meta.max_seq_len, split_len)
+    if num_kv_splits is None:
+        # NUM_SPLITS is a compile-time constant: one value per batch shape would JIT-compile new
+        # kernels while serving (seconds each on an H200). Powers of two bound that to a handful;
+        # segments past a sequence's context are empty and drop out of the merge (lse = -inf).
+        num_splits = triton.next_power_of_2(_default_num_splits(
+            num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device))
+        split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), tile_n) * tile_n
+    else:
+        split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_kv_splits), tile_n) * tile_n
+        num_splits = triton.cdiv(meta.max_seq_len, split_len)
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)

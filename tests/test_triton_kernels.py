@@ -125,3 +125,14 @@ def test_dispatch_env_override(monkeypatch):
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="TANDEM_ATTENTION_BACKEND"):
         dispatch.backend_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("wanted", [3, 5])
+def test_default_splits_round_up_to_powers_of_two_with_empty_segments(monkeypatch, wanted):
+    """On a GPU the default split count is bucketed to a power of two (no JIT per batch shape);
+    the segments that then lie past a sequence's context must drop out of the merge."""
+    import tandem.kernels.paged_attention_triton as kernel_module
+    monkeypatch.setattr(kernel_module, "_default_num_splits", lambda *args: wanted)
+    block_size, num_heads, num_kv_heads, head_dim, shape = CASES["mixed"]
+    shape = [(q, s + 150) for q, s in shape]
+    assert_matches_reference(*make_batch(block_size, num_heads, num_kv_heads, head_dim, shape, torch.float32, seed=9))
