@@ -3,7 +3,6 @@ sampling, stops, abort/cancel, bad input, and the introspection surface."""
 from __future__ import annotations
 
 import asyncio
-import io
 import time
 
 import grpc

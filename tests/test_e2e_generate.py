@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-import grpc
 import pytest
 
 from conftest import assert_all_blocks_free

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from tandem.common.errors import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager

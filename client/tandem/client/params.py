@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence, TypedDict, Union
 
-from tandem.v1 import llm_pb2, types_pb2
+from tandem.v1 import types_pb2
 
 
 class TextPrompt(TypedDict, total=False):
