@@ -80,6 +80,8 @@ def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
     for a, b in zip(split_seeded, local_seeded):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].text == b.outputs[0].text
+        # The first token's logprob was sampled on the prefill; the router carries it over.
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, rel=1e-4, abs=1e-4)
     # The KV really moved: the decode worker computed no prompt token and received
     # exactly the prompts' blocks.
     after = worker_state(decode)

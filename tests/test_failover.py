@@ -56,6 +56,7 @@ def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
     assert ids == out.outputs[0].token_ids == expected.token_ids  # nothing lost, nothing repeated
     assert text == out.outputs[0].text == expected.text
     assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob, rel=1e-4, abs=1e-3)
     assert killed.address in out.metrics.served_by and len(out.metrics.served_by) >= 3
 
 

@@ -67,15 +67,20 @@ def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so
 
 
 async def stream_with_migration(pool: WorkerPool, route, request: llm_pb2.GenerateRequest, first_worker: WorkerHandle,
-                                need: str, prompt_token_ids, tokens_so_far: list[int], tracked, relay):
-    """Relays a single-sequence stream; if its worker dies, continues it on another one."""
+                                need: str, prompt_token_ids, tokens_so_far: list[int], tracked, relay,
+                                logprob_base: float = 0.0):
+    """Relays a single-sequence stream; if its worker dies, continues it on another one.
+    logprob_base: the cumulative logprob of tokens_so_far, which the worker did not sample."""
     worker, current, tried = first_worker, request, set()
+    base = last_cumulative = logprob_base
     for attempt in range(MAX_MIGRATIONS + 1):
         try:
             with tracked(route, worker):
                 async for msg in relay(worker, current, route):
                     for out in msg.outputs:
                         tokens_so_far.extend(out.token_ids)
+                        out.cumulative_logprob += base
+                        last_cumulative = out.cumulative_logprob
                     if not prompt_token_ids and msg.prompt_token_ids:
                         prompt_token_ids = list(msg.prompt_token_ids)
                     yield msg
@@ -92,4 +97,5 @@ async def stream_with_migration(pool: WorkerPool, route, request: llm_pb2.Genera
             tried.add(worker.address)
             # Nothing came back yet (not even the prompt's tokens): send the request again as it was.
             current = resume_request(request, prompt_token_ids, tokens_so_far) if prompt_token_ids else request
+            base = last_cumulative if prompt_token_ids else logprob_base
             worker = pool.pick_any_of((need, "both"), exclude=tried)

@@ -125,7 +125,8 @@ async def disaggregated(pool: WorkerPool, route: Route, request: llm_pb2.Generat
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         tokens_so_far = list(handoff.first_gen_tokens)
         async for msg in failover.stream_with_migration(pool, route, gen, pool.pick("decode"), "decode",
-                                                        list(ctx_out.prompt_token_ids), tokens_so_far, _Tracked, relay):
+                                                        list(ctx_out.prompt_token_ids), tokens_so_far, _Tracked, relay,
+                                                        logprob_base=ctx_out.outputs[0].cumulative_logprob):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
             if msg.finished:
