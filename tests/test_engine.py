@@ -181,3 +181,24 @@ def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
     with pytest.raises(PromptTooLongError):
         engine.reserve_import("z", [1, 2], [5] * 70, SamplingOptions())
     assert engine.block_manager.num_free_blocks == 8 and not engine.imports
+
+
+def test_a_late_release_does_not_free_a_newer_lease_of_the_same_id(model_dirs):
+    from tandem.engine.sequence import Phase
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16, kv_lease_seconds=60))
+    opts = SamplingOptions(max_tokens=8, ignore_eos=True)
+
+    def context_only() -> float:
+        engine.add_request("same-id", [1, 5, 6, 7, 8], opts, phase=Phase.CONTEXT_ONLY)
+        while engine.num_unfinished:
+            out = engine.step()
+        (handoff,) = out
+        assert handoff.handoff_block_ids and handoff.lease_expires_at == engine.leases["same-id"][1]
+        return handoff.lease_expires_at
+
+    old = context_only()
+    assert engine.expire_leases(old + 1) == ["same-id"]
+    new = context_only()
+    assert not engine.release_lease("same-id", old)  # the expired lease's late release
+    assert engine.num_leased_blocks > 0
+    assert engine.release_lease("same-id", new) and engine.block_manager.num_free_blocks == 16

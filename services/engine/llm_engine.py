@@ -35,8 +35,9 @@ class StepOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    # Set when a context_only request hands off: its KV blocks, now under lease.
+    # Set when a context_only request hands off: its KV blocks, now under lease until this unix time.
     handoff_block_ids: list[int] | None = None
+    lease_expires_at: float | None = None
 
 
 @dataclass
@@ -157,10 +158,13 @@ class LLMEngine:
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
-    def release_lease(self, request_id: str) -> bool:
-        lease = self.leases.pop(request_id, None)
-        if lease is None:
+    def release_lease(self, request_id: str, expires_at: float | None = None) -> bool:
+        """expires_at, when given, must match: a late release of an expired lease must not free a
+        newer lease that reuses the request id."""
+        lease = self.leases.get(request_id)
+        if lease is None or (expires_at is not None and lease[1] != expires_at):
             return False
+        del self.leases[request_id]
         self.block_manager.free(lease[0])
         return True
 
@@ -297,7 +301,7 @@ class LLMEngine:
             self._finish(seq, lease=handoff)
         return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or handoff,
                           seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                          handoff_blocks)
+                          handoff_blocks, self.leases[seq.request_id][1] if handoff else None)
 
     def _finish(self, seq: Sequence, lease: bool = False) -> None:
         seq.status = Status.FINISHED

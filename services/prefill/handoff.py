@@ -45,14 +45,13 @@ def sign(handoff: worker_pb2.KvHandoff, key: bytes | None) -> bytes:
 
 class HandoffKeeper:
     def __init__(self, engine_loop: EngineLoop, transceiver: KvTransceiver, endpoint: str, layout: dict,
-                 layout_hash: str, lease_seconds: float, signing_key: bytes | None = None):
+                 layout_hash: str, signing_key: bytes | None = None):
         self.signing_key = signing_key
         self.engine_loop = engine_loop
         self.transceiver = transceiver
         self.endpoint = endpoint
         self.layout_json = json.dumps(layout, sort_keys=True)
         self.layout_hash = layout_hash
-        self.lease_seconds = lease_seconds
         # ctx_request_id -> (engine request id, lease expiry). Random base: ids from a restarted
         # prefill never collide with leases the decode side may still name.
         self._leases: dict[int, tuple[str, float]] = {}
@@ -60,10 +59,9 @@ class HandoffKeeper:
         self._task: asyncio.Task | None = None
 
     def handoff(self, request_id: str, block_ids: list[int], prompt_token_ids: list[int],
-                cache_salt: str | None) -> tuple[int, bytes]:
-        """Registers a lease; returns (ctx_request_id, opaque_state)."""
+                cache_salt: str | None, expires_at: float) -> tuple[int, bytes]:
+        """Names the engine's lease (it expires at expires_at); returns (ctx_request_id, opaque_state)."""
         ctx_request_id = next(self._ids)
-        expires_at = time.time() + self.lease_seconds
         self._leases[ctx_request_id] = (request_id, expires_at)
         state = worker_pb2.KvHandoff(
             version=1, ctx_endpoint=self.endpoint, agent_name=self.transceiver.agent_name,
@@ -77,8 +75,8 @@ class HandoffKeeper:
         lease = self._leases.pop(ctx_request_id, None)
         if lease is None:
             return False
-        request_id = lease[0]
-        return await self.engine_loop.call(lambda engine: engine.release_lease(request_id))
+        request_id, expires_at = lease
+        return await self.engine_loop.call(lambda engine: engine.release_lease(request_id, expires_at))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._poll_forever())

@@ -246,7 +246,8 @@ class GenerateCall:
         """CONTEXT_ONLY done: the first token plus where its KV is. finish_reason stays unset:
         the request continues on a decode worker."""
         ctx_request_id, opaque = self.handoff_keeper.handoff(out.request_id, out.handoff_block_ids,
-                                                            self.prompt_token_ids, self.cache_salt)
+                                                            self.prompt_token_ids, self.cache_salt,
+                                                            out.lease_expires_at)
         self._undelivered_handoffs.append(ctx_request_id)
         params = comp.disaggregated_params
         params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY

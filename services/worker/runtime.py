@@ -97,8 +97,7 @@ class WorkerRuntime:
                                          progress_thread=self.config.nixl_progress_thread)
         if self.config.role == "prefill":
             self.handoff_keeper = HandoffKeeper(self.engine_loop, self.transceiver, self.worker_id, self.kv_layout,
-                                                self.kv_layout_hash, self.config.engine.kv_lease_seconds,
-                                                self.signing_key)
+                                                self.kv_layout_hash, self.signing_key)
         else:
             self.importer = KvImporter(self.transceiver)
 
