@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, SamplingParams
 
 SEED = 0

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from test_disagg import worker_state
 

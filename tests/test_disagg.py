@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from tandem.kvtransfer import TransceiverState
 from tandem.v1 import worker_pb2, worker_pb2_grpc

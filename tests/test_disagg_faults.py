@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
 from test_disagg import worker_state
 

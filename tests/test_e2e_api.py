@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, PreprocessedInputs, SamplingParams
 
 
@@ -71,11 +71,16 @@ def test_stop_token_ids_and_stop_strings(llm):
     first = free.token_ids.index(stop_at)
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
-    stop_str = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
-    if stop_str.strip():
-        out = llm.generate("x y z", SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]), use_tqdm=False).outputs[0]
-        assert out.finish_reason == "stop" and out.stop_reason == stop_str
-        assert out.text == free.text[: free.text.index(stop_str)]
+    # A stop string from the middle of the free text: the first 3-character window with no
+    # whitespace (the run fails, rather than skips, when the text has none).
+    middle = len(free.text) // 2
+    stop_str = next((free.text[i:i + 3] for i in list(range(middle, len(free.text) - 2)) + list(range(middle))
+                     if len(free.text[i:i + 3].strip()) == 3 and "\ufffd" not in free.text[i:i + 3]), None)
+    assert stop_str is not None, f"no stop string candidate in {free.text!r}"
+    out = llm.generate("x y z", SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop_str]), use_tqdm=False).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_str
+    assert out.text == free.text[: free.text.index(stop_str)]
+    assert free.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < len(free.token_ids)
 
 
 def test_sync_generate_batch_with_tqdm(llm, capsys):
@@ -252,3 +257,25 @@ def test_immediate_aborts_are_never_lost(cluster):
             aio.close()
     reasons = [r.outputs[0].finish_reason for r in _run(go())]
     assert reasons == ["cancelled"] * 30
+
+
+def stop_string_only_in(text: str, other: str) -> str:
+    """A 3-character stop string from the middle of text that `other` does not contain."""
+    middle = len(text) // 2
+    for i in list(range(middle, len(text) - 2)) + list(range(middle)):
+        candidate = text[i:i + 3]
+        if len(candidate.strip()) == 3 and "\ufffd" not in candidate and candidate not in other:
+            return candidate
+    raise AssertionError(f"no stop string candidate in {text!r} that {other!r} lacks")
+
+
+def test_a_stop_string_ends_one_of_n_sequences(llm):
+    import dataclasses
+    params = SamplingParams(max_tokens=16, n=2, temperature=1.0, seed=5, ignore_eos=True)
+    free = llm.generate("n sequences, one stops", params, use_tqdm=False).outputs
+    stop = stop_string_only_in(free[0].text, free[1].text)
+    out = llm.generate("n sequences, one stops", dataclasses.replace(params, stop=[stop]), use_tqdm=False).outputs
+    assert out[0].finish_reason == "stop" and out[0].stop_reason == stop
+    assert out[0].text == free[0].text[: free[0].text.index(stop)]
+    assert free[0].token_ids[: len(out[0].token_ids)] == out[0].token_ids
+    assert (out[1].token_ids, out[1].text, out[1].finish_reason) == (free[1].token_ids, free[1].text, "length")

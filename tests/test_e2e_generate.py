@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, SamplingParams
 
 ENGINE_ARGS = ["--num-blocks", "96", "--block-size", "8", "--max-num-batched-tokens", "96"]

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import LLM, EncoderOutput, SamplingParams
 from tandem.engine.bert import load_bert
 from tandem.engine.pooling import PoolingConfig, pool

@@ -162,9 +162,10 @@ def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
     engine.add_request("a", [1, 5, 6], opts)
     for _ in range(3):
         engine.step()
-    plan = engine.reserve_import("b", [1] + list(range(10, 21)), [30], opts)  # 12 prompt tokens: 3 full blocks
+    plan = engine.add_remote_kv_request("b", [1] + list(range(10, 21)), [30], opts)  # 12 prompt tokens: 3 full blocks
     assert plan is not None and len(plan.block_ids) == 3
-    engine.complete_import("b")
+    assert engine.num_waiting_for_remote_kv == 1
+    engine.remote_kv_arrived("b")
     for _ in range(500):
         if not engine.num_unfinished:
             break
@@ -179,26 +180,50 @@ def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
     with pytest.raises(PromptNeverFitsError):
         engine.add_request("y", [1, 2], SamplingOptions(), output_token_ids=[5] * 40)
     with pytest.raises(PromptTooLongError):
-        engine.reserve_import("z", [1, 2], [5] * 70, SamplingOptions())
-    assert engine.block_manager.num_free_blocks == 8 and not engine.imports
+        engine.add_remote_kv_request("z", [1, 2], [5] * 70, SamplingOptions())
+    assert engine.block_manager.num_free_blocks == 8 and not engine.has_request("z")
 
 
-def test_a_late_release_does_not_free_a_newer_lease_of_the_same_id(model_dirs):
+class _EngineThread:
+    """Stands in for EngineCore's queue: applies the keeper's FreeBlocks at once, on this thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def send(self, command) -> None:
+        self.engine.free_blocks(command.block_ids)
+
+
+def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model_dirs):
     from tandem.engine.sequence import Phase
-    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16, kv_lease_seconds=60))
+    from tandem.prefill.lease_keeper import LeaseEnd, LeaseKeeper
+    keeper = LeaseKeeper(lease_seconds=60)
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), leases=keeper)
+    keeper.attach(_EngineThread(engine))
     opts = SamplingOptions(max_tokens=8, ignore_eos=True)
 
-    def context_only() -> float:
+    def context_only():
         engine.add_request("same-id", [1, 5, 6, 7, 8], opts, phase=Phase.CONTEXT_ONLY)
         while engine.num_unfinished:
             out = engine.step()
         (handoff,) = out
-        assert handoff.handoff_block_ids and handoff.lease_expires_at == engine.leases["same-id"][1]
-        return handoff.lease_expires_at
+        assert handoff.lease is not None and handoff.lease.block_ids
+        return handoff.lease
 
     old = context_only()
-    assert engine.expire_leases(old + 1) == ["same-id"]
+    assert not keeper.expire(old.expires_at + 2) and keeper.endings["expired"] == 1
     new = context_only()
-    assert not engine.release_lease("same-id", old)  # the expired lease's late release
-    assert engine.num_leased_blocks > 0
-    assert engine.release_lease("same-id", new) and engine.block_manager.num_free_blocks == 16
+    assert new.lease_id != old.lease_id
+    assert not keeper.release(old.lease_id, LeaseEnd.RELEASED)  # the expired lease's late release
+    assert keeper.num_leased_blocks == len(new.block_ids) > 0
+    assert keeper.release(new.lease_id, LeaseEnd.PULLED) and engine.block_manager.num_free_blocks == 16
+    assert keeper.num_leases == 0
+
+
+def test_context_only_needs_a_lease_table(model_dirs):
+    from tandem.common.exceptions import PreconditionError
+    from tandem.engine.sequence import Phase
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16))
+    with pytest.raises(PreconditionError, match="context_only"):
+        engine.add_request("x", [1, 5, 6], SamplingOptions(), phase=Phase.CONTEXT_ONLY)
+    assert engine.block_manager.num_free_blocks == 16

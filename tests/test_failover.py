@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from test_disagg import worker_state
 
@@ -15,8 +15,11 @@ from test_disagg import worker_state
 @pytest.fixture
 def cluster(model_dirs):
     roles = ["prefill", "prefill", "decode", "decode", "both"]
-    with LocalCluster(roles=roles, engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
-                                                "--block-size", "8"]) as c:
+    # prefill-1 computes prompts 16 tokens a step: long prompts stay on it long enough to be
+    # caught there by a SIGKILL.
+    with LocalCluster(roles=roles, engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "512",
+                                                "--block-size", "8"],
+                      worker_args={"prefill-1": ["--max-num-batched-tokens", "16"]}) as c:
         yield c
 
 
@@ -61,10 +64,28 @@ def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
 
 
 def test_requests_survive_a_dead_prefill(cluster):
-    cluster.workers[0].process.send_signal(signal.SIGKILL)  # the router has not noticed yet
-    cluster.workers[0].process.wait(5)
-    with LLM(cluster.address) as llm:
-        outs = llm.generate([f"prefill retry {i}" for i in range(6)], SamplingParams(max_tokens=5, ignore_eos=True),
-                            use_tqdm=False)
+    """The prefill dies with requests in its engine: the router retries them on the other one."""
+    victim = cluster.workers[0]
+    rng = __import__("random").Random(3)
+    prompts = [[1] + [rng.randrange(4, 300) for _ in range(600)] for _ in range(6)]
+
+    async def go():
+        llm = await AsyncLLM(cluster.address)
+        try:
+            params = SamplingParams(max_tokens=5, ignore_eos=True)
+            tasks = [asyncio.ensure_future(llm.generate_async(p, params)) for p in prompts]
+            in_flight = 0
+            while not in_flight:
+                if all(t.done() for t in tasks):
+                    raise AssertionError("every request finished before the prefill could be killed")
+                in_flight = (await asyncio.to_thread(worker_state, victim.address)).num_active_requests
+            victim.process.send_signal(signal.SIGKILL)
+            return in_flight, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        finally:
+            llm.close()
+    in_flight, outs = asyncio.run(go())
+    assert victim.process.wait(5) == -signal.SIGKILL and in_flight >= 1
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
-    assert all(cluster.workers[0].address not in o.metrics.served_by[-2:] for o in outs)
+    retried = [o for o in outs if victim.address in o.metrics.served_by]
+    assert len(retried) >= 1  # the killed prefill really had some of these requests
+    assert all(victim.address not in o.metrics.served_by[-2:] for o in outs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.cli.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster
 from tandem.client import LLM
 
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")

@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.cli.cluster import LocalCluster, free_port
+from tandem.testing.cluster import LocalCluster, free_port
 from tandem.client import LLM
 
 

@@ -7,22 +7,7 @@ import logging
 import os
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the tiny default model)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: size from --kv-cache-gb)")
-    p.add_argument("--kv-cache-gb", type=float, default=0.25, help="memory for the KV pool when --num-blocks is 0")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (chunked prefill)")
-    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV of prompt prefixes seen before")
-    p.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                   help="prefill: seconds a handed-off KV stays pinned waiting for the decode side")
+from tandem.cli.flags import add_engine_flags, engine_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)")
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
-        _add_engine_args(p)
+        add_engine_flags(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
@@ -57,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
     up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
-    _add_engine_args(up)
+    add_engine_flags(up)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
     gen.add_argument("prompt")
@@ -74,12 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_config(args):
     from tandem.engine.checkpoints import default_model_dir
-    from tandem.engine.config import EngineConfig
-    return EngineConfig(model_dir=str(args.model or default_model_dir()), block_size=args.block_size,
-                        num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_gb,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
-                        kv_lease_seconds=args.kv_lease_seconds, enable_prefix_caching=args.enable_prefix_caching)
+    return engine_config(args, default_model_dir)
 
 
 def _serve(args) -> int:
@@ -91,9 +71,10 @@ def _serve(args) -> int:
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
+    from tandem.common.roles import Role
     from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
-    config = WorkerConfig(role=args.role, engine=_engine_config(args), host=args.host, port=args.port,
+    config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token)
     asyncio.run(serve_worker(config))
     return 0

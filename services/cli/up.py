@@ -5,18 +5,10 @@ import signal
 import sys
 import time
 
-from tandem.cli.cluster import LocalCluster
+from tandem.cli.flags import engine_argv
+from tandem.testing.cluster import LocalCluster
 
 DEMO_PROMPT = "The quick brown fox"
-
-
-def _engine_args(args, engine) -> list[str]:
-    return ["--model", engine.model_dir, "--block-size", str(engine.block_size), "--num-blocks", str(engine.num_blocks),
-            "--kv-cache-gb", str(engine.kv_cache_memory_gb), "--max-num-seqs", str(engine.max_num_seqs),
-            "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-model-len", str(engine.max_model_len),
-            "--dtype", engine.dtype, "--device", engine.device, "--seed", str(engine.seed),
-            "--kv-lease-seconds", str(engine.kv_lease_seconds),
-            *([] if engine.enable_prefix_caching else ["--no-prefix-caching"])]
 
 
 def up(args, engine) -> int:
@@ -26,7 +18,7 @@ def up(args, engine) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
         return 2
-    cluster = LocalCluster(roles=roles, engine_args=_engine_args(args, engine), host=args.host, router_port=args.port)
+    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine), host=args.host, router_port=args.port)
     print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

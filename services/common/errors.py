@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import grpc
 
+from tandem.common.exceptions import PreconditionError, ResourceExhaustedError  # noqa: F401 - re-exported
+
 
 class RpcError(Exception):
     """Raise inside a servicer to answer with this status and message."""
@@ -14,18 +16,6 @@ class RpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-class ResourceExhaustedError(RuntimeError):
-    """A request that can never fit (RESOURCE_EXHAUSTED)."""
-
-
-class PreconditionError(RuntimeError):
-    """The call is fine but the server is not in a state to run it (FAILED_PRECONDITION)."""
-
-
-class IncompatibleHandoffError(PreconditionError):
-    """A KV handoff between workers with different layouts (FAILED_PRECONDITION)."""
 
 
 def invalid(message: str) -> RpcError:

@@ -5,31 +5,31 @@ import dataclasses
 from pathlib import Path
 
 
+def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
+    """A field that is also a command-line flag of every engine-running command (tandem serve,
+    tandem up): services/cli/flags.py builds the flags from this metadata, the one definition."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "argparse": argparse_kwargs})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str
-    # Tokens per KV block; the unit of allocation, prefix caching and transfer.
-    block_size: int = 16
-    # Blocks in the KV pool; 0 means "size from kv_cache_memory_gb".
-    num_blocks: int = 0
-    kv_cache_memory_gb: float = 0.25
-    # Continuous batching limits: sequences per step and tokens per step (the
-    # chunked-prefill budget).
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # 0 means the model's max_position_embeddings.
-    max_model_len: int = 0
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    # Prefill side of a handoff: seconds a handed-off request's KV stays leased if the
-    # decode side never says it has pulled it.
-    kv_lease_seconds: float = 30.0
-    # Reuse the KV of full blocks whose token prefix (and cache_salt) was seen before.
-    enable_prefix_caching: bool = True
+    model_dir: str = _flag(None, "Hugging Face checkpoint directory (default: the default model)", flag="--model")
+    block_size: int = _flag(16, "tokens per KV block: the unit of allocation, prefix caching and transfer")
+    num_blocks: int = _flag(0, "KV blocks in the pool (0: size it from --kv-cache-gb)")
+    kv_cache_memory_gb: float = _flag(0.25, "memory for the KV pool when --num-blocks is 0", flag="--kv-cache-gb")
+    # Continuous batching limits: sequences per step and tokens per step (the chunked-prefill budget).
+    max_num_seqs: int = _flag(64, "sequences per engine step")
+    max_num_batched_tokens: int = _flag(2048, "token budget per step (chunked prefill)")
+    max_model_len: int = _flag(0, "context length (0: the model's max_position_embeddings)")
+    dtype: str = _flag("auto", "weights and KV dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = _flag("cpu", "cpu, cuda or cuda:N")
+    seed: int = _flag(0, "seed of unseeded sampling")
+    kv_lease_seconds: float = _flag(30.0, "prefill: seconds a handed-off KV stays pinned waiting for the decode side")
+    enable_prefix_caching: bool = _flag(True, "do not reuse the KV of prompt prefixes seen before",
+                                        flag="--no-prefix-caching")
 
     def __post_init__(self):
-        if not (Path(self.model_dir) / "config.json").is_file():
+        if not self.model_dir or not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {self.model_dir!r} has no config.json: give a Hugging Face checkpoint directory")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:

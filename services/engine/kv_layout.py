@@ -20,8 +20,3 @@ def kv_layout(model_dir: str, config: ModelConfig, dtype_name: str, block_size: 
 def layout_hash(layout: dict) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:32]
 
-
-def describe_mismatch(ours: dict, theirs: dict) -> str:
-    diffs = [f"{k}: prefill {theirs.get(k)!r} vs decode {ours.get(k)!r}"
-             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
-    return "; ".join(diffs) or "layout hashes differ"

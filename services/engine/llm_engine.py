@@ -1,17 +1,19 @@
 """Requests in, per-step outputs out. Single-threaded: the worker's engine thread owns it."""
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-
-from tandem.common.errors import PreconditionError, ResourceExhaustedError
+from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
 
 
@@ -23,29 +25,18 @@ class PromptNeverFitsError(ResourceExhaustedError):
     """The prompt needs more KV blocks than the whole pool has (RESOURCE_EXHAUSTED)."""
 
 
-@dataclass
-class StepOutput:
-    """What one step produced for one sequence."""
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float] | None]
-    cumulative_logprob: float
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    # Set when a context_only request hands off: its KV blocks, now under lease until this unix time.
-    handoff_block_ids: list[int] | None = None
-    lease_expires_at: float | None = None
+class LeaseTable(Protocol):
+    """Who keeps the KV of finished context phases for the decode side (the prefill's lease
+    keeper). open() runs on the engine thread at the moment the blocks leave the engine, so a
+    handoff's blocks are never owned by nobody; the table gives them back with FreeBlocks."""
 
+    def open(self, request_id: str, block_ids: list[int]) -> Lease: ...
 
-@dataclass
-class ImportPlan:
-    """Where a generation_only request's KV goes: the first num_cached_blocks prompt blocks were
-    found in our prefix cache; the prefill's remaining blocks are pulled into block_ids."""
-    num_cached_blocks: int
-    block_ids: list[int]
+    def abandon(self, lease_id: int) -> None:
+        """The output that carried the lease reached nobody (its request was aborted meanwhile)."""
+
+    @property
+    def num_leases(self) -> int: ...
 
 
 @dataclass
@@ -58,7 +49,9 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    MEMORY_TAGS = ("model", "kv_cache")
+
+    def __init__(self, config: EngineConfig, leases: LeaseTable | None = None):
         self.config = config
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
@@ -67,23 +60,27 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
+        # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
+        self.leases = leases
         # True when the last step found nothing it could run (everything waits for blocks).
         self.last_step_was_idle = False
         self.current_batch_ids: list[str] = []
+        # Every sequence the engine owns: queued, running or WAITING_FOR_REMOTE_KV.
         self._seqs: dict[str, Sequence] = {}
-        # context_only requests that handed off: request id -> (KV blocks kept for the decode side,
-        # unix time they are freed anyway).
-        self.leases: dict[str, tuple[list[int], float]] = {}
-        # generation_only requests whose KV is being pulled: blocks allocated, not scheduled yet.
-        self.imports: dict[str, Sequence] = {}
 
     @property
     def num_unfinished(self) -> int:
+        """Sequences the scheduler will run (those waiting for remote KV are not among them yet)."""
         return self.scheduler.num_unfinished
+
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.status is Status.WAITING_FOR_REMOTE_KV)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._seqs
 
+    # -- admission --
     def check_prompt(self, num_prompt_tokens: int, vocab_ids: list[int] | None = None) -> None:
         """Raises the error a prompt of that length would meet; the worker calls it before queueing."""
         if num_prompt_tokens == 0:
@@ -108,46 +105,82 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
 
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
+                      priority: float, cache_salt: str | None, output_token_ids: list[int] | None) -> Sequence:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        output_token_ids = list(output_token_ids or ())
+        self.check_prompt(len(prompt_token_ids) + len(output_token_ids), list(prompt_token_ids) + output_token_ids)
+        self.check_options(options)
+        if phase is Phase.CONTEXT_ONLY and self.leases is None:
+            raise PreconditionError("this engine keeps no KV leases (not a prefill worker): it cannot run "
+                                    "context_only requests")
+        return Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority,
+                        cache_salt=cache_salt, output_token_ids=output_token_ids)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                     phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
                     cache_salt: str | None = None, output_token_ids: list[int] | None = None) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled)."""
-        if request_id in self._seqs or request_id in self.imports or request_id in self.leases:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(len(prompt_token_ids) + len(output_token_ids or ()),
-                          list(prompt_token_ids) + list(output_token_ids or ()))
-        self.check_options(options)
-        seq = Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority, cache_salt=cache_salt,
-                       output_token_ids=list(output_token_ids or []))
+        seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
+    def add_remote_kv_request(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
+                              options: SamplingOptions, priority: float = 0.5,
+                              cache_salt: str | None = None) -> ImportPlan | None:
+        """A generation_only sequence whose prompt KV comes from a prefill worker: allocates its blocks
+        and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
+        prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
+        into which of ours. None when the pool cannot hold the prompt now (the caller then computes
+        the prompt here instead)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, options, Phase.GENERATION_ONLY, priority, cache_salt,
+                                 first_token_ids)
+        bm = self.block_manager
+        cached, hashes = bm.match_prefix(seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens)
+        # Room for the first generated token's KV too: a parked sequence that still needed a block
+        # could wait behind a preempted sequence that needs the same blocks, forever.
+        num_blocks = bm.num_blocks_for(seq.num_prompt_tokens + 1)
+        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
+            return None
+        bm.take_cached(seq, cached, hashes)
+        seq.block_table += bm.allocate(num_blocks - len(cached))
+        seq.status = Status.WAITING_FOR_REMOTE_KV
+        self._seqs[request_id] = seq
+        num_prompt_blocks = bm.num_blocks_for(seq.num_prompt_tokens)
+        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):num_prompt_blocks])
+
+    def remote_kv_arrived(self, request_id: str) -> None:
+        """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV:
+            return  # aborted while its KV was on the way
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
+        self.block_manager.register_computed(seq)
+        self.scheduler.add(seq)
+
     def abort_request(self, request_id: str) -> bool:
-        if request_id in self.imports:
-            return self.cancel_import(request_id)
-        if request_id in self.leases:
-            return self.release_lease(request_id)
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
+        if seq.status is Status.WAITING_FOR_REMOTE_KV:
+            self.block_manager.release(seq)
+        else:
+            self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = FinishReason.CANCELLED
         return True
 
-    # -- disaggregation: the prefill side keeps a handed-off request's blocks under lease --
-    def release_all_leases(self) -> int:
-        """pause_generation: handoffs nobody will pull now."""
-        request_ids = list(self.leases)
-        for request_id in request_ids:
-            self.release_lease(request_id)
-        return len(request_ids)
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """A lease ended: its blocks return to the pool (and stay findable by the prefix cache)."""
+        self.block_manager.free(block_ids)
 
+    # -- admin: memory and weights (RL flows: pause, release, update weights, resume) --
     def require_idle(self, what: str) -> None:
         """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
         weights in the current pool."""
-        busy = self.num_unfinished + len(self.imports) + len(self.leases)
+        busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
         if busy:
             raise PreconditionError(f"{busy} requests or KV handoffs are in flight; call pause_generation "
                                     f"before {what}")
@@ -158,73 +191,8 @@ class LLMEngine:
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
-    def release_lease(self, request_id: str, expires_at: float | None = None) -> bool:
-        """expires_at, when given, must match: a late release of an expired lease must not free a
-        newer lease that reuses the request id."""
-        lease = self.leases.get(request_id)
-        if lease is None or (expires_at is not None and lease[1] != expires_at):
-            return False
-        del self.leases[request_id]
-        self.block_manager.free(lease[0])
-        return True
-
-    def expire_leases(self, now: float) -> list[str]:
-        """Frees leases nobody pulled in time (the decode side died or never came)."""
-        expired = [rid for rid, (_, expires_at) in self.leases.items() if expires_at <= now]
-        for rid in expired:
-            self.release_lease(rid)
-        return expired
-
-    @property
-    def num_leased_blocks(self) -> int:
-        return sum(len(blocks) for blocks, _ in self.leases.values())
-
-    # -- disaggregation: the decode side imports a request's KV, then generates --
-    def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
-                       options: SamplingOptions, priority: float = 0.5, cache_salt: str | None = None) -> list[int] | None:
-        """Allocates blocks for the prompt's KV of a generation_only request and parks it until
-        complete_import(). Prompt blocks already in the prefix cache are reused; the plan says which
-        of the prefill's blocks still have to be pulled, into which of ours. None when the pool cannot
-        hold the prompt now (the caller then falls back to computing the prompt here)."""
-        if request_id in self._seqs or request_id in self.imports:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(len(prompt_token_ids) + len(first_token_ids), list(prompt_token_ids) + list(first_token_ids))
-        self.check_options(options)
-        bm = self.block_manager
-        cached, hashes = bm.match_prefix(prompt_token_ids, cache_salt, len(prompt_token_ids))
-        # Room for the first generated token's KV too: a parked import that still needed a block
-        # could wait behind a preempted sequence that needs the same blocks, forever.
-        num_blocks = bm.num_blocks_for(len(prompt_token_ids) + 1)
-        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
-            return None
-        seq = Sequence(request_id, list(prompt_token_ids), options, phase=Phase.GENERATION_ONLY, priority=priority,
-                       cache_salt=cache_salt, output_token_ids=list(first_token_ids))
-        bm.take_cached(seq, cached, hashes)
-        seq.block_table += bm.allocate(num_blocks - len(cached))
-        self.imports[request_id] = seq
-        num_prompt_blocks = bm.num_blocks_for(len(prompt_token_ids))
-        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):num_prompt_blocks])
-
-    def complete_import(self, request_id: str) -> None:
-        """The prompt's KV has landed in the reserved blocks: schedule the request for decoding."""
-        seq = self.imports.pop(request_id)
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
-        self.block_manager.register_computed(seq)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
-
-    def cancel_import(self, request_id: str) -> bool:
-        seq = self.imports.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.release(seq)
-        return True
-
-    # -- memory release / resume (RL flows: pause, release, update weights, resume) --
-    MEMORY_TAGS = ("model", "kv_cache")
-
     def release_memory(self, tags: list[str]) -> None:
-        """Frees the memory behind tags. Refused while requests run; drops KV leases first."""
+        """Frees the memory behind tags. Refused while requests run or leases are out."""
         self.require_idle("release")
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()
@@ -242,6 +210,25 @@ class LLMEngine:
     def released_tags(self) -> list[str]:
         return [t for t, gone in (("model", self.runner.model is None), ("kv_cache", self.runner.kv_cache is None)) if gone]
 
+    def weights_checksum(self) -> str:
+        if self.runner.model is None:
+            return ""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.runner.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+    def snapshot(self) -> EngineSnapshot:
+        bm, c, runner = self.block_manager, self.counters, self.runner
+        return EngineSnapshot(
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_unfinished=self.num_unfinished,
+            num_waiting_for_remote_kv=self.num_waiting_for_remote_kv,
+            num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
+            num_steps=c.num_steps, weight_bytes=runner.weight_bytes, kv_cache_bytes=runner.kv_cache_bytes,
+            weights_source=runner.weights_source, weights_version=runner.weights_version)
+
+    # -- the step: schedule -> run -> postprocess --
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         self.last_step_was_idle = batch.is_empty
@@ -268,15 +255,18 @@ class LLMEngine:
             )
             for k, seq in enumerate(sampled):
                 outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+        self._count_step(batch, len(sampled), started)
+        return outputs
+
+    def _count_step(self, batch: ScheduledBatch, num_sampled: int, started: float) -> None:
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - started
         self.counters.last_batch = {
             "numScheduledRequests": len(batch.seqs),
             "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens == 0),
             "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens > 0),
-            "numCtxTokens": batch.num_tokens - len(sampled),
+            "numCtxTokens": batch.num_tokens - num_sampled,
         }
-        return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:
         if seq.first_token_time is None:
@@ -293,20 +283,19 @@ class LLMEngine:
             # The last condition: the whole KV pool cannot hold the next step's KV.
             seq.finish_reason = FinishReason.LENGTH
         finished = seq.finish_reason is not None
-        # A context_only request that is not done ends here with its first token; its KV
-        # stays leased for the decode worker to pull.
-        handoff = not finished and seq.phase is Phase.CONTEXT_ONLY
-        handoff_blocks = list(seq.block_table) if handoff else None
-        if finished or handoff:
-            self._finish(seq, lease=handoff)
-        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or handoff,
+        # A context_only sequence that is not done ends here with its first token; its KV
+        # leaves the engine under a lease for the decode worker to pull.
+        lease = None
+        if not finished and seq.phase is Phase.CONTEXT_ONLY:
+            lease = self.leases.open(seq.request_id, seq.block_table)
+            seq.block_table, seq.block_hashes = [], []
+        if finished or lease is not None:
+            self._finish(seq)
+        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or lease is not None,
                           seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                          handoff_blocks, self.leases[seq.request_id][1] if handoff else None)
+                          lease)
 
-    def _finish(self, seq: Sequence, lease: bool = False) -> None:
+    def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        if lease:
-            self.leases[seq.request_id] = (seq.block_table, time.time() + self.config.kv_lease_seconds)
-            seq.block_table = []
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)

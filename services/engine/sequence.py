@@ -17,6 +17,10 @@ class Phase(enum.Enum):
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    # A generation_only request whose prompt KV is on its way from a prefill worker: its blocks
+    # are allocated, it is in no scheduler queue until the KV has landed (vLLM v1's
+    # RequestStatus.WAITING_FOR_REMOTE_KVS).
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -8,12 +8,19 @@ from tandem.kvtransfer.errors import (
     TransferTimeoutError,
     UnknownPeerError,
 )
+from tandem.kvtransfer.handoff import HandoffFormat, parse_release, release_message
+from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
 from tandem.kvtransfer.transceiver import KvTransceiver, coalesce_runs
 from tandem.kvtransfer.transfer import Transfer
 
 __all__ = [
     "FORMAT_VERSION",
+    "HandoffFormat",
+    "PendingRead",
+    "TransferPoller",
+    "parse_release",
+    "release_message",
     "KvTransceiver",
     "KvTransferError",
     "LayoutMismatchError",

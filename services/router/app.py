@@ -13,12 +13,18 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc
 log = logging.getLogger("tandem.router")
 
 
-async def _track_readiness(server: GrpcServer, pool: WorkerPool) -> None:
-    """The router is SERVING while it can route: at least one worker that can prefill and one that can decode."""
+async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: RouterServicer) -> None:
+    """The router is SERVING while it can route: it has the model's tokenizer, and at least one
+    worker that can prefill and one that can decode are ready."""
     serving = None
     while True:
         ready = pool.ready_workers
-        now = any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
+        if ready and servicer.front is None:
+            try:
+                await servicer.load_tokenizer(ready[0])
+            except Exception as exc:  # noqa: BLE001 - tried again next round
+                log.warning("loading the tokenizer from %s failed: %s", ready[0].address, exc)
+        now = servicer.front is not None and any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
         if now != serving:
             await server.set_serving(now)
             serving = now
@@ -29,11 +35,12 @@ async def serve_router(config: RouterConfig) -> None:
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
                         admin_token=config.admin_token)
     pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token)
-    llm_pb2_grpc.add_AsyncLLMServicer_to_server(RouterServicer(pool, server.address, server.request_stop), server.server)
+    servicer = RouterServicer(pool, server.address, server.request_stop)
+    llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     await server.start()
     server.install_signal_handlers()
     pool.start()
-    tracker = asyncio.create_task(_track_readiness(server, pool))
+    tracker = asyncio.create_task(_track_readiness(server, pool, servicer))
     log.info("router on %s, workers %s", server.address, ", ".join(config.workers))
     try:
         await server.wait_for_stop()

@@ -9,13 +9,17 @@ a seeded request's randomness depends only on (seed, token index).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.common.outputs import cancelled_output
-from tandem.router.workers import WorkerHandle, WorkerPool
+from tandem.common.roles import Role
+from tandem.router.route import Route, release_lease
+from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
 
 log = logging.getLogger("tandem.router.failover")
@@ -35,30 +39,35 @@ async def worker_gone(worker: WorkerHandle, exc: BaseException) -> bool:
     return reply.status != health_pb2.HealthCheckResponse.SERVING
 
 
-async def context_with_retry(pool: WorkerPool, route, ctx: llm_pb2.GenerateRequest, tracked, relay):
-    """Runs the context phase; a prefill that dies is replaced while others remain."""
+async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tuple[WorkerHandle, llm_pb2.RequestOutput]:
+    """Runs the context phase; a prefill that dies is replaced while others remain. Returns the
+    prefill and its one (non-streamed) reply."""
     tried: set[str] = set()
     while True:
-        prefill = pool.pick("prefill", exclude=tried)
+        prefill = route.pool.pick(Role.PREFILL, exclude=tried)
+        out = None
         try:
-            out = None
-            with tracked(route, prefill):
-                async for out in relay(prefill, ctx, route):
-                    pass
+            async for out in route.relay(prefill, ctx):
+                pass
             return prefill, out
         except grpc.aio.AioRpcError as exc:
             if not await worker_gone(prefill, exc):
                 raise
             log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, exc.code().name, ctx.request_id)
-            pool.mark_down(prefill)
+            route.pool.mark_down(prefill)
             tried.add(prefill.address)
+        except BaseException:
+            # Cancelled after the reply came: the handoff it carries is nobody else's to release.
+            if out is not None and out.outputs and out.outputs[0].disaggregated_params.opaque_state:
+                lease_id = out.outputs[0].disaggregated_params.ctx_request_id
+                asyncio.ensure_future(release_lease(route.pool, prefill, lease_id))
+            raise
 
 
 def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so_far: list[int]) -> llm_pb2.GenerateRequest:
     """generation_only without a handoff: the worker recomputes the KV of prompt + tokens_so_far."""
     resumed = llm_pb2.GenerateRequest()
     resumed.CopyFrom(request)
-    resumed.streaming = True
     resumed.prompt.token_ids.ids[:] = prompt_token_ids
     resumed.ClearField("disaggregated_params")
     resumed.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
@@ -66,24 +75,31 @@ def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so
     return resumed
 
 
-async def stream_with_migration(pool: WorkerPool, route, request: llm_pb2.GenerateRequest, first_worker: WorkerHandle,
-                                need: str, prompt_token_ids, tokens_so_far: list[int], tracked, relay,
-                                logprob_base: float = 0.0):
-    """Relays a single-sequence stream; if its worker dies, continues it on another one.
-    logprob_base: the cumulative logprob of tokens_so_far, which the worker did not sample."""
-    worker, current, tried = first_worker, request, set()
-    base = last_cumulative = logprob_base
+@dataclass
+class Progress:
+    """What a single-sequence stream has produced so far: all a migration needs to carry it on."""
+    prompt_token_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    # cumulative_logprob of `tokens` that no current worker sampled (the context phase's first
+    # token, tokens before a migration): added to what the current worker reports.
+    logprob_base: float = 0.0
+
+
+async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, worker: WorkerHandle,
+                                roles: tuple[Role, ...], progress: Progress):
+    """Relays a single-sequence stream; if its worker dies, continues it on another one of roles."""
+    current, tried = request, set()
+    last_cumulative = progress.logprob_base
     for attempt in range(MAX_MIGRATIONS + 1):
         try:
-            with tracked(route, worker):
-                async for msg in relay(worker, current, route):
-                    for out in msg.outputs:
-                        tokens_so_far.extend(out.token_ids)
-                        out.cumulative_logprob += base
-                        last_cumulative = out.cumulative_logprob
-                    if not prompt_token_ids and msg.prompt_token_ids:
-                        prompt_token_ids = list(msg.prompt_token_ids)
-                    yield msg
+            async for msg in route.relay(worker, current):
+                for out in msg.outputs:
+                    progress.tokens.extend(out.token_ids)
+                    out.cumulative_logprob += progress.logprob_base
+                    last_cumulative = out.cumulative_logprob
+                if not progress.prompt_token_ids and msg.prompt_token_ids:
+                    progress.prompt_token_ids = list(msg.prompt_token_ids)
+                yield msg
             return
         except grpc.aio.AioRpcError as exc:
             if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc):
@@ -92,10 +108,11 @@ async def stream_with_migration(pool: WorkerPool, route, request: llm_pb2.Genera
                 yield cancelled_output(request.request_id)
                 return
             log.warning("worker %s died under %s after %d tokens; migrating", worker.address, request.request_id,
-                        len(tokens_so_far))
-            pool.mark_down(worker)
+                        len(progress.tokens))
+            route.pool.mark_down(worker)
             tried.add(worker.address)
-            # Nothing came back yet (not even the prompt's tokens): send the request again as it was.
-            current = resume_request(request, prompt_token_ids, tokens_so_far) if prompt_token_ids else request
-            base = last_cumulative if prompt_token_ids else logprob_base
-            worker = pool.pick_any_of((need, "both"), exclude=tried)
+            if progress.prompt_token_ids:
+                current = resume_request(request, progress.prompt_token_ids, progress.tokens)
+                progress.logprob_base = last_cumulative
+            # else nothing came back yet (not even the prompt's tokens): send the request again as it was
+            worker = route.pool.pick_any_of(roles, exclude=tried)

@@ -5,13 +5,17 @@ import asyncio
 import time
 import uuid
 
-import grpc
 from google.protobuf import struct_pb2
 
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.errors import PreconditionError, RpcError, unavailable
+from tandem.common.roles import Role
+from tandem.common.streams import merge
 from tandem.router import generate
+from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
+from tandem.text.front import TextFront
+from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
 
@@ -23,34 +27,65 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.llm_id = uuid.uuid4().hex
         self.started_at = time.time()
         # request id -> where it runs now (for Abort).
-        self.routes: dict[str, generate.Route] = {}
+        self.routes: dict[str, Route] = {}
+        # The served model's tokenizer, fetched from a worker once one is ready (load_tokenizer).
+        self.tokenizer_files: llm_pb2.TokenizerFiles | None = None
+        self.front: TextFront | None = None
+
+    async def load_tokenizer(self, worker: WorkerHandle) -> None:
+        """Text is the router's job: it tokenizes prompts and detokenizes what the workers stream."""
+        files = await worker.llm.GetTokenizer(llm_pb2.GetTokenizerRequest(), timeout=30)
+        tokenizer = await asyncio.to_thread(Tokenizer, dict(files.files), worker.address)
+        self.tokenizer_files, self.front = files, TextFront(tokenizer)
+
+    def _text(self) -> TextFront:
+        if self.front is None:
+            raise unavailable("the router has no tokenizer yet (no worker has been ready); retry shortly")
+        return self.front
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
-        async for msg in generate.run(self.pool, self.routes, request):
-            yield msg
+        text_request = await self._text().prepare(request)
+        route = self.routes[request.request_id] = Route(self.pool, request.request_id)
+        try:
+            async for msg in TextFront.respond(text_request, generate.stream(route, text_request.engine_request),
+                                               route.stop):
+                yield msg
+        finally:
+            self.routes.pop(request.request_id, None)
 
     async def Abort(self, request, context):
         route = self.routes.get(request.request_id)
         if route is None:
             return llm_pb2.AbortResponse(aborted=False)
-        await generate.abort(route)
+        await route.abort()
         return llm_pb2.AbortResponse(aborted=True)
 
     async def _any(self, method: str, request):
-        return await getattr(self.pool.pick("any").llm, method)(request)
+        return await getattr(self.pool.pick(None).llm, method)(request)
 
     async def Preprocess(self, request, context):
-        return await self._any("Preprocess", request)
+        """Tokenized here; a worker checks the ids against its model and fills in end_id."""
+        params = request.sampling_params
+        add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
+        ids, text = await self._text().encode_prompt(request.prompt, add_special)
+        checked = llm_pb2.PreprocessRequest()
+        checked.CopyFrom(request)
+        checked.prompt.preprocessed.prompt_token_ids[:] = ids
+        if text is not None:
+            checked.prompt.preprocessed.prompt = text
+        return await self._any("Preprocess", checked)
 
     async def Detokenize(self, request, context):
-        return await self._any("Detokenize", request)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return llm_pb2.DetokenizeResponse(text=self._text().detokenize(list(request.token_ids), skip))
 
     async def GetTokenizer(self, request, context):
-        return await self._any("GetTokenizer", request)
+        self._text()
+        return self.tokenizer_files
 
     async def Encode(self, request, context):
         return await self._any("Encode", request)
@@ -59,8 +94,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         if request.worker_id:
             worker = self.pool.by_address(request.worker_id)
         else:  # a cluster without prefill workers has no transceiver: its workers answer empty bytes
-            has_prefill = any(w.role == "prefill" for w in self.pool.ready_workers)
-            worker = self.pool.pick("prefill" if has_prefill else "any")
+            has_prefill = any(w.role is Role.PREFILL for w in self.pool.ready_workers)
+            worker = self.pool.pick(Role.PREFILL if has_prefill else None)
         return await worker.llm.GetDataTransceiverState(request)
 
     async def GetKvCacheCapacity(self, request, context):
@@ -162,34 +197,21 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             yield item
 
     async def _merge_streams(self, method: str, request):
-        queue: asyncio.Queue = asyncio.Queue()
         calls = [getattr(w.llm, method)(request) for w in self.pool.ready_workers]
-
-        async def pump(call):
-            try:
-                async for item in call:
-                    await queue.put(item)
-            except grpc.aio.AioRpcError as exc:
-                await queue.put(exc)
-
-        tasks = [asyncio.create_task(pump(c)) for c in calls]
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, grpc.aio.AioRpcError):
-                    raise item
+            async for _, item in merge(calls):
                 yield item
         finally:
-            for c in calls:
-                c.cancel()
-            for t in tasks:
-                t.cancel()
+            for call in calls:
+                call.cancel()
 
     async def Setup(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 60.0
         if not await self.pool.wait_ready(timeout):
             raise unavailable(f"workers not ready after {timeout} s: "
                               + ", ".join(w.address for w in self.pool.workers if not w.ready))
+        if self.front is None:
+            await self.load_tokenizer(self.pool.ready_workers[0])
         return await self.GetServerInfo(llm_pb2.GetServerInfoRequest(), context)
 
     async def Shutdown(self, request, context):
@@ -203,7 +225,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def GetServerInfo(self, request, context):
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, role="router")
         for w in self.pool.workers:
-            info.workers.add(worker_id=w.address, role=w.role, ready=w.ready)
+            info.workers.add(worker_id=w.address, role=w.role.label, ready=w.ready)
         ready = self.pool.ready_workers
         if ready:
             worker_info = await ready[0].llm.GetServerInfo(request)
@@ -212,9 +234,9 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             info.encode_only = worker_info.encode_only
             info.collective_rpc_methods.extend(worker_info.collective_rpc_methods)
             info.startup_metrics.update({f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()})
-        roles = sorted({w.role for w in self.pool.workers if w.role})
+        roles = {w.role for w in self.pool.workers}
         info.disaggregated_params.update({
-            "mode": "disaggregated" if "prefill" in roles and "decode" in roles else "aggregated",
+            "mode": "disaggregated" if Role.PREFILL in roles and Role.DECODE in roles else "aggregated",
             "prefill_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_prefill]),
             "decode_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_decode]),
         })

@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.auth import bearer_metadata
 from tandem.common.errors import unavailable
+from tandem.common.roles import Role
 from tandem.common.server import CHANNEL_OPTIONS
 from tandem.v1 import llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -24,18 +25,17 @@ class WorkerHandle:
     llm: llm_pb2_grpc.AsyncLLMStub
     internal: worker_pb2_grpc.WorkerStub
     health: health_pb2_grpc.HealthStub
-    role: str = ""
+    role: Role = Role.UNKNOWN
     ready: bool = False
     in_flight: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return self.role.can_prefill
 
     @property
     def can_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return self.role.can_decode
 
 
 class WorkerPool:
@@ -73,7 +73,7 @@ class WorkerPool:
     def can_disaggregate(self) -> bool:
         """Whether a ready prefill-only and a ready decode-only worker exist."""
         ready = self.ready_workers
-        return any(w.role == "prefill" for w in ready) and any(w.role == "decode" for w in ready)
+        return any(w.role is Role.PREFILL for w in ready) and any(w.role is Role.DECODE for w in ready)
 
     def by_address(self, address: str) -> WorkerHandle:
         for w in self.workers:
@@ -85,25 +85,25 @@ class WorkerPool:
         """A call failed as if the worker were gone: stop picking it until its health check passes."""
         worker.ready = False
 
-    def pick(self, need: str, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
-        """The ready worker that can do `need` ("prefill", "decode", "both", "any") with the fewest requests in flight;
+    def pick(self, need: Role | None, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
+        """The ready worker of role `need` (None: any role) with the fewest requests in flight;
         round-robin among equals."""
         return self.pick_any_of((need,), exclude)
 
-    def pick_any_of(self, needs: tuple[str, ...], exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
+    def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
+        ready = [w for w in self.ready_workers if w.address not in exclude]
         for need in needs:
-            ready = [w for w in self.ready_workers if w.address not in exclude]
-            # A split needs the transceivers only prefill and decode workers have.
-            candidates = ready if need == "any" else [w for w in ready if w.role == need]
+            # A split needs the transceivers only prefill and decode workers have: roles match exactly.
+            candidates = [w for w in ready if need is None or w.role is need]
             if candidates:
-                break
-        if not candidates:
-            raise unavailable(f"no ready worker can serve {'/'.join(needs)} requests (workers: "
-                              + ", ".join(f"{w.address}={w.role or '?'}{'' if w.ready else ' not ready'}" for w in self.workers) + ")")
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda w: w.in_flight)
+                start = next(self._rr) % len(candidates)
+                rotated = candidates[start:] + candidates[:start]
+                return min(rotated, key=lambda w: w.in_flight)
+        wanted = "/".join(n.label if n is not None else "any" for n in needs)
+        raise unavailable(f"no ready worker can serve {wanted} requests (workers: "
+                          + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
+                                      for w in self.workers) + ")")
 
     async def _poll_forever(self) -> None:
         while True:
@@ -116,13 +116,13 @@ class WorkerPool:
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
-            if ready and not w.role:
+            if ready and w.role is Role.UNKNOWN:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
-                w.role = state.role
+                w.role = Role(state.role)
         except grpc.aio.AioRpcError:
             ready = False
         if ready != w.ready:
-            log.info("worker %s (%s) is %s", w.address, w.role or "?", "ready" if ready else "not ready")
+            log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready
 
     async def wait_ready(self, timeout: float) -> bool:

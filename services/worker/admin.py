@@ -6,7 +6,6 @@ anything changes, and the swap itself runs on the engine thread between steps.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import RpcError, unavailable
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.messages import CheckIdle, ReleaseMemory, ResumeMemory, SwapWeights, WeightsChecksum
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
@@ -33,26 +33,24 @@ def check_tags(tags) -> list[str]:
 
 async def release(rt: WorkerRuntime, tags) -> str:
     tags = check_tags(tags)
-    await rt.engine_loop.call(lambda e: e.release_memory([]))  # refuses while requests run, changes nothing
+    await rt.core.call(CheckIdle("release"))  # refuses while requests run, changes nothing
     stopped = "kv_cache" in tags and rt.transceiver is not None
     if stopped:
         rt.stop_transceiver()  # deregister the pool before its memory goes
     try:
-        await rt.engine_loop.call(lambda e: e.release_memory(tags))
+        await rt.core.call(ReleaseMemory(tags))
     except BaseException:
         if stopped:  # a request slipped in: put things back as they were
             await asyncio.to_thread(rt.start_transceiver)
-            rt.start_background()
         raise
     return f"{rt.worker_id}: released {tags}"
 
 
 async def resume(rt: WorkerRuntime, tags) -> str:
     tags = check_tags(tags)
-    await rt.engine_loop.call(lambda e: e.resume_memory(tags))
-    if "kv_cache" in tags and rt.config.role in ("prefill", "decode") and rt.transceiver is None:
+    await rt.core.call(ResumeMemory(tags))
+    if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
         await asyncio.to_thread(rt.start_transceiver)
-        rt.start_background()
     return f"{rt.worker_id}: resumed {tags}"
 
 
@@ -69,21 +67,10 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise ValueError(f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker")
     if "model" in rt.engine.released_tags:
         raise unavailable("the model weights are released; call resume(['model']) before update_weights")
-    await rt.engine_loop.call(lambda e: e.require_idle("update_weights"))  # fail before a slow load
+    await rt.core.call(CheckIdle("update_weights"))  # fail before a slow load
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.engine_loop.call(lambda e: e.swap_weights(model, path))
+    await rt.core.call(SwapWeights(model, path))
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
-
-
-def _checksum(engine: LLMEngine) -> str:
-    runner = engine.runner
-    if runner.model is None:
-        return ""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(runner.model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 async def collective_rpc(rt: WorkerRuntime, method: str, args: list, kwargs: dict) -> struct_pb2.Value:
@@ -92,9 +79,11 @@ async def collective_rpc(rt: WorkerRuntime, method: str, args: list, kwargs: dic
     if args or kwargs:
         raise ValueError(f"collective_rpc method {method!r} takes no arguments")
     if method == "get_worker_state":
-        result = json_format.MessageToDict(await rt.worker_state(), preserving_proto_field_name=True)
+        state = await rt.worker_state()
+        result = json_format.MessageToDict(state, preserving_proto_field_name=True)
+        result["role"] = rt.role.label
     elif method == "weights_checksum":
-        result = await rt.engine_loop.call(_checksum)
+        result = await rt.core.call(WeightsChecksum())
     else:
         result = json_format.MessageToDict(rt.kv_capacity(), preserving_proto_field_name=True)
     value = struct_pb2.Value()

@@ -28,14 +28,13 @@ async def serve_worker(config: WorkerConfig) -> None:
     servicer_type = EncodeOnlyLLMServicer if is_encoder_only(config.engine.model_dir) else WorkerLLMServicer
     llm_servicer = servicer_type(runtime)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime), server.server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime, llm_servicer), server.server)
     await server.start()
     server.install_signal_handlers()
     try:
         await runtime.load()
-        runtime.start_background()
         await server.set_serving(True)
-        log.info("%s worker ready on %s (model %s)", config.role, server.address, config.engine.model_dir)
+        log.info("%s worker ready on %s (model %s)", config.role.label, server.address, config.engine.model_dir)
         await server.wait_for_stop()
     finally:
         await llm_servicer.abort_all()

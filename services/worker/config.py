@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.roles import Role
 from tandem.engine.config import EngineConfig
-
-ROLES = ("prefill", "decode", "both")
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    role: str
+    role: Role
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0
@@ -20,7 +19,7 @@ class WorkerConfig:
     admin_token: str | None = None
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

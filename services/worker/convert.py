@@ -2,21 +2,7 @@
 from __future__ import annotations
 
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.sequence import FinishReason, Phase
 from tandem.v1 import types_pb2
-
-PHASES = {
-    types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION: Phase.CONTEXT_AND_GENERATION,
-    types_pb2.REQUEST_TYPE_CONTEXT_ONLY: Phase.CONTEXT_ONLY,
-    types_pb2.REQUEST_TYPE_GENERATION_ONLY: Phase.GENERATION_ONLY,
-}
-
-FINISH_REASONS = {
-    None: types_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
-}
 
 
 def _opt(msg, name: str, default):
@@ -66,6 +52,3 @@ def check_unsupported(request) -> None:
     if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:
         raise ValueError(f"priority must be in [0, 1], got {request.priority}")
 
-
-def logprobs_proto(entry: dict[int, float] | None) -> types_pb2.TokenLogprobs:
-    return types_pb2.TokenLogprobs(logprobs=entry or {})

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 from tandem.engine.bert import load_bert
 from tandem.engine.config import EngineConfig
 from tandem.engine.pooling import PoolingConfig, pool
-from tandem.worker.tokenizer import Tokenizer
+from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, types_pb2
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,7 +62,7 @@ class EncoderRuntime:
         model_dir = engine_config.model_dir
         self.device = torch.device(engine_config.device)
         dtype = None if engine_config.dtype == "auto" else _DTYPES[engine_config.dtype]
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
         self.model, self.config = load_bert(model_dir, dtype=dtype, device=self.device)
         self.pooling = PoolingConfig.from_model_dir(model_dir)
         # A shorter max_model_len caps inputs; nothing longer than the position table can run.

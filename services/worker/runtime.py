@@ -1,4 +1,5 @@
-"""Everything a worker's servicers share: engine thread, tokenizer, readiness, counters."""
+"""Everything a worker's servicers share: the engine thread, the text front, the phases of its
+role, the KV transceiver and its poller, readiness and counters."""
 from __future__ import annotations
 
 import asyncio
@@ -6,21 +7,31 @@ import os
 import time
 import uuid
 
+from tandem.common.errors import unavailable
+from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
+from tandem.decode.generation import GenerationPhase
+from tandem.decode.peers import PeerCache
 from tandem.engine.bert import is_encoder_only
-from tandem.engine.kv_layout import layout_hash
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.messages import CheckIdle, ReadCounters
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
+from tandem.prefill.context import ContextPhase
+from tandem.prefill.lease_keeper import LeaseKeeper
+from tandem.text.front import TextFront
+from tandem.text.tokenizer import Tokenizer
 from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
-from tandem.worker.engine_loop import EngineLoop
-from tandem.worker.tokenizer import Tokenizer, generation_eos_ids
+from tandem.worker.phases import PhasePicker
 from tandem.v1 import llm_pb2, worker_pb2
 
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event):
         self.config = config
+        self.role = config.role
         self.server = server
         self.worker_id = server.address
         self.llm_id = uuid.uuid4().hex
@@ -28,16 +39,20 @@ class WorkerRuntime:
         self.paused = False
         self.startup_metrics: dict[str, float] = {}
         self.engine: LLMEngine | None = None
-        self.engine_loop: EngineLoop | None = None
+        self.core: EngineCore | None = None
         self.tokenizer: Tokenizer | None = None
+        self.front: TextFront | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.bos_token_id: int | None = None
-        self.kv_layout: dict = {}
-        self.kv_layout_hash = ""
-        self.transceiver = None
-        self.handoff_keeper = None
-        self.importer = None
+        self.handoff_format: HandoffFormat | None = None
+        self.phases = PhasePicker(config.role)
+        # The one lease table of a prefill worker.
+        self.leases = LeaseKeeper(config.engine.kv_lease_seconds) if config.role.hands_off else None
+        self.transceiver: KvTransceiver | None = None
+        self.poller: TransferPoller | None = None
+        self._peers: PeerCache | None = None
         self._transceiver_generation = 0
+        self._num_bytes_received = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
 
@@ -50,30 +65,33 @@ class WorkerRuntime:
         started = time.perf_counter()
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
-        self.tokenizer = await asyncio.to_thread(Tokenizer, self.config.engine.model_dir)
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine)
+        self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
+        self.front = TextFront(self.tokenizer)
+        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
         loaded = time.perf_counter()
         mc = self.engine.model_config
-        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + generation_eos_ids(self.config.engine.model_dir)))
+        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids()))
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
-        self.engine_loop = EngineLoop(self.engine, asyncio.get_running_loop())
-        self.kv_layout = self.engine.runner.kv_layout
-        self.kv_layout_hash = layout_hash(self.kv_layout)
-        if self.config.role in ("prefill", "decode"):
+        self.core = EngineCore(self.engine, asyncio.get_running_loop())
+        if self.leases is not None:
+            self.leases.attach(self.core)
+        self.handoff_format = HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+        if self.role.has_transceiver:
             await asyncio.to_thread(self.start_transceiver)
-        self.engine_loop.start()
+        self.core.start()
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
                                 "total_s": time.perf_counter() - started}
         self.ready.set()
 
     async def _load_encoder(self, started: float) -> None:
         from tandem.worker.encoder import EncoderRuntime
-        if self.config.role != "both":
+        if self.role is not Role.BOTH:
             raise ValueError(f"{self.config.engine.model_dir} is an encoder-only model: serve it in the both role "
-                             f"(there is no prefill/decode split to make), not {self.config.role}")
+                             f"(there is no prefill/decode split to make), not {self.role.label}")
         self.encoder = await asyncio.to_thread(EncoderRuntime, self.config.engine)
         self.tokenizer = self.encoder.tokenizer
+        self.front = TextFront(self.tokenizer)
         loaded = time.perf_counter()
         await asyncio.to_thread(self.encoder.warm_up)
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
@@ -85,34 +103,40 @@ class WorkerRuntime:
         """Handoffs are signed with the admin token: a cluster with one authenticates them too."""
         return self.config.admin_token.encode() if self.config.admin_token else None
 
+    @property
+    def kv_layout_hash(self) -> str:
+        return self.handoff_format.layout_hash if self.handoff_format else ""
+
     def start_transceiver(self) -> None:
-        """A NIXL agent over the KV pool; a new agent name each time, so peers that cached
-        the old one (before a release of the pool) fetch the new state."""
-        from tandem.decode.importer import KvImporter
-        from tandem.kvtransfer import KvTransceiver
-        from tandem.prefill.handoff import HandoffKeeper
+        """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
+        A new agent name each time, so peers that cached the old one (before a release of the
+        pool) fetch the new state."""
         self._transceiver_generation += 1
-        agent_name = f"{self.config.role}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
+        agent_name = f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
         self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_cache, self.kv_layout_hash,
                                          progress_thread=self.config.nixl_progress_thread)
-        if self.config.role == "prefill":
-            self.handoff_keeper = HandoffKeeper(self.engine_loop, self.transceiver, self.worker_id, self.kv_layout,
-                                                self.kv_layout_hash, self.signing_key)
+        keeper = self.leases
+        self.poller = TransferPoller(self.transceiver, self.core.loop,
+                                     on_notification=keeper.on_notification if keeper else None,
+                                     on_tick=keeper.expire if keeper else None)
+        self.poller.start()
+        if self.role is Role.PREFILL:
+            self.phases.context = ContextPhase(keeper, self.handoff_format, self.worker_id, agent_name)
         else:
-            self.importer = KvImporter(self.transceiver)
+            self._peers = PeerCache(self.poller)
+            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format)
 
     def stop_transceiver(self) -> None:
-        if self.handoff_keeper is not None:
-            self.handoff_keeper.stop()
-        if self.importer is not None:
-            asyncio.ensure_future(self.importer.close())
+        if self.phases.generation is not None:
+            self._num_bytes_received += self.phases.generation.num_bytes_received
+        self.phases.context = self.phases.generation = None
+        if self._peers is not None:
+            asyncio.ensure_future(self._peers.close())
+        if self.poller is not None:
+            self.poller.stop()
         if self.transceiver is not None:
             self.transceiver.close()
-        self.transceiver = self.handoff_keeper = self.importer = None
-
-    def start_background(self) -> None:
-        if self.handoff_keeper is not None:
-            self.handoff_keeper.start()
+        self.transceiver = self.poller = self._peers = None
 
     def _warm_up(self) -> None:
         """One prefill and one decode step so the first real request does not pay for lazy init."""
@@ -127,11 +151,24 @@ class WorkerRuntime:
         self.server.request_stop()
 
     async def close(self) -> None:
-        if self.engine_loop is not None:
-            self.engine_loop.stop()
+        if self.core is not None:
+            self.core.stop()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()
+
+    # -- state the servicers read --
+    def check_accepting(self) -> None:
+        """Generate is refused while paused or while memory is released."""
+        if self.paused:
+            raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
+        released = self.engine.released_tags
+        if released:
+            raise unavailable(f"memory {released} is released (Release); call Resume({released}) first")
+
+    async def require_idle(self, what: str) -> None:
+        """Refuses `what` while requests run or KV handoffs wait (checked on the engine thread)."""
+        await self.core.call(CheckIdle(what))
 
     def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
         bm = self.engine.block_manager
@@ -140,8 +177,8 @@ class WorkerRuntime:
 
     def server_info(self) -> llm_pb2.ServerInfo:
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, model=os.path.abspath(self.config.engine.model_dir),
-                                  role=self.config.role, max_model_len=self.engine.max_model_len if self.engine else 0)
-        info.disaggregated_params.update({"role": self.config.role, "kv_layout_hash": self.kv_layout_hash,
+                                  role=self.role.label, max_model_len=self.engine.max_model_len if self.engine else 0)
+        info.disaggregated_params.update({"role": self.role.label, "kv_layout_hash": self.kv_layout_hash,
                                           "transceiver": self.transceiver.agent_name if self.transceiver else ""})
         info.startup_metrics.update(self.startup_metrics)
         info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
@@ -149,35 +186,47 @@ class WorkerRuntime:
             info.encode_only, info.max_model_len = True, self.encoder.max_model_len
         return info
 
+    @property
+    def num_bytes_received(self) -> int:
+        generation = self.phases.generation
+        return self._num_bytes_received + (generation.num_bytes_received if generation else 0)
+
     async def worker_state(self) -> worker_pb2.WorkerState:
         if self.encoder is not None:  # no KV cache; the router only needs the role
-            return worker_pb2.WorkerState(role=self.config.role, paused=self.paused)
-        def read(engine: LLMEngine) -> worker_pb2.WorkerState:
-            bm = engine.block_manager
-            c = engine.counters
-            return worker_pb2.WorkerState(
-                role=self.config.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=bm.num_blocks,
-                num_free_blocks=bm.num_free_blocks, num_active_requests=engine.num_unfinished + len(engine.imports),
-                num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
-                num_steps=c.num_steps, num_leased_blocks=engine.num_leased_blocks, paused=self.paused,
-                kv_bytes_received=self.importer.num_bytes_received if self.importer else 0,
-                weight_bytes=engine.runner.weight_bytes, kv_cache_bytes=engine.runner.kv_cache_bytes,
-                weights_source=engine.runner.weights_source, weights_version=engine.runner.weights_version)
-        return await self.engine_loop.call(read)
+            return worker_pb2.WorkerState(role=self.role, paused=self.paused)
+        snap = await self.core.call(ReadCounters())
+        keeper = self.leases
+        return worker_pb2.WorkerState(
+            role=self.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=snap.num_total_blocks,
+            num_free_blocks=snap.num_free_blocks,
+            num_active_requests=snap.num_unfinished + snap.num_waiting_for_remote_kv,
+            num_prompt_tokens_computed=snap.num_prompt_tokens_computed,
+            num_generated_tokens=snap.num_generated_tokens, num_steps=snap.num_steps,
+            num_leased_blocks=keeper.num_leased_blocks if keeper else 0, paused=self.paused,
+            kv_bytes_received=self.num_bytes_received, weight_bytes=snap.weight_bytes,
+            kv_cache_bytes=snap.kv_cache_bytes, weights_source=snap.weights_source,
+            weights_version=snap.weights_version, num_leases=keeper.num_leases if keeper else 0,
+            lease_endings=dict(keeper.endings) if keeper else {},
+            num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
+            num_leases_opened=keeper.num_opened if keeper else 0)
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
-        return [dict(s, worker_id=self.worker_id) for s in await self.engine_loop.iteration_stats.drain(timeout)]
+        return [dict(s, worker_id=self.worker_id) for s in await self.core.iteration_stats.drain(timeout)]
 
     async def drain_kv_events(self, timeout: float | None) -> list[dict]:
-        return [dict(e, worker_id=self.worker_id) for e in await self.engine_loop.kv_events.drain(timeout)]
+        return [dict(e, worker_id=self.worker_id) for e in await self.core.kv_events.drain(timeout)]
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Waits until the engine holds no request."""
         deadline = time.monotonic() + timeout
-        while await self.engine_loop.call(lambda e: e.num_unfinished) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            snap = await self.core.call(ReadCounters())
+            if not snap.num_unfinished + snap.num_waiting_for_remote_kv:
+                return
             await asyncio.sleep(0.01)
 
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
         return self.transceiver.get_state() if self.transceiver is not None else b""
+

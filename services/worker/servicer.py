@@ -6,14 +6,13 @@ import uuid
 
 from google.protobuf import json_format, struct_pb2
 
-import grpc
-
-from tandem.common.errors import PreconditionError, RpcError, unavailable
-from tandem.decode.importer import parse_handoff
-from tandem.engine.sequence import Phase
+from tandem.common.errors import PreconditionError, unavailable
+from tandem.prefill.lease_keeper import LeaseEnd
+from tandem.text.front import TextFront
 from tandem.worker import admin
-from tandem.worker.convert import PHASES, check_unsupported, sampling_options
-from tandem.worker.generate import GenerateCall
+from tandem.worker.convert import check_unsupported, sampling_options
+from tandem.worker.phases import REQUEST_PHASES
+from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
@@ -25,101 +24,66 @@ def _struct(d: dict) -> struct_pb2.Struct:
 
 
 class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
+    """RPC glue: each handler hands its request to the runtime, the text front or a phase."""
+
     def __init__(self, runtime: WorkerRuntime):
         self.rt = runtime
-        self.calls: dict[str, GenerateCall] = {}
-
-    def _prompt(self, prompt: types_pb2.Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
-        kind = prompt.WhichOneof("kind")
-        if kind == "text":
-            if not prompt.text:
-                raise ValueError("the prompt is empty: give text or token ids")
-            return self.rt.tokenizer.encode(prompt.text, add_special_tokens), prompt.text
-        if kind == "token_ids":
-            return list(prompt.token_ids.ids), None
-        if kind == "preprocessed":
-            p = prompt.preprocessed
-            return list(p.prompt_token_ids), (p.prompt if p.HasField("prompt") else None)
-        raise ValueError("the prompt is empty: set prompt.text, prompt.token_ids or prompt.preprocessed")
+        self.requests: dict[str, WorkerRequest] = {}
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
-        if self.rt.paused:
-            raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
-        released = self.rt.engine.released_tags
-        if released:
-            raise unavailable(f"memory {released} is released (Release); call Resume({released}) first")
+        rt = self.rt
+        rt.check_accepting()
         check_unsupported(request)
-        params = request.sampling_params
-        options = sampling_options(params, self.rt.eos_token_ids)
-        add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
-        prompt_ids, prompt_text = self._prompt(request.prompt, add_special)
-        if params.HasField("truncate_prompt_tokens"):
-            if params.truncate_prompt_tokens <= 0:
-                raise ValueError(f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}")
-            prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
-        self.rt.engine.check_prompt(len(prompt_ids), prompt_ids)
-        self.rt.engine.check_options(options)
-        request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.calls:
-            raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
-        phase = PHASES[request.disaggregated_params.request_type]
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        handoff = self._check_phase(phase, request.disaggregated_params, prompt_ids, salt)
-        call = GenerateCall(self.rt.engine_loop, self.rt.tokenizer, request_id, prompt_ids, prompt_text, options, phase,
-                            request.priority if request.HasField("priority") else 0.5,
-                            request.cache_salt if request.HasField("cache_salt") else None,
-                            request.streaming, request.disaggregated_params, self.rt.handoff_keeper)
-        if handoff is not None:
-            call.start_import(self.rt.importer, handoff)
-        elif phase is Phase.GENERATION_ONLY:
-            call.resume()
-        else:
-            call.submit()
-        self.calls[request_id] = call
+        text_request = await rt.front.prepare(request)
+        worker_request = self._start(text_request.engine_request)
+        self.requests[worker_request.request_id] = worker_request
         try:
-            async for msg in call.outputs():
+            async for msg in TextFront.respond(text_request, worker_request.outputs(), worker_request.stop):
                 yield msg
+                worker_request.delivered()
         finally:
-            self.calls.pop(request_id, None)
+            self.requests.pop(worker_request.request_id, None)
+            worker_request.close()
 
-    def _check_phase(self, phase: Phase, params: types_pb2.DisaggregatedParams, prompt_ids: list[int],
-                     cache_salt: str | None):
-        """Refuses a phase this worker cannot run; for GENERATION_ONLY returns the parsed handoff."""
-        if phase is Phase.CONTEXT_ONLY and self.rt.handoff_keeper is None:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"this {self.rt.config.role} worker cannot run context_only requests; send them to a prefill worker")
-        if phase is Phase.GENERATION_ONLY and not params.opaque_state:
-            if not params.first_gen_tokens:
-                raise ValueError("generation_only needs disaggregated_params.first_gen_tokens (and the context "
-                                 "phase's opaque_state, or none to recompute the KV here)")
-            return None  # a resumed request (migration): any worker recomputes its KV
-        if phase is Phase.GENERATION_ONLY:
-            if self.rt.importer is None:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"this {self.rt.config.role} worker cannot run generation_only requests; send them to a decode worker")
-            if not params.first_gen_tokens:
-                raise ValueError("generation_only needs disaggregated_params.first_gen_tokens from the context phase")
-            return parse_handoff(params.opaque_state, self.rt.kv_layout, self.rt.kv_layout_hash, prompt_ids,
-                                 cache_salt, self.rt.signing_key)
-        return None
+    def _start(self, request: llm_pb2.GenerateRequest) -> WorkerRequest:
+        """Validates a token-id request and starts it in the phase its request_type asks for."""
+        engine = self.rt.engine
+        options = sampling_options(request.sampling_params, self.rt.eos_token_ids)
+        prompt_ids = list(request.prompt.token_ids.ids)
+        engine.check_prompt(len(prompt_ids), prompt_ids)
+        engine.check_options(options)
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
+        if request.disaggregated_params.request_type not in REQUEST_PHASES:
+            raise ValueError(f"disaggregated_params.request_type {request.disaggregated_params.request_type} is not "
+                             f"a RequestType")
+        phase = REQUEST_PHASES[request.disaggregated_params.request_type]
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt)
+        worker_request = WorkerRequest(self.rt.core, request_id, prompt_ids, options, phase,
+                                       request.priority if request.HasField("priority") else 0.5, salt,
+                                       request.disaggregated_params)
+        start(worker_request)
+        return worker_request
 
     async def Abort(self, request, context):
-        call = self.calls.get(request.request_id)
-        if call is None:
+        worker_request = self.requests.get(request.request_id)
+        if worker_request is None:
             return llm_pb2.AbortResponse(aborted=False)
-        call.cancel()
+        worker_request.cancel()
         return llm_pb2.AbortResponse(aborted=True)
 
     async def abort_all(self) -> int:
-        calls = list(self.calls.values())
-        for call in calls:
-            call.cancel()
-        return len(calls)
+        requests = list(self.requests.values())
+        for worker_request in requests:
+            worker_request.cancel()
+        return len(requests)
 
     async def Preprocess(self, request, context):
         params = request.sampling_params
         add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
-        ids, text = self._prompt(request.prompt, add_special)
+        ids, text = await self.rt.front.encode_prompt(request.prompt, add_special)
         self.rt.engine.check_prompt(len(ids), ids)
         out = types_pb2.PreprocessedInputs(prompt_token_ids=ids, disaggregated_params=request.disaggregated_params)
         if text is not None:
@@ -133,11 +97,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Detokenize(self, request, context):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        vocab = self.rt.tokenizer.vocab_size
-        bad = [t for t in request.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of vocabulary [0, {vocab}): {bad[:8]}")
-        return llm_pb2.DetokenizeResponse(text=self.rt.tokenizer.decode(list(request.token_ids), skip))
+        return llm_pb2.DetokenizeResponse(text=self.rt.front.detokenize(list(request.token_ids), skip))
 
     async def GetKvCacheCapacity(self, request, context):
         return self.rt.kv_capacity()
@@ -175,7 +135,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt.paused = True
         num_aborted = await self.abort_all()
         await self.rt.drain()
-        await self.rt.engine_loop.call(lambda e: e.release_all_leases())
+        if self.rt.leases is not None:
+            self.rt.leases.release_all(LeaseEnd.PAUSED)
         return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"])
 
     async def ResumeGeneration(self, request, context):
@@ -215,13 +176,22 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
 
 class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runtime: WorkerRuntime):
+    def __init__(self, runtime: WorkerRuntime, llm: WorkerLLMServicer):
         self.rt = runtime
+        self.llm = llm
 
     async def GetWorkerState(self, request, context):
         return await self.rt.worker_state()
 
     async def ReleaseKv(self, request, context):
-        keeper = self.rt.handoff_keeper
-        released = keeper is not None and await keeper.release(request.ctx_request_id)
+        keeper = self.rt.leases
+        released = keeper is not None and keeper.release(request.ctx_request_id, LeaseEnd.RELEASED)
         return worker_pb2.ReleaseKvResponse(released=released)
+
+    async def StopSequences(self, request, context):
+        worker_request = self.llm.requests.get(request.request_id)
+        if worker_request is None:
+            return worker_pb2.StopSequencesResponse(found=False)
+        for index in request.indices:
+            await worker_request.stop(index)
+        return worker_pb2.StopSequencesResponse(found=True)

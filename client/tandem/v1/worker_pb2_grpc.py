@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.StopSequences = channel.unary_unary(
+                '/tandem.v1.Worker/StopSequences',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -67,6 +72,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopSequences(self, request, context):
+        """End some sequences of a running Generate early (the caller found a stop string in their
+        text): they stop in the engine and report finish_reason cancelled; the others carry on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'StopSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopSequences,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +154,33 @@ class Worker:
             '/tandem.v1.Worker/ReleaseKv',
             tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/StopSequences',
+            tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,9 @@
 """The engine thread and its bridge to the asyncio loop.
 
-The gRPC loop never runs model code: it puts commands on a queue; one thread
-owns the LLMEngine, drains the queue, runs steps and hands each step's outputs
-back to the loop with call_soon_threadsafe. A slow client never stalls a step.
+The gRPC loop never runs model code: it puts typed commands (engine/messages.py) on a
+queue; one thread owns the LLMEngine, applies the commands between steps, runs the steps
+and hands each step's outputs back to the loop with call_soon_threadsafe. A slow client
+never stalls a step.
 """
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.messages import (AbortRequest, AddRequest, CheckIdle, EngineFailure, FreeBlocks, ReadCounters,
+                                    ReleaseMemory, RemoteKvArrived, ResumeMemory, StepOutput, SwapWeights,
+                                    WeightsChecksum)
 
-log = logging.getLogger("tandem.engine_loop")
+log = logging.getLogger("tandem.engine_core")
+
+_STOP = object()
 
 
 class JsonBuffer:
@@ -45,41 +50,46 @@ class JsonBuffer:
         return items
 
 
-@dataclass
-class EngineFailure:
-    """Delivered to a request's stream when the engine could not run it."""
-    error: BaseException
-
-
-class EngineLoop:
+class EngineCore:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000):
         self.engine = engine
         self.loop = loop
         self._commands: queue.Queue = queue.Queue()
+        # request id -> the asyncio queue its StepOutputs (or an EngineFailure) go to.
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
         self.iteration_stats = JsonBuffer(stats_history)
         self.kv_events = JsonBuffer(stats_history * 10)
         self._next_event_id = 0
+        self._handlers = {
+            AddRequest: self._add, AbortRequest: lambda c: engine.abort_request(c.request_id),
+            RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id),
+            FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
+            CheckIdle: lambda c: engine.require_idle(c.what),
+            ReleaseMemory: lambda c: engine.release_memory(c.tags),
+            ResumeMemory: lambda c: engine.resume_memory(c.tags),
+            SwapWeights: lambda c: engine.swap_weights(c.model, c.source),
+            ReadCounters: lambda c: engine.snapshot(),
+            WeightsChecksum: lambda c: engine.weights_checksum(),
+        }
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping = True
-        self._commands.put(None)
+        self._commands.put((_STOP, None))
         self._thread.join(timeout=10)
 
-    def add_request(self, request_id: str, stream: asyncio.Queue, **kwargs) -> None:
-        """Queues a request; its StepOutputs (or an EngineFailure) arrive on stream."""
-        if self._streams.get(request_id, stream) is not stream:
-            raise ValueError(f"request id {request_id!r} is already running on this worker")
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, kwargs))
+    # -- the asyncio side --
+    def add_request(self, command: AddRequest, stream: asyncio.Queue) -> None:
+        """Queues a sequence; its StepOutputs (or an EngineFailure) arrive on stream."""
+        self.register(command.request_id, stream)
+        self._commands.put((command, None))
 
     def register(self, request_id: str, stream: asyncio.Queue) -> None:
-        """Routes a request's outputs to stream before it reaches the engine (a KV import in flight)."""
+        """Routes a request's outputs to stream (a remote-KV sequence registers once its KV is there)."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running on this worker")
         self._streams[request_id] = stream
@@ -87,8 +97,18 @@ class EngineLoop:
     def abort(self, request_id: str) -> bool:
         """Stops a request; no further output reaches its stream. Returns whether it was known."""
         known = self._streams.pop(request_id, None) is not None
-        self._commands.put(("abort", request_id, None))
+        self._commands.put((AbortRequest(request_id), None))
         return known
+
+    def send(self, command) -> None:
+        """Queues a command without waiting for it (safe from any thread)."""
+        self._commands.put((command, None))
+
+    async def call(self, command) -> Any:
+        """Runs a command on the engine thread between steps and returns its reply."""
+        future = self.loop.create_future()
+        self._commands.put((command, future))
+        return await future
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -97,56 +117,61 @@ class EngineLoop:
     def num_active(self) -> int:
         return len(self._streams)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs fn(engine) on the engine thread between steps and returns its result."""
-        future = self.loop.create_future()
-        self._commands.put(("call", fn, future))
-        return await future
-
+    # -- the engine thread: admit, step, emit --
     def _run(self) -> None:
         while not self._stopping:
-            idle = self.engine.num_unfinished == 0
-            # Requests that all wait for blocks (held by leases, say): wait a little for the
-            # command that frees them instead of spinning on empty steps with the GIL held.
-            stalled = not idle and self.engine.last_step_was_idle
-            try:
-                if idle or stalled:
-                    command = self._commands.get(timeout=0.5 if idle else 0.005)
-                else:
-                    command = self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            while command is not None:
-                self._handle(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
+            self._apply_commands(self._wait_time())
             if self._stopping:
                 break
-            if self.engine.leases:
-                self.engine.expire_leases(time.time())
             if self.engine.num_unfinished:
                 self._step()
             self._publish_kv_events()
 
-    def _handle(self, command) -> None:
-        kind, key, payload = command
-        if kind == "add":
+    def _wait_time(self) -> float | None:
+        """How long to block for the first command: not at all while there is work; a little when
+        every request waits for blocks (held by leases, say), instead of spinning on empty steps
+        with the GIL held; long when idle."""
+        if not self.engine.num_unfinished:
+            return 0.5
+        return 0.005 if self.engine.last_step_was_idle else None
+
+    def _apply_commands(self, first_wait: float | None) -> None:
+        try:
+            item = self._commands.get(timeout=first_wait) if first_wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command, future = item
+            if command is _STOP:
+                return
+            self._apply(command, future)
             try:
-                self.engine.add_request(key, **payload)
-            except Exception as exc:  # noqa: BLE001 - reported to the caller's stream
-                self._deliver(key, EngineFailure(exc))
-        elif kind == "abort":
-            self.engine.abort_request(key)
-        elif kind == "call":
-            fn, future = key, payload
-            try:
-                result = fn(self.engine)
-            except Exception as exc:  # noqa: BLE001
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command, future: asyncio.Future | None) -> None:
+        try:
+            result = self._handlers[type(command)](command)
+        except Exception as exc:  # noqa: BLE001 - reported to whoever sent the command
+            if future is not None:
                 self.loop.call_soon_threadsafe(_set_exception, future, exc)
+            elif isinstance(command, AddRequest):
+                self._deliver(command.request_id, EngineFailure(exc))
             else:
-                self.loop.call_soon_threadsafe(_set_result, future, result)
+                log.exception("engine command %s failed", type(command).__name__)
+            return
+        if future is not None:
+            self.loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _add(self, command: AddRequest):
+        e = self.engine
+        if command.remote_kv:
+            return e.add_remote_kv_request(command.request_id, command.prompt_token_ids, command.output_token_ids,
+                                           command.options, command.priority, command.cache_salt)
+        e.add_request(command.request_id, command.prompt_token_ids, command.options, command.phase,
+                      command.priority, command.cache_salt, command.output_token_ids)
+        return None
 
     def _step(self) -> None:
         try:
@@ -166,8 +191,10 @@ class EngineLoop:
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
-        if stream is None:
-            return  # aborted meanwhile
+        if stream is None:  # aborted meanwhile
+            if isinstance(item, StepOutput) and item.lease is not None:
+                self.engine.leases.abandon(item.lease.lease_id)
+            return
         if isinstance(item, EngineFailure) or item.finished:
             self._streams.pop(request_id, None)
         stream.put_nowait(item)

@@ -1,0 +1,139 @@
+"""What crosses the engine thread's boundary: the commands it takes and the outputs it gives.
+
+Plain dataclasses, one per message, as mini-sglang's message/backend.py keeps them. The
+gRPC side puts commands on EngineCore's queue; the engine thread applies them between
+steps in arrival order and answers the ones that have a reply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sequence import FinishReason, Phase
+
+
+# -- commands: the request path --
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a sequence. output_token_ids: tokens already generated elsewhere (a migrated
+    request, or a handoff whose KV is computed here instead of pulled).
+
+    remote_kv: a generation_only sequence whose prompt KV a prefill worker holds. The engine
+    reserves blocks for it and parks it as WAITING_FOR_REMOTE_KV; the reply is the ImportPlan
+    (where to pull the KV into), or None when the pool cannot hold the prompt now.
+    """
+    request_id: str
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    phase: Phase = Phase.CONTEXT_AND_GENERATION
+    priority: float = 0.5
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    remote_kv: bool = False
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a sequence wherever it is (queued, running, waiting for its KV) and free its blocks."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RemoteKvArrived:
+    """A WAITING_FOR_REMOTE_KV sequence's prompt KV has landed in its blocks: schedule it."""
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FreeBlocks:
+    """Blocks handed out under a lease (a finished context phase) come back to the pool."""
+    block_ids: list[int]
+
+
+# -- commands: admin and introspection (each has a reply) --
+@dataclass(frozen=True)
+class CheckIdle:
+    """Raise PreconditionError naming `what` unless no request runs and no KV lease is out."""
+    what: str
+
+
+@dataclass(frozen=True)
+class ReleaseMemory:
+    tags: list[str]
+
+
+@dataclass(frozen=True)
+class ResumeMemory:
+    tags: list[str]
+
+
+@dataclass(frozen=True)
+class SwapWeights:
+    model: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class ReadCounters:
+    """Reply: an EngineSnapshot."""
+
+
+@dataclass(frozen=True)
+class WeightsChecksum:
+    """Reply: the sha256 of the served weights (hex), "" when released."""
+
+
+# -- outputs --
+@dataclass
+class Lease:
+    """KV blocks a finished context phase keeps for the decode side, until released or expired."""
+    lease_id: int
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float] | None]
+    cumulative_logprob: float
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    # Set when a context_only sequence hands off: its KV blocks, now under this lease.
+    lease: Lease | None = None
+
+
+@dataclass
+class ImportPlan:
+    """Where a generation_only request's KV goes: the first num_cached_blocks prompt blocks were
+    found in our prefix cache; the prefill's remaining blocks are pulled into block_ids."""
+    num_cached_blocks: int
+    block_ids: list[int]
+
+
+@dataclass
+class EngineFailure:
+    """Delivered to a request's stream when the engine could not run it."""
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters of the engine at one point between steps."""
+    num_total_blocks: int
+    num_free_blocks: int
+    num_unfinished: int
+    num_waiting_for_remote_kv: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    num_steps: int
+    weight_bytes: int
+    kv_cache_bytes: int
+    weights_source: str
+    weights_version: int

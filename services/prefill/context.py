@@ -1,0 +1,38 @@
+"""The context phase (context_only): run the prompt, sample the first token, and hand the KV
+off: the blocks stay under a lease (lease_keeper.py) and the caller gets a signed handoff
+naming them (kvtransfer/handoff.py), which a decode worker presents to pull them."""
+from __future__ import annotations
+
+from tandem.engine.messages import StepOutput
+from tandem.engine.sequence import Phase
+from tandem.kvtransfer.handoff import HandoffFormat
+from tandem.prefill.lease_keeper import LeaseEnd, LeaseKeeper
+from tandem.v1 import types_pb2
+
+
+class ContextPhase:
+    def __init__(self, keeper: LeaseKeeper, handoff_format: HandoffFormat, endpoint: str, agent_name: str):
+        self.keeper = keeper
+        self.handoff_format = handoff_format
+        self.endpoint = endpoint
+        self.agent_name = agent_name
+
+    def start(self, request) -> None:
+        """request: a worker.request.WorkerRequest of one sequence."""
+        request.hand_off = lambda out: self._handoff_params(request, out)
+        request.withdraw = self._withdraw
+        request.submit(Phase.CONTEXT_ONLY)
+
+    def _handoff_params(self, request, out: StepOutput) -> types_pb2.DisaggregatedParams:
+        lease = out.lease
+        params = types_pb2.DisaggregatedParams(
+            request_type=types_pb2.REQUEST_TYPE_CONTEXT_ONLY, first_gen_tokens=out.new_token_ids,
+            ctx_request_id=lease.lease_id, ctx_endpoint=self.endpoint,
+            opaque_state=self.handoff_format.build(self.endpoint, self.agent_name, lease.lease_id, lease.block_ids,
+                                                   lease.expires_at, request.prompt_token_ids, request.cache_salt))
+        if request.disagg_in.HasField("disagg_request_id"):
+            params.disagg_request_id = request.disagg_in.disagg_request_id
+        return params
+
+    def _withdraw(self, lease_id: int, stopped: bool = False) -> None:
+        self.keeper.release(lease_id, LeaseEnd.STOPPED if stopped else LeaseEnd.UNDELIVERED)

@@ -1,0 +1,97 @@
+"""One client request as the router carries it: the worker it runs on now (Abort follows it from
+the prefill to the decode worker, and to the worker a migration moves it to), the workers it
+went through, and the calls that stop it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from tandem.common.outputs import cancelled_output
+from tandem.router.workers import WorkerHandle, WorkerPool
+from tandem.v1 import llm_pb2, types_pb2, worker_pb2
+
+log = logging.getLogger("tandem.router.route")
+
+
+class Route:
+    def __init__(self, pool: WorkerPool, request_id: str):
+        self.pool = pool
+        self.request_id = request_id
+        self.worker: WorkerHandle | None = None
+        # The downstream Generate in progress; Abort cancels it when the worker does not know the
+        # request yet (its Generate is still on the way).
+        self.call: grpc.aio.UnaryStreamCall | None = None
+        # Ended by the client (Abort) or by a stop string: whatever comes next is not streamed on.
+        self.cancelled = False
+        self.served_by: list[str] = []
+        # n > 1 over a prefill/decode split: one child route per sequence.
+        self.children: list[Route] = []
+
+    async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest):
+        """The worker's messages for request, counted in its in-flight load while they flow."""
+        self.worker = worker
+        self.served_by.append(worker.address)
+        worker.in_flight += 1
+        call = self.call = worker.llm.Generate(request)
+        finished = False
+        try:
+            async for msg in call:
+                finished = msg.finished
+                yield msg
+        except asyncio.CancelledError:
+            if not self.cancelled:
+                raise  # the client went away
+            yield cancelled_output(request.request_id)  # Abort cancelled the call
+        finally:
+            worker.in_flight -= 1
+            if not finished:
+                # A call whose last message came is left to end by itself: cancelling it could
+                # reach the worker before it knew the message (a handoff) was delivered.
+                call.cancel()
+            self.call = None
+
+    async def abort(self) -> None:
+        """Stops the request wherever it is: the worker aborts it, or (not registered there yet) its call is cancelled."""
+        self.cancelled = True
+        for child in self.children:
+            await child.abort()
+        if self.worker is None:
+            return
+        try:
+            reply = await self.worker.llm.Abort(llm_pb2.AbortRequest(request_id=self.request_id), timeout=5)
+            aborted = reply.aborted
+        except grpc.aio.AioRpcError:  # the worker is gone (a migration may be under way): cancel our side
+            aborted = False
+        if not aborted and self.call is not None:
+            self.call.cancel()
+
+    async def stop(self, index: int, handoff: types_pb2.DisaggregatedParams | None) -> None:
+        """The text front found a stop string in sequence `index`: end it where it runs."""
+        if self.children:
+            await self.children[index].abort()
+            return
+        if handoff is not None and handoff.HasField("ctx_request_id"):
+            # A context_only reply whose handoff the client will not get: its lease can go now.
+            await release_lease(self.pool, self.worker, handoff.ctx_request_id)
+            return
+        found = False
+        if self.worker is not None:
+            try:
+                reply = await self.worker.internal.StopSequences(
+                    worker_pb2.StopSequencesRequest(request_id=self.request_id, indices=[index]), timeout=5)
+                found = reply.found
+            except grpc.aio.AioRpcError:
+                found = False
+        if not found:  # between workers (the context phase is over), or gone: end the route here
+            await self.abort()
+
+
+async def release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int) -> None:
+    """Best effort: the decode's NIXL notification normally released it already."""
+    try:
+        await prefill.internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id), timeout=5,
+                                         metadata=pool.admin_metadata)
+    except grpc.aio.AioRpcError as exc:
+        log.info("ReleaseKv(%d) on %s: %s (the lease expires anyway)", ctx_request_id, prefill.address, exc.code())

@@ -1,0 +1,103 @@
+"""The text front of a process that faces clients: prompts in (tokenized here), text out.
+
+Behind it, producers see token ids only: the request they get has its prompt as ids, no
+stop strings and detokenize off, and always streams, so that a stop string can stop the
+producer early; a client that did not ask to stream gets one merged message at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from tandem.common.outputs import merge_outputs
+from tandem.text.processor import StopCallback, TextOptions, TextProcessor
+from tandem.text.tokenizer import Tokenizer
+from tandem.v1 import llm_pb2, types_pb2
+
+# Prompts longer than this are tokenized on a worker thread, not on the event loop.
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+def _opt(msg, name: str, default):
+    return getattr(msg, name) if msg.HasField(name) else default
+
+
+@dataclass
+class TextRequest:
+    """What the front made of a client's GenerateRequest."""
+    engine_request: llm_pb2.GenerateRequest
+    processor: TextProcessor
+    streaming: bool
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.engine_request.prompt.token_ids.ids)
+
+
+class TextFront:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    async def encode_prompt(self, prompt: types_pb2.Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
+        """(token ids, prompt text or None)."""
+        kind = prompt.WhichOneof("kind")
+        if kind == "text":
+            if not prompt.text:
+                raise ValueError("the prompt is empty: give text or token ids")
+            if len(prompt.text) > _INLINE_TOKENIZE_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, prompt.text, add_special_tokens), prompt.text
+            return self.tokenizer.encode(prompt.text, add_special_tokens), prompt.text
+        if kind == "token_ids":
+            return list(prompt.token_ids.ids), None
+        if kind == "preprocessed":
+            p = prompt.preprocessed
+            return list(p.prompt_token_ids), (p.prompt if p.HasField("prompt") else None)
+        raise ValueError("the prompt is empty: set prompt.text, prompt.token_ids or prompt.preprocessed")
+
+    async def prepare(self, request: llm_pb2.GenerateRequest) -> TextRequest:
+        params = request.sampling_params
+        ids, text = await self.encode_prompt(request.prompt, _opt(params, "add_special_tokens", True))
+        if params.HasField("truncate_prompt_tokens"):
+            if params.truncate_prompt_tokens <= 0:
+                raise ValueError(f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}")
+            ids = ids[-params.truncate_prompt_tokens:]
+        detokenize = _opt(params, "detokenize", True)
+        stop = tuple(params.stop) if detokenize else ()
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        options = TextOptions(detokenize=detokenize, skip_special_tokens=_opt(params, "skip_special_tokens", True),
+                              stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                              strip_logprobs=bool(stop) and not params.HasField("logprobs"))
+        engine_request = llm_pb2.GenerateRequest()
+        engine_request.CopyFrom(request)
+        engine_request.prompt.token_ids.ids[:] = ids
+        engine_request.streaming = True
+        engine_params = engine_request.sampling_params
+        engine_params.detokenize = False
+        engine_params.ClearField("truncate_prompt_tokens")
+        del engine_params.stop[:]
+        if options.strip_logprobs:
+            engine_params.logprobs = 0
+        processor = TextProcessor(self.tokenizer, options, text)
+        if request.disaggregated_params.request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
+            processor.prime(0, list(request.disaggregated_params.first_gen_tokens))
+        return TextRequest(engine_request, processor, request.streaming)
+
+    @staticmethod
+    async def respond(text_request: TextRequest, messages: AsyncIterator[types_pb2.RequestOutput],
+                      on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+        """The client's messages: the producer's, with text; merged into one unless streaming."""
+        processed = text_request.processor.run(messages, on_stop)
+        if text_request.streaming:
+            async for msg in processed:
+                yield msg
+        else:
+            yield merge_outputs([msg async for msg in processed])
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        return self.tokenizer.decode(token_ids, skip_special_tokens)

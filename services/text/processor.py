@@ -1,0 +1,153 @@
+"""Text on top of a stream of token-id outputs: incremental detokenization and stop strings.
+
+One TextProcessor per request, as vLLM v1's OutputProcessor keeps one state per request:
+the process facing the client (the router, or a worker called directly) runs it over
+whatever produces the token ids (one worker, a prefill/decode split, a migration), so no
+text state ever crosses a handoff or a migration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from tandem.text.detokenizer import IncrementalDetokenizer
+from tandem.text.tokenizer import Tokenizer
+from tandem.v1 import types_pb2
+
+# Called when a stop string ends sequence `index` early: the producer must stop it. handoff is
+# the context phase's DisaggregatedParams the output carried, now withheld from the client.
+StopCallback = Callable[[int, "types_pb2.DisaggregatedParams | None"], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """What of a request's SamplingParams the text layer applies."""
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # The producer was asked for the sampled tokens' logprobs only so that a stop string can
+    # cut cumulative_logprob exactly; the client did not ask for them.
+    strip_logprobs: bool = False
+
+
+class _Sequence:
+    def __init__(self, detokenizer: IncrementalDetokenizer | None):
+        self.detokenizer = detokenizer
+        self.stopped = False  # ended here by a stop string; the producer's later outputs are dropped
+        self.finished = False
+
+
+class TextProcessor:
+    def __init__(self, tokenizer: Tokenizer, options: TextOptions, prompt_text: str | None = None):
+        self.tokenizer = tokenizer
+        self.options = options
+        self.prompt_text = prompt_text
+        self._sequences: dict[int, _Sequence] = {}
+        self._first = True
+
+    def _sequence(self, index: int) -> _Sequence:
+        if index not in self._sequences:
+            o = self.options
+            detok = (IncrementalDetokenizer(self.tokenizer, o.skip_special_tokens, o.stop, o.include_stop_str_in_output)
+                     if o.detokenize else None)
+            self._sequences[index] = _Sequence(detok)
+        return self._sequences[index]
+
+    def prime(self, index: int, token_ids: list[int]) -> None:
+        """Tokens an earlier phase already streamed (generation_only): fed one at a time, as they
+        were then, so the text held back here is exactly what was held back there."""
+        detok = self._sequence(index).detokenizer
+        if detok is not None:
+            for token in token_ids:
+                detok.add(token)
+
+    async def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
+                  on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+        """Adds text to each message. When stop strings end every sequence, the message that says
+        so waits for the producer's own last message (its metrics), into which it is merged."""
+        held: types_pb2.RequestOutput | None = None
+        async for msg in messages:
+            stops = self._apply(msg)
+            for index, handoff in stops:
+                await on_stop(index, handoff)
+            if held is not None:
+                held.finished = held.finished or msg.finished
+                if msg.HasField("metrics"):
+                    held.metrics.CopyFrom(msg.metrics)
+                if held.finished:
+                    break
+                continue
+            if stops and not msg.finished and self._sequences and all(s.finished for s in self._sequences.values()):
+                held = msg  # every sequence is done here; the producer is stopping
+                continue
+            yield msg
+            if msg.finished:
+                return
+        if held is not None:
+            held.finished = True
+            yield held
+
+    def _apply(self, msg: types_pb2.RequestOutput) -> list[tuple[int, types_pb2.DisaggregatedParams | None]]:
+        if self._first and self.prompt_text is not None:
+            msg.prompt = self.prompt_text
+        self._first = False
+        stops = []
+        kept = []
+        for comp in msg.outputs:
+            state = self._sequence(comp.index)
+            if state.stopped:
+                continue  # tokens that raced with the stop string
+            kept.append(comp)
+            if self._apply_completion(comp, state):
+                handoff = None
+                if comp.HasField("disaggregated_params"):
+                    handoff = types_pb2.DisaggregatedParams()
+                    handoff.CopyFrom(comp.disaggregated_params)
+                    comp.ClearField("disaggregated_params")  # a stop in the first token: nothing to hand off
+                stops.append((comp.index, handoff))
+            elif comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
+                state.finished = True
+        if len(kept) != len(msg.outputs):
+            del msg.outputs[:]
+            msg.outputs.extend(kept)
+        return stops
+
+    def _apply_completion(self, comp: types_pb2.CompletionOutput, state: _Sequence) -> bool:
+        """Detokenizes comp's new tokens; True when a stop string ended the sequence here."""
+        detok = state.detokenizer
+        if detok is None:
+            self._strip_logprobs(comp)
+            return False
+        tokens = list(comp.token_ids)
+        # The end of the sequence (not a handoff to a decode worker: its text carries on there).
+        final = comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED and not comp.HasField("disaggregated_params")
+        text = []
+        for j, token in enumerate(tokens):
+            text.append(detok.add(token, final=final and j == len(tokens) - 1))
+            if detok.stop_string is not None:
+                self._cut(comp, j + 1)
+                break
+        comp.text = "".join(text)
+        self._strip_logprobs(comp)
+        if detok.stop_string is None:
+            return False
+        state.stopped = state.finished = True
+        comp.finish_reason = types_pb2.FINISH_REASON_STOP
+        comp.stop_string = detok.stop_string
+        return True
+
+    @staticmethod
+    def _cut(comp: types_pb2.CompletionOutput, num_kept: int) -> None:
+        """Drops the tokens after the one that completed a stop string, and their logprobs."""
+        dropped = list(comp.token_ids[num_kept:])
+        if not dropped:
+            return
+        for token, entry in zip(dropped, comp.logprobs[num_kept:]):
+            comp.cumulative_logprob -= entry.logprobs.get(token, 0.0)
+        del comp.token_ids[num_kept:]
+        del comp.logprobs[num_kept:]
+
+    def _strip_logprobs(self, comp: types_pb2.CompletionOutput) -> None:
+        if self.options.strip_logprobs:
+            del comp.logprobs[:]

@@ -1,0 +1,227 @@
+"""One Generate on a worker: its n sequences in the engine, their step outputs turned into
+RequestOutput messages of token ids (text is the front's job: tandem.text).
+
+Which lifecycle the request runs is the phase's business (worker/local.py, prefill/context.py,
+decode/generation.py); this class only carries the sequences' state and builds messages.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable
+
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sequence import FinishReason, Phase
+from tandem.v1 import types_pb2
+
+FINISH_REASONS = {
+    None: types_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
+}
+
+# Put on a request's stream by Abort / PauseGeneration.
+CANCELLED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceStopped:
+    """Put on a request's stream when the front stops one of its sequences (a stop string)."""
+    engine_id: str
+
+
+@dataclasses.dataclass
+class SequenceState:
+    index: int
+    engine_id: str
+    options: SamplingOptions
+    finished: bool = False
+    # The lease of a context phase handed off in this sequence's output, until the caller has it.
+    undelivered_lease: int | None = None
+
+
+@dataclasses.dataclass
+class RequestMetricsState:
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_cached_prompt_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0
+
+
+class WorkerRequest:
+    def __init__(self, core: EngineCore, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
+                 phase: Phase, priority: float, cache_salt: str | None,
+                 disaggregated_params: types_pb2.DisaggregatedParams | None = None):
+        if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
+            raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
+        self.core = core
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.options = options
+        self.phase = phase
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
+        self.stream: asyncio.Queue = asyncio.Queue()
+        self.metrics = RequestMetricsState()
+        # Set by a context phase: turns a handed-off output into the caller's DisaggregatedParams,
+        # and gives a lease back when its handoff never reaches the caller.
+        self.hand_off: Callable[[StepOutput], types_pb2.DisaggregatedParams] | None = None
+        self.withdraw: Callable[..., None] | None = None
+        # Work started on the request's behalf outside the engine (a KV pull), cancelled with it.
+        self.tasks: list[asyncio.Task] = []
+        self.sequences: dict[str, SequenceState] = {}
+        for i in range(options.n):
+            engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
+            opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
+            self.sequences[engine_id] = SequenceState(i, engine_id, dataclasses.replace(opts, n=1))
+
+    @property
+    def only_sequence(self) -> SequenceState:
+        (state,) = self.sequences.values()
+        return state
+
+    @property
+    def first_gen_tokens(self) -> list[int]:
+        return list(self.disagg_in.first_gen_tokens)
+
+    def submit(self, phase: Phase, output_token_ids: list[int] | None = None) -> None:
+        """Queues every sequence in the engine."""
+        for state in self.sequences.values():
+            self.core.add_request(AddRequest(
+                state.engine_id, self.prompt_token_ids, state.options, phase=phase, priority=self.priority,
+                cache_salt=self.cache_salt, output_token_ids=list(output_token_ids or [])), self.stream)
+
+    def fail(self, exc: BaseException) -> None:
+        """Ends the request with exc's status (its engine side is aborted by the caller)."""
+        self.stream.put_nowait(EngineFailure(exc))
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.finished for s in self.sequences.values())
+
+    def cancel(self) -> None:
+        """Abort every unfinished sequence; the stream then ends with finish_reason cancelled."""
+        for task in self.tasks:
+            task.cancel()
+        for state in self.sequences.values():
+            if not state.finished:
+                self.core.abort(state.engine_id)
+        self.stream.put_nowait(CANCELLED)
+
+    async def stop(self, index: int, handoff: types_pb2.DisaggregatedParams | None = None) -> None:
+        """The front ended sequence `index` (a stop string): abort it, or give back the lease its
+        withheld handoff names."""
+        for state in self.sequences.values():
+            if state.index != index:
+                continue
+            if state.undelivered_lease is not None and self.withdraw is not None:
+                self.withdraw(state.undelivered_lease, stopped=True)
+                state.undelivered_lease = None
+            elif not state.finished:
+                self.core.abort(state.engine_id)
+                self.stream.put_nowait(SequenceStopped(state.engine_id))
+
+    async def outputs(self):
+        """Yields one RequestOutput per batch of engine outputs, until every sequence is done."""
+        first = True
+        while not self.is_finished:
+            items = [await self.stream.get()]
+            while not self.stream.empty():
+                items.append(self.stream.get_nowait())
+            yield self._message(items, first)
+            first = False
+
+    def delivered(self) -> None:
+        """The caller has every message so far: their handoffs are its to use (or to release)."""
+        for state in self.sequences.values():
+            state.undelivered_lease = None
+
+    def close(self) -> None:
+        """The call is over: nothing of the request may stay behind in the engine, and a handoff
+        the caller never received is given back at once."""
+        for task in self.tasks:
+            task.cancel()
+        for state in self.sequences.values():
+            if not state.finished:
+                self.core.abort(state.engine_id)
+            if state.undelivered_lease is not None and self.withdraw is not None:
+                self.withdraw(state.undelivered_lease)
+                state.undelivered_lease = None
+        while not self.stream.empty():  # outputs nobody read: a lease among them is nobody's
+            item = self.stream.get_nowait()
+            if isinstance(item, StepOutput) and item.lease is not None:
+                self.withdraw(item.lease.lease_id)
+
+    def _message(self, items: list, first: bool) -> types_pb2.RequestOutput:
+        by_seq: dict[str, types_pb2.CompletionOutput] = {}
+        for item in items:
+            if item is CANCELLED:
+                for state in self.sequences.values():
+                    if not state.finished:
+                        state.finished = True
+                        self._completion(by_seq, state).finish_reason = types_pb2.FINISH_REASON_CANCELLED
+                continue
+            if isinstance(item, EngineFailure):
+                raise item.error
+            if isinstance(item, SequenceStopped):
+                state = self.sequences[item.engine_id]
+                if not state.finished:
+                    state.finished = True
+                    self._completion(by_seq, state).finish_reason = types_pb2.FINISH_REASON_CANCELLED
+                continue
+            self._apply(by_seq, item)
+        msg = types_pb2.RequestOutput(request_id=self.request_id, finished=self.is_finished,
+                                      outputs=sorted(by_seq.values(), key=lambda o: o.index))
+        if first:
+            msg.prompt_token_ids.extend(self.prompt_token_ids)
+        if msg.finished:
+            self._fill_metrics(msg.metrics)
+        return msg
+
+    def _fill_metrics(self, metrics: types_pb2.RequestMetrics) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        metrics.time_to_first_token_s = (m.first_token_at or now) - m.arrival
+        metrics.e2e_latency_s = now - m.arrival
+        metrics.num_cached_prompt_tokens = m.num_cached_prompt_tokens
+        metrics.num_computed_prompt_tokens = len(self.prompt_token_ids) - m.num_cached_prompt_tokens
+        metrics.kv_transfer_bytes = m.kv_transfer_bytes
+        metrics.kv_transfer_s = m.kv_transfer_s
+
+    @staticmethod
+    def _completion(by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
+        if state.engine_id not in by_seq:
+            by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
+        return by_seq[state.engine_id]
+
+    def _apply(self, by_seq: dict, out: StepOutput) -> None:
+        state = self.sequences.get(out.request_id)
+        if state is None or state.finished:  # a token that raced with an abort
+            if out.lease is not None:
+                self.withdraw(out.lease.lease_id)
+            return
+        if self.metrics.first_token_at is None:
+            self.metrics.first_token_at = time.monotonic()
+        self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
+        comp = self._completion(by_seq, state)
+        comp.token_ids.extend(out.new_token_ids)
+        comp.cumulative_logprob = out.cumulative_logprob
+        if self.options.logprobs is not None:
+            comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs=e or {}) for e in out.new_logprobs)
+        if out.lease is not None:
+            # The context phase is done: the first token plus where its KV is. finish_reason stays
+            # unset: the request continues on a decode worker.
+            comp.disaggregated_params.CopyFrom(self.hand_off(out))
+            state.undelivered_lease = out.lease.lease_id
+            state.finished = True
+        elif out.finished:
+            state.finished = True
+            comp.finish_reason = FINISH_REASONS[out.finish_reason]
+            if out.stop_token_id is not None:
+                comp.stop_token_id = out.stop_token_id

@@ -1,0 +1,151 @@
+"""Every way a prefill worker's KV lease can end, over real processes, and the one lease table
+empty afterwards: pulled by the decode, released by the router, expired, the decode falling
+back to computing the prompt, requests aborted before / during / after the pull, and paused."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
+from tandem.testing.cluster import LocalCluster
+from tandem.v1 import worker_pb2
+from test_disagg import worker_state
+
+LEASE_SECONDS = 6.0
+CONTEXT_ONLY = DisaggregatedParams(request_type="context_only")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with LocalCluster(roles=["prefill", "decode"],
+                      engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8",
+                                   "--kv-lease-seconds", str(LEASE_SECONDS)]) as c:
+        yield c
+
+
+def endings(cluster) -> dict[str, int]:
+    return dict(worker_state(cluster.workers[0].address).lease_endings)
+
+
+def wait_for(predicate, timeout: float):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def ended_by(cluster, before: dict[str, int], way: str, timeout: float = 5.0) -> bool:
+    return wait_for(lambda: endings(cluster).get(way, 0) > before.get(way, 0), timeout)
+
+
+def test_pulled(cluster):
+    before = endings(cluster)
+    with LLM(cluster.address) as llm:
+        out = llm.generate("pulled by the decode", SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6
+    assert ended_by(cluster, before, "pulled")
+
+
+def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster):
+    """The router's text front finds a stop string in the context phase's token: no decode phase;
+    the router's ReleaseKv ends the lease at once."""
+    with LLM(cluster.address) as llm:
+        for i in range(40):  # a prompt whose first token decodes to printable text of its own
+            prompt = f"stop at once {i}"
+            first = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False).outputs[0]
+            if first.text.strip() and first.text.isprintable():
+                break
+        else:
+            pytest.fail("no prompt among 40 starts with a printable token")
+        before = endings(cluster)
+        out = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=[first.text]),
+                           use_tqdm=False).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == first.text and out.token_ids == first.token_ids
+    assert ended_by(cluster, before, "released")
+    assert worker_state(cluster.workers[1].address).num_prompt_tokens_computed == 0  # no decode phase ran
+
+
+def test_expired_and_decode_fell_back(cluster):
+    """A handoff nobody pulls expires; one presented with less than a second of lease left is not
+    pulled: the decode computes the prompt itself and tells the prefill to free its copy."""
+    with LLM(cluster.address) as llm, LLM(cluster.workers[1].address) as decode:
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        expected = llm.generate("fall back", params, use_tqdm=False).outputs[0].token_ids
+        before = endings(cluster)
+        llm.generate("nobody pulls this", params, use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
+        ctx = llm.generate("fall back", params, use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
+        h = ctx.outputs[0].disaggregated_params
+        expires_at = worker_pb2.KvHandoff.FromString(h.opaque_state).lease_expires_at
+        time.sleep(max(0.0, expires_at - time.time() - 0.5))  # inside the decode's margin, before the prefill frees
+        gen = decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+            request_type="generation_only", first_gen_tokens=h.first_gen_tokens, ctx_request_id=h.ctx_request_id,
+            opaque_state=h.opaque_state))
+    assert h.first_gen_tokens + gen.outputs[0].token_ids == expected
+    assert ended_by(cluster, before, "fallback")
+    assert ended_by(cluster, before, "expired", timeout=LEASE_SECONDS + 3)
+
+
+def test_aborted_before_during_and_after_the_pull(cluster):
+    rng = random.Random(11)
+
+    async def one(aio, i: int) -> str:
+        result = aio.generate_async(f"abort me {i}", SamplingParams(max_tokens=30, ignore_eos=True), streaming=True)
+        abort_after = rng.choice([0, 0, 1, 2, 5])  # messages seen before the abort
+        if abort_after == 0:
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            result.abort()
+        seen = 0
+        async for _ in result:
+            seen += 1
+            if seen == abort_after:
+                result.abort()
+        return (await result).outputs[0].finish_reason
+
+    async def storm() -> list[str]:
+        aio = await AsyncLLM(cluster.address)
+        try:
+            return await asyncio.gather(*(asyncio.wait_for(one(aio, i), 30) for i in range(24)))
+        finally:
+            aio.close()
+
+    state = worker_state(cluster.workers[0].address)
+    opened_before = state.num_leases_opened
+    reasons = asyncio.run(storm())
+    assert "cancelled" in reasons
+    state = wait_for(lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s, timeout=5)
+    assert state, "leases still out seconds after their requests ended (long before they expire)"
+    assert state.num_leases_opened > opened_before
+
+
+def test_paused(cluster):
+    with LLM(cluster.address) as llm:
+        before = endings(cluster)
+        llm.generate("pause me", SamplingParams(max_tokens=4), use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
+        assert worker_state(cluster.workers[0].address).num_leases >= 1
+
+        async def pause_and_resume():
+            aio = await AsyncLLM(cluster.address)
+            try:
+                await aio.pause_generation()
+                await aio.resume_generation()
+            finally:
+                aio.close()
+        asyncio.run(pause_and_resume())
+    assert ended_by(cluster, before, "paused", timeout=1)
+
+
+def test_the_lease_table_is_empty_afterwards(cluster):
+    """Runs last in this module: every lease any test opened has ended, and each one once."""
+    state = wait_for(lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s,
+                     timeout=LEASE_SECONDS + 3)
+    assert state and state.num_leased_blocks == 0
+    assert sum(state.lease_endings.values()) == state.num_leases_opened
+    assert {"pulled", "released", "expired", "fallback", "paused"} <= set(state.lease_endings)
+    for worker in cluster.workers:
+        s = wait_for(lambda: (w := worker_state(worker.address)).num_free_blocks == w.num_total_blocks and w, 5)
+        assert s and s.num_active_requests == 0, worker.address
