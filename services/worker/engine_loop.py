@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Callable
 
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -62,6 +64,8 @@ class EngineLoop:
         self.iteration_stats = JsonBuffer(stats_history)
         self.kv_events = JsonBuffer(stats_history * 10)
         self._next_event_id = 0
+        # Seconds each request admitted since the last stats record waited in the command queue.
+        self._new_request_waits: list[float] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -76,7 +80,7 @@ class EngineLoop:
         if self._streams.get(request_id, stream) is not stream:
             raise ValueError(f"request id {request_id!r} is already running on this worker")
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, kwargs))
+        self._commands.put(("add", request_id, (kwargs, time.monotonic())))
 
     def register(self, request_id: str, stream: asyncio.Queue) -> None:
         """Routes a request's outputs to stream before it reaches the engine (a KV import in flight)."""
@@ -133,8 +137,10 @@ class EngineLoop:
     def _handle(self, command) -> None:
         kind, key, payload = command
         if kind == "add":
+            kwargs, enqueued_at = payload
+            self._new_request_waits.append(time.monotonic() - enqueued_at)
             try:
-                self.engine.add_request(key, **payload)
+                self.engine.add_request(key, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported to the caller's stream
                 self._deliver(key, EngineFailure(exc))
         elif kind == "abort":
@@ -159,7 +165,7 @@ class EngineLoop:
             return
         for out in outputs:
             self._deliver(out.request_id, out)
-        self._record_stats()
+        self._record_stats(outputs)
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         self.loop.call_soon_threadsafe(self._put, request_id, item)
@@ -172,22 +178,44 @@ class EngineLoop:
             self._streams.pop(request_id, None)
         stream.put_nowait(item)
 
-    def _record_stats(self) -> None:
-        engine = self.engine
+    def _record_stats(self, outputs: list[StepOutput]) -> None:
+        """One iteration under TensorRT-LLM's IterationStats keys (its JSON schema:
+        cpp/tensorrt_llm/executor/jsonSerialization.cpp), plus tandem's cachedBlocks."""
+        engine, config = self.engine, self.engine.config
         bm = engine.block_manager
+        waits, self._new_request_waits = self._new_request_waits, []
+        num_missed = bm.num_new_blocks
         stats = {
+            "timestamp": datetime.now().strftime("%m-%d-%Y %H:%M:%S.%f"),
             "iter": engine.counters.num_steps,
-            "timestamp": time.time(),
             "iterLatencyMS": engine.counters.last_step_seconds * 1e3,
+            "newActiveRequestsQueueLatencyMS": sum(waits) / len(waits) * 1e3 if waits else 0.0,
+            "numNewActiveRequests": len(waits),
             "numActiveRequests": engine.num_unfinished,
             "numQueuedRequests": len(engine.scheduler.waiting),
-            "maxNumActiveRequests": engine.config.max_num_seqs,
+            "numCompletedRequests": sum(1 for out in outputs if out.finished),
+            "maxNumActiveRequests": config.max_num_seqs,
+            # Static limits; there is no runtime tuner, whose recommendations TensorRT-LLM leaves at 0 without one.
+            "maxBatchSizeStatic": config.max_num_seqs,
+            "maxBatchSizeTunerRecommended": 0,
+            "maxBatchSizeRuntime": config.max_num_seqs,
+            "maxNumTokensStatic": config.max_num_batched_tokens,
+            "maxNumTokensTunerRecommended": 0,
+            "maxNumTokensRuntime": config.max_num_batched_tokens,
+            **_memory_usage(config.device),
             "kvCacheStats": {
                 "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
                 "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
-                "reusedBlocks": bm.num_cache_hits, "cachedBlocks": bm.num_cached_blocks,
+                "allocTotalBlocks": bm.num_cache_hits + num_missed, "allocNewBlocks": num_missed,
+                "reusedBlocks": bm.num_cache_hits, "missedBlocks": num_missed,
+                "cacheHitRate": bm.num_cache_hits / max(1, bm.num_cache_hits + num_missed),
+                "cachedBlocks": bm.num_cached_blocks,
             },
-            "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0),
+            "staticBatchingStats": None,  # in-flight batching only
+            # One token per generation request and step: no pipeline micro-batches, no speculative decoding.
+            "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0, microBatchId=0,
+                                          avgNumDecodedTokensPerIter=1.0),
+            "specDecodingStats": None,
         }
         self.loop.call_soon_threadsafe(self.iteration_stats.push, [stats])
 
@@ -200,6 +228,21 @@ class EngineLoop:
             events.append({"event_id": self._next_event_id, "data": data, "window_size": self.engine.max_model_len})
             self._next_event_id += 1
         self.loop.call_soon_threadsafe(self.kv_events.push, events)
+
+
+def _memory_usage(device: str) -> dict[str, int]:
+    """Bytes in use: this process's resident host memory, the device's used memory (total - free,
+    as TensorRT-LLM's PyTorch backend measures it) and pinned host memory held by torch."""
+    import torch
+    page_size = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        cpu = int(f.read().split()[1]) * page_size
+    gpu = pinned = 0
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        gpu = total - free
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    return {"cpuMemUsage": cpu, "gpuMemUsage": gpu, "pinnedMemUsage": pinned}
 
 
 def _set_result(future: asyncio.Future, value) -> None:
