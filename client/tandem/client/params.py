@@ -1,8 +1,8 @@
 """The seed's parameter types (tensorrt_llm names) and their protobuf form."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence, TypedDict, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypedDict, Union
 
 from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
 from tandem.v1 import types_pb2
