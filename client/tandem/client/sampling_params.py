@@ -170,6 +170,8 @@ class SamplingParams:
             value = getattr(self, f.name)
             if value is None or f.name in _LOCAL_ONLY:
                 continue
+            if f.name == "best_of" and value == self.n:
+                continue  # TensorRT-LLM's default (best_of = n) is the proto's default too
             if f.name in _REPEATED:
                 getattr(msg, f.name).extend([value] if isinstance(value, str) else list(value))
             elif f.name == "guided_decoding":
