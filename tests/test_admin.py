@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from tandem.testing.cluster import LocalCluster
-from tandem.client import AsyncLLM, LLM, SamplingParams
+from tandem.client import AsyncLLM, LLM, RequestError, SamplingParams
 from test_disagg import worker_state
 
 TOKEN = "s3cret-admin-token"
@@ -38,13 +38,13 @@ async def _admin(address: str, token: str | None, call):
 
 def test_admin_calls_need_the_token(cluster):
     for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.PERMISSION_DENIED)):
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             run(_admin(cluster.address, token, lambda llm: llm.pause_generation()))
-        assert err.value.code() == code
+        assert err.value.code == code
     # Workers check it too: nobody can skip the router.
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(RequestError) as err:
         run(_admin(cluster.workers[0].address, None, lambda llm: llm.release(["kv_cache"])))
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
     with LLM(cluster.address) as llm:  # generation needs no token
         assert llm.generate("open to all", PARAMS, use_tqdm=False).outputs[0].token_ids
         assert_all_blocks_free(llm)
@@ -56,14 +56,14 @@ def test_release_and_resume_really_free_and_restore_memory(cluster):
         before = llm.generate("same after resume", PARAMS, use_tqdm=False).outputs[0].token_ids
         full = [worker_state(a) for a in addresses]
         assert all(s.weight_bytes > 0 and s.kv_cache_bytes > 0 for s in full)
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             run(_admin(cluster.address, TOKEN, lambda a: a.release(["gpu"])))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_cache" in err.value.details()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "kv_cache" in err.value.details
         run(_admin(cluster.address, TOKEN, lambda a: a.release(["model", "kv_cache"])))
         assert all(s.weight_bytes == 0 and s.kv_cache_bytes == 0 for s in (worker_state(a) for a in addresses))
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             llm.generate("refused while released", PARAMS, use_tqdm=False)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Resume" in err.value.details()
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "Resume" in err.value.details
         run(_admin(cluster.address, TOKEN, lambda a: a.resume(["model", "kv_cache"])))
         restored = [worker_state(a) for a in addresses]
         assert [(s.weight_bytes, s.kv_cache_bytes) for s in restored] == [(s.weight_bytes, s.kv_cache_bytes) for s in full]
@@ -79,9 +79,9 @@ def test_release_is_refused_while_requests_run(cluster):
             running = llm.generate_async("keep going", SamplingParams(max_tokens=200, ignore_eos=True), streaming=True)
             stream = running.__aiter__()
             await stream.__anext__()  # running on the decode worker now (leaving the loop would abort it)
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(RequestError) as err:
                 await llm.release(["kv_cache"])
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "pause_generation" in err.value.details()
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "pause_generation" in err.value.details
             running.abort()
             async for _ in stream:
                 pass
@@ -99,12 +99,12 @@ def test_update_weights_from_a_checkpoint(cluster, model_dirs, tmp_path):
         old = llm.generate("new weights", PARAMS, use_tqdm=False).outputs[0].token_ids
         old_sums = run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("weights_checksum")))
         run(_admin(cluster.address, TOKEN, lambda a: a.pause_generation()))  # weights change only while idle
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(model_dirs["qwen3"]))))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in err.value.details()
-        with pytest.raises(grpc.RpcError) as err:
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "does not fit" in err.value.details
+        with pytest.raises(RequestError) as err:
             run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(tmp_path / "missing"))))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("weights_checksum"))) == old_sums
         run(_admin(cluster.address, TOKEN, lambda a: a.update_weights(str(other))))
         run(_admin(cluster.address, TOKEN, lambda a: a.resume_generation()))
@@ -135,15 +135,15 @@ def test_handoffs_are_signed_and_bound_to_their_prompt(cluster):
         forged.num_prompt_tokens += 1
         for prompt, opaque, fragment in ((ctx.prompt_token_ids[:-1] + [7], h.opaque_state, "another prompt"),
                                          (ctx.prompt_token_ids, forged.SerializeToString(), "signature")):
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(RequestError) as err:
                 llm.generate(prompt, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
                     request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
                     ctx_request_id=h.ctx_request_id, opaque_state=opaque))
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and fragment in err.value.details()
-        with pytest.raises(grpc.RpcError) as err:  # out-of-vocabulary first tokens are bad input
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and fragment in err.value.details
+        with pytest.raises(RequestError) as err:  # out-of-vocabulary first tokens are bad input
             llm.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
                 request_type="generation_only", first_gen_tokens=[10 ** 9], opaque_state=h.opaque_state))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         gen = llm.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
             request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
             ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
@@ -159,6 +159,6 @@ def test_collective_rpc_allowlist_and_ranks(cluster):
     one = run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc("get_worker_state", unique_reply_rank=0)))
     assert len(one) == 1 and one[0]["result"]["role"] == "prefill"
     for method, ranks, fragment in (("os.system", None, "not allowed"), ("get_worker_state", [7], "out of range")):
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             run(_admin(cluster.address, TOKEN, lambda a: a.collective_rpc(method, target_ranks=ranks)))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details

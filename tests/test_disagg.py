@@ -57,7 +57,8 @@ def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
     before = worker_state(decode)
     prompts = _prompts(ref.model.config.vocab_size, 8, seed=11)
     greedy = SamplingParams(max_tokens=20)
-    seeded = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(8)]
+    seeded = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True, logprobs=0)
+              for i in range(8)]
 
     async def both_ways():
         split, local = await AsyncLLM(cluster.address), await AsyncLLM(cluster.workers[2].address)

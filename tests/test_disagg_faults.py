@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from tandem.testing.cluster import LocalCluster
-from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
+from tandem.client import AsyncLLM, DisaggregatedParams, LLM, RequestError, SamplingParams
 from test_disagg import worker_state
 
 LEASE_SECONDS = 2.0
@@ -33,10 +33,10 @@ def test_incompatible_handoff_is_failed_precondition(model_dirs):
                       worker_args={"prefill-1": ["--block-size", "8"], "decode-1": ["--block-size", "16"]}) as c, \
             LLM(c.address) as llm:
         started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             llm.generate("mismatched blocks", SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "block_size: prefill 8 vs decode 16" in err.value.details()
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size: prefill 8 vs decode 16" in err.value.details
         assert time.monotonic() - started < 10  # an error, not a hang
         # The router released the lease at once (not after the 60 s expiry).
         states = wait_leak_free(c, timeout=5)
@@ -133,11 +133,11 @@ def test_a_dead_prefill_fails_the_pull_instead_of_hanging(model_dirs):
         c.workers[0].process.kill()
         c.workers[0].process.wait()
         started = time.monotonic()
-        with LLM(c.workers[1].address) as decode, pytest.raises(grpc.RpcError) as err:
+        with LLM(c.workers[1].address) as decode, pytest.raises(RequestError) as err:
             decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
                 request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
                 ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
         assert time.monotonic() - started < 20
-        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value
+        assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value
         state = worker_state(c.workers[1].address)
         assert state.num_free_blocks == state.num_total_blocks and state.num_active_requests == 0

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from tandem.testing.cluster import LocalCluster
-from tandem.client import AsyncLLM, LLM, PreprocessedInputs, SamplingParams
+from tandem.client import AsyncLLM, LLM, PreprocessedInputs, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -93,29 +93,25 @@ def test_sync_generate_batch_with_tqdm(llm, capsys):
     ("", SamplingParams(max_tokens=4), "empty"),
     ([1, 10 ** 6], SamplingParams(max_tokens=4), "out of vocabulary"),
     ("hi", SamplingParams(max_tokens=0), "max_tokens"),
-    ("hi", SamplingParams(max_tokens=4, temperature=1.0, top_p=0.0), "top_p"),
-    ("hi", SamplingParams(max_tokens=4, temperature=1.0, top_p=1.5), "top_p"),
     ([1] * 300, SamplingParams(max_tokens=4), "context"),
-    ("hi", SamplingParams(max_tokens=4, temperature=-1.0), "temperature"),
     ("hi", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10 ** 7]), "stop_token_ids"),
     ("hi", SamplingParams(max_tokens=4, stop_token_ids=[-1]), "stop_token_ids"),
-    ("hi", SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_invalid_argument(llm, inputs, params, fragment):
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(RequestError) as err:
         llm.generate(inputs, params, use_tqdm=False)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert fragment in err.value.details()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details
     assert llm.generate("still serving", SamplingParams(max_tokens=2), use_tqdm=False).outputs[0].token_ids
 
 
 def test_prompt_larger_than_the_kv_pool_is_resource_exhausted(cluster, model_dirs):
     with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "4",
                                                    "--block-size", "4"]) as small, LLM(small.address) as client:
-        with pytest.raises(grpc.RpcError) as err:
+        with pytest.raises(RequestError) as err:
             client.generate([1] * 40, SamplingParams(max_tokens=2), use_tqdm=False)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "KV blocks" in err.value.details()
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV blocks" in err.value.details
 
 
 def test_abort_mid_stream_finishes_cancelled(cluster, llm):
@@ -218,9 +214,9 @@ def test_pause_blocks_new_requests_until_resume(cluster, llm):
             await aio.pause_generation()
             out = await running
             assert out.outputs[0].finish_reason == "cancelled"
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(RequestError) as err:
                 await aio.generate_async("refused", SamplingParams(max_tokens=2))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
             await aio.resume_generation()
             assert (await aio.generate_async("accepted", SamplingParams(max_tokens=2))).finished
         finally:
@@ -233,9 +229,9 @@ def test_a_bad_request_does_not_fail_its_neighbours(cluster):
         aio = await AsyncLLM(cluster.address)
         try:
             good = aio.generate_async("neighbour", SamplingParams(max_tokens=40, ignore_eos=True))
-            with pytest.raises(grpc.RpcError) as err:
+            with pytest.raises(RequestError) as err:
                 await aio.generate_async("bad", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10 ** 7]))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
             return await good
         finally:
             aio.close()

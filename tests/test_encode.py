@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.testing.cluster import LocalCluster
-from tandem.client import LLM, EncoderOutput, SamplingParams
+from tandem.client import LLM, EncoderOutput, RequestError, SamplingParams
 from tandem.engine.bert import load_bert
 from tandem.engine.pooling import PoolingConfig, pool
 
@@ -188,20 +188,20 @@ def test_token_type_ids_through_model_kwargs(llm, oracle):
     (["hi"], {"token_type_ids": [[0, 5, 0]]}, r"integers in \[0, 2\)"),
 ])
 def test_bad_input_is_invalid_argument(llm, inputs, kwargs, message):
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(RequestError) as err:
         llm.encode(inputs, **kwargs)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert re.search(message, err.value.details())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, err.value.details)
 
 
 def test_generative_calls_fail_precondition(llm):
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(RequestError) as err:
         llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "encode-only model" in err.value.details()
-    with pytest.raises(grpc.RpcError) as err:
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "encode-only model" in err.value.details
+    with pytest.raises(RequestError) as err:
         llm.get_kv_cache_capacity()
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_server_info_says_encode_only(llm):

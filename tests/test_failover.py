@@ -23,8 +23,10 @@ def cluster(model_dirs):
         yield c
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=400, ignore_eos=True),
-                                    SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7)],
+# logprobs=0: cumulative_logprob is filled only when logprobs are asked for (as in TensorRT-LLM).
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=400, ignore_eos=True, logprobs=0),
+                                    SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7,
+                                                   logprobs=0)],
                          ids=["greedy", "seeded"])
 def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
     prompt = "a long story that outlives its decode worker"

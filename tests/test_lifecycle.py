@@ -1,5 +1,5 @@
 """Process lifecycle: health is NOT_SERVING until the model is loaded, SIGTERM stops
-gracefully, Shutdown stops the whole cluster, and the CLI streams a completion."""
+gracefully, shutdown_cluster() stops the whole cluster, and the CLI streams a completion."""
 from __future__ import annotations
 
 import signal
@@ -68,7 +68,7 @@ def test_shutdown_stops_the_cluster_and_the_cli_streams(model_dirs):
                              capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
         assert "[length: 6 tokens]" in cli.stdout
-        llm = LLM(cluster.address)
-        llm.shutdown()
+        with LLM(cluster.address) as llm:
+            llm.shutdown_cluster()
         for service in cluster.services:
             assert service.process.wait(timeout=20) == 0, service.log_tail()

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
 
+    from tandem.cli.bench import add_arguments as add_bench_arguments
+    add_bench_arguments(sub.add_parser("bench", help="benchmark a running cluster (like vllm bench serve)"))
+
     sub.add_parser("default-model", help="print the default model's directory (written on first use)")
     return parser
 
@@ -106,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
             return 0
+        if args.command == "bench":
+            from tandem.cli.bench import main as bench
+            return bench(args)
         if args.command == "default-model":
             from tandem.engine.checkpoints import default_model_dir
             print(default_model_dir())

@@ -45,6 +45,7 @@ class BlockManager:
         # KV events in TensorRT-LLM's schema, drained by the engine.
         self.events: list[dict] = [{"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}]
         self.num_cache_hits = 0  # blocks served from the cache
+        self.num_new_blocks = 0  # blocks handed out fresh (their KV computed or pulled anew)
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +70,7 @@ class BlockManager:
             self._evict(block)
             self._ref_counts[block] = 1
             blocks.append(block)
+        self.num_new_blocks += num_blocks
         return blocks
 
     def free(self, blocks: list[int]) -> None:

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
+from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.messages import (AbortRequest, AddRequest, CheckIdle, EngineFailure, FreeBlocks, ReadCounters,
                                     ReleaseMemory, RemoteKvArrived, ResumeMemory, StepOutput, SwapWeights,
@@ -62,6 +63,8 @@ class EngineCore:
         self.iteration_stats = JsonBuffer(stats_history)
         self.kv_events = JsonBuffer(stats_history * 10)
         self._next_event_id = 0
+        # Seconds each request admitted since the last stats record waited in the command queue.
+        self._new_request_waits: list[float] = []
         self._handlers = {
             AddRequest: self._add, AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id),
@@ -166,6 +169,7 @@ class EngineCore:
 
     def _add(self, command: AddRequest):
         e = self.engine
+        self._new_request_waits.append(time.monotonic() - command.enqueued_at)
         if command.remote_kv:
             return e.add_remote_kv_request(command.request_id, command.prompt_token_ids, command.output_token_ids,
                                            command.options, command.priority, command.cache_salt)
@@ -184,7 +188,7 @@ class EngineCore:
             return
         for out in outputs:
             self._deliver(out.request_id, out)
-        self._record_stats()
+        self._record_stats(outputs)
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         self.loop.call_soon_threadsafe(self._put, request_id, item)
@@ -199,23 +203,9 @@ class EngineCore:
             self._streams.pop(request_id, None)
         stream.put_nowait(item)
 
-    def _record_stats(self) -> None:
-        engine = self.engine
-        bm = engine.block_manager
-        stats = {
-            "iter": engine.counters.num_steps,
-            "timestamp": time.time(),
-            "iterLatencyMS": engine.counters.last_step_seconds * 1e3,
-            "numActiveRequests": engine.num_unfinished,
-            "numQueuedRequests": len(engine.scheduler.waiting),
-            "maxNumActiveRequests": engine.config.max_num_seqs,
-            "kvCacheStats": {
-                "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
-                "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
-                "reusedBlocks": bm.num_cache_hits, "cachedBlocks": bm.num_cached_blocks,
-            },
-            "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0),
-        }
+    def _record_stats(self, outputs: list[StepOutput]) -> None:
+        waits, self._new_request_waits = self._new_request_waits, []
+        stats = iteration_stats(self.engine, outputs, waits)
         self.loop.call_soon_threadsafe(self.iteration_stats.push, [stats])
 
     def _publish_kv_events(self) -> None:

@@ -6,6 +6,7 @@ steps in arrival order and answers the ones that have a reply.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class AddRequest:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     remote_kv: bool = False
+    # When the command was sent (its wait in the queue goes into the iteration stats).
+    enqueued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)

@@ -51,4 +51,26 @@ def check_unsupported(request) -> None:
         raise NotImplementedError("prompt_logprobs is not supported yet")
     if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:
         raise ValueError(f"priority must be in [0, 1], got {request.priority}")
+    for name in _UNIMPLEMENTED_SAMPLING_FIELDS:
+        if _is_set(request.sampling_params, name):
+            raise NotImplementedError(f"SamplingParams.{name} is not supported yet; leave it at its default")
+
+
+# TensorRT-LLM SamplingParams fields this build does not implement yet (see types.proto): refused
+# when set, never ignored. A bool is "set" when it differs from its default.
+_UNIMPLEMENTED_SAMPLING_FIELDS = (
+    "bad", "bad_token_ids", "embedding_bias", "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay",
+    "beam_search_diversity_rate", "length_penalty", "early_stopping", "no_repeat_ngram_size", "beam_width_array",
+    "return_context_logits", "return_generation_logits", "exclude_input_from_output", "return_encoder_output",
+    "return_perf_metrics", "additional_model_outputs", "lookahead_config", "guided_decoding")
+_BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
+                  "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}
+
+
+def _is_set(params: types_pb2.SamplingParams, name: str) -> bool:
+    if params.DESCRIPTOR.fields_by_name[name].is_repeated:
+        return len(getattr(params, name)) > 0
+    if not params.HasField(name):
+        return False
+    return name not in _BOOL_DEFAULTS or getattr(params, name) != _BOOL_DEFAULTS[name]
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
@@ -17,10 +18,9 @@ from tandem.worker.runtime import WorkerRuntime
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 
-def _struct(d: dict) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    json_format.ParseDict(d, s)
-    return s
+def _json(d: dict) -> str:
+    """JSON text keeps ints exact (63-bit block hashes), which google.protobuf.Struct would not."""
+    return json.dumps(d, separators=(",", ":"))
 
 
 class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
@@ -124,12 +124,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def GetStats(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 2.0
         items = await self.rt.drain_stats(timeout)
-        return llm_pb2.JsonList(items=[_struct(s) for s in items])
+        return llm_pb2.JsonList(items=[_json(s) for s in items])
 
     async def StreamStats(self, request, context):
         while True:
             for s in await self.rt.drain_stats(None):
-                yield llm_pb2.JsonItem(item=_struct(s))
+                yield llm_pb2.JsonItem(item=_json(s))
 
     async def PauseGeneration(self, request, context):
         self.rt.paused = True
@@ -148,12 +148,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def GetKvCacheEvents(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 2.0
-        return llm_pb2.JsonList(items=[_struct(e) for e in await self.rt.drain_kv_events(timeout)])
+        return llm_pb2.JsonList(items=[_json(e) for e in await self.rt.drain_kv_events(timeout)])
 
     async def StreamKvCacheEvents(self, request, context):
         while True:
             for e in await self.rt.drain_kv_events(None):
-                yield llm_pb2.JsonItem(item=_struct(e))
+                yield llm_pb2.JsonItem(item=_json(e))
 
     async def Encode(self, request, context):
         # The seed's encode raises RuntimeError unless encode_only; the encode-only servicer overrides this.

@@ -1,14 +1,17 @@
 """tandem's thin client: tensorrt_llm's LLM / AsyncLLM API over gRPC (grpcio + protobuf only)."""
 from tandem.client.encode import EncoderOutput
+from tandem.client.errors import InvalidRequestError, RequestError, RequestTimeoutError, UnsupportedRequestError
 from tandem.client.llm import LLM, AsyncLLM
-from tandem.client.outputs import CompletionOutput, RequestMetrics
+from tandem.client.outputs import CompletionOutput, Logprob, RequestMetrics
 from tandem.client.params import (ConversationParams, DisaggregatedParams, KvCacheRetentionConfig, LoRARequest,
-                                  PreprocessedInputs, PromptAdapterRequest, SamplingParams, SchedulingParams,
-                                  TextPrompt, TokensPrompt)
+                                  PreprocessedInputs, PromptAdapterRequest, SchedulingParams, TextPrompt,
+                                  TokensPrompt)
 from tandem.client.results import RequestOutput
+from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = [
-    "LLM", "AsyncLLM", "SamplingParams", "DisaggregatedParams", "SchedulingParams", "ConversationParams",
-    "KvCacheRetentionConfig", "LoRARequest", "PromptAdapterRequest", "PreprocessedInputs", "TextPrompt",
-    "TokensPrompt", "RequestOutput", "CompletionOutput", "RequestMetrics", "EncoderOutput",
+    "LLM", "AsyncLLM", "SamplingParams", "GuidedDecodingParams", "DisaggregatedParams", "SchedulingParams",
+    "ConversationParams", "KvCacheRetentionConfig", "LoRARequest", "PromptAdapterRequest", "PreprocessedInputs",
+    "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EncoderOutput",
+    "RequestError", "InvalidRequestError", "UnsupportedRequestError", "RequestTimeoutError",
 ]

@@ -1,6 +1,7 @@
 """LLM and AsyncLLM: the seed's API over tandem's gRPC service."""
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
@@ -25,7 +26,7 @@ def _broadcast(value, n: int, name: str) -> list:
 
 
 def _to_dicts(msg: llm_pb2.JsonList) -> list[dict]:
-    return [json_format.MessageToDict(item) for item in msg.items]
+    return [json.loads(item) for item in msg.items]
 
 
 class LLM:
@@ -66,6 +67,8 @@ class LLM:
                        cache_salt: Optional[str] = None, priority: float = 0.5,
                        request_id: Optional[str] = None) -> RequestOutput:
         """Submits one prompt; returns a RequestOutput to await, iterate (streaming) or abort()."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}")
         request = llm_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt_to_proto(inputs),
                                           streaming=streaming, priority=priority)
         if sampling_params is not None:
@@ -163,6 +166,8 @@ class LLM:
         return _to_dicts(self._call("GetKvCacheEvents", request, timeout=(timeout or 2) + 30))
 
     def get_kv_cache_events_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+        """KV events as they happen; the iteration ends once none arrives for timeout seconds
+        (None: never), as tensorrt_llm's IterationResult does."""
         return self._json_stream("StreamKvCacheEvents", timeout)
 
     def get_stats(self, timeout: Optional[float] = 2) -> list[dict]:
@@ -170,12 +175,21 @@ class LLM:
         return _to_dicts(self._call("GetStats", request, timeout=(timeout or 2) + 30))
 
     def get_stats_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+        """Iteration stats as they happen; ends like get_kv_cache_events_async."""
         return self._json_stream("StreamStats", timeout)
 
     async def _json_stream(self, method: str, timeout: Optional[float]):
         request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
-        async for item in iterate_stream(self._transport, method, request):
-            yield json_format.MessageToDict(item.item)
+        items = iterate_stream(self._transport, method, request)
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(items.__anext__(), timeout)
+                except (asyncio.TimeoutError, StopAsyncIteration):
+                    return
+                yield json.loads(item.item)
+        finally:
+            await items.aclose()
 
     # -- properties --
     @property
@@ -201,21 +215,25 @@ class LLM:
         return self._tokenizer
 
     def shutdown(self) -> None:
-        """Stops the cluster behind the router (admin) and closes this client."""
-        try:
-            self._call("Shutdown", llm_pb2.AdminRequest())
-        finally:
-            self.close()
+        """Closes this client (tensorrt_llm's shutdown() ends what the LLM object owns; a tandem
+        client owns its connection, not the cluster). Later calls raise RuntimeError."""
+        self._transport.close()
 
     def close(self) -> None:
-        """Closes this client's connection; the cluster keeps running."""
-        self._transport.close()
+        """The same as shutdown()."""
+        self.shutdown()
+
+    def shutdown_cluster(self) -> list[str]:
+        """Stops the cluster behind this endpoint: the router and every worker (admin: needs the
+        admin token when one is configured). Returns what each process answered."""
+        return list(self._call("Shutdown", llm_pb2.AdminRequest()).detail)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, *exc) -> bool:
+        self.shutdown()
+        return False
 
 
 class AsyncLLM(LLM):
@@ -229,13 +247,22 @@ class AsyncLLM(LLM):
         super().__init__(target, **kwargs)
 
     def __await__(self):
-        async def _setup():
-            await self.setup_async()
-            return self
-        return _setup().__await__()
+        return self.setup_async().__await__()
 
-    async def setup_async(self, timeout: float = 60.0) -> None:
+    def __enter__(self):
+        raise RuntimeError("Please use 'async with AsyncLLM' instead")  # as tensorrt_llm's AsyncLLM
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return await self.setup_async()
+
+    async def __aexit__(self, *exc) -> bool:
+        self.shutdown()
+        return False
+
+    async def setup_async(self, timeout: float = 60.0) -> "AsyncLLM":
+        """Waits until the cluster is ready; returns self."""
         self._info = await self._acall("Setup", llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+        return self
 
     async def abort(self, request_id: str) -> bool:
         return (await self._acall("Abort", llm_pb2.AbortRequest(request_id=request_id))).aborted

@@ -11,33 +11,71 @@ _FINISH = {types_pb2.FINISH_REASON_UNSPECIFIED: None, types_pb2.FINISH_REASON_ST
            types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_CANCELLED: "cancelled"}
 
 
+@dataclass(slots=True)
+class Logprob:
+    """tensorrt_llm.executor.result.Logprob: a token's log-probability and its rank in the
+    vocabulary (1 = the most likely); rank is None where it is not known."""
+    logprob: float
+    rank: Optional[int] = None
+
+
+# One {token id: Logprob} per position (tensorrt_llm.executor.result.TokenLogprobs).
+TokenLogprobs = list[dict[int, Logprob]]
+
+
+def token_logprobs(entry: types_pb2.TokenLogprobs, num_top: int, sampled: Optional[int]) -> dict[int, Logprob]:
+    """One position's entries, most likely first. The server sends the top num_top tokens plus the
+    sampled one; ranks it sends are used, and the top num_top are ranked by their order. The sampled
+    token outside the top num_top has rank None unless the server sent it (its rank is not known here)."""
+    ranked = sorted(entry.logprobs.items(), key=lambda item: -item[1])
+    outside = sampled if len(ranked) > num_top and sampled in entry.logprobs else None
+    out, next_rank = {}, 1
+    for token, logprob in ranked:
+        rank = entry.ranks[token] if token in entry.ranks else None
+        if token != outside and next_rank <= num_top:
+            rank, next_rank = rank or next_rank, next_rank + 1
+        out[token] = Logprob(logprob, rank)
+    return out
+
+
 @dataclass
 class CompletionOutput:
+    """tensorrt_llm.executor.result.CompletionOutput. cumulative_logprob and logprobs are filled
+    only when SamplingParams.logprobs was set, as in TensorRT-LLM. The logits and extra model
+    outputs stay None: the server refuses the params that would fill them."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: Optional[float] = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    logprobs: TokenLogprobs = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop" | "length" | "timeout" | "cancelled" | "not_finished"
     stop_reason: Union[int, str, None] = None
+    generation_logits: Optional[list] = None
+    additional_context_outputs: Optional[dict] = None
+    additional_generation_outputs: Optional[dict] = None
     disaggregated_params: Optional[DisaggregatedParams] = None
+    request_perf_metrics: Optional[dict] = None
     # What the latest streamed message added.
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
-    logprobs_diff: list[dict[int, float]] = field(default_factory=list)
+    logprobs_diff: TokenLogprobs = field(default_factory=list)
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
 
-    def _apply(self, msg: types_pb2.CompletionOutput) -> None:
+    def _apply(self, msg: types_pb2.CompletionOutput, num_logprobs: Optional[int]) -> None:
         self.text_diff = msg.text
         self.token_ids_diff = list(msg.token_ids)
-        self.logprobs_diff = [dict(lp.logprobs) for lp in msg.logprobs]
+        aligned = len(msg.logprobs) == len(msg.token_ids)
+        self.logprobs_diff = [token_logprobs(lp, num_logprobs or 0, msg.token_ids[i] if aligned else None)
+                              for i, lp in enumerate(msg.logprobs)] if num_logprobs is not None else []
         self.text += self.text_diff
         self.token_ids.extend(self.token_ids_diff)
         self.logprobs.extend(self.logprobs_diff)
-        self.cumulative_logprob = msg.cumulative_logprob
+        if num_logprobs is not None:
+            self.cumulative_logprob = msg.cumulative_logprob
         if msg.finish_reason:
             self.finish_reason = _FINISH[msg.finish_reason]
         which = msg.WhichOneof("stop_reason")
@@ -59,19 +97,36 @@ class RequestMetrics:
 
 
 class RequestOutputState:
-    """The accumulated state of one request; RequestOutput (llm.py) adds the async API on top."""
+    """The accumulated state of one request; RequestOutput (results.py) adds the async API on top.
+    num_logprobs / num_prompt_logprobs: what the request asked for (None: not asked)."""
 
-    def __init__(self, request_id: str = "", prompt: Optional[str] = None):
+    def __init__(self, request_id: str = "", prompt: Optional[str] = None, num_logprobs: Optional[int] = None,
+                 num_prompt_logprobs: Optional[int] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids: list[int] = []
         self.outputs: list[CompletionOutput] = []
         self.finished = False
         self.metrics = RequestMetrics()
+        self.context_logits = None  # return_context_logits is refused by the server
+        self.mm_embedding_handle = None  # text-only models
+        self._num_logprobs = num_logprobs
+        self._num_prompt_logprobs = num_prompt_logprobs
+        self._prompt_logprobs: TokenLogprobs = []
 
     @property
     def outputs_by_index(self) -> dict[int, CompletionOutput]:
         return {o.index: o for o in self.outputs}
+
+    @property
+    def disaggregated_params(self) -> Optional[DisaggregatedParams]:
+        """The request-level handoff of a context_only request (TensorRT-LLM's result.disaggregated_params)."""
+        return next((o.disaggregated_params for o in self.outputs if o.disaggregated_params is not None), None)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused (prefix cache or a handoff), as TensorRT-LLM's cached_tokens."""
+        return self.metrics.num_cached_prompt_tokens
 
     def _apply(self, msg: types_pb2.RequestOutput) -> None:
         self.request_id = msg.request_id or self.request_id
@@ -79,15 +134,18 @@ class RequestOutputState:
             self.prompt = msg.prompt
         if msg.prompt_token_ids:
             self.prompt_token_ids = list(msg.prompt_token_ids)
+        if msg.prompt_logprobs:
+            self._prompt_logprobs = [token_logprobs(lp, self._num_prompt_logprobs or 0, None)
+                                     for lp in msg.prompt_logprobs]
         current = self.outputs_by_index
         for out in self.outputs:
             out.text_diff, out.token_ids_diff, out.logprobs_diff = "", [], []
         for m in msg.outputs:
             if m.index not in current:
-                current[m.index] = CompletionOutput(index=m.index)
+                current[m.index] = CompletionOutput(index=m.index, prompt_logprobs=self._prompt_logprobs)
                 self.outputs.append(current[m.index])
                 self.outputs.sort(key=lambda o: o.index)
-            current[m.index]._apply(m)
+            current[m.index]._apply(m, self._num_logprobs)
         self.finished = msg.finished
         if msg.HasField("metrics"):
             m = msg.metrics

@@ -1,10 +1,15 @@
 """The seed's parameter types (tensorrt_llm names) and their protobuf form."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence, TypedDict, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypedDict, Union
 
+from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
 from tandem.v1 import types_pb2
+
+__all__ = ["SamplingParams", "GuidedDecodingParams", "DisaggregatedParams", "SchedulingParams", "ConversationParams",
+           "LoRARequest", "PromptAdapterRequest", "KvCacheRetentionConfig", "PreprocessedInputs", "TextPrompt",
+           "TokensPrompt", "prompt_to_proto"]
 
 
 class TextPrompt(TypedDict, total=False):
@@ -15,72 +20,41 @@ class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
 
 
-@dataclass
-class SamplingParams:
-    """tensorrt_llm.SamplingParams. None means the server's default (see types.proto)."""
-    max_tokens: Optional[int] = None
-    min_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    n: int = 1
-    best_of: Optional[int] = None
-    stop: Union[str, Sequence[str], None] = None
-    stop_token_ids: Optional[Sequence[int]] = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    end_id: Optional[int] = None
-    pad_id: Optional[int] = None
-    add_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None
-    return_prompt_token_ids: bool = True
-
-    def to_proto(self) -> types_pb2.SamplingParams:
-        msg = types_pb2.SamplingParams()
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            if f.name == "stop":
-                msg.stop.extend([value] if isinstance(value, str) else list(value))
-            elif f.name == "stop_token_ids":
-                msg.stop_token_ids.extend(value)
-            else:
-                setattr(msg, f.name, value)
-        return msg
+_REQUEST_TYPES = {"context_and_generation": types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
+                  "context_only": types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
+                  "generation_only": types_pb2.REQUEST_TYPE_GENERATION_ONLY}
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
 class DisaggregatedParams:
-    """tensorrt_llm.disaggregated_params.DisaggregatedParams."""
+    """tensorrt_llm.disaggregated_params.DisaggregatedParams, checked at construction as there.
+    disagg_request_id ties the two halves together (newer TensorRT-LLM has it too); ctx_endpoint
+    is tandem's: the context worker that holds the KV, set by the router. The multimodal
+    (encoder-prefill) fields are refused: tandem serves text-only models."""
     request_type: Optional[str] = None  # "context_only" | "generation_only" | "context_and_generation"
     first_gen_tokens: Optional[list[int]] = None
     ctx_request_id: Optional[int] = None
     opaque_state: Optional[bytes] = None
     draft_tokens: Optional[list[int]] = None
+    multimodal_embedding_handles: Optional[list[dict[str, Any]]] = None
+    multimodal_hashes: Optional[list[list[int]]] = None
     disagg_request_id: Optional[int] = None
     ctx_endpoint: Optional[str] = None
 
-    _TYPES = {"context_and_generation": types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
-              "context_only": types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
-              "generation_only": types_pb2.REQUEST_TYPE_GENERATION_ONLY}
+    def __post_init__(self):
+        if self.request_type is not None:
+            self.request_type = self.request_type.lower()
+            if self.request_type not in _REQUEST_TYPES:
+                raise ValueError(f"Unknown request type: {self.request_type}. Must be context_only, "
+                                 "generation_only or context_and_generation")
+        for name in ("multimodal_embedding_handles", "multimodal_hashes"):
+            if getattr(self, name) is not None:
+                raise NotImplementedError(f"DisaggregatedParams.{name}: tandem serves text-only models")
 
     def to_proto(self) -> types_pb2.DisaggregatedParams:
         msg = types_pb2.DisaggregatedParams()
         if self.request_type is not None:
-            if self.request_type not in self._TYPES:
-                raise ValueError(f"request_type must be one of {sorted(self._TYPES)}, got {self.request_type!r}")
-            msg.request_type = self._TYPES[self.request_type]
+            msg.request_type = _REQUEST_TYPES[self.request_type]
         msg.first_gen_tokens.extend(self.first_gen_tokens or [])
         msg.draft_tokens.extend(self.draft_tokens or [])
         if self.ctx_request_id is not None:
@@ -93,7 +67,7 @@ class DisaggregatedParams:
 
     @classmethod
     def from_proto(cls, msg: types_pb2.DisaggregatedParams) -> "DisaggregatedParams":
-        names = {v: k for k, v in cls._TYPES.items()}
+        names = {v: k for k, v in _REQUEST_TYPES.items()}
         return cls(request_type=names[msg.request_type], first_gen_tokens=list(msg.first_gen_tokens),
                    ctx_request_id=msg.ctx_request_id if msg.HasField("ctx_request_id") else None,
                    opaque_state=msg.opaque_state or None, draft_tokens=list(msg.draft_tokens) or None,

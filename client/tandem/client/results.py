@@ -1,5 +1,6 @@
-"""RequestOutput as generate_async returns it: awaitable, async-iterable when
-streaming, abortable, with a blocking result() for synchronous callers."""
+"""RequestOutput as generate_async returns it, with tensorrt_llm's GenerationResult API
+(tensorrt_llm/executor/result.py): awaitable, iterable (sync and async) when streaming,
+result() / aresult(), abort() and aborted()."""
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,7 @@ import collections
 import threading
 from typing import Optional
 
-import grpc
-
+from tandem.client.errors import RequestError
 from tandem.client.outputs import CompletionOutput, RequestOutputState
 from tandem.v1 import llm_pb2
 
@@ -17,7 +17,10 @@ _END = object()
 
 class RequestOutput(RequestOutputState):
     def __init__(self, transport, request: llm_pb2.GenerateRequest, streaming: bool):
-        super().__init__(request.request_id, request.prompt.text if request.prompt.HasField("text") else None)
+        params = request.sampling_params
+        super().__init__(request.request_id, request.prompt.text if request.prompt.HasField("text") else None,
+                         params.logprobs if params.HasField("logprobs") else None,
+                         params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
         self._transport = transport
         self.streaming = streaming
         self._items: collections.deque = collections.deque()
@@ -29,6 +32,7 @@ class RequestOutput(RequestOutputState):
             self._loop, self._event = None, None
         self._error: Optional[BaseException] = None
         self._done = False
+        self._aborted = False
         self._aborted_locally = False
         self._cancel = transport.stream_to("Generate", request, self._push, lambda exc: self._push((_END, exc)))
 
@@ -45,7 +49,7 @@ class RequestOutput(RequestOutputState):
         if isinstance(item, tuple) and item and item[0] is _END:
             self._done = True
             exc = item[1]
-            if self._aborted_locally and (exc is None or isinstance(exc, (asyncio.CancelledError, grpc.RpcError))):
+            if self._aborted_locally and (exc is None or isinstance(exc, (asyncio.CancelledError, RequestError))):
                 self._finish_cancelled()
             elif exc is not None and not isinstance(exc, asyncio.CancelledError):
                 self._error = exc
@@ -81,22 +85,58 @@ class RequestOutput(RequestOutputState):
 
     # -- the seed's API --
     def __aiter__(self):
+        # A generator rather than self, so that leaving the loop early (or cancelling the task
+        # that reads it) cancels the call and the server aborts the request.
         return self._aiter()
 
     async def _aiter(self):
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            return
         try:
-            while self._take(await self._next_async()):
-                yield self
-        except (asyncio.CancelledError, GeneratorExit):
-            # The consumer went away (task cancelled, loop left early): cancel the RPC so the
-            # server aborts the request instead of generating for nobody.
+            while True:
+                try:
+                    yield await self.__anext__()
+                except StopAsyncIteration:
+                    return
+        except GeneratorExit:
             if not self._done:
                 self._cancel()
             raise
+
+    async def __anext__(self) -> "RequestOutput":
+        """The next streamed state of this request; StopAsyncIteration once it has finished."""
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            raise StopAsyncIteration
+        try:
+            if self._take(await self._next_async()):
+                return self
+        except asyncio.CancelledError:
+            if not self._done:
+                self._cancel()
+            raise
+        raise StopAsyncIteration
+
+    def __iter__(self):
+        """Synchronous streaming: `for out in llm.generate_async(..., streaming=True)` from plain code."""
+        try:
+            while True:
+                try:
+                    yield self.__next__()
+                except StopIteration:
+                    return
+        except GeneratorExit:
+            if not self._done:
+                self._cancel()
+            raise
+
+    def __next__(self) -> "RequestOutput":
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+        if self._take(self._next_sync()):
+            return self
+        raise StopIteration
 
     async def aresult(self) -> "RequestOutput":
         async for _ in self:
@@ -115,6 +155,7 @@ class RequestOutput(RequestOutputState):
 
     def abort(self) -> None:
         """Aborts the request on the server; the output then finishes with finish_reason 'cancelled'."""
+        self._aborted = True
         future = self._transport.submit(self._transport.unary("Abort", llm_pb2.AbortRequest(request_id=self.request_id)))
 
         def after_abort(f):
@@ -124,6 +165,7 @@ class RequestOutput(RequestOutputState):
                 self._cancel()
         future.add_done_callback(after_abort)
 
-    @property
     def aborted(self) -> bool:
-        return any(o.finish_reason == "cancelled" for o in self.outputs)
+        """Whether abort() was called on this output (as in tensorrt_llm) or the server cancelled it
+        (pause_generation, an Abort from elsewhere)."""
+        return self._aborted or any(o.finish_reason == "cancelled" for o in self.outputs)

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
+from tandem.client.errors import from_rpc_error
 from tandem.v1 import llm_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 256 << 20
@@ -23,8 +24,8 @@ class Transport:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
         self._thread.start()
         self._credentials = credentials
-        self.stub: llm_pb2_grpc.AsyncLLMStub = self.run_sync(self._open())
         self._closed = False
+        self.stub: llm_pb2_grpc.AsyncLLMStub = self.run_sync(self._open())
 
     async def _open(self) -> llm_pb2_grpc.AsyncLLMStub:
         options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -36,6 +37,10 @@ class Transport:
         return llm_pb2_grpc.AsyncLLMStub(self.channel)
 
     def submit(self, coro: Awaitable) -> concurrent.futures.Future:
+        if self._closed:
+            coro.close()
+            # tensorrt_llm's generate_async says the same after shutdown().
+            raise RuntimeError(f"LLM is shutting down: this client of {self.target} was closed (shutdown() or close())")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run_sync(self, coro: Awaitable, timeout: Optional[float] = None) -> Any:
@@ -47,8 +52,12 @@ class Transport:
         return await asyncio.wrap_future(self.submit(coro))
 
     async def unary(self, method: str, request, timeout: Optional[float] = None):
-        """Calls a unary RPC; a coroutine to run on the transport loop (the call must be made there)."""
-        return await getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+        """Calls a unary RPC; a coroutine to run on the transport loop (the call must be made there).
+        A refused call raises RequestError (tandem.client.errors) with its status."""
+        try:
+            return await getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
 
     def stream_to(self, method: str, request, on_item: Callable[[Any], None], on_done: Callable[[Optional[BaseException]], None]):
         """Starts a server-streaming call on the transport loop; returns a cancel function."""
@@ -60,6 +69,9 @@ class Transport:
             try:
                 async for item in call:
                     on_item(item)
+            except grpc.aio.AioRpcError as exc:
+                on_done(from_rpc_error(exc))
+                return
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 on_done(exc)
                 return
@@ -81,7 +93,7 @@ class Transport:
             return
         self._closed = True
         try:
-            self.run_sync(self.channel.close(), timeout=5)
+            asyncio.run_coroutine_threadsafe(self.channel.close(), self._loop).result(5)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)

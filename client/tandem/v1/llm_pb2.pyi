@@ -180,14 +180,14 @@ class EventsRequest(_message.Message):
 class JsonList(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
-    def __init__(self, items: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...
+    items: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JsonItem(_message.Message):
     __slots__ = ("item",)
     ITEM_FIELD_NUMBER: _ClassVar[int]
-    item: _struct_pb2.Struct
-    def __init__(self, item: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    item: str
+    def __init__(self, item: _Optional[str] = ...) -> None: ...
 
 class AdminRequest(_message.Message):
     __slots__ = ()

@@ -56,7 +56,7 @@ class PreprocessedInputs(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "best_of", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "end_id", "pad_id", "add_special_tokens", "truncate_prompt_tokens", "return_prompt_token_ids")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n", "best_of", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens", "end_id", "pad_id", "add_special_tokens", "truncate_prompt_tokens", "return_prompt_token_ids", "bad", "bad_token_ids", "embedding_bias", "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "length_penalty", "early_stopping", "no_repeat_ngram_size", "beam_width_array", "return_context_logits", "return_generation_logits", "exclude_input_from_output", "return_encoder_output", "return_perf_metrics", "additional_model_outputs", "lookahead_config", "guided_decoding")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,26 @@ class SamplingParams(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_FIELD_NUMBER: _ClassVar[int]
+    BAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_BIAS_FIELD_NUMBER: _ClassVar[int]
+    USE_BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_MIN_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_RESET_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SEARCH_DIVERSITY_RATE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_ARRAY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_CONTEXT_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_GENERATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_INPUT_FROM_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ENCODER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PERF_METRICS_FIELD_NUMBER: _ClassVar[int]
+    ADDITIONAL_MODEL_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -109,7 +129,51 @@ class SamplingParams(_message.Message):
     add_special_tokens: bool
     truncate_prompt_tokens: int
     return_prompt_token_ids: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., detokenize: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., end_id: _Optional[int] = ..., pad_id: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    bad: _containers.RepeatedScalarFieldContainer[str]
+    bad_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    embedding_bias: _containers.RepeatedScalarFieldContainer[float]
+    use_beam_search: bool
+    top_p_min: float
+    top_p_reset_ids: int
+    top_p_decay: float
+    beam_search_diversity_rate: float
+    length_penalty: float
+    early_stopping: int
+    no_repeat_ngram_size: int
+    beam_width_array: _containers.RepeatedScalarFieldContainer[int]
+    return_context_logits: bool
+    return_generation_logits: bool
+    exclude_input_from_output: bool
+    return_encoder_output: bool
+    return_perf_metrics: bool
+    additional_model_outputs: _containers.RepeatedScalarFieldContainer[str]
+    lookahead_config: LookaheadDecodingConfig
+    guided_decoding: GuidedDecodingParams
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., detokenize: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., end_id: _Optional[int] = ..., pad_id: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., bad: _Optional[_Iterable[str]] = ..., bad_token_ids: _Optional[_Iterable[int]] = ..., embedding_bias: _Optional[_Iterable[float]] = ..., use_beam_search: _Optional[bool] = ..., top_p_min: _Optional[float] = ..., top_p_reset_ids: _Optional[int] = ..., top_p_decay: _Optional[float] = ..., beam_search_diversity_rate: _Optional[float] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[int] = ..., no_repeat_ngram_size: _Optional[int] = ..., beam_width_array: _Optional[_Iterable[int]] = ..., return_context_logits: _Optional[bool] = ..., return_generation_logits: _Optional[bool] = ..., exclude_input_from_output: _Optional[bool] = ..., return_encoder_output: _Optional[bool] = ..., return_perf_metrics: _Optional[bool] = ..., additional_model_outputs: _Optional[_Iterable[str]] = ..., lookahead_config: _Optional[_Union[LookaheadDecodingConfig, _Mapping]] = ..., guided_decoding: _Optional[_Union[GuidedDecodingParams, _Mapping]] = ...) -> None: ...
+
+class LookaheadDecodingConfig(_message.Message):
+    __slots__ = ("max_window_size", "max_ngram_size", "max_verification_set_size")
+    MAX_WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERIFICATION_SET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_window_size: int
+    max_ngram_size: int
+    max_verification_set_size: int
+    def __init__(self, max_window_size: _Optional[int] = ..., max_ngram_size: _Optional[int] = ..., max_verification_set_size: _Optional[int] = ...) -> None: ...
+
+class GuidedDecodingParams(_message.Message):
+    __slots__ = ("json_schema", "regex", "grammar", "json_object", "structural_tag")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    grammar: str
+    json_object: bool
+    structural_tag: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class DisaggregatedParams(_message.Message):
     __slots__ = ("request_type", "first_gen_tokens", "ctx_request_id", "opaque_state", "draft_tokens", "disagg_request_id", "ctx_endpoint")
@@ -192,7 +256,7 @@ class PromptAdapterRequest(_message.Message):
     def __init__(self, prompt_adapter_name: _Optional[str] = ..., prompt_adapter_id: _Optional[int] = ..., prompt_adapter_local_path: _Optional[str] = ..., prompt_adapter_num_virtual_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "ranks")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,9 +264,18 @@ class TokenLogprobs(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class RanksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.ScalarMap[int, float]
-    def __init__(self, logprobs: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    ranks: _containers.ScalarMap[int, int]
+    def __init__(self, logprobs: _Optional[_Mapping[int, float]] = ..., ranks: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class CompletionOutput(_message.Message):
     __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params")

@@ -1,0 +1,63 @@
+"""One engine iteration as TensorRT-LLM reports it: its IterationStats keys (the JSON schema of
+cpp/tensorrt_llm/executor/jsonSerialization.cpp), plus tandem's cachedBlocks."""
+from __future__ import annotations
+
+import os
+from datetime import datetime
+
+import torch
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.messages import StepOutput
+
+
+def iteration_stats(engine: LLMEngine, outputs: list[StepOutput], queue_waits: list[float]) -> dict:
+    """queue_waits: seconds each request admitted since the last record waited for the engine thread."""
+    config, bm = engine.config, engine.block_manager
+    num_missed = bm.num_new_blocks
+    return {
+        "timestamp": datetime.now().strftime("%m-%d-%Y %H:%M:%S.%f"),
+        "iter": engine.counters.num_steps,
+        "iterLatencyMS": engine.counters.last_step_seconds * 1e3,
+        "newActiveRequestsQueueLatencyMS": sum(queue_waits) / len(queue_waits) * 1e3 if queue_waits else 0.0,
+        "numNewActiveRequests": len(queue_waits),
+        "numActiveRequests": engine.num_unfinished,
+        "numQueuedRequests": len(engine.scheduler.waiting),
+        "numCompletedRequests": sum(1 for out in outputs if out.finished),
+        "maxNumActiveRequests": config.max_num_seqs,
+        # Static limits; there is no runtime tuner, whose recommendations TensorRT-LLM leaves at 0 without one.
+        "maxBatchSizeStatic": config.max_num_seqs,
+        "maxBatchSizeTunerRecommended": 0,
+        "maxBatchSizeRuntime": config.max_num_seqs,
+        "maxNumTokensStatic": config.max_num_batched_tokens,
+        "maxNumTokensTunerRecommended": 0,
+        "maxNumTokensRuntime": config.max_num_batched_tokens,
+        **memory_usage(config.device),
+        "kvCacheStats": {
+            "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
+            "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
+            "allocTotalBlocks": bm.num_cache_hits + num_missed, "allocNewBlocks": num_missed,
+            "reusedBlocks": bm.num_cache_hits, "missedBlocks": num_missed,
+            "cacheHitRate": bm.num_cache_hits / max(1, bm.num_cache_hits + num_missed),
+            "cachedBlocks": bm.num_cached_blocks,
+        },
+        "staticBatchingStats": None,  # in-flight batching only
+        # One token per generation request and step: no pipeline micro-batches, no speculative decoding.
+        "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0, microBatchId=0,
+                                      avgNumDecodedTokensPerIter=1.0),
+        "specDecodingStats": None,
+    }
+
+
+def memory_usage(device: str) -> dict[str, int]:
+    """Bytes in use: this process's resident host memory, the device's used memory (total - free,
+    as TensorRT-LLM's PyTorch backend measures it) and pinned host memory held by torch."""
+    page_size = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        cpu = int(f.read().split()[1]) * page_size
+    gpu = pinned = 0
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        gpu = total - free
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    return {"cpuMemUsage": cpu, "gpuMemUsage": gpu, "pinnedMemUsage": pinned}
