@@ -9,7 +9,8 @@ import sys
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the tiny default model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: size from --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="memory for the KV pool when --num-blocks is 0")
@@ -67,15 +68,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
 
-    sub.add_parser("default-model", help="print the default model's directory (written on first use)")
+    default = sub.add_parser("default-model", help="print the default model's directory (written on first use)")
+    default.add_argument("--tiny", action="store_true", help="the tiny random model of the fast tests instead")
     return parser
 
 
 def _engine_config(args):
-    from tandem.engine.checkpoints import default_model_dir
+    from tandem.engine.checkpoints import resolve_model
     from tandem.engine.config import EngineConfig
-    return EngineConfig(model_dir=str(args.model or default_model_dir()), block_size=args.block_size,
+    return EngineConfig(model_dir=str(resolve_model(args.model)), block_size=args.block_size,
                         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -100,10 +103,14 @@ def _serve(args) -> int:
 
 
 def generate(target: str, prompt: str, max_tokens: int, temperature: float = 0.0, top_p=None, top_k=None,
-             seed=None, out=sys.stdout) -> None:
+             seed=None, chat: bool = False, out=sys.stdout) -> None:
     from tandem.client import LLM, SamplingParams
     with LLM(target) as llm:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        # A rendered template holds its special tokens already (transformers tokenizes it without adding any).
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                add_special_tokens=not chat)
 
         async def stream():
             async for output in llm.generate_async(prompt, params, streaming=True):
@@ -123,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.cli.up import up
             return up(args, _engine_config(args))
         if args.command == "generate":
-            generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+            generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                     args.chat)
             return 0
         if args.command == "default-model":
-            from tandem.engine.checkpoints import default_model_dir
-            print(default_model_dir())
+            from tandem.engine.checkpoints import default_model_dir, tiny_model_dir
+            print(tiny_model_dir() if args.tiny else default_model_dir())
             return 0
     except ValueError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
