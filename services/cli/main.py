@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
+    front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
+    front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
+    front.add_argument("--host", default="127.0.0.1")
+    front.add_argument("--port", type=int, default=8000)
+    front.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -86,6 +91,10 @@ def _engine_config(args):
 
 
 def _serve(args) -> int:
+    if args.role == "openai":
+        from tandem.openai.app import serve_openai
+        serve_openai(args.target, args.host, args.port, args.served_model_name)
+        return 0
     if args.role == "router":
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
