@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.engine.checkpoints import default_model_dir, tiny_model_dir
             print(tiny_model_dir() if args.tiny else default_model_dir())
             return 0
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
