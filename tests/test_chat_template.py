@@ -93,3 +93,15 @@ def test_tokenizer_attributes_equal_transformers(tokenizers):
     for name in ("bos_token", "eos_token", "pad_token", "unk_token", "bos_token_id", "eos_token_id", "pad_token_id",
                  "unk_token_id", "all_special_tokens", "all_special_ids"):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_template_file_beside_the_config_wins_as_in_transformers(model_dirs, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+    model_dir = shutil.copytree(model_dirs["llama"], tmp_path / "model")
+    (model_dir / "chat_template.jinja").write_text(FEATURES_TEMPLATE)
+    files = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.name != "model.safetensors"}
+    ours = RemoteTokenizer(llm=None, files=llm_pb2.TokenizerFiles(files=files, bos_token_id=1, eos_token_ids=[2]))
+    want = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(CONVERSATION, tokenize=False)
+    assert ours.apply_chat_template(CONVERSATION) == want and want.startswith("<s>\n  [1] {")

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from tandem.engine.checkpoints import gguf_model_dir, resolve_model
-from tandem.engine.gguf_convert import convert_gguf
+from tandem.engine.gguf_convert import convert_gguf, hf_config
+from tandem.engine.gguf_tokenizer import build_tokenizer
 from tandem.engine.loader import load_model
 from tiny_gguf import write_tiny_gguf
 
@@ -73,3 +74,9 @@ def test_bad_gguf_inputs_are_value_errors(model_dirs, tmp_path):
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         convert_gguf(tmp_path / "fake.gguf", tmp_path / "out")
     assert resolve_model(str(model_dirs["llama"])) == model_dirs["llama"]
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        hf_config({"general.architecture": "gpt2"}, set())
+    with pytest.raises(ValueError, match="no tokenizer"):
+        hf_config({"general.architecture": "llama", "llama.block_count": 2}, set())
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'llama'"):
+        build_tokenizer({"ggml.model": "llama", "ggml.tokens": ["a"]})

@@ -73,6 +73,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     for key, hf_key in _CONFIG_KEYS.items():
         if f"{arch}.{key}" in meta:
             config[hf_key] = meta[f"{arch}.{key}"]
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens): tandem serves text models only")
     config.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
     # head_dim: llama.cpp's key_length when present, else the rotary dimension (transformers reads
     # rope.dimension_count for llama), else hidden_size / heads.

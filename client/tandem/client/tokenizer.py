@@ -160,6 +160,9 @@ class RemoteTokenizer:
     # -- chat --
     @property
     def chat_template(self) -> Optional[Union[str, dict[str, str]]]:
+        # Recent transformers save the template beside tokenizer_config.json rather than in it.
+        if "chat_template.jinja" in self.files:
+            return self.files["chat_template.jinja"].decode()
         template = self.config.get("chat_template")
         if isinstance(template, list):  # transformers also writes named templates as [{name, template}]
             return {t["name"]: t["template"] for t in template}
