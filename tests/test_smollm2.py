@@ -14,7 +14,7 @@ from tandem.cli.main import generate
 from tandem.client import LLM, SamplingParams
 from tandem.engine.checkpoints import default_gguf_path, default_model_dir
 
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "How many legs does a spider have?", "Write a haiku about the sea."]
 TEXTS = ["Hello world 12345 ok", "<|im_start|>user\nHi<|im_end|>\n", "  ünïcödé  日本語 \t\n 🤖 x=1;y  = 2",
