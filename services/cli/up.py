@@ -15,8 +15,9 @@ DEMO_PROMPT = "The quick brown fox"
 
 
 def _has_chat_template(model_dir: str) -> bool:
-    path = Path(model_dir) / "tokenizer_config.json"
-    return path.is_file() and bool(json.loads(path.read_text()).get("chat_template"))
+    config = Path(model_dir) / "tokenizer_config.json"
+    return (Path(model_dir) / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
 
 
 def _engine_args(args, engine) -> list[str]:
