@@ -15,13 +15,14 @@ import time
 
 from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, SamplingParams
+from tandem.engine.checkpoints import tiny_model_dir
 
 SEED = 0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF checkpoint (default: the tiny default model)")
+    parser.add_argument("--model", default=None, help="HF checkpoint (default: the tiny random model)")
     parser.add_argument("--prefill-device", default="cpu")
     parser.add_argument("--decode-device", default="cpu")
     parser.add_argument("--progress-thread", action="store_true", help="NIXL UCX progress threads in the workers")
@@ -30,9 +31,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    engine = ["--num-blocks", "2048", "--block-size", "16", "--max-num-batched-tokens", "8192"]
-    if args.model:
-        engine += ["--model", args.model]
+    engine = ["--num-blocks", "2048", "--block-size", "16", "--max-num-batched-tokens", "8192",
+              "--model", args.model or str(tiny_model_dir())]
     extra = ["--nixl-progress-thread"] if args.progress_thread else []
     cluster = LocalCluster(roles=["prefill", "decode", "both"], engine_args=engine, worker_args={
         "prefill-1": ["--device", args.prefill_device, *extra],

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 # Model files for every test session live in one throwaway TANDEM_HOME; child
-# processes inherit it, so the default model is written once per session.
+# processes inherit it, so each model is written (or converted) once per session.
 _HOME = Path(os.environ.setdefault("TANDEM_HOME", str(Path(__file__).resolve().parent.parent / ".tandem" / "test-home")))
 
 
 @pytest.fixture(scope="session")
 def model_dirs() -> dict[str, Path]:
-    from tandem.engine.checkpoints import default_model_dir, write_tiny_checkpoint
-    dirs = {"llama": default_model_dir()}
+    from tandem.engine.checkpoints import tiny_model_dir, write_tiny_checkpoint
+    dirs = {"llama": tiny_model_dir()}
     for model_type in ("qwen2", "qwen3"):
-        target = _HOME / "models" / f"tiny-{model_type}-test"
+        target = _HOME / "models" / f"tiny-{model_type}-test-v2"
         if not (target / "config.json").is_file():
             write_tiny_checkpoint(target, model_type, seed=1)
         dirs[model_type] = target

@@ -16,6 +16,7 @@ PACKAGES = {
     "prefill": ROOT / "services/prefill", "decode": ROOT / "services/decode", "worker": ROOT / "services/worker",
     "router": ROOT / "services/router", "common": ROOT / "services/common", "text": ROOT / "services/text",
     "testing": ROOT / "services/testing", "cli": ROOT / "services/cli", "client": ROOT / "client/tandem/client",
+    "openai": ROOT / "services/openai",
 }
 # What each package may import of tandem (v1, the generated stubs, is open to every layer but
 # the engine and the kernels, which speak no protobuf).
@@ -32,10 +33,12 @@ ALLOWED = {
     "testing": {"common", "v1", "client"},
     "cli": set(PACKAGES) | {"v1"},
     "client": {"v1"},
+    "openai": {"client", "common", "v1"},
 }
 # Third-party modules a layer must not touch.
 FORBIDDEN_MODULES = {"engine": {"grpc"}, "kernels": {"grpc"}, "kvtransfer": {"grpc"}, "text": {"torch"},
-                     "router": {"torch", "nixl"}, "common": {"torch", "nixl"}, "client": {"torch"}}
+                     "router": {"torch", "nixl"}, "common": {"torch", "nixl"}, "client": {"torch"},
+                     "openai": {"torch", "nixl"}}
 
 
 def _imports(path: Path) -> set[str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from tandem.engine.checkpoints import default_model_dir, write_tiny_checkpoint
+from tandem.engine.checkpoints import tiny_model_dir, write_tiny_checkpoint
 from tandem.engine.loader import allocate_kv_cache, load_model
 from tandem.engine.model_config import ModelConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -181,14 +181,14 @@ def test_tokenizer_round_trips_and_adds_bos(tmp_path):
     assert tokenizer.decode(ids, skip_special_tokens=True) == text
 
 
-def test_default_model_dir_is_created_once(tmp_path, monkeypatch):
+def test_tiny_model_dir_is_created_once(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
-    first = default_model_dir()
-    assert first == tmp_path / "models" / "tiny-llama-v1"
+    first = tiny_model_dir()
+    assert first == tmp_path / "models" / "tiny-llama-v2"
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert default_model_dir() == first
+    assert tiny_model_dir() == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v1"]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v2"]
     assert ModelConfig.from_pretrained(first).model_type == "llama"
 
 
@@ -224,14 +224,14 @@ def test_shape_mismatch_is_a_value_error(tmp_path):
         load_model(model_dir)
 
 
-def test_default_model_dir_survives_concurrent_first_use(tmp_path, monkeypatch):
+def test_tiny_model_dir_survives_concurrent_first_use(tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     with ThreadPoolExecutor(4) as pool:
-        dirs = list(pool.map(lambda _: default_model_dir(), range(4)))
+        dirs = list(pool.map(lambda _: tiny_model_dir(), range(4)))
     assert len(set(dirs)) == 1
-    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v1"]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v2"]
     load_model(dirs[0])
 
 

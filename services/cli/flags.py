@@ -28,11 +28,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                 metavar=flag.lstrip("-").replace("-", "_").upper(), **meta["argparse"])
 
 
-def engine_config(args: argparse.Namespace, default_model_dir) -> EngineConfig:
-    """The EngineConfig the parsed flags describe; default_model_dir() when --model is not given."""
+def engine_config(args: argparse.Namespace, resolve_model) -> EngineConfig:
+    """The EngineConfig the parsed flags describe; resolve_model(--model) names the checkpoint
+    directory (the default model when --model is not given, a converted one for a .gguf file)."""
     values = {f.name: getattr(args, f.name) for f, _, _ in _engine_fields()}
-    if not values["model_dir"]:
-        values["model_dir"] = str(default_model_dir())
+    values["model_dir"] = str(resolve_model(values["model_dir"]))
     return EngineConfig(**values)
 
 

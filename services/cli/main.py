@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
+    front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
+    front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
+    front.add_argument("--host", default="127.0.0.1")
+    front.add_argument("--port", type=int, default=8000)
+    front.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -52,20 +57,26 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
 
     from tandem.cli.bench import add_arguments as add_bench_arguments
     add_bench_arguments(sub.add_parser("bench", help="benchmark a running cluster (like vllm bench serve)"))
 
-    sub.add_parser("default-model", help="print the default model's directory (written on first use)")
+    default = sub.add_parser("default-model", help="print the default model's directory (written on first use)")
+    default.add_argument("--tiny", action="store_true", help="the tiny random model of the fast tests instead")
     return parser
 
 
 def _engine_config(args):
-    from tandem.engine.checkpoints import default_model_dir
-    return engine_config(args, default_model_dir)
+    from tandem.engine.checkpoints import resolve_model
+    return engine_config(args, resolve_model)
 
 
 def _serve(args) -> int:
+    if args.role == "openai":
+        from tandem.openai.app import serve_openai
+        serve_openai(args.target, args.host, args.port, args.served_model_name)
+        return 0
     if args.role == "router":
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
@@ -84,10 +95,14 @@ def _serve(args) -> int:
 
 
 def generate(target: str, prompt: str, max_tokens: int, temperature: float = 0.0, top_p=None, top_k=None,
-             seed=None, out=sys.stdout) -> None:
+             seed=None, chat: bool = False, out=sys.stdout) -> None:
     from tandem.client import LLM, SamplingParams
     with LLM(target) as llm:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        # A rendered template holds its special tokens already (transformers tokenizes it without adding any).
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                add_special_tokens=not chat)
 
         async def stream():
             async for output in llm.generate_async(prompt, params, streaming=True):
@@ -107,16 +122,17 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.cli.up import up
             return up(args, _engine_config(args))
         if args.command == "generate":
-            generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+            generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
+                     args.chat)
             return 0
         if args.command == "bench":
             from tandem.cli.bench import main as bench
             return bench(args)
         if args.command == "default-model":
-            from tandem.engine.checkpoints import default_model_dir
-            print(default_model_dir())
+            from tandem.engine.checkpoints import default_model_dir, tiny_model_dir
+            print(tiny_model_dir() if args.tiny else default_model_dir())
             return 0
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,14 +1,24 @@
 """`tandem up`: a local cluster in the foreground until Ctrl-C."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 from tandem.cli.flags import engine_argv
 from tandem.testing.cluster import LocalCluster
 
+# A chat model answers a question through its chat template; a model without one continues a text.
+DEMO_QUESTION = "What is the capital of France?"
 DEMO_PROMPT = "The quick brown fox"
+
+
+def _has_chat_template(model_dir: str) -> bool:
+    config = Path(model_dir) / "tokenizer_config.json"
+    return (Path(model_dir) / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
 
 
 def up(args, engine) -> int:
@@ -28,10 +38,13 @@ def up(args, engine) -> int:
             print(f"  {s.name:10s} {s.address}", flush=True)
         if args.demo:
             from tandem.cli.main import generate
-            print(f"tandem: demo completion of {DEMO_PROMPT!r}:", flush=True)
-            generate(cluster.address, DEMO_PROMPT, max_tokens=48)
-        print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address} \"Hello\"`. "
-              "Ctrl-C stops.", flush=True)
+            chat = _has_chat_template(engine.model_dir)
+            prompt = DEMO_QUESTION if chat else DEMO_PROMPT
+            print(f"tandem: demo {'chat answer to' if chat else 'completion of'} {prompt!r}:", flush=True)
+            generate(cluster.address, prompt, max_tokens=48, chat=chat)
+        chat_flag = " --chat" if _has_chat_template(engine.model_dir) else ""
+        print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{chat_flag} "
+              "\"Hello\"`. Ctrl-C stops.", flush=True)
         while True:
             cluster.check_alive()
             time.sleep(1)

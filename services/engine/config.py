@@ -13,7 +13,8 @@ def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str = _flag(None, "Hugging Face checkpoint directory (default: the default model)", flag="--model")
+    model_dir: str = _flag(None, "Hugging Face checkpoint directory or .gguf file "
+                                      "(default: SmolLM2-135M-Instruct)", flag="--model")
     block_size: int = _flag(16, "tokens per KV block: the unit of allocation, prefix caching and transfer")
     num_blocks: int = _flag(0, "KV blocks in the pool (0: size it from --kv-cache-gb)")
     kv_cache_memory_gb: float = _flag(0.25, "memory for the KV pool when --num-blocks is 0", flag="--kv-cache-gb")

@@ -7,7 +7,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HfTokenizer
 
 # Files GetTokenizer ships so a client (or the router) can rebuild the same tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 
 class Tokenizer:

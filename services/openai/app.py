@@ -1,0 +1,269 @@
+"""The FastAPI app: OpenAI's routes, each a thin translation onto the router's AsyncLLM."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.client import AsyncLLM
+from tandem.openai import responses as r
+from tandem.openai.errors import OpenAIError, error_response, from_exception
+from tandem.openai.metrics import FrontMetrics
+from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai.streams import MergedStream, Snapshot
+
+
+class Front:
+    """What the routes share: the router client, the served model's name, the metrics."""
+
+    def __init__(self, target: str, served_model_name: Optional[str]):
+        self.target = target
+        self.llm = AsyncLLM(target)
+        self.metrics = FrontMetrics()
+        self.started = r.now()
+        self._served_model_name = served_model_name
+        self._tokenizer = None
+
+    async def info(self):
+        return await asyncio.to_thread(self.llm._server_info)
+
+    async def model_name(self) -> str:
+        return self._served_model_name or Path((await self.info()).model).name
+
+    async def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(lambda: self.llm.tokenizer)
+        return self._tokenizer
+
+    async def check_model(self, model: str) -> str:
+        name = await self.model_name()
+        if model != name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{name}`", "model")
+        return name
+
+    def observe(self, endpoint: str, started: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+        self.metrics.prompt_tokens.labels(endpoint).inc(prompt_tokens)
+        self.metrics.generation_tokens.labels(endpoint).inc(completion_tokens)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _event_stream(front: Front, endpoint: str, stream: MergedStream, started: float, chunks,
+                        usage_chunk) -> AsyncIterator[str]:
+    """SSE framing, metrics and errors around a route's own chunk builder."""
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    first = True
+    try:
+        async for snapshot in stream:
+            if first and any(d.token_ids for d in snapshot.deltas):
+                front.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+                first = False
+            prompt_tokens[snapshot.request] = len(snapshot.prompt_token_ids)
+            completion_tokens += sum(len(d.token_ids) for d in snapshot.deltas)
+            for chunk in chunks(snapshot):
+                yield _sse(chunk)
+        if usage_chunk is not None:
+            yield _sse(usage_chunk(r.usage(sum(prompt_tokens.values()), completion_tokens)))
+    except Exception as exc:  # noqa: BLE001 - the response has started: the error goes in the stream
+        err = from_exception(exc)
+        yield _sse({"error": {"message": err.message, "type": "internal_error", "code": err.status}})
+    yield _sse("[DONE]")
+    front.observe(endpoint, started, sum(prompt_tokens.values()), completion_tokens)
+
+
+async def _generate(front: Front, prompts: list, params, stream: bool):
+    results = [front.llm.generate_async(p, params, streaming=stream) for p in prompts]
+    if stream:
+        merged = MergedStream(results)
+        await merged.open()
+        return merged
+    return await asyncio.gather(*results)
+
+
+async def completions(front: Front, request: CompletionRequest):
+    started, endpoint = time.monotonic(), "/v1/completions"
+    model = await front.check_model(request.model)
+    tokenizer = await front.tokenizer()
+    params = r.sampling_params(request, request.max_tokens, request.logprobs, add_special_tokens=True)
+    response_id, created = r.new_id("cmpl"), r.now()
+    outs = await _generate(front, request.prompts, params, request.stream)
+
+    def logprobs(token_ids, entries, offset):
+        if request.logprobs is None:
+            return None
+        return r.completion_logprobs(tokenizer, token_ids, entries, request.logprobs, offset)
+
+    if request.stream:
+        offsets: dict[tuple[int, int], int] = {}
+
+        def chunks(snapshot: Snapshot):
+            choices = []
+            for d in snapshot.deltas:
+                key = (snapshot.request, d.index)
+                if d.text or d.finish_reason or d.token_ids:
+                    choices.append({"index": snapshot.request * request.n + d.index, "text": d.text,
+                                    "logprobs": logprobs(d.token_ids, d.logprobs, offsets.get(key, 0)),
+                                    "finish_reason": r.FINISH_REASONS[d.finish_reason]})
+                offsets[key] = offsets.get(key, 0) + len(d.text)
+            return [r.envelope("text_completion", response_id, model, created, choices)] if choices else []
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        usage_chunk = (lambda u: r.envelope("text_completion", response_id, model, created, [], usage=u)) \
+            if include_usage else None
+        return StreamingResponse(_event_stream(front, endpoint, outs, started, chunks, usage_chunk),
+                                 media_type="text/event-stream")
+    choices = [{"index": i * request.n + o.index, "text": o.text, "logprobs": logprobs(o.token_ids, o.logprobs, 0),
+                "finish_reason": r.FINISH_REASONS[o.finish_reason]} for i, out in enumerate(outs) for o in out.outputs]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    completion_tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    front.observe(endpoint, started, prompt_tokens, completion_tokens)
+    return r.envelope("text_completion", response_id, model, created, choices,
+                      usage=r.usage(prompt_tokens, completion_tokens))
+
+
+async def chat_completions(front: Front, request: ChatCompletionRequest):
+    started, endpoint = time.monotonic(), "/v1/chat/completions"
+    model = await front.check_model(request.model)
+    tokenizer = await front.tokenizer()
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [m.for_template() for m in request.messages], tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+            continue_final_message=request.continue_final_message)
+    except ImportError as exc:
+        raise OpenAIError(500, str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and ours: the request's fault
+        raise OpenAIError(400, f"cannot apply the chat template: {exc}") from exc
+    num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    # The rendered template holds its special tokens (transformers tokenizes it without adding any).
+    params = r.sampling_params(request, request.max_new_tokens, num_logprobs, add_special_tokens=False)
+    response_id, created = r.new_id("chatcmpl"), r.now()
+    outs = await _generate(front, [prompt], params, request.stream)
+
+    def logprobs(token_ids, entries):
+        return r.chat_logprobs(tokenizer, token_ids, entries, num_logprobs) if num_logprobs is not None else None
+
+    if request.stream:
+        def chunk(choices, **extra):
+            return r.envelope("chat.completion.chunk", response_id, model, created, choices, **extra)
+        started_roles: set[int] = set()
+
+        def chunks(snapshot: Snapshot):
+            out = []
+            for d in snapshot.deltas:
+                if d.index not in started_roles:
+                    started_roles.add(d.index)
+                    out.append(chunk([{"index": d.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+                if d.text or d.finish_reason or d.token_ids:
+                    out.append(chunk([{"index": d.index, "delta": {"content": d.text} if d.text else {},
+                                       "logprobs": logprobs(d.token_ids, d.logprobs),
+                                       "finish_reason": r.FINISH_REASONS[d.finish_reason]}]))
+            return out
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        usage_chunk = (lambda u: chunk([], usage=u)) if include_usage else None
+        return StreamingResponse(_event_stream(front, endpoint, outs, started, chunks, usage_chunk),
+                                 media_type="text/event-stream")
+    out = outs[0]
+    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                "logprobs": logprobs(o.token_ids, o.logprobs), "finish_reason": r.FINISH_REASONS[o.finish_reason]}
+               for o in out.outputs]
+    completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+    front.observe(endpoint, started, len(out.prompt_token_ids), completion_tokens)
+    return r.envelope("chat.completion", response_id, model, created, choices,
+                      usage=r.usage(len(out.prompt_token_ids), completion_tokens))
+
+
+@contextlib.contextmanager
+def _as_openai_errors():
+    """A route's failures (gRPC statuses above all) as OpenAIErrors, which the app renders."""
+    try:
+        yield
+    except OpenAIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure gets an OpenAI-style body
+        raise from_exception(exc) from exc
+
+
+def build_app(target: str, served_model_name: Optional[str] = None) -> FastAPI:
+    """The app for a router at `target` (host:port)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.front = Front(target, served_model_name)
+        try:
+            yield
+        finally:
+            app.state.front.llm.close()
+
+    app = FastAPI(title="tandem OpenAI-compatible API", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        request.app.state.front.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request, exc: OpenAIError):
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request, exc: RequestValidationError):
+        # OpenAI answers 400 (not FastAPI's 422) with what was wrong.
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+        first = exc.errors()[0]["loc"] if exc.errors() else ()
+        return error_response(400, "; ".join(problems), ".".join(str(p) for p in first[1:]) or None)
+
+    @app.post("/v1/completions")
+    async def _completions(body: CompletionRequest, request: Request):
+        with _as_openai_errors():
+            return await completions(request.app.state.front, body)
+
+    @app.post("/v1/chat/completions")
+    async def _chat_completions(body: ChatCompletionRequest, request: Request):
+        with _as_openai_errors():
+            return await chat_completions(request.app.state.front, body)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        front: Front = request.app.state.front
+        info = await front.info()
+        return {"object": "list", "data": [{"id": await front.model_name(), "object": "model",
+                                            "created": front.started, "owned_by": "tandem", "root": info.model,
+                                            "max_model_len": info.max_model_len}]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        """200 when the router reports SERVING (its workers are up), 503 otherwise."""
+        async with grpc.aio.insecure_channel(request.app.state.front.target) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError as exc:
+                return error_response(503, f"router unreachable: {exc.code().name}")
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return error_response(503, "router not serving")
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(generate_latest(request.app.state.front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve_openai(target: str, host: str, port: int, served_model_name: Optional[str] = None) -> None:
+    import uvicorn
+    uvicorn.run(build_app(target, served_model_name), host=host, port=port, log_level="info")

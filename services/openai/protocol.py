@@ -1,0 +1,119 @@
+"""The request bodies of the OpenAI API that the front accepts, validated by pydantic.
+
+Fields OpenAI defines that tandem cannot honour are accepted at their defaults and refused
+with a message naming them when set (`_refuse`). A few vLLM extensions that map directly onto
+tandem's SamplingParams (top_k, min_p, repetition_penalty, ...) are accepted too.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=16)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # vLLM extensions.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by tandem")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _refuse_completion_fields(self):
+        if self.echo:
+            raise ValueError("echo is not supported by tandem")
+        if self.suffix:
+            raise ValueError("suffix is not supported by tandem")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported by tandem")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts, one per entry: a string, a list of strings, token ids or lists of token ids."""
+        if isinstance(self.prompt, str) or all(isinstance(t, int) for t in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string (text parts joined)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            kinds = {part.get("type") for part in self.content}
+            if kinds - {"text"}:
+                raise ValueError(f"only text content parts are supported, got {sorted(k for k in kinds if k)}")
+            message["content"] = "".join(part.get("text", "") for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none"], None] = None
+    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_chat_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported by tandem")
+        return self
+
+    @property
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
