@@ -27,6 +27,8 @@ class EngineConfig:
     kv_lease_seconds: float = 30.0
     # Reuse the KV of full blocks whose token prefix (and cache_salt) was seen before.
     enable_prefix_caching: bool = True
+    # Run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes.
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if not (Path(self.model_dir) / "config.json").is_file():

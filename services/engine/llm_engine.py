@@ -9,7 +9,6 @@ from tandem.common.errors import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
@@ -65,7 +64,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         # True when the last step found nothing it could run (everything waits for blocks).
         self.last_step_was_idle = False
@@ -249,23 +247,16 @@ class LLMEngine:
         if batch.is_empty:
             return []
         started = time.perf_counter()
-        logits, sample_indices = self.runner.execute(batch)
+        sampled, draws = self.runner.execute(batch)
+        # Bookkeeping while the device works; to_host() waits for the draws.
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
             self.counters.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed(seq)
-        sampled = [batch.seqs[i] for i in sample_indices]
         outputs: list[StepOutput] = []
         if sampled:
-            result = self.sampler.sample(
-                logits,
-                [s.options for s in sampled],
-                [Sampler.step_generator(s.options.seed, s.num_output_tokens) for s in sampled],
-                [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in sampled],
-                [s.output_token_ids for s in sampled],
-                [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in sampled],
-            )
+            result = draws.to_host()
             for k, seq in enumerate(sampled):
                 outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
         self.counters.num_steps += 1

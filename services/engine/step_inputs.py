@@ -1,0 +1,169 @@
+"""A step's model inputs in persistent device buffers, filled from reused pinned host buffers.
+
+Every per-token and per-sequence index of a step (token ids, positions, KV slots,
+query starts, sequence lengths, rows to sample) is int32 and packed back to back
+into one region: the host fills its pinned twin with numpy slice assignments (no
+`torch.tensor(list)` per step) and one asynchronous copy moves it. Block tables
+travel compactly ([rows, widest table]) and are spread on the device into a table
+with room for the longest sequence. The layout depends only on the step's counts,
+so a decode CUDA graph captured for batch size B reads exactly where a step of B
+rows was written.
+
+Host buffers come in two sets used in turn: filling step N+1's never overwrites the
+bytes of step N's copy, which may still be queued on the stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows")
+
+
+def packed_layout(num_tokens: int, num_seqs: int, num_samples: int) -> dict[str, tuple[int, int]]:
+    """field -> (offset, length) in the packed int32 region of a step with these counts."""
+    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples)
+    layout, offset = {}, 0
+    for name, length in zip(_FIELDS, lengths):
+        layout[name] = (offset, length)
+        offset += length
+    return layout
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    positions = np.arange(start, end)
+    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] (padded rows included when graph_size is set)
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the model's output whose logits are sampled
+    sample_indices: list[int]  # their sequences' indices in the batch
+    graph_size: int | None  # the decode graph this step replays (None: eager)
+
+
+class InputBuffers:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = device
+        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs).values())
+        self.packed = torch.zeros(size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._tables_landing = torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host = [(torch.zeros(size, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
+                      for _ in range(2)]
+        self._turn = 0
+
+    def views(self, num_tokens: int, num_seqs: int, num_samples: int) -> dict[str, torch.Tensor]:
+        return {name: self.packed[offset:offset + length]
+                for name, (offset, length) in packed_layout(num_tokens, num_seqs, num_samples).items()}
+
+    def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
+        """The views and metadata a decode graph of batch_size rows is captured with."""
+        views = self.views(batch_size, batch_size, batch_size)
+        meta = AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
+                                 seq_lens=views["seq_lens"], block_tables=self.block_tables[:batch_size],
+                                 max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+        return views, meta
+
+    def fill_dummy(self, batch_size: int) -> None:
+        """Safe inputs for a decode forward of batch_size rows (graph warm-up and capture): token 0
+        at position 0 attending to one key of block 0, storing no KV."""
+        views = self.views(batch_size, batch_size, batch_size)
+        for name in ("input_ids", "positions", "sample_rows"):
+            views[name].zero_()
+        views["slot_mapping"].fill_(-1)
+        views["seq_lens"].fill_(1)
+        views["query_start_loc"].copy_(torch.arange(batch_size + 1, dtype=torch.int32))
+        self.block_tables[:batch_size].zero_()
+
+    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None) -> StepInputs:
+        """Copies the batch's inputs to the device. With graph_size (a decode batch: one new token
+        per sequence, all sampling), rows past the batch are padding: they store no KV and attend
+        to one key of block 0, and their logits are ignored."""
+        host, host_tables = self._host[self._turn]
+        self._turn ^= 1
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_indices: list[int] = []
+        tables = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = seq.block_table
+            input_ids += seq.token_slice(start, end)
+            if num_new == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += _slots(table, start, end, bs).tolist()
+            starts.append(starts[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(starts[-1] - 1)
+                sample_indices.append(i)
+            tables.append(table)
+        num_seqs = len(tables)
+        num_rows = graph_size or num_seqs
+        num_tokens = graph_size or starts[-1]
+        if num_tokens > self.max_num_tokens or num_rows > self.max_num_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
+                             f"({self.max_num_tokens} / {self.max_num_seqs})")
+        num_samples = graph_size or len(sample_rows)
+        width = max(len(t) for t in tables)
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
+
+        layout = packed_layout(num_tokens, num_rows, num_samples)
+        buf = host.numpy()
+        num_real = starts[-1]
+        if graph_size:
+            pad = graph_size - num_seqs
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slots += [-1] * pad  # padding stores no KV
+            starts += range(num_real + 1, num_real + pad + 1)
+            seq_lens += [1] * pad  # one key (block 0, position 0): finite, ignored
+            sample_rows = list(range(graph_size))
+        for name, values in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
+                             ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows)):
+            offset, length = layout[name]
+            buf[offset:offset + length] = values
+        used = sum(length for _, length in layout.values())
+        self.packed[:used].copy_(host[:used], non_blocking=True)
+
+        compact = host_tables.numpy()[:num_rows * width]
+        compact[:] = 0
+        grid = compact.reshape(num_rows, width)
+        for i, table in enumerate(tables):
+            grid[i, :len(table)] = table
+        landing = self._tables_landing[:num_rows * width]
+        landing.copy_(host_tables[:num_rows * width], non_blocking=True)
+        self.block_tables[:num_rows, :width].copy_(landing.view(num_rows, width))
+
+        views = self.views(num_tokens, num_rows, num_samples)
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
+            block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens), _host_query_start_loc=starts, _host_seq_lens=seq_lens)
+        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size)
