@@ -159,7 +159,7 @@ def transformers_rates(model_dir: Path, device: torch.device, vocab: int, batche
 
 
 # -- 4. the engine in-process ------------------------------------------------------------------
-def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64, 256)) -> dict:
+def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64)) -> dict:
     """Per decode step: wall ms, GPU ms of the graph replay and of the sampler; an eager step for
     comparison; TTFT of a 2048-token prompt in-process; the kernels of an eager bs32 step."""
     from tandem.engine.config import EngineConfig

@@ -91,8 +91,9 @@ def test_sampler_on_gpu_draws_what_the_cpu_draws():
 
 
 def _close_bf16(got, want):
-    """Equal up to one bf16 rounding step: float32 sums in another order may round the other way."""
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+    """Equal up to two bf16 rounding steps: a float32 sum in another order may round the statistic,
+    and then the product with the weight, the other way."""
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -6)
 
 
 def test_fused_kernels_match_references_on_llama_8b_shapes():

@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes.
     enforce_eager: bool = False
+    # Schedule and post-process on the host while the previous step runs on the device.
+    overlap_scheduling: bool = True
 
     def __post_init__(self):
         if not (Path(self.model_dir) / "config.json").is_file():

@@ -9,8 +9,9 @@ from tandem.common.errors import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
 
 
@@ -37,6 +38,20 @@ class StepOutput:
     # Set when a context_only request hands off: its KV blocks, now under lease until this unix time.
     handoff_block_ids: list[int] | None = None
     lease_expires_at: float | None = None
+
+
+@dataclass
+class InFlightStep:
+    """A step queued on the device: its batch, the sequences that draw a token, their draws."""
+    batch: ScheduledBatch
+    sampled: list[Sequence]
+    draws: SampledBatch | None
+    started: float
+
+    @property
+    def needs_ids(self) -> bool:
+        """The next step cannot run before these ids are on the host: a penalty counts them."""
+        return any(seq.options.has_penalties for seq in self.sampled)
 
 
 @dataclass
@@ -74,6 +89,8 @@ class LLMEngine:
         self.leases: dict[str, tuple[list[int], float]] = {}
         # generation_only requests whose KV is being pulled: blocks allocated, not scheduled yet.
         self.imports: dict[str, Sequence] = {}
+        # The launched step whose draws the host has not read yet (overlap_scheduling).
+        self._in_flight: InFlightStep | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -241,32 +258,62 @@ class LLMEngine:
         return [t for t, gone in (("model", self.runner.model is None), ("kv_cache", self.runner.kv_cache is None)) if gone]
 
     def step(self) -> list[StepOutput]:
+        """schedule -> run -> postprocess. With overlap_scheduling the postprocess is the previous
+        step's, done while this step runs on the device (SGLang's overlap scheduler, vLLM's async
+        scheduling): the host turns the last draws into outputs and schedules while the GPU
+        computes, and the step reads the ids still in flight on the device. A sequence that the
+        late ids end has computed one row to throw away."""
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_ids:
+            outputs += self._postprocess(self._in_flight)  # penalties count the ids: read them first
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        self.last_step_was_idle = batch.is_empty
         self.current_batch_ids = [seq.request_id for seq in batch.seqs]
+        if self._in_flight is not None:
+            self.current_batch_ids += [seq.request_id for seq in self._in_flight.batch.seqs]
+        previous, self._in_flight = self._in_flight, self._launch(batch)
+        if previous is not None:
+            outputs += self._postprocess(previous)
+        if not self.config.overlap_scheduling and self._in_flight is not None:
+            outputs += self._postprocess(self._in_flight)
+            self._in_flight = None
+        self.last_step_was_idle = batch.is_empty and not outputs
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Queues the batch's forward and draws on the device; the bookkeeping runs meanwhile."""
         if batch.is_empty:
-            return []
+            return None
         started = time.perf_counter()
         sampled, draws = self.runner.execute(batch)
-        # Bookkeeping while the device works; to_host() waits for the draws.
+        self.counters.last_batch = {
+            "numScheduledRequests": len(batch.seqs),
+            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
+            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens > 0),
+            "numCtxTokens": batch.num_tokens - len(sampled),
+        }
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
             self.counters.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed(seq)
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+        return InFlightStep(batch, sampled, draws, started)
+
+    def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
+        """Waits for a launched step's draws and appends each to its sequence."""
         outputs: list[StepOutput] = []
-        if sampled:
-            result = draws.to_host()
-            for k, seq in enumerate(sampled):
+        if step.sampled:
+            result = step.draws.to_host()
+            for k, seq in enumerate(step.sampled):
+                seq.num_pending_tokens -= 1
+                if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
+                    continue
                 outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+                self.block_manager.register_computed(seq)  # the block the token completes, now known
         self.counters.num_steps += 1
-        self.counters.last_step_seconds = time.perf_counter() - started
-        self.counters.last_batch = {
-            "numScheduledRequests": len(batch.seqs),
-            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens == 0),
-            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens > 0),
-            "numCtxTokens": batch.num_tokens - len(sampled),
-        }
+        self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:

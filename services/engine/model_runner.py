@@ -56,6 +56,9 @@ class ModelRunner:
                                    -(-self.max_model_len // self.block_size) + 1, self.block_size, self.device)
         self.sampler = Sampler(self.model_config.vocab_size, max_num_seqs, self.device, config.seed)
         self.graphs: DecodeGraphs | None = None
+        # The last step's draws on the device and each drawing sequence's row in them: the next
+        # step reads a token still in flight from there, not from the host.
+        self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
         if config.enforce_eager:
             pass
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
@@ -146,7 +149,7 @@ class ModelRunner:
         if self.graphs is None:
             return None
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+            if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens:
                 return None
         return self.graphs.size_for(len(batch.seqs))
 
@@ -168,18 +171,27 @@ class ModelRunner:
         graph_size = self._graph_size(batch)
         if graph_size is not None:
             self.graphs.capture()  # first decode step after start or after new weights / a new pool
-        inputs = self.inputs.prepare(batch, graph_size)
+        last_rows, last_tokens = self._last_draws or ({}, None)
+        inputs = self.inputs.prepare(batch, graph_size, last_rows)
+        if inputs.pending_rows.numel():
+            tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
+            inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         seqs = [batch.seqs[i] for i in inputs.sample_indices]
         if graph_size is not None:
             logits = self.graphs.run(graph_size)[:len(seqs)]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
             if not seqs:
+                self._last_draws = None
                 return [], None
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
+        # (Penalties need the ids themselves: the engine reads them back before such a step.)
+        drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
         draws = self.sampler.sample(
-            logits, [s.options for s in seqs], [s.num_output_tokens for s in seqs],
+            logits, [s.options for s in seqs], drawn,
             [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
             [s.output_token_ids for s in seqs],
-            [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in seqs])
+            [s.options.end_ids() if n < s.options.min_tokens else frozenset() for s, n in zip(seqs, drawn)])
+        self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws

@@ -22,12 +22,13 @@ import torch
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention_metadata import AttentionMetadata
 
-_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows")
+_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
+           "pending_rows", "pending_sources")
 
 
-def packed_layout(num_tokens: int, num_seqs: int, num_samples: int) -> dict[str, tuple[int, int]]:
+def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0) -> dict[str, tuple[int, int]]:
     """field -> (offset, length) in the packed int32 region of a step with these counts."""
-    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples)
+    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, num_pending, num_pending)
     layout, offset = {}, 0
     for name, length in zip(_FIELDS, lengths):
         layout[name] = (offset, length)
@@ -48,6 +49,10 @@ class StepInputs:
     sample_rows: torch.Tensor  # rows of the model's output whose logits are sampled
     sample_indices: list[int]  # their sequences' indices in the batch
     graph_size: int | None  # the decode graph this step replays (None: eager)
+    # Rows of input_ids whose token the previous step drew and the host has not read yet, and
+    # that token's row among the previous step's draws (see ModelRunner.execute).
+    pending_rows: torch.Tensor
+    pending_sources: torch.Tensor
 
 
 class InputBuffers:
@@ -58,7 +63,8 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
-        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs).values())
+        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs,
+                                                         max_num_seqs).values())
         self.packed = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._tables_landing = torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -68,9 +74,9 @@ class InputBuffers:
                       for _ in range(2)]
         self._turn = 0
 
-    def views(self, num_tokens: int, num_seqs: int, num_samples: int) -> dict[str, torch.Tensor]:
+    def views(self, num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0) -> dict[str, torch.Tensor]:
         return {name: self.packed[offset:offset + length]
-                for name, (offset, length) in packed_layout(num_tokens, num_seqs, num_samples).items()}
+                for name, (offset, length) in packed_layout(num_tokens, num_seqs, num_samples, num_pending).items()}
 
     def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
         """The views and metadata a decode graph of batch_size rows is captured with."""
@@ -91,10 +97,12 @@ class InputBuffers:
         views["query_start_loc"].copy_(torch.arange(batch_size + 1, dtype=torch.int32))
         self.block_tables[:batch_size].zero_()
 
-    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None,
+                pending_sources: dict | None = None) -> StepInputs:
         """Copies the batch's inputs to the device. With graph_size (a decode batch: one new token
         per sequence, all sampling), rows past the batch are padding: they store no KV and attend
-        to one key of block 0, and their logits are ignored."""
+        to one key of block 0, and their logits are ignored. A sequence whose next token is still
+        in flight (num_pending_tokens) gets a placeholder id and its row in pending_sources."""
         host, host_tables = self._host[self._turn]
         self._turn ^= 1
         bs = self.block_size
@@ -105,12 +113,21 @@ class InputBuffers:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_indices: list[int] = []
+        pending_rows: list[int] = []
+        sources: list[int] = []
         tables = []
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
-            input_ids += seq.token_slice(start, end)
+            if end > seq.num_tokens:
+                if num_new != 1 or end != seq.num_tokens + 1 or seq not in (pending_sources or {}):
+                    raise RuntimeError(f"{seq.request_id}: only the one token the previous step drew can be in flight")
+                pending_rows.append(starts[-1])
+                sources.append(pending_sources[seq])
+                input_ids.append(0)
+            else:
+                input_ids += seq.token_slice(start, end)
             if num_new == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -119,7 +136,7 @@ class InputBuffers:
                 slots += _slots(table, start, end, bs).tolist()
             starts.append(starts[-1] + num_new)
             seq_lens.append(end)
-            if end == seq.num_tokens:
+            if end == seq.num_tokens + seq.num_pending_tokens:
                 sample_rows.append(starts[-1] - 1)
                 sample_indices.append(i)
             tables.append(table)
@@ -134,7 +151,7 @@ class InputBuffers:
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
 
-        layout = packed_layout(num_tokens, num_rows, num_samples)
+        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows))
         buf = host.numpy()
         num_real = starts[-1]
         if graph_size:
@@ -146,7 +163,8 @@ class InputBuffers:
             seq_lens += [1] * pad  # one key (block 0, position 0): finite, ignored
             sample_rows = list(range(graph_size))
         for name, values in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
-                             ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows)):
+                             ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
+                             ("pending_rows", pending_rows), ("pending_sources", sources)):
             offset, length = layout[name]
             buf[offset:offset + length] = values
         used = sum(length for _, length in layout.values())
@@ -161,9 +179,10 @@ class InputBuffers:
         landing.copy_(host_tables[:num_rows * width], non_blocking=True)
         self.block_tables[:num_rows, :width].copy_(landing.view(num_rows, width))
 
-        views = self.views(num_tokens, num_rows, num_samples)
+        views = self.views(num_tokens, num_rows, num_samples, len(pending_rows))
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens), _host_query_start_loc=starts, _host_seq_lens=seq_lens)
-        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size)
+        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size,
+                          views["pending_rows"], views["pending_sources"])
