@@ -144,7 +144,8 @@ def transformers_rates(model_dir: Path, device: torch.device, vocab: int, batche
         ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)], device=device)
         kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=32, min_new_tokens=32, **kwargs)  # warm-up: first call per shape
+            # Warm-up with the very call that is timed: its first call per shape is 3-4x slower.
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
             _sync(device)
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
@@ -159,7 +160,7 @@ def transformers_rates(model_dir: Path, device: torch.device, vocab: int, batche
 
 
 # -- 4. the engine in-process ------------------------------------------------------------------
-def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64)) -> dict:
+def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64, 256)) -> dict:
     """Per decode step: wall ms, GPU ms of the graph replay and of the sampler; an eager step for
     comparison; TTFT of a 2048-token prompt in-process; the kernels of an eager bs32 step."""
     from tandem.engine.config import EngineConfig
@@ -208,7 +209,7 @@ def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1
         sample = gpu_ms(lambda: runner.sampler.sample(logits, [s.options for s in seqs], [0] * batch, [[]] * batch,
                                                       [[]] * batch, [frozenset()] * batch))
         graphs, runner.graphs = runner.graphs, None
-        eager = timed_steps(3)
+        eager = timed_steps(3) if batch <= 64 else float("nan")
         runner.graphs = graphs
         results[batch] = dict(wall_ms=wall, replay_gpu_ms=replay, sample_gpu_ms=sample, eager_wall_ms=eager)
         log(f"engine bs{batch}: step {wall:.2f} ms wall, graph replay {replay:.2f} ms GPU, sampler {sample:.3f} ms "
@@ -301,19 +302,19 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
             tpot = _tpot_ms(outs[0])
             out["bs1"] = dict(tok_s=1e3 / tpot, ms_step=tpot, ttft_ms=outs[0].metrics.time_to_first_token_s * 1e3)
             log(f"bs1 128/256: {out['bs1']['tok_s']:.1f} tok/s ({tpot:.2f} ms/step)")
-        for name, num in (("c32", 32), ("c64", 64)):
+        for name, num, prompt_len in (("c32", 32, 128), ("c64", 64, 128), ("offline", 64 if quick else 256, 512)):
             if name in rows:
-                outs, wall = asyncio.run(_run_requests(address, _prompts(rng, num, 128, vocab), 64 if quick else 256))
+                _step_stats(address)  # drain
+                outs, wall = asyncio.run(_run_requests(address, _prompts(rng, num, prompt_len, vocab),
+                                                       64 if quick else 256))
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                tpot = statistics.median(_tpot_ms(o) for o in outs)
-                out[name] = dict(tok_s=tokens / wall, ms_step=tpot, wall_s=wall)
-                log(f"{num} concurrent 128/256: {tokens / wall:.0f} tok/s, median TPOT {tpot:.2f} ms, wall {wall:.1f} s")
-        if "offline" in rows:
-            num = 64 if quick else 256
-            outs, wall = asyncio.run(_run_requests(address, _prompts(rng, num, 512, vocab), 64 if quick else 256))
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            out["offline"] = dict(tok_s=tokens / wall, wall_s=wall)
-            log(f"offline {num} x 512/256: {tokens / wall:.0f} tok/s, wall {wall:.1f} s")
+                ttfts = sorted(o.metrics.time_to_first_token_s * 1e3 for o in outs)
+                out[name] = dict(tok_s=tokens / wall, ms_step=statistics.median(_tpot_ms(o) for o in outs), wall_s=wall,
+                                 ttft_median_ms=ttfts[len(ttfts) // 2], ttft_max_ms=ttfts[-1],
+                                 **_step_stats(address, full_batch=num))
+                log(f"{num} x {prompt_len}/256: {tokens / wall:.0f} tok/s, wall {wall:.2f} s, median TPOT "
+                    f"{out[name]['ms_step']:.2f} ms, TTFT median {ttfts[len(ttfts) // 2]:.0f} / max {ttfts[-1]:.0f} ms, "
+                    f"{out[name].get('steps')} engine steps, full-batch step {out[name].get('full_batch_step_ms')} ms")
         if "ttft" in rows:
             ttfts = []
             for prompt in _prompts(rng, 5, 2048, vocab):
@@ -325,6 +326,20 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
             out["aggregated_16"] = _split_workload(address, rng, vocab, quick)
             log(f"aggregated 16 x 1024/128: {out['aggregated_16']}")
     return out
+
+
+def _step_stats(address, full_batch: int = 0) -> dict:
+    """The worker's iteration stats since the last call: how many steps, and the median latency of
+    the steps that ran the whole batch (launch to read-back; with overlap, about one step period)."""
+    from tandem.client import LLM
+    try:
+        with LLM(address) as llm:
+            stats = llm.get_stats(timeout=0.2)
+    except Exception as exc:  # noqa: BLE001 - stats are a diagnosis, not the measurement
+        return {"stats_error": str(exc)}
+    full = [s["iterLatencyMS"] for s in stats
+            if s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch]
+    return {"steps": len(stats), "full_batch_step_ms": statistics.median(full) if full else None}
 
 
 def _split_workload(address, rng, vocab, quick) -> dict:

@@ -61,16 +61,38 @@ def test_graphs_and_gpu_sampling_match_eager_and_transformers(model_dirs, model)
     assert on_gpu == run_to_completion(_engine(model_dirs[model], device="cpu"), prompts, seeded)
 
 
+def _outputs_with_logprobs(engine, prompts, options) -> dict[str, list[tuple[int, dict]]]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options)
+    outputs = {rid: [] for rid in prompts}
+    while engine.num_unfinished:
+        for out in engine.step():
+            outputs[out.request_id] += list(zip(out.new_token_ids, out.new_logprobs))
+    return outputs
+
+
 def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
-    """Few blocks: preemption, chunked prefill and decode batches of changing sizes, in bf16."""
+    """Few blocks: preemption, chunked prefill and decode batches of changing sizes, in bf16. The graph's
+    attention splits its keys differently from the eager launch, so bf16 sums may round apart: the
+    streams must agree until a near-tie, where each side's token is in the other's top two (vLLM's
+    check_logprobs_close), and most must agree to the end."""
     rng = random.Random(7)
     prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(10, 60))] for i in range(12)}
-    options = {rid: SamplingOptions(max_tokens=32, ignore_eos=True) for rid in prompts}
+    options = SamplingOptions(max_tokens=32, ignore_eos=True, logprobs=2)
     kwargs = dict(dtype="bfloat16", num_blocks=24, max_num_batched_tokens=64)
     graphed = _engine(model_dirs["llama"], **kwargs)
-    assert run_to_completion(graphed, prompts, options) == run_to_completion(_engine(model_dirs["llama"], enforce_eager=True, **kwargs),
-                                                             prompts, options)
+    got = _outputs_with_logprobs(graphed, prompts, options)
+    want = _outputs_with_logprobs(_engine(model_dirs["llama"], enforce_eager=True, **kwargs), prompts, options)
     assert graphed.scheduler.num_preemptions > 0
+    num_equal = 0
+    for rid in prompts:
+        for (token, top), (want_token, want_top) in zip(got[rid], want[rid]):
+            if token != want_token:
+                assert token in want_top and want_token in top, (rid, token, want_token, top, want_top)
+                break
+        else:
+            num_equal += 1
+    assert num_equal >= len(prompts) - 2
 
 
 def test_sampler_on_gpu_draws_what_the_cpu_draws():
