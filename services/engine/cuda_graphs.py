@@ -55,13 +55,16 @@ class DecodeGraphs:
             return
         started = time.perf_counter()
         pool = None
+        # A stream of our own device: torch's default capture stream belongs to whichever device the
+        # process first captured on, and capturing on it moves the current device there.
+        stream = torch.cuda.Stream(device=self.device)
         for size in reversed(self.sizes):
             self.prepare_dummy(size)
             self.forward(size)  # outside the capture: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the worker's other threads may touch CUDA (NIXL, the gRPC loop) meanwhile.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self._logits[size] = self.forward(size)
             pool = graph.pool() if pool is None else pool
             self._graphs[size] = graph

@@ -4,16 +4,17 @@ Every per-token and per-sequence index of a step (token ids, positions, KV slots
 query starts, sequence lengths, rows to sample) is int32 and packed back to back
 into one region: the host fills its pinned twin with numpy slice assignments (no
 `torch.tensor(list)` per step) and one asynchronous copy moves it. Block tables
-travel compactly ([rows, widest table]) and are spread on the device into a table
-with room for the longest sequence. The layout depends only on the step's counts,
-so a decode CUDA graph captured for batch size B reads exactly where a step of B
-rows was written.
+travel in it too, concatenated with each entry's place in the device table (a row
+with room for the longest sequence), and one scatter puts them there. The layout
+depends only on the step's counts, so a decode CUDA graph captured for batch size B
+reads exactly where a step of B rows was written.
 
 Host buffers come in two sets used in turn: filling step N+1's never overwrites the
 bytes of step N's copy, which may still be queued on the stream.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,12 +24,14 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention_metadata import AttentionMetadata
 
 _FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
-           "pending_rows", "pending_sources")
+           "pending_rows", "pending_sources", "table_entries", "table_places")
 
 
-def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0) -> dict[str, tuple[int, int]]:
+def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
+                  num_table_entries: int = 0) -> dict[str, tuple[int, int]]:
     """field -> (offset, length) in the packed int32 region of a step with these counts."""
-    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, num_pending, num_pending)
+    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, num_pending, num_pending,
+               num_table_entries, num_table_entries)
     layout, offset = {}, 0
     for name, length in zip(_FIELDS, lengths):
         layout[name] = (offset, length)
@@ -63,20 +66,17 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
-        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs,
-                                                         max_num_seqs).values())
+        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs,
+                                                         max_num_seqs * max_blocks_per_seq).values())
         self.packed = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._tables_landing = torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
-        self._host = [(torch.zeros(size, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(max_num_seqs * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin))
-                      for _ in range(2)]
+        self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
-    def views(self, num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0) -> dict[str, torch.Tensor]:
-        return {name: self.packed[offset:offset + length]
-                for name, (offset, length) in packed_layout(num_tokens, num_seqs, num_samples, num_pending).items()}
+    def views(self, *counts: int) -> dict[str, torch.Tensor]:
+        """The packed region's fields for a step with these counts (packed_layout's arguments)."""
+        return {name: self.packed[offset:offset + length] for name, (offset, length) in packed_layout(*counts).items()}
 
     def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
         """The views and metadata a decode graph of batch_size rows is captured with."""
@@ -103,7 +103,7 @@ class InputBuffers:
         per sequence, all sampling), rows past the batch are padding: they store no KV and attend
         to one key of block 0, and their logits are ignored. A sequence whose next token is still
         in flight (num_pending_tokens) gets a placeholder id and its row in pending_sources."""
-        host, host_tables = self._host[self._turn]
+        host = self._host[self._turn]
         self._turn ^= 1
         bs = self.block_size
         input_ids: list[int] = []
@@ -151,7 +151,13 @@ class InputBuffers:
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
 
-        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows))
+        table_lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_seqs)
+        num_entries = int(table_lengths.sum())
+        # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table.
+        row_starts = np.cumsum(table_lengths) - table_lengths
+        places = np.arange(num_entries) + np.repeat(
+            np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, table_lengths)
+        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
         buf = host.numpy()
         num_real = starts[-1]
         if graph_size:
@@ -164,22 +170,15 @@ class InputBuffers:
             sample_rows = list(range(graph_size))
         for name, values in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
                              ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
-                             ("pending_rows", pending_rows), ("pending_sources", sources)):
+                             ("pending_rows", pending_rows), ("pending_sources", sources),
+                             ("table_entries", list(itertools.chain.from_iterable(tables))), ("table_places", places)):
             offset, length = layout[name]
             buf[offset:offset + length] = values
         used = sum(length for _, length in layout.values())
         self.packed[:used].copy_(host[:used], non_blocking=True)
-
-        compact = host_tables.numpy()[:num_rows * width]
-        compact[:] = 0
-        grid = compact.reshape(num_rows, width)
-        for i, table in enumerate(tables):
-            grid[i, :len(table)] = table
-        landing = self._tables_landing[:num_rows * width]
-        landing.copy_(host_tables[:num_rows * width], non_blocking=True)
-        self.block_tables[:num_rows, :width].copy_(landing.view(num_rows, width))
-
-        views = self.views(num_tokens, num_rows, num_samples, len(pending_rows))
+        views = self.views(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        # Entries past a table's length (and padding rows) keep older block ids: never read, always valid.
+        self.block_tables.view(-1).index_copy_(0, views["table_places"].long(), views["table_entries"])
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
