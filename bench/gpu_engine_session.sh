@@ -13,7 +13,7 @@ PARTS=${PARTS:-tests serve kernels pull}
 } 2>&1 | tee "$OUT/session.txt"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py 2>&1 | tail -25 | tee "$OUT/pytest-gpu.txt"
+  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
 fi
 if has serve; then
   timeout "${SERVE_S:-330}" python3 bench/serve.py "$@" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/serve.txt" | tail -45

@@ -309,12 +309,15 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
                                                        64 if quick else 256))
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 ttfts = sorted(o.metrics.time_to_first_token_s * 1e3 for o in outs)
+                # Once the last request has its first token every request decodes: the step period
+                # from there on is the serving decode step, to hold beside the in-process one.
+                late_step_ms = (wall * 1e3 - ttfts[-1]) / (max(len(o.outputs[0].token_ids) for o in outs) - 1)
                 out[name] = dict(tok_s=tokens / wall, ms_step=statistics.median(_tpot_ms(o) for o in outs), wall_s=wall,
                                  ttft_median_ms=ttfts[len(ttfts) // 2], ttft_max_ms=ttfts[-1],
-                                 **_step_stats(address, full_batch=num))
+                                 decode_step_ms=late_step_ms, **_step_stats(address, full_batch=num))
                 log(f"{num} x {prompt_len}/256: {tokens / wall:.0f} tok/s, wall {wall:.2f} s, median TPOT "
                     f"{out[name]['ms_step']:.2f} ms, TTFT median {ttfts[len(ttfts) // 2]:.0f} / max {ttfts[-1]:.0f} ms, "
-                    f"{out[name].get('steps')} engine steps, full-batch step {out[name].get('full_batch_step_ms')} ms")
+                    f"decode step after the last first token {late_step_ms:.2f} ms")
         if "ttft" in rows:
             ttfts = []
             for prompt in _prompts(rng, 5, 2048, vocab):
@@ -329,8 +332,8 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
 
 
 def _step_stats(address, full_batch: int = 0) -> dict:
-    """The worker's iteration stats since the last call: how many steps, and the median latency of
-    the steps that ran the whole batch (launch to read-back; with overlap, about one step period)."""
+    """The worker's iteration stats since the last call: how many steps, and the median latency of the
+    steps that ran the whole batch (launch to read-back: with overlap it spans parts of two periods)."""
     from tandem.client import LLM
     try:
         with LLM(address) as llm:
@@ -339,7 +342,7 @@ def _step_stats(address, full_batch: int = 0) -> dict:
         return {"stats_error": str(exc)}
     full = [s["iterLatencyMS"] for s in stats
             if s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch]
-    return {"steps": len(stats), "full_batch_step_ms": statistics.median(full) if full else None}
+    return {"steps": len(stats), "full_batch_latency_ms": statistics.median(full) if full else None}
 
 
 def _split_workload(address, rng, vocab, quick) -> dict:

@@ -95,3 +95,13 @@ def test_bind_device_sets_the_thread_current_device(monkeypatch):
     runner.device = torch.device("cpu")
     runner.bind_device()
     assert calls == [torch.device("cuda", 1)]
+
+
+def test_engine_flags_reach_the_config_and_tandem_up_passes_them_on(model_dirs):
+    from tandem.cli.main import _engine_config, _parser
+    from tandem.cli.up import _engine_args
+    args = _parser().parse_args(["serve", "both", "--model", str(model_dirs["llama"]), "--enforce-eager",
+                                 "--no-overlap-scheduling"])
+    config = _engine_config(args)
+    assert config.enforce_eager and not config.overlap_scheduling
+    assert _engine_config(_parser().parse_args(["serve", "both", *_engine_args(args, config)])) == config

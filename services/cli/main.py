@@ -23,6 +23,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV of prompt prefixes seen before")
     p.add_argument("--kv-lease-seconds", type=float, default=30.0,
                    help="prefill: seconds a handed-off KV stays pinned waiting for the decode side")
+    p.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs")
+    p.add_argument("--no-overlap-scheduling", dest="overlap_scheduling", action="store_false",
+                   help="read each step's tokens back before scheduling the next")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +82,8 @@ def _engine_config(args):
                         num_blocks=args.num_blocks, kv_cache_memory_gb=args.kv_cache_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device, seed=args.seed,
-                        kv_lease_seconds=args.kv_lease_seconds, enable_prefix_caching=args.enable_prefix_caching)
+                        kv_lease_seconds=args.kv_lease_seconds, enable_prefix_caching=args.enable_prefix_caching,
+                        enforce_eager=args.enforce_eager, overlap_scheduling=args.overlap_scheduling)
 
 
 def _serve(args) -> int:

@@ -16,7 +16,9 @@ def _engine_args(args, engine) -> list[str]:
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens), "--max-model-len", str(engine.max_model_len),
             "--dtype", engine.dtype, "--device", engine.device, "--seed", str(engine.seed),
             "--kv-lease-seconds", str(engine.kv_lease_seconds),
-            *([] if engine.enable_prefix_caching else ["--no-prefix-caching"])]
+            *([] if engine.enable_prefix_caching else ["--no-prefix-caching"]),
+            *(["--enforce-eager"] if engine.enforce_eager else []),
+            *([] if engine.overlap_scheduling else ["--no-overlap-scheduling"])]
 
 
 def up(args, engine) -> int:
