@@ -147,10 +147,54 @@ class Bench:
                          moved, "GB/s", HBM_PEAK_TBS * 1e3)
 
 
+    def fused(self, name, num_tokens, hidden, inter):
+        """A fused element-wise kernel against its torch reference (several kernels), bytes moved once."""
+        from tandem.kernels import fused as ref
+        from tandem.kernels import fused_triton
+        size = self.dtype.itemsize
+        x, res, weight = self._randn(num_tokens, hidden), self._randn(num_tokens, hidden), self._randn(hidden)
+        if name == "add_rms_norm":
+            args, moved = (x, res, weight, 1e-5), (4 * num_tokens * hidden + hidden) * size
+        elif name == "silu_and_mul":
+            args, moved = (self._randn(num_tokens, 2 * inter),), 3 * num_tokens * inter * size
+        else:  # rope_store_kv: q, k, v read; q and the k/v cache rows written; cos/sin rows read
+            qkv = self._randn(num_tokens, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim)
+            q, k, v = (t.view(num_tokens, -1, self.head_dim) for t in qkv.split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1))
+            _, kv_layer, meta = self._batch(16, [num_tokens], [num_tokens])
+            positions = torch.arange(num_tokens, device=self.device)
+            inv_freq = 1.0 / (500000 ** (torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim))
+            cos_sin = ref.rope_cos_sin(inv_freq, num_tokens, self.dtype)
+            args = (q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
+            moved = 2 * qkv.numel() * size + cos_sin.numel() * size
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+        return self._row(name, f"{num_tokens} tokens", "-", lambda: first(getattr(ref, name)(*args)),
+                         lambda: first(getattr(fused_triton, name)(*args)), moved, "GB/s", HBM_PEAK_TBS * 1e3)
+
+
+def sweep_prefill(bench: Bench, length: int) -> None:
+    """Times the prefill attention under other tile shapes (rows, keys per tile, warps, stages)."""
+    module = bench.triton
+    default = module.launch_config
+    print(f"prefill launch-config sweep, 1 x {length} tokens, block 16:")
+    for rows, tile_n, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3),
+                                        (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)):
+        module.launch_config = lambda has_prefill, dim_pad, c=module.LaunchConfig(rows, tile_n, warps, stages): (
+            c if has_prefill else default(has_prefill, dim_pad))
+        try:
+            row = bench.prefill(16, length)
+            print(f"  rows {rows:4d} tile {tile_n:4d} warps {warps} stages {stages}: {row['triton_ms']:.4f} ms, "
+                  f"{row['rate']:.1f} TFLOP/s, rel err {row['error']:.1e}")
+        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is a row, not the end
+            print(f"  rows {rows:4d} tile {tile_n:4d} warps {warps} stages {stages}: failed ({type(exc).__name__})")
+    module.launch_config = default
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes; Triton through the interpreter on CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep-prefill", action="store_true", help="also time other prefill tile shapes")
     return parser.parse_args()
 
 
@@ -178,11 +222,18 @@ def main() -> None:
         rows.append(bench.store(block_size, max(shapes.prefill_lens)))
     # A chunk continuing a cached prefix next to decode rows: the engine's mixed steps.
     rows.append(bench.mixed(shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches)))
+    if run_triton:
+        hidden, inter = (4096, 14336) if shapes is LLAMA_8B else (64, 128)
+        for name in ("add_rms_norm", "silu_and_mul", "rope_store_kv"):
+            for num_tokens in ((1, 64, 2048) if shapes is LLAMA_8B else (1, 8, 32)):
+                rows.append(bench.fused(name, num_tokens, hidden, inter))
     print_table(rows)
+    if args.sweep_prefill and run_triton:
+        sweep_prefill(bench, max(shapes.prefill_lens))
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'kernel':<10}{'case':<24}{'block':>6}{'torch ms':>11}{'triton ms':>11}{'triton rate':>16}{'roofline':>16}{'% roof':>8}{'rel err':>10}"
+    header = f"{'kernel':<14}{'case':<24}{'block':>6}{'torch ms':>11}{'triton ms':>11}{'triton rate':>16}{'roofline':>16}{'% roof':>8}{'rel err':>10}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -191,7 +242,7 @@ def print_table(rows: list[dict]) -> None:
         achieved = f"{rate:.1f} {unit}" if rate is not None else "-"
         percent = f"{100 * rate / roof:.1f}" if rate is not None else "-"
         error = f"{row['error']:.1e}" if row["error"] is not None else "-"
-        print(f"{row['kernel']:<10}{row['case']:<24}{row['block']:>6}{row['torch_ms']:>11.4f}{triton_ms:>11}"
+        print(f"{row['kernel']:<14}{row['case']:<24}{row['block']:>6}{row['torch_ms']:>11.4f}{triton_ms:>11}"
               f"{achieved:>16}{f'{roof:.0f} {unit}':>16}{percent:>8}{error:>10}")
     print(f"roofline: GB/s rows against HBM peak {HBM_PEAK_TBS} TB/s (a measured device copy reaches "
           f"{HBM_COPY_TBS}); TFLOP/s rows against {BF16_DENSE_TFLOPS:.0f} bf16 dense, causal FLOPs = "

@@ -15,12 +15,14 @@ class AttentionMetadata:
     its `seq_lens[b]` KV entries (the new tokens' KV is stored before attention runs).
     """
 
-    slot_mapping: torch.Tensor  # int64 [T], -1 = do not store
+    slot_mapping: torch.Tensor  # int32 or int64 [T], -1 = do not store
     query_start_loc: torch.Tensor  # int32 [B+1]
     seq_lens: torch.Tensor  # int32 [B]
     block_tables: torch.Tensor  # int32 [B, max_num_blocks], padded with 0
     max_query_len: int
     max_seq_len: int
+    # Key segments per sequence in the Triton kernel; fixed for a captured CUDA graph (None: per call).
+    num_kv_splits: int | None = None
     # Host copies so the CPU path does not pay a device->host sync in every layer.
     _host_query_start_loc: list[int] | None = field(default=None, repr=False, compare=False)
     _host_seq_lens: list[int] | None = field(default=None, repr=False, compare=False)

@@ -1,4 +1,4 @@
-"""Picks the attention backend per call: Triton for CUDA tensors, the torch reference otherwise.
+"""Picks the kernel backend per call: Triton for CUDA tensors, the torch reference otherwise.
 
 `TANDEM_ATTENTION_BACKEND=torch|triton` forces one (read at each call, so tests and
 benchmarks can flip it); forcing triton on CPU tensors needs TRITON_INTERPRET=1.
@@ -7,11 +7,13 @@ Triton is imported lazily: a CPU-only install without it still serves.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from types import ModuleType
 
 import torch
 
+from tandem.kernels import fused as fused_reference
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
 
@@ -19,12 +21,11 @@ _BACKENDS = ("torch", "triton")
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def _triton_module(name: str = "paged_attention_triton") -> ModuleType | None:
     try:
-        from tandem.kernels import paged_attention_triton
+        return importlib.import_module(f"tandem.kernels.{name}")
     except ImportError:
         return None
-    return paged_attention_triton
 
 
 def backend_for(device: torch.device) -> str:
@@ -37,6 +38,10 @@ def backend_for(device: torch.device) -> str:
             raise ValueError("TANDEM_ATTENTION_BACKEND=triton but triton does not import")
         return forced
     return "triton" if device.type == "cuda" and _triton_module() is not None else "torch"
+
+
+def _fused(device: torch.device) -> ModuleType:
+    return _triton_module("fused_triton") if backend_for(device) == "triton" else fused_reference
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -52,3 +57,23 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     if backend_for(kv_layer.device) == "triton":
         return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
     return reference.paged_attention(query, kv_layer, meta, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _fused(x.device).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x)."""
+    return _fused(x.device).add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _fused(gate_up.device).silu_and_mul(gate_up)
+
+
+def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
+    return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping)

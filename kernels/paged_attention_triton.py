@@ -42,7 +42,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
+    slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
     if slot < 0:
         return
     heads = tl.arange(0, HEADS_PAD)[:, None]
@@ -86,7 +86,7 @@ def _attend_tile(
 def _attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale_log2, split_len,
+    scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_block, stride_kv, stride_slot, stride_head, stride_table,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -116,6 +116,9 @@ def _attention_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    # Each sequence cuts its own keys into NUM_SPLITS tile-aligned segments: the launch depends
+    # on no host-side length, so one captured CUDA graph serves every context length.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
     # A finite floor keeps fully masked rows at exp2(-inf - floor) = 0 instead of NaN.
@@ -226,6 +229,14 @@ def _default_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device
     return max(1, min(wanted, triton.cdiv(max_seq_len, 4 * tile_n), 32))
 
 
+def graph_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Key segments per sequence for a captured decode step of num_seqs sequences: about two
+    programs per SM whatever the context length, which a graph cannot know in advance (a
+    sequence's segments past its context are empty and cost one early exit each)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(32, triton.next_power_of_2(triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)))
+
+
 def paged_attention_triton(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_kv_splits: int | None = None,
@@ -233,7 +244,8 @@ def paged_attention_triton(
     """Causal GQA attention of each sequence's new tokens over its whole paged KV.
 
     query [T, Hq, D] -> [T, Hq, D]. The new tokens' KV must already be stored.
-    `num_kv_splits` overrides the key-segment count (tests; None picks one per grid size).
+    `num_kv_splits` overrides the key-segment count (tests); else `meta.num_kv_splits` (fixed per
+    captured CUDA graph), else one is picked per grid size and context length.
     """
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
@@ -262,16 +274,13 @@ def paged_attention_triton(
     block_q = max(1, config.rows // group_pad)
     tile_n = config.tile_n
     num_q_blocks = triton.cdiv(meta.max_query_len, block_q)
-    if num_kv_splits is None:
+    num_splits = num_kv_splits or meta.num_kv_splits
+    if num_splits is None:
         # NUM_SPLITS is a compile-time constant: one value per batch shape would JIT-compile new
         # kernels while serving (seconds each on an H200). Powers of two bound that to a handful;
         # segments past a sequence's context are empty and drop out of the merge (lse = -inf).
         num_splits = triton.next_power_of_2(_default_num_splits(
             num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device))
-        split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), tile_n) * tile_n
-    else:
-        split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_kv_splits), tile_n) * tile_n
-        num_splits = triton.cdiv(meta.max_seq_len, split_len)
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -280,7 +289,7 @@ def paged_attention_triton(
     _attention_kernel[(num_seqs, num_q_blocks * num_splits, num_kv_heads)](
         query, kv_layer, out, part_out, part_lse,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, split_len,
+        scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

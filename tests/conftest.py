@@ -60,6 +60,21 @@ def oracle():
     return get
 
 
+def run_to_completion(engine, prompts: dict[str, list[int]], options) -> dict[str, list[int]]:
+    """Adds every prompt (options: one SamplingOptions or one per request id), steps the engine
+    until all finish, and returns each request's generated tokens."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options[rid] if isinstance(options, dict) else options)
+    outputs = {rid: [] for rid in prompts}
+    for _ in range(100_000):
+        if not engine.num_unfinished:
+            break
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert engine.num_unfinished == 0
+    return outputs
+
+
 def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
     """Polls every worker until its free blocks equal its total; returns the last capacity per worker."""
     deadline = time.monotonic() + timeout
@@ -75,3 +90,14 @@ def assert_all_blocks_free(llm) -> None:
     caps = wait_all_blocks_free(llm)
     leaked = {w: c for w, c in caps.items() if c["numFreeBlocks"] != c["maxNumBlocks"]}
     assert not leaked, f"KV blocks not returned: {leaked}"
+
+
+class ImmediateEngineThread:
+    """Stands in for EngineCore's queue in engine-level tests: applies a lease keeper's FreeBlocks
+    at once, on the calling thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def send(self, command) -> None:
+        self.engine.free_blocks(command.block_ids)

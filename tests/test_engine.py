@@ -5,25 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
+from conftest import run_to_completion
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, PromptNeverFitsError, PromptTooLongError
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.sampler import Sampler, _truncation_mask
-
-
-def _run(engine: LLMEngine, prompts: dict[str, list[int]], options: SamplingOptions, priorities=None) -> dict[str, list[int]]:
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, options, priority=(priorities or {}).get(rid, 0.5))
-    outputs = {rid: [] for rid in prompts}
-    for _ in range(10_000):
-        if not engine.num_unfinished:
-            break
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    assert engine.num_unfinished == 0
-    return outputs
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
@@ -35,7 +21,7 @@ def test_batching_under_pressure_matches_transformers(model_dirs, oracle, model,
                for i in range(6)}
     engine = LLMEngine(EngineConfig(str(model_dirs[model]), block_size=4, num_blocks=num_blocks,
                                     max_num_seqs=4, max_num_batched_tokens=budget))
-    got = _run(engine, prompts, SamplingOptions(max_tokens=16, eos_token_ids=(2,)))
+    got = run_to_completion(engine, prompts, SamplingOptions(max_tokens=16, eos_token_ids=(2,)))
     for rid, ids in prompts.items():
         assert got[rid] == ref.greedy(ids, 16), rid
     assert engine.block_manager.num_free_blocks == num_blocks
@@ -74,36 +60,6 @@ def test_abort_frees_blocks(model_dirs):
     assert engine.block_manager.num_free_blocks == 32 and engine.num_unfinished == 0
 
 
-def test_truncation_mask_keeps_top_k_top_p_min_p():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1], [0.7, 0.2, 0.06, 0.04]])
-    cut = _truncation_mask(probs, top_k=torch.tensor([2, 0, 0]), top_p=torch.tensor([1.0, 0.65, 1.0]),
-                           min_p=torch.tensor([0.0, 0.0, 0.1]))
-    assert cut.tolist() == [[False, False, True, True], [False, False, True, True], [False, False, True, True]]
-
-
-def test_seeded_rows_do_not_depend_on_the_batch():
-    sampler = Sampler(seed=0)
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    opts = [SamplingOptions(temperature=1.0, seed=5), SamplingOptions(temperature=0.7, top_k=10), SamplingOptions()]
-
-    def draw(rows):
-        gens = [Sampler.step_generator(opts[r].seed, 0) for r in rows]
-        return sampler.sample(logits[rows], [opts[r] for r in rows], gens, [[]] * len(rows), [[]] * len(rows),
-                              [frozenset()] * len(rows)).token_ids
-    assert draw([0, 1, 2])[0] == draw([0])[0]
-    assert draw([0, 1, 2])[2] == int(logits[2].argmax())
-
-
-def test_penalties_and_min_tokens_change_the_choice():
-    sampler = Sampler()
-    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
-    base = SamplingOptions()
-    assert sampler.sample(logits, [base], [None], [[1]], [[1]], [frozenset()]).token_ids == [1]
-    penal = SamplingOptions(repetition_penalty=1.5)
-    assert sampler.sample(logits, [penal], [None], [[1]], [[1]], [frozenset()]).token_ids == [2]
-    assert sampler.sample(logits, [base], [None], [[]], [[]], [frozenset({1, 2})]).token_ids == [3]
-
-
 def test_a_sequence_that_outgrows_the_pool_ends_with_length(model_dirs):
     engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=8, num_blocks=4))
     engine.add_request("big", [1] * 10, SamplingOptions(max_tokens=50, ignore_eos=True))
@@ -124,9 +80,9 @@ def test_prefix_cache_reuse_eviction_and_events(model_dirs, oracle):
     assert engine.block_manager.drain_events() == [{"type": "created", "num_blocks_per_cache_level": [24, 0]}]
     shared = [1] + list(range(10, 25))  # 16 tokens: 4 full blocks
     opts = SamplingOptions(max_tokens=6, ignore_eos=True)
-    first = _run(engine, {"a": shared + [40, 41]}, opts)["a"]
+    first = run_to_completion(engine, {"a": shared + [40, 41]}, opts)["a"]
     computed = engine.counters.num_prompt_tokens_computed
-    second = _run(engine, {"b": shared + [50, 51, 52]}, opts)["b"]
+    second = run_to_completion(engine, {"b": shared + [50, 51, 52]}, opts)["b"]
     assert engine.counters.num_prompt_tokens_computed - computed == 3  # only the new tail
     assert first == ref.greedy(shared + [40, 41], 6) and second == ref.greedy(shared + [50, 51, 52], 6)
     events = engine.block_manager.drain_events()
@@ -134,7 +90,7 @@ def test_prefix_cache_reuse_eviction_and_events(model_dirs, oracle):
     assert [t["token_id"] for t in stored[0]["tokens"]] == shared[:4]
     # Fill the pool with other prompts: cached blocks get reused and leave the cache.
     others = {f"o{i}": [1] + [100 + 20 * i + j for j in range(15)] for i in range(6)}
-    got = _run(engine, others, opts)
+    got = run_to_completion(engine, others, opts)
     assert got == {k: ref.greedy(v, 6) for k, v in others.items()}
     assert any(e["type"] == "removed" for e in engine.block_manager.drain_events())
     assert engine.block_manager.num_free_blocks == 24
@@ -184,28 +140,20 @@ def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
     assert engine.block_manager.num_free_blocks == 8 and not engine.has_request("z")
 
 
-class _EngineThread:
-    """Stands in for EngineCore's queue: applies the keeper's FreeBlocks at once, on this thread."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def send(self, command) -> None:
-        self.engine.free_blocks(command.block_ids)
-
-
 def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model_dirs):
+    from conftest import ImmediateEngineThread
     from tandem.engine.sequence import Phase
     from tandem.prefill.lease_keeper import LeaseEnd, LeaseKeeper
     keeper = LeaseKeeper(lease_seconds=60)
     engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), leases=keeper)
-    keeper.attach(_EngineThread(engine))
+    keeper.attach(ImmediateEngineThread(engine))
     opts = SamplingOptions(max_tokens=8, ignore_eos=True)
 
     def context_only():
         engine.add_request("same-id", [1, 5, 6, 7, 8], opts, phase=Phase.CONTEXT_ONLY)
+        out = []
         while engine.num_unfinished:
-            out = engine.step()
+            out += engine.step()
         (handoff,) = out
         assert handoff.lease is not None and handoff.lease.block_ids
         return handoff.lease

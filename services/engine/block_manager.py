@@ -123,7 +123,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # A token drawn by a step still in flight may have its KV computed but no id on the host yet.
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(seq.block_table))
         if num_full <= len(seq.block_hashes):
             return
         parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -28,6 +28,9 @@ class EngineConfig:
     kv_lease_seconds: float = _flag(30.0, "prefill: seconds a handed-off KV stays pinned waiting for the decode side")
     enable_prefix_caching: bool = _flag(True, "do not reuse the KV of prompt prefixes seen before",
                                         flag="--no-prefix-caching")
+    enforce_eager: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes")
+    overlap_scheduling: bool = _flag(True, "read each step's tokens back before scheduling the next (no overlap of "
+                                           "host and device work)", flag="--no-overlap-scheduling")
 
     def __post_init__(self):
         if not self.model_dir or not (Path(self.model_dir) / "config.json").is_file():

@@ -186,12 +186,16 @@ class EngineCore:
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, EngineFailure(exc))
             return
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        if outputs:  # one hop to the loop per step, not per output
+            self.loop.call_soon_threadsafe(self._put_all, outputs)
         self._record_stats(outputs)
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         self.loop.call_soon_threadsafe(self._put, request_id, item)
+
+    def _put_all(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self._put(out.request_id, out)
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

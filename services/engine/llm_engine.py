@@ -11,7 +11,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
@@ -40,6 +40,20 @@ class LeaseTable(Protocol):
 
 
 @dataclass
+class InFlightStep:
+    """A step queued on the device: its batch, the sequences that draw a token, their draws."""
+    batch: ScheduledBatch
+    sampled: list[Sequence]
+    draws: SampledBatch | None
+    started: float
+
+    @property
+    def needs_ids(self) -> bool:
+        """The next step cannot run before these ids are on the host: a penalty counts them."""
+        return any(seq.options.has_penalties for seq in self.sampled)
+
+
+@dataclass
 class EngineCounters:
     num_steps: int = 0
     num_prompt_tokens_computed: int = 0
@@ -58,7 +72,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
         # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
         self.leases = leases
@@ -67,6 +80,8 @@ class LLMEngine:
         self.current_batch_ids: list[str] = []
         # Every sequence the engine owns: queued, running or WAITING_FOR_REMOTE_KV.
         self._seqs: dict[str, Sequence] = {}
+        # The launched step whose draws the host has not read yet (overlap_scheduling).
+        self._in_flight: InFlightStep | None = None
 
     @property
     def num_unfinished(self) -> int:
@@ -138,6 +153,10 @@ class LLMEngine:
         seq = self._new_sequence(request_id, prompt_token_ids, options, Phase.GENERATION_ONLY, priority, cache_salt,
                                  first_token_ids)
         bm = self.block_manager
+        if self._in_flight is not None:
+            # Blocks freed while a step was in flight (an abort, a preemption) may still be written
+            # by it; the KV pulled into them arrives outside the device's stream order.
+            self.runner.synchronize()
         cached, hashes = bm.match_prefix(seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens)
         # Room for the first generated token's KV too: a parked sequence that still needed a block
         # could wait behind a preempted sequence that needs the same blocks, forever.
@@ -230,43 +249,63 @@ class LLMEngine:
 
     # -- the step: schedule -> run -> postprocess --
     def step(self) -> list[StepOutput]:
+        """schedule -> run -> postprocess. With overlap_scheduling the postprocess is the previous
+        step's, done while this step runs on the device (SGLang's overlap scheduler, vLLM's async
+        scheduling): the host turns the last draws into outputs and schedules while the GPU
+        computes, and the step reads the ids still in flight on the device. A sequence that the
+        late ids end has computed one row to throw away."""
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_ids:
+            outputs += self._postprocess(self._in_flight)  # penalties count the ids: read them first
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        self.last_step_was_idle = batch.is_empty
         self.current_batch_ids = [seq.request_id for seq in batch.seqs]
+        if self._in_flight is not None:
+            self.current_batch_ids += [seq.request_id for seq in self._in_flight.batch.seqs]
+        previous, self._in_flight = self._in_flight, self._launch(batch)
+        if previous is not None:
+            outputs += self._postprocess(previous)
+        if not self.config.overlap_scheduling and self._in_flight is not None:
+            outputs += self._postprocess(self._in_flight)
+            self._in_flight = None
+        self.last_step_was_idle = batch.is_empty and not outputs
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Queues the batch's forward and draws on the device; the bookkeeping runs meanwhile."""
         if batch.is_empty:
-            return []
+            return None
         started = time.perf_counter()
-        logits, sample_indices = self.runner.execute(batch)
+        sampled, draws = self.runner.execute(batch)
+        self.counters.last_batch = {
+            "numScheduledRequests": len(batch.seqs),
+            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
+            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens > 0),
+            "numCtxTokens": batch.num_tokens - len(sampled),
+        }
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
             self.counters.num_prompt_tokens_computed += prompt_part
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed(seq)
-        sampled = [batch.seqs[i] for i in sample_indices]
-        outputs: list[StepOutput] = []
-        if sampled:
-            result = self.sampler.sample(
-                logits,
-                [s.options for s in sampled],
-                [Sampler.step_generator(s.options.seed, s.num_output_tokens) for s in sampled],
-                [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in sampled],
-                [s.output_token_ids for s in sampled],
-                [s.options.end_ids() if s.num_output_tokens < s.options.min_tokens else frozenset() for s in sampled],
-            )
-            for k, seq in enumerate(sampled):
-                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
-        self._count_step(batch, len(sampled), started)
-        return outputs
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+        return InFlightStep(batch, sampled, draws, started)
 
-    def _count_step(self, batch: ScheduledBatch, num_sampled: int, started: float) -> None:
+    def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
+        """Waits for a launched step's draws and appends each to its sequence."""
+        outputs: list[StepOutput] = []
+        if step.sampled:
+            result = step.draws.to_host()
+            for k, seq in enumerate(step.sampled):
+                seq.num_pending_tokens -= 1
+                if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
+                    continue
+                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+                self.block_manager.register_computed(seq)  # the block the token completes, now known
         self.counters.num_steps += 1
-        self.counters.last_step_seconds = time.perf_counter() - started
-        self.counters.last_batch = {
-            "numScheduledRequests": len(batch.seqs),
-            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens == 0),
-            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens > 0),
-            "numCtxTokens": batch.num_tokens - num_sampled,
-        }
+        self.counters.last_step_seconds = time.perf_counter() - step.started
+        return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:
         if seq.first_token_time is None:

@@ -89,7 +89,7 @@ def load_model(
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers are still on the meta device; rebuild them for real.
-    model.rotary = type(model.rotary)(config).to(device)
+    model.rotary = type(model.rotary)(config, dtype, device)
     return model.eval(), config
 
 

@@ -12,8 +12,9 @@ from torch import nn
 import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
+from tandem.kernels import dispatch as kernels
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.dispatch import paged_attention, store_kv
+from tandem.kernels.fused import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -22,13 +23,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does,
-        # so that bf16 results round the same way.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -53,25 +52,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """cos/sin of every position up to the context length, looked up per token by the KV-store kernel."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (HF rotate_half layout, not interleaved)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+        # Computed where the model runs: cos/sin there round as transformers' per-step ones do.
+        inv_freq = rope_inv_freq(config).to(device)
+        self.register_buffer("cos_sin", rope_cos_sin(inv_freq, config.max_position_embeddings,
+                                                     dtype or config.torch_dtype), persistent=False)
 
 
 class Attention(nn.Module):
@@ -92,7 +80,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         meta: AttentionMetadata, kv_layer: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,9 +89,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        store_kv(k, v, kv_layer, meta.slot_mapping)
-        out = paged_attention(q, kv_layer, meta, self.scale)
+        q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -114,8 +101,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,9 +112,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, cos, sin, meta, kv_layer) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_layer)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP's output and the residual stream before it; the next layer's norm adds them
+        (the residual adds ride in the norm kernels)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class CausalLM(nn.Module):
@@ -152,11 +145,11 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata, kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]; writes the KV of all T tokens."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.cos_sin
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, meta, kv_cache[:, index])
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index])
+        return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,27 @@
-"""The device side: model weights, the KV pool, and turning a scheduled batch into logits."""
+"""The device side: model weights, the KV pool, and turning a scheduled batch into sampled tokens.
+
+A step's inputs go through persistent buffers (step_inputs.py); decode steps replay a
+CUDA graph of their padded batch size (cuda_graphs.py), prefill and mixed steps run
+eagerly; the sampler draws on the device and only token ids and log-probabilities
+come back to the host.
+"""
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.sampler import SampledBatch, Sampler
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.engine.sequence import Sequence
+from tandem.engine.step_inputs import InputBuffers
+from tandem.kernels.dispatch import backend_for
+
+log = logging.getLogger("tandem.model_runner")
 
 # What must agree for new weights to replace the served ones.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -15,10 +29,18 @@ _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = _resolve_device(config.device)
+        self.bind_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
@@ -26,8 +48,37 @@ class ModelRunner:
         self.weights_source = config.model_dir
         self.weights_version = 0
         self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        max_num_seqs = config.max_num_seqs
+        self.inputs = InputBuffers(max(config.max_num_batched_tokens, max_num_seqs), max_num_seqs,
+                                   -(-self.max_model_len // self.block_size) + 1, self.block_size, self.device)
+        self.sampler = Sampler(self.model_config.vocab_size, max_num_seqs, self.device, config.seed)
+        self.graphs: DecodeGraphs | None = None
+        # The last step's draws on the device and each drawing sequence's row in them: the next
+        # step reads a token still in flight from there, not from the host.
+        self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
+        if config.enforce_eager:
+            pass
+        elif self.device.type == "cuda" and backend_for(self.device) != "triton":
+            log.warning("decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly")
+        else:
+            self.graphs = DecodeGraphs(self._decode_logits, self.inputs.fill_dummy, max_num_seqs, self.device)
+
+    def bind_device(self) -> None:
+        """Makes the engine's GPU the calling thread's current device. Triton launches on the
+        current device, which CUDA keeps per thread: the engine is built on one thread and steps
+        on another, and a worker given cuda:1 must not launch on cuda:0 whatever else the process
+        touched."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def synchronize(self) -> None:
+        """Waits for every kernel queued so far (before blocks go to a writer that is not on our
+        stream: a NIXL READ)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- memory management (release / resume / update_weights) --
     @property
@@ -43,6 +94,7 @@ class ModelRunner:
 
     def release_weights(self) -> None:
         self.model = None
+        self._drop_graphs()
         self._empty_device_cache()
 
     def restore_weights(self) -> None:
@@ -51,6 +103,7 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
+        self._drop_graphs()
         self._empty_device_cache()
 
     def restore_kv_cache(self) -> None:
@@ -68,8 +121,14 @@ class ModelRunner:
 
     def swap_weights(self, model, source: str) -> None:
         self.model = model
+        self._drop_graphs()
         self.weights_source = source
         self.weights_version += 1
+
+    def _drop_graphs(self) -> None:
+        """Graphs hold the addresses of the weights and the KV pool they were captured with."""
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -91,31 +150,54 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
         return num_blocks
 
+    def _graph_size(self, batch: ScheduledBatch) -> int | None:
+        """The decode graph that runs this batch: one new token per sequence, each one sampling."""
+        if self.graphs is None:
+            return None
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens:
+                return None
+        return self.graphs.size_for(len(batch.seqs))
+
+    def _decode_logits(self, batch_size: int) -> torch.Tensor:
+        """The captured function: the decode forward of batch_size rows from the input buffers."""
+        splits = None
+        if self.device.type == "cuda":
+            from tandem.kernels.paged_attention_triton import graph_num_splits
+            splits = graph_num_splits(batch_size, self.model_config.num_kv_heads, self.device)
+        views, meta = self.inputs.graph_metadata(batch_size, splits, self.max_model_len)
+        hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache)
+        return self.model.compute_logits(hidden)
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Runs one step. Returns logits of the sequences that computed their last
-        token this step (they sample) and those sequences' indices in the batch."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_indices: list[int] = []
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(seq.token_slice(start, end))
-            positions.extend(range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_indices.append(i)
-        meta = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
-                                       block_tables=[seq.block_table for seq in batch.seqs],
-                                       block_size=self.block_size, device=self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, meta, self.kv_cache)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
-        return logits.float().cpu(), sample_indices
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None]:
+        """Runs one step and queues the draws of the sequences whose last token it computed.
+        Returns those sequences and their draws (still on the device: SampledBatch.to_host())."""
+        self.bind_device()
+        graph_size = self._graph_size(batch)
+        if graph_size is not None:
+            self.graphs.capture()  # first decode step after start or after new weights / a new pool
+        last_rows, last_tokens = self._last_draws or ({}, None)
+        inputs = self.inputs.prepare(batch, graph_size, last_rows)
+        if inputs.pending_rows.numel():
+            tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
+            inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
+        seqs = [batch.seqs[i] for i in inputs.sample_indices]
+        if graph_size is not None:
+            logits = self.graphs.run(graph_size)[:len(seqs)]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+            if not seqs:
+                self._last_draws = None
+                return [], None
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
+        # (Penalties need the ids themselves: the engine reads them back before such a step.)
+        drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
+        draws = self.sampler.sample(
+            logits, [s.options for s in seqs], drawn,
+            [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.options.end_ids() if n < s.options.min_tokens else frozenset() for s, n in zip(seqs, drawn)])
+        self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
+        return seqs, draws

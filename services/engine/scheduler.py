@@ -67,7 +67,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for a higher-priority one
+            # Preempted while making room for a higher-priority one, or ending with its tokens in flight.
+            if seq not in self.running or seq.finishes_when_pending_lands:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new):
@@ -78,6 +79,8 @@ class Scheduler:
         self.waiting.sort(key=_order)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
+                break
             num_new = self._admit(seq, budget)
             if num_new is None:
                 break

@@ -52,6 +52,9 @@ class Sequence:
     num_computed_tokens: int = 0
     # Prompt tokens served without computing them (prefix cache or KV import).
     num_cached_prompt_tokens: int = 0
+    # Tokens drawn on the device whose ids the host has not read yet (an overlapped step in
+    # flight); not in output_token_ids, not in num_tokens, but they are the next tokens to compute.
+    num_pending_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     arrival_seq: int = 0
@@ -92,4 +95,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def finishes_when_pending_lands(self) -> bool:
+        """The tokens in flight end the sequence whatever their ids (a handoff, or max_tokens):
+        another step for it would only compute a row to throw away."""
+        return self.num_pending_tokens > 0 and (
+            self.phase is Phase.CONTEXT_ONLY
+            or self.num_output_tokens + self.num_pending_tokens >= self.options.max_tokens)

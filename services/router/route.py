@@ -76,15 +76,16 @@ class Route:
             # A context_only reply whose handoff the client will not get: its lease can go now.
             await release_lease(self.pool, self.worker, handoff.ctx_request_id)
             return
-        found = False
-        if self.worker is not None:
-            try:
-                reply = await self.worker.internal.StopSequences(
-                    worker_pb2.StopSequencesRequest(request_id=self.request_id, indices=[index]), timeout=5)
-                found = reply.found
-            except grpc.aio.AioRpcError:
-                found = False
-        if not found:  # between workers (the context phase is over), or gone: end the route here
+        if self.worker is None:
+            return
+        try:
+            reply = await self.worker.internal.StopSequences(
+                worker_pb2.StopSequencesRequest(request_id=self.request_id, indices=[index]), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            # The sequence carries on where it is; the text front drops what it still produces.
+            log.info("StopSequences(%s) on %s: %s", self.request_id, self.worker.address, exc.code())
+            return
+        if not reply.found:  # between workers (the context phase is over), or done: end the route here
             await self.abort()
 
 

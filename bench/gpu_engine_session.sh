@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 7's session on an H200 machine (the device tool), one GPU or more: the GPU engine tests,
+# bench/serve.py's table, kernel timings, and KV pulls (raw, and under GIL contention). Each part
+# has its own time limit so a failure costs only its part; outputs land in $OUT.
+# Usage there: [PARTS="tests serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
+set -u
+source bench/gpu_env.sh || exit 1
+PARTS=${PARTS:-tests serve kernels pull}
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+  df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
+} 2>&1 | tee "$OUT/session.txt"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has tests; then
+  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
+fi
+if has serve; then
+  timeout "${SERVE_S:-330}" python3 bench/serve.py "$@" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/serve.txt" | tail -45
+fi
+if has kernels; then
+  timeout "${KERNELS_S:-70}" python3 bench/kernels.py --sweep-prefill 2>&1 | tee "$OUT/kernels.txt" | tail -40
+fi
+if has pull; then
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    timeout "${TRANSFER_S:-60}" python3 bench/kv_transfer.py --device cuda --shape llama-3.1-8b --no-progress-thread --iters 10 2>&1 | grep -v NIXL | tee "$OUT/kv-transfer.txt"
+  fi
+  (cd bench && timeout "${PULL_S:-45}" python3 kv_pull_contention.py --device cuda --shape llama-3.1-8b --iters 10) 2>&1 | grep -v NIXL | tee "$OUT/kv-pull.txt"
+fi

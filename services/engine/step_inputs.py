@@ -1,0 +1,187 @@
+"""A step's model inputs in persistent device buffers, filled from reused pinned host buffers.
+
+Every per-token and per-sequence index of a step (token ids, positions, KV slots,
+query starts, sequence lengths, rows to sample) is int32 and packed back to back
+into one region: the host fills its pinned twin with numpy slice assignments (no
+`torch.tensor(list)` per step) and one asynchronous copy moves it. Block tables
+travel in it too, concatenated with each entry's place in the device table (a row
+with room for the longest sequence), and one scatter puts them there. The layout
+depends only on the step's counts, so a decode CUDA graph captured for batch size B
+reads exactly where a step of B rows was written.
+
+Host buffers come in two sets used in turn: filling step N+1's never overwrites the
+bytes of step N's copy, which may still be queued on the stream.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
+           "pending_rows", "pending_sources", "table_entries", "table_places")
+
+
+def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
+                  num_table_entries: int = 0) -> dict[str, tuple[int, int]]:
+    """field -> (offset, length) in the packed int32 region of a step with these counts."""
+    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, num_pending, num_pending,
+               num_table_entries, num_table_entries)
+    layout, offset = {}, 0
+    for name, length in zip(_FIELDS, lengths):
+        layout[name] = (offset, length)
+        offset += length
+    return layout
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    positions = np.arange(start, end)
+    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] (padded rows included when graph_size is set)
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the model's output whose logits are sampled
+    sample_indices: list[int]  # their sequences' indices in the batch
+    graph_size: int | None  # the decode graph this step replays (None: eager)
+    # Rows of input_ids whose token the previous step drew and the host has not read yet, and
+    # that token's row among the previous step's draws (see ModelRunner.execute).
+    pending_rows: torch.Tensor
+    pending_sources: torch.Tensor
+
+
+class InputBuffers:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = device
+        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs,
+                                                         max_num_seqs * max_blocks_per_seq).values())
+        self.packed = torch.zeros(size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+
+    def views(self, *counts: int) -> dict[str, torch.Tensor]:
+        """The packed region's fields for a step with these counts (packed_layout's arguments)."""
+        return {name: self.packed[offset:offset + length] for name, (offset, length) in packed_layout(*counts).items()}
+
+    def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
+        """The views and metadata a decode graph of batch_size rows is captured with."""
+        views = self.views(batch_size, batch_size, batch_size)
+        meta = AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
+                                 seq_lens=views["seq_lens"], block_tables=self.block_tables[:batch_size],
+                                 max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+        return views, meta
+
+    def fill_dummy(self, batch_size: int) -> None:
+        """Safe inputs for a decode forward of batch_size rows (graph warm-up and capture): token 0
+        at position 0 attending to one key of block 0, storing no KV."""
+        views = self.views(batch_size, batch_size, batch_size)
+        for name in ("input_ids", "positions", "sample_rows"):
+            views[name].zero_()
+        views["slot_mapping"].fill_(-1)
+        views["seq_lens"].fill_(1)
+        views["query_start_loc"].copy_(torch.arange(batch_size + 1, dtype=torch.int32))
+        self.block_tables[:batch_size].zero_()
+
+    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None,
+                pending_sources: dict | None = None) -> StepInputs:
+        """Copies the batch's inputs to the device. With graph_size (a decode batch: one new token
+        per sequence, all sampling), rows past the batch are padding: they store no KV and attend
+        to one key of block 0, and their logits are ignored. A sequence whose next token is still
+        in flight (num_pending_tokens) gets a placeholder id and its row in pending_sources."""
+        host = self._host[self._turn]
+        self._turn ^= 1
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_indices: list[int] = []
+        pending_rows: list[int] = []
+        sources: list[int] = []
+        tables = []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            table = seq.block_table
+            if end > seq.num_tokens:
+                if num_new != 1 or end != seq.num_tokens + 1 or seq not in (pending_sources or {}):
+                    raise RuntimeError(f"{seq.request_id}: only the one token the previous step drew can be in flight")
+                pending_rows.append(starts[-1])
+                sources.append(pending_sources[seq])
+                input_ids.append(0)
+            else:
+                input_ids += seq.token_slice(start, end)
+            if num_new == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += _slots(table, start, end, bs).tolist()
+            starts.append(starts[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens + seq.num_pending_tokens:
+                sample_rows.append(starts[-1] - 1)
+                sample_indices.append(i)
+            tables.append(table)
+        num_seqs = len(tables)
+        num_rows = graph_size or num_seqs
+        num_tokens = graph_size or starts[-1]
+        if num_tokens > self.max_num_tokens or num_rows > self.max_num_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
+                             f"({self.max_num_tokens} / {self.max_num_seqs})")
+        num_samples = graph_size or len(sample_rows)
+        width = max(len(t) for t in tables)
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
+
+        table_lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_seqs)
+        num_entries = int(table_lengths.sum())
+        # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table.
+        row_starts = np.cumsum(table_lengths) - table_lengths
+        places = np.arange(num_entries) + np.repeat(
+            np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, table_lengths)
+        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        buf = host.numpy()
+        num_real = starts[-1]
+        if graph_size:
+            pad = graph_size - num_seqs
+            input_ids += [0] * pad
+            positions += [0] * pad
+            slots += [-1] * pad  # padding stores no KV
+            starts += range(num_real + 1, num_real + pad + 1)
+            seq_lens += [1] * pad  # one key (block 0, position 0): finite, ignored
+            sample_rows = list(range(graph_size))
+        for name, values in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
+                             ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
+                             ("pending_rows", pending_rows), ("pending_sources", sources),
+                             ("table_entries", list(itertools.chain.from_iterable(tables))), ("table_places", places)):
+            offset, length = layout[name]
+            buf[offset:offset + length] = values
+        used = sum(length for _, length in layout.values())
+        self.packed[:used].copy_(host[:used], non_blocking=True)
+        views = self.views(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        # Entries past a table's length (and padding rows) keep older block ids: never read, always valid.
+        self.block_tables.view(-1).index_copy_(0, views["table_places"].long(), views["table_entries"])
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
+            block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens), _host_query_start_loc=starts, _host_seq_lens=seq_lens)
+        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size,
+                          views["pending_rows"], views["pending_sources"])

@@ -1,0 +1,193 @@
+"""The GPU engine on a GPU: decode CUDA graphs and GPU sampling give the eager path's and
+transformers' greedy tokens, the Triton kernels match their references on real shapes, and a
+worker's engine runs on its own device from any thread.
+
+Skipped without CUDA (CI has no GPU; the CPU runs the same code paths in test_model_runner.py,
+test_sampler.py and test_fused_kernels.py). Run it in its own pytest process: the interpreter
+tests set TRITON_INTERPRET for the whole session.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from conftest import run_to_completion  # noqa: E402
+from tandem.engine.config import EngineConfig  # noqa: E402
+from tandem.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.engine.sampler import Sampler  # noqa: E402
+from tandem.engine.sampling_options import SamplingOptions  # noqa: E402
+from tandem.kernels import fused  # noqa: E402
+from tandem.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+
+
+def _engine(model_dir, device="cuda", **kwargs) -> LLMEngine:
+    config = dict(block_size=16, num_blocks=256, max_num_seqs=16, max_num_batched_tokens=512)
+    config.update(kwargs)
+    return LLMEngine(EngineConfig(str(model_dir), device=device, **config))
+
+
+def _hf_greedy(model_dir, prompts, max_new_tokens, eos) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    out = {}
+    for rid, ids in prompts.items():
+        with torch.no_grad():
+            tokens = model.generate(torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                                    do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=eos)[0, len(ids):].tolist()
+        out[rid] = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+    return out
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+def test_graphs_and_gpu_sampling_match_eager_and_transformers(model_dirs, model):
+    rng = random.Random(3)
+    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(3, 40))] for i in range(11)}
+    greedy = {rid: SamplingOptions(max_tokens=24, eos_token_ids=(2,)) for rid in prompts}
+    graphed = _engine(model_dirs[model])
+    got = run_to_completion(graphed, prompts, greedy)
+    assert graphed.runner.graphs.is_captured
+    assert got == run_to_completion(_engine(model_dirs[model], enforce_eager=True), prompts, greedy)
+    assert got == _hf_greedy(model_dirs[model], prompts, 24, eos=2)
+    # Seeded sampling: the same tokens through graphs or eagerly, and on the CPU.
+    seeded = {rid: SamplingOptions(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
+              for i, rid in enumerate(prompts)}
+    on_gpu = run_to_completion(graphed, prompts, seeded)
+    assert on_gpu == run_to_completion(_engine(model_dirs[model], enforce_eager=True), prompts, seeded)
+    assert on_gpu == run_to_completion(_engine(model_dirs[model], device="cpu"), prompts, seeded)
+
+
+def _outputs_with_logprobs(engine, prompts, options) -> dict[str, list[tuple[int, dict]]]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options)
+    outputs = {rid: [] for rid in prompts}
+    while engine.num_unfinished:
+        for out in engine.step():
+            outputs[out.request_id] += list(zip(out.new_token_ids, out.new_logprobs))
+    return outputs
+
+
+def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
+    """Few blocks: preemption, chunked prefill and decode batches of changing sizes, in bf16. The graph's
+    attention splits its keys differently from the eager launch, so bf16 sums may round apart: the
+    streams must agree until a near-tie, where each side's token is in the other's top two (vLLM's
+    check_logprobs_close), and most must agree to the end."""
+    rng = random.Random(7)
+    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(10, 60))] for i in range(12)}
+    options = SamplingOptions(max_tokens=32, ignore_eos=True, logprobs=2)
+    kwargs = dict(dtype="bfloat16", num_blocks=24, max_num_batched_tokens=64)
+    graphed = _engine(model_dirs["llama"], **kwargs)
+    got = _outputs_with_logprobs(graphed, prompts, options)
+    want = _outputs_with_logprobs(_engine(model_dirs["llama"], enforce_eager=True, **kwargs), prompts, options)
+    assert graphed.scheduler.num_preemptions > 0
+    num_equal = 0
+    for rid in prompts:
+        for (token, top), (want_token, want_top) in zip(got[rid], want[rid]):
+            if token != want_token:
+                assert token in want_top and want_token in top, (rid, token, want_token, top, want_top)
+                break
+        else:
+            num_equal += 1
+    assert num_equal >= len(prompts) - 2
+
+
+def test_sampler_on_gpu_draws_what_the_cpu_draws():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(48, 5000, generator=gen) * 3
+    options = [SamplingOptions(temperature=0.5 + (i % 4) / 4, top_k=(0, 50)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0],
+                               seed=100 + i, logprobs=(None, 5)[i % 2]) for i in range(48)]
+
+    def run(device):
+        sampler = Sampler(vocab_size=5000, max_rows=48, device=device)
+        return sampler.sample(logits.to(device), options, list(range(48)), [[]] * 48, [[]] * 48,
+                              [frozenset()] * 48).to_host()
+    gpu, cpu = run("cuda"), run("cpu")
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+    for a, b in zip(gpu.top_logprobs, cpu.top_logprobs):
+        assert (a is None) == (b is None) and (a is None or set(a) == set(b))
+
+
+def _close_bf16(got, want):
+    """Equal up to two bf16 rounding steps: a float32 sum in another order may round the statistic,
+    and then the product with the weight, the other way."""
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -6)
+
+
+def test_fused_kernels_match_references_on_llama_8b_shapes():
+    from tandem.kernels import fused_triton
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * std).bfloat16()
+    for tokens in (1, 64, 2048):
+        x, residual, weight = randn(tokens, 4096), randn(tokens, 4096, std=4.0), randn(4096)
+        for got, want in zip(fused_triton.add_rms_norm(x, residual, weight, 1e-5),
+                             fused.add_rms_norm(x, residual, weight, 1e-5)):
+            _close_bf16(got, want)
+        _close_bf16(fused_triton.rms_norm(x, weight, 1e-5), fused.rms_norm(x, weight, 1e-5))
+        gate_up = randn(tokens, 2 * 14336, std=2.0)
+        _close_bf16(fused_triton.silu_and_mul(gate_up), fused.silu_and_mul(gate_up))
+        qkv = randn(tokens, (32 + 16) * 128)
+        q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+        positions = torch.randint(0, 8192, (tokens,), generator=gen, device="cuda")
+        slots = torch.randperm(64 * 16, generator=gen, device="cuda")[:tokens] if tokens <= 1024 else \
+            torch.arange(tokens, device="cuda")
+        cache = randn(max(64, tokens // 16 + 1), 2, 2, 16, 8, 128)
+        want_cache = cache.clone()
+        inv_freq = 1.0 / (500000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+        cos_sin = fused.rope_cos_sin(inv_freq, 8192, torch.bfloat16)
+        got_q = fused_triton.rope_store_kv(q, k, v, positions, cos_sin, cache[:, 1], slots)
+        want_q = fused.rope_store_kv(q, k, v, positions, cos_sin, want_cache[:, 1], slots)
+        _close_bf16(got_q, want_q)
+        _close_bf16(cache, want_cache)
+
+
+def test_graph_attention_splits_match_eager():
+    """A captured decode attention uses a split count fixed per batch size and per-sequence segment
+    lengths; it must agree with the eager choice on the same inputs."""
+    from tandem.kernels import paged_attention as reference
+    from tandem.kernels.paged_attention_triton import graph_num_splits, paged_attention_triton
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [1, 17, 300, 4097, 64]
+    tables = [list(range(sum(-(-s // 16) for s in seq_lens[:i]), sum(-(-s // 16) for s in seq_lens[:i + 1])))
+              for i in range(len(seq_lens))]
+    cache = torch.randn(sum(len(t) for t in tables), 2, 16, 8, 128, generator=gen).bfloat16().cuda()
+    query = torch.randn(len(seq_lens), 32, 128, generator=gen).bfloat16().cuda()
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, 16, device="cuda")
+    want = reference.paged_attention(query.float(), cache.float(), meta, 128 ** -0.5)
+    for splits in (None, graph_num_splits(len(seq_lens), 8, torch.device("cuda")), 3):
+        meta.num_kv_splits = splits
+        got = paged_attention_triton(query, cache, meta, 128 ** -0.5)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_steps_from_another_thread(model_dirs):
+    """Built on one thread and stepped on another (as a worker does): the step binds its device."""
+    engine = _engine(model_dirs["llama"])
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(out=run_to_completion(engine, {"a": [1, 5, 6, 7]},
+                                                                      {"a": SamplingOptions(max_tokens=8)})))
+    thread.start()
+    thread.join()
+    assert len(box["out"]["a"]) >= 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_cuda1_engine_works_after_the_process_touched_cuda0(model_dirs):
+    torch.zeros(1, device="cuda:0")
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(engine=_engine(model_dirs["llama"], device="cuda:1")))
+    thread.start()
+    thread.join()
+    engine = box["engine"]
+    assert engine.runner.kv_cache.device == torch.device("cuda", 1)
+    torch.cuda.set_device(0)  # the stepping thread's current device is the wrong one
+    out = run_to_completion(engine, {"a": [1, 5, 6, 7]}, {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))})
+    ref = run_to_completion(_engine(model_dirs["llama"], device="cpu"), {"a": [1, 5, 6, 7]},
+                    {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))})
+    assert out == ref
