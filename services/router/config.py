@@ -14,8 +14,12 @@ class RouterConfig:
     health_interval_s: float = 1.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
+    # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
+    drain_seconds: float = 30.0
 
     def __post_init__(self):
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if not self.workers:
             raise ValueError("the router needs at least one worker address (--workers host:port,...)")
         for address in self.workers:

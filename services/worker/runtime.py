@@ -178,6 +178,12 @@ class WorkerRuntime:
         while await self.engine_loop.call(lambda e: e.num_unfinished) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
+    async def is_drained(self) -> bool:
+        """Nothing a stop would cut: no request in the engine, no KV import, no KV leased to a decode worker."""
+        if self.engine_loop is None:
+            return True
+        return await self.engine_loop.call(lambda engine: not (engine.num_unfinished or engine.imports or engine.leases))
+
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
         return self.transceiver.get_state() if self.transceiver is not None else b""
