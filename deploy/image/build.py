@@ -14,6 +14,8 @@ Every step is cached, so a second run with nothing changed takes seconds. Run it
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -178,6 +180,18 @@ def default_tag(variant: str) -> str:
     return f"tandem:{version}-{variant}"
 
 
+@contextlib.contextmanager
+def machine_lock(path: Path = Path(tempfile.gettempdir()) / "tandem-image-build.lock"):
+    """One build at a time on this machine: builds share the daemon, the base tag and the index port."""
+    with path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another image build to finish ({path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"build.py: {args.docker} is missing (apt-get install docker.io; then deploy/image/dockerd.sh)")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    base = build_base(args.docker, args.cache_dir)
-    wheels = fill_wheelhouse(sys.executable, args.variant, models, args.cache_dir)
-    with WheelIndex(sys.executable, wheels, free_port(args.port), args.cache_dir / "pypiserver.log") as index:
-        build_image(args.docker, base, index, args.variant, models, tag)
+    with machine_lock():
+        base = build_base(args.docker, args.cache_dir)
+        wheels = fill_wheelhouse(sys.executable, args.variant, models, args.cache_dir)
+        with WheelIndex(sys.executable, wheels, free_port(args.port), args.cache_dir / "pypiserver.log") as index:
+            build_image(args.docker, base, index, args.variant, models, tag)
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
     return 0
 
