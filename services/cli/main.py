@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the tiny default model)")
@@ -33,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
     serve_sub = serve.add_subparsers(dest="role", required=True)
     drain = argparse.ArgumentParser(add_help=False)
-    drain.add_argument("--drain-seconds", type=float, default=30.0,
+    drain.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
                        help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work")
     for role in ("prefill", "decode", "both"):
         p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[drain])

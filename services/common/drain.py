@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+# Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
+DEFAULT_DRAIN_SECONDS = 30.0
 # Subscriptions end only when their client leaves: a drain never waits for them.
 SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents"})
 
@@ -46,11 +48,15 @@ class InFlightCalls(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 self.count += 1
+                stream = inner_stream(request, context)
                 try:
-                    async for item in inner_stream(request, context):
+                    async for item in stream:
                         yield item
                 finally:
                     self.count -= 1
+                    # Close the servicer's generator now (a cancelled call's cleanup: aborts, call.cancel())
+                    # rather than whenever the garbage collector finalizes it.
+                    await stream.aclose()
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AdminAuthInterceptor
-from tandem.common.drain import InFlightCalls
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
 
 log = logging.getLogger("tandem.server")
@@ -26,8 +26,6 @@ CHANNEL_OPTIONS = [
 ]
 
 
-# Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
-DEFAULT_DRAIN_SECONDS = 30.0
 _DRAIN_POLL_S = 0.05
 
 DrainCheck = Callable[[], "bool | Awaitable[bool]"]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
@@ -15,7 +17,7 @@ class RouterConfig:
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
-    drain_seconds: float = 30.0
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
 
     def __post_init__(self):
         if self.drain_seconds < 0:

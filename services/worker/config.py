@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "both")
@@ -19,7 +20,7 @@ class WorkerConfig:
     # Admin RPCs need this bearer token when set.
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests and KV handoffs after health turns NOT_SERVING.
-    drain_seconds: float = 30.0
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
 
     def __post_init__(self):
         if self.role not in ROLES:
