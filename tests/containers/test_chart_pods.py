@@ -81,13 +81,16 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
         # Delete the decode pod while it streams: the stream ends whole, the process exits 0 in its grace.
         stream = runner.holder.client.api.exec_create(
             runner.holder.id, ["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "300", "1"])
-        lines: list[str] = []
+        lines: list[str] = []  # the script's complete JSON lines, as they arrive
         first_tokens = threading.Event()
 
         def read() -> None:
+            pending = b""
             for chunk in runner.holder.client.api.exec_start(stream["Id"], stream=True):
-                lines.extend(chunk.decode().splitlines())
-                first_tokens.set()
+                *complete, pending = (pending + chunk).split(b"\n")
+                lines.extend(line.decode() for line in complete if line.startswith(b"{"))
+                if lines:
+                    first_tokens.set()
 
         reader = threading.Thread(target=read)
         reader.start()
