@@ -119,6 +119,27 @@ def test_drain_checks_hold_the_stop_and_a_second_request_cuts_it_short():
     assert asyncio.run(scenario())
 
 
+def test_health_watch_sees_not_serving_first_and_does_not_hold_the_drain():
+    async def scenario():
+        server = _server(drain_seconds=10)
+        await server.start()
+        await server.set_serving(True)
+        stopper = asyncio.create_task(server.wait_for_stop())
+        seen = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            try:
+                async for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
+                    seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+                    if len(seen) == 1:
+                        server.request_stop()
+            except grpc.aio.AioRpcError:
+                pass  # the server stopped
+        await asyncio.wait_for(stopper, 2)
+        return seen
+
+    assert asyncio.run(scenario()) == ["SERVING", "NOT_SERVING"]
+
+
 def test_negative_drain_is_refused():
     with pytest.raises(ValueError, match="drain_seconds"):
         GrpcServer("127.0.0.1", 0, [SERVICE], drain_seconds=-1)
@@ -136,32 +157,47 @@ def _generate(address: str, max_tokens: int, on_message=None) -> list[int]:
     return tokens
 
 
+def _watch_health(address: str, statuses: list[tuple[str, int]], progress: list[int], first: threading.Event) -> None:
+    """Health changes as the Watch stream reports them, each with the client's token count at that moment."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120):
+                statuses.append((health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), progress[-1]))
+                first.set()
+        except grpc.RpcError:
+            pass  # the server stopped
+
+
 def test_sigterm_of_a_decode_worker_lets_its_stream_finish(model_dirs):
-    """1 prefill + 1 decode: nowhere to migrate to, so the stream completes only if the decode drains."""
-    max_tokens = 300
+    """1 prefill + 1 decode: nowhere to migrate to, so the stream completes only if the decode drains.
+    The stream is long (seconds of generation), so the SIGTERM lands while the decode still generates."""
+    max_tokens = 1500
     cluster = LocalCluster(roles=["prefill", "decode"],
                            engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256"],
                            worker_args={"decode-1": ["--drain-seconds", "60"]})
     with cluster:
         decode = cluster.workers[1]
         reference = _generate(cluster.address, max_tokens)
+        progress, statuses, watching = [0], [], threading.Event()
+        watcher = threading.Thread(target=_watch_health, args=(decode.address, statuses, progress, watching))
+        watcher.start()
+        assert watching.wait(10) and statuses[0][0] == "SERVING"
+
         terminated = threading.Event()
-        health_during_drain: list[str] = []
 
         def sigterm_once(num_tokens: int) -> None:
+            progress.append(num_tokens)
             if num_tokens >= 8 and not terminated.is_set():
-                decode.process.send_signal(signal.SIGTERM)
                 terminated.set()
-                deadline = time.monotonic() + 2  # the signal is handled on the worker's event loop
-                while time.monotonic() < deadline and _health(decode.address) == "SERVING":
-                    time.sleep(0.01)
-                health_during_drain.append(_health(decode.address))
+                decode.process.send_signal(signal.SIGTERM)
 
         tokens = _generate(cluster.address, max_tokens, on_message=sigterm_once)
         stream_done = time.monotonic()
+        watcher.join(30)
         assert terminated.is_set()
         assert tokens == reference, "the drained stream is the uninterrupted one, token for token"
-        assert health_during_drain == ["NOT_SERVING"], (health_during_drain, decode.log_tail())
+        assert [status for status, _ in statuses] == ["SERVING", "NOT_SERVING"], (statuses, decode.log_tail())
+        assert statuses[1][1] < max_tokens, "health turned NOT_SERVING while the stream was still going"
         assert decode.process.wait(timeout=20) == 0, decode.log_tail()
         assert time.monotonic() - stream_done < 15, "the worker exits once drained, not at the end of its window"
         assert "stopping" in decode.log_tail() and "drained" in decode.log_tail()

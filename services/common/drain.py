@@ -7,6 +7,8 @@ tandem RPCs in flight (counted here) and whatever the process adds (a prefill's 
 """
 from __future__ import annotations
 
+import inspect
+
 import grpc
 
 # Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
@@ -43,7 +45,7 @@ class InFlightCalls(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
                                                        handler.response_serializer)
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
@@ -60,4 +62,4 @@ class InFlightCalls(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
-        return handler  # tandem has no client-streaming RPCs
+        return handler  # tandem's streams are async generators; it has no client-streaming RPCs
