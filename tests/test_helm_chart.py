@@ -5,6 +5,7 @@ TANDEM_UPDATE_GOLDEN=1 rewrites tests/golden/helm/*.yaml from the current chart.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -21,18 +22,22 @@ GOLDEN_DIR = ROOT / "tests" / "golden" / "helm"
 RELEASE, NAMESPACE = "llm", "serving"
 KUBE_VERSION = "1.35.0"
 
+CPU_VALUES = yaml.safe_load((CHART_DIR / "values-cpu.yaml").read_text())
 VALUE_SETS = {
     "default": {},
+    "cpu": CPU_VALUES,
     "disaggregated": {
         "model": {"source": "pvc", "claimName": "models", "path": "Llama-3.1-8B-Instruct"},
         "engine": {"dtype": "bfloat16"},
-        "prefill": {"replicas": 2, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
-        "decode": {"replicas": 3, "device": "cuda", "gpus": 1, "kvCacheGb": 40,
+        "prefill": {"replicas": 2, "gpus": 2, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
+        "decode": {"replicas": 3, "kvCacheGb": 40,
                    "resources": {"limits": {"memory": "64Gi"}},
                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "podDisruptionBudget": {"enabled": True},
         "adminToken": {"secretName": "tandem-admin"},
+        "drain": {"seconds": 120, "routerPreStopSeconds": 10},
+        "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
     },
     "aggregated": {
         "model": {"source": "hostPath", "hostPath": "/mnt/models", "path": "qwen3"},
@@ -46,6 +51,10 @@ VALUE_SETS = {
 def chart():
     with helm.Chart.load(CHART_DIR) as loaded:
         yield loaded
+
+
+def chart_version() -> str:
+    return yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion"]
 
 
 def render(chart, values: dict) -> dict[str, str]:
@@ -119,24 +128,80 @@ def test_router_service_is_cluster_ip_on_50051(chart):
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 50051
 
 
-def test_gpu_requests_follow_the_device(chart):
-    docs = objects(chart, VALUE_SETS["disaggregated"])
-    by_role = {c["name"]: c for c in containers(docs)}
-    decode = by_role["decode"]["resources"]
-    assert decode["limits"] == {"nvidia.com/gpu": 1, "memory": "64Gi"}
-    assert decode["requests"] == {"nvidia.com/gpu": 1}
-    assert flag(by_role["decode"], "device") == "cuda"
-    assert "nvidia.com/gpu" not in str(by_role["prefill"].get("resources"))
+def test_workers_run_on_gpus_by_default(chart):
+    by_role = {c["name"]: c for c in containers(objects(chart, {}))}
+    for role in ("prefill", "decode"):
+        assert flag(by_role[role], "device") == "cuda"
+        assert by_role[role]["resources"] == {"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}
+    assert "resources" not in by_role["router"]
+    (image,) = {c["image"] for c in by_role.values()}
+    assert image == f"tandem:{chart_version()}-gpu"
 
 
-@pytest.mark.parametrize("case, model_flag", [("default", None), ("disaggregated", "/models/Llama-3.1-8B-Instruct"),
+def test_gpu_requests_merge_with_resources(chart):
+    by_role = {c["name"]: c for c in containers(objects(chart, VALUE_SETS["disaggregated"]))}
+    assert by_role["decode"]["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"},
+                                              "requests": {"nvidia.com/gpu": 1}}
+    assert by_role["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 2},
+                                               "requests": {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"}}
+
+
+def test_cpu_values_request_no_gpu_and_use_the_cpu_image(chart):
+    docs = objects(chart, CPU_VALUES)
+    assert "nvidia.com/gpu" not in yaml.safe_dump(docs)
+    for c in containers(docs):
+        assert c["image"] == f"tandem:{chart_version()}-cpu"
+        if c["name"] != "router":
+            assert flag(c, "device") == "cpu"
+    ports = [c["ports"][0]["containerPort"] for c in containers(docs)]
+    assert len(ports) == len(set(ports)), "the roles' ports differ, so the release fits one network namespace"
+
+
+def test_make_image_builds_the_tags_the_chart_runs():
+    spec = importlib.util.spec_from_file_location("tandem_image_build", ROOT / "deploy" / "image" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    default_tag = build.default_tag
+    assert default_tag("cpu") == f"tandem:{chart_version()}-cpu"
+    assert default_tag("gpu") == f"tandem:{chart_version()}-gpu"
+
+
+@pytest.mark.parametrize("case, model_flag", [("default", "/opt/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                                             ("disaggregated", "/models/Llama-3.1-8B-Instruct"),
                                              ("aggregated", "/models/qwen3")])
 def test_model_source(chart, case, model_flag):
     docs = objects(chart, VALUE_SETS[case])
     for sts in by_kind(docs, "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         assert flag(pod["containers"][0], "model") == model_flag
-        assert any(v["name"] == "model" for v in pod["volumes"]) == (model_flag is not None)
+        assert any(v["name"] == "model" for v in pod["volumes"]) == model_flag.startswith("/models/")
+
+
+@pytest.mark.parametrize("case", VALUE_SETS)
+def test_drain_preStop_and_termination_grace_agree(chart, case):
+    drain = helm.Chart.merge_values(chart, VALUE_SETS[case])["drain"]
+    for d in by_kind(objects(chart, VALUE_SETS[case]), "Deployment") + by_kind(objects(chart, VALUE_SETS[case]), "StatefulSet"):
+        pod = d["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert flag(container, "drain-seconds") == str(drain["seconds"])
+        pre_stop = container.get("lifecycle", {}).get("preStop")
+        if container["name"] == "router":
+            assert pre_stop == {"exec": {"command": ["sleep", str(drain["routerPreStopSeconds"])]}}
+            waited = drain["routerPreStopSeconds"]
+        else:
+            assert pre_stop is None, "a worker's router sees NOT_SERVING itself: nothing to wait for"
+            waited = 0
+        assert pod["terminationGracePeriodSeconds"] == waited + drain["seconds"] + drain["exitSeconds"]
+
+
+def test_network_policies_are_optional(chart):
+    assert by_kind(objects(chart, {}), "NetworkPolicy") == []
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, VALUE_SETS["disaggregated"]), "NetworkPolicy")}
+    router, workers = policies[f"{RELEASE}-tandem-router"], policies[f"{RELEASE}-tandem-workers"]
+    assert router["ingress"] == [{"ports": [{"port": "grpc"}],
+                                  "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}]
+    assert workers["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode", "both"]
+    assert workers["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
 
 
 def test_large_integers_render_as_integers(chart):
@@ -178,6 +243,12 @@ def test_long_names_are_truncated_to_dns_labels(chart):
     {"router": {"port": 70000}},
     {"model": {"source": "pvc"}},
     {"model": {"source": "s3"}},
+    {"model": {"source": "pvc", "claimName": "models", "path": "/abs"}},
+    {"model": {"path": "relative/in/the/image"}},
+    {"image": {"variant": "tpu"}},
+    {"drain": {"seconds": -1}},
+    {"drain": {"seconds": 1.5}},
+    {"terminationGracePeriodSeconds": 30},
     {"engine": {"dtype": "int4"}},
 ], ids=lambda bad: repr(bad))
 def test_schema_rejects_bad_values(chart, bad):
@@ -193,7 +264,8 @@ def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):
 @pytest.mark.parametrize("case", VALUE_SETS)
 def test_golden_render(chart, case):
     manifests = render(chart, VALUE_SETS[case])
-    text = "".join(f"# Source: {path}\n{manifests[path].strip()}\n" for path in sorted(manifests))
+    text = "".join(f"# Source: {path}\n{manifests[path].strip()}\n" for path in sorted(manifests)
+                   if manifests[path].strip())
     golden = GOLDEN_DIR / f"{case}.yaml"
     if os.environ.get("TANDEM_UPDATE_GOLDEN") == "1":
         golden.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from tandem.cli.flags import add_engine_flags, engine_config
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,8 +18,11 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
     serve_sub = serve.add_subparsers(dest="role", required=True)
+    drain = argparse.ArgumentParser(add_help=False)
+    drain.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
+                       help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work")
     for role in ("prefill", "decode", "both"):
-        p = serve_sub.add_parser(role, help=f"a {role} worker")
+        p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[drain])
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
         p.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
@@ -26,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
         add_engine_flags(p)
-    router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)")
+    router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", required=True, help="comma-separated worker addresses host:port")
@@ -81,7 +85,7 @@ def _serve(args) -> int:
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
-                              admin_token=args.admin_token,
+                              admin_token=args.admin_token, drain_seconds=args.drain_seconds,
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
@@ -89,7 +93,8 @@ def _serve(args) -> int:
     from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
-                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token)
+                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
+                          drain_seconds=args.drain_seconds)
     asyncio.run(serve_worker(config))
     return 0
 

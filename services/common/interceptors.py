@@ -1,6 +1,7 @@
 """Cross-cutting server concerns: exception -> status mapping, request ids in logs."""
 from __future__ import annotations
 
+import inspect
 import logging
 
 import grpc
@@ -68,15 +69,25 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await _abort(context, method, exc)
+            if inspect.iscoroutinefunction(inner_stream):
+                # A writer-API stream (context.write), such as health's Watch: grpc tells the two kinds
+                # apart by the handler's function type, so the wrapper must be a coroutine too.
+                async def unary_stream(request, context):
+                    try:
+                        await inner_stream(request, context)
+                    except grpc.aio.AbortError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001
+                        await _abort(context, method, exc)
+            else:
+                async def unary_stream(request, context):
+                    try:
+                        async for item in inner_stream(request, context):
+                            yield item
+                    except grpc.aio.AbortError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001
+                        await _abort(context, method, exc)
 
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, request_deserializer=handler.request_deserializer,

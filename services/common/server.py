@@ -1,16 +1,19 @@
 """The grpc.aio server every tandem process runs: health, reflection, error
-mapping, and a graceful stop on SIGTERM/SIGINT."""
+mapping, and a graceful drain on SIGTERM/SIGINT (see drain.py)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AdminAuthInterceptor
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
 
 log = logging.getLogger("tandem.server")
@@ -28,12 +31,21 @@ CHANNEL_OPTIONS = [
 ]
 
 
+_DRAIN_POLL_S = 0.05
+
+DrainCheck = Callable[[], "bool | Awaitable[bool]"]
+
+
 class GrpcServer:
-    def __init__(self, host: str, port: int, service_names: list[str], grace_seconds: float = 5.0,
+    def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
                  admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
+        if drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {drain_seconds}")
         self.service_names = list(service_names)
-        self.grace_seconds = grace_seconds
-        interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
+        self.drain_seconds = drain_seconds
+        self.in_flight = InFlightCalls()
+        self._drain_checks: list[DrainCheck] = []
+        interceptors = [self.in_flight] + ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
@@ -46,6 +58,7 @@ class GrpcServer:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
         self._stop = asyncio.Event()
+        self._force_stop = asyncio.Event()
 
     async def start(self) -> None:
         await self.server.start()
@@ -58,7 +71,23 @@ class GrpcServer:
             await self.health.set(name, status)
 
     def request_stop(self) -> None:
+        """Starts the drain; a second request (a second Ctrl-C) cuts it short."""
+        if self._stop.is_set():
+            self._force_stop.set()
         self._stop.set()
+
+    def add_drain_check(self, is_drained: DrainCheck) -> None:
+        """Work beyond in-flight RPCs that a drain waits for: is_drained() (sync or async) is True once none is left."""
+        self._drain_checks.append(is_drained)
+
+    async def is_drained(self) -> bool:
+        if self.in_flight.count:
+            return False
+        for check in self._drain_checks:
+            result = check()
+            if not (await result if inspect.isawaitable(result) else result):
+                return False
+        return True
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -66,7 +95,21 @@ class GrpcServer:
             loop.add_signal_handler(sig, self.request_stop)
 
     async def wait_for_stop(self) -> None:
+        """Returns when the process should exit: after a stop request, NOT_SERVING at once (health
+        checkers stop sending work), then serving on until drained or drain_seconds are over;
+        what is still in flight then is cancelled."""
         await self._stop.wait()
-        log.info("stopping %s", self.address)
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.grace_seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_seconds
+        log.info("draining %s: NOT_SERVING, up to %.1f s for in-flight work", self.address, self.drain_seconds)
+        drained = await self.is_drained()
+        while not drained and loop.time() < deadline and not self._force_stop.is_set():
+            await asyncio.sleep(_DRAIN_POLL_S)
+            drained = await self.is_drained()
+        if drained:
+            log.info("stopping %s: drained", self.address)
+        else:
+            log.warning("stopping %s: drain %s with %d call(s) in flight", self.address,
+                        "cut short" if self._force_stop.is_set() else "window over", self.in_flight.count)
+        await self.server.stop(0)

@@ -33,7 +33,7 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 
 async def serve_router(config: RouterConfig) -> None:
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
-                        admin_token=config.admin_token)
+                        drain_seconds=config.drain_seconds, admin_token=config.admin_token)
     pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token)
     servicer = RouterServicer(pool, server.address, server.request_stop)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
@@ -14,8 +16,12 @@ class RouterConfig:
     health_interval_s: float = 1.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
+    # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
 
     def __post_init__(self):
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if not self.workers:
             raise ValueError("the router needs at least one worker address (--workers host:port,...)")
         for address in self.workers:

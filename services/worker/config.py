@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from tandem.common.roles import Role
+from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.engine.config import EngineConfig
 
 
@@ -17,9 +18,13 @@ class WorkerConfig:
     nixl_progress_thread: bool = False
     # Admin RPCs need this bearer token when set.
     admin_token: str | None = None
+    # SIGTERM: seconds to finish in-flight requests and KV handoffs after health turns NOT_SERVING.
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -226,6 +226,14 @@ class WorkerRuntime:
                 return
             await asyncio.sleep(0.01)
 
+    async def is_drained(self) -> bool:
+        """Nothing a stop would cut: no request in the engine, no KV import, no KV leased to a decode worker."""
+        if self.core is None:
+            return True
+        snap = await self.core.call(ReadCounters())
+        leased = self.leases.num_leases if self.leases is not None else 0
+        return not (snap.num_unfinished or snap.num_waiting_for_remote_kv or leased)
+
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
         return self.transceiver.get_state() if self.transceiver is not None else b""

@@ -36,7 +36,17 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
 {{- define "tandem.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag) }}
+{{- end }}
+
+{{/* --model for every worker: a path inside the image, or under the read-only /models volume. */}}
+{{- define "tandem.modelPath" -}}
+{{- $model := .Values.model }}
+{{- if eq $model.source "image" }}
+{{- $model.path }}
+{{- else }}
+{{- printf "/models/%s" $model.path | trimSuffix "/" }}
+{{- end }}
 {{- end }}
 
 {{/* host:port of every worker pod through its headless Service, in role order. */}}

@@ -47,11 +47,13 @@ livenessProbe:
   mountPath: /dev/shm
 {{- end }}
 
-{{/* Scheduling, security and image settings of a pod spec. (dict "root" $ "spec" <role values>) */}}
+{{/* Scheduling, security and image settings of a pod spec; the termination grace covers the
+preStop hook (preStopSeconds), the drain and the exit. (dict "root" $ "spec" <role values> "preStopSeconds" N) */}}
 {{- define "tandem.podCommon" -}}
+{{- $drain := .root.Values.drain -}}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
-terminationGracePeriodSeconds: {{ .root.Values.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ add (int .preStopSeconds) (int $drain.seconds) (int $drain.exitSeconds) }}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

@@ -49,7 +49,7 @@ spec:
       labels:
         {{- include "tandem.labels" . | nindent 8 }}
     spec:
-      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec) | nindent 6 }}
+      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "preStopSeconds" 0) | nindent 6 }}
       containers:
         - name: {{ .component }}
           image: {{ include "tandem.image" $root }}
@@ -60,9 +60,7 @@ spec:
             - {{ .component }}
             - --host=0.0.0.0
             - --port={{ int $spec.port }}
-            {{- if ne $model.source "default" }}
-            - --model={{ printf "/models/%s" $model.path | trimSuffix "/" }}
-            {{- end }}
+            - --model={{ include "tandem.modelPath" $root }}
             - --dtype={{ $root.Values.engine.dtype }}
             - --block-size={{ int $root.Values.engine.blockSize }}
             {{- if gt (int $spec.numBlocks) 0 }}
@@ -74,6 +72,7 @@ spec:
             - --max-num-batched-tokens={{ int $spec.maxNumBatchedTokens }}
             - --device={{ $spec.device }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
+            - --drain-seconds={{ int $root.Values.drain.seconds }}
             {{- range $spec.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -96,7 +95,7 @@ spec:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           volumeMounts:
             {{- include "tandem.scratchMounts" $root | nindent 12 }}
-            {{- if ne $model.source "default" }}
+            {{- if ne $model.source "image" }}
             - name: model
               mountPath: /models
               readOnly: true

@@ -1,0 +1,119 @@
+"""The chart's pods, run for real: render deploy/helm/tandem with values-cpu.yaml, run each pod's
+exact command, args, env, securityContext and volumes under Docker in one network namespace with
+the Services' DNS names resolved there (pod_runner.py), wait for the gRPC startup probes as kubelet
+would, serve a request through the router Service's name, then delete the pods as kubelet would
+(preStop, SIGTERM, termination grace) with a stream in flight on the decode pod."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import helm_python as helm
+import pytest
+import yaml
+
+from container_harness import ROOT, cpu_image, docker_client, logs
+from pod_runner import PodRunner, Release
+
+pytestmark = pytest.mark.timeout(1800)  # the first test may build the image from nothing
+
+CHART_DIR = ROOT / "deploy" / "helm" / "tandem"
+RELEASE, NAMESPACE = "llm", "serving"
+# Stands in for `kubectl create secret generic tandem-admin --from-literal=token=...`.
+SECRETS = {"tandem-admin": {"token": "chart-pods-test-token"}}
+READY_TIMEOUT_S = 300
+
+CLIENT_SCRIPT = r"""
+import json, sys
+import grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
+target, ids, max_tokens, ignore_eos = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+request = llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=ids)), streaming=True,
+                                  sampling_params=types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+tokens, reason = [], None
+with grpc.insecure_channel(target) as channel:
+    for output in llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, timeout=120):
+        tokens += output.outputs[0].token_ids
+        reason = types_pb2.FinishReason.Name(output.outputs[0].finish_reason)
+        print(json.dumps({"num_tokens": len(tokens)}), flush=True)
+print(json.dumps({"token_ids": tokens, "finish_reason": reason}), flush=True)
+"""
+
+
+def _render(image: str) -> list[dict]:
+    repository, tag = image.split(":", 1)
+    values = yaml.safe_load((CHART_DIR / "values-cpu.yaml").read_text())
+    # The chart's model (SmolLM2) is the product's; the tiny model baked beside it keeps this fast,
+    # and transformers is its oracle.
+    values |= {"image": {**values["image"], "repository": repository, "tag": tag},
+               "adminToken": {"secretName": "tandem-admin", "secretKey": "token"},
+               "model": {"source": "image", "path": "/opt/tandem/models/tiny-llama-v2"}}
+    with helm.Chart.load(CHART_DIR) as chart:
+        manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def _by_component(release: Release) -> dict:
+    return {pod.main["name"]: pod for pod in release.pods}
+
+
+def _router_target(docs: list[dict]) -> str:
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-router")]
+    return f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+
+
+def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracle, model_dirs):
+    started = time.monotonic()
+    client = docker_client()
+    image = cpu_image()
+    docs = _render(image)
+    release = Release.from_manifests(docs, NAMESPACE)
+    pods = _by_component(release)
+    assert sorted(pods) == ["decode", "prefill", "router"]
+    target = _router_target(docs)
+    with PodRunner(client, image, release, SECRETS) as runner:
+        runner.wait_ready(READY_TIMEOUT_S)
+        print("[chart-pods] ready after", {p.name: round(p.ready_after_s, 1) for p in release.pods})
+
+        prompt = [1, 31, 7, 77, 5, 250]
+        served = json.loads(runner.exec(["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "16", "0"])
+                            .splitlines()[-1])
+        assert served["token_ids"] == oracle(model_dirs["llama"]).greedy(prompt, 16)
+
+        # Delete the decode pod while it streams: the stream ends whole, the process exits 0 in its grace.
+        stream = runner.holder.client.api.exec_create(
+            runner.holder.id, ["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "300", "1"])
+        lines: list[str] = []  # the script's complete JSON lines, as they arrive
+        first_tokens = threading.Event()
+
+        def read() -> None:
+            pending = b""
+            for chunk in runner.holder.client.api.exec_start(stream["Id"], stream=True):
+                *complete, pending = (pending + chunk).split(b"\n")
+                lines.extend(line.decode() for line in complete if line.startswith(b"{"))
+                if lines:
+                    first_tokens.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first_tokens.wait(60), "the stream did not start"
+        streamed_before_sigterm = json.loads(lines[-1]).get("num_tokens")
+        code, took_s = runner.terminate(pods["decode"])
+        reader.join(60)
+        decode_log = pods["decode"].container.logs().decode(errors="replace")
+        assert code == 0, decode_log[-3000:]
+        assert took_s < pods["decode"].spec["terminationGracePeriodSeconds"]
+        final = json.loads(lines[-1])
+        assert len(final["token_ids"]) == 300 and final["finish_reason"] == "FINISH_REASON_LENGTH", lines[-3:]
+        assert streamed_before_sigterm is not None and streamed_before_sigterm < 300, "SIGTERM came mid-stream"
+        assert "drained" in decode_log
+        print(f"[chart-pods] decode deleted mid-stream (at {streamed_before_sigterm}/300 tokens): exit 0 "
+              f"after {took_s:.1f} s")
+
+        for name in ("router", "prefill"):
+            code, took_s = runner.terminate(pods[name])
+            assert code == 0, logs(pods[name].container)
+            assert took_s < pods[name].spec["terminationGracePeriodSeconds"]
+            print(f"[chart-pods] {name} deleted: exit 0 after {took_s:.1f} s")
+    print(f"[chart-pods] done in {time.monotonic() - started:.0f} s")
