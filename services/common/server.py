@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AdminAuthInterceptor
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
+from tandem.common.metrics import ProcessMetrics
 
 log = logging.getLogger("tandem.server")
 
@@ -30,10 +31,13 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], grace_seconds: float = 5.0,
-                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
+                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None,
+                 metrics: ProcessMetrics | None = None):
         self.service_names = list(service_names)
         self.grace_seconds = grace_seconds
-        interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
+        # The metrics interceptor is outermost: it sees the status every other one answers with.
+        interceptors = ([metrics.interceptor] if metrics else []) + \
+            ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
@@ -45,6 +49,8 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        if metrics is not None:
+            metrics.bind(self.address)
         self._stop = asyncio.Event()
 
     async def start(self) -> None:

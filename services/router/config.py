@@ -14,6 +14,8 @@ class RouterConfig:
     health_interval_s: float = 1.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
+    # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
+    metrics_port: int = 0
 
     def __post_init__(self):
         if not self.workers:
@@ -26,3 +28,5 @@ class RouterConfig:
             raise ValueError(f"worker addresses repeat: {list(self.workers)}")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")

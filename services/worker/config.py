@@ -17,9 +17,13 @@ class WorkerConfig:
     nixl_progress_thread: bool = False
     # Admin RPCs need this bearer token when set.
     admin_token: str | None = None
+    # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
+    metrics_port: int = 0
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
