@@ -120,7 +120,7 @@ def test_drain_checks_hold_the_stop_and_a_second_request_cuts_it_short():
 
 def test_health_watch_sees_not_serving_first_and_does_not_hold_the_drain():
     async def scenario():
-        server = _server(drain_seconds=10)
+        server = _server(drain_seconds=60)
         await server.start()
         await server.set_serving(True)
         stopper = asyncio.create_task(server.wait_for_stop())
@@ -133,7 +133,7 @@ def test_health_watch_sees_not_serving_first_and_does_not_hold_the_drain():
                         server.request_stop()
             except grpc.aio.AioRpcError:
                 pass  # the server stopped
-        await asyncio.wait_for(stopper, 2)
+        await asyncio.wait_for(stopper, 10)  # a Watch that held the drain would take its 60 s
         return seen
 
     assert asyncio.run(scenario()) == ["SERVING", "NOT_SERVING"]

@@ -10,6 +10,7 @@ import pytest
 from tandem.testing.cluster import LocalCluster
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from test_disagg import worker_state
+from test_metrics import scrape, value
 
 
 @pytest.fixture
@@ -63,6 +64,8 @@ def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
     assert out.outputs[0].finish_reason == "length"
     assert out.outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob, rel=1e-4, abs=1e-3)
     assert killed.address in out.metrics.served_by and len(out.metrics.served_by) >= 3
+    # served_by: the prefill, the killed decode, then one worker per migration.
+    assert value(scrape(cluster.router), "tandem:router_migrations_total") == len(out.metrics.served_by) - 2
 
 
 def test_requests_survive_a_dead_prefill(cluster):
@@ -91,3 +94,4 @@ def test_requests_survive_a_dead_prefill(cluster):
     retried = [o for o in outs if victim.address in o.metrics.served_by]
     assert len(retried) >= 1  # the killed prefill really had some of these requests
     assert all(victim.address not in o.metrics.served_by[-2:] for o in outs)
+    assert value(scrape(cluster.router), "tandem:router_prefill_retries_total") == len(retried)

@@ -38,11 +38,13 @@ VALUE_SETS = {
         "adminToken": {"secretName": "tandem-admin"},
         "drain": {"seconds": 120, "routerPreStopSeconds": 10},
         "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
     },
     "aggregated": {
         "model": {"source": "hostPath", "hostPath": "/mnt/models", "path": "qwen3"},
         "prefill": {"replicas": 0}, "decode": {"replicas": 0},
         "both": {"replicas": 2, "numBlocks": 4096, "maxNumBatchedTokens": 1048576, "extraArgs": ["--seed", "7"]},
+        "metrics": {"enabled": False},
     },
 }
 
@@ -90,6 +92,8 @@ def test_manifests_are_valid_kubernetes(chart, case):
     docs = objects(chart, VALUE_SETS[case])
     assert docs
     for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: test_service_monitor_scrapes_every_service checks it
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
@@ -198,10 +202,15 @@ def test_network_policies_are_optional(chart):
     assert by_kind(objects(chart, {}), "NetworkPolicy") == []
     policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, VALUE_SETS["disaggregated"]), "NetworkPolicy")}
     router, workers = policies[f"{RELEASE}-tandem-router"], policies[f"{RELEASE}-tandem-workers"]
+    scrape = {"ports": [{"port": "metrics"}]}  # metrics.enabled: Prometheus, from anywhere (metricsFrom empty)
     assert router["ingress"] == [{"ports": [{"port": "grpc"}],
-                                  "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}]
+                                  "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}, scrape]
     assert workers["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode", "both"]
     assert workers["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert workers["ingress"][1:] == [scrape]
+    no_metrics = dict(VALUE_SETS["disaggregated"], metrics={"enabled": False})
+    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, no_metrics), "NetworkPolicy")}
+    assert all(len(p["ingress"]) == 1 for p in policies.values())
 
 
 def test_large_integers_render_as_integers(chart):
@@ -235,6 +244,53 @@ def test_long_names_are_truncated_to_dns_labels(chart):
                for label in address.rsplit(":", 1)[0].split("."))
 
 
+def pod_templates(docs: list[dict]) -> list[dict]:
+    return [d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+@pytest.mark.parametrize("case", ["default", "disaggregated"])
+def test_every_pod_is_scraped_on_its_metrics_port(chart, case):
+    docs = objects(chart, VALUE_SETS[case])
+    values = helm.Chart.merge_values(chart, VALUE_SETS[case])
+    templates = pod_templates(docs)
+    assert len(templates) == len(by_kind(docs, "Service")) >= 3
+    for template in templates:
+        (container,) = template["spec"]["containers"]
+        role = template["metadata"]["labels"]["app.kubernetes.io/component"]
+        (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"]
+        assert port == values[role]["metricsPort"] and flag(container, "metrics-port") == str(port)
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+    for svc in by_kind(docs, "Service"):
+        (port,) = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
+        assert port["targetPort"] == "metrics"
+
+
+def test_metrics_off_is_no_port_no_annotation(chart):
+    docs = objects(chart, VALUE_SETS["aggregated"])
+    for template in pod_templates(docs):
+        (container,) = template["spec"]["containers"]
+        assert flag(container, "metrics-port") == "0"
+        assert "annotations" not in template["metadata"] and [p["name"] for p in container["ports"]] == ["grpc"]
+    assert all([p["name"] for p in svc["spec"]["ports"]] == ["grpc"] for svc in by_kind(docs, "Service"))
+    assert not by_kind(docs, "ServiceMonitor")
+
+
+def test_service_monitor_scrapes_every_service(chart):
+    assert not by_kind(objects(chart, {}), "ServiceMonitor")  # opt-in: it needs prometheus-operator's CRD
+    docs = objects(chart, VALUE_SETS["disaggregated"])
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert spec["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
+    selected = [svc for svc in by_kind(docs, "Service")
+                if spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {"router", "prefill", "decode"}
+    assert len(selected) == len(by_kind(docs, "Service"))
+
+
 @pytest.mark.parametrize("bad", [
     {"prefill": {"replicas": -1}},
     {"mixed": {"replicas": 1}},
@@ -250,6 +306,9 @@ def test_long_names_are_truncated_to_dns_labels(chart):
     {"drain": {"seconds": 1.5}},
     {"terminationGracePeriodSeconds": 30},
     {"engine": {"dtype": "int4"}},
+    {"router": {"metricsPort": 0}},
+    {"metrics": {"serviceMonitor": {"interval": "often"}}},
+    {"metrics": {"scrape": True}},
 ], ids=lambda bad: repr(bad))
 def test_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmValuesError):

@@ -163,3 +163,25 @@ def test_a_stop_string_ends_one_of_n_split_sequences(split_cluster):
                            use_tqdm=False).outputs
     assert (out[0].token_ids, out[0].text, out[0].finish_reason) == (free[0].token_ids, free[0].text, "length")
     assert out[1].finish_reason == "stop" and out[1].text == free[1].text[: free[1].text.index(stop)]
+
+
+def test_a_stop_before_another_sequence_shows_up_loses_none_of_it(model_dirs):
+    """n=2: sequence 0 stops in the first message, before sequence 1's first token arrived (it was
+    admitted a step later); sequence 1's tokens all reach the client."""
+    tokenizer = Tokenizer.from_dir(model_dirs["llama"])
+    ids = tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
+    other = tokenizer.encode("a dog ran far away", add_special_tokens=False)[:4]
+    stop = tokenizer.decode(ids[:2])
+    assert stop not in tokenizer.decode(other)
+    processor = TextProcessor(tokenizer, TextOptions(stop=(stop,)), num_sequences=2)
+    first = types_pb2.RequestOutput(request_id="r", outputs=[_completion(0, ids[:3], [-0.1] * 3)])
+    later = [types_pb2.RequestOutput(request_id="r", outputs=[_completion(1, other[:2], [-0.1] * 2)]),
+             types_pb2.RequestOutput(request_id="r", finished=True,
+                                     outputs=[_completion(0, [], [], types_pb2.FINISH_REASON_CANCELLED),
+                                              _completion(1, other[2:], [-0.1] * 2, types_pb2.FINISH_REASON_LENGTH)])]
+    out, stopped = _run(processor, [first] + later)
+    assert stopped == [0]
+    seq1 = [t for m in out for c in m.outputs if c.index == 1 for t in c.token_ids]
+    assert seq1 == other and out[-1].finished
+    finish = {c.index: c.finish_reason for m in out for c in m.outputs if c.finish_reason}
+    assert finish == {0: types_pb2.FINISH_REASON_STOP, 1: types_pb2.FINISH_REASON_LENGTH}

@@ -11,6 +11,18 @@ from tandem.cli.flags import add_engine_flags, engine_config
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 
 
+# Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
+# router's and a worker's differ so that a router and a worker on one host both get theirs.
+ROUTER_METRICS_PORT = 9191
+WORKER_METRICS_PORT = 9192
+
+
+def _add_metrics_port(parser: argparse.ArgumentParser, default: int) -> None:
+    parser.add_argument("--metrics-port", type=int, default=default,
+                        help=f"serve Prometheus metrics over HTTP on --host at this port, path /metrics "
+                             f"(default {default}; 0: none)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -29,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)")
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
+        _add_metrics_port(p, WORKER_METRICS_PORT)
         add_engine_flags(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
     router.add_argument("--host", default="127.0.0.1")
@@ -37,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
+    _add_metrics_port(router, ROUTER_METRICS_PORT)
     front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
     front.add_argument("--host", default="127.0.0.1")
@@ -51,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
     up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
+    up.add_argument("--metrics-port", type=int, default=ROUTER_METRICS_PORT,
+                    help="the router's Prometheus port (/metrics); each worker gets a free one, all printed; "
+                         "0: no metrics servers")
     add_engine_flags(up)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
@@ -86,6 +103,7 @@ def _serve(args) -> int:
         from tandem.router.config import RouterConfig
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
                               admin_token=args.admin_token, drain_seconds=args.drain_seconds,
+                              metrics_port=args.metrics_port,
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
@@ -94,7 +112,7 @@ def _serve(args) -> int:
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
-                          drain_seconds=args.drain_seconds)
+                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port)
     asyncio.run(serve_worker(config))
     return 0
 

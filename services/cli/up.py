@@ -28,14 +28,16 @@ def up(args, engine) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
         return 2
-    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine), host=args.host, router_port=args.port)
+    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine), host=args.host, router_port=args.port,
+                           metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port)
     print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         cluster.start()
         print(f"tandem: ready on {cluster.address}; logs in {cluster.log_dir}", flush=True)
         for s in cluster.services:
-            print(f"  {s.name:10s} {s.address}", flush=True)
+            metrics = f"   metrics http://{s.metrics_address}/metrics" if s.metrics_address else ""
+            print(f"  {s.name:10s} {s.address}{metrics}", flush=True)
         if args.demo:
             from tandem.cli.main import generate
             chat = _has_chat_template(engine.model_dir)

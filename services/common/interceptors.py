@@ -1,6 +1,7 @@
 """Cross-cutting server concerns: exception -> status mapping, request ids in logs."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -45,51 +46,52 @@ class ReadinessInterceptor(grpc.aio.ServerInterceptor):
                                                    handler.response_serializer if handler else None)
 
 
+def wrap_handler(handler: grpc.RpcMethodHandler | None, guard) -> grpc.RpcMethodHandler | None:
+    """The handler with guard(context), an async context manager, around every call, for each kind
+    of handler grpc.aio has: unary, server-streaming generators and writer-API streams (context.write,
+    as health's Watch). grpc tells the streaming kinds apart by the function's type, so a wrapper
+    must be of the same type as what it wraps."""
+    if handler is None:
+        return None
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            async with guard(context):
+                return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
+                                                   handler.response_serializer)
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+        if inspect.iscoroutinefunction(inner_stream):
+            async def unary_stream(request, context):
+                async with guard(context):
+                    await inner_stream(request, context)
+        else:
+            async def unary_stream(request, context):
+                async with guard(context):
+                    async for item in inner_stream(request, context):
+                        yield item
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+    return handler
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a servicer into the status status_for() names."""
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
 
-            async def unary_unary(request, context):
-                try:
-                    return await inner(request, context)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                    await _abort(context, method, exc)
+        @contextlib.asynccontextmanager
+        async def mapped(context):
+            try:
+                yield
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                await _abort(context, method, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-            if inspect.iscoroutinefunction(inner_stream):
-                # A writer-API stream (context.write), such as health's Watch: grpc tells the two kinds
-                # apart by the handler's function type, so the wrapper must be a coroutine too.
-                async def unary_stream(request, context):
-                    try:
-                        await inner_stream(request, context)
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001
-                        await _abort(context, method, exc)
-            else:
-                async def unary_stream(request, context):
-                    try:
-                        async for item in inner_stream(request, context):
-                            yield item
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001
-                        await _abort(context, method, exc)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler
+        return wrap_handler(await continuation(handler_call_details), mapped)

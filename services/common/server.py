@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.common.auth import AdminAuthInterceptor
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
+from tandem.common.metrics import ProcessMetrics
 
 log = logging.getLogger("tandem.server")
 
@@ -38,14 +39,17 @@ DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
-                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
+                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None,
+                 metrics: ProcessMetrics | None = None):
         if drain_seconds < 0:
             raise ValueError(f"drain_seconds must be >= 0, got {drain_seconds}")
         self.service_names = list(service_names)
         self.drain_seconds = drain_seconds
         self.in_flight = InFlightCalls()
         self._drain_checks: list[DrainCheck] = []
-        interceptors = [self.in_flight] + ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
+        # The metrics interceptor is outermost: it sees the status every other one answers with.
+        interceptors = ([metrics.interceptor] if metrics else []) + [self.in_flight] + \
+            ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
@@ -57,6 +61,8 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        if metrics is not None:
+            metrics.bind(self.address)
         self._stop = asyncio.Event()
         self._force_stop = asyncio.Event()
 

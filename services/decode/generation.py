@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from tandem.common.errors import unavailable
 from tandem.engine.messages import AddRequest, RemoteKvArrived
@@ -29,11 +30,14 @@ PULL_TIMEOUT_S = 30.0
 
 
 class GenerationPhase:
-    def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat):
+    def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat,
+                 on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None):
         self.poller = poller
         self.peers = peers
         self.handoff_format = handoff_format
         self.num_bytes_received = 0
+        # Told of each pull that landed: its bytes and seconds (the worker's metrics).
+        self.on_pulled = on_pulled
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None) -> worker_pb2.KvHandoff:
@@ -73,6 +77,7 @@ class GenerationPhase:
             self.num_bytes_received += nbytes
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
+            self.on_pulled(nbytes, request.metrics.kv_transfer_s)
             request.metrics.num_cached_prompt_tokens = len(request.prompt_token_ids)
             core.send(RemoteKvArrived(rid))
         except asyncio.CancelledError:

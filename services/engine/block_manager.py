@@ -46,6 +46,9 @@ class BlockManager:
         self.events: list[dict] = [{"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}]
         self.num_cache_hits = 0  # blocks served from the cache
         self.num_new_blocks = 0  # blocks handed out fresh (their KV computed or pulled anew)
+        # vLLM's prefix cache metrics, in tokens: looked up, and found cached.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,8 +110,9 @@ class BlockManager:
         """Free-list blocks that taking cached_blocks plus num_new_blocks fresh ones consumes."""
         return sum(1 for b in cached_blocks if self._ref_counts[b] == 0) + num_new_blocks
 
-    def take_cached(self, seq: Sequence, blocks: list[int], hashes: list[int]) -> None:
-        """Gives seq the cached prefix blocks: their KV counts as computed."""
+    def take_cached(self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int) -> None:
+        """Gives seq the cached prefix blocks: their KV counts as computed. num_queried_tokens:
+        how many of its tokens the lookup was for (the prefix cache's queries)."""
         for b in blocks:
             if self._ref_counts[b] == 0:
                 del self._free[b]
@@ -117,6 +121,9 @@ class BlockManager:
         seq.block_hashes = list(hashes)
         seq.num_computed_tokens = len(blocks) * self.block_size
         self.num_cache_hits += len(blocks)
+        if self.enable_prefix_caching:
+            self.num_prefix_query_tokens += num_queried_tokens
+            self.num_prefix_hit_tokens += len(blocks) * self.block_size
 
     def register_computed(self, seq: Sequence) -> None:
         """Hashes seq's newly full, computed blocks into the cache (a "stored" event)."""

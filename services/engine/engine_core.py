@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
@@ -52,9 +52,12 @@ class JsonBuffer:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000,
+                 on_stats: Callable[[dict], None] | None = None):
         self.engine = engine
         self.loop = loop
+        # Called on the loop with each step's iteration stats (the worker's metrics), off the engine thread.
+        self.on_stats = on_stats
         self._commands: queue.Queue = queue.Queue()
         # request id -> the asyncio queue its StepOutputs (or an EngineFailure) go to.
         self._streams: dict[str, asyncio.Queue] = {}
@@ -210,7 +213,12 @@ class EngineCore:
     def _record_stats(self, outputs: list[StepOutput]) -> None:
         waits, self._new_request_waits = self._new_request_waits, []
         stats = iteration_stats(self.engine, outputs, waits)
-        self.loop.call_soon_threadsafe(self.iteration_stats.push, [stats])
+        self.loop.call_soon_threadsafe(self._publish_stats, stats)
+
+    def _publish_stats(self, stats: dict) -> None:
+        self.iteration_stats.push([stats])
+        if self.on_stats is not None:
+            self.on_stats(stats)
 
     def _publish_kv_events(self) -> None:
         """KV events in TensorRT-LLM's shape: {event_id, data, window_size}."""

@@ -163,7 +163,7 @@ class LLMEngine:
         num_blocks = bm.num_blocks_for(seq.num_prompt_tokens + 1)
         if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
             return None
-        bm.take_cached(seq, cached, hashes)
+        bm.take_cached(seq, cached, hashes, seq.num_prompt_tokens)
         seq.block_table += bm.allocate(num_blocks - len(cached))
         seq.status = Status.WAITING_FOR_REMOTE_KV
         self._seqs[request_id] = seq
@@ -245,7 +245,10 @@ class LLMEngine:
             num_waiting_for_remote_kv=self.num_waiting_for_remote_kv,
             num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
             num_steps=c.num_steps, weight_bytes=runner.weight_bytes, kv_cache_bytes=runner.kv_cache_bytes,
-            weights_source=runner.weights_source, weights_version=runner.weights_version)
+            weights_source=runner.weights_source, weights_version=runner.weights_version,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions, num_prefix_query_tokens=bm.num_prefix_query_tokens,
+            num_prefix_hit_tokens=bm.num_prefix_hit_tokens)
 
     # -- the step: schedule -> run -> postprocess --
     def step(self) -> list[StepOutput]:

@@ -140,3 +140,8 @@ class EngineSnapshot:
     kv_cache_bytes: int
     weights_source: str
     weights_version: int
+    num_running: int = 0
+    num_waiting: int = 0  # queued; those waiting for remote KV are num_waiting_for_remote_kv
+    num_preemptions: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0

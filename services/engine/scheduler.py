@@ -108,7 +108,7 @@ class Scheduler:
         num_new = min(seq.num_tokens - num_cached, budget)
         if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):
             return None
-        bm.take_cached(seq, cached, hashes)
+        bm.take_cached(seq, cached, hashes, seq.num_tokens)
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
         bm.grow(seq, num_new)

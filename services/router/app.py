@@ -6,6 +6,7 @@ import logging
 
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
+from tandem.router.metrics import RouterMetrics
 from tandem.router.servicer import RouterServicer
 from tandem.router.workers import WorkerPool
 from tandem.v1 import llm_pb2, llm_pb2_grpc
@@ -32,13 +33,17 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 
 
 async def serve_router(config: RouterConfig) -> None:
+    metrics = RouterMetrics()
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
-                        drain_seconds=config.drain_seconds, admin_token=config.admin_token)
+                        drain_seconds=config.drain_seconds, admin_token=config.admin_token, metrics=metrics)
     pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token)
-    servicer = RouterServicer(pool, server.address, server.request_stop)
+    servicer = RouterServicer(pool, server.address, server.request_stop, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
+    metrics_url = metrics.serve_http(config.host, config.metrics_port)
     await server.start()
     server.install_signal_handlers()
+    if metrics_url:
+        log.info("metrics on %s", metrics_url)
     pool.start()
     tracker = asyncio.create_task(_track_readiness(server, pool, servicer))
     log.info("router on %s, workers %s", server.address, ", ".join(config.workers))
@@ -47,3 +52,4 @@ async def serve_router(config: RouterConfig) -> None:
     finally:
         tracker.cancel()
         await pool.close()
+        metrics.close()

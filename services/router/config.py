@@ -18,6 +18,8 @@ class RouterConfig:
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
+    metrics_port: int = 0
 
     def __post_init__(self):
         if self.drain_seconds < 0:
@@ -32,3 +34,5 @@ class RouterConfig:
             raise ValueError(f"worker addresses repeat: {list(self.workers)}")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")

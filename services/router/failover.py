@@ -56,6 +56,7 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, exc.code().name, ctx.request_id)
             route.pool.mark_down(prefill)
             tried.add(prefill.address)
+            route.metrics.prefill_retried()
         except BaseException:
             # Cancelled after the reply came: the handoff it carries is nobody else's to release.
             if out is not None and out.outputs and out.outputs[0].disaggregated_params.opaque_state:
@@ -111,6 +112,7 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                         len(progress.tokens))
             route.pool.mark_down(worker)
             tried.add(worker.address)
+            route.metrics.migrated()
             if progress.prompt_token_ids:
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative

@@ -106,7 +106,7 @@ async def split_n(route: Route, request: llm_pb2.GenerateRequest):
         sub.sampling_params.n = 1
         if sub.sampling_params.HasField("seed"):
             sub.sampling_params.seed += i
-        route.children.append(Route(route.pool, sub.request_id))
+        route.children.append(Route(route.pool, sub.request_id, route.metrics))
         subs.append(sub)
     first = True
     async for index, item in merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)]):

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from tandem.common.outputs import cancelled_output
+from tandem.router.metrics import RouterMetrics
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
@@ -16,9 +17,10 @@ log = logging.getLogger("tandem.router.route")
 
 
 class Route:
-    def __init__(self, pool: WorkerPool, request_id: str):
+    def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics):
         self.pool = pool
         self.request_id = request_id
+        self.metrics = metrics
         self.worker: WorkerHandle | None = None
         # The downstream Generate in progress; Abort cancels it when the worker does not know the
         # request yet (its Generate is still on the way).

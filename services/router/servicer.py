@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 from google.protobuf import struct_pb2
 
@@ -12,6 +13,7 @@ from tandem.common.errors import PreconditionError, RpcError, unavailable
 from tandem.common.roles import Role
 from tandem.common.streams import merge
 from tandem.router import generate
+from tandem.router.metrics import RouterMetrics
 from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
@@ -20,8 +22,9 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
 
 class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
-    def __init__(self, pool: WorkerPool, address: str, request_stop):
+    def __init__(self, pool: WorkerPool, address: str, request_stop, metrics: RouterMetrics):
         self.pool = pool
+        self.metrics = metrics
         self.address = address
         self.request_stop = request_stop
         self.llm_id = uuid.uuid4().hex
@@ -31,11 +34,15 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         # The served model's tokenizer, fetched from a worker once one is ready (load_tokenizer).
         self.tokenizer_files: llm_pb2.TokenizerFiles | None = None
         self.front: TextFront | None = None
+        metrics.watch(self)
 
     async def load_tokenizer(self, worker: WorkerHandle) -> None:
         """Text is the router's job: it tokenizes prompts and detokenizes what the workers stream."""
         files = await worker.llm.GetTokenizer(llm_pb2.GetTokenizerRequest(), timeout=30)
         tokenizer = await asyncio.to_thread(Tokenizer, dict(files.files), worker.address)
+        # The model_name label of the request metrics: the served checkpoint's directory name.
+        info = await worker.llm.GetServerInfo(llm_pb2.GetServerInfoRequest(), timeout=30)
+        self.metrics.model_name = Path(info.model).name
         self.tokenizer_files, self.front = files, TextFront(tokenizer)
 
     def _text(self) -> TextFront:
@@ -44,15 +51,17 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return self.front
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        tracker = self.metrics.requests.track()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
         text_request = await self._text().prepare(request)
-        route = self.routes[request.request_id] = Route(self.pool, request.request_id)
+        route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics)
         try:
-            async for msg in TextFront.respond(text_request, generate.stream(route, text_request.engine_request),
-                                               route.stop):
+            produced = tracker.produced(generate.stream(route, text_request.engine_request))
+            messages = TextFront.respond(text_request, produced, route.stop)
+            async for msg in tracker.delivered(messages, len(text_request.prompt_token_ids)):
                 yield msg
         finally:
             self.routes.pop(request.request_id, None)

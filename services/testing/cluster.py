@@ -28,6 +28,8 @@ class Service:
     address: str
     argv: list[str]
     log_path: Path
+    # host:port of its Prometheus /metrics (None: started without one).
+    metrics_address: str | None = None
     process: subprocess.Popen | None = None
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -47,6 +49,10 @@ class LocalCluster:
     log_dir: Path | None = None
     env: dict[str, str] | None = None
     worker_args: dict[str, list[str]] = field(default_factory=dict)
+    # Every process serves Prometheus metrics on a port of its own: the router's is this one
+    # (0: a free one), each worker's a free one. False: none.
+    metrics: bool = True
+    router_metrics_port: int = 0
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -69,15 +75,19 @@ class LocalCluster:
             counts[role] = counts.get(role, 0) + 1
             port = free_port(self.host)
             name = f"{role}-{counts[role]}"
+            metrics_port = free_port(self.host) if self.metrics else 0
             argv = [sys.executable, "-m", "tandem.cli.main", "serve", role, "--host", self.host, "--port", str(port),
-                    *self.engine_args, *self.worker_args.get(name, [])]
-            self.services.append(Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log"))
+                    "--metrics-port", str(metrics_port), *self.engine_args, *self.worker_args.get(name, [])]
+            self.services.append(Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log",
+                                         self._metrics_address(metrics_port)))
         port = self.router_port or free_port(self.host)
+        metrics_port = (self.router_metrics_port or free_port(self.host)) if self.metrics else 0
         workers = ",".join(s.address for s in self.services)
         self.services.append(Service("router", "router", f"{self.host}:{port}",
                                      [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
-                                      "--port", str(port), "--workers", workers, "--health-interval", "0.2"],
-                                     self.log_dir / "router.log"))
+                                      "--port", str(port), "--workers", workers, "--health-interval", "0.2",
+                                      "--metrics-port", str(metrics_port)],
+                                     self.log_dir / "router.log", self._metrics_address(metrics_port)))
         env = dict(os.environ, **(self.env or {}))
         for s in self.services:
             with open(s.log_path, "w") as log:
@@ -90,6 +100,9 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _metrics_address(self, port: int) -> str | None:
+        return f"{self.host}:{port}" if port else None
 
     def wait_serving(self, addresses: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -79,7 +79,7 @@ class TextFront:
         del engine_params.stop[:]
         if options.strip_logprobs:
             engine_params.logprobs = 0
-        processor = TextProcessor(self.tokenizer, options, text)
+        processor = TextProcessor(self.tokenizer, options, text, num_sequences=max(1, _opt(params, "n", 1)))
         if request.disaggregated_params.request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
             processor.prime(0, list(request.disaggregated_params.first_gen_tokens))
         return TextRequest(engine_request, processor, request.streaming)

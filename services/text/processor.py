@@ -39,10 +39,13 @@ class _Sequence:
 
 
 class TextProcessor:
-    def __init__(self, tokenizer: Tokenizer, options: TextOptions, prompt_text: str | None = None):
+    def __init__(self, tokenizer: Tokenizer, options: TextOptions, prompt_text: str | None = None,
+                 num_sequences: int = 1):
         self.tokenizer = tokenizer
         self.options = options
         self.prompt_text = prompt_text
+        # n: a sequence not seen yet (its first token still to come) is not finished.
+        self.num_sequences = num_sequences
         self._sequences: dict[int, _Sequence] = {}
         self._first = True
 
@@ -78,7 +81,7 @@ class TextProcessor:
                 if held.finished:
                     break
                 continue
-            if stops and not msg.finished and self._sequences and all(s.finished for s in self._sequences.values()):
+            if stops and not msg.finished and self._all_finished:
                 held = msg  # every sequence is done here; the producer is stopping
                 continue
             yield msg
@@ -87,6 +90,11 @@ class TextProcessor:
         if held is not None:
             held.finished = True
             yield held
+
+    @property
+    def _all_finished(self) -> bool:
+        finished = sum(1 for s in self._sequences.values() if s.finished)
+        return finished >= self.num_sequences
 
     def _apply(self, msg: types_pb2.RequestOutput) -> list[tuple[int, types_pb2.DisaggregatedParams | None]]:
         if self._first and self.prompt_text is not None:

@@ -8,6 +8,7 @@ from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
 from tandem.worker.config import WorkerConfig
+from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.encode_servicer import EncodeOnlyLLMServicer
 from tandem.worker.runtime import WorkerRuntime
 from tandem.worker.servicer import WorkerInternalServicer, WorkerLLMServicer
@@ -21,18 +22,23 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 
 async def serve_worker(config: WorkerConfig) -> None:
     ready = asyncio.Event()
+    metrics = WorkerMetrics(config.role, config.engine.model_dir)
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds,
                         admin_token=config.admin_token,
-                        readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
-    runtime = WorkerRuntime(config, server, ready)
+                        readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
+                        metrics=metrics)
+    runtime = WorkerRuntime(config, server, ready, metrics)
     server.add_drain_check(runtime.is_drained)
     # An encoder-only checkpoint gets a servicer whose generative RPCs refuse (the runtime loads it likewise).
     servicer_type = EncodeOnlyLLMServicer if is_encoder_only(config.engine.model_dir) else WorkerLLMServicer
     llm_servicer = servicer_type(runtime)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(llm_servicer, server.server)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerInternalServicer(runtime, llm_servicer), server.server)
+    metrics_url = metrics.serve_http(config.host, config.metrics_port)
     await server.start()
     server.install_signal_handlers()
+    if metrics_url:
+        log.info("metrics on %s", metrics_url)
     try:
         await runtime.load()
         await server.set_serving(True)
@@ -41,3 +47,4 @@ async def serve_worker(config: WorkerConfig) -> None:
     finally:
         await llm_servicer.abort_all()
         await runtime.close()
+        metrics.close()

@@ -20,6 +20,8 @@ class WorkerConfig:
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests and KV handoffs after health turns NOT_SERVING.
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
+    metrics_port: int = 0
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
@@ -28,3 +30,5 @@ class WorkerConfig:
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")

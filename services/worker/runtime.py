@@ -24,13 +24,15 @@ from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
+from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
 from tandem.v1 import llm_pb2, worker_pb2
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event):
+    def __init__(self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event, metrics: WorkerMetrics):
         self.config = config
+        self.metrics = metrics
         self.role = config.role
         self.server = server
         self.worker_id = server.address
@@ -55,6 +57,7 @@ class WorkerRuntime:
         self._num_bytes_received = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
+        metrics.watch(self)
 
     @property
     def encode_only(self) -> bool:
@@ -73,7 +76,7 @@ class WorkerRuntime:
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids()))
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
-        self.core = EngineCore(self.engine, asyncio.get_running_loop())
+        self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step)
         if self.leases is not None:
             self.leases.attach(self.core)
         self.handoff_format = HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
@@ -124,7 +127,8 @@ class WorkerRuntime:
             self.phases.context = ContextPhase(keeper, self.handoff_format, self.worker_id, agent_name)
         else:
             self._peers = PeerCache(self.poller)
-            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format)
+            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format,
+                                                     on_pulled=self.metrics.observe_kv_pull)
 
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
@@ -146,6 +150,7 @@ class WorkerRuntime:
         while engine.num_unfinished:
             engine.step()
         engine.counters.num_steps = engine.counters.num_prompt_tokens_computed = engine.counters.num_generated_tokens = 0
+        engine.block_manager.num_prefix_query_tokens = engine.block_manager.num_prefix_hit_tokens = 0
 
     def request_stop(self) -> None:
         self.server.request_stop()

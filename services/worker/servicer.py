@@ -32,13 +32,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         rt = self.rt
+        tracker = rt.metrics.requests.track()
         rt.check_accepting()
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
         worker_request = self._start(text_request.engine_request)
         self.requests[worker_request.request_id] = worker_request
         try:
-            async for msg in TextFront.respond(text_request, worker_request.outputs(), worker_request.stop):
+            messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+            async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
                 yield msg
                 worker_request.delivered()
         finally:

@@ -61,12 +61,14 @@ def cluster():
     docker_client()
     image = cpu_image()
     ports = {role: _free_port() for role in ("prefill", "decode", "router")}
+    # Host network: every process needs its own metrics port too (workers default to 9192).
+    metrics = {role: ["--metrics-port", str(_free_port())] for role in ports}
     address = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
     engine = ["--model", MODEL, "--num-blocks", "64", "--drain-seconds", "5"]
     specs = {
-        "prefill": ["serve", "prefill", "--port", str(ports["prefill"]), *engine],
-        "decode": ["serve", "decode", "--port", str(ports["decode"]), *engine],
-        "router": ["serve", "router", "--port", str(ports["router"]), "--health-interval", "0.2",
+        "prefill": ["serve", "prefill", "--port", str(ports["prefill"]), *metrics["prefill"], *engine],
+        "decode": ["serve", "decode", "--port", str(ports["decode"]), *metrics["decode"], *engine],
+        "router": ["serve", "router", "--port", str(ports["router"]), *metrics["router"], "--health-interval", "0.2",
                    "--workers", f"{address['prefill']},{address['decode']}", "--drain-seconds", "5"],
     }
     started: dict[str, tuple[DockerContainer, str]] = {}

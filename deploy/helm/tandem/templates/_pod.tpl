@@ -90,3 +90,32 @@ spec:
       {{- include "tandem.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end }}
+
+{{/* Prometheus: the server flag, the pod annotations, the container and Service ports. (dict "root" $ "port" N) */}}
+{{- define "tandem.metricsFlag" -}}
+- --metrics-port={{ if .root.Values.metrics.enabled }}{{ int .port }}{{ else }}0{{ end }}
+{{- end }}
+
+{{- define "tandem.metricsAnnotations" -}}
+{{- if .root.Values.metrics.enabled }}
+annotations:
+  prometheus.io/scrape: "true"
+  prometheus.io/port: {{ int .port | quote }}
+  prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{- define "tandem.metricsContainerPort" -}}
+{{- if .root.Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ int .port }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.metricsServicePort" -}}
+{{- if .root.Values.metrics.enabled }}
+- name: metrics
+  port: {{ int .port }}
+  targetPort: metrics
+{{- end }}
+{{- end }}

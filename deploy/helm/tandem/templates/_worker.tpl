@@ -27,6 +27,7 @@ spec:
       port: {{ int $spec.port }}
       targetPort: grpc
       appProtocol: grpc
+    {{- with include "tandem.metricsServicePort" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 4 }}{{- end }}
   selector:
     {{- include "tandem.selectorLabels" . | nindent 4 }}
 ---
@@ -48,6 +49,7 @@ spec:
     metadata:
       labels:
         {{- include "tandem.labels" . | nindent 8 }}
+      {{- with include "tandem.metricsAnnotations" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 6 }}{{- end }}
     spec:
       {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "preStopSeconds" 0) | nindent 6 }}
       containers:
@@ -73,6 +75,7 @@ spec:
             - --device={{ $spec.device }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
             - --drain-seconds={{ int $root.Values.drain.seconds }}
+            {{- include "tandem.metricsFlag" (dict "root" $root "port" $spec.metricsPort) | nindent 12 }}
             {{- range $spec.extraArgs }}
             - {{ . | quote }}
             {{- end }}
@@ -86,6 +89,7 @@ spec:
           ports:
             - name: grpc
               containerPort: {{ int $spec.port }}
+            {{- with include "tandem.metricsContainerPort" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 12 }}{{- end }}
           {{- include "tandem.probes" (dict "root" $root "port" $spec.port) | nindent 10 }}
           {{- with $resources }}
           resources:

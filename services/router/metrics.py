@@ -1,0 +1,45 @@
+"""The router's Prometheus metrics: the client's view of each request (tandem.common.metrics,
+role="router"), failover (migrations, prefill retries), and its view of the workers."""
+from __future__ import annotations
+
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem.common.metrics import BASE_LABELS, ProcessMetrics, one_sample
+
+
+class RouterMetrics(ProcessMetrics):
+    def __init__(self):
+        super().__init__("router")
+        reg, base = self.registry, list(BASE_LABELS)
+        self.migrations = Counter("tandem:router_migrations", "Requests moved to another worker after theirs died "
+                                  "mid-stream.", base, registry=reg)
+        self.prefill_retries = Counter("tandem:router_prefill_retries", "Context phases retried on another prefill "
+                                       "worker after theirs died.", base, registry=reg)
+
+    def migrated(self) -> None:
+        self.migrations.labels(*self.labels).inc()
+
+    def prefill_retried(self) -> None:
+        self.prefill_retries.labels(*self.labels).inc()
+
+    def watch(self, servicer) -> None:
+        """Reads servicer (a router.servicer.RouterServicer) at each scrape."""
+        self.registry.register(_RouterCollector(self, servicer))
+
+
+class _RouterCollector(Collector):
+    def __init__(self, metrics: RouterMetrics, servicer):
+        self.metrics = metrics
+        self.servicer = servicer
+
+    def collect(self):
+        labels = list(self.metrics.labels)
+        yield one_sample(GaugeMetricFamily, "tandem:router_requests_in_flight",
+                         "Generate calls the router is serving now.", labels, len(self.servicer.routes))
+        workers = GaugeMetricFamily("tandem:router_worker_ready", "1 while the router sees the worker ready.",
+                                    labels=BASE_LABELS + ("worker", "worker_role"))
+        for w in list(self.servicer.pool.workers):
+            workers.add_metric(labels + [w.address, w.role.label], 1 if w.ready else 0)
+        yield workers
