@@ -10,16 +10,18 @@ ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def write_adapter(model_dir: Path, out_dir: Path, seed: int, rank: int = 8, alpha: float = 16,
-                  targets=ALL_MODULES, std: float | None = None, **lora_kwargs) -> Path:
+                  targets=ALL_MODULES, std: float | None = None, base=None, **lora_kwargs) -> Path:
     """A PEFT LoRA directory for model_dir with random A and B (init_lora_weights=False), written
-    once per out_dir. std: scale both factors to this standard deviation (a real model needs a
-    small delta to stay coherent; the tiny ones take peft's default)."""
+    once per out_dir. std: draw both factors from N(0, std) instead (peft's default init makes
+    deltas too large for a real model, too small to change a tiny one's greedy tokens). base: the
+    model already loaded (it is copied, not changed)."""
     if (out_dir / "adapter_model.safetensors").is_file():
         return out_dir
+    import copy
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = copy.deepcopy(base) if base is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                                             init_lora_weights=False, **lora_kwargs))
     if std is not None:

@@ -78,6 +78,12 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     @property
+    def key(self) -> tuple[int, str]:
+        """What the device pool holds an adapter by: its id (what workers report and the router
+        routes by) and its weights."""
+        return self.int_id, self.fingerprint
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
 

@@ -41,7 +41,7 @@ class LoRAPool:
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self._adapters: list[LoRAAdapter | None] = [None] * num_slots
-        self._slot_of: dict[str, int] = {}  # fingerprint -> slot
+        self._slot_of: dict[tuple[int, str], int] = {}  # LoRAAdapter.key -> slot
         self._pins = [0] * num_slots
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unpinned slots, least recently used first
         self.num_loads = 0
@@ -61,7 +61,7 @@ class LoRAPool:
         return [a for a in self._adapters if a is not None]
 
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
-        return self._slot_of.get(adapter.fingerprint)
+        return self._slot_of.get(adapter.key)
 
     def num_pins(self, slot: int) -> int:
         return self._pins[slot]
@@ -69,7 +69,7 @@ class LoRAPool:
     def acquire(self, adapter: LoRAAdapter) -> int | None:
         """Pins the adapter's slot, loading it first if it is not resident (evicting the least
         recently used unpinned adapter when no slot is empty). None when every slot is pinned."""
-        slot = self._slot_of.get(adapter.fingerprint)
+        slot = self._slot_of.get(adapter.key)
         if slot is None:
             slot = self._take_slot()
             if slot is None:
@@ -94,7 +94,7 @@ class LoRAPool:
             return None
         slot, _ = self._idle.popitem(last=False)
         evicted = self._adapters[slot]
-        del self._slot_of[evicted.fingerprint]
+        del self._slot_of[evicted.key]
         self._adapters[slot] = None
         self.num_evictions += 1
         log.info("evicted %s from LoRA slot %d", evicted.describe(), slot)
@@ -121,7 +121,7 @@ class LoRAPool:
                 self.a[kind][:, slot].zero_()
                 self.b[kind][:, slot].zero_()
         self._adapters[slot] = adapter
-        self._slot_of[adapter.fingerprint] = slot
+        self._slot_of[adapter.key] = slot
         self.num_loads += 1
 
     def free_tensors(self) -> None:

@@ -22,6 +22,9 @@ log = logging.getLogger("tandem.router.workers")
 # flight: it loads the adapter first (a disk read, a copy to the device, maybe an eviction), so a
 # holder is preferred unless it is this much busier.
 ADAPTER_MISS_COST = 4
+# Seconds a worker counts as holding an adapter after a request with it was sent there, whatever
+# the polls said meanwhile (a poll answered before the worker loaded it would say it does not).
+PICKED_ADAPTER_MEMORY_S = 5.0
 
 
 def adapter_of(request: llm_pb2.GenerateRequest) -> int | None:
@@ -39,10 +42,14 @@ class WorkerHandle:
     role: Role = Role.UNKNOWN
     ready: bool = False
     in_flight: int = 0
-    # The LoRA adapters in the worker's device pool at the last poll; lora_ids also counts the
-    # adapters of requests picked for it since (it loads them).
+    # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
+    # adapter was last sent here (it loads the adapter): lora_int_id -> loop time.
     lora_adapters: list[types_pb2.LoRARequest] = field(default_factory=list)
-    lora_ids: set[int] = field(default_factory=set)
+    lora_picked: dict[int, float] = field(default_factory=dict)
+
+    def holds(self, adapter_id: int, now: float) -> bool:
+        return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
+                or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S)
 
     @property
     def can_prefill(self) -> bool:
@@ -111,8 +118,10 @@ class WorkerPool:
                     adapter_id: int | None = None) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
 
+        now = asyncio.get_running_loop().time()
+
         def load(w: WorkerHandle) -> int:
-            return w.in_flight + (ADAPTER_MISS_COST if adapter_id is not None and adapter_id not in w.lora_ids else 0)
+            return w.in_flight + (ADAPTER_MISS_COST if adapter_id is not None and not w.holds(adapter_id, now) else 0)
 
         ready = [w for w in self.ready_workers if w.address not in exclude]
         for need in needs:
@@ -123,7 +132,7 @@ class WorkerPool:
                 rotated = candidates[start:] + candidates[:start]
                 chosen = min(rotated, key=load)
                 if adapter_id is not None:
-                    chosen.lora_ids.add(adapter_id)
+                    chosen.lora_picked[adapter_id] = now
                 return chosen
         wanted = "/".join(n.label if n is not None else "any" for n in needs)
         raise unavailable(f"no ready worker can serve {wanted} requests (workers: "
@@ -145,7 +154,6 @@ class WorkerPool:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
                 w.role = Role(state.role)
                 w.lora_adapters = list(state.lora_adapters)
-                w.lora_ids = {a.lora_int_id for a in state.lora_adapters}
         except grpc.aio.AioRpcError:
             ready = False
         if ready != w.ready:
