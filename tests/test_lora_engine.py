@@ -157,6 +157,13 @@ def test_bad_adapters_are_refused_with_a_message(model_dirs, adapters, tmp_path)
     dora = write_adapter(model_dirs["llama"], tmp_path / "dora", seed=4, rank=4, use_dora=True)
     with pytest.raises(ValueError, match="DoRA is not supported"):
         store.load("dora", 4, str(dora))
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "adapter_config.json").write_text("{}")
+    with open(huge / "adapter_model.safetensors", "wb") as f:
+        f.truncate(64 << 20)  # never read: the size alone refuses it
+    with pytest.raises(ValueError, match="larger than any LoRA of rank <= 4"):
+        store.load("huge", 6, str(huge))
     head = write_adapter(model_dirs["llama"], tmp_path / "head", seed=5, rank=4, targets=("q_proj", "lm_head"))
     with pytest.raises(ValueError, match="lm_head.*not a LoRA factor"):
         store.load("head", 5, str(head))

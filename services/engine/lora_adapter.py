@@ -32,6 +32,7 @@ log = logging.getLogger("tandem.lora")
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
                   r"(?P<name>\w+))\.lora_(?P<factor>[AB])(?:\.[\w-]+)?\.weight$")
 
@@ -129,6 +130,13 @@ def read_adapter(name: str, int_id: int, path: str, modules: dict[str, LoRAModul
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterNotFoundError(f"{where}: no {CONFIG_FILE} and {WEIGHTS_FILE} there on this worker")
+    # Bounded before anything is read: fp32 factors of every projection at the largest rank the pool
+    # holds, with room for safetensors' header.
+    max_bytes = 4 * max_rank * num_layers * sum(m.in_features * m.num_slices + m.slice_bounds[-1]
+                                                for m in modules.values()) + (1 << 20)
+    if config_path.stat().st_size > MAX_CONFIG_BYTES or weights_path.stat().st_size > max_bytes:
+        raise ValueError(f"{where}: its files are larger than any LoRA of rank <= {max_rank} on q/k/v/o/gate/up/down "
+                         f"of this model ({CONFIG_FILE} <= {MAX_CONFIG_BYTES} bytes, {WEIGHTS_FILE} <= {max_bytes})")
     config_bytes = config_path.read_bytes()
     try:
         config = json.loads(config_bytes)

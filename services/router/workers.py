@@ -117,7 +117,6 @@ class WorkerPool:
     def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset(),
                     adapter_id: int | None = None) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
-
         now = asyncio.get_running_loop().time()
 
         def load(w: WorkerHandle) -> int:
@@ -150,12 +149,17 @@ class WorkerPool:
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
-            if ready:
+        except grpc.aio.AioRpcError:
+            ready = False
+        if ready:
+            try:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
                 w.role = Role(state.role)
                 w.lora_adapters = list(state.lora_adapters)
-        except grpc.aio.AioRpcError:
-            ready = False
+            except grpc.aio.AioRpcError:
+                # The state waits for the engine thread between steps; a slow step leaves the last
+                # adapters in place. A worker whose role is still unknown cannot be picked yet.
+                ready = w.role is not Role.UNKNOWN
         if ready != w.ready:
             log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready
