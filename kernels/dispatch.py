@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from tandem.kernels import fused as fused_reference
+from tandem.kernels import lora as lora_reference
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
 
@@ -77,3 +78,18 @@ def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
                   cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
     return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping)
+
+
+def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta) -> torch.Tensor:
+    """Partial sums [splits, T, N] float32 of x[t] @ A[slot(t)]^T for the tokens that use an adapter."""
+    if backend_for(x.device) == "triton":
+        return _triton_module("lora_triton").lora_shrink(x, a_pool, meta)
+    return lora_reference.lora_shrink(x, a_pool, meta)
+
+
+def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, slice_bounds: tuple[int, ...]) -> None:
+    """y[t, slice] += shrink result @ B[slot(t), slice]^T, in place, for the tokens that use an adapter."""
+    if backend_for(y.device) == "triton":
+        _triton_module("lora_triton").lora_expand(buf, b_pool, meta, y, slice_bounds)
+    else:
+        lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Callable
 
-from tandem.common.errors import unavailable
+from tandem.common.errors import PreconditionError, unavailable
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.errors import TransferError, TransferTimeoutError
@@ -29,6 +29,21 @@ LEASE_SAFETY_MARGIN_S = 1.0
 PULL_TIMEOUT_S = 30.0
 
 
+def check_adapter(handoff: worker_pb2.KvHandoff, adapter) -> None:
+    """KV computed under one LoRA adapter (or none) only continues under the same one."""
+    theirs = handoff.lora_request.lora_name if handoff.HasField("lora_request") else None
+    ours = adapter.fingerprint if adapter is not None else ""
+    if handoff.lora_fingerprint == ours:
+        return
+    computed = (f"LoRA adapter {theirs!r} (lora_int_id {handoff.lora_request.lora_int_id})" if theirs
+                else "the base model (no adapter)")
+    asked = adapter.describe() if adapter is not None else "no adapter"
+    same_name = adapter is not None and theirs == adapter.name
+    raise PreconditionError(f"the KV handoff was computed with {computed}; this request runs with {asked}"
+                            + ("; the adapter's files differ between the prefill and this worker" if same_name else
+                               "; send generation_only with the context phase's lora_request"))
+
+
 class GenerationPhase:
     def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat,
                  on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None):
@@ -40,11 +55,14 @@ class GenerationPhase:
         self.on_pulled = on_pulled
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
-               cache_salt: str | None) -> worker_pb2.KvHandoff:
-        """The request's handoff, or the error that refuses it (before anything is reserved)."""
+               cache_salt: str | None, adapter=None) -> worker_pb2.KvHandoff:
+        """The request's handoff, or the error that refuses it (before anything is reserved).
+        adapter: the request's LoRA adapter, loaded here already; the KV must have been computed with it."""
         if not params.first_gen_tokens:
             raise ValueError("generation_only needs disaggregated_params.first_gen_tokens from the context phase")
-        return self.handoff_format.parse(params.opaque_state, prompt_token_ids, cache_salt)
+        handoff = self.handoff_format.parse(params.opaque_state, prompt_token_ids, cache_salt)
+        check_adapter(handoff, adapter)
+        return handoff
 
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
@@ -61,7 +79,8 @@ class GenerationPhase:
             # A lease about to run out may be freed (and its blocks reused) while we read.
             if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
                 plan = await core.call(AddRequest(rid, request.prompt_token_ids, state.options, Phase.GENERATION_ONLY,
-                                                  request.priority, request.cache_salt, first, remote_kv=True))
+                                                  request.priority, request.cache_salt, first, remote_kv=True,
+                                                  adapter=request.adapter))
             if plan is None:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.

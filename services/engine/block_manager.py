@@ -1,8 +1,9 @@
 """KV block bookkeeping: a free list, reference counts, and prefix caching by a
 hash chain over full blocks. Pure CPU, no tensors.
 
-A full block's hash covers its tokens and its parent's hash (and the request's
-cache_salt at the root), so equal hashes mean equal prefixes. A freed block keeps
+A full block's hash covers its tokens and its parent's hash (and, at the root, the
+request's cache_salt and LoRA adapter), so equal hashes mean equal prefixes computed
+with equal weights. A freed block keeps
 its hash and stays findable until the allocator reuses it, least recently freed
 first; that is when it leaves the cache (a "removed" KV event).
 """
@@ -22,11 +23,14 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
-def chain_hash(parent: int | None, token_ids, salt: str | None) -> int:
-    """Deterministic across processes (unlike hash()), so KV events from different workers agree."""
+def chain_hash(parent: int | None, token_ids, salt: str | None, lora: str | None = None) -> int:
+    """Deterministic across processes (unlike hash()), so KV events from different workers agree.
+    lora: the adapter's fingerprint; 0xff never occurs in UTF-8, so no cache_salt can imitate it."""
     digest = hashlib.blake2b(digest_size=8)
     if parent is None:
         digest.update(b"root:" + (salt or "").encode())
+        if lora is not None:
+            digest.update(b"\xfflora:" + lora.encode())
     else:
         digest.update(parent.to_bytes(8, "little"))
     digest.update(array("q", token_ids).tobytes())
@@ -87,9 +91,10 @@ class BlockManager:
                 self._free[b] = None
 
     # -- prefix cache --
-    def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int) -> tuple[list[int], list[int]]:
-        """Cached blocks holding the longest prefix of token_ids (at most max_tokens tokens):
-        (block ids, their hashes)."""
+    def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int,
+                     lora: str | None = None) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of token_ids (at most max_tokens tokens) under
+        this salt and adapter fingerprint: (block ids, their hashes)."""
         blocks: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
@@ -97,7 +102,7 @@ class BlockManager:
         bs = self.block_size
         parent = None
         for start in range(0, (max_tokens // bs) * bs, bs):
-            h = chain_hash(parent, token_ids[start:start + bs], salt)
+            h = chain_hash(parent, token_ids[start:start + bs], salt, lora)
             block = self._by_hash.get(h)
             if block is None:
                 break
@@ -137,7 +142,7 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
             chunk = seq.token_slice(i * bs, (i + 1) * bs)
-            h = chain_hash(parent, chunk, seq.cache_salt)
+            h = chain_hash(parent, chunk, seq.cache_salt, seq.lora_fingerprint)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self._by_hash and self._block_hash[block] is None:
@@ -147,7 +152,7 @@ class BlockManager:
                 self.events.append({"type": "stored", "parent_hash": parent, "blocks": [{
                     "type": "stored_block", "block_hash": h,
                     "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
-                    "lora_id": None, "cache_level": 0, "priority": DEFAULT_PRIORITY}]})
+                    "lora_id": seq.adapter.int_id if seq.adapter is not None else None, "cache_level": 0, "priority": DEFAULT_PRIORITY}]})
             parent = h
 
     def _evict(self, block: int) -> None:

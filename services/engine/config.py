@@ -29,6 +29,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag(True, "do not reuse the KV of prompt prefixes seen before",
                                         flag="--no-prefix-caching")
     enforce_eager: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes")
+    max_loras: int = _flag(4, "LoRA adapters held on the device at once (the adapter pool's slots; a batch mixes "
+                              "at most this many; 0: refuse lora_request)")
+    max_lora_rank: int = _flag(16, "largest LoRA rank the adapter pool holds (lower ranks are zero-padded to it)")
     overlap_scheduling: bool = _flag(True, "read each step's tokens back before scheduling the next (no overlap of "
                                            "host and device work)", flag="--no-overlap-scheduling")
 
@@ -44,5 +47,8 @@ class EngineConfig:
             raise ValueError("give num_blocks > 0 or kv_cache_memory_gb > 0 to size the KV cache")
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")

@@ -175,9 +175,9 @@ class EngineCore:
         self._new_request_waits.append(time.monotonic() - command.enqueued_at)
         if command.remote_kv:
             return e.add_remote_kv_request(command.request_id, command.prompt_token_ids, command.output_token_ids,
-                                           command.options, command.priority, command.cache_salt)
+                                           command.options, command.priority, command.cache_salt, command.adapter)
         e.add_request(command.request_id, command.prompt_token_ids, command.options, command.phase,
-                      command.priority, command.cache_salt, command.output_token_ids)
+                      command.priority, command.cache_salt, command.output_token_ids, command.adapter)
         return None
 
     def _step(self) -> None:

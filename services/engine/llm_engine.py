@@ -9,6 +9,7 @@ from typing import Protocol
 from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.lora_adapter import LoRAAdapter
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import SampledBatch
@@ -71,7 +72,8 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.runner.lora_pool)
         self.counters = EngineCounters()
         # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
         self.leases = leases
@@ -121,7 +123,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
-                      priority: float, cache_salt: str | None, output_token_ids: list[int] | None) -> Sequence:
+                      priority: float, cache_salt: str | None, output_token_ids: list[int] | None,
+                      adapter: LoRAAdapter | None) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         output_token_ids = list(output_token_ids or ())
@@ -130,34 +133,39 @@ class LLMEngine:
         if phase is Phase.CONTEXT_ONLY and self.leases is None:
             raise PreconditionError("this engine keeps no KV leases (not a prefill worker): it cannot run "
                                     "context_only requests")
+        if adapter is not None and self.runner.lora_pool is None:
+            raise PreconditionError(f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}")
         return Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority,
-                        cache_salt=cache_salt, output_token_ids=output_token_ids)
+                        cache_salt=cache_salt, output_token_ids=output_token_ids, adapter=adapter)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                     phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
-                    cache_salt: str | None = None, output_token_ids: list[int] | None = None) -> Sequence:
-        """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids)
+                    cache_salt: str | None = None, output_token_ids: list[int] | None = None,
+                    adapter: LoRAAdapter | None = None) -> Sequence:
+        """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled).
+        adapter: the request's LoRA adapter (lora_adapter.AdapterStore.load), or None for the base model."""
+        seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids,
+                                 adapter)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def add_remote_kv_request(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
                               options: SamplingOptions, priority: float = 0.5,
-                              cache_salt: str | None = None) -> ImportPlan | None:
+                              cache_salt: str | None = None, adapter: LoRAAdapter | None = None) -> ImportPlan | None:
         """A generation_only sequence whose prompt KV comes from a prefill worker: allocates its blocks
         and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
         prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
         into which of ours. None when the pool cannot hold the prompt now (the caller then computes
         the prompt here instead)."""
         seq = self._new_sequence(request_id, prompt_token_ids, options, Phase.GENERATION_ONLY, priority, cache_salt,
-                                 first_token_ids)
+                                 first_token_ids, adapter)
         bm = self.block_manager
         if self._in_flight is not None:
             # Blocks freed while a step was in flight (an abort, a preemption) may still be written
             # by it; the KV pulled into them arrives outside the device's stream order.
             self.runner.synchronize()
-        cached, hashes = bm.match_prefix(seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens)
+        cached, hashes = bm.match_prefix(seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens, seq.lora_fingerprint)
         # Room for the first generated token's KV too: a parked sequence that still needed a block
         # could wait behind a preempted sequence that needs the same blocks, forever.
         num_blocks = bm.num_blocks_for(seq.num_prompt_tokens + 1)
@@ -248,7 +256,8 @@ class LLMEngine:
             weights_source=runner.weights_source, weights_version=runner.weights_version,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions, num_prefix_query_tokens=bm.num_prefix_query_tokens,
-            num_prefix_hit_tokens=bm.num_prefix_hit_tokens)
+            num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            lora_adapters=tuple((a.name, a.int_id, a.path) for a in runner.lora_pool.resident) if runner.lora_pool else ())
 
     # -- the step: schedule -> run -> postprocess --
     def step(self) -> list[StepOutput]:

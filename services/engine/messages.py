@@ -32,6 +32,8 @@ class AddRequest:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     remote_kv: bool = False
+    # The request's LoRA adapter (a lora_adapter.LoRAAdapter loaded off the engine thread), or None.
+    adapter: Any = None
     # When the command was sent (its wait in the queue goes into the iteration stats).
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -145,3 +147,5 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # The LoRA adapters in the device pool now: (lora_name, lora_int_id, lora_path) each.
+    lora_adapters: tuple[tuple[str, int, str], ...] = ()

@@ -2,6 +2,7 @@
 
 Flat batches: every tensor is [num_tokens, ...] with no padding; AttentionMetadata says
 which rows belong to which sequence. q/k/v and gate/up are fused into one matmul each.
+With a LoRABatch (lora_pool.py) each projection adds its tokens' adapters to its output.
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -81,47 +83,59 @@ class Attention(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        meta: AttentionMetadata, kv_layer: torch.Tensor,
+        meta: AttentionMetadata, kv_layer: torch.Tensor, lora=None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_layer, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = kernels.paged_attention(q, kv_layer, meta, self.scale).reshape(-1, self.q_size)
+        return _project(self.o_proj, out, lora, self.layer_index, "o_proj")
+
+
+def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
+    y = linear(x)
+    if lora is not None:
+        lora.apply(layer_index, kind, x, y)
+    return y
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
+        return _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_index)
 
-    def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP's output and the residual stream before it; the next layer's norm adds them
         (the residual adds ride in the norm kernels)."""
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer)
+        attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer, lora)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(normed), residual
+        return self.mlp(normed, lora), residual
 
 
 class CausalLM(nn.Module):
@@ -131,7 +145,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
@@ -142,13 +156,14 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, kv_cache: torch.Tensor,
+        meta: AttentionMetadata, kv_cache: torch.Tensor, lora=None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden_size]; writes the KV of all T tokens."""
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]; writes the KV of all T tokens.
+        lora: the step's LoRABatch, or None when no token uses an adapter."""
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin
         for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index])
+            hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora)
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()

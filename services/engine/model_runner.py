@@ -3,7 +3,11 @@
 A step's inputs go through persistent buffers (step_inputs.py); decode steps replay a
 CUDA graph of their padded batch size (cuda_graphs.py), prefill and mixed steps run
 eagerly; the sampler draws on the device and only token ids and log-probabilities
-come back to the host.
+come back to the host. LoRA adapters live in a pool of fixed device tensors
+(lora_pool.py) and a step's per-token adapter indices in the persistent buffers, so
+decode steps with adapters replay graphs too: a second set, captured with the LoRA
+kernels on the first such step (a step without adapters keeps the plain graphs and
+pays nothing for LoRA).
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.lora_adapter import lora_modules
+from tandem.engine.lora_pool import LoRABatch, LoRAPool
 from tandem.engine.sampler import SampledBatch, Sampler
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
@@ -52,10 +58,16 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         max_num_seqs = config.max_num_seqs
+        self.lora_pool = None
+        if config.max_loras:
+            self.lora_pool = LoRAPool(lora_modules(self.model_config), self.model_config.num_layers, config.max_loras,
+                                      config.max_lora_rank, self.dtype, self.device)
         self.inputs = InputBuffers(max(config.max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                   -(-self.max_model_len // self.block_size) + 1, self.block_size, self.device)
+                                   -(-self.max_model_len // self.block_size) + 1, self.block_size, self.device,
+                                   config.max_loras)
         self.sampler = Sampler(self.model_config.vocab_size, max_num_seqs, self.device, config.seed)
         self.graphs: DecodeGraphs | None = None
+        self.lora_graphs: DecodeGraphs | None = None
         # The last step's draws on the device and each drawing sequence's row in them: the next
         # step reads a token still in flight from there, not from the host.
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
@@ -65,6 +77,9 @@ class ModelRunner:
             log.warning("decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly")
         else:
             self.graphs = DecodeGraphs(self._decode_logits, self.inputs.fill_dummy, max_num_seqs, self.device)
+            if self.lora_pool is not None:
+                self.lora_graphs = DecodeGraphs(lambda size: self._decode_logits(size, with_lora=True),
+                                                self.inputs.fill_dummy, max_num_seqs, self.device)
 
     def bind_device(self) -> None:
         """Makes the engine's GPU the calling thread's current device. Triton launches on the
@@ -94,6 +109,8 @@ class ModelRunner:
 
     def release_weights(self) -> None:
         self.model = None
+        if self.lora_pool is not None:
+            self.lora_pool.free_tensors()
         self._drop_graphs()
         self._empty_device_cache()
 
@@ -126,9 +143,10 @@ class ModelRunner:
         self.weights_version += 1
 
     def _drop_graphs(self) -> None:
-        """Graphs hold the addresses of the weights and the KV pool they were captured with."""
-        if self.graphs is not None:
-            self.graphs.clear()
+        """Graphs hold the addresses of the weights, the KV pool and the LoRA pool they were captured with."""
+        for graphs in (self.graphs, self.lora_graphs):
+            if graphs is not None:
+                graphs.clear()
 
     def _empty_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -159,14 +177,16 @@ class ModelRunner:
                 return None
         return self.graphs.size_for(len(batch.seqs))
 
-    def _decode_logits(self, batch_size: int) -> torch.Tensor:
-        """The captured function: the decode forward of batch_size rows from the input buffers."""
+    def _decode_logits(self, batch_size: int, with_lora: bool = False) -> torch.Tensor:
+        """The captured function: the decode forward of batch_size rows from the input buffers (and
+        the adapters of their LoRA indices)."""
         splits = None
         if self.device.type == "cuda":
             from tandem.kernels.paged_attention_triton import graph_num_splits
             splits = graph_num_splits(batch_size, self.model_config.num_kv_heads, self.device)
         views, meta = self.inputs.graph_metadata(batch_size, splits, self.max_model_len)
-        hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache)
+        lora = LoRABatch(self.lora_pool, self.inputs.graph_lora_metadata(batch_size)) if with_lora else None
+        hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache, lora)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -175,8 +195,9 @@ class ModelRunner:
         Returns those sequences and their draws (still on the device: SampledBatch.to_host())."""
         self.bind_device()
         graph_size = self._graph_size(batch)
+        graphs = self.lora_graphs if any(seq.lora_slot is not None for seq in batch.seqs) else self.graphs
         if graph_size is not None:
-            self.graphs.capture()  # first decode step after start or after new weights / a new pool
+            graphs.capture()  # first decode step (with adapters) after start or after new weights / a new pool
         last_rows, last_tokens = self._last_draws or ({}, None)
         inputs = self.inputs.prepare(batch, graph_size, last_rows)
         if inputs.pending_rows.numel():
@@ -184,9 +205,10 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         seqs = [batch.seqs[i] for i in inputs.sample_indices]
         if graph_size is not None:
-            logits = self.graphs.run(graph_size)[:len(seqs)]
+            logits = graphs.run(graph_size)[:len(seqs)]
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+            lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
             if not seqs:
                 self._last_draws = None
                 return [], None

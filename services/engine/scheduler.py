@@ -5,14 +5,21 @@ One token budget per step covers prefill chunks and decode tokens alike
 admitted while budget, sequence slots and blocks last. When blocks run out a
 running sequence of the lowest priority is preempted by recompute: its blocks
 are freed and it goes back to waiting with its tokens so far as the new prompt.
+A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned while it
+runs; when every slot is pinned by other adapters it waits, and the sequences behind
+it that fit go ahead.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from tandem.engine.lora_pool import LoRAPool
 
 
 @dataclass
@@ -29,13 +36,19 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+# _admit's answer for a sequence whose adapter finds no free slot (the blocks were there).
+_NO_ADAPTER_SLOT = -1
+
+
 def _order(seq: Sequence) -> tuple[float, int]:
     return (-seq.priority, seq.arrival_seq)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lora_pool: LoRAPool | None = None):
         self.block_manager = block_manager
+        self.lora_pool = lora_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []
@@ -59,6 +72,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.release(seq)
+        self._release_adapter(seq)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -77,14 +91,17 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.sort(key=_order)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
                 break
             num_new = self._admit(seq, budget)
             if num_new is None:
                 break
-            self.waiting.pop(0)
+            if num_new == _NO_ADAPTER_SLOT:
+                continue
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -93,21 +110,26 @@ class Scheduler:
         return batch
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
-        """Gives a waiting sequence its blocks (reusing cached prefix blocks) and returns how many of
-        its tokens this step computes; None if the blocks are not free."""
+        """Gives a waiting sequence its blocks (reusing cached prefix blocks) and its adapter's slot,
+        and returns how many of its tokens this step computes; None if the blocks are not free,
+        _NO_ADAPTER_SLOT if every adapter slot is pinned by other adapters."""
         bm = self.block_manager
         if seq.block_table:  # a KV import: its prompt blocks are already there
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(bm.blocks_needed(seq, num_new)):
                 return None
+            if not self._acquire_adapter(seq):
+                return _NO_ADAPTER_SLOT
             bm.grow(seq, num_new)
             return num_new
         # At least the last token is computed: its logits are what the step samples from.
-        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, seq.num_tokens - 1)
+        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, seq.num_tokens - 1, seq.lora_fingerprint)
         num_cached = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached, budget)
         if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):
             return None
+        if not self._acquire_adapter(seq):
+            return _NO_ADAPTER_SLOT
         bm.take_cached(seq, cached, hashes, seq.num_tokens)
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -124,9 +146,21 @@ class Scheduler:
         self.block_manager.grow(seq, num_new)
         return True
 
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        if seq.adapter is None:
+            return True
+        seq.lora_slot = self.lora_pool.acquire(seq.adapter)
+        return seq.lora_slot is not None
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.lora_pool.release(seq.lora_slot)
+            seq.lora_slot = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.release(seq)
+        self._release_adapter(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.append(seq)

@@ -58,6 +58,16 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     arrival_seq: int = 0
+    # The request's LoRA adapter (lora_adapter.LoRAAdapter), and its slot in the adapter pool
+    # while the sequence runs (pinned: the slot cannot be given to another adapter meanwhile).
+    adapter: object | None = None
+    lora_slot: int | None = None
+
+    @property
+    def lora_fingerprint(self) -> str | None:
+        """What the adapter adds to the prefix-cache hash: KV computed under one adapter is never
+        reused for another (or for none)."""
+        return self.adapter.fingerprint if self.adapter is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,7 +5,8 @@ query starts, sequence lengths, rows to sample) is int32 and packed back to back
 into one region: the host fills its pinned twin with numpy slice assignments (no
 `torch.tensor(list)` per step) and one asynchronous copy moves it. Block tables
 travel in it too, concatenated with each entry's place in the device table (a row
-with room for the longest sequence), and one scatter puts them there. The layout
+with room for the longest sequence), and one scatter puts them there. So do the
+step's LoRA indices (the tokens grouped by adapter slot, kernels/lora.py). The layout
 depends only on the step's counts, so a decode CUDA graph captured for batch size B
 reads exactly where a step of B rows was written.
 
@@ -22,16 +23,20 @@ import torch
 
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.lora import LoRAMetadata
 
+# What a decode graph reads comes first: its offsets depend on the batch size alone.
 _FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
-           "pending_rows", "pending_sources", "table_entries", "table_places")
+           "lora_order", "lora_starts", "pending_rows", "pending_sources", "table_entries", "table_places")
 
 
 def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
-                  num_table_entries: int = 0) -> dict[str, tuple[int, int]]:
-    """field -> (offset, length) in the packed int32 region of a step with these counts."""
-    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, num_pending, num_pending,
-               num_table_entries, num_table_entries)
+                  num_table_entries: int = 0, num_lora_slots: int = 0) -> dict[str, tuple[int, int]]:
+    """field -> (offset, length) in the packed int32 region of a step with these counts
+    (num_lora_slots: the adapter pool's slots, 0 without LoRA)."""
+    lora_order, lora_starts = (num_tokens, num_lora_slots + 1) if num_lora_slots else (0, 0)
+    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, lora_order, lora_starts,
+               num_pending, num_pending, num_table_entries, num_table_entries)
     layout, offset = {}, 0
     for name, length in zip(_FIELDS, lengths):
         layout[name] = (offset, length)
@@ -56,27 +61,32 @@ class StepInputs:
     # that token's row among the previous step's draws (see ModelRunner.execute).
     pending_rows: torch.Tensor
     pending_sources: torch.Tensor
+    # The tokens grouped by adapter slot; None when no token of the step uses an adapter.
+    lora_meta: LoRAMetadata | None = None
 
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, num_lora_slots: int = 0):
+        self.num_lora_slots = num_lora_slots
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
         size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs,
-                                                         max_num_seqs * max_blocks_per_seq).values())
+                                                         max_num_seqs * max_blocks_per_seq, num_lora_slots).values())
         self.packed = torch.zeros(size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
-    def views(self, *counts: int) -> dict[str, torch.Tensor]:
+    def views(self, num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
+              num_table_entries: int = 0) -> dict[str, torch.Tensor]:
         """The packed region's fields for a step with these counts (packed_layout's arguments)."""
-        return {name: self.packed[offset:offset + length] for name, (offset, length) in packed_layout(*counts).items()}
+        layout = packed_layout(num_tokens, num_seqs, num_samples, num_pending, num_table_entries, self.num_lora_slots)
+        return {name: self.packed[offset:offset + length] for name, (offset, length) in layout.items()}
 
     def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
         """The views and metadata a decode graph of batch_size rows is captured with."""
@@ -85,6 +95,11 @@ class InputBuffers:
                                  seq_lens=views["seq_lens"], block_tables=self.block_tables[:batch_size],
                                  max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
         return views, meta
+
+    def graph_lora_metadata(self, batch_size: int) -> LoRAMetadata:
+        """The LoRA indices a decode graph of batch_size rows is captured with."""
+        views = self.views(batch_size, batch_size, batch_size)
+        return LoRAMetadata(views["lora_order"], views["lora_starts"])
 
     def fill_dummy(self, batch_size: int) -> None:
         """Safe inputs for a decode forward of batch_size rows (graph warm-up and capture): token 0
@@ -96,6 +111,9 @@ class InputBuffers:
         views["seq_lens"].fill_(1)
         views["query_start_loc"].copy_(torch.arange(batch_size + 1, dtype=torch.int32))
         self.block_tables[:batch_size].zero_()
+        if self.num_lora_slots:  # no token uses an adapter
+            views["lora_order"].copy_(torch.arange(batch_size, dtype=torch.int32))
+            views["lora_starts"].zero_()
 
     def prepare(self, batch: ScheduledBatch, graph_size: int | None = None,
                 pending_sources: dict | None = None) -> StepInputs:
@@ -147,6 +165,10 @@ class InputBuffers:
             raise ValueError(f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
                              f"({self.max_num_tokens} / {self.max_num_seqs})")
         num_samples = graph_size or len(sample_rows)
+        seq_slots = [-1 if seq.lora_slot is None else seq.lora_slot for seq in batch.seqs]
+        has_lora = any(slot >= 0 for slot in seq_slots)
+        if has_lora and not self.num_lora_slots:
+            raise ValueError("a sequence has a LoRA slot but the input buffers have no LoRA fields")
         width = max(len(t) for t in tables)
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
@@ -157,7 +179,7 @@ class InputBuffers:
         row_starts = np.cumsum(table_lengths) - table_lengths
         places = np.arange(num_entries) + np.repeat(
             np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, table_lengths)
-        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots)
         buf = host.numpy()
         num_real = starts[-1]
         if graph_size:
@@ -168,10 +190,15 @@ class InputBuffers:
             starts += range(num_real + 1, num_real + pad + 1)
             seq_lens += [1] * pad  # one key (block 0, position 0): finite, ignored
             sample_rows = list(range(graph_size))
-        for name, values in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
-                             ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
-                             ("pending_rows", pending_rows), ("pending_sources", sources),
-                             ("table_entries", list(itertools.chain.from_iterable(tables))), ("table_places", places)):
+        fields = [("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
+                  ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
+                  ("pending_rows", pending_rows), ("pending_sources", sources),
+                  ("table_entries", list(itertools.chain.from_iterable(tables))), ("table_places", places)]
+        if self.num_lora_slots:  # padding rows use no adapter
+            token_slots = np.repeat(np.asarray(seq_slots, dtype=np.int64), batch.num_new_tokens)
+            token_slots = np.concatenate([token_slots, np.full(num_tokens - num_real, -1, dtype=np.int64)])
+            fields += zip(("lora_order", "lora_starts"), LoRAMetadata.host_arrays(token_slots, self.num_lora_slots))
+        for name, values in fields:
             offset, length = layout[name]
             buf[offset:offset + length] = values
         used = sum(length for _, length in layout.values())
@@ -183,5 +210,6 @@ class InputBuffers:
             slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
             block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
             max_seq_len=max(seq_lens), _host_query_start_loc=starts, _host_seq_lens=seq_lens)
+        lora_meta = LoRAMetadata(views["lora_order"], views["lora_starts"]) if has_lora else None
         return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size,
-                          views["pending_rows"], views["pending_sources"])
+                          views["pending_rows"], views["pending_sources"], lora_meta)

@@ -15,7 +15,7 @@ from array import array
 
 from tandem.common.exceptions import IncompatibleHandoffError, PreconditionError
 from tandem.engine.kv_layout import layout_hash
-from tandem.v1 import worker_pb2
+from tandem.v1 import types_pb2, worker_pb2
 
 FORMAT_VERSION = 1
 RELEASE_PREFIX = b"release:"
@@ -70,12 +70,17 @@ class HandoffFormat:
         self.signing_key = signing_key
 
     def build(self, endpoint: str, agent_name: str, lease_id: int, block_ids: list[int], expires_at: float,
-              prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
+              prompt_token_ids: list[int], cache_salt: str | None, adapter=None) -> bytes:
+        """adapter: the LoRA adapter (engine.lora_adapter.LoRAAdapter) the KV was computed with, or None."""
         state = worker_pb2.KvHandoff(
             version=FORMAT_VERSION, ctx_endpoint=endpoint, agent_name=agent_name, layout_hash=self.layout_hash,
             layout_json=self.layout_json, block_ids=block_ids, num_prompt_tokens=len(prompt_token_ids),
             ctx_request_id=lease_id, lease_expires_at=expires_at,
             prompt_digest=prompt_digest(prompt_token_ids, cache_salt))
+        if adapter is not None:
+            state.lora_request.CopyFrom(types_pb2.LoRARequest(lora_name=adapter.name, lora_int_id=adapter.int_id,
+                                                              lora_path=adapter.path))
+            state.lora_fingerprint = adapter.fingerprint
         state.signature = sign(state, self.signing_key)
         return state.SerializeToString()
 

@@ -29,7 +29,8 @@ class ContextPhase:
             request_type=types_pb2.REQUEST_TYPE_CONTEXT_ONLY, first_gen_tokens=out.new_token_ids,
             ctx_request_id=lease.lease_id, ctx_endpoint=self.endpoint,
             opaque_state=self.handoff_format.build(self.endpoint, self.agent_name, lease.lease_id, lease.block_ids,
-                                                   lease.expires_at, request.prompt_token_ids, request.cache_salt))
+                                                   lease.expires_at, request.prompt_token_ids, request.cache_salt,
+                                                   request.adapter))
         if request.disagg_in.HasField("disagg_request_id"):
             params.disagg_request_id = request.disagg_in.disagg_request_id
         return params

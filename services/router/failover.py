@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.router.route import Route, release_lease
-from tandem.router.workers import WorkerHandle
+from tandem.router.workers import WorkerHandle, adapter_of
 from tandem.v1 import llm_pb2, types_pb2
 
 log = logging.getLogger("tandem.router.failover")
@@ -44,7 +44,7 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
     prefill and its one (non-streamed) reply."""
     tried: set[str] = set()
     while True:
-        prefill = route.pool.pick(Role.PREFILL, exclude=tried)
+        prefill = route.pool.pick(Role.PREFILL, exclude=tried, adapter_id=adapter_of(ctx))
         out = None
         try:
             async for out in route.relay(prefill, ctx):
@@ -117,4 +117,4 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative
             # else nothing came back yet (not even the prompt's tokens): send the request again as it was
-            worker = route.pool.pick_any_of(roles, exclude=tried)
+            worker = route.pool.pick_any_of(roles, exclude=tried, adapter_id=adapter_of(request))

@@ -13,6 +13,7 @@ from tandem.common.streams import merge
 from tandem.router import failover
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
+from tandem.router.workers import adapter_of
 from tandem.v1 import llm_pb2, types_pb2
 
 
@@ -20,18 +21,20 @@ async def stream(route: Route, request: llm_pb2.GenerateRequest):
     """The messages of request, which asks the workers for streamed token ids."""
     pool = route.pool
     request_type = request.disaggregated_params.request_type
+    adapter = adapter_of(request)
     if request_type == types_pb2.REQUEST_TYPE_CONTEXT_ONLY:
-        messages = route.relay(pool.pick(Role.PREFILL), request)
+        messages = route.relay(pool.pick(Role.PREFILL, adapter_id=adapter), request)
     elif request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
-        messages = route.relay(pool.pick_any_of(roles), request)
+        messages = route.relay(pool.pick_any_of(roles, adapter_id=adapter), request)
     elif pool.can_disaggregate:
         messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
     elif request.sampling_params.n > 1:
-        messages = route.relay(pool.pick(Role.BOTH), request)
+        messages = route.relay(pool.pick(Role.BOTH, adapter_id=adapter), request)
     else:  # one sequence on one worker: it can move if the worker dies
-        messages = failover.stream_with_migration(route, request, pool.pick(Role.BOTH), (Role.BOTH,), Progress([]))
+        messages = failover.stream_with_migration(route, request, pool.pick(Role.BOTH, adapter_id=adapter), (Role.BOTH,),
+                                                  Progress([]))
     async for msg in messages:
         yield msg
 
@@ -83,8 +86,8 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         progress = Progress(list(ctx_out.prompt_token_ids), list(handoff.first_gen_tokens),
                             ctx_out.outputs[0].cumulative_logprob)
-        async for msg in failover.stream_with_migration(route, gen, route.pool.pick(Role.DECODE), (Role.DECODE,),
-                                                        progress):
+        decode = route.pool.pick(Role.DECODE, adapter_id=adapter_of(request))
+        async for msg in failover.stream_with_migration(route, gen, decode, (Role.DECODE,), progress):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
             if msg.finished:

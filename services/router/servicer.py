@@ -234,7 +234,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def GetServerInfo(self, request, context):
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, role="router")
         for w in self.pool.workers:
-            info.workers.add(worker_id=w.address, role=w.role.label, ready=w.ready)
+            info.workers.add(worker_id=w.address, role=w.role.label, ready=w.ready, lora_adapters=w.lora_adapters)
         ready = self.pool.ready_workers
         if ready:
             worker_info = await ready[0].llm.GetServerInfo(request)

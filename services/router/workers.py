@@ -1,10 +1,11 @@
-"""The router's view of its workers: channels, roles, readiness, and the pick policy."""
+"""The router's view of its workers: channels, roles, readiness, the LoRA adapters they hold,
+and the pick policy."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,9 +14,22 @@ from tandem.common.auth import bearer_metadata
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.common.server import CHANNEL_OPTIONS
-from tandem.v1 import llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.workers")
+
+# What a worker that does not hold a request's LoRA adapter costs in pick(), in requests in
+# flight: it loads the adapter first (a disk read, a copy to the device, maybe an eviction), so a
+# holder is preferred unless it is this much busier.
+ADAPTER_MISS_COST = 4
+# Seconds a worker counts as holding an adapter after a request with it was sent there, whatever
+# the polls said meanwhile (a poll answered before the worker loaded it would say it does not).
+PICKED_ADAPTER_MEMORY_S = 5.0
+
+
+def adapter_of(request: llm_pb2.GenerateRequest) -> int | None:
+    """The lora_int_id of the request's LoRA adapter, None for the base model."""
+    return request.lora_request.lora_int_id if request.lora_request.lora_name else None
 
 
 @dataclass
@@ -28,6 +42,14 @@ class WorkerHandle:
     role: Role = Role.UNKNOWN
     ready: bool = False
     in_flight: int = 0
+    # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
+    # adapter was last sent here (it loads the adapter): lora_int_id -> loop time.
+    lora_adapters: list[types_pb2.LoRARequest] = field(default_factory=list)
+    lora_picked: dict[int, float] = field(default_factory=dict)
+
+    def holds(self, adapter_id: int, now: float) -> bool:
+        return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
+                or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S)
 
     @property
     def can_prefill(self) -> bool:
@@ -85,13 +107,21 @@ class WorkerPool:
         """A call failed as if the worker were gone: stop picking it until its health check passes."""
         worker.ready = False
 
-    def pick(self, need: Role | None, exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
-        """The ready worker of role `need` (None: any role) with the fewest requests in flight;
-        round-robin among equals."""
-        return self.pick_any_of((need,), exclude)
+    def pick(self, need: Role | None, exclude: set[str] | frozenset[str] = frozenset(),
+             adapter_id: int | None = None) -> WorkerHandle:
+        """The ready worker of role `need` (None: any role) with the fewest requests in flight,
+        counting ADAPTER_MISS_COST more for one that does not hold the request's LoRA adapter
+        (adapter_id); round-robin among equals."""
+        return self.pick_any_of((need,), exclude, adapter_id)
 
-    def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset()) -> WorkerHandle:
+    def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset(),
+                    adapter_id: int | None = None) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
+        now = asyncio.get_running_loop().time()
+
+        def load(w: WorkerHandle) -> int:
+            return w.in_flight + (ADAPTER_MISS_COST if adapter_id is not None and not w.holds(adapter_id, now) else 0)
+
         ready = [w for w in self.ready_workers if w.address not in exclude]
         for need in needs:
             # A split needs the transceivers only prefill and decode workers have: roles match exactly.
@@ -99,7 +129,10 @@ class WorkerPool:
             if candidates:
                 start = next(self._rr) % len(candidates)
                 rotated = candidates[start:] + candidates[:start]
-                return min(rotated, key=lambda w: w.in_flight)
+                chosen = min(rotated, key=load)
+                if adapter_id is not None:
+                    chosen.lora_picked[adapter_id] = now
+                return chosen
         wanted = "/".join(n.label if n is not None else "any" for n in needs)
         raise unavailable(f"no ready worker can serve {wanted} requests (workers: "
                           + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
@@ -116,11 +149,17 @@ class WorkerPool:
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
-            if ready and w.role is Role.UNKNOWN:
-                state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
-                w.role = Role(state.role)
         except grpc.aio.AioRpcError:
             ready = False
+        if ready:
+            try:
+                state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
+                w.role = Role(state.role)
+                w.lora_adapters = list(state.lora_adapters)
+            except grpc.aio.AioRpcError:
+                # The state waits for the engine thread between steps; a slow step leaves the last
+                # adapters in place. A worker whose role is still unknown cannot be picked yet.
+                ready = w.role is not Role.UNKNOWN
         if ready != w.ready:
             log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready

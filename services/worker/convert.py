@@ -43,10 +43,9 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
 
 def check_unsupported(request) -> None:
     """Fields whose feature this build does not have fail loudly instead of being ignored."""
-    if request.HasField("lora_request") and request.lora_request.lora_name:
-        raise NotImplementedError("LoRA adapters are not supported yet (lora_request)")
     if request.HasField("prompt_adapter_request") and request.prompt_adapter_request.prompt_adapter_name:
-        raise NotImplementedError("prompt adapters are not supported yet (prompt_adapter_request)")
+        raise NotImplementedError("prompt adapters (prompt_adapter_request: prompt tuning's virtual tokens) are not "
+                                  "supported; adapt the model with a LoRA adapter (lora_request) instead")
     if request.sampling_params.HasField("prompt_logprobs"):
         raise NotImplementedError("prompt_logprobs is not supported yet")
     if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:

@@ -47,7 +47,7 @@ class PhasePicker:
         self.generation: GenerationPhase | None = None
 
     def pick(self, phase: Phase, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
-             cache_salt: str | None) -> Callable:
+             cache_salt: str | None, adapter=None) -> Callable:
         """The function that starts a WorkerRequest of this phase here, or the error refusing it."""
         if phase is Phase.CONTEXT_ONLY:
             if self.context is None:
@@ -66,6 +66,6 @@ class PhasePicker:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"this {self.role.label} worker cannot run generation_only requests; send them to a "
                                f"decode worker")
-            handoff = generation.verify(params, prompt_token_ids, cache_salt)
+            handoff = generation.verify(params, prompt_token_ids, cache_salt, adapter)
             return lambda request: generation.start(request, handoff)
         return LocalPhase.start

@@ -56,7 +56,7 @@ class RequestMetricsState:
 class WorkerRequest:
     def __init__(self, core: EngineCore, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                  phase: Phase, priority: float, cache_salt: str | None,
-                 disaggregated_params: types_pb2.DisaggregatedParams | None = None):
+                 disaggregated_params: types_pb2.DisaggregatedParams | None = None, adapter=None):
         if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
             raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
         self.core = core
@@ -66,6 +66,8 @@ class WorkerRequest:
         self.phase = phase
         self.priority = priority
         self.cache_salt = cache_salt
+        # The LoRA adapter (engine.lora_adapter.LoRAAdapter) every sequence runs with, or None.
+        self.adapter = adapter
         self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
         self.stream: asyncio.Queue = asyncio.Queue()
         self.metrics = RequestMetricsState()
@@ -95,7 +97,8 @@ class WorkerRequest:
         for state in self.sequences.values():
             self.core.add_request(AddRequest(
                 state.engine_id, self.prompt_token_ids, state.options, phase=phase, priority=self.priority,
-                cache_salt=self.cache_salt, output_token_ids=list(output_token_ids or [])), self.stream)
+                cache_salt=self.cache_salt, output_token_ids=list(output_token_ids or []), adapter=self.adapter),
+                self.stream)
 
     def fail(self, exc: BaseException) -> None:
         """Ends the request with exc's status (its engine side is aborted by the caller)."""

@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 
-from tandem.common.errors import unavailable
+from tandem.common.errors import PreconditionError, unavailable
 from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
 from tandem.decode.generation import GenerationPhase
@@ -15,6 +15,7 @@ from tandem.decode.peers import PeerCache
 from tandem.engine.bert import is_encoder_only
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.lora_adapter import AdapterNotFoundError, AdapterStore, LoRAAdapter
 from tandem.engine.messages import CheckIdle, ReadCounters
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
@@ -26,7 +27,7 @@ from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
-from tandem.v1 import llm_pb2, worker_pb2
+from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
 
 class WorkerRuntime:
@@ -57,6 +58,8 @@ class WorkerRuntime:
         self._num_bytes_received = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
+        # LoRA adapters read from disk (None with --max-loras 0).
+        self.adapters: AdapterStore | None = None
         metrics.watch(self)
 
     @property
@@ -74,6 +77,11 @@ class WorkerRuntime:
         loaded = time.perf_counter()
         mc = self.engine.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids()))
+        engine_config = self.config.engine
+        if engine_config.max_loras:
+            # Twice the device slots on the host: an adapter evicted from the device comes back without a read.
+            self.adapters = AdapterStore(mc, engine_config.max_lora_rank, self.engine.runner.dtype,
+                                         capacity=2 * engine_config.max_loras)
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
         self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step)
@@ -180,7 +188,36 @@ class WorkerRuntime:
         return llm_pb2.KvCacheCapacity(max_num_blocks=bm.num_blocks, tokens_per_block=bm.block_size,
                                        max_num_tokens=bm.num_blocks * bm.block_size, num_free_blocks=bm.num_free_blocks)
 
-    def server_info(self) -> llm_pb2.ServerInfo:
+    async def load_adapter(self, request: llm_pb2.GenerateRequest) -> LoRAAdapter | None:
+        """The LoRA adapter a request names, read from the worker's disk on first use (off the loop).
+        A decode worker that cannot load the adapter a KV handoff was computed with refuses the
+        handoff (FAILED_PRECONDITION); any other request naming missing files is INVALID_ARGUMENT."""
+        if not request.HasField("lora_request") or not request.lora_request.lora_name:
+            return None
+        lora = request.lora_request
+        if lora.lora_ckpt_source not in ("", "hf"):
+            raise NotImplementedError(f"lora_ckpt_source {lora.lora_ckpt_source!r} is not supported; tandem loads "
+                                      f"PEFT (\"hf\") adapter directories")
+        if self.adapters is None:
+            raise PreconditionError(f"this worker serves no LoRA adapters (--max-loras 0); cannot run adapter "
+                                    f"{lora.lora_name!r}")
+        try:
+            return await asyncio.to_thread(self.adapters.load, lora.lora_name, lora.lora_int_id, lora.lora_path)
+        except AdapterNotFoundError as exc:
+            if request.disaggregated_params.opaque_state:
+                raise PreconditionError(f"this {self.role.label} worker cannot take the KV handoff: it was computed "
+                                        f"with a LoRA adapter this worker cannot load: {exc}") from None
+            raise
+
+    async def lora_adapters(self) -> list[types_pb2.LoRARequest]:
+        """The adapters in the engine's device pool now."""
+        if self.core is None:
+            return []
+        snap = await self.core.call(ReadCounters())
+        return [types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+                for name, int_id, path in snap.lora_adapters]
+
+    async def server_info(self) -> llm_pb2.ServerInfo:
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, model=os.path.abspath(self.config.engine.model_dir),
                                   role=self.role.label, max_model_len=self.engine.max_model_len if self.engine else 0)
         info.disaggregated_params.update({"role": self.role.label, "kv_layout_hash": self.kv_layout_hash,
@@ -189,6 +226,7 @@ class WorkerRuntime:
         info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
         if self.encoder is not None:
             info.encode_only, info.max_model_len = True, self.encoder.max_model_len
+        info.lora_adapters.extend(await self.lora_adapters())
         return info
 
     @property
@@ -213,7 +251,9 @@ class WorkerRuntime:
             weights_version=snap.weights_version, num_leases=keeper.num_leases if keeper else 0,
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
-            num_leases_opened=keeper.num_opened if keeper else 0)
+            num_leases_opened=keeper.num_opened if keeper else 0,
+            lora_adapters=[types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+                           for name, int_id, path in snap.lora_adapters])
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""

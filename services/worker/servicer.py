@@ -36,7 +36,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         rt.check_accepting()
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
-        worker_request = self._start(text_request.engine_request)
+        adapter = await rt.load_adapter(text_request.engine_request)
+        worker_request = self._start(text_request.engine_request, adapter)
         self.requests[worker_request.request_id] = worker_request
         try:
             messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
@@ -47,7 +48,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest) -> WorkerRequest:
+    def _start(self, request: llm_pb2.GenerateRequest, adapter=None) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for."""
         engine = self.rt.engine
         options = sampling_options(request.sampling_params, self.rt.eos_token_ids)
@@ -62,10 +63,10 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                              f"a RequestType")
         phase = REQUEST_PHASES[request.disaggregated_params.request_type]
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt)
+        start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt, adapter)
         worker_request = WorkerRequest(self.rt.core, request_id, prompt_ids, options, phase,
                                        request.priority if request.HasField("priority") else 0.5, salt,
-                                       request.disaggregated_params)
+                                       request.disaggregated_params, adapter)
         start(worker_request)
         return worker_request
 
@@ -105,7 +106,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return self.rt.kv_capacity()
 
     async def GetServerInfo(self, request, context):
-        return self.rt.server_info()
+        return await self.rt.server_info()
 
     async def GetTokenizer(self, request, context):
         return llm_pb2.TokenizerFiles(files=self.rt.tokenizer.files(), eos_token_ids=self.rt.eos_token_ids,
@@ -117,7 +118,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             await asyncio.wait_for(self.rt.ready.wait(), timeout)
         except asyncio.TimeoutError:
             raise unavailable(f"worker not ready after {timeout} s") from None
-        return self.rt.server_info()
+        return await self.rt.server_info()
 
     async def Shutdown(self, request, context):
         self.rt.request_stop()

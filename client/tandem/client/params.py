@@ -96,12 +96,37 @@ class ConversationParams:
 
 @dataclass
 class LoRARequest:
+    """A LoRA adapter for a request (tensorrt_llm.executor.request.LoRARequest). lora_path is a PEFT
+    directory on the workers' disk, so unlike TensorRT-LLM the client does not check that it exists:
+    the worker does, and refuses the request when it cannot load it."""
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    lora_ckpt_source: str = "hf"
+
+    def __post_init__(self):
+        if self.lora_ckpt_source not in ("hf", "nemo"):
+            raise ValueError(f"lora_ckpt_source must be 'hf' or 'nemo', got '{self.lora_ckpt_source}'")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    @property
+    def ckpt_source(self) -> str:
+        return self.lora_ckpt_source
 
     def to_proto(self) -> types_pb2.LoRARequest:
-        return types_pb2.LoRARequest(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=self.lora_path)
+        return types_pb2.LoRARequest(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=self.lora_path,
+                                     lora_ckpt_source=self.lora_ckpt_source)
 
 
 @dataclass

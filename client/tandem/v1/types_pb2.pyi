@@ -234,14 +234,16 @@ class KvCacheRetentionConfig(_message.Message):
     def __init__(self, token_range_retention_configs: _Optional[_Iterable[_Union[TokenRangeRetentionConfig, _Mapping]]] = ..., decode_retention_priority: _Optional[int] = ..., decode_duration_seconds: _Optional[float] = ...) -> None: ...
 
 class LoRARequest(_message.Message):
-    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    __slots__ = ("lora_name", "lora_int_id", "lora_path", "lora_ckpt_source")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LORA_CKPT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_int_id: int
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    lora_ckpt_source: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ..., lora_ckpt_source: _Optional[str] = ...) -> None: ...
 
 class PromptAdapterRequest(_message.Message):
     __slots__ = ("prompt_adapter_name", "prompt_adapter_id", "prompt_adapter_local_path", "prompt_adapter_num_virtual_tokens")
