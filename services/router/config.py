@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
+from tandem.common.tls import TlsConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
@@ -14,6 +17,12 @@ class RouterConfig:
     health_interval_s: float = 1.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
+    # Sent on every call to a worker (workers given one refuse calls without it).
+    cluster_token: str | None = None
+    # Its server's certificate (the public face) and its identity towards the workers.
+    tls: TlsConfig | None = None
+    # Plaintext grpc.health.v1 alone on this port (probes that speak no TLS).
+    health_port: int | None = None
 
     def __post_init__(self):
         if not self.workers:
@@ -26,3 +35,5 @@ class RouterConfig:
             raise ValueError(f"worker addresses repeat: {list(self.workers)}")
         if self.health_interval_s <= 0:
             raise ValueError("health_interval_s must be > 0")
+        check_token(self.admin_token, "--admin-token")
+        check_token(self.cluster_token, "--cluster-token", MIN_CLUSTER_TOKEN_CHARS)

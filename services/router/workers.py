@@ -10,9 +10,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.auth import bearer_metadata
+from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
-from tandem.common.server import CHANNEL_OPTIONS
 from tandem.v1 import llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.workers")
@@ -28,6 +28,8 @@ class WorkerHandle:
     role: Role = Role.UNKNOWN
     ready: bool = False
     in_flight: int = 0
+    # Its last poll was refused for want of a credential (logged once).
+    refused: bool = False
 
     @property
     def can_prefill(self) -> bool:
@@ -39,13 +41,15 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], health_interval_s: float, admin_token: str | None = None):
+    def __init__(self, addresses: tuple[str, ...], health_interval_s: float,
+                 credentials: ClusterCredentials = ClusterCredentials()):
+        """credentials: the router's TLS identity and tokens; its channels present them on every call."""
         self.health_interval_s = health_interval_s
-        # Sent on every admin call to a worker.
-        self.admin_metadata = bearer_metadata(admin_token)
+        # Sent on every admin call to a worker (the channels add it too; explicit where a call is admin).
+        self.admin_metadata = bearer_metadata(credentials.admin_token)
         self.workers: list[WorkerHandle] = []
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = credentials.open(address)
             self.workers.append(WorkerHandle(address, channel, llm_pb2_grpc.AsyncLLMStub(channel),
                                              worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)))
         self._rr = itertools.count()
@@ -119,8 +123,13 @@ class WorkerPool:
             if ready and w.role is Role.UNKNOWN:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
                 w.role = Role(state.role)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             ready = False
+            refused = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            if refused and not w.refused:
+                log.error("worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
+                          w.address, exc.code().name, exc.details())
+            w.refused = refused
         if ready != w.ready:
             log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready

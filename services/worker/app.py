@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tandem.common.auth import AccessPolicy
 from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
@@ -21,7 +22,9 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 
 async def serve_worker(config: WorkerConfig) -> None:
     ready = asyncio.Event()
-    server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token,
+    policy = AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token, internal=True)
+    server = GrpcServer(config.host, config.port, SERVICE_NAMES, policy=policy, tls=config.tls,
+                        health_port=config.health_port,
                         readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
     runtime = WorkerRuntime(config, server, ready)
     # An encoder-only checkpoint gets a servicer whose generative RPCs refuse (the runtime loads it likewise).

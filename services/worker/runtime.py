@@ -7,6 +7,8 @@ import os
 import time
 import uuid
 
+from tandem.common.auth import derive_key
+from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
@@ -14,6 +16,7 @@ from tandem.decode.generation import GenerationPhase
 from tandem.decode.peers import PeerCache
 from tandem.engine.bert import is_encoder_only
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.messages import CheckIdle, ReadCounters
 from tandem.engine.sampling_options import SamplingOptions
@@ -76,7 +79,8 @@ class WorkerRuntime:
         self.core = EngineCore(self.engine, asyncio.get_running_loop())
         if self.leases is not None:
             self.leases.attach(self.core)
-        self.handoff_format = HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+        self.handoff_format = (HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+                               if self.signing_key else None)
         if self.role.has_transceiver:
             await asyncio.to_thread(self.start_transceiver)
         self.core.start()
@@ -100,12 +104,13 @@ class WorkerRuntime:
 
     @property
     def signing_key(self) -> bytes | None:
-        """Handoffs are signed with the admin token: a cluster with one authenticates them too."""
-        return self.config.admin_token.encode() if self.config.admin_token else None
+        """Handoffs are signed with a key derived from the cluster token (which a prefill or decode
+        worker cannot run without): an aggregated worker without one hands nothing off."""
+        return derive_key(self.config.cluster_token, "KV handoff signing") if self.config.cluster_token else None
 
     @property
     def kv_layout_hash(self) -> str:
-        return self.handoff_format.layout_hash if self.handoff_format else ""
+        return layout_hash(self.engine.runner.kv_layout) if self.engine is not None else ""
 
     def start_transceiver(self) -> None:
         """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
@@ -123,7 +128,8 @@ class WorkerRuntime:
         if self.role is Role.PREFILL:
             self.phases.context = ContextPhase(keeper, self.handoff_format, self.worker_id, agent_name)
         else:
-            self._peers = PeerCache(self.poller)
+            cfg = self.config
+            self._peers = PeerCache(self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token))
             self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format)
 
     def stop_transceiver(self) -> None:
@@ -208,7 +214,8 @@ class WorkerRuntime:
             weights_version=snap.weights_version, num_leases=keeper.num_leases if keeper else 0,
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
-            num_leases_opened=keeper.num_opened if keeper else 0)
+            num_leases_opened=keeper.num_opened if keeper else 0,
+            num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0)
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
