@@ -39,6 +39,7 @@ class GenerationPhase:
         self.peers = peers
         self.handoff_format = handoff_format
         self.num_bytes_received = 0
+        self.num_unconfirmed_handoffs = 0
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None) -> worker_pb2.KvHandoff:
@@ -78,6 +79,7 @@ class GenerationPhase:
             nbytes = await pending.done
             self.num_bytes_received += nbytes
             if not await self.peers.confirm_lease(handoff, pulled=True):
+                self.num_unconfirmed_handoffs += 1
                 self._recompute(request, handoff)
                 return
             request.metrics.kv_transfer_bytes = nbytes

@@ -56,6 +56,7 @@ class WorkerRuntime:
         self._peers: PeerCache | None = None
         self._transceiver_generation = 0
         self._num_bytes_received = 0
+        self._num_unconfirmed_handoffs = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
 
@@ -135,6 +136,7 @@ class WorkerRuntime:
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
             self._num_bytes_received += self.phases.generation.num_bytes_received
+            self._num_unconfirmed_handoffs += self.phases.generation.num_unconfirmed_handoffs
         self.phases.context = self.phases.generation = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
@@ -201,7 +203,7 @@ class WorkerRuntime:
         if self.encoder is not None:  # no KV cache; the router only needs the role
             return worker_pb2.WorkerState(role=self.role, paused=self.paused)
         snap = await self.core.call(ReadCounters())
-        keeper = self.leases
+        keeper, generation = self.leases, self.phases.generation
         return worker_pb2.WorkerState(
             role=self.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=snap.num_total_blocks,
             num_free_blocks=snap.num_free_blocks,
@@ -215,7 +217,9 @@ class WorkerRuntime:
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
             num_leases_opened=keeper.num_opened if keeper else 0,
-            num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0)
+            num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0,
+            num_unconfirmed_handoffs=self._num_unconfirmed_handoffs + (generation.num_unconfirmed_handoffs
+                                                                       if generation else 0))
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
