@@ -74,19 +74,19 @@ spec:
             - --max-num-batched-tokens={{ int $spec.maxNumBatchedTokens }}
             - --device={{ $spec.device }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
+            {{- with include "tandem.tlsArgs" (dict "root" $root "router" false) }}{{ . | trim | nindent 12 }}{{- end }}
             {{- range $spec.extraArgs }}
             - {{ . | quote }}
             {{- end }}
           env:
             - name: HOME
               value: /tmp
-            {{- with include "tandem.adminTokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
+            {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:
-            - name: grpc
-              containerPort: {{ int $spec.port }}
+            {{- include "tandem.ports" (dict "root" $root "port" $spec.port) | nindent 12 }}
           {{- include "tandem.probes" (dict "root" $root "port" $spec.port) | nindent 10 }}
           {{- with $resources }}
           resources:
