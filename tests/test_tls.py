@@ -6,7 +6,9 @@ another CA. grpcurl and `tandem generate` reach the TLS router as the README sho
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 from conftest import assert_all_blocks_free
 from tandem.client import LLM, RequestError, SamplingParams
 from tandem.common.tls import TlsConfig
-from tandem.testing.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster, free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from test_disagg import worker_state
 from tls_certs import make_authority
@@ -139,3 +141,39 @@ def test_tandem_serve_refuses_a_ca_without_its_own_certificate(pki):
     proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "router", "--workers", "127.0.0.1:1",
                            "--tls-ca", str(pki["ca"].cert)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--tls-ca needs --tls-cert and --tls-key" in proc.stderr
+
+
+def test_tandem_up_hands_tls_and_the_cluster_token_to_its_children(pki, model_dirs):
+    """`tandem up` with TLS flags and TANDEM_CLUSTER_TOKEN: the children serve TLS, the workers
+    demand the token, and no process shows the token on its command line."""
+    token = "up-test-token-" + "z" * 20
+    port = free_port()
+    argv = [sys.executable, "-m", "tandem.cli.main", "up", "--both", "1", "--port", str(port),
+            "--model", str(model_dirs["llama"]), "--num-blocks", "32", "--tls-cert", str(pki["node"].cert),
+            "--tls-key", str(pki["node"].key), "--tls-ca", str(pki["ca"].cert), "--tls-client-auth", "none"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, TANDEM_CLUSTER_TOKEN=token), start_new_session=True)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "serving on" in line or "Traceback" in line:
+                break
+        assert "serving on" in lines[-1] and f"--tls-ca {pki['ca'].cert}" in lines[-1], "".join(lines)
+        (worker,) = [line.split()[1] for line in lines if line.strip().startswith("both-1")]
+        with LLM(f"127.0.0.1:{port}", root_certificates=str(pki["ca"].cert)) as llm:
+            assert len(llm.generate("up over TLS", PARAMS, use_tqdm=False).outputs[0].token_ids) == 6
+        operator = {"root_certificates": str(pki["ca"].cert), "certificate_chain": str(pki["client"].cert),
+                    "private_key": str(pki["client"].key)}
+        with LLM(worker, **operator) as llm:
+            assert _code(lambda: llm.get_kv_cache_capacity()) == grpc.StatusCode.UNAUTHENTICATED
+        with LLM(worker, cluster_token=token, **operator) as llm:
+            assert llm.get_kv_cache_capacity()["maxNumBlocks"] == 32
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                assert token.encode() not in cmdline.read_bytes()
+            except OSError:  # the process ended meanwhile
+                pass
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(timeout=60) == 0
