@@ -11,9 +11,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from conftest import assert_all_blocks_free
@@ -105,6 +107,33 @@ def test_grpcurl_with_tls(split, pki):
     assert state["role"] == "ROLE_DECODE"
     proc = subprocess.run([GRPCURL, "-plaintext", split.address, "list"], capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0
+
+
+def test_the_openai_front_reaches_a_tls_router(split, pki, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "front.log", "w")
+    front = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "openai", "--target", split.address,
+                              "--port", str(port), "--tls-ca", str(pki["ca"].cert)], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert front.poll() is None, (tmp_path / "front.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "front.log").read_text()
+            time.sleep(0.1)
+        reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": Path(split.engine_args[1]).name, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        front.terminate()
+        front.wait(15)
+        log.close()
 
 
 def test_mtls_router_demands_client_certificates_and_tandem_generate_presents_one(pki, model_dirs, tmp_path):

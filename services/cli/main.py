@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     front.add_argument("--host", default="127.0.0.1")
     front.add_argument("--port", type=int, default=8000)
     front.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -83,7 +84,7 @@ def _engine_config(args):
 def _serve(args) -> int:
     if args.role == "openai":
         from tandem.openai.app import serve_openai
-        serve_openai(args.target, args.host, args.port, args.served_model_name)
+        serve_openai(args.target, args.host, args.port, args.served_model_name, tls=client_tls_kwargs(args))
         return 0
     if args.role == "router":
         from tandem.router.app import serve_router
