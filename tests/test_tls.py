@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import assert_all_blocks_free
 from tandem.client import LLM, RequestError, SamplingParams
@@ -136,9 +137,19 @@ def test_the_openai_front_reaches_a_tls_router(split, pki, tmp_path):
         log.close()
 
 
-def test_mtls_router_demands_client_certificates_and_tandem_generate_presents_one(pki, model_dirs, tmp_path):
+def test_mtls_router_demands_client_certificates_and_tandem_generate_presents_one(pki, model_dirs):
+    """A router that demands client certificates; a worker with a plaintext health-only port."""
     tls = TlsConfig(str(pki["node"].cert), str(pki["node"].key), str(pki["ca"].cert))
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS], tls=tls) as c:
+    health_port = free_port()
+    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS], tls=tls,
+                      worker_args={"both-1": ["--health-port", str(health_port)]}) as c:
+        # Probes that speak no TLS (the kubelet's) get plaintext health there, and nothing else.
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            check = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                worker_pb2_grpc.WorkerStub(plain).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         with LLM(c.address, root_certificates=str(pki["ca"].cert)) as no_cert:
             assert _code(lambda: no_cert.get_kv_cache_capacity()) == grpc.StatusCode.UNAVAILABLE
         argv = [sys.executable, "-m", "tandem.cli.main", "generate", "--target", c.address, "--max-tokens", "4",

@@ -65,7 +65,6 @@ class LocalCluster:
     # TLS for every process; the router's public face demands client certificates when the
     # config has a CA and require_client_cert (the router alone honours require_client_cert=False).
     tls: TlsConfig | None = None
-    router_args: list[str] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
 
     def __post_init__(self):
@@ -140,7 +139,7 @@ class LocalCluster:
         self.services.append(Service("router", "router", f"{self.host}:{port}",
                                      [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
                                       "--port", str(port), "--workers", workers, "--health-interval", "0.2",
-                                      *tls_argv, *self.router_args],
+                                      *tls_argv],
                                      self.log_dir / "router.log"))
         env = dict(os.environ, **(self.env or {}))
         env.pop("TANDEM_CLUSTER_TOKEN", None)
