@@ -40,6 +40,7 @@ class GenerationPhase:
         self.handoff_format = handoff_format
         self.num_bytes_received = 0
         self.num_unconfirmed_handoffs = 0
+        self._releases: set[asyncio.Task] = set()
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None) -> worker_pb2.KvHandoff:
@@ -68,7 +69,7 @@ class GenerationPhase:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.
                 request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
-                await self._release_remote(handoff)
+                self._release_remote(handoff)
                 return
             core.register(rid, request.stream)
             started = time.perf_counter()
@@ -113,7 +114,10 @@ class GenerationPhase:
         request.core.abort(request.only_sequence.engine_id)
         request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
 
-    async def _release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
+    def _release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
         """Tells the prefill to free the handoff's blocks without reading them (best effort: the
-        lease expires anyway)."""
-        await self.peers.confirm_lease(handoff, pulled=False)
+        lease expires anyway). Detached from the request, which may finish, and cancel its
+        tasks, before the prefill answers."""
+        task = asyncio.ensure_future(self.peers.confirm_lease(handoff, pulled=False))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
