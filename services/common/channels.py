@@ -1,6 +1,6 @@
 """Channels from one tandem process to another: TLS when the cluster has certificates, the
-cluster token on every call and the admin token on admin calls (an interceptor, so no call
-site can forget them)."""
+cluster token on every call and the admin token on admin calls (added by the stubs, so no
+call site can forget them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,18 +21,21 @@ class ClusterCredentials:
     admin_token: str | None = None
 
     def open(self, target: str) -> grpc.aio.Channel:
-        """An asyncio channel to another tandem process."""
+        """An asyncio channel to another tandem process (TLS when configured); stub() adds the tokens."""
         options = CHANNEL_OPTIONS + (self.tls.channel_options() if self.tls else [])
-        # grpc.aio files each interceptor under one call type only: one object per type.
-        interceptors = ([_UnaryTokenInterceptor(self), _StreamTokenInterceptor(self)]
-                        if self.cluster_token or self.admin_token else None)
         if self.tls is None:
-            return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
-        return grpc.aio.secure_channel(target, self.tls.channel_credentials(), options=options,
-                                       interceptors=interceptors)
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, self.tls.channel_credentials(), options=options)
+
+    def stub(self, stub_type, channel: grpc.aio.Channel):
+        """stub_type(channel) whose every call carries the tokens it needs. Metadata is added per
+        call rather than by a grpc.aio client interceptor: an intercepted streaming call drops
+        a reply that arrived just before a cancel (a context phase's handoff, whose lease then
+        waits for its expiry), where a plain call keeps it."""
+        return _TokenStub(stub_type(channel), self)
 
     def open_sync(self, target: str) -> grpc.Channel:
-        """A blocking channel (the launcher's readiness checks, tests)."""
+        """A blocking channel with the tokens on every call (the launcher's readiness checks, tests)."""
         options = CHANNEL_OPTIONS + (self.tls.channel_options() if self.tls else [])
         if self.tls is None:
             channel = grpc.insecure_channel(target, options=options)
@@ -43,7 +46,7 @@ class ClusterCredentials:
         return channel
 
     def metadata_for(self, method: str, metadata) -> tuple[tuple[str, str], ...]:
-        """The call's metadata plus the tokens it needs."""
+        """The call's metadata plus the tokens it needs (method: its name or full path)."""
         metadata = tuple(metadata or ())
         extra = cluster_metadata(self.cluster_token)
         name = method.rsplit("/", 1)[-1]
@@ -52,25 +55,20 @@ class ClusterCredentials:
         return metadata + extra
 
 
-class _TokenDetails:
-    def __init__(self, credentials: ClusterCredentials):
+class _TokenStub:
+    def __init__(self, stub, credentials: ClusterCredentials):
+        self._stub = stub
         self._credentials = credentials
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        metadata = grpc.aio.Metadata(*self._credentials.metadata_for(method, details.metadata))
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        credentials = self._credentials
 
+        def call(request, *args, metadata=None, **kwargs):
+            return method(request, *args, metadata=credentials.metadata_for(name, metadata), **kwargs)
 
-class _UnaryTokenInterceptor(_TokenDetails, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
-
-
-class _StreamTokenInterceptor(_TokenDetails, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        setattr(self, name, call)  # built once per method
+        return call
 
 
 class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -27,13 +27,16 @@ class PeerCache:
         self.credentials = credentials
         self._agents: dict[str, str] = {}  # prefill endpoint -> its agent's name
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peer_stubs: dict[str, tuple] = {}
         self._lock = asyncio.Lock()
 
-    def _channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
-        if channel is None:
+    def _stubs(self, endpoint: str) -> tuple[llm_pb2_grpc.AsyncLLMStub, worker_pb2_grpc.WorkerStub]:
+        """The prefill's two services over one authenticated channel."""
+        if endpoint not in self._channels:
             channel = self._channels[endpoint] = self.credentials.open(endpoint)
-        return channel
+            self._peer_stubs[endpoint] = (self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                                          self.credentials.stub(worker_pb2_grpc.WorkerStub, channel))
+        return self._peer_stubs[endpoint]
 
     async def agent_for(self, handoff: worker_pb2.KvHandoff) -> str:
         """The name under which our agent knows the handoff's prefill, loading its state if needed."""
@@ -42,8 +45,8 @@ class PeerCache:
             return handoff.agent_name
         async with self._lock:
             if self._agents.get(endpoint) != handoff.agent_name:
-                reply = await llm_pb2_grpc.AsyncLLMStub(self._channel(endpoint)).GetDataTransceiverState(
-                    llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
+                llm, _ = self._stubs(endpoint)
+                reply = await llm.GetDataTransceiverState(llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
                 state = await self.poller.call(lambda transceiver: transceiver.add_peer(reply.state))
                 self._agents[endpoint] = state.agent_name
         return self._agents[endpoint]
@@ -52,7 +55,8 @@ class PeerCache:
         """Ends the handoff's lease on its prefill; whether it was still live (see Worker/ConfirmLease).
         A prefill that cannot answer confirms nothing."""
         try:
-            reply = await worker_pb2_grpc.WorkerStub(self._channel(handoff.ctx_endpoint)).ConfirmLease(
+            _, worker = self._stubs(handoff.ctx_endpoint)
+            reply = await worker.ConfirmLease(
                 worker_pb2.ConfirmLeaseRequest(ctx_request_id=handoff.ctx_request_id, pulled=pulled),
                 timeout=CONFIRM_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -50,8 +50,9 @@ class WorkerPool:
         self.workers: list[WorkerHandle] = []
         for address in addresses:
             channel = credentials.open(address)
-            self.workers.append(WorkerHandle(address, channel, llm_pb2_grpc.AsyncLLMStub(channel),
-                                             worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)))
+            self.workers.append(WorkerHandle(address, channel, credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                                             credentials.stub(worker_pb2_grpc.WorkerStub, channel),
+                                             health_pb2_grpc.HealthStub(channel)))
         self._rr = itertools.count()
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
