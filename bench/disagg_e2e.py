@@ -48,7 +48,8 @@ def main() -> None:
 
     async def run(address: str, concurrent: bool):
         prompts = concurrent_prompts if concurrent else sequential_prompts
-        llm = await AsyncLLM(address)
+        # The aggregated worker serves only the cluster's internal plane: the bench holds its credentials.
+        llm = await AsyncLLM(address, **(cluster.worker_client_kwargs() if address != cluster.address else {}))
         try:
             await llm.generate_async(fresh_prompts()[0], params)  # warm-up: peers, kernels
             started = time.perf_counter()

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-import grpc
 import pytest
 
 from conftest import assert_all_blocks_free
-from tandem.testing.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster, channel_to
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from tandem.kvtransfer import TransceiverState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -20,7 +19,8 @@ ENGINE_ARGS = ["--num-blocks", "128", "--block-size", str(BLOCK_SIZE), "--max-nu
 
 
 def worker_state(address: str) -> worker_pb2.WorkerState:
-    with grpc.insecure_channel(address) as channel:
+    """A worker's state, read with its cluster's credentials (workers serve only the internal plane)."""
+    with channel_to(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
 
 
@@ -29,7 +29,7 @@ def served(request, model_dirs):
     """prefill + decode (the router splits every request) and an aggregated worker to compare with."""
     model_dir = model_dirs[request.param]
     with LocalCluster(roles=["prefill", "decode", "both"], engine_args=["--model", str(model_dir), *ENGINE_ARGS]) as c:
-        with LLM(c.address) as llm, LLM(c.workers[2].address) as aggregated:
+        with LLM(c.address) as llm, LLM(c.workers[2].address, **c.worker_client_kwargs()) as aggregated:
             yield model_dir, c, llm, aggregated
 
 
@@ -61,7 +61,7 @@ def test_disaggregated_equals_aggregated_and_transformers(served, oracle):
               for i in range(8)]
 
     async def both_ways():
-        split, local = await AsyncLLM(cluster.address), await AsyncLLM(cluster.workers[2].address)
+        split, local = await AsyncLLM(cluster.address), await AsyncLLM(cluster.workers[2].address, **cluster.worker_client_kwargs())
         try:
             # Greedy first and alone: these prompts share no block, so nothing comes from the
             # decode's prefix cache and every prompt block must be pulled.

@@ -48,7 +48,7 @@ def test_user_orchestrated_split_and_abandoned_handoffs(model_dirs):
     with LocalCluster(roles=["prefill", "decode", "both"],
                       engine_args=["--model", model, "--num-blocks", "64", "--block-size", "8",
                                    "--kv-lease-seconds", str(LEASE_SECONDS)]) as c, \
-            LLM(c.address) as llm, LLM(c.workers[2].address) as aggregated:
+            LLM(c.address) as llm, LLM(c.workers[2].address, **c.worker_client_kwargs()) as aggregated:
         params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3)
         ctx = llm.generate("split by hand", params, use_tqdm=False,
                            disaggregated_params=DisaggregatedParams(request_type="context_only"))
@@ -133,7 +133,7 @@ def test_a_dead_prefill_fails_the_pull_instead_of_hanging(model_dirs):
         c.workers[0].process.kill()
         c.workers[0].process.wait()
         started = time.monotonic()
-        with LLM(c.workers[1].address) as decode, pytest.raises(RequestError) as err:
+        with LLM(c.workers[1].address, **c.worker_client_kwargs()) as decode, pytest.raises(RequestError) as err:
             decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
                 request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
                 ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))

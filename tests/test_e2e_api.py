@@ -132,7 +132,7 @@ def test_abort_mid_stream_finishes_cancelled(cluster, llm):
 
 def _worker_state(cluster):
     from tandem.v1 import worker_pb2, worker_pb2_grpc
-    with grpc.insecure_channel(cluster.workers[0].address) as channel:
+    with cluster.channel(cluster.workers[0].address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest())
 
 

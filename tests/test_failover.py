@@ -57,7 +57,7 @@ def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
             llm.close()
     out, ids, text, killed = asyncio.run(go())
     assert killed is not None and killed.process.wait(5) == -signal.SIGKILL
-    with LLM(cluster.workers[-1].address) as reference:  # the aggregated worker, never touched
+    with LLM(cluster.workers[-1].address, **cluster.worker_client_kwargs()) as reference:  # the aggregated worker, never touched
         expected = reference.generate(prompt, params, use_tqdm=False).outputs[0]
     assert ids == out.outputs[0].token_ids == expected.token_ids  # nothing lost, nothing repeated
     assert text == out.outputs[0].text == expected.text

@@ -5,8 +5,10 @@ TANDEM_UPDATE_GOLDEN=1 rewrites tests/golden/helm/*.yaml from the current chart.
 """
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,15 @@ VALUE_SETS = {
         "both": {"replicas": 2, "numBlocks": 4096, "maxNumBatchedTokens": 1048576, "extraArgs": ["--seed", "7"]},
         "metrics": {"enabled": False},
     },
+    "secured": {
+        "tls": {"enabled": True, "secretName": "tandem-tls", "routerClientAuth": "none", "serverName": "tandem.internal"},
+        "clusterToken": {"secretName": "tandem-cluster", "secretKey": "cluster-token"},
+        "adminToken": {"secretName": "tandem-admin"},
+        "networkPolicy": {"extraWorkerIngress": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+    },
 }
+# The token the chart generates is random: golden renders hold a placeholder.
+RANDOM_TOKEN = re.compile(r'^(  token: )"[A-Za-z0-9+/=]{64}"$', re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +129,15 @@ def test_router_workers_are_exactly_the_worker_pods(chart, case):
 
 @pytest.mark.parametrize("case", VALUE_SETS)
 def test_probes_are_grpc_health_checks_on_the_serving_port(chart, case):
+    """On the serving port; with TLS on the plaintext health-only port (kubelet probes speak no TLS)."""
+    tls = VALUE_SETS[case].get("tls", {}).get("enabled", False)
     for container in containers(objects(chart, VALUE_SETS[case])):
         port = container["ports"][0]["containerPort"]
         assert flag(container, "port") == str(port)
+        if tls:
+            assert container["ports"][1] == {"name": "health", "containerPort": 50060}
+            assert flag(container, "health-port") == "50060"
+            port = 50060
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port}
             assert not {"httpGet", "tcpSocket", "exec"} & container[probe].keys()
@@ -198,8 +214,8 @@ def test_drain_preStop_and_termination_grace_agree(chart, case):
         assert pod["terminationGracePeriodSeconds"] == waited + drain["seconds"] + drain["exitSeconds"]
 
 
-def test_network_policies_are_optional(chart):
-    assert by_kind(objects(chart, {}), "NetworkPolicy") == []
+def test_network_policies_are_on_by_default(chart):
+    assert len(by_kind(objects(chart, {}), "NetworkPolicy")) == 2
     policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, VALUE_SETS["disaggregated"]), "NetworkPolicy")}
     router, workers = policies[f"{RELEASE}-tandem-router"], policies[f"{RELEASE}-tandem-workers"]
     scrape = {"ports": [{"port": "metrics"}]}  # metrics.enabled: Prometheus, from anywhere (metricsFrom empty)
@@ -223,6 +239,55 @@ def test_admin_token_comes_from_the_secret_in_every_process(chart):
         (env,) = [e for e in c["env"] if e["name"] == "TANDEM_ADMIN_TOKEN"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "tandem-admin", "key": "token"}
     assert all("TANDEM_ADMIN_TOKEN" not in str(c["env"]) for c in containers(objects(chart, VALUE_SETS["default"])))
+
+
+def test_every_process_gets_the_cluster_token(chart):
+    """Generated into a Secret of the release unless one is named; every container reads it."""
+    docs = objects(chart, VALUE_SETS["default"])
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == f"{RELEASE}-tandem-cluster-token"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    for c in containers(docs):
+        (env,) = [e for e in c["env"] if e["name"] == "TANDEM_CLUSTER_TOKEN"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+    named = objects(chart, VALUE_SETS["secured"])
+    assert by_kind(named, "Secret") == []
+    for c in containers(named):
+        (env,) = [e for e in c["env"] if e["name"] == "TANDEM_CLUSTER_TOKEN"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "tandem-cluster", "key": "cluster-token"}
+
+
+def test_tls_mounts_the_secret_and_passes_the_flags(chart):
+    docs = objects(chart, VALUE_SETS["secured"])
+    for d in docs:
+        if d["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "tandem-tls"
+        (container,) = pod["containers"]
+        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in container["volumeMounts"]
+        assert [flag(container, f) for f in ("tls-cert", "tls-key", "tls-ca", "tls-server-name")] == [
+            "/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key", "/etc/tandem/tls/ca.crt", "tandem.internal"]
+        is_router = d["kind"] == "Deployment"
+        assert flag(container, "tls-client-auth") == ("none" if is_router else None)
+    assert all(flag(c, "tls-cert") is None for c in containers(objects(chart, VALUE_SETS["default"])))
+
+
+def test_network_policy_admits_only_the_release_to_the_workers(chart):
+    (policy,) = [p for p in by_kind(objects(chart, VALUE_SETS["secured"]), "NetworkPolicy")
+                 if p["metadata"]["name"] == f"{RELEASE}-tandem-workers"]
+    selector = policy["spec"]["podSelector"]
+    assert selector["matchExpressions"] == [{"key": "app.kubernetes.io/component", "operator": "In",
+                                             "values": ["prefill", "decode", "both"]}]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rule, *scrape = policy["spec"]["ingress"]
+    assert scrape == [{"ports": [{"port": "metrics"}]}]  # Prometheus, from anywhere (metricsFrom empty)
+    assert "ports" not in rule  # gRPC and the UCX ports NIXL picks at run time
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem",
+                                                             "app.kubernetes.io/instance": RELEASE}}},
+                            {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    assert by_kind(objects(chart, {"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
 
 
 def test_pods_run_as_non_root(chart):
@@ -309,6 +374,9 @@ def test_service_monitor_scrapes_every_service(chart):
     {"router": {"metricsPort": 0}},
     {"metrics": {"serviceMonitor": {"interval": "often"}}},
     {"metrics": {"scrape": True}},
+    {"tls": {"enabled": True}},
+    {"tls": {"routerClientAuth": "optional"}},
+    {"probes": {"healthPort": 0}},
 ], ids=lambda bad: repr(bad))
 def test_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmValuesError):
@@ -325,6 +393,7 @@ def test_golden_render(chart, case):
     manifests = render(chart, VALUE_SETS[case])
     text = "".join(f"# Source: {path}\n{manifests[path].strip()}\n" for path in sorted(manifests)
                    if manifests[path].strip())
+    text = RANDOM_TOKEN.sub(r'\1"<random>"', text)
     golden = GOLDEN_DIR / f"{case}.yaml"
     if os.environ.get("TANDEM_UPDATE_GOLDEN") == "1":
         golden.parent.mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,7 @@ def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster)
 def test_expired_and_decode_fell_back(cluster):
     """A handoff nobody pulls expires; one presented with less than a second of lease left is not
     pulled: the decode computes the prompt itself and tells the prefill to free its copy."""
-    with LLM(cluster.address) as llm, LLM(cluster.workers[1].address) as decode:
+    with LLM(cluster.address) as llm, LLM(cluster.workers[1].address, **cluster.worker_client_kwargs()) as decode:
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         expected = llm.generate("fall back", params, use_tqdm=False).outputs[0].token_ids
         before = endings(cluster)

@@ -60,7 +60,7 @@ def served():
         finally:
             started.result()
     try:
-        with LLM(cluster.address) as llm, LLM(cluster.workers[2].address) as aggregated:
+        with LLM(cluster.address) as llm, LLM(cluster.workers[2].address, **cluster.worker_client_kwargs()) as aggregated:
             yield model_dir, cluster, llm, aggregated, oracle
     finally:
         cluster.stop()

@@ -8,6 +8,8 @@ import os
 import sys
 
 from tandem.cli.flags import add_engine_flags, engine_config
+from tandem.cli.security_flags import (add_client_tls_flags, add_server_security_flags, add_tls_flags,
+                                       client_tls_kwargs, tls_config)
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 
 
@@ -42,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
         _add_metrics_port(p, WORKER_METRICS_PORT)
+        add_server_security_flags(p)
         add_engine_flags(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
     router.add_argument("--host", default="127.0.0.1")
@@ -51,11 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
     _add_metrics_port(router, ROUTER_METRICS_PORT)
+    add_server_security_flags(router, public_face=True)
     front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
     front.add_argument("--host", default="127.0.0.1")
     front.add_argument("--port", type=int, default=8000)
     front.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
@@ -68,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=ROUTER_METRICS_PORT,
                     help="the router's Prometheus port (/metrics); each worker gets a free one, all printed; "
                          "0: no metrics servers")
+    up.add_argument("--cluster-token", default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
+                    help="the cluster's shared secret (default: $TANDEM_CLUSTER_TOKEN, else a fresh random one)")
+    add_tls_flags(up, public_face=True)
     add_engine_flags(up)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
@@ -79,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    add_client_tls_flags(gen)
 
     from tandem.cli.bench import add_arguments as add_bench_arguments
     add_bench_arguments(sub.add_parser("bench", help="benchmark a running cluster (like vllm bench serve)"))
@@ -96,7 +105,7 @@ def _engine_config(args):
 def _serve(args) -> int:
     if args.role == "openai":
         from tandem.openai.app import serve_openai
-        serve_openai(args.target, args.host, args.port, args.served_model_name)
+        serve_openai(args.target, args.host, args.port, args.served_model_name, tls=client_tls_kwargs(args))
         return 0
     if args.role == "router":
         from tandem.router.app import serve_router
@@ -104,6 +113,7 @@ def _serve(args) -> int:
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
                               admin_token=args.admin_token, drain_seconds=args.drain_seconds,
                               metrics_port=args.metrics_port,
+                              cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
@@ -112,15 +122,17 @@ def _serve(args) -> int:
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
-                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port)
+                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
+                          cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port)
     asyncio.run(serve_worker(config))
     return 0
 
 
 def generate(target: str, prompt: str, max_tokens: int, temperature: float = 0.0, top_p=None, top_k=None,
-             seed=None, chat: bool = False, out=sys.stdout) -> None:
+             seed=None, chat: bool = False, out=sys.stdout, tls: dict | None = None) -> None:
+    """tls: LLM's TLS keyword arguments (root_certificates, certificate_chain, private_key, tls_server_name)."""
     from tandem.client import LLM, SamplingParams
-    with LLM(target) as llm:
+    with LLM(target, **(tls or {})) as llm:
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         # A rendered template holds its special tokens already (transformers tokenizes it without adding any).
@@ -146,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             return up(args, _engine_config(args))
         if args.command == "generate":
             generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                     args.chat)
+                     args.chat, tls=client_tls_kwargs(args))
             return 0
         if args.command == "bench":
             from tandem.cli.bench import main as bench

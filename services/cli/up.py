@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from tandem.cli.flags import engine_argv
+from tandem.cli.security_flags import tls_config
 from tandem.testing.cluster import LocalCluster
 
 # A chat model answers a question through its chat template; a model without one continues a text.
@@ -28,8 +29,10 @@ def up(args, engine) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
         return 2
+    # Every process gets the cluster token through its environment (not argv: `ps` shows argv).
     cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine), host=args.host, router_port=args.port,
-                           metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port)
+                           metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port,
+                           cluster_token=args.cluster_token, tls=tls_config(args))
     print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -43,10 +46,11 @@ def up(args, engine) -> int:
             chat = _has_chat_template(engine.model_dir)
             prompt = DEMO_QUESTION if chat else DEMO_PROMPT
             print(f"tandem: demo {'chat answer to' if chat else 'completion of'} {prompt!r}:", flush=True)
-            generate(cluster.address, prompt, max_tokens=48, chat=chat)
+            generate(cluster.address, prompt, max_tokens=48, chat=chat, tls=cluster.client_tls_kwargs())
         chat_flag = " --chat" if _has_chat_template(engine.model_dir) else ""
-        print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{chat_flag} "
-              "\"Hello\"`. Ctrl-C stops.", flush=True)
+        tls_flags = "".join(f" --{k} {v}" for k, v in cluster.client_tls_flags().items())
+        print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{tls_flags}"
+              f"{chat_flag} \"Hello\"`. Ctrl-C stops.", flush=True)
         while True:
             cluster.check_alive()
             time.sleep(1)

@@ -1,5 +1,5 @@
-"""The grpc.aio server every tandem process runs: health, reflection, error
-mapping, and a graceful drain on SIGTERM/SIGINT (see drain.py)."""
+"""The grpc.aio server every tandem process runs: health, reflection, access control, error
+mapping, TLS when configured, and a graceful drain on SIGTERM/SIGINT (see drain.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.common.auth import AdminAuthInterceptor
+from tandem.common.auth import AccessPolicy, AuthInterceptor
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
 from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
 from tandem.common.metrics import ProcessMetrics
+from tandem.common.tls import TlsConfig
 
 log = logging.getLogger("tandem.server")
 
@@ -39,8 +40,10 @@ DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
-                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None,
-                 metrics: ProcessMetrics | None = None):
+                 policy: AccessPolicy = AccessPolicy(), readiness: ReadinessInterceptor | None = None,
+                 metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None):
+        """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
+        grpc.health.v1 alone in plaintext there, for probes that speak no TLS (Kubernetes')."""
         if drain_seconds < 0:
             raise ValueError(f"drain_seconds must be >= 0, got {drain_seconds}")
         self.service_names = list(service_names)
@@ -48,8 +51,7 @@ class GrpcServer:
         self.in_flight = InFlightCalls()
         self._drain_checks: list[DrainCheck] = []
         # The metrics interceptor is outermost: it sees the status every other one answers with.
-        interceptors = ([metrics.interceptor] if metrics else []) + [self.in_flight] + \
-            ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
+        interceptors = ([metrics.interceptor] if metrics else []) + [self.in_flight, AuthInterceptor(policy)] + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
@@ -57,19 +59,27 @@ class GrpcServer:
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.tls = tls
+        self.port = _bind(self.server, host, port, tls)
         self.address = f"{host}:{self.port}"
         if metrics is not None:
             metrics.bind(self.address)
+        self.health_server: grpc.aio.Server | None = None
+        if health_port is not None:
+            self.health_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = _bind(self.health_server, host, health_port, None)
         self._stop = asyncio.Event()
         self._force_stop = asyncio.Event()
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(False)
-        log.info("listening on %s", self.address)
+        log.info("listening on %s (%s)%s", self.address,
+                 "plaintext" if self.tls is None else "mTLS" if self.tls.is_mutual else "TLS",
+                 f", health on port {self.health_port}" if self.health_server is not None else "")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -119,3 +129,14 @@ class GrpcServer:
             log.warning("stopping %s: drain %s with %d call(s) in flight", self.address,
                         "cut short" if self._force_stop.is_set() else "window over", self.in_flight.count)
         await self.server.stop(0)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
+        address, tls.server_credentials())
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound

@@ -1,7 +1,12 @@
 """The generation phase (generation_only with a handoff): check the handoff, reserve blocks,
-pull the prompt's KV from the prefill worker with a NIXL READ, then decode. When the pool has
-no room (or the lease no time) for the pull, the prompt is computed here instead and the
-prefill is told to free its copy.
+pull the prompt's KV from the prefill worker with a NIXL READ, confirm the lease, then decode.
+When the pool has no room (or the lease no time) for the pull, the prompt is computed here
+instead and the prefill is told to free its copy.
+
+The confirm (Worker/ConfirmLease, after the READ) is what makes the KV ours to use: a lease
+still live once the READ completed was live during it, so the blocks read were the handoff's.
+A replayed or stale handoff (its lease ended, its blocks perhaps another request's by now)
+fails the confirm, and what was read is dropped, never cached: the prompt is computed here.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it.
@@ -17,7 +22,7 @@ from tandem.common.errors import PreconditionError, unavailable
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.errors import TransferError, TransferTimeoutError
-from tandem.kvtransfer.handoff import HandoffFormat, release_message
+from tandem.kvtransfer.handoff import HandoffFormat
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.decode.peers import PeerCache
 from tandem.v1 import types_pb2, worker_pb2
@@ -53,6 +58,8 @@ class GenerationPhase:
         self.num_bytes_received = 0
         # Told of each pull that landed: its bytes and seconds (the worker's metrics).
         self.on_pulled = on_pulled
+        self.num_unconfirmed_handoffs = 0
+        self._releases: set[asyncio.Task] = set()
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None, adapter=None) -> worker_pb2.KvHandoff:
@@ -85,15 +92,20 @@ class GenerationPhase:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.
                 request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
-                await self._release_remote(handoff)
+                self._release_remote(handoff)
                 return
             core.register(rid, request.stream)
             started = time.perf_counter()
             agent = await self.peers.agent_for(handoff)
-            pending = self.poller.read(agent, list(handoff.block_ids)[plan.num_cached_blocks:], plan.block_ids,
-                                       release_message(handoff.ctx_request_id, pulled=True), PULL_TIMEOUT_S)
+            # No notification: the confirm below ends the lease.
+            pending = self.poller.read(agent, list(handoff.block_ids)[plan.num_cached_blocks:], plan.block_ids, b"",
+                                       PULL_TIMEOUT_S)
             nbytes = await pending.done
             self.num_bytes_received += nbytes
+            if not await self.peers.confirm_lease(handoff, pulled=True):
+                self.num_unconfirmed_handoffs += 1
+                self._recompute(request, handoff)
+                return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
             self.on_pulled(nbytes, request.metrics.kv_transfer_s)
@@ -117,11 +129,19 @@ class GenerationPhase:
             core.abort(rid)
             request.fail(exc)
 
-    async def _release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
-        """Tells the prefill to free the handoff's blocks without reading them (best effort)."""
-        try:
-            agent = await self.peers.agent_for(handoff)
-            message = release_message(handoff.ctx_request_id, pulled=False)
-            await self.poller.call(lambda transceiver: transceiver.read_blocks(agent, [], [], message))
-        except Exception as exc:  # noqa: BLE001 - the lease expires anyway
-            log.info("could not release lease %d on %s: %s", handoff.ctx_request_id, handoff.ctx_endpoint, exc)
+    @staticmethod
+    def _recompute(request, handoff: worker_pb2.KvHandoff) -> None:
+        """The lease had ended before we confirmed it: drop what the READ brought (the abort frees
+        the reserved blocks uncached) and compute the prompt here."""
+        log.warning("lease %d on %s had ended before the KV read from it was confirmed (a replayed or stale handoff):"
+                    " computing the prompt here instead", handoff.ctx_request_id, handoff.ctx_endpoint)
+        request.core.abort(request.only_sequence.engine_id)
+        request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
+
+    def _release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
+        """Tells the prefill to free the handoff's blocks without reading them (best effort: the
+        lease expires anyway). Detached from the request, which may finish, and cancel its
+        tasks, before the prefill answers."""
+        task = asyncio.ensure_future(self.peers.confirm_lease(handoff, pulled=False))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)

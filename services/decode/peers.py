@@ -1,23 +1,42 @@
 """The prefill workers a decode worker has pulled from: each one's transceiver state (NIXL agent
 metadata and pool layout) is fetched once, over gRPC, and loaded into our agent; again only
-when the prefill comes back under a new agent (a restart, a released and resumed pool)."""
+when the prefill comes back under a new agent (a restart, a released and resumed pool). The
+same channel, authenticated like every call between tandem processes, confirms leases.
+
+Endpoints come only from handoffs whose signature verified: a client cannot make us dial out.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 
-from tandem.common.server import CHANNEL_OPTIONS
+from tandem.common.channels import ClusterCredentials
 from tandem.kvtransfer.poller import TransferPoller
-from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("tandem.decode.peers")
+
+CONFIRM_TIMEOUT_S = 5.0
 
 
 class PeerCache:
-    def __init__(self, poller: TransferPoller):
+    def __init__(self, poller: TransferPoller, credentials: ClusterCredentials):
         self.poller = poller
+        self.credentials = credentials
         self._agents: dict[str, str] = {}  # prefill endpoint -> its agent's name
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peer_stubs: dict[str, tuple] = {}
         self._lock = asyncio.Lock()
+
+    def _stubs(self, endpoint: str) -> tuple[llm_pb2_grpc.AsyncLLMStub, worker_pb2_grpc.WorkerStub]:
+        """The prefill's two services over one authenticated channel."""
+        if endpoint not in self._channels:
+            channel = self._channels[endpoint] = self.credentials.open(endpoint)
+            self._peer_stubs[endpoint] = (self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                                          self.credentials.stub(worker_pb2_grpc.WorkerStub, channel))
+        return self._peer_stubs[endpoint]
 
     async def agent_for(self, handoff: worker_pb2.KvHandoff) -> str:
         """The name under which our agent knows the handoff's prefill, loading its state if needed."""
@@ -26,14 +45,25 @@ class PeerCache:
             return handoff.agent_name
         async with self._lock:
             if self._agents.get(endpoint) != handoff.agent_name:
-                channel = self._channels.get(endpoint)
-                if channel is None:
-                    channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-                reply = await llm_pb2_grpc.AsyncLLMStub(channel).GetDataTransceiverState(
-                    llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
+                llm, _ = self._stubs(endpoint)
+                reply = await llm.GetDataTransceiverState(llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
                 state = await self.poller.call(lambda transceiver: transceiver.add_peer(reply.state))
                 self._agents[endpoint] = state.agent_name
         return self._agents[endpoint]
+
+    async def confirm_lease(self, handoff: worker_pb2.KvHandoff, pulled: bool) -> bool:
+        """Ends the handoff's lease on its prefill; whether it was still live (see Worker/ConfirmLease).
+        A prefill that cannot answer confirms nothing."""
+        try:
+            _, worker = self._stubs(handoff.ctx_endpoint)
+            reply = await worker.ConfirmLease(
+                worker_pb2.ConfirmLeaseRequest(ctx_request_id=handoff.ctx_request_id, pulled=pulled),
+                timeout=CONFIRM_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("ConfirmLease(%d) on %s: %s %s", handoff.ctx_request_id, handoff.ctx_endpoint, exc.code().name,
+                     exc.details())
+            return False
+        return reply.confirmed
 
     async def close(self) -> None:
         for channel in self._channels.values():

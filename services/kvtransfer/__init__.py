@@ -8,7 +8,7 @@ from tandem.kvtransfer.errors import (
     TransferTimeoutError,
     UnknownPeerError,
 )
-from tandem.kvtransfer.handoff import HandoffFormat, parse_release, release_message
+from tandem.kvtransfer.handoff import HandoffFormat
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
 from tandem.kvtransfer.transceiver import KvTransceiver, coalesce_runs
@@ -19,8 +19,6 @@ __all__ = [
     "HandoffFormat",
     "PendingRead",
     "TransferPoller",
-    "parse_release",
-    "release_message",
     "KvTransceiver",
     "KvTransferError",
     "LayoutMismatchError",

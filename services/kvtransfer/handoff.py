@@ -3,8 +3,13 @@
 
 A handoff names where the KV is (endpoint, NIXL agent, block ids), what it looks like (the
 layout hash, and the layout itself so a mismatch can be named), which prompt it belongs to
-(a digest over the token ids and cache_salt) and, in a cluster with a token, an HMAC that a
-client cannot forge. The NIXL notification that ends a lease is defined here too.
+(a digest over the token ids and cache_salt) and its lease, under an HMAC keyed by the cluster's
+signing key that a client cannot forge: every handoff is signed and verified, so a client can
+make a decode worker connect nowhere but to the prefill that signed it.
+
+A verified handoff is not yet KV to trust: the lease may have ended (a replay, an expiry) and
+its blocks been reused. The decode confirms the lease after its READ (Worker/ConfirmLease)
+before it uses or caches what it read.
 """
 from __future__ import annotations
 
@@ -18,23 +23,6 @@ from tandem.engine.kv_layout import layout_hash
 from tandem.v1 import types_pb2, worker_pb2
 
 FORMAT_VERSION = 1
-RELEASE_PREFIX = b"release:"
-
-
-def release_message(lease_id: int, pulled: bool) -> bytes:
-    """The NIXL notification that tells a prefill worker it may free a lease's blocks: sent with
-    the READ (pulled), or alone when the decode computes the prompt itself."""
-    return RELEASE_PREFIX + str(lease_id).encode() + (b":pulled" if pulled else b":fallback")
-
-
-def parse_release(message: bytes) -> tuple[int, bool] | None:
-    """(lease id, pulled) of a release notification; None for any other message."""
-    if not message.startswith(RELEASE_PREFIX):
-        return None
-    lease_id, _, how = message[len(RELEASE_PREFIX):].partition(b":")
-    if not lease_id.isdigit() or how not in (b"pulled", b"fallback"):
-        return None
-    return int(lease_id), how == b"pulled"
 
 
 def prompt_digest(prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
@@ -44,10 +32,8 @@ def prompt_digest(prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
     return digest.digest()
 
 
-def sign(handoff: worker_pb2.KvHandoff, key: bytes | None) -> bytes:
-    """HMAC of the handoff without its signature; empty without a key (an open cluster trusts its clients)."""
-    if not key:
-        return b""
+def sign(handoff: worker_pb2.KvHandoff, key: bytes) -> bytes:
+    """HMAC of the handoff without its signature."""
     unsigned = worker_pb2.KvHandoff()
     unsigned.CopyFrom(handoff)
     unsigned.signature = b""
@@ -63,7 +49,9 @@ def describe_mismatch(ours: dict, theirs: dict) -> str:
 class HandoffFormat:
     """Builds and verifies the handoffs of one worker's KV layout."""
 
-    def __init__(self, layout: dict, signing_key: bytes | None):
+    def __init__(self, layout: dict, signing_key: bytes):
+        if len(signing_key or b"") < 16:
+            raise ValueError("KV handoffs need a signing key of 16 bytes or more (derived from the cluster token)")
         self.layout = layout
         self.layout_hash = layout_hash(layout)
         self.layout_json = json.dumps(layout, sort_keys=True)
@@ -85,8 +73,9 @@ class HandoffFormat:
         return state.SerializeToString()
 
     def parse(self, opaque_state: bytes, prompt_token_ids: list[int], cache_salt: str | None) -> worker_pb2.KvHandoff:
-        """The handoff of a generation_only request, refused (FAILED_PRECONDITION) when its KV layout
-        is not ours, when it belongs to another prompt, or when its signature does not verify."""
+        """The handoff of a generation_only request, refused (FAILED_PRECONDITION) when its signature
+        does not verify (checked before anything it names is looked at), when its KV layout is not
+        ours, or when it belongs to another prompt."""
         handoff = worker_pb2.KvHandoff()
         try:
             handoff.ParseFromString(opaque_state)
@@ -95,14 +84,14 @@ class HandoffFormat:
         if handoff.version != FORMAT_VERSION or not handoff.ctx_endpoint or not handoff.block_ids:
             raise ValueError("disaggregated_params.opaque_state is not a tandem KV handoff (version 1 with blocks and "
                              "an endpoint); pass the context_only response's disaggregated_params unchanged")
+        if not hmac.compare_digest(handoff.signature, sign(handoff, self.signing_key)):
+            raise PreconditionError("the KV handoff's signature does not verify: pass the context_only response's "
+                                    "disaggregated_params unchanged")
         if handoff.layout_hash != self.layout_hash:
             theirs = json.loads(handoff.layout_json) if handoff.layout_json else {}
             raise IncompatibleHandoffError(
                 f"KV handoff from {handoff.ctx_endpoint} is incompatible with this decode worker: "
                 f"{describe_mismatch(self.layout, theirs)}")
-        if self.signing_key and not hmac.compare_digest(handoff.signature, sign(handoff, self.signing_key)):
-            raise PreconditionError("the KV handoff's signature does not verify: pass the context_only response's "
-                                    "disaggregated_params unchanged")
         if (handoff.num_prompt_tokens != len(prompt_token_ids)
                 or handoff.prompt_digest != prompt_digest(prompt_token_ids, cache_salt)):
             raise PreconditionError("the KV handoff belongs to another prompt (or cache_salt): send generation_only "

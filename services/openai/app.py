@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.client import AsyncLLM
+from tandem.client.credentials import channel_credentials
 from tandem.openai import responses as r
 from tandem.openai.errors import OpenAIError, error_response, from_exception
 from tandem.openai.metrics import FrontMetrics
@@ -26,9 +27,12 @@ from tandem.openai.streams import MergedStream, Snapshot
 class Front:
     """What the routes share: the router client, the served model's name, the metrics."""
 
-    def __init__(self, target: str, served_model_name: Optional[str]):
+    def __init__(self, target: str, served_model_name: Optional[str], tls: Optional[dict] = None):
+        """tls: LLM's TLS keyword arguments for a TLS router (root_certificates, certificate_chain,
+        private_key, tls_server_name)."""
         self.target = target
-        self.llm = AsyncLLM(target)
+        self.tls = dict(tls or {})
+        self.llm = AsyncLLM(target, **self.tls)
         self.metrics = FrontMetrics()
         self.started = r.now()
         self._served_model_name = served_model_name
@@ -198,11 +202,11 @@ def _as_openai_errors():
         raise from_exception(exc) from exc
 
 
-def build_app(target: str, served_model_name: Optional[str] = None) -> FastAPI:
-    """The app for a router at `target` (host:port)."""
+def build_app(target: str, served_model_name: Optional[str] = None, tls: Optional[dict] = None) -> FastAPI:
+    """The app for a router at `target` (host:port); tls as Front takes it."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.front = Front(target, served_model_name)
+        app.state.front = Front(target, served_model_name, tls)
         try:
             yield
         finally:
@@ -248,7 +252,7 @@ def build_app(target: str, served_model_name: Optional[str] = None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request):
         """200 when the router reports SERVING (its workers are up), 503 otherwise."""
-        async with grpc.aio.insecure_channel(request.app.state.front.target) as channel:
+        async with _router_channel(request.app.state.front) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
             except grpc.RpcError as exc:
@@ -264,6 +268,17 @@ def build_app(target: str, served_model_name: Optional[str] = None) -> FastAPI:
     return app
 
 
-def serve_openai(target: str, host: str, port: int, served_model_name: Optional[str] = None) -> None:
+def _router_channel(front: Front) -> grpc.aio.Channel:
+    tls = front.tls
+    credentials = channel_credentials(None, tls.get("root_certificates"), tls.get("certificate_chain"),
+                                      tls.get("private_key"))
+    if credentials is None:
+        return grpc.aio.insecure_channel(front.target)
+    options = [("grpc.ssl_target_name_override", tls["tls_server_name"])] if tls.get("tls_server_name") else []
+    return grpc.aio.secure_channel(front.target, credentials, options=options)
+
+
+def serve_openai(target: str, host: str, port: int, served_model_name: Optional[str] = None,
+                 tls: Optional[dict] = None) -> None:
     import uvicorn
-    uvicorn.run(build_app(target, served_model_name), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(target, served_model_name, tls), host=host, port=port, log_level="info")

@@ -1,10 +1,14 @@
 """The one lease table of a prefill worker.
 
 A finished context phase leaves the engine with its KV blocks under a lease: the decode side
-pulls them, then tells us (a NIXL notification), and the blocks go back to the pool. Every
-way a lease can end goes through release() here: pulled, the decode fell back to computing
-the prompt itself, the router's ReleaseKv, the handoff never reached its caller, a stop
-string in the first token, pause_generation, or expiry when nobody came.
+pulls them, then confirms the lease (Worker/ConfirmLease, over the authenticated internal
+plane), and the blocks go back to the pool. Every way a lease can end goes through release()
+here: pulled, the decode fell back to computing the prompt itself, the router's ReleaseKv,
+the handoff never reached its caller, a stop string in the first token, pause_generation, or
+expiry when nobody came. A lease ends once, and its blocks are reused only after it ended:
+so a confirm that finds the lease live proves the decode's READ, done before it, read the
+lease's KV. NIXL notifications end nothing: any agent that got hold of our metadata could
+send them.
 
 Thread-safe: leases open on the engine thread, notifications and expiry arrive on the KV
 poller thread, RPCs on the event loop.
@@ -20,7 +24,6 @@ from collections import Counter
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import FreeBlocks, Lease
-from tandem.kvtransfer.handoff import parse_release
 
 log = logging.getLogger("tandem.prefill.leases")
 
@@ -31,8 +34,8 @@ EXPIRY_GRACE_S = 1.0
 
 
 class LeaseEnd(enum.Enum):
-    PULLED = "pulled"            # the decode's READ landed (its notification)
-    FALLBACK = "fallback"        # the decode computed the prompt itself (its notification)
+    PULLED = "pulled"            # the decode's READ landed and it confirmed the lease (ConfirmLease)
+    FALLBACK = "fallback"        # the decode computes the prompt itself (ConfirmLease, not pulled)
     RELEASED = "released"        # ReleaseKv (the router, once the request is over)
     UNDELIVERED = "undelivered"  # the handoff never reached whoever asked for it
     STOPPED = "stopped"          # a stop string ended the request on its first token
@@ -49,6 +52,7 @@ class LeaseKeeper:
         # How leases ended, by LeaseEnd value (for stats, metrics and the tests).
         self.endings: Counter[str] = Counter()
         self.num_opened = 0
+        self.num_ignored_notifications = 0
 
     def attach(self, core: EngineCore) -> None:
         """The engine thread that frees the blocks of ended leases."""
@@ -100,11 +104,11 @@ class LeaseKeeper:
             self.release(lease_id, LeaseEnd.EXPIRED)
         return bool(self._leases)
 
+    def confirm(self, lease_id: int, pulled: bool) -> bool:
+        """A decode worker's ConfirmLease: whether the lease was live, ending it in the same step."""
+        return self.release(lease_id, LeaseEnd.PULLED if pulled else LeaseEnd.FALLBACK)
+
     def on_notification(self, peer: str, message: bytes) -> None:
-        """A decode worker's NIXL notification: it pulled a lease's blocks, or will not."""
-        parsed = parse_release(message)
-        if parsed is None:
-            log.warning("unexpected notification from %s: %r", peer, message[:64])
-            return
-        lease_id, pulled = parsed
-        self.release(lease_id, LeaseEnd.PULLED if pulled else LeaseEnd.FALLBACK)
+        """NIXL notifications are counted and dropped: nobody is authenticated on that channel."""
+        self.num_ignored_notifications += 1
+        log.debug("ignored NIXL notification from %s: %r", peer, message[:64])

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tandem.common.auth import AccessPolicy
+from tandem.common.channels import ClusterCredentials
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
 from tandem.router.metrics import RouterMetrics
@@ -35,8 +37,11 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 async def serve_router(config: RouterConfig) -> None:
     metrics = RouterMetrics()
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
-                        drain_seconds=config.drain_seconds, admin_token=config.admin_token, metrics=metrics)
-    pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token)
+                        drain_seconds=config.drain_seconds, metrics=metrics,
+                        policy=AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token),
+                        tls=config.tls, health_port=config.health_port)
+    credentials = ClusterCredentials(config.tls, config.cluster_token, config.admin_token)
+    pool = WorkerPool(config.workers, config.health_interval_s, credentials)
     servicer = RouterServicer(pool, server.address, server.request_stop, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     metrics_url = metrics.serve_http(config.host, config.metrics_port)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
+from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
+from tandem.common.tls import TlsConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +22,12 @@ class RouterConfig:
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
     # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
     metrics_port: int = 0
+    # Sent on every call to a worker (workers given one refuse calls without it).
+    cluster_token: str | None = None
+    # Its server's certificate (the public face) and its identity towards the workers.
+    tls: TlsConfig | None = None
+    # Plaintext grpc.health.v1 alone on this port (probes that speak no TLS).
+    health_port: int | None = None
 
     def __post_init__(self):
         if self.drain_seconds < 0:
@@ -36,3 +44,5 @@ class RouterConfig:
             raise ValueError("health_interval_s must be > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
+        check_token(self.admin_token, "--admin-token")
+        check_token(self.cluster_token, "--cluster-token", MIN_CLUSTER_TOKEN_CHARS)

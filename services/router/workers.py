@@ -11,9 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.auth import bearer_metadata
+from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
-from tandem.common.server import CHANNEL_OPTIONS
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.workers")
@@ -50,6 +50,8 @@ class WorkerHandle:
     def holds(self, adapter_id: int, now: float) -> bool:
         return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
                 or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S)
+    # Its last poll was refused for want of a credential (logged once).
+    refused: bool = False
 
     @property
     def can_prefill(self) -> bool:
@@ -61,15 +63,18 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], health_interval_s: float, admin_token: str | None = None):
+    def __init__(self, addresses: tuple[str, ...], health_interval_s: float,
+                 credentials: ClusterCredentials = ClusterCredentials()):
+        """credentials: the router's TLS identity and tokens; its channels present them on every call."""
         self.health_interval_s = health_interval_s
-        # Sent on every admin call to a worker.
-        self.admin_metadata = bearer_metadata(admin_token)
+        # Sent on every admin call to a worker (the channels add it too; explicit where a call is admin).
+        self.admin_metadata = bearer_metadata(credentials.admin_token)
         self.workers: list[WorkerHandle] = []
         for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self.workers.append(WorkerHandle(address, channel, llm_pb2_grpc.AsyncLLMStub(channel),
-                                             worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)))
+            channel = credentials.open(address)
+            self.workers.append(WorkerHandle(address, channel, credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                                             credentials.stub(worker_pb2_grpc.WorkerStub, channel),
+                                             health_pb2_grpc.HealthStub(channel)))
         self._rr = itertools.count()
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -149,8 +154,13 @@ class WorkerPool:
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             ready = False
+            refused = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            if refused and not w.refused:
+                log.error("worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
+                          w.address, exc.code().name, exc.details())
+            w.refused = refused
         if ready:
             try:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)

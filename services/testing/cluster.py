@@ -1,7 +1,13 @@
-"""A local tandem cluster as child processes: what `tandem up` and the tests start."""
+"""A local tandem cluster as child processes: what `tandem up` and the tests start.
+
+Every cluster has a cluster token (given, from TANDEM_CLUSTER_TOKEN, or a fresh random one),
+which its children get through their environment; with a TlsConfig every process serves TLS
+(mTLS when it has a CA) and presents the certificate to the others.
+"""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -13,6 +19,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.common.channels import ClusterCredentials
+from tandem.common.tls import TlsConfig
+
+# Address -> the running cluster that serves it (channel_to).
+_RUNNING: dict[str, "LocalCluster"] = {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,7 +65,54 @@ class LocalCluster:
     # (0: a free one), each worker's a free one. False: none.
     metrics: bool = True
     router_metrics_port: int = 0
+    # The cluster's shared secret; None: TANDEM_CLUSTER_TOKEN (from env or os.environ) or a fresh
+    # random one; "": none at all (an open cluster: aggregated workers only).
+    cluster_token: str | None = None
+    # TLS for every process; the router's public face demands client certificates when the
+    # config has a CA and require_client_cert (the router alone honours require_client_cert=False).
+    tls: TlsConfig | None = None
     services: list[Service] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.cluster_token is None:
+            self.cluster_token = ((self.env or {}).get("TANDEM_CLUSTER_TOKEN") or os.environ.get("TANDEM_CLUSTER_TOKEN")
+                                  or secrets.token_urlsafe(32))
+
+    @property
+    def credentials(self) -> ClusterCredentials:
+        """What a tandem process of this cluster presents (the tests' privileged channels use it)."""
+        admin = (self.env or {}).get("TANDEM_ADMIN_TOKEN") or os.environ.get("TANDEM_ADMIN_TOKEN")
+        return ClusterCredentials(self.tls, self.cluster_token or None, admin)
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to one of the services, presenting the cluster's credentials."""
+        return self.credentials.open_sync(address)
+
+    def client_tls_kwargs(self) -> dict:
+        """LLM(...) keyword arguments that reach this cluster's router over its TLS."""
+        tls = self.tls
+        if tls is None:
+            return {}
+        kwargs = {"root_certificates": tls.ca_file, "tls_server_name": tls.server_name}
+        if tls.is_mutual:
+            kwargs.update(certificate_chain=tls.cert_file, private_key=tls.key_file)
+        return kwargs
+
+    def client_tls_flags(self) -> dict:
+        """The `tandem generate` flags of client_tls_kwargs."""
+        names = {"root_certificates": "tls-ca", "certificate_chain": "tls-cert", "private_key": "tls-key",
+                 "tls_server_name": "tls-server-name"}
+        return {names[k]: v for k, v in self.client_tls_kwargs().items() if v}
+
+    def worker_client_kwargs(self) -> dict:
+        """LLM(...) keyword arguments for calling a worker directly, as an operator holding the
+        cluster's credentials (workers serve only the internal plane)."""
+        tls = self.tls
+        kwargs = {"cluster_token": self.cluster_token or None}
+        if tls is not None:
+            kwargs.update(root_certificates=tls.ca_file, certificate_chain=tls.cert_file, private_key=tls.key_file,
+                          tls_server_name=tls.server_name)
+        return kwargs
 
     @property
     def router(self) -> Service:
@@ -70,6 +129,7 @@ class LocalCluster:
     def start(self, timeout: float = 120.0) -> "LocalCluster":
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        tls_argv = self.tls.argv() if self.tls else []
         counts: dict[str, int] = {}
         for role in self.roles:
             counts[role] = counts.get(role, 0) + 1
@@ -77,22 +137,29 @@ class LocalCluster:
             name = f"{role}-{counts[role]}"
             metrics_port = free_port(self.host) if self.metrics else 0
             argv = [sys.executable, "-m", "tandem.cli.main", "serve", role, "--host", self.host, "--port", str(port),
-                    "--metrics-port", str(metrics_port), *self.engine_args, *self.worker_args.get(name, [])]
+                    "--metrics-port", str(metrics_port), *tls_argv, *self.engine_args, *self.worker_args.get(name, [])]
             self.services.append(Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log",
                                          self._metrics_address(metrics_port)))
         port = self.router_port or free_port(self.host)
         metrics_port = (self.router_metrics_port or free_port(self.host)) if self.metrics else 0
         workers = ",".join(s.address for s in self.services)
+        if self.tls is not None and not self.tls.require_client_cert:
+            tls_argv = tls_argv + ["--tls-client-auth", "none"]
         self.services.append(Service("router", "router", f"{self.host}:{port}",
                                      [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
                                       "--port", str(port), "--workers", workers, "--health-interval", "0.2",
-                                      "--metrics-port", str(metrics_port)],
+                                      "--metrics-port", str(metrics_port), *tls_argv],
                                      self.log_dir / "router.log", self._metrics_address(metrics_port)))
         env = dict(os.environ, **(self.env or {}))
+        env.pop("TANDEM_CLUSTER_TOKEN", None)
+        if self.cluster_token:
+            env["TANDEM_CLUSTER_TOKEN"] = self.cluster_token
         for s in self.services:
             with open(s.log_path, "w") as log:
                 s.process = subprocess.Popen(s.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
+        for s in self.services:
+            _RUNNING[s.address] = self
         try:
             self.wait_serving([s.address for s in self.services], timeout)
             self.wait_router_setup(timeout)
@@ -107,7 +174,7 @@ class LocalCluster:
     def wait_serving(self, addresses: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for address in addresses:
-            with grpc.insecure_channel(address) as channel:
+            with self.channel(address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while True:
                     self.check_alive()
@@ -123,7 +190,7 @@ class LocalCluster:
     def wait_router_setup(self, timeout: float) -> None:
         """Setup returns once the router itself has seen every worker ready (its health polls lag)."""
         from tandem.v1 import llm_pb2, llm_pb2_grpc
-        with grpc.insecure_channel(self.router.address) as channel:
+        with self.channel(self.router.address) as channel:
             llm_pb2_grpc.AsyncLLMStub(channel).Setup(llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
 
     def check_alive(self) -> None:
@@ -136,6 +203,9 @@ class LocalCluster:
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every service (graceful), then SIGKILL what is left."""
+        for s in self.services:
+            if _RUNNING.get(s.address) is self:
+                del _RUNNING[s.address]
         for s in reversed(self.services):
             if s.process is not None and s.process.poll() is None:
                 s.process.send_signal(signal.SIGTERM)
@@ -154,3 +224,10 @@ class LocalCluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def channel_to(address: str) -> grpc.Channel:
+    """A blocking channel to a service of a running LocalCluster, with that cluster's credentials
+    (the tests read worker state this way); plaintext and tokenless for any other address."""
+    cluster = _RUNNING.get(address)
+    return cluster.channel(address) if cluster is not None else grpc.insecure_channel(address)

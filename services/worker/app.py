@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tandem.common.auth import AccessPolicy
 from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
@@ -23,8 +24,9 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 async def serve_worker(config: WorkerConfig) -> None:
     ready = asyncio.Event()
     metrics = WorkerMetrics(config.role, config.engine.model_dir)
-    server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds,
-                        admin_token=config.admin_token,
+    policy = AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token, internal=True)
+    server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds, policy=policy,
+                        tls=config.tls, health_port=config.health_port,
                         readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
                         metrics=metrics)
     runtime = WorkerRuntime(config, server, ready, metrics)

@@ -7,6 +7,8 @@ import os
 import time
 import uuid
 
+from tandem.common.auth import derive_key
+from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
@@ -14,6 +16,7 @@ from tandem.decode.generation import GenerationPhase
 from tandem.decode.peers import PeerCache
 from tandem.engine.bert import is_encoder_only
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora_adapter import AdapterNotFoundError, AdapterStore, LoRAAdapter
 from tandem.engine.messages import CheckIdle, ReadCounters
@@ -56,6 +59,7 @@ class WorkerRuntime:
         self._peers: PeerCache | None = None
         self._transceiver_generation = 0
         self._num_bytes_received = 0
+        self._num_unconfirmed_handoffs = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
         # LoRA adapters read from disk (None with --max-loras 0).
@@ -87,7 +91,8 @@ class WorkerRuntime:
         self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step)
         if self.leases is not None:
             self.leases.attach(self.core)
-        self.handoff_format = HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+        self.handoff_format = (HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+                               if self.signing_key else None)
         if self.role.has_transceiver:
             await asyncio.to_thread(self.start_transceiver)
         self.core.start()
@@ -111,12 +116,13 @@ class WorkerRuntime:
 
     @property
     def signing_key(self) -> bytes | None:
-        """Handoffs are signed with the admin token: a cluster with one authenticates them too."""
-        return self.config.admin_token.encode() if self.config.admin_token else None
+        """Handoffs are signed with a key derived from the cluster token (which a prefill or decode
+        worker cannot run without): an aggregated worker without one hands nothing off."""
+        return derive_key(self.config.cluster_token, "KV handoff signing") if self.config.cluster_token else None
 
     @property
     def kv_layout_hash(self) -> str:
-        return self.handoff_format.layout_hash if self.handoff_format else ""
+        return layout_hash(self.engine.runner.kv_layout) if self.engine is not None else ""
 
     def start_transceiver(self) -> None:
         """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
@@ -134,13 +140,15 @@ class WorkerRuntime:
         if self.role is Role.PREFILL:
             self.phases.context = ContextPhase(keeper, self.handoff_format, self.worker_id, agent_name)
         else:
-            self._peers = PeerCache(self.poller)
+            cfg = self.config
+            self._peers = PeerCache(self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token))
             self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format,
                                                      on_pulled=self.metrics.observe_kv_pull)
 
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
             self._num_bytes_received += self.phases.generation.num_bytes_received
+            self._num_unconfirmed_handoffs += self.phases.generation.num_unconfirmed_handoffs
         self.phases.context = self.phases.generation = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
@@ -238,7 +246,7 @@ class WorkerRuntime:
         if self.encoder is not None:  # no KV cache; the router only needs the role
             return worker_pb2.WorkerState(role=self.role, paused=self.paused)
         snap = await self.core.call(ReadCounters())
-        keeper = self.leases
+        keeper, generation = self.leases, self.phases.generation
         return worker_pb2.WorkerState(
             role=self.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=snap.num_total_blocks,
             num_free_blocks=snap.num_free_blocks,
@@ -253,7 +261,10 @@ class WorkerRuntime:
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
             num_leases_opened=keeper.num_opened if keeper else 0,
             lora_adapters=[types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
-                           for name, int_id, path in snap.lora_adapters])
+                           for name, int_id, path in snap.lora_adapters],
+            num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0,
+            num_unconfirmed_handoffs=self._num_unconfirmed_handoffs + (generation.num_unconfirmed_handoffs
+                                                                       if generation else 0))
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""

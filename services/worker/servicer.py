@@ -191,6 +191,11 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         released = keeper is not None and keeper.release(request.ctx_request_id, LeaseEnd.RELEASED)
         return worker_pb2.ReleaseKvResponse(released=released)
 
+    async def ConfirmLease(self, request, context):
+        keeper = self.rt.leases
+        confirmed = keeper is not None and keeper.confirm(request.ctx_request_id, request.pulled)
+        return worker_pb2.ConfirmLeaseResponse(confirmed=confirmed)
+
     async def StopSequences(self, request, context):
         worker_request = self.llm.requests.get(request.request_id)
         if worker_request is None:

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from google.protobuf import json_format, struct_pb2
 
+from tandem.client.credentials import Pem, channel_credentials
 from tandem.client.params import (ConversationParams, DisaggregatedParams, KvCacheRetentionConfig, LoRARequest,
                                   PreprocessedInputs, PromptAdapterRequest, SamplingParams, SchedulingParams,
                                   prompt_to_proto)
@@ -30,15 +31,25 @@ def _to_dicts(msg: llm_pb2.JsonList) -> list[dict]:
 
 
 class LLM:
-    """A tandem cluster (its router) seen as tensorrt_llm's LLM. `target` is host:port."""
+    """A tandem cluster (its router) seen as tensorrt_llm's LLM. `target` is host:port.
+
+    auth_token: the admin token, for admin calls. TLS: `credentials` (grpc.ChannelCredentials), or
+    root_certificates (the cluster's CA) and, where the router demands a client certificate,
+    certificate_chain and private_key: PEM bytes or file paths. tls_server_name: the name to check
+    in the server's certificate instead of the host in target. cluster_token: only for operators
+    calling a worker directly (clients call the router)."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: Optional[str] = None, credentials=None,
-                 default_timeout: Optional[float] = None, **kwargs: Any):
+                 root_certificates: Optional[Pem] = None, certificate_chain: Optional[Pem] = None,
+                 private_key: Optional[Pem] = None, tls_server_name: Optional[str] = None,
+                 cluster_token: Optional[str] = None, default_timeout: Optional[float] = None, **kwargs: Any):
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}: model and engine options are server-side "
                             "(tandem serve ... flags or the Helm chart values)")
         self.target = target
-        self._transport = Transport(target, auth_token=auth_token, credentials=credentials)
+        self._transport = Transport(
+            target, auth_token=auth_token, cluster_token=cluster_token, server_name=tls_server_name,
+            credentials=channel_credentials(credentials, root_certificates, certificate_chain, private_key))
         self._timeout = default_timeout
         self._info: Optional[llm_pb2.ServerInfo] = None
         self._tokenizer: Optional[RemoteTokenizer] = None

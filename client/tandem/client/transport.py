@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
+from tandem.client.credentials import call_metadata
 from tandem.client.errors import from_rpc_error
 from tandem.v1 import llm_pb2_grpc
 
@@ -17,9 +18,11 @@ _MAX_MESSAGE_BYTES = 256 << 20
 
 
 class Transport:
-    def __init__(self, target: str, auth_token: Optional[str] = None, credentials: Optional[grpc.ChannelCredentials] = None):
+    def __init__(self, target: str, auth_token: Optional[str] = None, credentials: Optional[grpc.ChannelCredentials] = None,
+                 cluster_token: Optional[str] = None, server_name: Optional[str] = None):
         self.target = target
-        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.metadata = call_metadata(auth_token, cluster_token)
+        self._server_name = server_name
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
         self._thread.start()
@@ -30,6 +33,8 @@ class Transport:
     async def _open(self) -> llm_pb2_grpc.AsyncLLMStub:
         options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+        if self._server_name:
+            options.append(("grpc.ssl_target_name_override", self._server_name))
         if self._credentials is not None:
             self.channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
         else:

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Worker-internal RPCs (not for end users).
+    """Worker-internal RPCs (not for end users). A worker given a cluster token refuses every
+    call (these and its AsyncLLM surface) without it: metadata `tandem-cluster-token`.
     """
 
     def __init__(self, channel):
@@ -50,10 +51,16 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.FromString,
                 _registered_method=True)
+        self.ConfirmLease = channel.unary_unary(
+                '/tandem.v1.Worker/ConfirmLease',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
-    """Worker-internal RPCs (not for end users).
+    """Worker-internal RPCs (not for end users). A worker given a cluster token refuses every
+    call (these and its AsyncLLM surface) without it: metadata `tandem-cluster-token`.
     """
 
     def GetWorkerState(self, request, context):
@@ -80,6 +87,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfirmLease(self, request, context):
+        """A decode worker ends the KV lease of a handoff it presented: after its READ of the blocks
+        completed (pulled), or instead of reading them (it computes the prompt itself). Atomic: the
+        lease is checked live and ended in one step, so `confirmed` after a READ means the lease was
+        live for the whole READ and the KV read is the handoff's; the decode uses and caches it only
+        then. A lease ends once: a second call, a replayed or stale handoff, answers confirmed=false.
+        NIXL notifications end no lease (anyone holding agent metadata could send one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +117,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.SerializeToString,
             ),
+            'ConfirmLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmLease,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'tandem.v1.Worker', rpc_method_handlers)
@@ -107,7 +131,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Worker-internal RPCs (not for end users).
+    """Worker-internal RPCs (not for end users). A worker given a cluster token refuses every
+    call (these and its AsyncLLM surface) without it: metadata `tandem-cluster-token`.
     """
 
     @staticmethod
@@ -181,6 +206,33 @@ class Worker:
             '/tandem.v1.Worker/StopSequences',
             tandem_dot_v1_dot_worker__pb2.StopSequencesRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.StopSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/ConfirmLease',
+            tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

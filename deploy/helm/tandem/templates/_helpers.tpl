@@ -35,6 +35,11 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{ include "tandem.selectorLabels" . }}
 {{- end }}
 
+{{/* The Secret holding the cluster token: the configured one, or the one the chart creates. */}}
+{{- define "tandem.clusterTokenSecret" -}}
+{{- default (printf "%s-cluster-token" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-") .Values.clusterToken.secretName }}
+{{- end }}
+
 {{- define "tandem.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag) }}
 {{- end }}

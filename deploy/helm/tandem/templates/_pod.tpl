@@ -1,32 +1,66 @@
 {{/* Pod parts shared by the router and the workers. */}}
 
-{{/* grpc.health.v1 probes on the named port; every process reports NOT_SERVING until ready. (dict "root" $ "port" N) */}}
+{{/* grpc.health.v1 probes; every process reports NOT_SERVING until ready. With TLS they call the
+plaintext health-only port (the kubelet's gRPC probes speak no TLS). (dict "root" $ "port" N) */}}
 {{- define "tandem.probes" -}}
 {{- $p := .root.Values.probes -}}
+{{- $port := ternary $p.healthPort .port .root.Values.tls.enabled -}}
 startupProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ int $port }}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ $p.startupFailureThreshold }}
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ int $port }}
   periodSeconds: {{ $p.periodSeconds }}
 livenessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ int $port }}
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ $p.livenessFailureThreshold }}
 {{- end }}
 
-{{/* TANDEM_ADMIN_TOKEN from the configured Secret, if any. (root context) */}}
-{{- define "tandem.adminTokenEnv" -}}
+{{/* The container ports: grpc, and the health-only port under TLS. (dict "root" $ "port" N) */}}
+{{- define "tandem.ports" -}}
+- name: grpc
+  containerPort: {{ int .port }}
+{{- if .root.Values.tls.enabled }}
+- name: health
+  containerPort: {{ int .root.Values.probes.healthPort }}
+{{- end }}
+{{- end }}
+
+{{/* TANDEM_ADMIN_TOKEN from the configured Secret, if any, and TANDEM_CLUSTER_TOKEN. (root context) */}}
+{{- define "tandem.tokenEnv" -}}
 {{- with .Values.adminToken.secretName }}
 - name: TANDEM_ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ . }}
       key: {{ $.Values.adminToken.secretKey }}
+{{- end }}
+- name: TANDEM_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.clusterTokenSecret" . }}
+      key: {{ .Values.clusterToken.secretKey }}
+{{- end }}
+
+{{/* TLS flags, the health-only port and the router's client-certificate policy. (dict "root" $ "router" bool) */}}
+{{- define "tandem.tlsArgs" -}}
+{{- $tls := .root.Values.tls }}
+{{- if $tls.enabled }}
+- --tls-cert=/etc/tandem/tls/tls.crt
+- --tls-key=/etc/tandem/tls/tls.key
+- --tls-ca=/etc/tandem/tls/ca.crt
+{{- with $tls.serverName }}
+- --tls-server-name={{ . }}
+{{- end }}
+{{- if .router }}
+- --tls-client-auth={{ $tls.routerClientAuth }}
+{{- end }}
+- --health-port={{ int .root.Values.probes.healthPort }}
 {{- end }}
 {{- end }}
 
@@ -38,6 +72,12 @@ livenessProbe:
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.shmSizeLimit }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- end }}
 
 {{- define "tandem.scratchMounts" -}}
@@ -45,6 +85,11 @@ livenessProbe:
   mountPath: /tmp
 - name: shm
   mountPath: /dev/shm
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/tandem/tls
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/* Scheduling, security and image settings of a pod spec; the termination grace covers the

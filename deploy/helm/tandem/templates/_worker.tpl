@@ -76,19 +76,19 @@ spec:
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
             - --drain-seconds={{ int $root.Values.drain.seconds }}
             {{- include "tandem.metricsFlag" (dict "root" $root "port" $spec.metricsPort) | nindent 12 }}
+            {{- with include "tandem.tlsArgs" (dict "root" $root "router" false) }}{{ . | trim | nindent 12 }}{{- end }}
             {{- range $spec.extraArgs }}
             - {{ . | quote }}
             {{- end }}
           env:
             - name: HOME
               value: /tmp
-            {{- with include "tandem.adminTokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
+            {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           ports:
-            - name: grpc
-              containerPort: {{ int $spec.port }}
+            {{- include "tandem.ports" (dict "root" $root "port" $spec.port) | nindent 12 }}
             {{- with include "tandem.metricsContainerPort" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 12 }}{{- end }}
           {{- include "tandem.probes" (dict "root" $root "port" $spec.port) | nindent 10 }}
           {{- with $resources }}
