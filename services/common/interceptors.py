@@ -5,7 +5,7 @@ import logging
 
 import grpc
 
-from tandem.common.errors import status_for
+from tandem.common.errors import RETRY_PUSHBACK_METADATA, retry_pushback_ms, status_for
 
 log = logging.getLogger("tandem.rpc")
 
@@ -14,7 +14,35 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
+    pushback_ms = retry_pushback_ms(exc)
+    if pushback_ms is not None:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_METADATA, str(pushback_ms)),))
     await context.abort(code, message)
+
+
+class MalformedRequest:
+    """What a request deserializer gives for bytes that are not the message: the handler
+    answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - a client's bad bytes, answered by the handler
+            return MalformedRequest(exc)
+    return parse
+
+
+async def _refuse_malformed(context: grpc.aio.ServicerContext, method: str, request: MalformedRequest) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{method}: the request is not a valid protobuf message ({request.error})")
 
 
 class ReadinessInterceptor(grpc.aio.ServerInterceptor):
@@ -45,7 +73,8 @@ class ReadinessInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a servicer into the status status_for() names."""
+    """Turns exceptions escaping a servicer into the status status_for() names, and requests
+    that do not parse into INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -56,6 +85,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
+                if isinstance(request, MalformedRequest):
+                    await _refuse_malformed(context, method, request)
                 try:
                     return await inner(request, context)
                 except grpc.aio.AbortError:
@@ -64,12 +95,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, method, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
+                unary_unary, request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def unary_stream(request, context):
+                if isinstance(request, MalformedRequest):
+                    await _refuse_malformed(context, method, request)
                 try:
                     async for item in inner_stream(request, context):
                         yield item
@@ -79,6 +112,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     await _abort(context, method, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
+                unary_stream, request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return handler

@@ -30,12 +30,15 @@ CHANNEL_OPTIONS = [
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], grace_seconds: float = 5.0,
-                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None):
+                 admin_token: str | None = None, readiness: ReadinessInterceptor | None = None,
+                 max_request_bytes: int = MAX_MESSAGE_BYTES):
         self.service_names = list(service_names)
         self.grace_seconds = grace_seconds
         interceptors = ([AdminAuthInterceptor(admin_token)] if admin_token else []) + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
-        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+        # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
+        options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes})
+        self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -22,7 +22,7 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 async def serve_worker(config: WorkerConfig) -> None:
     ready = asyncio.Event()
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, admin_token=config.admin_token,
-                        readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
+                        max_request_bytes=config.limits.max_request_bytes, readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})))
     runtime = WorkerRuntime(config, server, ready)
     # An encoder-only checkpoint gets a servicer whose generative RPCs refuse (the runtime loads it likewise).
     servicer_type = EncodeOnlyLLMServicer if is_encoder_only(config.engine.model_dir) else WorkerLLMServicer

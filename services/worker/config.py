@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.limits import RequestLimits
 from tandem.common.roles import Role
 from tandem.engine.config import EngineConfig
 
@@ -17,6 +18,7 @@ class WorkerConfig:
     nixl_progress_thread: bool = False
     # Admin RPCs need this bearer token when set.
     admin_token: str | None = None
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
