@@ -1,7 +1,9 @@
 """The generation phase (generation_only with a handoff): check the handoff, reserve blocks,
 pull the prompt's KV from the prefill worker with a NIXL READ, then decode. When the pool has
 no room (or the lease no time) for the pull, the prompt is computed here instead and the
-prefill is told to free its copy.
+prefill is told to free its copy; when the pull fails (the prefill died or hangs, or released
+its pool), the prompt is computed here too: the request has its prompt and first token, so
+nothing is lost with the prefill.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it.
@@ -12,10 +14,11 @@ import asyncio
 import logging
 import time
 
-from tandem.common.errors import unavailable
+import grpc
+
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
-from tandem.kvtransfer.errors import TransferError, TransferTimeoutError
+from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat, release_message
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.decode.peers import PeerCache
@@ -34,6 +37,8 @@ class GenerationPhase:
         self.peers = peers
         self.handoff_format = handoff_format
         self.num_bytes_received = 0
+        # Pulls that failed and were computed here instead.
+        self.num_recomputed = 0
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None) -> worker_pb2.KvHandoff:
@@ -82,13 +87,16 @@ class GenerationPhase:
                 await self.poller.settle(pending)
             core.abort(rid)
             raise
-        except TransferTimeoutError:
+        except (TransferError, grpc.aio.AioRpcError) as exc:
+            # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
+            # state could not be fetched. Either way its KV is out of reach: compute it here.
+            if pending is not None:
+                await self.poller.settle(pending)
             core.abort(rid)
-            request.fail(TimeoutError(f"KV pull from {handoff.ctx_endpoint} took over {PULL_TIMEOUT_S} s"))
-        except TransferError as exc:
-            core.abort(rid)
-            request.fail(unavailable(f"pulling the KV from {handoff.ctx_endpoint} failed (the prefill worker is "
-                                     f"gone or released its KV cache): {exc}"))
+            log.warning("KV pull for %s from %s failed (%s); computing the prompt here", rid, handoff.ctx_endpoint,
+                        exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            self.num_recomputed += 1
+            request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)
             request.fail(exc)
