@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from tandem.cli.flags import add_engine_flags, engine_config
+from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, request_limits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,13 +26,15 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
         add_engine_flags(p)
+        add_limit_flags(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", required=True, help="comma-separated worker addresses host:port")
-    router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
+    add_router_flags(router)
+    add_limit_flags(router)
     front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
     front.add_argument("--host", default="127.0.0.1")
@@ -47,7 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
     up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
+    up.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+                    help="bearer token admin RPCs must carry, on the router and every worker "
+                         "(default: $TANDEM_ADMIN_TOKEN; none: open)")
+    up.add_argument("--max-restarts", type=int, default=5,
+                    help="restarts of one process within 10 minutes before it is left down (default: 5)")
     add_engine_flags(up)
+    add_limit_flags(up)
+    add_router_flags(up)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
     gen.add_argument("prompt")
@@ -67,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks of a worker")
+    parser.add_argument("--health-timeout", type=float, default=1.0,
+                        help="seconds a worker has to answer a health check before it counts as down")
+    parser.add_argument("--stream-progress-timeout", type=float, default=10.0,
+                        help="seconds a stream may go without a message before its worker is probed; a worker that "
+                             "does not answer the probe in --health-timeout is hung and its streams move on")
+
+
 def _engine_config(args):
     from tandem.engine.checkpoints import resolve_model
     return engine_config(args, resolve_model)
@@ -81,7 +99,8 @@ def _serve(args) -> int:
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
-                              admin_token=args.admin_token,
+                              health_timeout_s=args.health_timeout, stream_progress_timeout_s=args.stream_progress_timeout,
+                              admin_token=args.admin_token, limits=request_limits(args),
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
@@ -89,7 +108,8 @@ def _serve(args) -> int:
     from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
-                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token)
+                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
+                          limits=request_limits(args))
     asyncio.run(serve_worker(config))
     return 0
 

@@ -33,9 +33,10 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 
 async def serve_router(config: RouterConfig) -> None:
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
-                        admin_token=config.admin_token)
-    pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token)
-    servicer = RouterServicer(pool, server.address, server.request_stop)
+                        admin_token=config.admin_token, max_request_bytes=config.limits.max_request_bytes)
+    pool = WorkerPool(config.workers, config.health_interval_s, admin_token=config.admin_token,
+                      health_timeout_s=config.health_timeout_s)
+    servicer = RouterServicer(pool, server.address, server.request_stop, config)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     await server.start()
     server.install_signal_handlers()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.limits import RequestLimits
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
@@ -12,8 +13,13 @@ class RouterConfig:
     workers: tuple[str, ...] = ()
     # Seconds between health polls of the workers.
     health_interval_s: float = 1.0
+    # Seconds a worker has to answer a health check (or a stalled stream's probe) before it is down.
+    health_timeout_s: float = 1.0
+    # Seconds a stream may go without a message before its worker is probed.
+    stream_progress_timeout_s: float = 10.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self):
         if not self.workers:
@@ -24,5 +30,6 @@ class RouterConfig:
                 raise ValueError(f"worker address {address!r} is not host:port")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError(f"worker addresses repeat: {list(self.workers)}")
-        if self.health_interval_s <= 0:
-            raise ValueError("health_interval_s must be > 0")
+        for name in ("health_interval_s", "health_timeout_s", "stream_progress_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

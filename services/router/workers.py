@@ -38,9 +38,16 @@ class WorkerHandle:
         return self.role.can_decode
 
 
+# Roles that can run a whole request (context_and_generation, or generation_only without a
+# handoff: a recompute) by themselves, in the order the router prefers them for it.
+LOCAL_ROLES = (Role.BOTH, Role.DECODE, Role.PREFILL)
+
+
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], health_interval_s: float, admin_token: str | None = None):
+    def __init__(self, addresses: tuple[str, ...], health_interval_s: float, admin_token: str | None = None,
+                 health_timeout_s: float = 1.0):
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         # Sent on every admin call to a worker.
         self.admin_metadata = bearer_metadata(admin_token)
         self.workers: list[WorkerHandle] = []
@@ -50,14 +57,15 @@ class WorkerPool:
                                              worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)))
         self._rr = itertools.count()
         self.changed = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._poll_forever())
+        # One poll loop per worker: a hung worker's slow answers delay nobody else's.
+        self._tasks = [asyncio.create_task(self._poll_forever(w)) for w in self.workers]
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for w in self.workers:
             await w.channel.close()
 
@@ -105,16 +113,16 @@ class WorkerPool:
                           + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
                                       for w in self.workers) + ")")
 
-    async def _poll_forever(self) -> None:
+    async def _poll_forever(self, w: WorkerHandle) -> None:
         while True:
-            await asyncio.gather(*(self._poll(w) for w in self.workers))
+            await self._poll(w)
             self.changed.set()
             self.changed = asyncio.Event()
             await asyncio.sleep(self.health_interval_s)
 
     async def _poll(self, w: WorkerHandle) -> None:
         try:
-            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
             if ready and w.role is Role.UNKNOWN:
                 state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
@@ -124,6 +132,18 @@ class WorkerPool:
         if ready != w.ready:
             log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready
+
+    async def is_responsive(self, w: WorkerHandle, engine_timeout_s: float) -> bool:
+        """Whether the worker's event loop answers within the health timeout (a SIGSTOPped worker
+        does not) and its engine thread within engine_timeout_s (GetWorkerState reads the
+        engine's counters between two steps: a wedged engine does not answer, a busy one does)."""
+        try:
+            await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
+            await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=engine_timeout_s)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            # A worker that answers at all (paused, refusing) is not hung.
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
     async def wait_ready(self, timeout: float) -> bool:
         """Waits until every worker is ready; False on timeout."""
