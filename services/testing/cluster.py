@@ -47,6 +47,8 @@ class LocalCluster:
     log_dir: Path | None = None
     env: dict[str, str] | None = None
     worker_args: dict[str, list[str]] = field(default_factory=dict)
+    # Flags for the router (after the cluster's own, so they win).
+    router_args: list[str] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -76,13 +78,11 @@ class LocalCluster:
         workers = ",".join(s.address for s in self.services)
         self.services.append(Service("router", "router", f"{self.host}:{port}",
                                      [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
-                                      "--port", str(port), "--workers", workers, "--health-interval", "0.2"],
+                                      "--port", str(port), "--workers", workers, "--health-interval", "0.2",
+                                      *self.router_args],
                                      self.log_dir / "router.log"))
-        env = dict(os.environ, **(self.env or {}))
         for s in self.services:
-            with open(s.log_path, "w") as log:
-                s.process = subprocess.Popen(s.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)
+            self._spawn(s, "w")
         try:
             self.wait_serving([s.address for s in self.services], timeout)
             self.wait_router_setup(timeout)
@@ -90,6 +90,26 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _spawn(self, service: Service, log_mode: str) -> None:
+        env = dict(os.environ, **(self.env or {}))
+        with open(service.log_path, log_mode) as log:
+            service.process = subprocess.Popen(service.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True)
+
+    def service(self, name: str) -> Service:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(f"no service {name!r}; services are {[s.name for s in self.services]}")
+
+    def restart(self, service: Service) -> None:
+        """Starts a service that exited again: same role, same port, its log continued."""
+        if service.process is not None and service.process.poll() is None:
+            raise RuntimeError(f"{service.name} is still running (pid {service.process.pid})")
+        with open(service.log_path, "a") as log:
+            log.write(f"\n--- tandem: restarting {service.name} ---\n")
+        self._spawn(service, "a")
 
     def wait_serving(self, addresses: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
