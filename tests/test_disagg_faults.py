@@ -118,7 +118,9 @@ def test_200_mixed_requests_leave_no_block_behind(model_dirs):
                       engine_args=["--model", model, "--num-blocks", "96", "--block-size", "8",
                                    "--kv-lease-seconds", str(LEASE_SECONDS)]) as c:
         results = asyncio.run(storm(c.address))
-        assert len(results) == 200 and results.count("handoff") >= 10
+        # A client's unpulled handoffs may pin a quarter of the prefill's pool: past that, refused.
+        assert len(results) == 200 and results.count("handoff") >= 5
+        assert results.count("handoff") + results.count("refused") >= 10
         assert {"length", "cancelled"} <= set(results)
         states = wait_leak_free(c, timeout=LEASE_SECONDS + 10)
         for s in states:

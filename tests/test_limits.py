@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from reliability import record
 from test_disagg import worker_state
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
@@ -18,11 +19,18 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CONTEXT_LEN = 2048  # the tiny model's max_position_embeddings
 
 
+# Bad requests sent and how many were refused with the right status (for `make reliability`).
+TALLY = {"tried": 0, "handled": 0}
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks",
                                                                "320", "--block-size", "8"]) as c:
         yield c
+    record("over-limit, non-finite, malformed and mistyped requests (router and worker)", TALLY["tried"],
+           TALLY["handled"], TALLY["tried"] - TALLY["handled"], "pytest tests/test_limits.py",
+           "refused up front with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; no block or lease left behind")
 
 
 @pytest.fixture(scope="module", params=["router", "worker"])
@@ -57,9 +65,12 @@ def generate(address: str, req, timeout: float = 30) -> list:
 
 def refused(address: str, req, timeout: float = 30) -> grpc.RpcError:
     started = time.monotonic()
+    TALLY["tried"] += 1
     with pytest.raises(grpc.RpcError) as err:
         generate(address, req, timeout)
     err.value.elapsed = time.monotonic() - started
+    if err.value.code() in (INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        TALLY["handled"] += 1
     return err.value
 
 
@@ -142,13 +153,13 @@ def test_non_finite_sampling_values_are_invalid(target, field, value):
     assert err.code() == INVALID and field in err.details()
 
 
-def test_max_tokens_beyond_the_context_and_prompts_over_it_are_invalid(target):
-    err = refused(target, request(max_tokens=CONTEXT_LEN))
-    assert err.code() == INVALID and "context" in err.details()
+def test_a_prompt_over_the_context_is_invalid_and_max_tokens_ends_at_the_context(target):
     err = refused(target, request([1] * CONTEXT_LEN))
     assert err.code() == INVALID and "context" in err.details()
-    # The longest that fits still runs.
-    assert generate(target, request([1] * (CONTEXT_LEN - 2), max_tokens=1))[-1].finished
+    # max_tokens past the context is clipped to it, as TensorRT-LLM's PyTorch backend does.
+    out = generate(target, request([1] * (CONTEXT_LEN - 4), max_tokens=10 ** 9, ignore_eos=True))[-1]
+    assert out.finished and out.outputs[0].finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def test_unknown_request_type_is_invalid_everywhere(cluster):
@@ -167,8 +178,10 @@ def test_malformed_protobuf_is_invalid_argument(cluster, method, payload):
         with grpc.insecure_channel(address) as channel:
             stream = method.endswith("Generate")
             call = (channel.unary_stream if stream else channel.unary_unary)(method)
+            TALLY["tried"] += 1
             with pytest.raises(grpc.RpcError) as err:
                 list(call(payload, timeout=10)) if stream else call(payload, timeout=10)
+        TALLY["handled"] += err.value.code() == INVALID
         assert err.value.code() == INVALID, (address, method, err.value)
         assert "not a valid protobuf message" in err.value.details()
 

@@ -23,7 +23,8 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
     """The identity of the connection a call came on."""
     identities = context.peer_identities()
     if identities:
-        return "tls:" + ",".join(i.decode(errors="replace") for i in identities)
+        # Printable ASCII: the router passes it on as a metadata value.
+        return "tls:" + ",".join(i.decode("ascii", errors="replace").replace("\ufffd", "?") for i in identities)
     return context.peer()
 
 

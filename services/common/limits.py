@@ -59,9 +59,11 @@ def _over(what: str, value, limit, flag: str) -> LimitError:
     return LimitError(f"{what} is {value}; the limit is {limit} (--{flag.replace('_', '-')})")
 
 
-def check_request(request, limits: RequestLimits, max_model_len: int = 0) -> None:
-    """Refuses a GenerateRequest over a limit; runs before the prompt is tokenized.
-    max_model_len: the served model's context (0: not known here; the worker checks it)."""
+def check_request(request, limits: RequestLimits) -> None:
+    """Refuses a GenerateRequest over a limit; runs before the prompt is tokenized. (max_tokens
+    needs no bound of its own: a sequence ends at the context's end, finish_reason length, as
+    TensorRT-LLM's PyTorch backend clips it; check_prompt_tokens refuses a prompt that leaves
+    no room to generate.)"""
     params = request.sampling_params
     check_request_type(request.disaggregated_params.request_type)
     check_finite(params)
@@ -81,9 +83,6 @@ def check_request(request, limits: RequestLimits, max_model_len: int = 0) -> Non
     for name in ("logprobs", "prompt_logprobs"):
         if params.HasField(name) and getattr(params, name) > limits.max_logprobs:
             raise _over(name, getattr(params, name), limits.max_logprobs, "max_logprobs")
-    if max_model_len and params.HasField("max_tokens") and params.max_tokens >= max_model_len:
-        raise LimitError(f"max_tokens is {params.max_tokens}; the model's context is {max_model_len} tokens, "
-                         f"prompt included, so at most {max_model_len - 1} can be generated")
 
 
 def check_prompt_size(prompt, limits: RequestLimits) -> None:

@@ -62,7 +62,7 @@ class TextFront:
 
     async def prepare(self, request: llm_pb2.GenerateRequest) -> TextRequest:
         params = request.sampling_params
-        check_request(request, self.limits, self.max_model_len)
+        check_request(request, self.limits)
         ids, text = await self.encode_prompt(request.prompt, _opt(params, "add_special_tokens", True))
         if params.HasField("truncate_prompt_tokens"):
             if params.truncate_prompt_tokens <= 0:
