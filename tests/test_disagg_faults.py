@@ -80,7 +80,12 @@ def test_200_mixed_requests_leave_no_block_behind(model_dirs):
         prompt = [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 40))]
         params = SamplingParams(max_tokens=1 if kind == "one_token" else rng.randrange(2, 24), ignore_eos=True)
         if kind == "never_pulled":
-            out = await aio.generate_async(prompt, params, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+            try:
+                out = await aio.generate_async(prompt, params,
+                                               disaggregated_params=DisaggregatedParams(request_type="context_only"))
+            except RequestError as exc:  # this client's unpulled handoffs fill its share of the pool
+                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.retry_after_s > 0, exc
+                return "refused"
             return "handoff" if out.outputs[0].disaggregated_params else "done"
         result = aio.generate_async(prompt, params, streaming=kind in ("abort_streaming", "cancel"))
         if kind == "abort_early":
@@ -113,7 +118,9 @@ def test_200_mixed_requests_leave_no_block_behind(model_dirs):
                       engine_args=["--model", model, "--num-blocks", "96", "--block-size", "8",
                                    "--kv-lease-seconds", str(LEASE_SECONDS)]) as c:
         results = asyncio.run(storm(c.address))
-        assert len(results) == 200 and results.count("handoff") >= 10
+        # A client's unpulled handoffs may pin a quarter of the prefill's pool: past that, refused.
+        assert len(results) == 200 and results.count("handoff") >= 5
+        assert results.count("handoff") + results.count("refused") >= 10
         assert {"length", "cancelled"} <= set(results)
         states = wait_leak_free(c, timeout=LEASE_SECONDS + 10)
         for s in states:
@@ -122,22 +129,41 @@ def test_200_mixed_requests_leave_no_block_behind(model_dirs):
         c.check_alive()  # no worker died on the way
 
 
-def test_a_dead_prefill_fails_the_pull_instead_of_hanging(model_dirs):
+def test_a_handoff_whose_prefill_died_is_recomputed_on_the_decode(model_dirs):
+    """Issue 8 item 5: the prefill dies after its handoff, before the decode pulled. The decode
+    has the prompt and the first token: it computes the prompt itself, and the request goes on
+    as if the pull had worked (same tokens). Both ways the pull can fail: a decode that knew the
+    prefill's NIXL agent (the READ fails) and one that did not (fetching its state fails)."""
     model = str(model_dirs["llama"])
-    with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", model, "--num-blocks", "32", "--block-size", "8"]) as c, \
+    with LocalCluster(roles=["prefill", "decode", "decode"],
+                      engine_args=["--model", model, "--num-blocks", "32", "--block-size", "8"]) as c, \
             LLM(c.address) as llm:
         params = SamplingParams(max_tokens=6, ignore_eos=True)
-        ctx = llm.generate("orphaned handoff", params, use_tqdm=False,
-                           disaggregated_params=DisaggregatedParams(request_type="context_only"))
-        h = ctx.outputs[0].disaggregated_params
-        c.workers[0].process.kill()
-        c.workers[0].process.wait()
+        prefill, knows, new = c.workers
+
+        def handoff(prompt: str):
+            return llm.generate(prompt, params, use_tqdm=False,
+                                disaggregated_params=DisaggregatedParams(request_type="context_only"))
+
+        def resume(address: str, ctx) -> list[int]:
+            h = ctx.outputs[0].disaggregated_params
+            with LLM(address, **c.worker_client_kwargs()) as decode:
+                out = decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
+                    request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
+                    ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
+            assert out.outputs[0].finish_reason == "length"
+            return h.first_gen_tokens + out.outputs[0].token_ids
+
+        prompts = ("orphaned handoff", "another orphan")
+        expected = {p: resume(knows.address, handoff(p)) for p in prompts}  # pulled: `knows` knows the agent now
+        orphans = {p: handoff(p) for p in prompts}
+        assert worker_state(knows.address).kv_bytes_received > 0 and worker_state(new.address).kv_bytes_received == 0
+        prefill.process.kill()
+        prefill.process.wait()
         started = time.monotonic()
-        with LLM(c.workers[1].address, **c.worker_client_kwargs()) as decode, pytest.raises(RequestError) as err:
-            decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
-                request_type="generation_only", first_gen_tokens=h.first_gen_tokens,
-                ctx_request_id=h.ctx_request_id, opaque_state=h.opaque_state))
+        assert resume(knows.address, orphans["orphaned handoff"]) == expected["orphaned handoff"]
+        assert resume(new.address, orphans["another orphan"]) == expected["another orphan"]
         assert time.monotonic() - started < 20
-        assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err.value
-        state = worker_state(c.workers[1].address)
-        assert state.num_free_blocks == state.num_total_blocks and state.num_active_requests == 0
+        for worker in (knows, new):
+            state = worker_state(worker.address)
+            assert state.num_free_blocks == state.num_total_blocks and state.num_active_requests == 0, state

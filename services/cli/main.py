@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from tandem.cli.flags import add_engine_flags, engine_config
+from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, request_limits
 from tandem.cli.security_flags import (add_client_tls_flags, add_server_security_flags, add_tls_flags,
                                        client_tls_kwargs, tls_config)
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
@@ -46,15 +46,17 @@ def _parser() -> argparse.ArgumentParser:
         _add_metrics_port(p, WORKER_METRICS_PORT)
         add_server_security_flags(p)
         add_engine_flags(p)
+        add_limit_flags(p)
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", required=True, help="comma-separated worker addresses host:port")
-    router.add_argument("--health-interval", type=float, default=1.0)
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
     _add_metrics_port(router, ROUTER_METRICS_PORT)
     add_server_security_flags(router, public_face=True)
+    add_router_flags(router)
+    add_limit_flags(router)
     front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
     front.add_argument("--host", default="127.0.0.1")
@@ -76,7 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--cluster-token", default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
                     help="the cluster's shared secret (default: $TANDEM_CLUSTER_TOKEN, else a fresh random one)")
     add_tls_flags(up, public_face=True)
+    up.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+                    help="bearer token admin RPCs must carry, on the router and every worker "
+                         "(default: $TANDEM_ADMIN_TOKEN; none: open)")
+    up.add_argument("--max-restarts", type=int, default=5,
+                    help="restarts of one process within 10 minutes before it is left down (default: 5)")
     add_engine_flags(up)
+    add_limit_flags(up)
+    add_router_flags(up)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
     gen.add_argument("prompt")
@@ -97,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks of a worker")
+    parser.add_argument("--health-timeout", type=float, default=1.0,
+                        help="seconds a worker has to answer a health check before it counts as down")
+    parser.add_argument("--stream-progress-timeout", type=float, default=10.0,
+                        help="seconds a stream may go without a message before its worker is probed; a worker that "
+                             "does not answer the probe in --health-timeout is hung and its streams move on")
+
+
 def _engine_config(args):
     from tandem.engine.checkpoints import resolve_model
     return engine_config(args, resolve_model)
@@ -114,6 +132,8 @@ def _serve(args) -> int:
                               admin_token=args.admin_token, drain_seconds=args.drain_seconds,
                               metrics_port=args.metrics_port,
                               cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
+                              health_timeout_s=args.health_timeout, stream_progress_timeout_s=args.stream_progress_timeout,
+                              limits=request_limits(args),
                               workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
         asyncio.run(serve_router(config))
         return 0
@@ -123,7 +143,8 @@ def _serve(args) -> int:
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
                           drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
-                          cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port)
+                          cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
+                          limits=request_limits(args))
     asyncio.run(serve_worker(config))
     return 0
 

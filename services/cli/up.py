@@ -1,4 +1,5 @@
-"""`tandem up`: a local cluster in the foreground until Ctrl-C."""
+"""`tandem up`: a local cluster in the foreground until Ctrl-C, its processes supervised
+(testing/supervisor.py): a worker that dies is started again and the rest keep serving."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.cli.flags import engine_argv
+from tandem.cli.flags import engine_argv, limits_argv, request_limits
 from tandem.cli.security_flags import tls_config
 from tandem.testing.cluster import LocalCluster
+from tandem.testing.supervisor import RestartPolicy, Supervisor
 
 # A chat model answers a question through its chat template; a model without one continues a text.
 DEMO_QUESTION = "What is the capital of France?"
@@ -29,10 +31,16 @@ def up(args, engine) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
         return 2
-    # Every process gets the cluster token through its environment (not argv: `ps` shows argv).
-    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine), host=args.host, router_port=args.port,
+    limits = limits_argv(request_limits(args))
+    router_args = ["--health-interval", str(args.health_interval), "--health-timeout", str(args.health_timeout),
+                   "--stream-progress-timeout", str(args.stream_progress_timeout), *limits]
+    # Tokens reach the processes in their environment, not on their (world-readable) command line.
+    env = {"TANDEM_ADMIN_TOKEN": args.admin_token} if args.admin_token else None
+    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine) + limits, host=args.host,
+                           router_port=args.port, router_args=router_args, env=env,
                            metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port,
                            cluster_token=args.cluster_token, tls=tls_config(args))
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts))
     print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -51,9 +59,11 @@ def up(args, engine) -> int:
         tls_flags = "".join(f" --{k} {v}" for k, v in cluster.client_tls_flags().items())
         print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{tls_flags}"
               f"{chat_flag} \"Hello\"`. Ctrl-C stops.", flush=True)
-        while True:
-            cluster.check_alive()
-            time.sleep(1)
+        while not supervisor.router_gone:
+            supervisor.poll()
+            time.sleep(0.2)
+        print("tandem: the router has stopped; stopping the workers", flush=True)
+        return 0 if cluster.router.process.returncode == 0 else 1
     except KeyboardInterrupt:
         print("\ntandem: stopping", flush=True)
         return 0

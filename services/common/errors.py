@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import grpc
 
-from tandem.common.exceptions import PreconditionError, ResourceExhaustedError  # noqa: F401 - re-exported
+from tandem.common.exceptions import PreconditionError, ResourceExhaustedError, RetryLaterError  # noqa: F401
+
+# gRPC's server pushback trailer: how long the client should wait before it retries.
+RETRY_PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 
 
 class RpcError(Exception):
@@ -51,3 +54,14 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, exc_type):
             return code, str(exc) or exc_type.__name__
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def retry_pushback_ms(exc: BaseException) -> int | None:
+    """The retry hint exc carries: its own, or the one a downstream worker sent (relayed as is)."""
+    if isinstance(exc, RetryLaterError):
+        return int(exc.retry_after_s * 1000)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        for key, value in exc.trailing_metadata() or ():
+            if key == RETRY_PUSHBACK_METADATA:
+                return int(value)
+    return None

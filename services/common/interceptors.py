@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from tandem.common.errors import status_for
+from tandem.common.errors import RETRY_PUSHBACK_METADATA, retry_pushback_ms, status_for
 
 log = logging.getLogger("tandem.rpc")
 
@@ -16,7 +16,35 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
+    pushback_ms = retry_pushback_ms(exc)
+    if pushback_ms is not None:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_METADATA, str(pushback_ms)),))
     await context.abort(code, message)
+
+
+class MalformedRequest:
+    """What a request deserializer gives for bytes that are not the message: the handler
+    answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - a client's bad bytes, answered by the handler
+            return MalformedRequest(exc)
+    return parse
+
+
+async def _refuse_malformed(context: grpc.aio.ServicerContext, method: str, request: MalformedRequest) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{method}: the request is not a valid protobuf message ({request.error})")
 
 
 class ReadinessInterceptor(grpc.aio.ServerInterceptor):
@@ -46,41 +74,50 @@ class ReadinessInterceptor(grpc.aio.ServerInterceptor):
                                                    handler.response_serializer if handler else None)
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler | None, guard) -> grpc.RpcMethodHandler | None:
+async def _no_check(request, context) -> None:
+    return None
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = False,
+                 check=_no_check) -> grpc.RpcMethodHandler | None:
     """The handler with guard(context), an async context manager, around every call, for each kind
     of handler grpc.aio has: unary, server-streaming generators and writer-API streams (context.write,
     as health's Watch). grpc tells the streaming kinds apart by the function's type, so a wrapper
-    must be of the same type as what it wraps."""
+    must be of the same type as what it wraps. tolerant: bytes that do not parse reach the handler
+    as a MalformedRequest; check(request, context) runs inside the guard before the handler."""
     if handler is None:
         return None
+    deserializer = _tolerant(handler.request_deserializer) if tolerant else handler.request_deserializer
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
         async def unary_unary(request, context):
             async with guard(context):
+                await check(request, context)
                 return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                   handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
         if inspect.iscoroutinefunction(inner_stream):
             async def unary_stream(request, context):
                 async with guard(context):
+                    await check(request, context)
                     await inner_stream(request, context)
         else:
             async def unary_stream(request, context):
                 async with guard(context):
+                    await check(request, context)
                     async for item in inner_stream(request, context):
                         yield item
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                    handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
     return handler
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a servicer into the status status_for() names."""
+    """Turns exceptions escaping a servicer into the status status_for() names, and requests
+    that do not parse into INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -94,4 +131,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 await _abort(context, method, exc)
 
-        return wrap_handler(await continuation(handler_call_details), mapped)
+        async def refuse_malformed(request, context):
+            if isinstance(request, MalformedRequest):
+                await _refuse_malformed(context, method, request)
+
+        return wrap_handler(await continuation(handler_call_details), mapped, tolerant=True, check=refuse_malformed)

@@ -41,7 +41,8 @@ DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
                  policy: AccessPolicy = AccessPolicy(), readiness: ReadinessInterceptor | None = None,
-                 metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None):
+                 metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None,
+                 max_request_bytes: int = MAX_MESSAGE_BYTES):
         """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
         grpc.health.v1 alone in plaintext there, for probes that speak no TLS (Kubernetes')."""
         if drain_seconds < 0:
@@ -53,7 +54,9 @@ class GrpcServer:
         # The metrics interceptor is outermost: it sees the status every other one answers with.
         interceptors = ([metrics.interceptor] if metrics else []) + [self.in_flight, AuthInterceptor(policy)] + \
             ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
-        self.server = grpc.aio.server(interceptors=interceptors, options=CHANNEL_OPTIONS)
+        # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
+        options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes})
+        self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -1,7 +1,9 @@
 """The generation phase (generation_only with a handoff): check the handoff, reserve blocks,
 pull the prompt's KV from the prefill worker with a NIXL READ, confirm the lease, then decode.
 When the pool has no room (or the lease no time) for the pull, the prompt is computed here
-instead and the prefill is told to free its copy.
+instead and the prefill is told to free its copy; when the pull fails (the prefill died or
+hangs, or released its pool), the prompt is computed here too: the request has its prompt and
+first token, so nothing is lost with the prefill.
 
 The confirm (Worker/ConfirmLease, after the READ) is what makes the KV ours to use: a lease
 still live once the READ completed was live during it, so the blocks read were the handoff's.
@@ -18,10 +20,12 @@ import logging
 import time
 from typing import Callable
 
-from tandem.common.errors import PreconditionError, unavailable
+import grpc
+
+from tandem.common.errors import PreconditionError
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
-from tandem.kvtransfer.errors import TransferError, TransferTimeoutError
+from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.decode.peers import PeerCache
@@ -60,6 +64,8 @@ class GenerationPhase:
         self.on_pulled = on_pulled
         self.num_unconfirmed_handoffs = 0
         self._releases: set[asyncio.Task] = set()
+        # Pulls that failed and were computed here instead.
+        self.num_recomputed = 0
 
     def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
                cache_salt: str | None, adapter=None) -> worker_pb2.KvHandoff:
@@ -118,13 +124,16 @@ class GenerationPhase:
                 await self.poller.settle(pending)
             core.abort(rid)
             raise
-        except TransferTimeoutError:
+        except (TransferError, grpc.aio.AioRpcError) as exc:
+            # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
+            # state could not be fetched. Either way its KV is out of reach: compute it here.
+            if pending is not None:
+                await self.poller.settle(pending)
             core.abort(rid)
-            request.fail(TimeoutError(f"KV pull from {handoff.ctx_endpoint} took over {PULL_TIMEOUT_S} s"))
-        except TransferError as exc:
-            core.abort(rid)
-            request.fail(unavailable(f"pulling the KV from {handoff.ctx_endpoint} failed (the prefill worker is "
-                                     f"gone or released its KV cache): {exc}"))
+            log.warning("KV pull for %s from %s failed (%s); computing the prompt here", rid, handoff.ctx_endpoint,
+                        exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            self.num_recomputed += 1
+            request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)
             request.fail(exc)

@@ -18,7 +18,11 @@ class ContextPhase:
         self.agent_name = agent_name
 
     def start(self, request) -> None:
-        """request: a worker.request.WorkerRequest of one sequence."""
+        """request: a worker.request.WorkerRequest of one sequence. A client's handoff counts
+        against its share of the pool from now on (refused when that is full)."""
+        if request.client is not None:
+            self.keeper.admit(request.request_id, request.client, len(request.prompt_token_ids))
+            request.on_close.append(lambda: self.keeper.forget(request.request_id))
         request.hand_off = lambda out: self._handoff_params(request, out)
         request.withdraw = self._withdraw
         request.submit(Phase.CONTEXT_ONLY)

@@ -10,6 +10,11 @@ so a confirm that finds the lease live proves the decode's READ, done before it,
 lease's KV. NIXL notifications end nothing: any agent that got hold of our metadata could
 send them.
 
+Handoffs that go back to a client (its context_only requests) may pin only part of the pool,
+per client and all clients together, counted from admission (before the prompt runs) until
+the lease ends: a client that never pulls cannot starve the requests of others. The router's
+own splits are not counted (their handoffs go straight to a decode worker).
+
 Thread-safe: leases open on the engine thread, notifications and expiry arrive on the KV
 poller thread, RPCs on the event loop.
 """
@@ -21,7 +26,9 @@ import secrets
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
+from tandem.common.exceptions import RetryLaterError
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import FreeBlocks, Lease
 
@@ -43,9 +50,20 @@ class LeaseEnd(enum.Enum):
     EXPIRED = "expired"          # nobody released it in time (the decode side died or never came)
 
 
+@dataclass
+class Claim:
+    """Blocks a client's handoff pins (or will, once its context phase ends)."""
+    client: str
+    num_blocks: int
+    expires_at: float = float("inf")
+
+
 class LeaseKeeper:
-    def __init__(self, lease_seconds: float):
+    def __init__(self, lease_seconds: float, max_unclaimed_fraction: float = 1.0,
+                 max_unclaimed_fraction_per_client: float = 1.0):
         self.lease_seconds = lease_seconds
+        self.max_unclaimed_fraction = max_unclaimed_fraction
+        self.max_unclaimed_fraction_per_client = max_unclaimed_fraction_per_client
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
         self._core: EngineCore | None = None
@@ -53,10 +71,51 @@ class LeaseKeeper:
         self.endings: Counter[str] = Counter()
         self.num_opened = 0
         self.num_ignored_notifications = 0
+        # Clients' handoffs: by request id while the context phase runs, then by lease id.
+        self._admitted: dict[str, Claim] = {}
+        self._claimed: dict[int, Claim] = {}
+        self._held: Counter[str] = Counter()
+        self.num_refused = 0
 
     def attach(self, core: EngineCore) -> None:
         """The engine thread that frees the blocks of ended leases."""
         self._core = core
+
+    # -- clients' handoffs --
+    def admit(self, request_id: str, client: str, num_prompt_tokens: int) -> None:
+        """Counts a client's context phase against its share of the pool before it runs; refused
+        (RetryLaterError) when the client's, or all clients', unclaimed handoffs would pin more."""
+        bm = self._core.engine.block_manager
+        num_blocks = bm.num_blocks_for(num_prompt_tokens + 1)
+        per_client = int(bm.num_blocks * self.max_unclaimed_fraction_per_client)
+        overall = int(bm.num_blocks * self.max_unclaimed_fraction)
+        with self._lock:
+            if self._held[client] + num_blocks > per_client:
+                who, limit, mine = "this client's", per_client, True
+            elif sum(self._held.values()) + num_blocks > overall:
+                who, limit, mine = "all clients'", overall, False
+            else:
+                self._admitted[request_id] = Claim(client, num_blocks)
+                self._held[client] += num_blocks
+                return
+            expiries = [c.expires_at for c in self._claimed.values() if not mine or c.client == client]
+            self.num_refused += 1
+        retry_after = min(expiries, default=time.time() + 1.0) + EXPIRY_GRACE_S - time.time()
+        raise RetryLaterError(f"context_only handoffs not yet pulled would pin more than {limit} of the "
+                              f"{bm.num_blocks} KV blocks ({who} share): pull or release them first",
+                              max(0.1, min(retry_after, self.lease_seconds + EXPIRY_GRACE_S)))
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a handoff (finished in its context phase, aborted, failed)."""
+        with self._lock:
+            claim = self._admitted.pop(request_id, None)
+            if claim is not None:
+                self._unhold(claim)
+
+    def _unhold(self, claim: Claim) -> None:
+        self._held[claim.client] -= claim.num_blocks
+        if self._held[claim.client] <= 0:
+            del self._held[claim.client]
 
     # -- the engine's LeaseTable --
     def open(self, request_id: str, block_ids: list[int]) -> Lease:
@@ -65,6 +124,10 @@ class LeaseKeeper:
         with self._lock:
             self._leases[lease.lease_id] = lease
             self.num_opened += 1
+            claim = self._admitted.pop(request_id, None)
+            if claim is not None:
+                claim.expires_at = lease.expires_at
+                self._claimed[lease.lease_id] = claim
         return lease
 
     def abandon(self, lease_id: int) -> None:
@@ -86,6 +149,9 @@ class LeaseKeeper:
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
                 self.endings[reason.value] += 1
+            claim = self._claimed.pop(lease_id, None)
+            if claim is not None:
+                self._unhold(claim)
         if lease is None:
             return False
         self._core.send(FreeBlocks(lease.block_ids))

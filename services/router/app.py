@@ -39,10 +39,11 @@ async def serve_router(config: RouterConfig) -> None:
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
                         drain_seconds=config.drain_seconds, metrics=metrics,
                         policy=AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token),
-                        tls=config.tls, health_port=config.health_port)
+                        tls=config.tls, health_port=config.health_port,
+                        max_request_bytes=config.limits.max_request_bytes)
     credentials = ClusterCredentials(config.tls, config.cluster_token, config.admin_token)
-    pool = WorkerPool(config.workers, config.health_interval_s, credentials)
-    servicer = RouterServicer(pool, server.address, server.request_stop, metrics)
+    pool = WorkerPool(config.workers, config.health_interval_s, credentials, health_timeout_s=config.health_timeout_s)
+    servicer = RouterServicer(pool, server.address, server.request_stop, config, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     metrics_url = metrics.serve_http(config.host, config.metrics_port)
     await server.start()

@@ -6,6 +6,7 @@ import dataclasses
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
 from tandem.common.tls import TlsConfig
+from tandem.common.limits import RequestLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +17,10 @@ class RouterConfig:
     workers: tuple[str, ...] = ()
     # Seconds between health polls of the workers.
     health_interval_s: float = 1.0
+    # Seconds a worker has to answer a health check (or a stalled stream's probe) before it is down.
+    health_timeout_s: float = 1.0
+    # Seconds a stream may go without a message before its worker is probed.
+    stream_progress_timeout_s: float = 10.0
     # Admin RPCs need this bearer token when set; the router sends it on to the workers.
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
@@ -28,6 +33,7 @@ class RouterConfig:
     tls: TlsConfig | None = None
     # Plaintext grpc.health.v1 alone on this port (probes that speak no TLS).
     health_port: int | None = None
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self):
         if self.drain_seconds < 0:
@@ -40,8 +46,9 @@ class RouterConfig:
                 raise ValueError(f"worker address {address!r} is not host:port")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError(f"worker addresses repeat: {list(self.workers)}")
-        if self.health_interval_s <= 0:
-            raise ValueError("health_interval_s must be > 0")
+        for name in ("health_interval_s", "health_timeout_s", "stream_progress_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
         check_token(self.admin_token, "--admin-token")

@@ -1,11 +1,12 @@
-"""What the router does when a worker dies under a request.
+"""What the router does when a worker dies or hangs under a request.
 
-A prefill that fails before anything was streamed is retried on another prefill.
-A worker that dies mid-stream is replaced: the request continues on another
-worker as generation_only with every token streamed so far as its
-first_gen_tokens and no KV (the new worker recomputes it), so the client sees one
-continuous stream, no token lost or repeated; sampling continues exactly because
-a seeded request's randomness depends only on (seed, token index).
+A prefill that fails before anything was streamed is retried on another prefill, and with no
+prefill left the whole request runs on one worker (a decode worker computes the prompt too).
+A worker that dies mid-stream, or stops producing and does not answer a probe (route.py), is
+replaced: the request continues on another worker as generation_only with every token
+streamed so far as its first_gen_tokens and no KV (the new worker recomputes it), so the
+client sees one continuous stream, no token lost or repeated; sampling continues exactly
+because a seeded request's randomness depends only on (seed, token index).
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
-from tandem.router.route import Route, release_lease
+from tandem.router.route import Route, WorkerStalledError, release_lease
 from tandem.router.workers import WorkerHandle, adapter_of
 from tandem.v1 import llm_pb2, types_pb2
 
@@ -27,33 +29,51 @@ log = logging.getLogger("tandem.router.failover")
 MAX_MIGRATIONS = 2
 
 
-async def worker_gone(worker: WorkerHandle, exc: BaseException) -> bool:
+async def worker_gone(worker: WorkerHandle, exc: BaseException, timeout_s: float = 1.0) -> bool:
     """A dead worker's calls fail UNAVAILABLE, but so do a live one's refusals (paused,
-    released): only a worker that no longer answers its health check is gone."""
+    released): only a worker that no longer answers its health check is gone (or one whose
+    stream stalled while it did not answer)."""
+    if isinstance(exc, WorkerStalledError):
+        return True
     if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False
     try:
-        reply = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        reply = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError:
         return True
     return reply.status != health_pb2.HealthCheckResponse.SERVING
 
 
-async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tuple[WorkerHandle, llm_pb2.RequestOutput]:
-    """Runs the context phase; a prefill that dies is replaced while others remain. Returns the
-    prefill and its one (non-streamed) reply."""
+def _code(exc: BaseException) -> str:
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+
+
+def pick_or_none(route: Route, roles: tuple[Role, ...], exclude: set[str],
+                 adapter_id: int | None = None) -> WorkerHandle | None:
+    try:
+        return route.pool.pick_any_of(roles, exclude, adapter_id)
+    except RpcError:
+        return None
+
+
+async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tuple[WorkerHandle, llm_pb2.RequestOutput] | None:
+    """Runs the context phase; a prefill that dies or hangs is replaced while others remain.
+    Returns the prefill and its one (non-streamed) reply, or None when no prefill is left to
+    run it (the caller runs the request on one worker instead)."""
     tried: set[str] = set()
     while True:
-        prefill = route.pool.pick(Role.PREFILL, exclude=tried, adapter_id=adapter_of(ctx))
+        prefill = pick_or_none(route, (Role.PREFILL,), tried, adapter_of(ctx))
+        if prefill is None:
+            return None
         out = None
         try:
-            async for out in route.relay(prefill, ctx):
+            async for out in route.relay(prefill, ctx, split=True):
                 pass
             return prefill, out
-        except grpc.aio.AioRpcError as exc:
-            if not await worker_gone(prefill, exc):
+        except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
+            if not await worker_gone(prefill, exc, route.pool.health_timeout_s):
                 raise
-            log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, exc.code().name, ctx.request_id)
+            log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, _code(exc), ctx.request_id)
             route.pool.mark_down(prefill)
             tried.add(prefill.address)
             route.metrics.prefill_retried()
@@ -88,7 +108,8 @@ class Progress:
 
 async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, worker: WorkerHandle,
                                 roles: tuple[Role, ...], progress: Progress):
-    """Relays a single-sequence stream; if its worker dies, continues it on another one of roles."""
+    """Relays a single-sequence stream; if its worker dies or hangs, continues it on another
+    one of roles."""
     current, tried = request, set()
     last_cumulative = progress.logprob_base
     for attempt in range(MAX_MIGRATIONS + 1):
@@ -102,14 +123,14 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                     progress.prompt_token_ids = list(msg.prompt_token_ids)
                 yield msg
             return
-        except grpc.aio.AioRpcError as exc:
-            if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc):
+        except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
+            if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc, route.pool.health_timeout_s):
                 raise
             if route.cancelled:  # aborted while its worker died: nothing to carry on
                 yield cancelled_output(request.request_id)
                 return
-            log.warning("worker %s died under %s after %d tokens; migrating", worker.address, request.request_id,
-                        len(progress.tokens))
+            log.warning("worker %s failed under %s (%s) after %d tokens; migrating", worker.address,
+                        request.request_id, _code(exc), len(progress.tokens))
             route.pool.mark_down(worker)
             tried.add(worker.address)
             route.metrics.migrated()
@@ -117,4 +138,6 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative
             # else nothing came back yet (not even the prompt's tokens): send the request again as it was
-            worker = route.pool.pick_any_of(roles, exclude=tried, adapter_id=adapter_of(request))
+            worker = pick_or_none(route, roles, tried, adapter_of(request))
+            if worker is None:
+                raise exc

@@ -1,6 +1,7 @@
 """How the router runs one Generate (token ids in, token ids out; the text front is around it):
 on one worker, or split (context_only on a prefill worker, then generation_only on a decode
-worker), or, for n > 1 over a split, as n single-sequence splits."""
+worker), or, for n > 1 over a split, as n single-sequence splits. A split whose prefill (or
+decode) side has no ready worker left runs on one worker of another role instead."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,12 @@ from tandem.common.streams import merge
 from tandem.router import failover
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
-from tandem.router.workers import adapter_of
+from tandem.router.workers import LOCAL_ROLES, adapter_of
 from tandem.v1 import llm_pb2, types_pb2
+
+# Where the generation phase of a split can go on: a decode worker (pulling the KV, or
+# recomputing it after a migration), else any worker that recomputes it.
+GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 
 
 async def stream(route: Route, request: llm_pb2.GenerateRequest):
@@ -31,11 +36,19 @@ async def stream(route: Route, request: llm_pb2.GenerateRequest):
     elif pool.can_disaggregate:
         messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
     elif request.sampling_params.n > 1:
-        messages = route.relay(pool.pick(Role.BOTH, adapter_id=adapter), request)
-    else:  # one sequence on one worker: it can move if the worker dies
-        messages = failover.stream_with_migration(route, request, pool.pick(Role.BOTH, adapter_id=adapter), (Role.BOTH,),
-                                                  Progress([]))
+        messages = route.relay(pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter), request)
+    else:
+        messages = local(route, request)
     async for msg in messages:
+        yield msg
+
+
+async def local(route: Route, request: llm_pb2.GenerateRequest):
+    """One sequence on one worker, preferably an aggregated one; it moves if the worker dies."""
+    worker = route.pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter_of(request))
+    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, Progress([])):
+        if msg.finished:
+            msg.metrics.served_by[:] = route.served_by
         yield msg
 
 
@@ -47,7 +60,12 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     ctx.streaming = False
     ctx.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
     ctx.disaggregated_params.disagg_request_id = random.getrandbits(63)
-    prefill, ctx_out = await failover.context_with_retry(route, ctx)
+    context = await failover.context_with_retry(route, ctx)
+    if context is None:  # no prefill worker is left: the whole request runs on one worker
+        async for msg in local(route, request):
+            yield msg
+        return
+    prefill, ctx_out = context
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
     for out in ctx_out.outputs:
@@ -79,15 +97,19 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
             client_metrics(last.metrics)
             yield last
             return
-        gen = llm_pb2.GenerateRequest()
-        gen.CopyFrom(request)
-        gen.prompt.token_ids.ids[:] = ctx_out.prompt_token_ids
-        gen.disaggregated_params.CopyFrom(handoff)
-        gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         progress = Progress(list(ctx_out.prompt_token_ids), list(handoff.first_gen_tokens),
                             ctx_out.outputs[0].cumulative_logprob)
-        decode = route.pool.pick(Role.DECODE, adapter_id=adapter_of(request))
-        async for msg in failover.stream_with_migration(route, gen, decode, (Role.DECODE,), progress):
+        decode = failover.pick_or_none(route, (Role.DECODE,), set(), adapter_of(request))
+        if decode is not None:
+            gen = llm_pb2.GenerateRequest()
+            gen.CopyFrom(request)
+            gen.prompt.token_ids.ids[:] = ctx_out.prompt_token_ids
+            gen.disaggregated_params.CopyFrom(handoff)
+            gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+        else:  # no decode worker is left: another worker recomputes the prompt and carries on
+            decode = route.pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter_of(request))
+            gen = failover.resume_request(request, progress.prompt_token_ids, progress.tokens)
+        async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
             if msg.finished:
@@ -109,7 +131,7 @@ async def split_n(route: Route, request: llm_pb2.GenerateRequest):
         sub.sampling_params.n = 1
         if sub.sampling_params.HasField("seed"):
             sub.sampling_params.seed += i
-        route.children.append(Route(route.pool, sub.request_id, route.metrics))
+        route.children.append(route.child(sub.request_id))
         subs.append(sub)
     first = True
     async for index, item in merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)]):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
+from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
+from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.router.metrics import RouterMetrics
 from tandem.router.workers import WorkerHandle, WorkerPool
@@ -16,12 +19,27 @@ from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 log = logging.getLogger("tandem.router.route")
 
 
+class WorkerStalledError(RpcError):
+    """A stream's worker stopped producing and did not answer its probe: it is hung
+    (UNAVAILABLE, when no other worker can carry the request on)."""
+
+    def __init__(self, worker: WorkerHandle):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"worker {worker.address} stopped producing and does not answer")
+        self.worker = worker
+
+
 class Route:
-    def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics):
+    def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics, client: str = "",
+                 progress_timeout_s: float = 10.0):
         self.pool = pool
         self.request_id = request_id
         self.metrics = metrics
+        # Who started the request (common/callers.py): named to the workers, the only one who may abort it.
+        self.client = client
+        # A stream quiet this long gets its worker probed (a hung worker's streams move on).
+        self.progress_timeout_s = progress_timeout_s
         self.worker: WorkerHandle | None = None
+        self._last_message_at = 0.0
         # The downstream Generate in progress; Abort cancels it when the worker does not know the
         # request yet (its Generate is still on the way).
         self.call: grpc.aio.UnaryStreamCall | None = None
@@ -31,28 +49,57 @@ class Route:
         # n > 1 over a prefill/decode split: one child route per sequence.
         self.children: list[Route] = []
 
-    async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest):
-        """The worker's messages for request, counted in its in-flight load while they flow."""
+    def child(self, request_id: str) -> "Route":
+        return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s)
+
+    async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False):
+        """The worker's messages for request, counted in its in-flight load while they flow.
+        split: the context_only half of a request the router splits itself. Raises
+        WorkerStalledError when the worker hangs under the stream."""
         self.worker = worker
         self.served_by.append(worker.address)
         worker.in_flight += 1
-        call = self.call = worker.llm.Generate(request)
+        metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
+        call = self.call = worker.llm.Generate(request, metadata=metadata)
+        self._last_message_at = time.monotonic()
+        watchdog = asyncio.create_task(self._watch(call, worker))
         finished = False
         try:
             async for msg in call:
+                self._last_message_at = time.monotonic()
                 finished = msg.finished
                 yield msg
         except asyncio.CancelledError:
+            if watchdog.done() and not watchdog.cancelled() and watchdog.result():
+                raise WorkerStalledError(worker) from None
             if not self.cancelled:
                 raise  # the client went away
             yield cancelled_output(request.request_id)  # Abort cancelled the call
         finally:
+            watchdog.cancel()
             worker.in_flight -= 1
             if not finished:
                 # A call whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.
                 call.cancel()
             self.call = None
+
+    async def _watch(self, call: grpc.aio.UnaryStreamCall, worker: WorkerHandle) -> bool:
+        """Cancels call (and returns True) once its worker has been quiet for the progress
+        timeout and does not answer a probe; a busy worker that answers gets another period."""
+        while True:
+            quiet = time.monotonic() - self._last_message_at
+            if quiet < self.progress_timeout_s:
+                await asyncio.sleep(self.progress_timeout_s - quiet)
+                continue
+            if await self.pool.is_responsive(worker, self.progress_timeout_s):
+                self._last_message_at = time.monotonic()
+                continue
+            log.warning("worker %s stopped producing for %s (%.1f s) and does not answer; moving the request on",
+                        worker.address, self.request_id, time.monotonic() - self._last_message_at)
+            self.pool.mark_down(worker)
+            call.cancel()
+            return True
 
     async def abort(self) -> None:
         """Stops the request wherever it is: the worker aborts it, or (not registered there yet) its call is cancelled."""

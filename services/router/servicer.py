@@ -9,11 +9,13 @@ from pathlib import Path
 from google.protobuf import struct_pb2
 
 from tandem.common.auth import ADMIN_METHODS
+from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RpcError, unavailable
 from tandem.common.roles import Role
 from tandem.common.streams import merge
 from tandem.router import generate
 from tandem.router.metrics import RouterMetrics
+from tandem.router.config import RouterConfig
 from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
@@ -22,8 +24,9 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
 
 class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
-    def __init__(self, pool: WorkerPool, address: str, request_stop, metrics: RouterMetrics):
+    def __init__(self, pool: WorkerPool, address: str, request_stop, config: RouterConfig, metrics: RouterMetrics):
         self.pool = pool
+        self.config = config
         self.metrics = metrics
         self.address = address
         self.request_stop = request_stop
@@ -39,11 +42,12 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def load_tokenizer(self, worker: WorkerHandle) -> None:
         """Text is the router's job: it tokenizes prompts and detokenizes what the workers stream."""
         files = await worker.llm.GetTokenizer(llm_pb2.GetTokenizerRequest(), timeout=30)
+        info = await worker.llm.GetServerInfo(llm_pb2.GetServerInfoRequest(), timeout=30)
         tokenizer = await asyncio.to_thread(Tokenizer, dict(files.files), worker.address)
         # The model_name label of the request metrics: the served checkpoint's directory name.
-        info = await worker.llm.GetServerInfo(llm_pb2.GetServerInfoRequest(), timeout=30)
         self.metrics.model_name = Path(info.model).name
-        self.tokenizer_files, self.front = files, TextFront(tokenizer)
+        self.tokenizer_files = files
+        self.front = TextFront(tokenizer, self.config.limits, info.max_model_len)
 
     def _text(self) -> TextFront:
         if self.front is None:
@@ -57,7 +61,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
         text_request = await self._text().prepare(request)
-        route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics)
+        route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics, caller_of(context),
+                                                        self.config.stream_progress_timeout_s)
         try:
             produced = tracker.produced(generate.stream(route, text_request.engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)
@@ -68,7 +73,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Abort(self, request, context):
         route = self.routes.get(request.request_id)
-        if route is None:
+        # Another client's request is none of this caller's business: it is answered as unknown.
+        if route is None or not may_abort(context, route.client, self.config.admin_token):
             return llm_pb2.AbortResponse(aborted=False)
         await route.abort()
         return llm_pb2.AbortResponse(aborted=True)

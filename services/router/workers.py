@@ -62,11 +62,17 @@ class WorkerHandle:
         return self.role.can_decode
 
 
+# Roles that can run a whole request (context_and_generation, or generation_only without a
+# handoff: a recompute) by themselves, in the order the router prefers them for it.
+LOCAL_ROLES = (Role.BOTH, Role.DECODE, Role.PREFILL)
+
+
 class WorkerPool:
     def __init__(self, addresses: tuple[str, ...], health_interval_s: float,
-                 credentials: ClusterCredentials = ClusterCredentials()):
+                 credentials: ClusterCredentials = ClusterCredentials(), health_timeout_s: float = 1.0):
         """credentials: the router's TLS identity and tokens; its channels present them on every call."""
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         # Sent on every admin call to a worker (the channels add it too; explicit where a call is admin).
         self.admin_metadata = bearer_metadata(credentials.admin_token)
         self.workers: list[WorkerHandle] = []
@@ -77,14 +83,15 @@ class WorkerPool:
                                              health_pb2_grpc.HealthStub(channel)))
         self._rr = itertools.count()
         self.changed = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._poll_forever())
+        # One poll loop per worker: a hung worker's slow answers delay nobody else's.
+        self._tasks = [asyncio.create_task(self._poll_forever(w)) for w in self.workers]
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for w in self.workers:
             await w.channel.close()
 
@@ -143,16 +150,16 @@ class WorkerPool:
                           + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
                                       for w in self.workers) + ")")
 
-    async def _poll_forever(self) -> None:
+    async def _poll_forever(self, w: WorkerHandle) -> None:
         while True:
-            await asyncio.gather(*(self._poll(w) for w in self.workers))
+            await self._poll(w)
             self.changed.set()
             self.changed = asyncio.Event()
             await asyncio.sleep(self.health_interval_s)
 
     async def _poll(self, w: WorkerHandle) -> None:
         try:
-            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
             ready = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as exc:
             ready = False
@@ -173,6 +180,18 @@ class WorkerPool:
         if ready != w.ready:
             log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
         w.ready = ready
+
+    async def is_responsive(self, w: WorkerHandle, engine_timeout_s: float) -> bool:
+        """Whether the worker's event loop answers within the health timeout (a SIGSTOPped worker
+        does not) and its engine thread within engine_timeout_s (GetWorkerState reads the
+        engine's counters between two steps: a wedged engine does not answer, a busy one does)."""
+        try:
+            await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
+            await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=engine_timeout_s)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            # A worker that answers at all (paused, refusing) is not hung.
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
     async def wait_ready(self, timeout: float) -> bool:
         """Waits until every worker is ready; False on timeout."""

@@ -71,6 +71,8 @@ class LocalCluster:
     # TLS for every process; the router's public face demands client certificates when the
     # config has a CA and require_client_cert (the router alone honours require_client_cert=False).
     tls: TlsConfig | None = None
+    # Flags for the router (after the cluster's own, so they win).
+    router_args: list[str] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
 
     def __post_init__(self):
@@ -148,16 +150,10 @@ class LocalCluster:
         self.services.append(Service("router", "router", f"{self.host}:{port}",
                                      [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
                                       "--port", str(port), "--workers", workers, "--health-interval", "0.2",
-                                      "--metrics-port", str(metrics_port), *tls_argv],
+                                      "--metrics-port", str(metrics_port), *tls_argv, *self.router_args],
                                      self.log_dir / "router.log", self._metrics_address(metrics_port)))
-        env = dict(os.environ, **(self.env or {}))
-        env.pop("TANDEM_CLUSTER_TOKEN", None)
-        if self.cluster_token:
-            env["TANDEM_CLUSTER_TOKEN"] = self.cluster_token
         for s in self.services:
-            with open(s.log_path, "w") as log:
-                s.process = subprocess.Popen(s.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)
+            self._spawn(s, "w")
         for s in self.services:
             _RUNNING[s.address] = self
         try:
@@ -170,6 +166,29 @@ class LocalCluster:
 
     def _metrics_address(self, port: int) -> str | None:
         return f"{self.host}:{port}" if port else None
+
+    def _spawn(self, service: Service, log_mode: str) -> None:
+        env = dict(os.environ, **(self.env or {}))
+        env.pop("TANDEM_CLUSTER_TOKEN", None)
+        if self.cluster_token:
+            env["TANDEM_CLUSTER_TOKEN"] = self.cluster_token
+        with open(service.log_path, log_mode) as log:
+            service.process = subprocess.Popen(service.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               start_new_session=True)
+
+    def service(self, name: str) -> Service:
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(f"no service {name!r}; services are {[s.name for s in self.services]}")
+
+    def restart(self, service: Service) -> None:
+        """Starts a service that exited again: same role, same port, its log continued."""
+        if service.process is not None and service.process.poll() is None:
+            raise RuntimeError(f"{service.name} is still running (pid {service.process.pid})")
+        with open(service.log_path, "a") as log:
+            log.write(f"\n--- tandem: restarting {service.name} ---\n")
+        self._spawn(service, "a")
 
     def wait_serving(self, addresses: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from tandem.common.limits import RequestLimits, check_prompt_size, check_prompt_tokens, check_request
 from tandem.common.outputs import merge_outputs
 from tandem.text.processor import StopCallback, TextOptions, TextProcessor
 from tandem.text.tokenizer import Tokenizer
@@ -36,17 +37,21 @@ class TextRequest:
 
 
 class TextFront:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits | None = None, max_model_len: int = 0):
+        """max_model_len: the served model's context, when known here (0: the worker checks it)."""
         self.tokenizer = tokenizer
+        self.limits = limits or RequestLimits()
+        self.max_model_len = max_model_len
 
     async def encode_prompt(self, prompt: types_pb2.Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
-        """(token ids, prompt text or None)."""
+        """(token ids, prompt text or None); a prompt over the limits is refused before it is tokenized."""
+        check_prompt_size(prompt, self.limits)
         kind = prompt.WhichOneof("kind")
         if kind == "text":
             if not prompt.text:
                 raise ValueError("the prompt is empty: give text or token ids")
             if len(prompt.text) > _INLINE_TOKENIZE_CHARS:
-                return await asyncio.to_thread(self.tokenizer.encode, prompt.text, add_special_tokens), prompt.text
+                return await asyncio.to_thread(self.tokenizer.encode_long, prompt.text, add_special_tokens), prompt.text
             return self.tokenizer.encode(prompt.text, add_special_tokens), prompt.text
         if kind == "token_ids":
             return list(prompt.token_ids.ids), None
@@ -57,11 +62,13 @@ class TextFront:
 
     async def prepare(self, request: llm_pb2.GenerateRequest) -> TextRequest:
         params = request.sampling_params
+        check_request(request, self.limits)
         ids, text = await self.encode_prompt(request.prompt, _opt(params, "add_special_tokens", True))
         if params.HasField("truncate_prompt_tokens"):
             if params.truncate_prompt_tokens <= 0:
                 raise ValueError(f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}")
             ids = ids[-params.truncate_prompt_tokens:]
+        check_prompt_tokens(len(ids), self.limits, self.max_model_len)
         detokenize = _opt(params, "detokenize", True)
         stop = tuple(params.stop) if detokenize else ()
         if any(not s for s in stop):

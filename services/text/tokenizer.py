@@ -34,6 +34,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode() for a long text, on a worker thread: tokenizers' encode_batch lets go of the
+        GIL while it works (encode does not: a 3 MB prompt would hold every other thread,
+        the event loop included, for seconds)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -28,7 +28,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds, policy=policy,
                         tls=config.tls, health_port=config.health_port,
                         readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
-                        metrics=metrics)
+                        metrics=metrics, max_request_bytes=config.limits.max_request_bytes)
     runtime = WorkerRuntime(config, server, ready, metrics)
     server.add_drain_check(runtime.is_drained)
     # An encoder-only checkpoint gets a servicer whose generative RPCs refuse (the runtime loads it likewise).

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
+from tandem.common.limits import RequestLimits
 from tandem.common.roles import Role
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.tls import TlsConfig
@@ -30,6 +31,7 @@ class WorkerConfig:
     tls: TlsConfig | None = None
     # Plaintext grpc.health.v1 alone on this port (probes that speak no TLS).
     health_port: int | None = None
+    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:

@@ -69,6 +69,10 @@ class WorkerRequest:
         # The LoRA adapter (engine.lora_adapter.LoRAAdapter) every sequence runs with, or None.
         self.adapter = adapter
         self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
+        # The caller that started the request (the only one that may abort it), and the client
+        # its context phase's handoff is for (None: the router's own split).
+        self.owner = ""
+        self.client: str | None = None
         self.stream: asyncio.Queue = asyncio.Queue()
         self.metrics = RequestMetricsState()
         # Set by a context phase: turns a handed-off output into the caller's DisaggregatedParams,
@@ -77,6 +81,8 @@ class WorkerRequest:
         self.withdraw: Callable[..., None] | None = None
         # Work started on the request's behalf outside the engine (a KV pull), cancelled with it.
         self.tasks: list[asyncio.Task] = []
+        # Run when the call is over (a context phase's admission ends).
+        self.on_close: list[Callable[[], None]] = []
         self.sequences: dict[str, SequenceState] = {}
         for i in range(options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
@@ -160,6 +166,8 @@ class WorkerRequest:
             item = self.stream.get_nowait()
             if isinstance(item, StepOutput) and item.lease is not None:
                 self.withdraw(item.lease.lease_id)
+        for callback in self.on_close:
+            callback()
 
     def _message(self, items: list, first: bool) -> types_pb2.RequestOutput:
         by_seq: dict[str, types_pb2.CompletionOutput] = {}

@@ -53,7 +53,9 @@ class WorkerRuntime:
         self.handoff_format: HandoffFormat | None = None
         self.phases = PhasePicker(config.role)
         # The one lease table of a prefill worker.
-        self.leases = LeaseKeeper(config.engine.kv_lease_seconds) if config.role.hands_off else None
+        limits = config.limits
+        self.leases = LeaseKeeper(config.engine.kv_lease_seconds, limits.max_unclaimed_kv_fraction,
+                                  limits.max_unclaimed_kv_fraction_per_client) if config.role.hands_off else None
         self.transceiver: KvTransceiver | None = None
         self.poller: TransferPoller | None = None
         self._peers: PeerCache | None = None
@@ -76,8 +78,8 @@ class WorkerRuntime:
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
-        self.front = TextFront(self.tokenizer)
         self.engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
+        self.front = TextFront(self.tokenizer, self.config.limits, self.engine.max_model_len)
         loaded = time.perf_counter()
         mc = self.engine.model_config
         self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids()))
@@ -107,7 +109,7 @@ class WorkerRuntime:
                              f"(there is no prefill/decode split to make), not {self.role.label}")
         self.encoder = await asyncio.to_thread(EncoderRuntime, self.config.engine)
         self.tokenizer = self.encoder.tokenizer
-        self.front = TextFront(self.tokenizer)
+        self.front = TextFront(self.tokenizer, self.config.limits)
         loaded = time.perf_counter()
         await asyncio.to_thread(self.encoder.warm_up)
         self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,

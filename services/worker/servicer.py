@@ -7,6 +7,7 @@ import uuid
 
 from google.protobuf import json_format
 
+from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
@@ -37,7 +38,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
         adapter = await rt.load_adapter(text_request.engine_request)
-        worker_request = self._start(text_request.engine_request, adapter)
+        worker_request = self._start(text_request.engine_request, context, adapter)
         self.requests[worker_request.request_id] = worker_request
         try:
             messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
@@ -48,7 +49,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest, adapter=None) -> WorkerRequest:
+    def _start(self, request: llm_pb2.GenerateRequest, context, adapter=None) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for."""
         engine = self.rt.engine
         options = sampling_options(request.sampling_params, self.rt.eos_token_ids)
@@ -67,12 +68,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         worker_request = WorkerRequest(self.rt.core, request_id, prompt_ids, options, phase,
                                        request.priority if request.HasField("priority") else 0.5, salt,
                                        request.disaggregated_params, adapter)
+        worker_request.owner = caller_of(context)
+        # Whose unclaimed KV handoff a context phase would leave (the router's own splits: nobody's).
+        worker_request.client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
         start(worker_request)
         return worker_request
 
     async def Abort(self, request, context):
         worker_request = self.requests.get(request.request_id)
-        if worker_request is None:
+        if worker_request is None or not may_abort(context, worker_request.owner, self.rt.config.admin_token):
             return llm_pb2.AbortResponse(aborted=False)
         worker_request.cancel()
         return llm_pb2.AbortResponse(aborted=True)

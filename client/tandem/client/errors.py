@@ -14,10 +14,13 @@ import grpc
 class RequestError(RuntimeError):
     """A call the server refused or could not run."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
         super().__init__(f"{details} [{code.name}]")
         self.code = code
         self.details = details
+        # The server's hint (grpc-retry-pushback-ms) when the refusal is temporary, e.g. a
+        # client's unpulled KV handoffs fill its share of a prefill worker's pool.
+        self.retry_after_s = retry_after_s
 
 
 class InvalidRequestError(RequestError, ValueError):
@@ -45,6 +48,8 @@ def from_rpc_error(exc: grpc.RpcError) -> RequestError:
     """The RequestError for a failed gRPC call (grpc.aio.AioRpcError or a sync grpc.Call)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    error = _BY_CODE.get(code, RequestError)(code, details)
+    pushback = dict(exc.trailing_metadata() or ()).get("grpc-retry-pushback-ms") \
+        if hasattr(exc, "trailing_metadata") else None
+    error = _BY_CODE.get(code, RequestError)(code, details, int(pushback) / 1000 if pushback else None)
     error.__cause__ = exc
     return error

@@ -15,6 +15,18 @@ from tandem.client.errors import from_rpc_error
 from tandem.v1 import llm_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 256 << 20
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    # A restarted router is back within a second or so: reconnect after at most a second, not
+    # after gRPC's default back-off, which grows to two minutes while the router is away.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # One connection per client object, not shared with other clients in this process: the
+    # server ties a request to the connection that started it (only it may abort the request).
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 class Transport:
@@ -31,8 +43,7 @@ class Transport:
         self.stub: llm_pb2_grpc.AsyncLLMStub = self.run_sync(self._open())
 
     async def _open(self) -> llm_pb2_grpc.AsyncLLMStub:
-        options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+        options = list(_CHANNEL_OPTIONS)
         if self._server_name:
             options.append(("grpc.ssl_target_name_override", self._server_name))
         if self._credentials is not None:

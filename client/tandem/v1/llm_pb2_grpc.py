@@ -158,7 +158,9 @@ class AsyncLLMServicer:
 
     def Abort(self, request, context):
         """Abort a running request by id (RequestOutput.abort()). Unknown ids are
-        not an error: the request may have finished already.
+        not an error: the request may have finished already. Only the caller that
+        started the request (its connection, or its TLS identity) or an admin token
+        holder may abort it; another caller's request counts as unknown.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
