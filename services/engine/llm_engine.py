@@ -14,7 +14,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
+from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
 
 
 class PromptTooLongError(ValueError):
@@ -314,23 +314,20 @@ class LLMEngine:
         seq.output_logprobs.append(top)
         seq.cumulative_logprob += logprob
         self.counters.num_generated_tokens += 1
-        opts = seq.options
-        if seq.num_output_tokens >= opts.min_tokens and token_id in opts.end_ids():
-            seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token_id
-        elif (seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len
-              or self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks):
-            # The last condition: the whole KV pool cannot hold the next step's KV.
-            seq.finish_reason = FinishReason.LENGTH
-        finished = seq.finish_reason is not None
-        # A context_only sequence that is not done ends here with its first token; its KV
-        # leaves the engine under a lease for the decode worker to pull.
+        seq.finish_reason, seq.stop_token_id = natural_finish(seq.options, seq.num_prompt_tokens,
+                                                              seq.output_token_ids, self.max_model_len)
+        if seq.finish_reason is None and self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+            seq.finish_reason = FinishReason.LENGTH  # the whole KV pool cannot hold the next step's KV
+        # A context_only sequence ends here with its first token, whether or not that token ends it
+        # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.
         lease = None
-        if not finished and seq.phase is Phase.CONTEXT_ONLY:
+        if seq.phase is Phase.CONTEXT_ONLY:
             lease = self.leases.open(seq.request_id, seq.block_table)
             seq.block_table, seq.block_hashes = [], []
-        if finished or lease is not None:
+        finished = seq.finish_reason is not None or lease is not None
+        if finished:
             self._finish(seq)
-        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or lease is not None,
+        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
                           seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
                           lease)
 

@@ -31,6 +31,19 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
 
 
+def natural_finish(options: SamplingOptions, num_prompt_tokens: int, output_token_ids: list[int],
+                   max_model_len: int) -> tuple[FinishReason | None, int | None]:
+    """How a sequence whose output so far is output_token_ids ends after its last token, by its own
+    options: (STOP, the end id) once min_tokens are out, (LENGTH, None) at max_tokens or the model's
+    context length, else (None, None)."""
+    num_output = len(output_token_ids)
+    if num_output and num_output >= options.min_tokens and output_token_ids[-1] in options.end_ids():
+        return FinishReason.STOP, output_token_ids[-1]
+    if num_output >= options.max_tokens or num_prompt_tokens + num_output >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None, None
+
+
 @dataclass(eq=False)  # identity: queues test membership, and field-wise __eq__ is O(tokens)
 class Sequence:
     request_id: str

@@ -44,11 +44,16 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     ctx.streaming = False
     ctx.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
     ctx.disaggregated_params.disagg_request_id = random.getrandbits(63)
+    ctx.disaggregated_params.finish_in_context = True
     prefill, ctx_out = await failover.context_with_retry(route, ctx)
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
-    for out in ctx_out.outputs:
-        out.ClearField("disaggregated_params")  # router-internal; the caller did not ask for a split
+    handoff.ClearField("first_gen_log_probs")  # the first token's logprob stays in Progress.logprob_base
+    ctx_out.ClearField("disaggregated_params")
+    for out in ctx_out.outputs:  # router-internal; the caller did not ask for a split
+        out.ClearField("disaggregated_params")
+        if out.finish_reason == types_pb2.FINISH_REASON_NOT_FINISHED:
+            out.finish_reason = types_pb2.FINISH_REASON_UNSPECIFIED
     if not handoff.opaque_state:  # finished in the context phase (max_tokens=1, EOS, cancelled)
         ctx_out.metrics.served_by[:] = route.served_by
         yield ctx_out

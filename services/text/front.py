@@ -79,10 +79,9 @@ class TextFront:
         del engine_params.stop[:]
         if options.strip_logprobs:
             engine_params.logprobs = 0
-        processor = TextProcessor(self.tokenizer, options, text)
-        if request.disaggregated_params.request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
-            processor.prime(0, list(request.disaggregated_params.first_gen_tokens))
-        return TextRequest(engine_request, processor, request.streaming)
+        # A generation_only output starts with the context phase's tokens: its text is detokenized
+        # from them on, as an aggregated run's is.
+        return TextRequest(engine_request, TextProcessor(self.tokenizer, options, text), request.streaming)
 
     @staticmethod
     async def respond(text_request: TextRequest, messages: AsyncIterator[types_pb2.RequestOutput],

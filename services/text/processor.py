@@ -54,14 +54,6 @@ class TextProcessor:
             self._sequences[index] = _Sequence(detok)
         return self._sequences[index]
 
-    def prime(self, index: int, token_ids: list[int]) -> None:
-        """Tokens an earlier phase already streamed (generation_only): fed one at a time, as they
-        were then, so the text held back here is exactly what was held back there."""
-        detok = self._sequence(index).detokenizer
-        if detok is not None:
-            for token in token_ids:
-                detok.add(token)
-
     async def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
                   on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         """Adds text to each message. When stop strings end every sequence, the message that says
@@ -120,8 +112,9 @@ class TextProcessor:
             self._strip_logprobs(comp)
             return False
         tokens = list(comp.token_ids)
-        # The end of the sequence (not a handoff to a decode worker: its text carries on there).
-        final = comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED and not comp.HasField("disaggregated_params")
+        # The end of this call's sequence (a handed-off context_only output included: its caller
+        # gets the first token's text, and the generation_only call detokenizes from that token on).
+        final = comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
         text = []
         for j, token in enumerate(tokens):
             text.append(detok.add(token, final=final and j == len(tokens) - 1))

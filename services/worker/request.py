@@ -14,7 +14,7 @@ from typing import Callable
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.sequence import FinishReason, Phase
+from tandem.engine.sequence import FinishReason, Phase, natural_finish
 from tandem.v1 import types_pb2
 
 FINISH_REASONS = {
@@ -23,6 +23,10 @@ FINISH_REASONS = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
 }
+
+
+def _entry_logprob(entry: types_pb2.TokenLogprobs, token: int) -> float | None:
+    return entry.logprobs[token] if token in entry.logprobs else None
 
 # Put on a request's stream by Abort / PauseGeneration.
 CANCELLED = object()
@@ -42,6 +46,8 @@ class SequenceState:
     finished: bool = False
     # The lease of a context phase handed off in this sequence's output, until the caller has it.
     undelivered_lease: int | None = None
+    # Its first message went out (a generation_only output starts with first_gen_tokens).
+    started: bool = False
 
 
 @dataclasses.dataclass
@@ -59,6 +65,15 @@ class WorkerRequest:
                  disaggregated_params: types_pb2.DisaggregatedParams | None = None):
         if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
             raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
+        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
+        # A generation_only output starts with the tokens the context phase sampled (TensorRT-LLM's
+        # generation output holds the first token too), with their logprobs when the handoff has them.
+        self.first_tokens: list[int] = list(self.disagg_in.first_gen_tokens) if phase is Phase.GENERATION_ONLY else []
+        self.first_logprobs = list(self.disagg_in.first_gen_log_probs)[:len(self.first_tokens)]
+        known = [_entry_logprob(e, t) for e, t in zip(self.first_logprobs, self.first_tokens)]
+        self.first_cumulative = sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
+        if phase is Phase.GENERATION_ONLY:
+            options = dataclasses.replace(options, prompt_logprobs=None)  # the context phase had the prompt
         self.core = core
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -66,7 +81,6 @@ class WorkerRequest:
         self.phase = phase
         self.priority = priority
         self.cache_salt = cache_salt
-        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
         self.stream: asyncio.Queue = asyncio.Queue()
         self.metrics = RequestMetricsState()
         # Set by a context phase: turns a handed-off output into the caller's DisaggregatedParams,
@@ -89,6 +103,17 @@ class WorkerRequest:
     @property
     def first_gen_tokens(self) -> list[int]:
         return list(self.disagg_in.first_gen_tokens)
+
+    def finish_if_first_tokens_end(self) -> bool:
+        """generation_only: when the context phase's tokens already end the sequence (max_tokens=1,
+        EOS, a stop token), it ends here with them and nothing runs. Returns whether it did."""
+        state = self.only_sequence
+        reason, stop_token = natural_finish(state.options, len(self.prompt_token_ids), self.first_tokens,
+                                            self.core.engine.max_model_len)
+        if reason is None:
+            return False
+        self.stream.put_nowait(StepOutput(state.engine_id, [], [], 0.0, True, reason, stop_token))
+        return True
 
     def submit(self, phase: Phase, output_token_ids: list[int] | None = None) -> None:
         """Queues every sequence in the engine."""
@@ -178,6 +203,9 @@ class WorkerRequest:
             self._apply(by_seq, item)
         msg = types_pb2.RequestOutput(request_id=self.request_id, finished=self.is_finished,
                                       outputs=sorted(by_seq.values(), key=lambda o: o.index))
+        handoff = next((o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")), None)
+        if handoff is not None:
+            msg.disaggregated_params.CopyFrom(handoff)
         if first:
             msg.prompt_token_ids.extend(self.prompt_token_ids)
         if msg.finished:
@@ -194,10 +222,17 @@ class WorkerRequest:
         metrics.kv_transfer_bytes = m.kv_transfer_bytes
         metrics.kv_transfer_s = m.kv_transfer_s
 
-    @staticmethod
-    def _completion(by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
+    def _completion(self, by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
         if state.engine_id not in by_seq:
-            by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
+            comp = by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
+            if not state.started:
+                state.started = True
+                comp.token_ids.extend(self.first_tokens)
+                comp.cumulative_logprob = self.first_cumulative
+                if self.options.logprobs is not None and self.first_tokens:
+                    entries = self.first_logprobs + [types_pb2.TokenLogprobs()] * (
+                        len(self.first_tokens) - len(self.first_logprobs))
+                    comp.logprobs.extend(entries)
         return by_seq[state.engine_id]
 
     def _apply(self, by_seq: dict, out: StepOutput) -> None:
@@ -211,13 +246,22 @@ class WorkerRequest:
         self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
         comp = self._completion(by_seq, state)
         comp.token_ids.extend(out.new_token_ids)
-        comp.cumulative_logprob = out.cumulative_logprob
+        comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
+        new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}) for e in out.new_logprobs]
         if self.options.logprobs is not None:
-            comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs=e or {}) for e in out.new_logprobs)
+            comp.logprobs.extend(new_logprobs)
+        if out.lease is not None and self.disagg_in.finish_in_context and out.finish_reason is not None:
+            # The router's split: a request its first token ends is over here, no handoff.
+            self.withdraw(out.lease.lease_id, stopped=True)
+            out.lease = None
         if out.lease is not None:
-            # The context phase is done: the first token plus where its KV is. finish_reason stays
-            # unset: the request continues on a decode worker.
-            comp.disaggregated_params.CopyFrom(self.hand_off(out))
+            # The context phase is done: the first token plus where its KV is; the request goes on
+            # where the handoff is presented (TensorRT-LLM's finish_reason 'not_finished').
+            handoff = self.hand_off(out)
+            if self.options.logprobs is not None:
+                handoff.first_gen_log_probs.extend(new_logprobs)
+            comp.disaggregated_params.CopyFrom(handoff)
+            comp.finish_reason = types_pb2.FINISH_REASON_NOT_FINISHED
             state.undelivered_lease = out.lease.lease_id
             state.finished = True
         elif out.finished:

@@ -8,7 +8,8 @@ from tandem.client.params import DisaggregatedParams
 from tandem.v1 import types_pb2
 
 _FINISH = {types_pb2.FINISH_REASON_UNSPECIFIED: None, types_pb2.FINISH_REASON_STOP: "stop",
-           types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+           types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_CANCELLED: "cancelled",
+           types_pb2.FINISH_REASON_NOT_FINISHED: "not_finished"}
 
 
 @dataclass(slots=True)
@@ -113,6 +114,7 @@ class RequestOutputState:
         self._num_logprobs = num_logprobs
         self._num_prompt_logprobs = num_prompt_logprobs
         self._prompt_logprobs: TokenLogprobs = []
+        self._disaggregated_params: Optional[DisaggregatedParams] = None
 
     @property
     def outputs_by_index(self) -> dict[int, CompletionOutput]:
@@ -121,6 +123,8 @@ class RequestOutputState:
     @property
     def disaggregated_params(self) -> Optional[DisaggregatedParams]:
         """The request-level handoff of a context_only request (TensorRT-LLM's result.disaggregated_params)."""
+        if self._disaggregated_params is not None:
+            return self._disaggregated_params
         return next((o.disaggregated_params for o in self.outputs if o.disaggregated_params is not None), None)
 
     @property
@@ -134,6 +138,8 @@ class RequestOutputState:
             self.prompt = msg.prompt
         if msg.prompt_token_ids:
             self.prompt_token_ids = list(msg.prompt_token_ids)
+        if msg.HasField("disaggregated_params"):
+            self._disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
         if msg.prompt_logprobs:
             self._prompt_logprobs = [token_logprobs(lp, self._num_prompt_logprobs or 0, None)
                                      for lp in msg.prompt_logprobs]
