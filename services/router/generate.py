@@ -9,6 +9,7 @@ import time
 
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
+from tandem.common.sampling import check_several_returns
 from tandem.common.streams import merge
 from tandem.router import failover
 from tandem.router.failover import Progress
@@ -102,6 +103,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
 async def split_n(route: Route, request: llm_pb2.GenerateRequest):
     """n > 1 over prefill/decode: n single-sequence splits (seed + i, as an aggregated worker
     seeds its n sequences), streamed together, outputs re-indexed, one final message."""
+    check_several_returns(request.sampling_params)  # each split has n=1: refuse greedy n > 1 here
     n = request.sampling_params.n
     subs = []
     for i in range(n):

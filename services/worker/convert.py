@@ -1,6 +1,7 @@
 """Proto messages <-> the engine's types. Validation errors are ValueErrors (INVALID_ARGUMENT)."""
 from __future__ import annotations
 
+from tandem.common.sampling import check_several_returns, implies_greedy
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.v1 import types_pb2
 
@@ -10,18 +11,24 @@ def _opt(msg, name: str, default):
 
 
 def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingOptions:
-    """SamplingParams -> SamplingOptions with the engine's defaults (greedy unless a temperature is given)."""
+    """SamplingParams -> SamplingOptions as TensorRT-LLM reads them: greedy when the params imply it
+    (no temperature, top_k or top_p; top_k=1; top_p=0; temperature=0), else sampling at the given
+    temperature or 1. end_id=-1 is no end id (the model's EOS does not stop the sequence)."""
     end_id = _opt(params, "end_id", None)
     best_of = _opt(params, "best_of", None)
     n = _opt(params, "n", 1)
+    check_several_returns(params)
     if best_of is not None and best_of != n:
         raise NotImplementedError("best_of different from n is not supported yet; leave best_of unset")
+    greedy = implies_greedy(params)
+    if end_id is not None and end_id != -1 and end_id < 0:
+        raise ValueError(f"end_id must be a token id or -1 (no end id), got {end_id}")
     return SamplingOptions(
         max_tokens=_opt(params, "max_tokens", 32),
         min_tokens=_opt(params, "min_tokens", 0),
-        temperature=_opt(params, "temperature", 0.0),
+        temperature=0.0 if greedy else _opt(params, "temperature", 1.0),
         top_k=_opt(params, "top_k", 0),
-        top_p=_opt(params, "top_p", 1.0),
+        top_p=1.0 if greedy else _opt(params, "top_p", 1.0),
         min_p=_opt(params, "min_p", 0.0),
         seed=_opt(params, "seed", None),
         n=n,
@@ -37,7 +44,7 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
         detokenize=_opt(params, "detokenize", True),
         skip_special_tokens=_opt(params, "skip_special_tokens", True),
         spaces_between_special_tokens=_opt(params, "spaces_between_special_tokens", True),
-        eos_token_ids=(end_id,) if end_id is not None else eos_token_ids,
+        eos_token_ids=eos_token_ids if end_id is None else () if end_id == -1 else (end_id,),
     )
 
 
