@@ -276,7 +276,9 @@ class LLMEngine:
         if batch.is_empty:
             return None
         started = time.perf_counter()
-        sampled, draws = self.runner.execute(batch)
+        sampled, draws, prompt_logprobs = self.runner.execute(batch)
+        for seq, entries in prompt_logprobs.items():
+            seq.prompt_logprobs += entries
         self.counters.last_batch = {
             "numScheduledRequests": len(batch.seqs),
             "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
@@ -301,13 +303,15 @@ class LLMEngine:
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
                     continue
-                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
+                                                  result.ranks[k] if result.ranks else None))
                 self.block_manager.register_computed(seq)  # the block the token completes, now known
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None,
+                      ranks: dict[int, int] | None = None) -> StepOutput:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         seq.output_token_ids.append(token_id)
@@ -327,9 +331,12 @@ class LLMEngine:
         finished = seq.finish_reason is not None or lease is not None
         if finished:
             self._finish(seq)
+        prompt_logprobs = None
+        if seq.options.prompt_logprobs and seq.num_output_tokens == 1:
+            prompt_logprobs = seq.prompt_logprobs
         return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
                           seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                          lease)
+                          lease, [ranks], prompt_logprobs)
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

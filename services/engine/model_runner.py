@@ -15,7 +15,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.loader import allocate_kv_cache, load_model
-from tandem.engine.sampler import SampledBatch, Sampler
+from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers
@@ -169,10 +169,35 @@ class ModelRunner:
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache)
         return self.model.compute_logits(hidden)
 
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor | None, logits: torch.Tensor | None,
+                         seqs: list[Sequence]) -> dict[Sequence, list[PositionLogprobs]]:
+        """The prompt positions this step computes for sequences that asked for prompt_logprobs:
+        the top prompt_logprobs of each position's next-token distribution (TensorRT-LLM's
+        compute_logprobs over the context logits). Rare, so read back at once (a sync on CUDA)."""
+        found: dict[Sequence, list[PositionLogprobs]] = {}
+        first_row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            rows_start, first_row = first_row, first_row + num_new
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens  # the step's first position (counted after execute)
+            positions = range(max(start, len(seq.prompt_logprobs)), min(start + num_new, seq.num_prompt_tokens))
+            if not positions:
+                continue
+            if hidden is None:  # a decode graph: its one row per sequence is the sampled row
+                rows = logits[[seqs.index(seq)]]
+            else:
+                rows = self.model.compute_logits(hidden[rows_start + positions.start - start:
+                                                        rows_start + positions.stop - start])
+            found[seq] = top_logprobs(rows, seq.options.prompt_logprobs)
+        return found
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None]:
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None,
+                                                      dict[Sequence, list[PositionLogprobs]]]:
         """Runs one step and queues the draws of the sequences whose last token it computed.
-        Returns those sequences and their draws (still on the device: SampledBatch.to_host())."""
+        Returns those sequences, their draws (still on the device: SampledBatch.to_host()) and the
+        prompt logprobs of the positions it computed for sequences that asked for them."""
         self.bind_device()
         graph_size = self._graph_size(batch)
         if graph_size is not None:
@@ -183,14 +208,17 @@ class ModelRunner:
             tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
             inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         seqs = [batch.seqs[i] for i in inputs.sample_indices]
+        hidden = logits = None
         if graph_size is not None:
             logits = self.graphs.run(graph_size)[:len(seqs)]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
-            if not seqs:
-                self._last_draws = None
-                return [], None
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            if seqs:
+                logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        prompt_logprobs = self._prompt_logprobs(batch, hidden, logits, seqs)
+        if not seqs:
+            self._last_draws = None
+            return [], None, prompt_logprobs
         # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
         # (Penalties need the ids themselves: the engine reads them back before such a step.)
         drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
@@ -200,4 +228,4 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [s.options.end_ids() if n < s.options.min_tokens else frozenset() for s, n in zip(seqs, drawn)])
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
-        return seqs, draws
+        return seqs, draws, prompt_logprobs

@@ -13,7 +13,7 @@ drawn (a KV handoff or a migration continues the same stream).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each sampled token under the model
     top_logprobs: list[dict[int, float] | None]
+    # Rank in the vocabulary (1 = most likely) of every entry of top_logprobs: the top k by their
+    # order, the sampled token by a count on the device (executor/result.py, compute_logprobs).
+    ranks: list[dict[int, int] | None] = field(default_factory=list)
 
 
 def row_key(seed: int, token_index: int) -> int:
@@ -68,6 +71,16 @@ def _truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.zeros_like(cut).scatter(1, order, cut)
 
 
+# One position's top log-probabilities and their vocabulary ranks: ({token: logprob}, {token: rank}).
+PositionLogprobs = tuple[dict[int, float], dict[int, int]]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[PositionLogprobs]:
+    """The k most likely tokens of each row's distribution, ranked 1..k (read back to the host)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return [(dict(zip(i, v)), {t: r + 1 for r, t in enumerate(i)}) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).to(device, non_blocking=True)
@@ -82,6 +95,7 @@ class SampledBatch:
     num_top: int  # columns of the top-logprob block (0: no row asked)
     host: "_HostBuffers"
     ready: torch.cuda.Event | None = None
+    has_ranks: bool = False  # some row asked for logprobs: the sampled tokens' ranks came back
 
     def to_host(self) -> SampleResult:
         if self.ready is not None:
@@ -90,19 +104,26 @@ class SampledBatch:
         token_ids = self.host.token_ids[:num_rows].tolist()
         logprobs = self.host.logprobs[:num_rows].tolist()
         top: list[dict[int, float] | None] = []
-        values = ids = None
+        ranks: list[dict[int, int] | None] = []
+        values = ids = sampled_ranks = None
         if self.num_top:
             values = self.host.top_values[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
             ids = self.host.top_ids[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
+        if self.has_ranks:
+            sampled_ranks = self.host.ranks[:num_rows].tolist()
         for row, opt in enumerate(self.options):
             if opt.logprobs is None:
                 top.append(None)
+                ranks.append(None)
                 continue
             entry = {token_ids[row]: logprobs[row]}
+            rank = {token_ids[row]: sampled_ranks[row]}
             if opt.logprobs:
                 entry.update(zip(ids[row][:opt.logprobs], values[row][:opt.logprobs]))
+                rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
             top.append(entry)
-        return SampleResult(token_ids, logprobs, top)
+            ranks.append(rank)
+        return SampleResult(token_ids, logprobs, top, ranks)
 
 
 class _HostBuffers:
@@ -118,6 +139,7 @@ class _HostBuffers:
         self.keys = empty(max_rows, dtype=torch.long)
         self.token_ids = empty(max_rows, dtype=torch.long)
         self.logprobs = empty(max_rows, dtype=torch.float32)
+        self.ranks = empty(max_rows, dtype=torch.long)
         # Flat: a step's [rows, k] block lands contiguously, so its copy stays asynchronous.
         self.top_ids = empty(max_rows * max_top, dtype=torch.long)
         self.top_values = empty(max_rows * max_top, dtype=torch.float32)
@@ -173,11 +195,15 @@ class Sampler:
             values, ids = (raw - lse[:, None]).topk(num_top, dim=-1)
             host.top_values[:values.numel()].view_as(values).copy_(values, non_blocking=True)
             host.top_ids[:ids.numel()].view_as(ids).copy_(ids, non_blocking=True)
+        has_ranks = any(o.logprobs is not None for o in options)
+        if has_ranks:  # 1 + the tokens the model finds strictly more likely, counted on the device
+            sampled_raw = raw.gather(1, chosen[:, None])
+            host.ranks[:num_rows].copy_((raw > sampled_raw).sum(dim=-1) + 1, non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready)
+        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], options: list[SamplingOptions],
                          histories: list[list[int]], outputs: list[list[int]]) -> None:

@@ -102,8 +102,10 @@ class Scheduler:
                 return None
             bm.grow(seq, num_new)
             return num_new
-        # At least the last token is computed: its logits are what the step samples from.
-        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, seq.num_tokens - 1)
+        # At least the last token is computed: its logits are what the step samples from. Prompt
+        # logprobs need every prompt position's logits: nothing comes from the cache then.
+        max_cached = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
+        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, max_cached)
         num_cached = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached, budget)
         if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):

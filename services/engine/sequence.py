@@ -54,6 +54,8 @@ class Sequence:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Top log-probabilities of each prompt position computed so far (options.prompt_logprobs).
+    prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -84,6 +86,12 @@ class Sequence:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt_logprobs and not every prompt position has them yet: its prompt is
+        computed whole (no prefix cache), each position once (not again after a preemption)."""
+        return bool(self.options.prompt_logprobs) and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

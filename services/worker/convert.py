@@ -54,8 +54,6 @@ def check_unsupported(request) -> None:
         raise NotImplementedError("LoRA adapters are not supported yet (lora_request)")
     if request.HasField("prompt_adapter_request") and request.prompt_adapter_request.prompt_adapter_name:
         raise NotImplementedError("prompt adapters are not supported yet (prompt_adapter_request)")
-    if request.sampling_params.HasField("prompt_logprobs"):
-        raise NotImplementedError("prompt_logprobs is not supported yet")
     if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:
         raise ValueError(f"priority must be in [0, 1], got {request.priority}")
     for name in _UNIMPLEMENTED_SAMPLING_FIELDS:

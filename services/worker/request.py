@@ -90,6 +90,9 @@ class WorkerRequest:
         # Work started on the request's behalf outside the engine (a KV pull), cancelled with it.
         self.tasks: list[asyncio.Task] = []
         self.sequences: dict[str, SequenceState] = {}
+        # The prompt's logprobs (prompt_logprobs), from the first sequence that has them, sent once.
+        self.prompt_logprobs_sent = False
+        self.pending_prompt_logprobs: list[types_pb2.TokenLogprobs] = []
         for i in range(options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
             opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
@@ -206,6 +209,9 @@ class WorkerRequest:
         handoff = next((o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")), None)
         if handoff is not None:
             msg.disaggregated_params.CopyFrom(handoff)
+        if self.pending_prompt_logprobs:
+            msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
+            self.pending_prompt_logprobs = []
         if first:
             msg.prompt_token_ids.extend(self.prompt_token_ids)
         if msg.finished:
@@ -247,7 +253,11 @@ class WorkerRequest:
         comp = self._completion(by_seq, state)
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
-        new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}) for e in out.new_logprobs]
+        ranks = out.new_ranks or [None] * len(out.new_logprobs)
+        new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}, ranks=r or {}) for e, r in zip(out.new_logprobs, ranks)]
+        if out.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            self.pending_prompt_logprobs = [types_pb2.TokenLogprobs(logprobs=v, ranks=r) for v, r in out.prompt_logprobs]
         if self.options.logprobs is not None:
             comp.logprobs.extend(new_logprobs)
         if out.lease is not None and self.disagg_in.finish_in_context and out.finish_reason is not None:

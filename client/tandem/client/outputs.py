@@ -143,6 +143,8 @@ class RequestOutputState:
         if msg.prompt_logprobs:
             self._prompt_logprobs = [token_logprobs(lp, self._num_prompt_logprobs or 0, None)
                                      for lp in msg.prompt_logprobs]
+            for out in self.outputs:
+                out.prompt_logprobs = self._prompt_logprobs
         current = self.outputs_by_index
         for out in self.outputs:
             out.text_diff, out.token_ids_diff, out.logprobs_diff = "", [], []
