@@ -101,7 +101,8 @@ def test_the_defaults_spelled_out_keep_working(llm):
     stop_at = plain.outputs[0].token_ids[2]
     stopped = llm.generate("defaults", SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[stop_at]),
                            use_tqdm=False).outputs[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+    assert stopped.token_ids == plain.outputs[0].token_ids[:plain.outputs[0].token_ids.index(stop_at)]
     seeded = [llm.generate("seeded", SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=11,
                                                     ignore_eos=True), use_tqdm=False).outputs[0].token_ids
               for _ in range(2)]

@@ -63,6 +63,10 @@ class SamplingOptions:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def eos_ids(self) -> frozenset[int]:
+        """The end ids (the model's EOS or end_id) that end this sequence, stop tokens aside."""
+        return frozenset(() if self.ignore_eos else self.eos_token_ids)
+
     def end_ids(self) -> frozenset[int]:
         """Token ids that finish the sequence once min_tokens are out."""
         ids = set(self.stop_token_ids)

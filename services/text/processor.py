@@ -36,6 +36,11 @@ class _Sequence:
         self.detokenizer = detokenizer
         self.stopped = False  # ended here by a stop string; the producer's later outputs are dropped
         self.finished = False
+        # With stop strings (not kept in the output), tokens whose text is held back are held back
+        # too, with their logprobs: a stop string takes its tokens out of token_ids.
+        self.held_tokens: list[int] = []
+        self.held_logprobs: list[types_pb2.TokenLogprobs] = []
+        self.num_released = 0
 
 
 class TextProcessor:
@@ -121,7 +126,11 @@ class TextProcessor:
             if detok.stop_string is not None:
                 self._cut(comp, j + 1)
                 break
+        if final and not tokens:
+            text.append(detok.add(None, final=True))
         comp.text = "".join(text)
+        if detok.stop and not detok.include_stop:
+            self._hold_tokens(comp, state, final)
         self._strip_logprobs(comp)
         if detok.stop_string is None:
             return False
@@ -140,6 +149,30 @@ class TextProcessor:
             comp.cumulative_logprob -= entry.logprobs.get(token, 0.0)
         del comp.token_ids[num_kept:]
         del comp.logprobs[num_kept:]
+
+    @staticmethod
+    def _hold_tokens(comp: types_pb2.CompletionOutput, state: _Sequence, final: bool) -> None:
+        """Sends on the tokens whose text is out (all of them at the end); a stop string drops the
+        held tokens whose text starts inside it (their logprobs stay in cumulative_logprob, as
+        TensorRT-LLM's cum_log_probs keep the stop word's)."""
+        detok = state.detokenizer
+        aligned = len(comp.logprobs) == len(comp.token_ids)
+        state.held_tokens += comp.token_ids
+        state.held_logprobs += comp.logprobs if aligned else []
+        if detok.stop_string is not None:
+            num_out = detok.num_kept_tokens
+        elif final:
+            num_out = len(detok.token_ids)
+        else:
+            num_out = detok.num_emitted_tokens
+        release = max(0, num_out - state.num_released)
+        del comp.token_ids[:]
+        comp.token_ids.extend(state.held_tokens[:release])
+        del comp.logprobs[:]
+        comp.logprobs.extend(state.held_logprobs[:release])
+        del state.held_tokens[:release]
+        del state.held_logprobs[:release]
+        state.num_released += release
 
     def _strip_logprobs(self, comp: types_pb2.CompletionOutput) -> None:
         if self.options.strip_logprobs:

@@ -277,5 +277,11 @@ class WorkerRequest:
         elif out.finished:
             state.finished = True
             comp.finish_reason = FINISH_REASONS[out.finish_reason]
-            if out.stop_token_id is not None:
+            if out.stop_token_id is not None and out.stop_token_id not in state.options.eos_ids():
+                # A stop token (TensorRT-LLM's stop word): the stop reason, and out of token_ids unless
+                # include_stop_str_in_output. The end id (EOS) stays and sets no stop reason
+                # (executor/result.py, GenerationResultBase._handle_sequence).
                 comp.stop_token_id = out.stop_token_id
+                if not state.options.include_stop_str_in_output and comp.token_ids:
+                    del comp.token_ids[-1]
+                    del comp.logprobs[len(comp.token_ids):]
