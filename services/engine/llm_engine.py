@@ -49,8 +49,9 @@ class InFlightStep:
 
     @property
     def needs_ids(self) -> bool:
-        """The next step cannot run before these ids are on the host: a penalty counts them."""
-        return any(seq.options.has_penalties for seq in self.sampled)
+        """The next step cannot run before these ids are on the host: a penalty counts them, a bad
+        word or an n-gram matches them."""
+        return any(seq.options.needs_token_ids for seq in self.sampled)
 
 
 @dataclass
@@ -119,6 +120,11 @@ class LLMEngine:
         bad = [t for t in options.stop_token_ids + options.eos_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
+        bad = [t for word in options.bad_words for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        if options.embedding_bias and len(options.embedding_bias) != vocab:
+            raise ValueError(f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
                       priority: float, cache_salt: str | None, output_token_ids: list[int] | None) -> Sequence:

@@ -15,6 +15,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.logits_masks import banned_ids
 from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
@@ -226,6 +227,7 @@ class ModelRunner:
             logits, [s.options for s in seqs], drawn,
             [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
             [s.output_token_ids for s in seqs],
-            [s.options.end_ids() if n < s.options.min_tokens else frozenset() for s, n in zip(seqs, drawn)])
+            [banned_ids(s.options, s.all_token_ids if s.options.needs_token_ids else [], n)
+             for s, n in zip(seqs, drawn)])
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws, prompt_logprobs

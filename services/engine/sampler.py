@@ -160,6 +160,8 @@ class Sampler:
         self._turn = 0
         self._params = torch.zeros(len(_HostBuffers.PARAMS), max_rows, device=self.device)
         self._keys = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        # id(options.embedding_bias) -> (the values, kept alive so the id stays theirs; on the device)
+        self._biases: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], token_indices: list[int],
                histories: list[list[int]], outputs: list[list[int]],
@@ -177,7 +179,10 @@ class Sampler:
         # Penalties and min_tokens are rare: their small index tensors are built per step.
         penalized = [row for row, o in enumerate(options) if o.has_penalties]
         blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids]
-        logits = raw.clone() if penalized or blocked_pairs else raw
+        biased = [row for row, o in enumerate(options) if o.embedding_bias]
+        logits = raw.clone() if penalized or blocked_pairs or biased else raw
+        if biased:
+            logits[biased] += torch.stack([self._bias(options[row].embedding_bias) for row in biased])
         if penalized:
             self._apply_penalties(logits, penalized, options, histories, outputs)
         if blocked_pairs:
@@ -204,6 +209,16 @@ class Sampler:
             ready = torch.cuda.Event()
             ready.record()
         return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks)
+
+    def _bias(self, values: tuple[float, ...]) -> torch.Tensor:
+        """A request's embedding bias on the device, built once per request (its options object
+        lives as long as the request; a few are kept)."""
+        key = id(values)
+        if key not in self._biases:
+            if len(self._biases) >= 64:
+                self._biases.clear()
+            self._biases[key] = (values, torch.tensor(values, dtype=torch.float32).to(self.device))
+        return self._biases[key][1]
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], options: list[SamplingOptions],
                          histories: list[list[int]], outputs: list[list[int]]) -> None:

@@ -28,6 +28,12 @@ class SamplingOptions:
     spaces_between_special_tokens: bool = True
     # End-of-sequence ids of the model (or end_id); ignored when ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Token sequences never generated (bad_token_ids are one-token words; `bad` strings tokenized).
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # No n-gram of this size appears twice in the sequence (0: off).
+    no_repeat_ngram_size: int = 0
+    # Added to the logits before sampling, one float per vocabulary entry (empty: none).
+    embedding_bias: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -54,10 +60,20 @@ class SamplingOptions:
                 raise ValueError(f"{name} must be in [0, 20], got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(not w for w in self.bad_words):
+            raise ValueError("bad words must not be empty")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_token_ids(self) -> bool:
+        """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
+        step must read them back first."""
+        return self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

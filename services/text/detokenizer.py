@@ -34,6 +34,18 @@ class IncrementalDetokenizer:
         # Tokens that keep their place in the output once a stop string is found: those whose text
         # starts before the stop string (unless it is kept), as TensorRT-LLM trims the stop's tokens.
         self.num_kept_tokens: int | None = None
+        self._stop_from = 0  # stop strings are looked for from here on (after a prefix)
+
+    def add_prefix(self, token_ids: list[int]) -> str:
+        """Tokens shown before the generated ones (the prompt, exclude_input_from_output=False): their
+        text goes out at once and no stop string is looked for in it."""
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            self.text += self._stream.step(self.tokenizer.backend, token_id) or ""
+            self._ends.append(len(self.text))
+        start, self._emitted = self._emitted, len(self.text)
+        self._stop_from = len(self.text)
+        return self.text[start:]
 
     def add(self, token_id: int | None, final: bool = False) -> str:
         """Appends one token; returns the new text that is safe to emit. Sets stop_string (and
@@ -58,7 +70,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _check_stop(self) -> None:
-        window_start = max(0, self._emitted - self._hold - 1)
+        window_start = max(self._stop_from, self._emitted - self._hold - 1)
         best: tuple[int, str] | None = None
         for s in self.stop:
             at = self.text.find(s, window_start)

@@ -29,6 +29,8 @@ class TextOptions:
     # The producer was asked for the sampled tokens' logprobs only so that a stop string can
     # cut cumulative_logprob exactly; the client did not ask for them.
     strip_logprobs: bool = False
+    # Shown before each sequence's tokens (the prompt, when exclude_input_from_output is false).
+    prefix_token_ids: tuple[int, ...] = ()
 
 
 class _Sequence:
@@ -41,6 +43,7 @@ class _Sequence:
         self.held_tokens: list[int] = []
         self.held_logprobs: list[types_pb2.TokenLogprobs] = []
         self.num_released = 0
+        self.prefixed = False  # TextOptions.prefix_token_ids went out
 
 
 class TextProcessor:
@@ -113,9 +116,14 @@ class TextProcessor:
     def _apply_completion(self, comp: types_pb2.CompletionOutput, state: _Sequence) -> bool:
         """Detokenizes comp's new tokens; True when a stop string ended the sequence here."""
         detok = state.detokenizer
+        prefix = [] if state.prefixed else list(self.options.prefix_token_ids)
+        state.prefixed = True
         if detok is None:
             self._strip_logprobs(comp)
+            self._prepend(comp, prefix)
             return False
+        prefix_text = detok.add_prefix(prefix) if prefix else ""
+        state.num_released += len(prefix)
         tokens = list(comp.token_ids)
         # The end of this call's sequence (a handed-off context_only output included: its caller
         # gets the first token's text, and the generation_only call detokenizes from that token on).
@@ -128,10 +136,11 @@ class TextProcessor:
                 break
         if final and not tokens:
             text.append(detok.add(None, final=True))
-        comp.text = "".join(text)
+        comp.text = prefix_text + "".join(text)
         if detok.stop and not detok.include_stop:
             self._hold_tokens(comp, state, final)
         self._strip_logprobs(comp)
+        self._prepend(comp, prefix)
         if detok.stop_string is None:
             return False
         state.stopped = state.finished = True
@@ -173,6 +182,19 @@ class TextProcessor:
         del state.held_tokens[:release]
         del state.held_logprobs[:release]
         state.num_released += release
+
+    @staticmethod
+    def _prepend(comp: types_pb2.CompletionOutput, prefix: list[int]) -> None:
+        """The prompt ahead of the first tokens (no logprobs of their own: empty entries)."""
+        if not prefix:
+            return
+        if comp.logprobs:
+            entries = [types_pb2.TokenLogprobs() for _ in prefix] + list(comp.logprobs)
+            del comp.logprobs[:]
+            comp.logprobs.extend(entries)
+        ids = prefix + list(comp.token_ids)
+        del comp.token_ids[:]
+        comp.token_ids.extend(ids)
 
     def _strip_logprobs(self, comp: types_pb2.CompletionOutput) -> None:
         if self.options.strip_logprobs:

@@ -1,6 +1,8 @@
 """Proto messages <-> the engine's types. Validation errors are ValueErrors (INVALID_ARGUMENT)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from tandem.common.sampling import check_several_returns, implies_greedy
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.v1 import types_pb2
@@ -10,10 +12,12 @@ def _opt(msg, name: str, default):
     return getattr(msg, name) if msg.HasField(name) else default
 
 
-def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingOptions:
+def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int, ...],
+                     encode: Callable[[str], list[int]] | None = None) -> SamplingOptions:
     """SamplingParams -> SamplingOptions as TensorRT-LLM reads them: greedy when the params imply it
     (no temperature, top_k or top_p; top_k=1; top_p=0; temperature=0), else sampling at the given
-    temperature or 1. end_id=-1 is no end id (the model's EOS does not stop the sequence)."""
+    temperature or 1. end_id=-1 is no end id (the model's EOS does not stop the sequence). encode
+    tokenizes the `bad` strings without special tokens (SamplingParams._setup)."""
     end_id = _opt(params, "end_id", None)
     best_of = _opt(params, "best_of", None)
     n = _opt(params, "n", 1)
@@ -45,7 +49,20 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
         skip_special_tokens=_opt(params, "skip_special_tokens", True),
         spaces_between_special_tokens=_opt(params, "spaces_between_special_tokens", True),
         eos_token_ids=eos_token_ids if end_id is None else () if end_id == -1 else (end_id,),
+        bad_words=_bad_words(params, encode),
+        no_repeat_ngram_size=_opt(params, "no_repeat_ngram_size", 0),
+        embedding_bias=tuple(params.embedding_bias),
     )
+
+
+def _bad_words(params: types_pb2.SamplingParams, encode) -> tuple[tuple[int, ...], ...]:
+    """TensorRT-LLM's SamplingParams._get_bad_words: each bad token id a word, then each bad string's ids."""
+    words = [(t,) for t in params.bad_token_ids]
+    if params.bad:
+        if encode is None:
+            raise ValueError("SamplingParams.bad needs the served tokenizer")
+        words += [tuple(encode(text)) for text in params.bad]
+    return tuple(words)
 
 
 def check_unsupported(request) -> None:
@@ -64,10 +81,10 @@ def check_unsupported(request) -> None:
 # TensorRT-LLM SamplingParams fields this build does not implement yet (see types.proto): refused
 # when set, never ignored. A bool is "set" when it differs from its default.
 _UNIMPLEMENTED_SAMPLING_FIELDS = (
-    "bad", "bad_token_ids", "embedding_bias", "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay",
-    "beam_search_diversity_rate", "length_penalty", "early_stopping", "no_repeat_ngram_size", "beam_width_array",
-    "return_context_logits", "return_generation_logits", "exclude_input_from_output", "return_encoder_output",
-    "return_perf_metrics", "additional_model_outputs", "lookahead_config", "guided_decoding")
+    "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "length_penalty",
+    "early_stopping", "beam_width_array", "return_context_logits", "return_generation_logits",
+    "return_encoder_output", "return_perf_metrics", "additional_model_outputs",
+    "lookahead_config", "guided_decoding")
 _BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
                   "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}
 

@@ -48,7 +48,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     def _start(self, request: llm_pb2.GenerateRequest) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for."""
         engine = self.rt.engine
-        options = sampling_options(request.sampling_params, self.rt.eos_token_ids)
+        options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
         prompt_ids = list(request.prompt.token_ids.ids)
         engine.check_prompt(len(prompt_ids), prompt_ids)
         engine.check_options(options)
@@ -66,6 +66,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                                        request.disaggregated_params)
         start(worker_request)
         return worker_request
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.rt.front.tokenizer.encode(text, False)
 
     async def Abort(self, request, context):
         worker_request = self.requests.get(request.request_id)
@@ -89,7 +92,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if text is not None:
             out.prompt = text
         if request.HasField("sampling_params"):
-            options = sampling_options(params, self.rt.eos_token_ids)
+            options = sampling_options(params, self.rt.eos_token_ids, self._encode_plain)
             out.sampling_params.CopyFrom(params)
             if not params.HasField("end_id") and options.eos_token_ids:
                 out.sampling_params.end_id = options.eos_token_ids[0]
