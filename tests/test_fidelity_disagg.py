@@ -17,9 +17,8 @@ import random
 
 import pytest
 
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, tiny_split_cluster
 from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
-from tandem.testing.cluster import LocalCluster
 
 NUM_PROMPTS = 20
 MAX_TOKENS = 8
@@ -27,8 +26,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
-    with LocalCluster(roles=["prefill", "decode", "both"], engine_args=args) as c:
+    with tiny_split_cluster(model_dirs, 128) as c:
         yield c
 
 

@@ -9,15 +9,14 @@ import math
 
 import pytest
 
-from tandem.testing.cluster import LocalCluster
+from conftest import tiny_split_cluster
 from tandem.client import LLM, AsyncLLM, Logprob, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     """The router splits every request over the prefill and the decode; workers[2] is aggregated."""
-    with LocalCluster(roles=["prefill", "decode", "both"],
-                      engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "64", "--block-size", "8"]) as c:
+    with tiny_split_cluster(model_dirs) as c:
         yield c
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client import LLM, SamplingParams
-from tandem.testing.cluster import LocalCluster
+from conftest import tiny_split_cluster, split_or_aggregated_client
+from tandem.client import SamplingParams
 
 PROMPTS = ["bad words are redirected", "no n-gram twice in a row please", "bias toward one token"]
 MAX_TOKENS = 12
@@ -23,14 +23,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    args = ["--model", str(model_dirs["llama"]), "--num-blocks", "64", "--block-size", "8"]
-    with LocalCluster(roles=["prefill", "decode", "both"], engine_args=args) as c:
+    with tiny_split_cluster(model_dirs) as c:
         yield c
 
 
 @pytest.fixture(scope="module", params=["split", "aggregated"])
 def llm(cluster, request):
-    with LLM(cluster.address if request.param == "split" else cluster.workers[2].address) as client:
+    with split_or_aggregated_client(cluster, request.param) as client:
         yield client
 
 

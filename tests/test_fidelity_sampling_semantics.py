@@ -13,16 +13,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from conftest import tiny_split_cluster
 from tandem.client import LLM, RequestError, SamplingParams
-from tandem.testing.cluster import LocalCluster
 
 PROMPTS = [f"prompt number {i} says hello" for i in range(6)]
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    args = ["--model", str(model_dirs["llama"]), "--num-blocks", "64", "--block-size", "8"]
-    with LocalCluster(roles=["prefill", "decode", "both"], engine_args=args) as c:
+    with tiny_split_cluster(model_dirs) as c:
         yield c
 
 
