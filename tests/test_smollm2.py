@@ -118,3 +118,32 @@ def test_generate_chat_cli_answers_through_the_template(served):
     out = io.StringIO()
     generate(cluster.address, "What is the capital of France?", max_tokens=MAX_TOKENS, chat=True, out=out)
     assert out.getvalue().startswith("The capital of France is Paris.\n[stop: ")
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+                                                  "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+                 "required": ["answer", "confidence"], "additionalProperties": False}
+GUIDED_QUESTIONS = ["Is the sky blue?", "Is water wet?", "Can pigs fly?", "Is Paris in France?", "Is ice cold?",
+                    "Do fish swim?", "Is the sun a star?", "Can cats bark?", "Is 7 a prime number?", "Is snow green?",
+                    "Do birds have feathers?", "Is the moon made of cheese?", "Is Python a language?",
+                    "Can humans breathe underwater?", "Is fire hot?", "Do trees grow?", "Is 2 bigger than 3?",
+                    "Is gold a metal?", "Can dogs read?", "Is the earth round?"]
+
+
+def test_guided_json_schema_is_valid_for_20_prompts(served):
+    """Issue 9's acceptance: guided decoding with a JSON schema yields valid JSON on the small chat
+    model, as TensorRT-LLM's xgrammar backend (grammar_matcher.py, compile_json_schema) does;
+    through the split, the prefill's first token and the decode's rest follow one grammar."""
+    import json
+
+    import jsonschema
+    from tandem.client import GuidedDecodingParams
+    _, _, llm, _, _ = served
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{q} Answer in JSON."}], add_generation_prompt=True)
+               for q in GUIDED_QUESTIONS]
+    params = SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(json=GUIDED_SCHEMA))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for question, out in zip(GUIDED_QUESTIONS, outs):
+        assert out.outputs[0].finish_reason == "stop", (question, out.outputs[0].text)
+        jsonschema.validate(json.loads(out.outputs[0].text), GUIDED_SCHEMA)

@@ -326,6 +326,9 @@ class LLMEngine:
         self.counters.num_generated_tokens += 1
         seq.finish_reason, seq.stop_token_id = natural_finish(seq.options, seq.num_prompt_tokens,
                                                               seq.output_token_ids, self.max_model_len)
+        if seq.guide_matcher is not None and not seq.guide_matcher.accept_token(token_id) \
+                and seq.finish_reason is None:
+            seq.finish_reason = FinishReason.STOP  # nothing more can follow the guide
         if seq.finish_reason is None and self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
             seq.finish_reason = FinishReason.LENGTH  # the whole KV pool cannot hold the next step's KV
         # A context_only sequence ends here with its first token, whether or not that token ends it

@@ -14,6 +14,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
+from tandem.engine.guided import allowed_bitmask, new_matcher
 from tandem.engine.loader import allocate_kv_cache, load_model
 from tandem.engine.logits_masks import banned_ids
 from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
@@ -223,11 +224,17 @@ class ModelRunner:
         # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
         # (Penalties need the ids themselves: the engine reads them back before such a step.)
         drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
+        bitmask = None
+        if any(s.options.guide is not None for s in seqs):
+            for s in seqs:
+                if s.options.guide is not None and s.guide_matcher is None:
+                    s.guide_matcher = new_matcher(s.options.guide, s.output_token_ids)
+            bitmask = allowed_bitmask([s.guide_matcher for s in seqs], self.model_config.vocab_size)
         draws = self.sampler.sample(
             logits, [s.options for s in seqs], drawn,
             [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
             [s.output_token_ids for s in seqs],
             [banned_ids(s.options, s.all_token_ids if s.options.needs_token_ids else [], n)
-             for s, n in zip(seqs, drawn)])
+             for s, n in zip(seqs, drawn)], bitmask)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws, prompt_logprobs

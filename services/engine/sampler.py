@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.guided import unpack_bitmask
 from tandem.engine.sampling_options import SamplingOptions
 
 _MASK32 = 0xFFFFFFFF
@@ -165,10 +166,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], token_indices: list[int],
                histories: list[list[int]], outputs: list[list[int]],
-               blocked: list[frozenset[int]]) -> SampledBatch:
+               blocked: list[frozenset[int]], allowed: torch.Tensor | None = None) -> SampledBatch:
         """logits [R, V] of R sequences. token_indices: which output token each row draws (its
         seeded noise); histories: prompt + output ids of rows with a repetition penalty (else []);
-        outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet."""
+        outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet;
+        allowed: an int32 token bitmask [R, ceil(V/32)] of what each row may draw (a guide)."""
         num_rows = logits.shape[0]
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} rows to sample; the sampler holds {self.max_rows}")
@@ -181,6 +183,9 @@ class Sampler:
         blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids]
         biased = [row for row, o in enumerate(options) if o.embedding_bias]
         logits = raw.clone() if penalized or blocked_pairs or biased else raw
+        if allowed is not None:
+            logits = logits.masked_fill(~unpack_bitmask(allowed.to(self.device, non_blocking=True), self.vocab_size),
+                                        float("-inf"))
         if biased:
             logits[biased] += torch.stack([self._bias(options[row].embedding_bias) for row in biased])
         if penalized:

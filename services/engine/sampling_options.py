@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class SamplingOptions:
     no_repeat_ngram_size: int = 0
     # Added to the logits before sampling, one float per vocabulary entry (empty: none).
     embedding_bias: tuple[float, ...] = ()
+    # The compiled grammar the output follows (guided_decoding; engine/guided.py), or None.
+    guide: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -73,7 +76,8 @@ class SamplingOptions:
     def needs_token_ids(self) -> bool:
         """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
         step must read them back first."""
-        return self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
+        return (self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
+                or self.guide is not None)
 
     @property
     def has_penalties(self) -> bool:

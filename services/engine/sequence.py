@@ -54,6 +54,8 @@ class Sequence:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The guide's matcher (options.guide), made at the first draw from the tokens so far.
+    guide_matcher: object | None = None
     # Top log-probabilities of each prompt position computed so far (options.prompt_logprobs).
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0

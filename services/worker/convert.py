@@ -84,7 +84,7 @@ _UNIMPLEMENTED_SAMPLING_FIELDS = (
     "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "length_penalty",
     "early_stopping", "beam_width_array", "return_context_logits", "return_generation_logits",
     "return_encoder_output", "return_perf_metrics", "additional_model_outputs",
-    "lookahead_config", "guided_decoding")
+    "lookahead_config")
 _BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
                   "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 
@@ -12,6 +13,7 @@ from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
+from tandem.worker.guides import Guides
 from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
@@ -29,13 +31,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     def __init__(self, runtime: WorkerRuntime):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
+        self.guides = Guides(runtime)
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         rt = self.rt
         rt.check_accepting()
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
-        worker_request = self._start(text_request.engine_request)
+        guide = await self.guides.compile(request.sampling_params)
+        worker_request = self._start(text_request.engine_request, guide)
         self.requests[worker_request.request_id] = worker_request
         try:
             async for msg in TextFront.respond(text_request, worker_request.outputs(), worker_request.stop):
@@ -45,10 +49,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest) -> WorkerRequest:
+    def _start(self, request: llm_pb2.GenerateRequest, guide=None) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for."""
         engine = self.rt.engine
         options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
+        if guide is not None:
+            options = dataclasses.replace(options, guide=guide)
         prompt_ids = list(request.prompt.token_ids.ids)
         engine.check_prompt(len(prompt_ids), prompt_ids)
         engine.check_options(options)
