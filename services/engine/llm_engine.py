@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
+from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
@@ -144,6 +145,10 @@ class LLMEngine:
                     cache_salt: str | None = None, output_token_ids: list[int] | None = None) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled)."""
         seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids)
+        if options.beam_width > 1:
+            if phase is not Phase.CONTEXT_AND_GENERATION or output_token_ids:
+                raise NotImplementedError("use_beam_search runs on an aggregated worker, from the prompt")
+            seq.beam = BeamGroup(seq, options.end_ids(), self.max_model_len)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -191,10 +196,11 @@ class LLMEngine:
             return False
         if seq.status is Status.WAITING_FOR_REMOTE_KV:
             self.block_manager.release(seq)
-        else:
-            self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = FinishReason.CANCELLED
+        for slot in seq.beam.slots if seq.beam is not None else [seq]:
+            if slot.status is not Status.WAITING_FOR_REMOTE_KV:
+                self.scheduler.remove(slot)
+            slot.status = Status.FINISHED
+            slot.finish_reason = FinishReason.CANCELLED
         return True
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -305,13 +311,19 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         if step.sampled:
             result = step.draws.to_host()
+            beams: dict[int, BeamGroup] = {}
             for k, seq in enumerate(step.sampled):
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
                     continue
+                if seq.beam is not None:  # its candidates wait for the other beams'
+                    seq.beam.record(seq, *result.beam_candidates[k])
+                    beams[id(seq.beam)] = seq.beam
+                    continue
                 outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
                                                   result.ranks[k] if result.ranks else None))
                 self.block_manager.register_computed(seq)  # the block the token completes, now known
+            outputs += [out for group in beams.values() if group.ready for out in self._beam_step(group)]
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
@@ -346,6 +358,42 @@ class LLMEngine:
         return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
                           seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
                           lease, [ranks], prompt_logprobs)
+
+    def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
+        """The group's next beams, in its slots: the first child of a parent takes over its blocks,
+        the others fork them (full blocks shared, the partial one copied); a parent with no child
+        gives its blocks back. When the search is over, the n best beams are the request's output."""
+        old_slots = list(group.slots)
+        new = group.step()
+        if group.done:
+            for slot in group.slots:
+                self._finish(slot)
+            self._seqs.pop(group.request_id, None)
+            return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results())]
+        bm, copies, contents, inherited = self.block_manager, [], [], set()
+        for parent, token, score, slot in new:
+            if id(parent) in inherited:
+                table, hashes, pairs = bm.fork(parent)
+                copies += pairs
+                computed = parent.num_computed_tokens if table or not parent.block_table else 0
+            else:
+                inherited.add(id(parent))
+                table, hashes, computed = parent.block_table, parent.block_hashes, parent.num_computed_tokens
+            contents.append((slot, parent.output_token_ids + [token], score,
+                             group.token_logprobs[parent] + [score - group.scores[parent]], table, hashes, computed))
+        for parent in old_slots:
+            if id(parent) not in inherited:
+                bm.free(parent.block_table)
+        group.scores, group.token_logprobs = {}, {}
+        for slot, outputs, score, logprobs, table, hashes, computed in contents:
+            slot.output_token_ids, slot.cumulative_logprob = outputs, score
+            slot.block_table, slot.block_hashes, slot.num_computed_tokens = list(table), list(hashes), computed
+            slot.awaiting_beam = False
+            group.scores[slot], group.token_logprobs[slot] = score, logprobs
+            if slot not in self.scheduler.running and slot not in self.scheduler.waiting:
+                self.scheduler.running.append(slot)  # a new beam: its KV forked, it decodes next step
+        self.runner.copy_blocks(copies)
+        return []
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

@@ -116,6 +116,8 @@ class StepOutput:
     # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
     # sequence's first output only.
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None
+    # Beam search: the returned beams, best first, on the request's one (final) output.
+    beams: list | None = None
 
 
 @dataclass

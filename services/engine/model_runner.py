@@ -152,6 +152,16 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
         return num_blocks
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV block copies [(source, destination)] (beam forks), queued before any later step; waited
+        for on CUDA, so a block freed next cannot be read by a NIXL pull before its copy is done."""
+        if not pairs or self.kv_cache is None:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+        self.synchronize()
+
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The decode graph that runs this batch: one new token per sequence, each one sampling."""
         if self.graphs is None:

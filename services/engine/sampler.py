@@ -32,6 +32,8 @@ class SampleResult:
     # Rank in the vocabulary (1 = most likely) of every entry of top_logprobs: the top k by their
     # order, the sampled token by a count on the device (executor/result.py, compute_logprobs).
     ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # Beam rows: the top K processed log-probabilities of the next token, (values, ids).
+    beam_candidates: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
 
 
 def row_key(seed: int, token_index: int) -> int:
@@ -97,6 +99,7 @@ class SampledBatch:
     host: "_HostBuffers"
     ready: torch.cuda.Event | None = None
     has_ranks: bool = False  # some row asked for logprobs: the sampled tokens' ranks came back
+    beam_block: tuple[torch.Tensor, torch.Tensor] | None = None  # [R, K] values and ids of beam rows
 
     def to_host(self) -> SampleResult:
         if self.ready is not None:
@@ -124,7 +127,12 @@ class SampledBatch:
                 rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
             top.append(entry)
             ranks.append(rank)
-        return SampleResult(token_ids, logprobs, top, ranks)
+        candidates: list = []
+        if self.beam_block is not None:
+            values, ids = (t.tolist() for t in self.beam_block)
+            candidates = [(values[row][:opt.num_beam_candidates], ids[row][:opt.num_beam_candidates])
+                          if opt.beam_width > 1 else None for row, opt in enumerate(self.options)]
+        return SampleResult(token_ids, logprobs, top, ranks, candidates)
 
 
 class _HostBuffers:
@@ -209,11 +217,16 @@ class Sampler:
         if has_ranks:  # 1 + the tokens the model finds strictly more likely, counted on the device
             sampled_raw = raw.gather(1, chosen[:, None])
             host.ranks[:num_rows].copy_((raw > sampled_raw).sum(dim=-1) + 1, non_blocking=True)
+        beam_block = None
+        num_candidates = max((o.num_beam_candidates for o in options if o.beam_width > 1), default=0)
+        if num_candidates:  # log_softmax, then the processors' masks and bias (transformers' beam search)
+            values, ids = (logits - lse[:, None]).topk(num_candidates, dim=-1)
+            beam_block = (values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks)
+        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks, beam_block)
 
     def _bias(self, values: tuple[float, ...]) -> torch.Tensor:
         """A request's embedding bias on the device, built once per request (its options object

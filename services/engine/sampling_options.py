@@ -35,6 +35,10 @@ class SamplingOptions:
     no_repeat_ngram_size: int = 0
     # Added to the logits before sampling, one float per vocabulary entry (empty: none).
     embedding_bias: tuple[float, ...] = ()
+    # Beam search (use_beam_search): beams searched, returned are n; TensorRT-LLM's defaults.
+    beam_width: int = 1
+    length_penalty: float = 0.0
+    early_stopping: int = 1
     # The compiled grammar the output follows (guided_decoding; engine/guided.py), or None.
     guide: Any = field(default=None, compare=False, repr=False)
 
@@ -65,6 +69,8 @@ class SamplingOptions:
             raise ValueError("stop strings must not be empty")
         if any(not w for w in self.bad_words):
             raise ValueError("bad words must not be empty")
+        if self.beam_width < 1 or (self.beam_width > 1 and self.n > self.beam_width):
+            raise ValueError(f"beam search returns at most its {self.beam_width} beams, got n={self.n}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
@@ -77,11 +83,16 @@ class SamplingOptions:
         """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
         step must read them back first."""
         return (self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
-                or self.guide is not None)
+                or self.guide is not None or self.beam_width > 1)
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def num_beam_candidates(self) -> int:
+        """Candidates a beam keeps per step: max(2, 1 + end ids) x beams (transformers' beams_to_keep)."""
+        return max(2, 1 + len(self.end_ids())) * self.beam_width
 
     def eos_ids(self) -> frozenset[int]:
         """The end ids (the model's EOS or end_id) that end this sequence, stop tokens aside."""

@@ -67,8 +67,9 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            # Preempted while making room for a higher-priority one, or ending with its tokens in flight.
-            if seq not in self.running or seq.finishes_when_pending_lands:
+            # Preempted while making room for a higher-priority one, ending with its tokens in flight,
+            # or a beam whose next token waits for the other beams.
+            if seq not in self.running or seq.finishes_when_pending_lands or seq.awaiting_beam:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new):
@@ -77,14 +78,15 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.sort(key=_order)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in [s for s in self.waiting if not s.awaiting_beam]:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
                 break
             num_new = self._admit(seq, budget)
             if num_new is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -54,6 +54,10 @@ class Sequence:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The beam search this sequence is a beam of (engine/beam_search.py), and whether its next
+    # token's candidates wait for the other beams' (it is not scheduled meanwhile).
+    beam: object | None = None
+    awaiting_beam: bool = False
     # The guide's matcher (options.guide), made at the first draw from the tokens so far.
     guide_matcher: object | None = None
     # Top log-probabilities of each prompt position computed so far (options.prompt_logprobs).

@@ -27,7 +27,7 @@ async def stream(route: Route, request: llm_pb2.GenerateRequest):
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
         messages = route.relay(pool.pick_any_of(roles), request)
-    elif pool.can_disaggregate:
+    elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
         messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
     elif request.sampling_params.n > 1:
         messages = route.relay(pool.pick(Role.BOTH), request)

@@ -22,9 +22,13 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
     best_of = _opt(params, "best_of", None)
     n = _opt(params, "n", 1)
     check_several_returns(params)
-    if best_of is not None and best_of != n:
-        raise NotImplementedError("best_of different from n is not supported yet; leave best_of unset")
-    greedy = implies_greedy(params)
+    beam_search = params.use_beam_search
+    if best_of is not None and best_of != n and not beam_search:
+        raise NotImplementedError("best_of different from n is not supported yet without use_beam_search; "
+                                  "leave best_of unset")
+    if beam_search:
+        _check_beam_search(params)
+    greedy = implies_greedy(params) or beam_search  # beams are searched, not sampled
     if end_id is not None and end_id != -1 and end_id < 0:
         raise ValueError(f"end_id must be a token id or -1 (no end id), got {end_id}")
     return SamplingOptions(
@@ -52,7 +56,25 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
         bad_words=_bad_words(params, encode),
         no_repeat_ngram_size=_opt(params, "no_repeat_ngram_size", 0),
         embedding_bias=tuple(params.embedding_bias),
+        beam_width=(best_of or n) if beam_search else 1,
+        length_penalty=_opt(params, "length_penalty", 0.0),
+        early_stopping=_opt(params, "early_stopping", 1),
     )
+
+
+def _check_beam_search(params: types_pb2.SamplingParams) -> None:
+    """What TensorRT-LLM's TorchSampler.validate_request refuses with beam search, and what tandem's
+    beam search does not do (it searches from the logits as transformers' num_beams does)."""
+    if any(params.HasField(name) and getattr(params, name) != default for name, default in
+           (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))):
+        raise ValueError("beam search does not support repetition, presence, or frequency penalties")
+    if params.HasField("logprobs") and params.logprobs > 0:
+        raise ValueError("beam search only supports returning the sampled logprob per token (logprobs=0)")
+    if params.HasField("guided_decoding") and params.guided_decoding.WhichOneof("guide"):
+        raise NotImplementedError("guided_decoding with use_beam_search is not supported yet")
+    if params.HasField("beam_search_diversity_rate") or len(params.beam_width_array):
+        raise NotImplementedError("SamplingParams.beam_search_diversity_rate / beam_width_array are not supported "
+                                  "yet; leave them at their defaults")
 
 
 def _bad_words(params: types_pb2.SamplingParams, encode) -> tuple[tuple[int, ...], ...]:
@@ -81,10 +103,9 @@ def check_unsupported(request) -> None:
 # TensorRT-LLM SamplingParams fields this build does not implement yet (see types.proto): refused
 # when set, never ignored. A bool is "set" when it differs from its default.
 _UNIMPLEMENTED_SAMPLING_FIELDS = (
-    "use_beam_search", "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "length_penalty",
-    "early_stopping", "beam_width_array", "return_context_logits", "return_generation_logits",
-    "return_encoder_output", "return_perf_metrics", "additional_model_outputs",
-    "lookahead_config")
+    "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "beam_width_array",
+    "return_context_logits", "return_generation_logits", "return_encoder_output", "return_perf_metrics",
+    "additional_model_outputs", "lookahead_config")
 _BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
                   "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}
 

@@ -90,10 +90,16 @@ class WorkerRequest:
         # Work started on the request's behalf outside the engine (a KV pull), cancelled with it.
         self.tasks: list[asyncio.Task] = []
         self.sequences: dict[str, SequenceState] = {}
+        self.beam_search = options.beam_width > 1
+        if self.beam_search:  # one engine request searches the beams; its output holds the n returned
+            if phase is not Phase.CONTEXT_AND_GENERATION:
+                raise NotImplementedError("use_beam_search runs on an aggregated worker (it is not split over "
+                                          "prefill and decode yet)")
+            self.sequences[request_id] = SequenceState(0, request_id, options)
         # The prompt's logprobs (prompt_logprobs), from the first sequence that has them, sent once.
         self.prompt_logprobs_sent = False
         self.pending_prompt_logprobs: list[types_pb2.TokenLogprobs] = []
-        for i in range(options.n):
+        for i in range(0 if self.beam_search else options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
             opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
             self.sequences[engine_id] = SequenceState(i, engine_id, dataclasses.replace(opts, n=1))
@@ -250,6 +256,9 @@ class WorkerRequest:
         if self.metrics.first_token_at is None:
             self.metrics.first_token_at = time.monotonic()
         self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
+        if out.beams is not None:
+            self._apply_beams(by_seq, state, out.beams)
+            return
         comp = self._completion(by_seq, state)
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
@@ -285,3 +294,17 @@ class WorkerRequest:
                 if not state.options.include_stop_str_in_output and comp.token_ids:
                     del comp.token_ids[-1]
                     del comp.logprobs[len(comp.token_ids):]
+
+    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list) -> None:
+        """The finished beam search: one CompletionOutput per returned beam, best first (TensorRT-LLM
+        returns the beams together, executor/result.py, _handle_sequence with use_beam_search)."""
+        state.finished = True
+        for index, beam in enumerate(beams):
+            comp = by_seq[f"{state.engine_id}#beam{index}"] = types_pb2.CompletionOutput(
+                index=index, token_ids=beam.token_ids, cumulative_logprob=beam.cumulative_logprob,
+                finish_reason=FINISH_REASONS[beam.finish_reason])
+            if beam.finish_reason is FinishReason.STOP and beam.token_ids[-1] not in state.options.eos_ids():
+                comp.stop_token_id = beam.token_ids[-1]
+            if self.options.logprobs is not None:
+                comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs={t: v}) for t, v in
+                                     zip(beam.token_ids, beam.token_logprobs))
