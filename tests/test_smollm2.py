@@ -147,3 +147,24 @@ def test_guided_json_schema_is_valid_for_20_prompts(served):
     for question, out in zip(GUIDED_QUESTIONS, outs):
         assert out.outputs[0].finish_reason == "stop", (question, out.outputs[0].text)
         jsonschema.validate(json.loads(out.outputs[0].text), GUIDED_SCHEMA)
+
+
+def test_beam_search_equals_transformers_on_smollm2(served):
+    """Issue 9's acceptance on the real model: 4 beams, the same beams and scores as transformers'
+    generate(num_beams=4, length_penalty=1.0, early_stopping=True) on the same GGUF checkpoint
+    (TensorRT-LLM's early_stopping=1); the router sends beam search to the aggregated worker."""
+    _, _, llm, _, oracle = served
+    for question in QUESTIONS[:2]:
+        ids = oracle.chat_ids(question)
+        with torch.no_grad():
+            want = oracle.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True,
+                                         max_new_tokens=8, do_sample=False, pad_token_id=oracle.eos,
+                                         output_scores=True, return_dict_in_generate=True)
+        out = llm.generate(ids, SamplingParams(max_tokens=8, use_beam_search=True, n=4, length_penalty=1.0,
+                                               early_stopping=1, logprobs=0), use_tqdm=False)
+        for beam, seq, score in zip(out.outputs, want.sequences, want.sequences_scores):
+            tokens = seq[len(ids):].tolist()
+            tokens = tokens[:tokens.index(oracle.eos) + 1] if oracle.eos in tokens else tokens
+            assert beam.token_ids == tokens, question
+            assert beam.cumulative_logprob / len(tokens) == pytest.approx(score.item(), abs=2e-3)
