@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+
+import torch
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -289,8 +291,11 @@ class LLMEngine:
             return None
         started = time.perf_counter()
         sampled, draws, prompt_logprobs = self.runner.execute(batch)
-        for seq, entries in prompt_logprobs.items():
-            seq.prompt_logprobs += entries
+        for seq, rows in prompt_logprobs.items():
+            seq.num_prompt_rows += rows.num_positions
+            seq.prompt_logprobs += rows.logprobs
+            if rows.logits is not None:
+                seq.context_logits.append(rows.logits)
         self.counters.last_batch = {
             "numScheduledRequests": len(batch.seqs),
             "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
@@ -320,8 +325,11 @@ class LLMEngine:
                     seq.beam.record(seq, *result.beam_candidates[k])
                     beams[id(seq.beam)] = seq.beam
                     continue
-                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
-                                                  result.ranks[k] if result.ranks else None))
+                out = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
+                                         result.ranks[k] if result.ranks else None)
+                if result.logits_rows and result.logits_rows[k] is not None:
+                    out.generation_logits = [result.logits_rows[k]]
+                outputs.append(out)
                 self.block_manager.register_computed(seq)  # the block the token completes, now known
             outputs += [out for group in beams.values() if group.ready for out in self._beam_step(group)]
         self.counters.num_steps += 1
@@ -352,12 +360,13 @@ class LLMEngine:
         finished = seq.finish_reason is not None or lease is not None
         if finished:
             self._finish(seq)
-        prompt_logprobs = None
-        if seq.options.prompt_logprobs and seq.num_output_tokens == 1:
-            prompt_logprobs = seq.prompt_logprobs
-        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
-                          seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                          lease, [ranks], prompt_logprobs)
+        first = seq.num_output_tokens == 1
+        out = StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
+                         seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
+                         lease, [ranks], seq.prompt_logprobs if first and seq.options.prompt_logprobs else None)
+        if first and seq.context_logits:
+            out.context_logits = torch.cat(seq.context_logits)
+        return out
 
     def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
         """The group's next beams, in its slots: the first child of a parent takes over its blocks,

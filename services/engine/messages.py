@@ -118,6 +118,10 @@ class StepOutput:
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None
     # Beam search: the returned beams, best first, on the request's one (final) output.
     beams: list | None = None
+    # Raw logits on the host: of every prompt position ([P, V], on the first output) and of each
+    # new token's draw (one [V] row per token), when the options ask for them.
+    context_logits: Any = None
+    generation_logits: list | None = None
 
 
 @dataclass

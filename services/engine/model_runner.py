@@ -8,6 +8,7 @@ come back to the host.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,14 @@ from tandem.engine.step_inputs import InputBuffers
 from tandem.kernels.dispatch import backend_for
 
 log = logging.getLogger("tandem.model_runner")
+
+
+@dataclass
+class PromptRows:
+    """What a step computed of a sequence's prompt positions for its prompt outputs."""
+    num_positions: int
+    logprobs: list[PositionLogprobs]  # top prompt_logprobs per position ([] when not asked)
+    logits: torch.Tensor | None  # [positions, vocab] float32 on the host (return_context_logits)
 
 # What must agree for new weights to replace the served ones.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -181,19 +190,20 @@ class ModelRunner:
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache)
         return self.model.compute_logits(hidden)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor | None, logits: torch.Tensor | None,
-                         seqs: list[Sequence]) -> dict[Sequence, list[PositionLogprobs]]:
-        """The prompt positions this step computes for sequences that asked for prompt_logprobs:
-        the top prompt_logprobs of each position's next-token distribution (TensorRT-LLM's
-        compute_logprobs over the context logits). Rare, so read back at once (a sync on CUDA)."""
-        found: dict[Sequence, list[PositionLogprobs]] = {}
+    def _prompt_rows(self, batch: ScheduledBatch, hidden: torch.Tensor | None, logits: torch.Tensor | None,
+                     seqs: list[Sequence]) -> dict[Sequence, PromptRows]:
+        """The prompt positions this step computes for sequences that asked for prompt_logprobs or
+        context logits: the top prompt_logprobs of each position's next-token distribution
+        (TensorRT-LLM's compute_logprobs over the context logits) and the raw rows. Rare, so read
+        back at once (a sync on CUDA)."""
+        found: dict[Sequence, PromptRows] = {}
         first_row = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             rows_start, first_row = first_row, first_row + num_new
-            if not seq.needs_prompt_logprobs:
+            if not seq.needs_prompt_rows:
                 continue
             start = seq.num_computed_tokens  # the step's first position (counted after execute)
-            positions = range(max(start, len(seq.prompt_logprobs)), min(start + num_new, seq.num_prompt_tokens))
+            positions = range(max(start, seq.num_prompt_rows), min(start + num_new, seq.num_prompt_tokens))
             if not positions:
                 continue
             if hidden is None:  # a decode graph: its one row per sequence is the sampled row
@@ -201,15 +211,17 @@ class ModelRunner:
             else:
                 rows = self.model.compute_logits(hidden[rows_start + positions.start - start:
                                                         rows_start + positions.stop - start])
-            found[seq] = top_logprobs(rows, seq.options.prompt_logprobs)
+            k = seq.options.prompt_logprobs
+            found[seq] = PromptRows(len(positions), top_logprobs(rows, k) if k else [],
+                                    rows.float().cpu() if seq.options.return_context_logits else None)
         return found
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None,
-                                                      dict[Sequence, list[PositionLogprobs]]]:
+                                                      dict[Sequence, PromptRows]]:
         """Runs one step and queues the draws of the sequences whose last token it computed.
         Returns those sequences, their draws (still on the device: SampledBatch.to_host()) and the
-        prompt logprobs of the positions it computed for sequences that asked for them."""
+        prompt outputs of the positions it computed for sequences that asked for them."""
         self.bind_device()
         graph_size = self._graph_size(batch)
         if graph_size is not None:
@@ -227,7 +239,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
             if seqs:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        prompt_logprobs = self._prompt_logprobs(batch, hidden, logits, seqs)
+        prompt_logprobs = self._prompt_rows(batch, hidden, logits, seqs)
         if not seqs:
             self._last_draws = None
             return [], None, prompt_logprobs

@@ -32,6 +32,8 @@ class SampleResult:
     # Rank in the vocabulary (1 = most likely) of every entry of top_logprobs: the top k by their
     # order, the sampled token by a count on the device (executor/result.py, compute_logprobs).
     ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # The raw logits row of each row that asked for generation logits (a host tensor), else None.
+    logits_rows: list = field(default_factory=list)
     # Beam rows: the top K processed log-probabilities of the next token, (values, ids).
     beam_candidates: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
 
@@ -100,6 +102,7 @@ class SampledBatch:
     ready: torch.cuda.Event | None = None
     has_ranks: bool = False  # some row asked for logprobs: the sampled tokens' ranks came back
     beam_block: tuple[torch.Tensor, torch.Tensor] | None = None  # [R, K] values and ids of beam rows
+    logits_block: torch.Tensor | None = None  # raw rows of the rows with return_generation_logits (host)
 
     def to_host(self) -> SampleResult:
         if self.ready is not None:
@@ -132,7 +135,11 @@ class SampledBatch:
             values, ids = (t.tolist() for t in self.beam_block)
             candidates = [(values[row][:opt.num_beam_candidates], ids[row][:opt.num_beam_candidates])
                           if opt.beam_width > 1 else None for row, opt in enumerate(self.options)]
-        return SampleResult(token_ids, logprobs, top, ranks, candidates)
+        rows: list = []
+        if self.logits_block is not None:
+            wanted = iter(self.logits_block)
+            rows = [next(wanted) if opt.return_generation_logits else None for opt in self.options]
+        return SampleResult(token_ids, logprobs, top, ranks, rows, candidates)
 
 
 class _HostBuffers:
@@ -222,11 +229,16 @@ class Sampler:
         if num_candidates:  # log_softmax, then the processors' masks and bias (transformers' beam search)
             values, ids = (logits - lse[:, None]).topk(num_candidates, dim=-1)
             beam_block = (values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
+        logits_block = None
+        wanted = [row for row, o in enumerate(options) if o.return_generation_logits]
+        if wanted:
+            logits_block = raw[wanted].to("cpu", non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks, beam_block)
+        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks, beam_block,
+                            logits_block)
 
     def _bias(self, values: tuple[float, ...]) -> torch.Tensor:
         """A request's embedding bias on the device, built once per request (its options object

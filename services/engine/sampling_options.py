@@ -35,6 +35,9 @@ class SamplingOptions:
     no_repeat_ngram_size: int = 0
     # Added to the logits before sampling, one float per vocabulary entry (empty: none).
     embedding_bias: tuple[float, ...] = ()
+    # Return the raw logits of every prompt position / of each drawn token.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     # Beam search (use_beam_search): beams searched, returned are n; TensorRT-LLM's defaults.
     beam_width: int = 1
     length_penalty: float = 0.0

@@ -105,8 +105,8 @@ class Scheduler:
             bm.grow(seq, num_new)
             return num_new
         # At least the last token is computed: its logits are what the step samples from. Prompt
-        # logprobs need every prompt position's logits: nothing comes from the cache then.
-        max_cached = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
+        # logprobs and context logits need every prompt position's logits: nothing comes from the cache then.
+        max_cached = 0 if seq.needs_prompt_rows else seq.num_tokens - 1
         cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, max_cached)
         num_cached = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached, budget)

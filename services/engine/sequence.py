@@ -60,8 +60,11 @@ class Sequence:
     awaiting_beam: bool = False
     # The guide's matcher (options.guide), made at the first draw from the tokens so far.
     guide_matcher: object | None = None
-    # Top log-probabilities of each prompt position computed so far (options.prompt_logprobs).
+    # Prompt positions whose outputs (below) are in, and those outputs: top log-probabilities
+    # (options.prompt_logprobs) and raw logits rows on the host (options.return_context_logits).
+    num_prompt_rows: int = 0
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] = field(default_factory=list)
+    context_logits: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -94,10 +97,11 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Asked for prompt_logprobs and not every prompt position has them yet: its prompt is
-        computed whole (no prefix cache), each position once (not again after a preemption)."""
-        return bool(self.options.prompt_logprobs) and len(self.prompt_logprobs) < self.num_prompt_tokens
+    def needs_prompt_rows(self) -> bool:
+        """Asked for prompt_logprobs or context logits and not every prompt position has them yet: its
+        prompt is computed whole (no prefix cache), each position once (not again after a preemption)."""
+        wanted = bool(self.options.prompt_logprobs) or self.options.return_context_logits
+        return wanted and self.num_prompt_rows < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

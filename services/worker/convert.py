@@ -56,6 +56,8 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
         bad_words=_bad_words(params, encode),
         no_repeat_ngram_size=_opt(params, "no_repeat_ngram_size", 0),
         embedding_bias=tuple(params.embedding_bias),
+        return_context_logits=_opt(params, "return_context_logits", False),
+        return_generation_logits=_opt(params, "return_generation_logits", False),
         beam_width=(best_of or n) if beam_search else 1,
         length_penalty=_opt(params, "length_penalty", 0.0),
         early_stopping=_opt(params, "early_stopping", 1),
@@ -70,6 +72,8 @@ def _check_beam_search(params: types_pb2.SamplingParams) -> None:
         raise ValueError("beam search does not support repetition, presence, or frequency penalties")
     if params.HasField("logprobs") and params.logprobs > 0:
         raise ValueError("beam search only supports returning the sampled logprob per token (logprobs=0)")
+    if params.return_generation_logits:
+        raise NotImplementedError("return_generation_logits with use_beam_search is not supported yet")
     if params.HasField("guided_decoding") and params.guided_decoding.WhichOneof("guide"):
         raise NotImplementedError("guided_decoding with use_beam_search is not supported yet")
     if params.HasField("beam_search_diversity_rate") or len(params.beam_width_array):
@@ -104,7 +108,7 @@ def check_unsupported(request) -> None:
 # when set, never ignored. A bool is "set" when it differs from its default.
 _UNIMPLEMENTED_SAMPLING_FIELDS = (
     "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "beam_width_array",
-    "return_context_logits", "return_generation_logits", "return_encoder_output", "return_perf_metrics",
+    "return_encoder_output", "return_perf_metrics",
     "additional_model_outputs", "lookahead_config")
 _BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
                   "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}

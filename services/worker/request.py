@@ -73,7 +73,8 @@ class WorkerRequest:
         known = [_entry_logprob(e, t) for e, t in zip(self.first_logprobs, self.first_tokens)]
         self.first_cumulative = sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
         if phase is Phase.GENERATION_ONLY:
-            options = dataclasses.replace(options, prompt_logprobs=None)  # the context phase had the prompt
+            # The context phase had the prompt.
+            options = dataclasses.replace(options, prompt_logprobs=None, return_context_logits=False)
         self.core = core
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -99,6 +100,8 @@ class WorkerRequest:
         # The prompt's logprobs (prompt_logprobs), from the first sequence that has them, sent once.
         self.prompt_logprobs_sent = False
         self.pending_prompt_logprobs: list[types_pb2.TokenLogprobs] = []
+        self.context_logits_sent = False
+        self.pending_context_logits: list[types_pb2.LogitsRow] = []
         for i in range(0 if self.beam_search else options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
             opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
@@ -215,6 +218,9 @@ class WorkerRequest:
         handoff = next((o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")), None)
         if handoff is not None:
             msg.disaggregated_params.CopyFrom(handoff)
+        if self.pending_context_logits:
+            msg.context_logits.extend(self.pending_context_logits)
+            self.pending_context_logits = []
         if self.pending_prompt_logprobs:
             msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
             self.pending_prompt_logprobs = []
@@ -264,6 +270,11 @@ class WorkerRequest:
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
         ranks = out.new_ranks or [None] * len(out.new_logprobs)
         new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}, ranks=r or {}) for e, r in zip(out.new_logprobs, ranks)]
+        if out.generation_logits:
+            comp.generation_logits.extend(types_pb2.LogitsRow(values=row.tolist()) for row in out.generation_logits)
+        if out.context_logits is not None and not self.context_logits_sent:
+            self.context_logits_sent = True
+            self.pending_context_logits = [types_pb2.LogitsRow(values=row) for row in out.context_logits.tolist()]
         if out.prompt_logprobs is not None and not self.prompt_logprobs_sent:
             self.prompt_logprobs_sent = True
             self.pending_prompt_logprobs = [types_pb2.TokenLogprobs(logprobs=v, ranks=r) for v, r in out.prompt_logprobs]

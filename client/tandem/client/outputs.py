@@ -39,11 +39,27 @@ def token_logprobs(entry: types_pb2.TokenLogprobs, num_top: int, sampled: Option
     return out
 
 
+def logits_array(rows: list[list[float]]):
+    """Logits rows [positions, vocab] as a torch tensor when torch is installed (TensorRT-LLM's
+    type), else a numpy array, else the nested lists: the client itself needs neither."""
+    try:
+        import torch
+        return torch.tensor(rows, dtype=torch.float32)
+    except ImportError:
+        pass
+    try:
+        import numpy
+        return numpy.asarray(rows, dtype=numpy.float32)
+    except ImportError:
+        return rows
+
+
 @dataclass
 class CompletionOutput:
     """tensorrt_llm.executor.result.CompletionOutput. cumulative_logprob and logprobs are filled
-    only when SamplingParams.logprobs was set, as in TensorRT-LLM. The logits and extra model
-    outputs stay None: the server refuses the params that would fill them."""
+    only when SamplingParams.logprobs was set, as in TensorRT-LLM. generation_logits ([tokens,
+    vocab]; torch, numpy or lists, whichever is installed) when return_generation_logits; the extra
+    model outputs and perf metrics stay None: the server refuses the params that would fill them."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -58,6 +74,7 @@ class CompletionOutput:
     disaggregated_params: Optional[DisaggregatedParams] = None
     request_perf_metrics: Optional[dict] = None
     # What the latest streamed message added.
+    _generation_rows: list = field(default_factory=list, repr=False)
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     logprobs_diff: TokenLogprobs = field(default_factory=list)
@@ -84,6 +101,9 @@ class CompletionOutput:
             self.stop_reason = getattr(msg, which)
         if msg.HasField("disaggregated_params"):
             self.disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
+        if msg.generation_logits:
+            self._generation_rows += [list(row.values) for row in msg.generation_logits]
+            self.generation_logits = logits_array(self._generation_rows)
 
 
 @dataclass
@@ -109,7 +129,7 @@ class RequestOutputState:
         self.outputs: list[CompletionOutput] = []
         self.finished = False
         self.metrics = RequestMetrics()
-        self.context_logits = None  # return_context_logits is refused by the server
+        self.context_logits = None  # [prompt positions, vocab] when return_context_logits
         self.mm_embedding_handle = None  # text-only models
         self._num_logprobs = num_logprobs
         self._num_prompt_logprobs = num_prompt_logprobs
@@ -140,6 +160,8 @@ class RequestOutputState:
             self.prompt_token_ids = list(msg.prompt_token_ids)
         if msg.HasField("disaggregated_params"):
             self._disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
+        if msg.context_logits:
+            self.context_logits = logits_array([list(row.values) for row in msg.context_logits])
         if msg.prompt_logprobs:
             self._prompt_logprobs = [token_logprobs(lp, self._num_prompt_logprobs or 0, None)
                                      for lp in msg.prompt_logprobs]

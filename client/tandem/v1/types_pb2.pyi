@@ -283,8 +283,14 @@ class TokenLogprobs(_message.Message):
     ranks: _containers.ScalarMap[int, int]
     def __init__(self, logprobs: _Optional[_Mapping[int, float]] = ..., ranks: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
+class LogitsRow(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params")
+    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params", "generation_logits")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +300,7 @@ class CompletionOutput(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -303,7 +310,8 @@ class CompletionOutput(_message.Message):
     stop_token_id: int
     stop_string: str
     disaggregated_params: DisaggregatedParams
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
+    generation_logits: _containers.RepeatedCompositeFieldContainer[LogitsRow]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., generation_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
     __slots__ = ("time_to_first_token_s", "e2e_latency_s", "num_cached_prompt_tokens", "num_computed_prompt_tokens", "kv_transfer_bytes", "kv_transfer_s", "served_by")
@@ -324,7 +332,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params", "context_logits")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +341,7 @@ class RequestOutput(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -341,4 +350,5 @@ class RequestOutput(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     metrics: RequestMetrics
     disaggregated_params: DisaggregatedParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., finished: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
+    context_logits: _containers.RepeatedCompositeFieldContainer[LogitsRow]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., finished: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., context_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ...) -> None: ...
