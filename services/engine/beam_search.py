@@ -103,6 +103,32 @@ class BeamGroup:
                      or all(c.hits_stop for c in pool))
         return [(c.parent, c.token, c.score, slot) for c, slot in zip(running, self._slots_for(len(running)))]
 
+    def advance(self, new: list[tuple[Sequence, int, float, Sequence]], block_manager) -> list[tuple[int, int]]:
+        """Puts the new beams in their slots: the first child of a parent takes over its blocks, the
+        others fork them (full blocks shared, the partial one copied); a parent with no child gives
+        its blocks back. Returns the block copies [(source, destination)] the device must make."""
+        copies, contents, inherited = [], [], set()
+        for parent, token, score, slot in new:
+            if id(parent) in inherited:
+                table, hashes, pairs = block_manager.fork(parent)
+                copies += pairs
+                computed = parent.num_computed_tokens if table or not parent.block_table else 0
+            else:
+                inherited.add(id(parent))
+                table, hashes, computed = parent.block_table, parent.block_hashes, parent.num_computed_tokens
+            contents.append((slot, parent.output_token_ids + [token], score,
+                             self.token_logprobs[parent] + [score - self.scores[parent]], table, hashes, computed))
+        for parent in self.scores:
+            if id(parent) not in inherited:
+                block_manager.free(parent.block_table)
+        self.scores, self.token_logprobs = {}, {}
+        for slot, outputs, score, logprobs, table, hashes, computed in contents:
+            slot.output_token_ids, slot.cumulative_logprob = outputs, score
+            slot.block_table, slot.block_hashes, slot.num_computed_tokens = list(table), list(hashes), computed
+            slot.awaiting_beam = False
+            self.scores[slot], self.token_logprobs[slot] = score, logprobs
+        return copies
+
     def _update_finished(self, pool: list[_Candidate], gen_len: int) -> None:
         full = all(f.is_finished for f in self.finished) and self.early_stopping is True
         entries = list(self.finished)

@@ -369,36 +369,16 @@ class LLMEngine:
         return out
 
     def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
-        """The group's next beams, in its slots: the first child of a parent takes over its blocks,
-        the others fork them (full blocks shared, the partial one copied); a parent with no child
-        gives its blocks back. When the search is over, the n best beams are the request's output."""
-        old_slots = list(group.slots)
+        """The group's next beams in its slots (KV forked), or, once the search is over, the n best
+        beams as the request's output."""
         new = group.step()
         if group.done:
             for slot in group.slots:
                 self._finish(slot)
             self._seqs.pop(group.request_id, None)
             return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results())]
-        bm, copies, contents, inherited = self.block_manager, [], [], set()
-        for parent, token, score, slot in new:
-            if id(parent) in inherited:
-                table, hashes, pairs = bm.fork(parent)
-                copies += pairs
-                computed = parent.num_computed_tokens if table or not parent.block_table else 0
-            else:
-                inherited.add(id(parent))
-                table, hashes, computed = parent.block_table, parent.block_hashes, parent.num_computed_tokens
-            contents.append((slot, parent.output_token_ids + [token], score,
-                             group.token_logprobs[parent] + [score - group.scores[parent]], table, hashes, computed))
-        for parent in old_slots:
-            if id(parent) not in inherited:
-                bm.free(parent.block_table)
-        group.scores, group.token_logprobs = {}, {}
-        for slot, outputs, score, logprobs, table, hashes, computed in contents:
-            slot.output_token_ids, slot.cumulative_logprob = outputs, score
-            slot.block_table, slot.block_hashes, slot.num_computed_tokens = list(table), list(hashes), computed
-            slot.awaiting_beam = False
-            group.scores[slot], group.token_logprobs[slot] = score, logprobs
+        copies = group.advance(new, self.block_manager)
+        for slot in group.slots:
             if slot not in self.scheduler.running and slot not in self.scheduler.waiting:
                 self.scheduler.running.append(slot)  # a new beam: its KV forked, it decodes next step
         self.runner.copy_blocks(copies)
