@@ -107,3 +107,23 @@ def test_beams_share_their_prefix_blocks(model_dirs):
             shared_seen += 1
     assert shared_seen and len(beams) == 4 and all(len(b.token_ids) == 6 for b in beams)
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_more_beams_than_a_step_holds_run_in_turns(model_dirs):
+    """Three searches of 4 beams on an engine whose steps hold 5 sequences: the beams take turns
+    and each search ends as it does alone."""
+    def search(engine, prompts):
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, SamplingOptions(max_tokens=6, n=4, beam_width=4, ignore_eos=True))
+        found = {}
+        while engine.num_unfinished:
+            for out in engine.step():
+                found[out.request_id] = [(b.token_ids, round(b.cumulative_logprob, 4)) for b in out.beams]
+        return found
+    prompts = {f"r{i}": [1] + [(5 * i + k) % 300 + 4 for k in range(7 + i)] for i in range(3)}
+    crowded = LLMEngine(EngineConfig(str(model_dirs["llama"]), num_blocks=96, block_size=4, max_num_seqs=5))
+    together = search(crowded, prompts)
+    alone = {rid: search(LLMEngine(EngineConfig(str(model_dirs["llama"]), num_blocks=96, block_size=4)), {rid: ids})[rid]
+             for rid, ids in prompts.items()}
+    assert together == alone
+    assert crowded.block_manager.num_free_blocks == 96

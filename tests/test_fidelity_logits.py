@@ -2,10 +2,12 @@
 (tensorrt_llm/executor/result.py): RequestOutput.context_logits holds the logits of the prompt
 positions and CompletionOutput.generation_logits those each generated token was drawn from
 (response_tensors.generation_logits[..., :length]); tandem sends them as packed float rows and
-the client makes a torch tensor of them when torch is installed. transformers is the oracle.
+the client makes a numpy array of them (TensorRT-LLM: a torch tensor; the client imports no
+torch). transformers is the oracle.
 """
 from __future__ import annotations
 
+import numpy
 import pytest
 
 from tandem.client import SamplingParams
@@ -22,12 +24,12 @@ def test_context_and_generation_logits_are_the_models(tiny_llm, model_dirs, orac
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
             want = ref.model(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
-        assert isinstance(out.context_logits, torch.Tensor)
+        assert isinstance(out.context_logits, numpy.ndarray) and out.context_logits.dtype == numpy.float32
         assert out.context_logits.shape == (len(prompt), ref.model.config.vocab_size)
-        torch.testing.assert_close(out.context_logits, want[:len(prompt)], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(torch.from_numpy(out.context_logits), want[:len(prompt)], atol=1e-3, rtol=1e-3)
         generated = out.outputs[0].generation_logits
         assert generated.shape == (len(tokens), ref.model.config.vocab_size)
-        torch.testing.assert_close(generated, want[len(prompt) - 1:], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(torch.from_numpy(generated), want[len(prompt) - 1:], atol=1e-3, rtol=1e-3)
     plain = tiny_llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, seed=4),
                               use_tqdm=False)
     assert plain.context_logits is None and plain.outputs[0].generation_logits is None
@@ -48,7 +50,7 @@ def test_streamed_generation_logits_add_up(tiny_cluster):
             return out, rows
     out, rows = asyncio.run(go())
     assert rows == len(out.outputs[0].token_ids) == 5
-    assert out.outputs[0].generation_logits.argmax(dim=-1).tolist() == out.outputs[0].token_ids  # greedy
+    assert out.outputs[0].generation_logits.argmax(axis=-1).tolist() == out.outputs[0].token_ids  # greedy
 
 
 @pytest.mark.parametrize("name", ["return_context_logits", "return_generation_logits"])

@@ -380,7 +380,7 @@ class LLMEngine:
         copies = group.advance(new, self.block_manager)
         for slot in group.slots:
             if slot not in self.scheduler.running and slot not in self.scheduler.waiting:
-                self.scheduler.running.append(slot)  # a new beam: its KV forked, it decodes next step
+                self.scheduler.add_forked(slot)  # a new beam: its KV forked
         self.runner.copy_blocks(copies)
         return []
 

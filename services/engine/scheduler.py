@@ -52,6 +52,21 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    @property
+    def num_active(self) -> int:
+        """Running sequences that take a place in a step (a beam awaiting the others' does not)."""
+        return sum(1 for s in self.running if not s.awaiting_beam)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A new beam with its KV forked: it runs next if there is room, else waits with its blocks."""
+        if self.num_active < self.max_num_seqs:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        else:
+            seq.arrival_seq = next(self._arrivals)
+            seq.status = Status.WAITING
+            self.waiting.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
         if seq in self.running:
@@ -65,7 +80,8 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         self.running.sort(key=_order)
         for seq in list(self.running):
-            if budget == 0:
+            # Beams forked past max_num_seqs run in turns: a step holds at most max_num_seqs.
+            if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
             # Preempted while making room for a higher-priority one, ending with its tokens in flight,
             # or a beam whose next token waits for the other beams.
@@ -78,8 +94,9 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.sort(key=_order)
+        num_active = self.num_active
         for seq in [s for s in self.waiting if not s.awaiting_beam]:
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or num_active >= self.max_num_seqs:
                 break
             if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
                 break
@@ -89,6 +106,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            num_active += 1
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new

@@ -40,25 +40,21 @@ def token_logprobs(entry: types_pb2.TokenLogprobs, num_top: int, sampled: Option
 
 
 def logits_array(rows: list[list[float]]):
-    """Logits rows [positions, vocab] as a torch tensor when torch is installed (TensorRT-LLM's
-    type), else a numpy array, else the nested lists: the client itself needs neither."""
-    try:
-        import torch
-        return torch.tensor(rows, dtype=torch.float32)
-    except ImportError:
-        pass
+    """Logits rows [positions, vocab] as a float32 numpy array when numpy is installed, else the
+    nested lists: the client needs neither numpy nor torch (TensorRT-LLM gives a torch tensor;
+    torch.from_numpy makes one without a copy)."""
     try:
         import numpy
-        return numpy.asarray(rows, dtype=numpy.float32)
     except ImportError:
         return rows
+    return numpy.asarray(rows, dtype=numpy.float32)
 
 
 @dataclass
 class CompletionOutput:
     """tensorrt_llm.executor.result.CompletionOutput. cumulative_logprob and logprobs are filled
     only when SamplingParams.logprobs was set, as in TensorRT-LLM. generation_logits ([tokens,
-    vocab]; torch, numpy or lists, whichever is installed) when return_generation_logits; the extra
+    vocab]; a numpy array, or lists without numpy) when return_generation_logits; the extra
     model outputs and perf metrics stay None: the server refuses the params that would fill them."""
     index: int
     text: str = ""
