@@ -101,3 +101,31 @@ class ImmediateEngineThread:
 
     def send(self, command) -> None:
         self.engine.free_blocks(command.block_ids)
+
+
+def tiny_split_cluster(model_dirs, num_blocks: int = 64):
+    """Router + prefill + decode + an aggregated worker (workers[2]) serving the tiny Llama."""
+    from tandem.testing.cluster import LocalCluster
+    return LocalCluster(roles=["prefill", "decode", "both"],
+                        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", str(num_blocks),
+                                     "--block-size", "8"])
+
+
+def split_or_aggregated_client(cluster, which: str):
+    """A client of the router (which="split": it splits every request) or of the aggregated worker."""
+    from tandem.client import LLM
+    return LLM(cluster.address if which == "split" else cluster.workers[2].address)
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(model_dirs):
+    """tiny_split_cluster, one per test module."""
+    with tiny_split_cluster(model_dirs) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module", params=["split", "aggregated"])
+def tiny_llm(tiny_cluster, request):
+    """Each test of the module runs through the router's split and on the aggregated worker."""
+    with split_or_aggregated_client(tiny_cluster, request.param) as client:
+        yield client

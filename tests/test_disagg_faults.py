@@ -58,7 +58,7 @@ def test_user_orchestrated_split_and_abandoned_handoffs(model_dirs):
             request_type="generation_only", first_gen_tokens=handoff.first_gen_tokens,
             ctx_request_id=handoff.ctx_request_id, opaque_state=handoff.opaque_state))
         expected = aggregated.generate("split by hand", params, use_tqdm=False).outputs[0].token_ids
-        assert handoff.first_gen_tokens + gen.outputs[0].token_ids == expected
+        assert gen.outputs[0].token_ids == expected  # the first token included, as TensorRT-LLM
         # Handoffs nobody pulls are freed when their lease expires.
         for i in range(3):
             llm.generate(f"abandoned {i}", params, use_tqdm=False,

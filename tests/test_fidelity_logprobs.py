@@ -9,13 +9,14 @@ import math
 
 import pytest
 
-from tandem.testing.cluster import LocalCluster
+from conftest import tiny_split_cluster
 from tandem.client import LLM, AsyncLLM, Logprob, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"]) as c:
+    """The router splits every request over the prefill and the decode; workers[2] is aggregated."""
+    with tiny_split_cluster(model_dirs) as c:
         yield c
 
 
@@ -63,21 +64,60 @@ def test_greedy_top_logprobs_are_ranked(llm, model_dirs, oracle):
                                                    abs=1e-4)
 
 
-def test_a_sampled_token_outside_the_top_k_has_no_known_rank(llm):
-    # TensorRT-LLM adds the sampled token to the top-k when it is not among them
-    # (result.py, compute_logprobs); its exact rank is the server's to send: without it, None.
+def _oracle_logprobs(oracle, model_dir, ids: list[int]):
+    ref = oracle(model_dir)
+    with ref.torch.no_grad():
+        logits = ref.model(ref.torch.tensor([ids])).logits[0]
+    return ref.torch.log_softmax(logits.float(), dim=-1)
+
+
+def _rank_range(row, value: float, tol: float = 1e-4) -> range:
+    """The ranks value may have in row, allowing for float differences with transformers."""
+    return range(int((row > value + tol).sum()) + 1, int((row > value - tol).sum()) + 2)
+
+
+def test_a_sampled_token_outside_the_top_k_has_its_vocabulary_rank(llm, model_dirs, oracle):
+    # TensorRT-LLM adds the sampled token to the top-k when it is not among them, with
+    # rank = 1 + the number of tokens more likely (executor/result.py, compute_logprobs).
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=8.0, seed=3, logprobs=1)
-    out = llm.generate("hot sampling", params, use_tqdm=False).outputs[0]
+    prompt = llm.tokenizer.encode("hot sampling")
+    out = llm.generate(prompt, params, use_tqdm=False).outputs[0]
+    expected = _oracle_logprobs(oracle, model_dirs["llama"], prompt + out.token_ids[:-1])[len(prompt) - 1:]
     outside = 0
-    for token, entry in zip(out.token_ids, out.logprobs):
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         top = [t for t, v in entry.items() if v.rank == 1]
         assert len(top) == 1
+        assert entry[token].rank in _rank_range(expected[position], expected[position, token].item())
         if token != top[0]:
             outside += 1
-            assert len(entry) == 2 and (entry[token].rank is None or entry[token].rank > 1)
+            assert len(entry) == 2 and entry[token].rank > 1
             assert entry[token].logprob <= entry[top[0]].logprob
     assert outside > 0, "a temperature of 8 samples below the top token somewhere in 30 steps"
     assert math.isfinite(out.cumulative_logprob)
+
+
+@pytest.mark.parametrize("target", ["split", "aggregated"])
+def test_prompt_logprobs_are_the_context_logits_top_k(cluster, model_dirs, oracle, target):
+    # TensorRT-LLM: prompt_logprobs=k gives, for every prompt position, the top k of the context
+    # logits there with ranks 1..k (executor/result.py, compute_logprobs, tokens=None), one
+    # list shared by the outputs (CompletionOutput.prompt_logprobs).
+    k = 3
+    address = cluster.address if target == "split" else cluster.workers[2].address
+    with LLM(address) as client:
+        prompt = client.tokenizer.encode("the prompt has logprobs too, position by position")
+        params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k)
+        first = client.generate(prompt, params, use_tqdm=False)
+        again = client.generate(prompt, params, use_tqdm=False)  # its blocks are cached now: still all of it
+    expected = _oracle_logprobs(oracle, model_dirs["llama"], prompt)
+    for result in (first, again):
+        got = result.outputs[0].prompt_logprobs
+        assert len(got) == len(prompt)
+        for position, entry in enumerate(got):
+            assert [v.rank for v in entry.values()] == list(range(1, k + 1))
+            values, ids = expected[position].topk(k)
+            assert list(entry) == ids.tolist()
+            assert [v.logprob for v in entry.values()] == pytest.approx(values.tolist(), abs=1e-4)
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
 
 
 def test_streamed_logprob_diffs_add_up(cluster):

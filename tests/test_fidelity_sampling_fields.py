@@ -37,15 +37,17 @@ class LookaheadDecodingConfig:
     max_window_size, max_ngram_size, max_verification_set_size = 4, 3, 2
 
 
+# One non-default value per field the server implements (test_fidelity_sampling_features.py).
+IMPLEMENTED = {"bad": ["never"], "bad_token_ids": [5], "embedding_bias": [0.0] * 8, "no_repeat_ngram_size": 3,
+               "exclude_input_from_output": False, "guided_decoding": GuidedDecodingParams(json={"type": "object"}),
+               "use_beam_search": True, "length_penalty": 1.2, "early_stopping": 1, "return_context_logits": True,
+               "return_generation_logits": True}
 # One non-default value per field the server does not implement yet.
 UNIMPLEMENTED = {
-    "bad": ["never"], "bad_token_ids": [5], "embedding_bias": [0.0] * 8, "use_beam_search": True, "top_p_min": 0.1,
-    "top_p_reset_ids": 3, "top_p_decay": 0.9, "beam_search_diversity_rate": 0.5, "length_penalty": 1.2,
-    "early_stopping": 1, "no_repeat_ngram_size": 3, "beam_width_array": [2, 2], "return_context_logits": True,
-    "return_generation_logits": True, "exclude_input_from_output": False, "return_encoder_output": True,
+    "top_p_min": 0.1, "top_p_reset_ids": 3, "top_p_decay": 0.9, "beam_search_diversity_rate": 0.5,
+    "beam_width_array": [2, 2], "return_encoder_output": True,
     "return_perf_metrics": True, "additional_model_outputs": ["hidden_states"],
     "lookahead_config": LookaheadDecodingConfig(),
-    "guided_decoding": GuidedDecodingParams(json={"type": "object"}),
 }
 
 
@@ -67,8 +69,8 @@ def test_every_field_with_tensorrt_llms_default():
 def test_every_field_but_callables_travels_in_the_proto():
     proto_fields = set(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
     assert set(TENSORRT_LLM_FIELDS) - LOCAL_ONLY <= proto_fields
-    assert set(UNIMPLEMENTED) | LOCAL_ONLY | {"prompt_logprobs"} <= set(TENSORRT_LLM_FIELDS)
-    msg = SamplingParams(**{**UNIMPLEMENTED, "n": 2, "best_of": 2}).to_proto()
+    assert set(UNIMPLEMENTED) | set(IMPLEMENTED) | LOCAL_ONLY | {"prompt_logprobs"} <= set(TENSORRT_LLM_FIELDS)
+    msg = SamplingParams(**{**UNIMPLEMENTED, **IMPLEMENTED, "n": 2, "best_of": 2}).to_proto()
     assert list(msg.bad) == ["never"] and list(msg.embedding_bias) == [0.0] * 8 and msg.use_beam_search
     assert (msg.lookahead_config.max_window_size, msg.lookahead_config.max_ngram_size,
             msg.lookahead_config.max_verification_set_size) == (4, 3, 2)
@@ -101,7 +103,8 @@ def test_the_defaults_spelled_out_keep_working(llm):
     stop_at = plain.outputs[0].token_ids[2]
     stopped = llm.generate("defaults", SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[stop_at]),
                            use_tqdm=False).outputs[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+    assert stopped.token_ids == plain.outputs[0].token_ids[:plain.outputs[0].token_ids.index(stop_at)]
     seeded = [llm.generate("seeded", SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=11,
                                                     ignore_eos=True), use_tqdm=False).outputs[0].token_ids
               for _ in range(2)]

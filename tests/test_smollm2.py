@@ -118,3 +118,53 @@ def test_generate_chat_cli_answers_through_the_template(served):
     out = io.StringIO()
     generate(cluster.address, "What is the capital of France?", max_tokens=MAX_TOKENS, chat=True, out=out)
     assert out.getvalue().startswith("The capital of France is Paris.\n[stop: ")
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+                                                  "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+                 "required": ["answer", "confidence"], "additionalProperties": False}
+GUIDED_QUESTIONS = ["Is the sky blue?", "Is water wet?", "Can pigs fly?", "Is Paris in France?", "Is ice cold?",
+                    "Do fish swim?", "Is the sun a star?", "Can cats bark?", "Is 7 a prime number?", "Is snow green?",
+                    "Do birds have feathers?", "Is the moon made of cheese?", "Is Python a language?",
+                    "Can humans breathe underwater?", "Is fire hot?", "Do trees grow?", "Is 2 bigger than 3?",
+                    "Is gold a metal?", "Can dogs read?", "Is the earth round?"]
+
+
+def test_guided_json_schema_is_valid_for_20_prompts(served):
+    """Issue 9's acceptance: guided decoding with a JSON schema yields valid JSON on the small chat
+    model, as TensorRT-LLM's xgrammar backend (grammar_matcher.py, compile_json_schema) does;
+    through the split, the prefill's first token and the decode's rest follow one grammar."""
+    import json
+
+    import jsonschema
+    from tandem.client import GuidedDecodingParams
+    _, _, llm, _, _ = served
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{q} Answer in JSON."}], add_generation_prompt=True)
+               for q in GUIDED_QUESTIONS]
+    params = SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(json=GUIDED_SCHEMA))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for question, out in zip(GUIDED_QUESTIONS, outs):
+        assert out.outputs[0].finish_reason == "stop", (question, out.outputs[0].text)
+        jsonschema.validate(json.loads(out.outputs[0].text), GUIDED_SCHEMA)
+
+
+def test_beam_search_equals_transformers_on_smollm2(served):
+    """Issue 9's acceptance on the real model: 4 beams, the same beams and scores as transformers'
+    generate(num_beams=4, length_penalty=1.0, early_stopping=True) on the same GGUF checkpoint
+    (TensorRT-LLM's early_stopping=1); the router sends beam search to the aggregated worker."""
+    _, _, llm, _, oracle = served
+    for question in QUESTIONS[:2]:
+        ids = oracle.chat_ids(question)
+        with torch.no_grad():
+            want = oracle.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=True,
+                                         max_new_tokens=8, do_sample=False, pad_token_id=oracle.eos,
+                                         output_scores=True, return_dict_in_generate=True)
+        out = llm.generate(ids, SamplingParams(max_tokens=8, use_beam_search=True, n=4, length_penalty=1.0,
+                                               early_stopping=1, logprobs=0), use_tqdm=False)
+        for beam, seq, score in zip(out.outputs, want.sequences, want.sequences_scores):
+            tokens = seq[len(ids):].tolist()
+            tokens = tokens[:tokens.index(oracle.eos) + 1] if oracle.eos in tokens else tokens
+            assert beam.token_ids == tokens, question
+            assert beam.cumulative_logprob / len(tokens) == pytest.approx(score.item(), abs=2e-3)

@@ -184,6 +184,24 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.allocate(self.blocks_needed(seq, num_new_tokens)))
 
+    def fork(self, seq: Sequence) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """A new beam from seq: seq's full computed blocks shared (one more reference each) and its
+        partial last block copied into a new one. Returns (block table, block hashes, [(source,
+        copy)] for the device). With no block free the beam gets none and recomputes its KV."""
+        num_full = seq.num_computed_tokens // self.block_size
+        partial = seq.num_computed_tokens % self.block_size and num_full < len(seq.block_table)
+        if partial and not self._free:
+            return [], [], []
+        shared = seq.block_table[:num_full]
+        for b in shared:
+            self._ref_counts[b] += 1
+        table, copies = list(shared), []
+        if partial:
+            (copy,) = self.allocate(1)
+            copies.append((seq.block_table[num_full], copy))
+            table.append(copy)
+        return table, list(seq.block_hashes[:num_full]), copies
+
     def release(self, seq: Sequence) -> None:
         self.free(seq.block_table)
         seq.block_table = []

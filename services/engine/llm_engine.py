@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+
+import torch
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
+from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.lora_adapter import LoRAAdapter
@@ -15,7 +18,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.engine.sequence import FinishReason, Phase, Sequence, Status
+from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
 
 
 class PromptTooLongError(ValueError):
@@ -50,8 +53,9 @@ class InFlightStep:
 
     @property
     def needs_ids(self) -> bool:
-        """The next step cannot run before these ids are on the host: a penalty counts them."""
-        return any(seq.options.has_penalties for seq in self.sampled)
+        """The next step cannot run before these ids are on the host: a penalty counts them, a bad
+        word or an n-gram matches them."""
+        return any(seq.options.needs_token_ids for seq in self.sampled)
 
 
 @dataclass
@@ -121,6 +125,11 @@ class LLMEngine:
         bad = [t for t in options.stop_token_ids + options.eos_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
+        bad = [t for word in options.bad_words for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        if options.embedding_bias and len(options.embedding_bias) != vocab:
+            raise ValueError(f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
                       priority: float, cache_salt: str | None, output_token_ids: list[int] | None,
@@ -146,6 +155,13 @@ class LLMEngine:
         adapter: the request's LoRA adapter (lora_adapter.AdapterStore.load), or None for the base model."""
         seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids,
                                  adapter)
+        if options.beam_width > 1:
+            if phase is not Phase.CONTEXT_AND_GENERATION or output_token_ids:
+                raise NotImplementedError("use_beam_search runs on an aggregated worker, from the prompt")
+            if adapter is not None:
+                raise NotImplementedError("use_beam_search with a lora_request is not supported yet: send one or "
+                                          "the other")
+            seq.beam = BeamGroup(seq, options.end_ids(), self.max_model_len)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -193,10 +209,11 @@ class LLMEngine:
             return False
         if seq.status is Status.WAITING_FOR_REMOTE_KV:
             self.block_manager.release(seq)
-        else:
-            self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = FinishReason.CANCELLED
+        for slot in seq.beam.slots if seq.beam is not None else [seq]:
+            if slot.status is not Status.WAITING_FOR_REMOTE_KV:
+                self.scheduler.remove(slot)
+            slot.status = Status.FINISHED
+            slot.finish_reason = FinishReason.CANCELLED
         return True
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -288,7 +305,12 @@ class LLMEngine:
         if batch.is_empty:
             return None
         started = time.perf_counter()
-        sampled, draws = self.runner.execute(batch)
+        sampled, draws, prompt_logprobs = self.runner.execute(batch)
+        for seq, rows in prompt_logprobs.items():
+            seq.num_prompt_rows += rows.num_positions
+            seq.prompt_logprobs += rows.logprobs
+            if rows.logits is not None:
+                seq.context_logits.append(rows.logits)
         self.counters.last_batch = {
             "numScheduledRequests": len(batch.seqs),
             "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
@@ -309,42 +331,73 @@ class LLMEngine:
         outputs: list[StepOutput] = []
         if step.sampled:
             result = step.draws.to_host()
+            beams: dict[int, BeamGroup] = {}
             for k, seq in enumerate(step.sampled):
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
                     continue
-                outputs.append(self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k]))
+                if seq.beam is not None:  # its candidates wait for the other beams'
+                    seq.beam.record(seq, *result.beam_candidates[k])
+                    beams[id(seq.beam)] = seq.beam
+                    continue
+                out = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
+                                         result.ranks[k] if result.ranks else None)
+                if result.logits_rows and result.logits_rows[k] is not None:
+                    out.generation_logits = [result.logits_rows[k]]
+                outputs.append(out)
                 self.block_manager.register_computed(seq)  # the block the token completes, now known
+            outputs += [out for group in beams.values() if group.ready for out in self._beam_step(group)]
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None) -> StepOutput:
+    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None,
+                      ranks: dict[int, int] | None = None) -> StepOutput:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         seq.output_token_ids.append(token_id)
         seq.output_logprobs.append(top)
         seq.cumulative_logprob += logprob
         self.counters.num_generated_tokens += 1
-        opts = seq.options
-        if seq.num_output_tokens >= opts.min_tokens and token_id in opts.end_ids():
-            seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token_id
-        elif (seq.num_output_tokens >= opts.max_tokens or seq.num_tokens >= self.max_model_len
-              or self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks):
-            # The last condition: the whole KV pool cannot hold the next step's KV.
-            seq.finish_reason = FinishReason.LENGTH
-        finished = seq.finish_reason is not None
-        # A context_only sequence that is not done ends here with its first token; its KV
-        # leaves the engine under a lease for the decode worker to pull.
+        seq.finish_reason, seq.stop_token_id = natural_finish(seq.options, seq.num_prompt_tokens,
+                                                              seq.output_token_ids, self.max_model_len)
+        if seq.guide_matcher is not None and not seq.guide_matcher.accept_token(token_id) \
+                and seq.finish_reason is None:
+            seq.finish_reason = FinishReason.STOP  # nothing more can follow the guide
+        if seq.finish_reason is None and self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+            seq.finish_reason = FinishReason.LENGTH  # the whole KV pool cannot hold the next step's KV
+        # A context_only sequence ends here with its first token, whether or not that token ends it
+        # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.
         lease = None
-        if not finished and seq.phase is Phase.CONTEXT_ONLY:
+        if seq.phase is Phase.CONTEXT_ONLY:
             lease = self.leases.open(seq.request_id, seq.block_table)
             seq.block_table, seq.block_hashes = [], []
-        if finished or lease is not None:
+        finished = seq.finish_reason is not None or lease is not None
+        if finished:
             self._finish(seq)
-        return StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished or lease is not None,
-                          seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                          lease)
+        first = seq.num_output_tokens == 1
+        out = StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
+                         seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
+                         lease, [ranks], seq.prompt_logprobs if first and seq.options.prompt_logprobs else None)
+        if first and seq.context_logits:
+            out.context_logits = torch.cat(seq.context_logits)
+        return out
+
+    def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
+        """The group's next beams in its slots (KV forked), or, once the search is over, the n best
+        beams as the request's output."""
+        new = group.step()
+        if group.done:
+            for slot in group.slots:
+                self._finish(slot)
+            self._seqs.pop(group.request_id, None)
+            return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results())]
+        copies = group.advance(new, self.block_manager)
+        for slot in group.slots:
+            if slot not in self.scheduler.running and slot not in self.scheduler.waiting:
+                self.scheduler.add_forked(slot)  # a new beam: its KV forked
+        self.runner.copy_blocks(copies)
+        return []
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

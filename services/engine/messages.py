@@ -110,8 +110,20 @@ class StepOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    # Set when a context_only sequence hands off: its KV blocks, now under this lease.
+    # Set when a context_only sequence hands off: its KV blocks, now under this lease
+    # (finish_reason still says whether its first token ended it).
     lease: Lease | None = None
+    # Vocabulary ranks of the new_logprobs entries, one dict per token (None where not asked).
+    new_ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
+    # sequence's first output only.
+    prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None
+    # Beam search: the returned beams, best first, on the request's one (final) output.
+    beams: list | None = None
+    # Raw logits on the host: of every prompt position ([P, V], on the first output) and of each
+    # new token's draw (one [V] row per token), when the options ask for them.
+    context_logits: Any = None
+    generation_logits: list | None = None
 
 
 @dataclass

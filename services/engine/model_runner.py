@@ -12,22 +12,33 @@ pays nothing for LoRA).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
+from tandem.engine.guided import allowed_bitmask, new_matcher
 from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.logits_masks import banned_ids
 from tandem.engine.lora_adapter import lora_modules
 from tandem.engine.lora_pool import LoRABatch, LoRAPool
-from tandem.engine.sampler import SampledBatch, Sampler
+from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers
 from tandem.kernels.dispatch import backend_for
 
 log = logging.getLogger("tandem.model_runner")
+
+
+@dataclass
+class PromptRows:
+    """What a step computed of a sequence's prompt positions for its prompt outputs."""
+    num_positions: int
+    logprobs: list[PositionLogprobs]  # top prompt_logprobs per position ([] when not asked)
+    logits: torch.Tensor | None  # [positions, vocab] float32 on the host (return_context_logits)
 
 # What must agree for new weights to replace the served ones.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -168,6 +179,16 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
         return num_blocks
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV block copies [(source, destination)] (beam forks), queued before any later step; waited
+        for on CUDA, so a block freed next cannot be read by a NIXL pull before its copy is done."""
+        if not pairs or self.kv_cache is None:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+        self.synchronize()
+
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The decode graph that runs this batch: one new token per sequence, each one sampling."""
         if self.graphs is None:
@@ -189,10 +210,38 @@ class ModelRunner:
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache, lora)
         return self.model.compute_logits(hidden)
 
+    def _prompt_rows(self, batch: ScheduledBatch, hidden: torch.Tensor | None, logits: torch.Tensor | None,
+                     seqs: list[Sequence]) -> dict[Sequence, PromptRows]:
+        """The prompt positions this step computes for sequences that asked for prompt_logprobs or
+        context logits: the top prompt_logprobs of each position's next-token distribution
+        (TensorRT-LLM's compute_logprobs over the context logits) and the raw rows. Rare, so read
+        back at once (a sync on CUDA)."""
+        found: dict[Sequence, PromptRows] = {}
+        first_row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            rows_start, first_row = first_row, first_row + num_new
+            if not seq.needs_prompt_rows:
+                continue
+            start = seq.num_computed_tokens  # the step's first position (counted after execute)
+            positions = range(max(start, seq.num_prompt_rows), min(start + num_new, seq.num_prompt_tokens))
+            if not positions:
+                continue
+            if hidden is None:  # a decode graph: its one row per sequence is the sampled row
+                rows = logits[[seqs.index(seq)]]
+            else:
+                rows = self.model.compute_logits(hidden[rows_start + positions.start - start:
+                                                        rows_start + positions.stop - start])
+            k = seq.options.prompt_logprobs
+            found[seq] = PromptRows(len(positions), top_logprobs(rows, k) if k else [],
+                                    rows.float().cpu() if seq.options.return_context_logits else None)
+        return found
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None]:
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None,
+                                                      dict[Sequence, PromptRows]]:
         """Runs one step and queues the draws of the sequences whose last token it computed.
-        Returns those sequences and their draws (still on the device: SampledBatch.to_host())."""
+        Returns those sequences, their draws (still on the device: SampledBatch.to_host()) and the
+        prompt outputs of the positions it computed for sequences that asked for them."""
         self.bind_device()
         graph_size = self._graph_size(batch)
         graphs = self.lora_graphs if any(seq.lora_slot is not None for seq in batch.seqs) else self.graphs
@@ -204,22 +253,32 @@ class ModelRunner:
             tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
             inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         seqs = [batch.seqs[i] for i in inputs.sample_indices]
+        hidden = logits = None
         if graph_size is not None:
             logits = graphs.run(graph_size)[:len(seqs)]
         else:
             lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
-            if not seqs:
-                self._last_draws = None
-                return [], None
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            if seqs:
+                logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        prompt_logprobs = self._prompt_rows(batch, hidden, logits, seqs)
+        if not seqs:
+            self._last_draws = None
+            return [], None, prompt_logprobs
         # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
         # (Penalties need the ids themselves: the engine reads them back before such a step.)
         drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
+        bitmask = None
+        if any(s.options.guide is not None for s in seqs):
+            for s in seqs:
+                if s.options.guide is not None and s.guide_matcher is None:
+                    s.guide_matcher = new_matcher(s.options.guide, s.output_token_ids)
+            bitmask = allowed_bitmask([s.guide_matcher for s in seqs], self.model_config.vocab_size)
         draws = self.sampler.sample(
             logits, [s.options for s in seqs], drawn,
             [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
             [s.output_token_ids for s in seqs],
-            [s.options.end_ids() if n < s.options.min_tokens else frozenset() for s, n in zip(seqs, drawn)])
+            [banned_ids(s.options, s.all_token_ids if s.options.needs_token_ids else [], n)
+             for s, n in zip(seqs, drawn)], bitmask)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
-        return seqs, draws
+        return seqs, draws, prompt_logprobs

@@ -13,10 +13,11 @@ drawn (a KV handoff or a migration continues the same stream).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.guided import unpack_bitmask
 from tandem.engine.sampling_options import SamplingOptions
 
 _MASK32 = 0xFFFFFFFF
@@ -28,6 +29,13 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each sampled token under the model
     top_logprobs: list[dict[int, float] | None]
+    # Rank in the vocabulary (1 = most likely) of every entry of top_logprobs: the top k by their
+    # order, the sampled token by a count on the device (executor/result.py, compute_logprobs).
+    ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # The raw logits row of each row that asked for generation logits (a host tensor), else None.
+    logits_rows: list = field(default_factory=list)
+    # Beam rows: the top K processed log-probabilities of the next token, (values, ids).
+    beam_candidates: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
 
 
 def row_key(seed: int, token_index: int) -> int:
@@ -68,6 +76,16 @@ def _truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.zeros_like(cut).scatter(1, order, cut)
 
 
+# One position's top log-probabilities and their vocabulary ranks: ({token: logprob}, {token: rank}).
+PositionLogprobs = tuple[dict[int, float], dict[int, int]]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[PositionLogprobs]:
+    """The k most likely tokens of each row's distribution, ranked 1..k (read back to the host)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return [(dict(zip(i, v)), {t: r + 1 for r, t in enumerate(i)}) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).to(device, non_blocking=True)
@@ -82,6 +100,9 @@ class SampledBatch:
     num_top: int  # columns of the top-logprob block (0: no row asked)
     host: "_HostBuffers"
     ready: torch.cuda.Event | None = None
+    has_ranks: bool = False  # some row asked for logprobs: the sampled tokens' ranks came back
+    beam_block: tuple[torch.Tensor, torch.Tensor] | None = None  # [R, K] values and ids of beam rows
+    logits_block: torch.Tensor | None = None  # raw rows of the rows with return_generation_logits (host)
 
     def to_host(self) -> SampleResult:
         if self.ready is not None:
@@ -90,19 +111,35 @@ class SampledBatch:
         token_ids = self.host.token_ids[:num_rows].tolist()
         logprobs = self.host.logprobs[:num_rows].tolist()
         top: list[dict[int, float] | None] = []
-        values = ids = None
+        ranks: list[dict[int, int] | None] = []
+        values = ids = sampled_ranks = None
         if self.num_top:
             values = self.host.top_values[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
             ids = self.host.top_ids[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
+        if self.has_ranks:
+            sampled_ranks = self.host.ranks[:num_rows].tolist()
         for row, opt in enumerate(self.options):
             if opt.logprobs is None:
                 top.append(None)
+                ranks.append(None)
                 continue
             entry = {token_ids[row]: logprobs[row]}
+            rank = {token_ids[row]: sampled_ranks[row]}
             if opt.logprobs:
                 entry.update(zip(ids[row][:opt.logprobs], values[row][:opt.logprobs]))
+                rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
             top.append(entry)
-        return SampleResult(token_ids, logprobs, top)
+            ranks.append(rank)
+        candidates: list = []
+        if self.beam_block is not None:
+            values, ids = (t.tolist() for t in self.beam_block)
+            candidates = [(values[row][:opt.num_beam_candidates], ids[row][:opt.num_beam_candidates])
+                          if opt.beam_width > 1 else None for row, opt in enumerate(self.options)]
+        rows: list = []
+        if self.logits_block is not None:
+            wanted = iter(self.logits_block)
+            rows = [next(wanted) if opt.return_generation_logits else None for opt in self.options]
+        return SampleResult(token_ids, logprobs, top, ranks, rows, candidates)
 
 
 class _HostBuffers:
@@ -118,6 +155,7 @@ class _HostBuffers:
         self.keys = empty(max_rows, dtype=torch.long)
         self.token_ids = empty(max_rows, dtype=torch.long)
         self.logprobs = empty(max_rows, dtype=torch.float32)
+        self.ranks = empty(max_rows, dtype=torch.long)
         # Flat: a step's [rows, k] block lands contiguously, so its copy stays asynchronous.
         self.top_ids = empty(max_rows * max_top, dtype=torch.long)
         self.top_values = empty(max_rows * max_top, dtype=torch.float32)
@@ -138,13 +176,16 @@ class Sampler:
         self._turn = 0
         self._params = torch.zeros(len(_HostBuffers.PARAMS), max_rows, device=self.device)
         self._keys = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        # id(options.embedding_bias) -> (the values, kept alive so the id stays theirs; on the device)
+        self._biases: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
 
     def sample(self, logits: torch.Tensor, options: list[SamplingOptions], token_indices: list[int],
                histories: list[list[int]], outputs: list[list[int]],
-               blocked: list[frozenset[int]]) -> SampledBatch:
+               blocked: list[frozenset[int]], allowed: torch.Tensor | None = None) -> SampledBatch:
         """logits [R, V] of R sequences. token_indices: which output token each row draws (its
         seeded noise); histories: prompt + output ids of rows with a repetition penalty (else []);
-        outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet."""
+        outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet;
+        allowed: an int32 token bitmask [R, ceil(V/32)] of what each row may draw (a guide)."""
         num_rows = logits.shape[0]
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} rows to sample; the sampler holds {self.max_rows}")
@@ -155,7 +196,13 @@ class Sampler:
         # Penalties and min_tokens are rare: their small index tensors are built per step.
         penalized = [row for row, o in enumerate(options) if o.has_penalties]
         blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids]
-        logits = raw.clone() if penalized or blocked_pairs else raw
+        biased = [row for row, o in enumerate(options) if o.embedding_bias]
+        logits = raw.clone() if penalized or blocked_pairs or biased else raw
+        if allowed is not None:
+            logits = logits.masked_fill(~unpack_bitmask(allowed.to(self.device, non_blocking=True), self.vocab_size),
+                                        float("-inf"))
+        if biased:
+            logits[biased] += torch.stack([self._bias(options[row].embedding_bias) for row in biased])
         if penalized:
             self._apply_penalties(logits, penalized, options, histories, outputs)
         if blocked_pairs:
@@ -173,11 +220,35 @@ class Sampler:
             values, ids = (raw - lse[:, None]).topk(num_top, dim=-1)
             host.top_values[:values.numel()].view_as(values).copy_(values, non_blocking=True)
             host.top_ids[:ids.numel()].view_as(ids).copy_(ids, non_blocking=True)
+        has_ranks = any(o.logprobs is not None for o in options)
+        if has_ranks:  # 1 + the tokens the model finds strictly more likely, counted on the device
+            sampled_raw = raw.gather(1, chosen[:, None])
+            host.ranks[:num_rows].copy_((raw > sampled_raw).sum(dim=-1) + 1, non_blocking=True)
+        beam_block = None
+        num_candidates = max((o.num_beam_candidates for o in options if o.beam_width > 1), default=0)
+        if num_candidates:  # log_softmax, then the processors' masks and bias (transformers' beam search)
+            values, ids = (logits - lse[:, None]).topk(num_candidates, dim=-1)
+            beam_block = (values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
+        logits_block = None
+        wanted = [row for row, o in enumerate(options) if o.return_generation_logits]
+        if wanted:
+            logits_block = raw[wanted].to("cpu", non_blocking=True)
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready)
+        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks, beam_block,
+                            logits_block)
+
+    def _bias(self, values: tuple[float, ...]) -> torch.Tensor:
+        """A request's embedding bias on the device, built once per request (its options object
+        lives as long as the request; a few are kept)."""
+        key = id(values)
+        if key not in self._biases:
+            if len(self._biases) >= 64:
+                self._biases.clear()
+            self._biases[key] = (values, torch.tensor(values, dtype=torch.float32).to(self.device))
+        return self._biases[key][1]
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], options: list[SamplingOptions],
                          histories: list[list[int]], outputs: list[list[int]]) -> None:

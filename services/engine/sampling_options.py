@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,21 @@ class SamplingOptions:
     spaces_between_special_tokens: bool = True
     # End-of-sequence ids of the model (or end_id); ignored when ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Token sequences never generated (bad_token_ids are one-token words; `bad` strings tokenized).
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # No n-gram of this size appears twice in the sequence (0: off).
+    no_repeat_ngram_size: int = 0
+    # Added to the logits before sampling, one float per vocabulary entry (empty: none).
+    embedding_bias: tuple[float, ...] = ()
+    # Return the raw logits of every prompt position / of each drawn token.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    # Beam search (use_beam_search): beams searched, returned are n; TensorRT-LLM's defaults.
+    beam_width: int = 1
+    length_penalty: float = 0.0
+    early_stopping: int = 1
+    # The compiled grammar the output follows (guided_decoding; engine/guided.py), or None.
+    guide: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -54,14 +70,36 @@ class SamplingOptions:
                 raise ValueError(f"{name} must be in [0, 20], got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(not w for w in self.bad_words):
+            raise ValueError("bad words must not be empty")
+        if self.beam_width < 1 or (self.beam_width > 1 and self.n > self.beam_width):
+            raise ValueError(f"beam search returns at most its {self.beam_width} beams, got n={self.n}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
+    def needs_token_ids(self) -> bool:
+        """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
+        step must read them back first."""
+        return (self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
+                or self.guide is not None or self.beam_width > 1)
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def num_beam_candidates(self) -> int:
+        """Candidates a beam keeps per step: max(2, 1 + end ids) x beams (transformers' beams_to_keep)."""
+        return max(2, 1 + len(self.end_ids())) * self.beam_width
+
+    def eos_ids(self) -> frozenset[int]:
+        """The end ids (the model's EOS or end_id) that end this sequence, stop tokens aside."""
+        return frozenset(() if self.ignore_eos else self.eos_token_ids)
 
     def end_ids(self) -> frozenset[int]:
         """Token ids that finish the sequence once min_tokens are out."""

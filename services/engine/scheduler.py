@@ -65,6 +65,21 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    @property
+    def num_active(self) -> int:
+        """Running sequences that take a place in a step (a beam awaiting the others' does not)."""
+        return sum(1 for s in self.running if not s.awaiting_beam)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A new beam with its KV forked: it runs next if there is room, else waits with its blocks."""
+        if self.num_active < self.max_num_seqs:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        else:
+            seq.arrival_seq = next(self._arrivals)
+            seq.status = Status.WAITING
+            self.waiting.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues and free its blocks."""
         if seq in self.running:
@@ -79,10 +94,12 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         self.running.sort(key=_order)
         for seq in list(self.running):
-            if budget == 0:
+            # Beams forked past max_num_seqs run in turns: a step holds at most max_num_seqs.
+            if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
-            # Preempted while making room for a higher-priority one, or ending with its tokens in flight.
-            if seq not in self.running or seq.finishes_when_pending_lands:
+            # Preempted while making room for a higher-priority one, ending with its tokens in flight,
+            # or a beam whose next token waits for the other beams.
+            if seq not in self.running or seq.finishes_when_pending_lands or seq.awaiting_beam:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new):
@@ -91,8 +108,9 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.sort(key=_order)
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+        num_active = self.num_active
+        for seq in [s for s in self.waiting if not s.awaiting_beam]:
+            if budget <= 0 or num_active >= self.max_num_seqs:
                 break
             if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
                 break
@@ -104,6 +122,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            num_active += 1
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -122,8 +141,10 @@ class Scheduler:
                 return _NO_ADAPTER_SLOT
             bm.grow(seq, num_new)
             return num_new
-        # At least the last token is computed: its logits are what the step samples from.
-        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, seq.num_tokens - 1, seq.lora_fingerprint)
+        # At least the last token is computed: its logits are what the step samples from. Prompt
+        # logprobs and context logits need every prompt position's logits: nothing comes from the cache then.
+        max_cached = 0 if seq.needs_prompt_rows else seq.num_tokens - 1
+        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, max_cached, seq.lora_fingerprint)
         num_cached = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached, budget)
         if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):

@@ -31,6 +31,19 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
 
 
+def natural_finish(options: SamplingOptions, num_prompt_tokens: int, output_token_ids: list[int],
+                   max_model_len: int) -> tuple[FinishReason | None, int | None]:
+    """How a sequence whose output so far is output_token_ids ends after its last token, by its own
+    options: (STOP, the end id) once min_tokens are out, (LENGTH, None) at max_tokens or the model's
+    context length, else (None, None)."""
+    num_output = len(output_token_ids)
+    if num_output and num_output >= options.min_tokens and output_token_ids[-1] in options.end_ids():
+        return FinishReason.STOP, output_token_ids[-1]
+    if num_output >= options.max_tokens or num_prompt_tokens + num_output >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None, None
+
+
 @dataclass(eq=False)  # identity: queues test membership, and field-wise __eq__ is O(tokens)
 class Sequence:
     request_id: str
@@ -41,6 +54,17 @@ class Sequence:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The beam search this sequence is a beam of (engine/beam_search.py), and whether its next
+    # token's candidates wait for the other beams' (it is not scheduled meanwhile).
+    beam: object | None = None
+    awaiting_beam: bool = False
+    # The guide's matcher (options.guide), made at the first draw from the tokens so far.
+    guide_matcher: object | None = None
+    # Prompt positions whose outputs (below) are in, and those outputs: top log-probabilities
+    # (options.prompt_logprobs) and raw logits rows on the host (options.return_context_logits).
+    num_prompt_rows: int = 0
+    prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] = field(default_factory=list)
+    context_logits: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
@@ -81,6 +105,13 @@ class Sequence:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Asked for prompt_logprobs or context logits and not every prompt position has them yet: its
+        prompt is computed whole (no prefix cache), each position once (not again after a preemption)."""
+        wanted = bool(self.options.prompt_logprobs) or self.options.return_context_logits
+        return wanted and self.num_prompt_rows < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -113,9 +113,15 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
     current, tried = request, set()
     last_cumulative = progress.logprob_base
     for attempt in range(MAX_MIGRATIONS + 1):
+        # A generation_only output starts with its first_gen_tokens, which this stream already has.
+        num_echoed = len(current.disaggregated_params.first_gen_tokens)
         try:
             async for msg in route.relay(worker, current):
                 for out in msg.outputs:
+                    skipped = min(num_echoed, len(out.token_ids))
+                    del out.token_ids[:skipped]
+                    del out.logprobs[:skipped]
+                    num_echoed -= skipped
                     progress.tokens.extend(out.token_ids)
                     out.cumulative_logprob += progress.logprob_base
                     last_cumulative = out.cumulative_logprob

@@ -10,6 +10,7 @@ import time
 
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
+from tandem.common.sampling import check_several_returns
 from tandem.common.streams import merge
 from tandem.router import failover
 from tandem.router.failover import Progress
@@ -33,7 +34,7 @@ async def stream(route: Route, request: llm_pb2.GenerateRequest):
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
         messages = route.relay(pool.pick_any_of(roles, adapter_id=adapter), request)
-    elif pool.can_disaggregate:
+    elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
         messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
     elif request.sampling_params.n > 1:
         messages = route.relay(pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter), request)
@@ -60,6 +61,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     ctx.streaming = False
     ctx.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
     ctx.disaggregated_params.disagg_request_id = random.getrandbits(63)
+    ctx.disaggregated_params.finish_in_context = True
     context = await failover.context_with_retry(route, ctx)
     if context is None:  # no prefill worker is left: the whole request runs on one worker
         async for msg in local(route, request):
@@ -68,8 +70,12 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill, ctx_out = context
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
-    for out in ctx_out.outputs:
-        out.ClearField("disaggregated_params")  # router-internal; the caller did not ask for a split
+    handoff.ClearField("first_gen_log_probs")  # the first token's logprob stays in Progress.logprob_base
+    ctx_out.ClearField("disaggregated_params")
+    for out in ctx_out.outputs:  # router-internal; the caller did not ask for a split
+        out.ClearField("disaggregated_params")
+        if out.finish_reason == types_pb2.FINISH_REASON_NOT_FINISHED:
+            out.finish_reason = types_pb2.FINISH_REASON_UNSPECIFIED
     if not handoff.opaque_state:  # finished in the context phase (max_tokens=1, EOS, cancelled)
         ctx_out.metrics.served_by[:] = route.served_by
         yield ctx_out
@@ -122,6 +128,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
 async def split_n(route: Route, request: llm_pb2.GenerateRequest):
     """n > 1 over prefill/decode: n single-sequence splits (seed + i, as an aggregated worker
     seeds its n sequences), streamed together, outputs re-indexed, one final message."""
+    check_several_returns(request.sampling_params)  # each split has n=1: refuse greedy n > 1 here
     n = request.sampling_params.n
     subs = []
     for i in range(n):

@@ -73,9 +73,11 @@ class TextFront:
         stop = tuple(params.stop) if detokenize else ()
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
+        # exclude_input_from_output=False: the prompt heads each sequence's token_ids (and text).
+        prefix = tuple(ids) if not _opt(params, "exclude_input_from_output", True) else ()
         options = TextOptions(detokenize=detokenize, skip_special_tokens=_opt(params, "skip_special_tokens", True),
                               stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                              strip_logprobs=bool(stop) and not params.HasField("logprobs"))
+                              strip_logprobs=bool(stop) and not params.HasField("logprobs"), prefix_token_ids=prefix)
         engine_request = llm_pb2.GenerateRequest()
         engine_request.CopyFrom(request)
         engine_request.prompt.token_ids.ids[:] = ids
@@ -83,12 +85,13 @@ class TextFront:
         engine_params = engine_request.sampling_params
         engine_params.detokenize = False
         engine_params.ClearField("truncate_prompt_tokens")
+        engine_params.ClearField("exclude_input_from_output")
         del engine_params.stop[:]
         if options.strip_logprobs:
             engine_params.logprobs = 0
+        # A generation_only output starts with the context phase's tokens: its text is detokenized
+        # from them on, as an aggregated run's is.
         processor = TextProcessor(self.tokenizer, options, text, num_sequences=max(1, _opt(params, "n", 1)))
-        if request.disaggregated_params.request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
-            processor.prime(0, list(request.disaggregated_params.first_gen_tokens))
         return TextRequest(engine_request, processor, request.streaming)
 
     @staticmethod

@@ -29,6 +29,8 @@ class TextOptions:
     # The producer was asked for the sampled tokens' logprobs only so that a stop string can
     # cut cumulative_logprob exactly; the client did not ask for them.
     strip_logprobs: bool = False
+    # Shown before each sequence's tokens (the prompt, when exclude_input_from_output is false).
+    prefix_token_ids: tuple[int, ...] = ()
 
 
 class _Sequence:
@@ -36,6 +38,12 @@ class _Sequence:
         self.detokenizer = detokenizer
         self.stopped = False  # ended here by a stop string; the producer's later outputs are dropped
         self.finished = False
+        # With stop strings (not kept in the output), tokens whose text is held back are held back
+        # too, with their logprobs: a stop string takes its tokens out of token_ids.
+        self.held_tokens: list[int] = []
+        self.held_logprobs: list[types_pb2.TokenLogprobs] = []
+        self.num_released = 0
+        self.prefixed = False  # TextOptions.prefix_token_ids went out
 
 
 class TextProcessor:
@@ -56,14 +64,6 @@ class TextProcessor:
                      if o.detokenize else None)
             self._sequences[index] = _Sequence(detok)
         return self._sequences[index]
-
-    def prime(self, index: int, token_ids: list[int]) -> None:
-        """Tokens an earlier phase already streamed (generation_only): fed one at a time, as they
-        were then, so the text held back here is exactly what was held back there."""
-        detok = self._sequence(index).detokenizer
-        if detok is not None:
-            for token in token_ids:
-                detok.add(token)
 
     async def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
                   on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
@@ -124,20 +124,31 @@ class TextProcessor:
     def _apply_completion(self, comp: types_pb2.CompletionOutput, state: _Sequence) -> bool:
         """Detokenizes comp's new tokens; True when a stop string ended the sequence here."""
         detok = state.detokenizer
+        prefix = [] if state.prefixed else list(self.options.prefix_token_ids)
+        state.prefixed = True
         if detok is None:
             self._strip_logprobs(comp)
+            self._prepend(comp, prefix)
             return False
+        prefix_text = detok.add_prefix(prefix) if prefix else ""
+        state.num_released += len(prefix)
         tokens = list(comp.token_ids)
-        # The end of the sequence (not a handoff to a decode worker: its text carries on there).
-        final = comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED and not comp.HasField("disaggregated_params")
+        # The end of this call's sequence (a handed-off context_only output included: its caller
+        # gets the first token's text, and the generation_only call detokenizes from that token on).
+        final = comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
         text = []
         for j, token in enumerate(tokens):
             text.append(detok.add(token, final=final and j == len(tokens) - 1))
             if detok.stop_string is not None:
                 self._cut(comp, j + 1)
                 break
-        comp.text = "".join(text)
+        if final and not tokens:
+            text.append(detok.add(None, final=True))
+        comp.text = prefix_text + "".join(text)
+        if detok.stop and not detok.include_stop:
+            self._hold_tokens(comp, state, final)
         self._strip_logprobs(comp)
+        self._prepend(comp, prefix)
         if detok.stop_string is None:
             return False
         state.stopped = state.finished = True
@@ -155,6 +166,43 @@ class TextProcessor:
             comp.cumulative_logprob -= entry.logprobs.get(token, 0.0)
         del comp.token_ids[num_kept:]
         del comp.logprobs[num_kept:]
+
+    @staticmethod
+    def _hold_tokens(comp: types_pb2.CompletionOutput, state: _Sequence, final: bool) -> None:
+        """Sends on the tokens whose text is out (all of them at the end); a stop string drops the
+        held tokens whose text starts inside it (their logprobs stay in cumulative_logprob, as
+        TensorRT-LLM's cum_log_probs keep the stop word's)."""
+        detok = state.detokenizer
+        aligned = len(comp.logprobs) == len(comp.token_ids)
+        state.held_tokens += comp.token_ids
+        state.held_logprobs += comp.logprobs if aligned else []
+        if detok.stop_string is not None:
+            num_out = detok.num_kept_tokens
+        elif final:
+            num_out = len(detok.token_ids)
+        else:
+            num_out = detok.num_emitted_tokens
+        release = max(0, num_out - state.num_released)
+        del comp.token_ids[:]
+        comp.token_ids.extend(state.held_tokens[:release])
+        del comp.logprobs[:]
+        comp.logprobs.extend(state.held_logprobs[:release])
+        del state.held_tokens[:release]
+        del state.held_logprobs[:release]
+        state.num_released += release
+
+    @staticmethod
+    def _prepend(comp: types_pb2.CompletionOutput, prefix: list[int]) -> None:
+        """The prompt ahead of the first tokens (no logprobs of their own: empty entries)."""
+        if not prefix:
+            return
+        if comp.logprobs:
+            entries = [types_pb2.TokenLogprobs() for _ in prefix] + list(comp.logprobs)
+            del comp.logprobs[:]
+            comp.logprobs.extend(entries)
+        ids = prefix + list(comp.token_ids)
+        del comp.token_ids[:]
+        comp.token_ids.extend(ids)
 
     def _strip_logprobs(self, comp: types_pb2.CompletionOutput) -> None:
         if self.options.strip_logprobs:

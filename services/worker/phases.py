@@ -34,6 +34,8 @@ class LocalPhase:
     @staticmethod
     def start(request) -> None:
         if request.phase is Phase.GENERATION_ONLY:
+            if request.finish_if_first_tokens_end():
+                return
             request.submit(Phase.CONTEXT_AND_GENERATION, output_token_ids=request.first_gen_tokens)
         else:
             request.submit(request.phase)

@@ -14,7 +14,7 @@ from typing import Callable
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
 from tandem.engine.sampling_options import SamplingOptions
-from tandem.engine.sequence import FinishReason, Phase
+from tandem.engine.sequence import FinishReason, Phase, natural_finish
 from tandem.v1 import types_pb2
 
 FINISH_REASONS = {
@@ -23,6 +23,10 @@ FINISH_REASONS = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
 }
+
+
+def _entry_logprob(entry: types_pb2.TokenLogprobs, token: int) -> float | None:
+    return entry.logprobs[token] if token in entry.logprobs else None
 
 # Put on a request's stream by Abort / PauseGeneration.
 CANCELLED = object()
@@ -42,6 +46,8 @@ class SequenceState:
     finished: bool = False
     # The lease of a context phase handed off in this sequence's output, until the caller has it.
     undelivered_lease: int | None = None
+    # Its first message went out (a generation_only output starts with first_gen_tokens).
+    started: bool = False
 
 
 @dataclasses.dataclass
@@ -59,6 +65,16 @@ class WorkerRequest:
                  disaggregated_params: types_pb2.DisaggregatedParams | None = None, adapter=None):
         if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
             raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
+        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
+        # A generation_only output starts with the tokens the context phase sampled (TensorRT-LLM's
+        # generation output holds the first token too), with their logprobs when the handoff has them.
+        self.first_tokens: list[int] = list(self.disagg_in.first_gen_tokens) if phase is Phase.GENERATION_ONLY else []
+        self.first_logprobs = list(self.disagg_in.first_gen_log_probs)[:len(self.first_tokens)]
+        known = [_entry_logprob(e, t) for e, t in zip(self.first_logprobs, self.first_tokens)]
+        self.first_cumulative = sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
+        if phase is Phase.GENERATION_ONLY:
+            # The context phase had the prompt.
+            options = dataclasses.replace(options, prompt_logprobs=None, return_context_logits=False)
         self.core = core
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -68,7 +84,6 @@ class WorkerRequest:
         self.cache_salt = cache_salt
         # The LoRA adapter (engine.lora_adapter.LoRAAdapter) every sequence runs with, or None.
         self.adapter = adapter
-        self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
         # The caller that started the request (the only one that may abort it), and the client
         # its context phase's handoff is for (None: the router's own split).
         self.owner = ""
@@ -84,7 +99,18 @@ class WorkerRequest:
         # Run when the call is over (a context phase's admission ends).
         self.on_close: list[Callable[[], None]] = []
         self.sequences: dict[str, SequenceState] = {}
-        for i in range(options.n):
+        self.beam_search = options.beam_width > 1
+        if self.beam_search:  # one engine request searches the beams; its output holds the n returned
+            if phase is not Phase.CONTEXT_AND_GENERATION:
+                raise NotImplementedError("use_beam_search runs on an aggregated worker (it is not split over "
+                                          "prefill and decode yet)")
+            self.sequences[request_id] = SequenceState(0, request_id, options)
+        # The prompt's logprobs (prompt_logprobs), from the first sequence that has them, sent once.
+        self.prompt_logprobs_sent = False
+        self.pending_prompt_logprobs: list[types_pb2.TokenLogprobs] = []
+        self.context_logits_sent = False
+        self.pending_context_logits: list[types_pb2.LogitsRow] = []
+        for i in range(0 if self.beam_search else options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
             opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
             self.sequences[engine_id] = SequenceState(i, engine_id, dataclasses.replace(opts, n=1))
@@ -97,6 +123,17 @@ class WorkerRequest:
     @property
     def first_gen_tokens(self) -> list[int]:
         return list(self.disagg_in.first_gen_tokens)
+
+    def finish_if_first_tokens_end(self) -> bool:
+        """generation_only: when the context phase's tokens already end the sequence (max_tokens=1,
+        EOS, a stop token), it ends here with them and nothing runs. Returns whether it did."""
+        state = self.only_sequence
+        reason, stop_token = natural_finish(state.options, len(self.prompt_token_ids), self.first_tokens,
+                                            self.core.engine.max_model_len)
+        if reason is None:
+            return False
+        self.stream.put_nowait(StepOutput(state.engine_id, [], [], 0.0, True, reason, stop_token))
+        return True
 
     def submit(self, phase: Phase, output_token_ids: list[int] | None = None) -> None:
         """Queues every sequence in the engine."""
@@ -189,6 +226,15 @@ class WorkerRequest:
             self._apply(by_seq, item)
         msg = types_pb2.RequestOutput(request_id=self.request_id, finished=self.is_finished,
                                       outputs=sorted(by_seq.values(), key=lambda o: o.index))
+        handoff = next((o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")), None)
+        if handoff is not None:
+            msg.disaggregated_params.CopyFrom(handoff)
+        if self.pending_context_logits:
+            msg.context_logits.extend(self.pending_context_logits)
+            self.pending_context_logits = []
+        if self.pending_prompt_logprobs:
+            msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
+            self.pending_prompt_logprobs = []
         if first:
             msg.prompt_token_ids.extend(self.prompt_token_ids)
         if msg.finished:
@@ -205,10 +251,17 @@ class WorkerRequest:
         metrics.kv_transfer_bytes = m.kv_transfer_bytes
         metrics.kv_transfer_s = m.kv_transfer_s
 
-    @staticmethod
-    def _completion(by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
+    def _completion(self, by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
         if state.engine_id not in by_seq:
-            by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
+            comp = by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
+            if not state.started:
+                state.started = True
+                comp.token_ids.extend(self.first_tokens)
+                comp.cumulative_logprob = self.first_cumulative
+                if self.options.logprobs is not None and self.first_tokens:
+                    entries = self.first_logprobs + [types_pb2.TokenLogprobs()] * (
+                        len(self.first_tokens) - len(self.first_logprobs))
+                    comp.logprobs.extend(entries)
         return by_seq[state.engine_id]
 
     def _apply(self, by_seq: dict, out: StepOutput) -> None:
@@ -220,19 +273,60 @@ class WorkerRequest:
         if self.metrics.first_token_at is None:
             self.metrics.first_token_at = time.monotonic()
         self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
+        if out.beams is not None:
+            self._apply_beams(by_seq, state, out.beams)
+            return
         comp = self._completion(by_seq, state)
         comp.token_ids.extend(out.new_token_ids)
-        comp.cumulative_logprob = out.cumulative_logprob
+        comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
+        ranks = out.new_ranks or [None] * len(out.new_logprobs)
+        new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}, ranks=r or {}) for e, r in zip(out.new_logprobs, ranks)]
+        if out.generation_logits:
+            comp.generation_logits.extend(types_pb2.LogitsRow(values=row.tolist()) for row in out.generation_logits)
+        if out.context_logits is not None and not self.context_logits_sent:
+            self.context_logits_sent = True
+            self.pending_context_logits = [types_pb2.LogitsRow(values=row) for row in out.context_logits.tolist()]
+        if out.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            self.pending_prompt_logprobs = [types_pb2.TokenLogprobs(logprobs=v, ranks=r) for v, r in out.prompt_logprobs]
         if self.options.logprobs is not None:
-            comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs=e or {}) for e in out.new_logprobs)
+            comp.logprobs.extend(new_logprobs)
+        if out.lease is not None and self.disagg_in.finish_in_context and out.finish_reason is not None:
+            # The router's split: a request its first token ends is over here, no handoff.
+            self.withdraw(out.lease.lease_id, stopped=True)
+            out.lease = None
         if out.lease is not None:
-            # The context phase is done: the first token plus where its KV is. finish_reason stays
-            # unset: the request continues on a decode worker.
-            comp.disaggregated_params.CopyFrom(self.hand_off(out))
+            # The context phase is done: the first token plus where its KV is; the request goes on
+            # where the handoff is presented (TensorRT-LLM's finish_reason 'not_finished').
+            handoff = self.hand_off(out)
+            if self.options.logprobs is not None:
+                handoff.first_gen_log_probs.extend(new_logprobs)
+            comp.disaggregated_params.CopyFrom(handoff)
+            comp.finish_reason = types_pb2.FINISH_REASON_NOT_FINISHED
             state.undelivered_lease = out.lease.lease_id
             state.finished = True
         elif out.finished:
             state.finished = True
             comp.finish_reason = FINISH_REASONS[out.finish_reason]
-            if out.stop_token_id is not None:
+            if out.stop_token_id is not None and out.stop_token_id not in state.options.eos_ids():
+                # A stop token (TensorRT-LLM's stop word): the stop reason, and out of token_ids unless
+                # include_stop_str_in_output. The end id (EOS) stays and sets no stop reason
+                # (executor/result.py, GenerationResultBase._handle_sequence).
                 comp.stop_token_id = out.stop_token_id
+                if not state.options.include_stop_str_in_output and comp.token_ids:
+                    del comp.token_ids[-1]
+                    del comp.logprobs[len(comp.token_ids):]
+
+    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list) -> None:
+        """The finished beam search: one CompletionOutput per returned beam, best first (TensorRT-LLM
+        returns the beams together, executor/result.py, _handle_sequence with use_beam_search)."""
+        state.finished = True
+        for index, beam in enumerate(beams):
+            comp = by_seq[f"{state.engine_id}#beam{index}"] = types_pb2.CompletionOutput(
+                index=index, token_ids=beam.token_ids, cumulative_logprob=beam.cumulative_logprob,
+                finish_reason=FINISH_REASONS[beam.finish_reason])
+            if beam.finish_reason is FinishReason.STOP and beam.token_ids[-1] not in state.options.eos_ids():
+                comp.stop_token_id = beam.token_ids[-1]
+            if self.options.logprobs is not None:
+                comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs={t: v}) for t, v in
+                                     zip(beam.token_ids, beam.token_logprobs))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 
@@ -13,6 +14,7 @@ from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
+from tandem.worker.guides import Guides
 from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
@@ -30,6 +32,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     def __init__(self, runtime: WorkerRuntime):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
+        self.guides = Guides(runtime)
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         rt = self.rt
@@ -38,7 +41,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
         adapter = await rt.load_adapter(text_request.engine_request)
-        worker_request = self._start(text_request.engine_request, context, adapter)
+        guide = await self.guides.compile(request.sampling_params)
+        worker_request = self._start(text_request.engine_request, context, adapter, guide)
         self.requests[worker_request.request_id] = worker_request
         try:
             messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
@@ -49,10 +53,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest, context, adapter=None) -> WorkerRequest:
+    def _start(self, request: llm_pb2.GenerateRequest, context, adapter=None, guide=None) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for."""
         engine = self.rt.engine
-        options = sampling_options(request.sampling_params, self.rt.eos_token_ids)
+        options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
+        if guide is not None:
+            options = dataclasses.replace(options, guide=guide)
         prompt_ids = list(request.prompt.token_ids.ids)
         engine.check_prompt(len(prompt_ids), prompt_ids)
         engine.check_options(options)
@@ -73,6 +79,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         worker_request.client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
         start(worker_request)
         return worker_request
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.rt.front.tokenizer.encode(text, False)
 
     async def Abort(self, request, context):
         worker_request = self.requests.get(request.request_id)
@@ -96,7 +105,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if text is not None:
             out.prompt = text
         if request.HasField("sampling_params"):
-            options = sampling_options(params, self.rt.eos_token_ids)
+            options = sampling_options(params, self.rt.eos_token_ids, self._encode_plain)
             out.sampling_params.CopyFrom(params)
             if not params.HasField("end_id") and options.eos_token_ids:
                 out.sampling_params.end_id = options.eos_token_ids[0]

@@ -8,7 +8,8 @@ from tandem.client.params import DisaggregatedParams
 from tandem.v1 import types_pb2
 
 _FINISH = {types_pb2.FINISH_REASON_UNSPECIFIED: None, types_pb2.FINISH_REASON_STOP: "stop",
-           types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+           types_pb2.FINISH_REASON_LENGTH: "length", types_pb2.FINISH_REASON_CANCELLED: "cancelled",
+           types_pb2.FINISH_REASON_NOT_FINISHED: "not_finished"}
 
 
 @dataclass(slots=True)
@@ -38,11 +39,23 @@ def token_logprobs(entry: types_pb2.TokenLogprobs, num_top: int, sampled: Option
     return out
 
 
+def logits_array(rows: list[list[float]]):
+    """Logits rows [positions, vocab] as a float32 numpy array when numpy is installed, else the
+    nested lists: the client needs neither numpy nor torch (TensorRT-LLM gives a torch tensor;
+    torch.from_numpy makes one without a copy)."""
+    try:
+        import numpy
+    except ImportError:
+        return rows
+    return numpy.asarray(rows, dtype=numpy.float32)
+
+
 @dataclass
 class CompletionOutput:
     """tensorrt_llm.executor.result.CompletionOutput. cumulative_logprob and logprobs are filled
-    only when SamplingParams.logprobs was set, as in TensorRT-LLM. The logits and extra model
-    outputs stay None: the server refuses the params that would fill them."""
+    only when SamplingParams.logprobs was set, as in TensorRT-LLM. generation_logits ([tokens,
+    vocab]; a numpy array, or lists without numpy) when return_generation_logits; the extra
+    model outputs and perf metrics stay None: the server refuses the params that would fill them."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -57,6 +70,7 @@ class CompletionOutput:
     disaggregated_params: Optional[DisaggregatedParams] = None
     request_perf_metrics: Optional[dict] = None
     # What the latest streamed message added.
+    _generation_rows: list = field(default_factory=list, repr=False)
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     logprobs_diff: TokenLogprobs = field(default_factory=list)
@@ -83,6 +97,9 @@ class CompletionOutput:
             self.stop_reason = getattr(msg, which)
         if msg.HasField("disaggregated_params"):
             self.disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
+        if msg.generation_logits:
+            self._generation_rows += [list(row.values) for row in msg.generation_logits]
+            self.generation_logits = logits_array(self._generation_rows)
 
 
 @dataclass
@@ -108,11 +125,12 @@ class RequestOutputState:
         self.outputs: list[CompletionOutput] = []
         self.finished = False
         self.metrics = RequestMetrics()
-        self.context_logits = None  # return_context_logits is refused by the server
+        self.context_logits = None  # [prompt positions, vocab] when return_context_logits
         self.mm_embedding_handle = None  # text-only models
         self._num_logprobs = num_logprobs
         self._num_prompt_logprobs = num_prompt_logprobs
         self._prompt_logprobs: TokenLogprobs = []
+        self._disaggregated_params: Optional[DisaggregatedParams] = None
 
     @property
     def outputs_by_index(self) -> dict[int, CompletionOutput]:
@@ -121,6 +139,8 @@ class RequestOutputState:
     @property
     def disaggregated_params(self) -> Optional[DisaggregatedParams]:
         """The request-level handoff of a context_only request (TensorRT-LLM's result.disaggregated_params)."""
+        if self._disaggregated_params is not None:
+            return self._disaggregated_params
         return next((o.disaggregated_params for o in self.outputs if o.disaggregated_params is not None), None)
 
     @property
@@ -134,9 +154,15 @@ class RequestOutputState:
             self.prompt = msg.prompt
         if msg.prompt_token_ids:
             self.prompt_token_ids = list(msg.prompt_token_ids)
+        if msg.HasField("disaggregated_params"):
+            self._disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
+        if msg.context_logits:
+            self.context_logits = logits_array([list(row.values) for row in msg.context_logits])
         if msg.prompt_logprobs:
             self._prompt_logprobs = [token_logprobs(lp, self._num_prompt_logprobs or 0, None)
                                      for lp in msg.prompt_logprobs]
+            for out in self.outputs:
+                out.prompt_logprobs = self._prompt_logprobs
         current = self.outputs_by_index
         for out in self.outputs:
             out.text_diff, out.token_ids_diff, out.logprobs_diff = "", [], []

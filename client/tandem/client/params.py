@@ -40,6 +40,9 @@ class DisaggregatedParams:
     multimodal_hashes: Optional[list[list[int]]] = None
     disagg_request_id: Optional[int] = None
     ctx_endpoint: Optional[str] = None
+    # One {token id: Logprob} per first_gen_token (newer TensorRT-LLM's first_gen_log_probs), when
+    # the context request asked for logprobs: the generation_only output reports them.
+    first_gen_log_probs: Optional[list[dict[int, Any]]] = None
 
     def __post_init__(self):
         if self.request_type is not None:
@@ -63,12 +66,22 @@ class DisaggregatedParams:
             msg.disagg_request_id = self.disagg_request_id
         msg.opaque_state = self.opaque_state or b""
         msg.ctx_endpoint = self.ctx_endpoint or ""
+        for entry in self.first_gen_log_probs or []:
+            position = msg.first_gen_log_probs.add()
+            for token, value in entry.items():
+                position.logprobs[token] = getattr(value, "logprob", value)
+                if getattr(value, "rank", None) is not None:
+                    position.ranks[token] = value.rank
         return msg
 
     @classmethod
     def from_proto(cls, msg: types_pb2.DisaggregatedParams) -> "DisaggregatedParams":
+        from tandem.client.outputs import Logprob  # outputs imports this module
         names = {v: k for k, v in _REQUEST_TYPES.items()}
+        first_logprobs = [{t: Logprob(v, e.ranks[t] if t in e.ranks else None) for t, v in e.logprobs.items()}
+                          for e in msg.first_gen_log_probs] or None
         return cls(request_type=names[msg.request_type], first_gen_tokens=list(msg.first_gen_tokens),
+                   first_gen_log_probs=first_logprobs,
                    ctx_request_id=msg.ctx_request_id if msg.HasField("ctx_request_id") else None,
                    opaque_state=msg.opaque_state or None, draft_tokens=list(msg.draft_tokens) or None,
                    disagg_request_id=msg.disagg_request_id if msg.HasField("disagg_request_id") else None,

@@ -19,6 +19,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_NOT_FINISHED: _ClassVar[FinishReason]
 REQUEST_TYPE_CONTEXT_AND_GENERATION: RequestType
 REQUEST_TYPE_CONTEXT_ONLY: RequestType
 REQUEST_TYPE_GENERATION_ONLY: RequestType
@@ -26,6 +27,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_NOT_FINISHED: FinishReason
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids", "preprocessed")
@@ -176,7 +178,7 @@ class GuidedDecodingParams(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class DisaggregatedParams(_message.Message):
-    __slots__ = ("request_type", "first_gen_tokens", "ctx_request_id", "opaque_state", "draft_tokens", "disagg_request_id", "ctx_endpoint")
+    __slots__ = ("request_type", "first_gen_tokens", "ctx_request_id", "opaque_state", "draft_tokens", "disagg_request_id", "ctx_endpoint", "first_gen_log_probs", "finish_in_context")
     REQUEST_TYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_GEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,8 @@ class DisaggregatedParams(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISAGG_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_GEN_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_IN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_type: RequestType
     first_gen_tokens: _containers.RepeatedScalarFieldContainer[int]
     ctx_request_id: int
@@ -191,7 +195,9 @@ class DisaggregatedParams(_message.Message):
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     disagg_request_id: int
     ctx_endpoint: str
-    def __init__(self, request_type: _Optional[_Union[RequestType, str]] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., ctx_request_id: _Optional[int] = ..., opaque_state: _Optional[bytes] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., disagg_request_id: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ...) -> None: ...
+    first_gen_log_probs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    finish_in_context: bool
+    def __init__(self, request_type: _Optional[_Union[RequestType, str]] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., ctx_request_id: _Optional[int] = ..., opaque_state: _Optional[bytes] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., disagg_request_id: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., first_gen_log_probs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_in_context: _Optional[bool] = ...) -> None: ...
 
 class SchedulingParams(_message.Message):
     __slots__ = ("attention_dp_rank", "attention_dp_relax", "agent_hierarchy")
@@ -279,8 +285,14 @@ class TokenLogprobs(_message.Message):
     ranks: _containers.ScalarMap[int, int]
     def __init__(self, logprobs: _Optional[_Mapping[int, float]] = ..., ranks: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
+class LogitsRow(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params")
+    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params", "generation_logits")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +302,7 @@ class CompletionOutput(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -299,7 +312,8 @@ class CompletionOutput(_message.Message):
     stop_token_id: int
     stop_string: str
     disaggregated_params: DisaggregatedParams
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ...) -> None: ...
+    generation_logits: _containers.RepeatedCompositeFieldContainer[LogitsRow]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., generation_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
     __slots__ = ("time_to_first_token_s", "e2e_latency_s", "num_cached_prompt_tokens", "num_computed_prompt_tokens", "kv_transfer_bytes", "kv_transfer_s", "served_by")
@@ -320,7 +334,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params", "context_logits")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +342,8 @@ class RequestOutput(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LOGITS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -335,4 +351,6 @@ class RequestOutput(_message.Message):
     finished: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     metrics: RequestMetrics
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., finished: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ...) -> None: ...
+    disaggregated_params: DisaggregatedParams
+    context_logits: _containers.RepeatedCompositeFieldContainer[LogitsRow]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[CompletionOutput, _Mapping]]] = ..., finished: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., context_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ...) -> None: ...
