@@ -114,7 +114,9 @@ def tiny_split_cluster(model_dirs, num_blocks: int = 64):
 def split_or_aggregated_client(cluster, which: str):
     """A client of the router (which="split": it splits every request) or of the aggregated worker."""
     from tandem.client import LLM
-    return LLM(cluster.address if which == "split" else cluster.workers[2].address)
+    from tandem.testing.cluster import client_kwargs_for
+    address = cluster.address if which == "split" else cluster.workers[2].address
+    return LLM(address, **client_kwargs_for(address))
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ def _generation_only(llm, prompt_ids, handoff: DisaggregatedParams, opaque_state
                                  ctx_request_id=handoff.ctx_request_id,
                                  opaque_state=handoff.opaque_state if opaque_state is None else opaque_state)
     out = llm.generate(prompt_ids, GREEDY, use_tqdm=False, disaggregated_params=params)
-    return list(handoff.first_gen_tokens) + list(out.outputs[0].token_ids)
+    return list(out.outputs[0].token_ids)  # it starts with the context phase's first token
 
 
 def test_notifications_from_an_outside_nixl_agent_free_no_lease(cluster):

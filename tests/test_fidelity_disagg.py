@@ -19,6 +19,7 @@ import pytest
 
 from conftest import assert_all_blocks_free, tiny_split_cluster
 from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
+from tandem.testing.cluster import client_kwargs_for
 
 NUM_PROMPTS = 20
 MAX_TOKENS = 8
@@ -26,7 +27,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with tiny_split_cluster(model_dirs, 128) as c:
+    with tiny_split_cluster(model_dirs, 512) as c:  # 20 unpulled handoffs of one client fit its share
         yield c
 
 
@@ -46,7 +47,8 @@ def _params(seeded: bool, i: int) -> SamplingParams:
 async def _by_hand(ctx_target: str, gen_target: str, prompt: str, params: SamplingParams):
     """TensorRT-LLM's flow: context_only with max_tokens=1, then generation_only with the same
     prompt and params and the context output's disaggregated_params, request_type changed."""
-    async with AsyncLLM(ctx_target) as ctx_llm, AsyncLLM(gen_target) as gen_llm:
+    async with AsyncLLM(ctx_target, **client_kwargs_for(ctx_target)) as ctx_llm, \
+            AsyncLLM(gen_target, **client_kwargs_for(gen_target)) as gen_llm:
         ctx = await ctx_llm.generate_async(prompt, dataclasses.replace(params, max_tokens=1),
                                            disaggregated_params=DisaggregatedParams(request_type="context_only"))
         handoff = ctx.disaggregated_params
@@ -63,7 +65,7 @@ def test_by_hand_equals_aggregated_first_token_included(cluster, seeded, path):
     ctx_target, gen_target = (router, router) if path == "router" else (prefill, decode)
 
     async def go():
-        async with AsyncLLM(both) as aggregated:
+        async with AsyncLLM(both, **client_kwargs_for(both)) as aggregated:
             expected = await asyncio.gather(*(aggregated.generate_async(p, _params(seeded, i))
                                               for i, p in enumerate(prompts)))
         split = await asyncio.gather(*(_by_hand(ctx_target, gen_target, p, _params(seeded, i))
@@ -120,6 +122,6 @@ def test_streamed_generation_only_starts_with_the_first_token(cluster):
                 diffs += out.outputs[0].token_ids_diff
             return out, diffs
     out, diffs = asyncio.run(go())
-    with LLM(both) as aggregated:
+    with LLM(both, **client_kwargs_for(both)) as aggregated:
         want = aggregated.generate("stream the split", params, use_tqdm=False).outputs[0]
     assert diffs == out.outputs[0].token_ids == want.token_ids and out.outputs[0].text == want.text

@@ -136,8 +136,8 @@ def test_other_calls_raise_request_error_too(cluster, llm):
     with pytest.raises(InvalidRequestError, match="unknown worker"):
         llm.get_kv_cache_capacity("127.0.0.1:1")
     with pytest.raises(UnsupportedRequestError) as err:  # also a NotImplementedError
-        llm.generate("hi", SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
-    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED and "prompt_logprobs" in err.value.details
+        llm.generate("hi", SamplingParams(max_tokens=2, top_p_decay=0.5), use_tqdm=False)
+    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED and "top_p_decay" in err.value.details
 
     async def admin(token):
         async with AsyncLLM(cluster.address, auth_token=token) as aio:

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import tiny_split_cluster
 from tandem.client import LLM, AsyncLLM, Logprob, SamplingParams
+from tandem.testing.cluster import client_kwargs_for
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_prompt_logprobs_are_the_context_logits_top_k(cluster, model_dirs, oracl
     # list shared by the outputs (CompletionOutput.prompt_logprobs).
     k = 3
     address = cluster.address if target == "split" else cluster.workers[2].address
-    with LLM(address) as client:
+    with LLM(address, **client_kwargs_for(address)) as client:
         prompt = client.tokenizer.encode("the prompt has logprobs too, position by position")
         params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k)
         first = client.generate(prompt, params, use_tqdm=False)

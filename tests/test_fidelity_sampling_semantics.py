@@ -15,6 +15,7 @@ import pytest
 
 from conftest import tiny_split_cluster
 from tandem.client import LLM, RequestError, SamplingParams
+from tandem.testing.cluster import client_kwargs_for
 
 PROMPTS = [f"prompt number {i} says hello" for i in range(6)]
 
@@ -27,7 +28,7 @@ def cluster(model_dirs):
 
 @pytest.fixture(scope="module")
 def llm(cluster):
-    with LLM(cluster.workers[2].address) as client:
+    with LLM(cluster.workers[2].address, **cluster.worker_client_kwargs()) as client:
         yield client
 
 
@@ -59,7 +60,7 @@ def test_greedy_with_several_returns_is_refused_by_the_server(cluster, monkeypat
     monkeypatch.setenv("TLLM_ALLOW_N_GREEDY_DECODING", "1")
     params = SamplingParams(max_tokens=4, n=2)
     for target in (cluster.address, cluster.workers[2].address):  # the router's split, an aggregated worker
-        with LLM(target) as client, pytest.raises(RequestError) as err:
+        with LLM(target, **client_kwargs_for(target)) as client, pytest.raises(RequestError) as err:
             client.generate("two greedy", params, use_tqdm=False)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "Greedy decoding in the LLM API does not allow multiple returns" in err.value.details

@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 from tandem.client import AsyncLLM, SamplingParams
+from tandem.testing.cluster import client_kwargs_for
 
 PROMPT = "x y z stops"
 
@@ -70,7 +71,7 @@ def test_streamed_token_diffs_hold_back_what_a_stop_string_may_take(tiny_llm, fr
     i, stop = _token_aligned_stop(tiny_llm, free)
 
     async def go():
-        async with AsyncLLM(tiny_llm.target) as aio:
+        async with AsyncLLM(tiny_llm.target, **client_kwargs_for(tiny_llm.target)) as aio:
             ids, text = [], ""
             async for out in aio.generate_async(PROMPT, SamplingParams(max_tokens=14, ignore_eos=True, stop=[stop]),
                                                 streaming=True):

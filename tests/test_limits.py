@@ -12,7 +12,7 @@ import pytest
 
 from reliability import record
 from test_disagg import worker_state
-from tandem.testing.cluster import LocalCluster
+from tandem.testing.cluster import LocalCluster, channel_to
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -59,7 +59,7 @@ def request(prompt="a prompt", **params) -> llm_pb2.GenerateRequest:
 
 
 def generate(address: str, req, timeout: float = 30) -> list:
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+    with channel_to(address) as channel:  # a worker's: with the cluster's credentials
         return list(llm_pb2_grpc.AsyncLLMStub(channel).Generate(req, timeout=timeout))
 
 
@@ -175,7 +175,7 @@ def test_unknown_request_type_is_invalid_everywhere(cluster):
                                              ("/tandem.v1.AsyncLLM/GetKvCacheCapacity", b"\x0a")])
 def test_malformed_protobuf_is_invalid_argument(cluster, method, payload):
     for address in [cluster.address] + [w.address for w in cluster.workers]:
-        with grpc.insecure_channel(address) as channel:
+        with channel_to(address) as channel:
             stream = method.endswith("Generate")
             call = (channel.unary_stream if stream else channel.unary_unary)(method)
             TALLY["tried"] += 1

@@ -98,17 +98,20 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
                     pass
                 return out
         outputs.append(asyncio.run(streamed()))
-    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == stop_at + 1
+    # The stop token is generated (and counted) but not returned (TensorRT-LLM trims it from token_ids).
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == stop_at
 
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    num_generated = [len(o.outputs[0].token_ids) for o in outputs]
-    handed_off = [o for o, n in zip(outputs, num_generated) if n > 1]  # max_tokens=1 ended on the prefill
+    num_generated = [len(o.outputs[0].token_ids) for o in outputs]  # what the clients got
+    num_sampled = [n + (o.outputs[0].finish_reason == "stop") for o, n in zip(outputs, num_generated)]
+    handed_off = [o for o, n in zip(outputs, num_sampled) if n > 1]  # max_tokens=1 ended on the prefill
     reasons = collections.Counter(o.outputs[0].finish_reason for o in outputs)
     assert reasons == {"length": 4, "stop": 1}
 
-    # The decode's pull notification ends each lease; wait until all have ended.
+    # Every context phase leases its KV (fidelity: the first token could be handed off); the
+    # decode's confirm ends a pulled one, the one max_tokens=1 ended is withdrawn on the prefill.
     assert wait_for(lambda: value(scrapes.now("prefill"), "tandem:kv_leases_active") == 0
-                    and scrapes.delta("prefill", "tandem:kv_lease_endings_total") == len(handed_off))
+                    and scrapes.delta("prefill", "tandem:kv_lease_endings_total") == len(outputs))
 
     # The router: the client's view of every request.
     assert scrapes.delta("router", "tandem:prompt_tokens_total") == num_prompt
@@ -135,7 +138,8 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     assert scrapes.delta("prefill", "tandem:generation_tokens_total") == len(outputs)
     assert scrapes.delta("prefill", "tandem:request_success_total", finished_reason="handoff") == len(handed_off)
     assert scrapes.delta("prefill", "tandem:request_success_total", finished_reason="length") == 1
-    assert scrapes.delta("prefill", "tandem:kv_handoffs_total") == len(handed_off)
+    assert scrapes.delta("prefill", "tandem:kv_handoffs_total") == len(outputs)  # leases opened
+    assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="stopped") == 1  # max_tokens=1
     assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="pulled") == len(handed_off)
     state_after = {w.role: worker_state(w.address) for w in (prefill, decode)}
     for way, count in state_after["prefill"].lease_endings.items():
@@ -148,7 +152,10 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
 
     # The decode: the rest of the tokens, and the KV it pulled, as it reports it over gRPC and to the clients.
     assert scrapes.delta("decode", "tandem:prompt_tokens_total") == sum(len(o.prompt_token_ids) for o in handed_off)
-    assert scrapes.delta("decode", "tandem:generation_tokens_total") == sum(num_generated) - len(outputs)
+    # A generation output starts with the context phase's first token (TensorRT-LLM's): the decode
+    # returns it again, so it counts what its clients got, the first token included.
+    assert scrapes.delta("decode", "tandem:generation_tokens_total") == sum(len(o.outputs[0].token_ids)
+                                                                           for o in handed_off)
     assert scrapes.delta("decode", "tandem:request_success_total", finished_reason="stop") == 1
     pulled = scrapes.delta("decode", "tandem:kv_transfer_bytes_total")
     assert pulled == state_after["decode"].kv_bytes_received - state_before["decode"].kv_bytes_received

@@ -225,7 +225,7 @@ def test_only_the_caller_that_started_a_request_or_an_admin_may_abort_it(model_d
                     await s.__anext__()
                 ids = [first.request_id, second.request_id, third.request_id]
                 assert not await stranger.abort(ids[0])  # as if unknown: another caller's request
-                direct = AsyncLLM(c.workers[1].address)  # the decode worker, called directly, refuses too
+                direct = AsyncLLM(c.workers[1].address, **c.worker_client_kwargs())  # the decode, called directly, refuses too
                 try:
                     assert not await direct.abort(ids[0])
                 finally:

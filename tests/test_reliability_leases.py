@@ -40,7 +40,8 @@ def test_hoarded_handoffs_cannot_starve_ordinary_requests(model_dirs):
 
         async def go():
             # Half come through the router, half call the prefill worker directly; one connection each.
-            hoarders = [AsyncLLM(c.address if i % 2 else prefill.address) for i in range(num_hoarders)]
+            hoarders = [AsyncLLM(c.address) if i % 2 else AsyncLLM(prefill.address, **c.worker_client_kwargs())
+                        for i in range(num_hoarders)]
             llm = AsyncLLM(c.address)
             try:
                 hoarded = await asyncio.gather(*(hoard(h) for h in hoarders))

@@ -217,10 +217,10 @@ class RequestTracker:
         async for msg in messages:
             for out in msg.outputs:
                 num_tokens[out.index] = num_tokens.get(out.index, 0) + len(out.token_ids)
-                if out.finish_reason:
-                    reasons[out.index] = finish_reason_label(out.finish_reason)
-                elif out.disaggregated_params.opaque_state:
+                if out.disaggregated_params.opaque_state:  # a context phase's 'not_finished'
                     reasons[out.index] = "handoff"
+                elif out.finish_reason:
+                    reasons[out.index] = finish_reason_label(out.finish_reason)
             if msg.finished:
                 self.metrics.record(self, num_prompt_tokens, num_tokens, reasons)
             yield msg

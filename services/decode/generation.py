@@ -80,9 +80,7 @@ class GenerationPhase:
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV now
-            task = asyncio.create_task(self._release_remote(handoff))  # outlives the request
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._release_remote(handoff)
             return
         request.tasks.append(asyncio.create_task(self._run(request, handoff)))
 

@@ -245,6 +245,17 @@ class LocalCluster:
         self.stop()
 
 
+def client_kwargs_for(address: str) -> dict:
+    """LLM(address, **...) keyword arguments for a service of a running LocalCluster: a worker's
+    need the cluster's credentials (they serve only the internal plane), the router's its TLS."""
+    cluster = _RUNNING.get(address)
+    if cluster is None:
+        return {}
+    if any(s.address == address for s in cluster.workers):
+        return cluster.worker_client_kwargs()
+    return cluster.client_tls_kwargs()
+
+
 def channel_to(address: str) -> grpc.Channel:
     """A blocking channel to a service of a running LocalCluster, with that cluster's credentials
     (the tests read worker state this way); plaintext and tokenless for any other address."""
