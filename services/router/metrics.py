@@ -17,6 +17,12 @@ class RouterMetrics(ProcessMetrics):
                                   "mid-stream.", base, registry=reg)
         self.prefill_retries = Counter("tandem:router_prefill_retries", "Context phases retried on another prefill "
                                        "worker after theirs died.", base, registry=reg)
+        self.disagg_decisions = Counter("tandem:router_disagg_decisions", "Requests that could be split: split "
+                                        "(prefill worker, then decode worker) or run whole on a decode worker "
+                                        "(local), and why.", base + ["decision", "reason"], registry=reg)
+
+    def disagg_decided(self, split: bool, reason: str) -> None:
+        self.disagg_decisions.labels(*self.labels, "split" if split else "local", reason).inc()
 
     def migrated(self) -> None:
         self.migrations.labels(*self.labels).inc()

@@ -16,6 +16,7 @@ from tandem.common.streams import merge
 from tandem.router import generate
 from tandem.router.metrics import RouterMetrics
 from tandem.router.config import RouterConfig
+from tandem.router.policies import Placement
 from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
@@ -61,10 +62,12 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
         text_request = await self._text().prepare(request)
+        engine_request = text_request.engine_request
         route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics, caller_of(context),
-                                                        self.config.stream_progress_timeout_s)
+                                                        self.config.stream_progress_timeout_s,
+                                                        Placement.of(engine_request))
         try:
-            produced = tracker.produced(generate.stream(route, text_request.engine_request))
+            produced = tracker.produced(generate.stream(route, engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)
             async for msg in tracker.delivered(messages, len(text_request.prompt_token_ids)):
                 yield msg
