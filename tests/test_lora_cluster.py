@@ -34,7 +34,7 @@ def served(model_dirs, tmp_path_factory):
                 for i in (1, 2, 3)}
     engine_args = ["--model", str(model_dir), "--num-blocks", "96", "--block-size", str(BLOCK_SIZE)]
     with LocalCluster(roles=["prefill", "decode", "decode", "both"], engine_args=engine_args) as cluster:
-        with LLM(cluster.address) as llm, LLM(cluster.workers[3].address) as aggregated:
+        with LLM(cluster.address) as llm, LLM(cluster.workers[3].address, **cluster.worker_client_kwargs()) as aggregated:
             yield cluster, llm, aggregated, adapters, PeftOracle(model_dir), root
 
 
@@ -75,8 +75,8 @@ def cluster_model(cluster) -> str:
     return cluster.engine_args[cluster.engine_args.index("--model") + 1]
 
 
-def _context_only(llm_address: str, prompt, adapter):
-    with LLM(llm_address) as prefill:
+def _context_only(cluster, llm_address: str, prompt, adapter):
+    with LLM(llm_address, **cluster.worker_client_kwargs()) as prefill:
         out = prefill.generate(prompt, GREEDY, lora_request=adapter, use_tqdm=False,
                                disaggregated_params=DisaggregatedParams(request_type="context_only"))
     return out.outputs[0].disaggregated_params
@@ -90,7 +90,7 @@ def _generation_only(decode: LLM, prompt, handoff, adapter):
 
 
 def _release(cluster, handoff) -> None:
-    with grpc.insecure_channel(cluster.workers[0].address) as channel:
+    with cluster.channel(cluster.workers[0].address) as channel:
         worker_pb2_grpc.WorkerStub(channel).ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id))
 
 
@@ -98,8 +98,8 @@ def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
     cluster, llm, _, adapters, _, root = served
     moved = LoRARequest("moving", 9, str(shutil.copytree(adapters[3].lora_path, root / "moving")))
     prompt = PROMPTS[1]
-    with LLM(cluster.workers[1].address) as decode:
-        handoff = _context_only(cluster.workers[0].address, prompt, moved)
+    with LLM(cluster.workers[1].address, **cluster.worker_client_kwargs()) as decode:
+        handoff = _context_only(cluster, cluster.workers[0].address, prompt, moved)
         shutil.rmtree(moved.lora_path)  # the decode worker does not have the files
         with pytest.raises(RequestError) as refused:
             _generation_only(decode, prompt, handoff, moved)
@@ -113,10 +113,12 @@ def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
             assert "computed with LoRA adapter 'moving'" in str(mismatch.value)
         _release(cluster, handoff)
         # With the adapter it was computed with, the same handoff goes through.
-        good = _context_only(cluster.workers[0].address, prompt, adapters[3])
+        good = _context_only(cluster, cluster.workers[0].address, prompt, adapters[3])
         pulled = _generation_only(decode, prompt, good, adapters[3])
         whole = llm.generate(prompt, GREEDY, lora_request=adapters[3], use_tqdm=False)
-        assert good.first_gen_tokens + pulled.outputs[0].token_ids == whole.outputs[0].token_ids
+        # A generation_only output starts with the handoff's first_gen_tokens.
+        assert pulled.outputs[0].token_ids[:len(good.first_gen_tokens)] == list(good.first_gen_tokens)
+        assert pulled.outputs[0].token_ids == whole.outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 
