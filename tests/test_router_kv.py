@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import time
 import urllib.request
 
+import grpc
 import pytest
 
 from tandem.client import AsyncLLM, LLM, SamplingParams
 from tandem.router.kv_index import KvIndex
 from tandem.router.policies import Placement
 from tandem.testing.cluster import LocalCluster, channel_to
-from tandem.v1 import llm_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 8
 SYSTEM_TOKENS = 64  # 8 blocks shared by every user of a system prompt
@@ -30,6 +32,7 @@ def cluster(model_dirs):
                       router_args=["--routing", "kv"]) as c:
         c.add_router("router-least-load", ["--routing", "least-load"])
         c.add_router("router-conditional", ["--routing", "kv", "--disagg-min-uncached-tokens", str(MIN_UNCACHED)])
+        c.add_router("router-busy", ["--max-in-flight", "1"])
         yield c
 
 
@@ -150,3 +153,71 @@ def test_conditional_disaggregation(cluster):
     decisions = "tandem:router_disagg_decisions_total"
     assert _metric(router.metrics_address, decisions, decision="local", reason="short_uncached_prompt") == len(short)
     assert _metric(router.metrics_address, decisions, decision="split", reason="long_uncached_prompt") == len(long)
+
+
+def test_full_router_refuses_with_a_retry_hint_and_deadlines_reach_the_workers(cluster):
+    """--max-in-flight 1: a second Generate while one runs is RESOURCE_EXHAUSTED with the
+    grpc-retry-pushback-ms hint. A client deadline ends the worker's side of the request too."""
+    long_request = llm_pb2.GenerateRequest(streaming=True)
+    long_request.prompt.token_ids.ids[:] = [1, 5, 6, 7]
+    long_request.sampling_params.max_tokens = 400
+    long_request.sampling_params.ignore_eos = True
+    with cluster.channel(cluster.service("router-busy").address) as channel:
+        stub = llm_pb2_grpc.AsyncLLMStub(channel)
+        running = stub.Generate(long_request)
+        next(running)  # it runs now
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Generate(long_request))
+        running.cancel()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("grpc-retry-pushback-ms", "500") in (refused.value.trailing_metadata() or ())
+    with cluster.channel(cluster.address) as channel:
+        stub = llm_pb2_grpc.AsyncLLMStub(channel)
+        with pytest.raises(grpc.RpcError) as late:
+            for _ in stub.Generate(long_request, timeout=0.5):
+                pass
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while any(worker_state(w.address).num_active_requests for w in cluster.workers):
+        assert time.monotonic() < deadline, "a worker still runs a request whose deadline passed"
+        time.sleep(0.1)
+
+
+def test_route_gives_worker_calls_what_is_left_of_the_deadline():
+    """The worker's Generate carries the client's remaining time (a recording stub in place of
+    a worker's channel: the timeout is what is under test, not the worker)."""
+    from tandem.router.metrics import RouterMetrics
+    from tandem.router.route import Route
+    from tandem.router.workers import WorkerPool
+
+    class Call:
+        def __init__(self, timeout):
+            self.timeout = timeout
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+        def cancel(self):
+            pass
+
+    timeouts = []
+
+    class Stub:
+        def Generate(self, request, metadata=(), timeout=None):
+            timeouts.append(timeout)
+            return Call(timeout)
+
+    async def main():
+        pool = WorkerPool(("127.0.0.1:1",), health_interval_s=1.0)
+        worker = pool.workers[0]
+        worker.llm = Stub()
+        for deadline in (time.monotonic() + 30, None):
+            route = Route(pool, "r", RouterMetrics(), deadline=deadline)
+            async for _ in route.relay(worker, llm_pb2.GenerateRequest()):
+                pass
+        await pool.close()
+    asyncio.run(main())
+    assert 29 < timeouts[0] <= 30 and timeouts[1] is None

@@ -32,8 +32,11 @@ class WorkerStalledError(RpcError):
 
 class Route:
     def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics, client: str = "",
-                 progress_timeout_s: float = 10.0, placement: Placement | None = None):
+                 progress_timeout_s: float = 10.0, placement: Placement | None = None,
+                 deadline: float | None = None):
         self.pool = pool
+        # The client's deadline (time.monotonic()); every worker call carries what is left of it.
+        self.deadline = deadline
         # What the pick policies know of the request (its prompt's blocks, adapter, conversation).
         self.placement = placement if placement is not None else Placement()
         self.request_id = request_id
@@ -55,7 +58,7 @@ class Route:
 
     def child(self, request_id: str) -> "Route":
         return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s,
-                     dataclasses.replace(self.placement, overlap={}))
+                     dataclasses.replace(self.placement, overlap={}), self.deadline)
 
     async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False):
         """The worker's messages for request, counted in its in-flight load while they flow.
@@ -73,7 +76,8 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
-        call = self.call = worker.llm.Generate(request, metadata=metadata)
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        call = self.call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(call, worker))
         finished = False
