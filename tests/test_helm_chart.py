@@ -108,23 +108,44 @@ def test_manifests_are_valid_kubernetes(chart, case):
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
-def test_router_workers_are_exactly_the_worker_pods(chart, case):
+def test_router_finds_exactly_the_worker_pods(chart, case):
+    """By DNS, each role's headless Service (publishing not-ready pods: the router checks their
+    health itself), so `kubectl scale` needs no re-render; statically (router.discovery=static,
+    or TLS without a serverName), the rendered pods by name."""
     values = helm.Chart.merge_values(chart, VALUE_SETS[case])
-    docs = objects(chart, VALUE_SETS[case])
-    headless = {s["metadata"]["name"] for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"}
-    expected = []
-    for sts in by_kind(docs, "StatefulSet"):
-        role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
-        assert sts["spec"]["replicas"] == values[role]["replicas"] > 0
-        svc = sts["spec"]["serviceName"]
-        assert svc in headless
-        port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-        expected += [f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:{port}"
-                     for i in range(sts["spec"]["replicas"])]
-    assert len(expected) == sum(values[r]["replicas"] for r in ("prefill", "decode", "both"))
+    for discovery in ("dns", "static"):
+        overrides = dict(VALUE_SETS[case], router={**VALUE_SETS[case].get("router", {}), "discovery": discovery})
+        docs = objects(chart, overrides)
+        headless = {s["metadata"]["name"]: s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"}
+        expected_pods, expected_services = [], []
+        for sts in by_kind(docs, "StatefulSet"):
+            role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert sts["spec"]["replicas"] == values[role]["replicas"] > 0
+            svc = sts["spec"]["serviceName"]
+            assert svc in headless and headless[svc]["spec"]["publishNotReadyAddresses"] is True
+            port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+            expected_pods += [f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:{port}"
+                              for i in range(sts["spec"]["replicas"])]
+            expected_services.append(f"{role}={svc}.{NAMESPACE}.svc.cluster.local:{port}")
+        assert len(expected_pods) == sum(values[r]["replicas"] for r in ("prefill", "decode", "both"))
+        (router,) = by_kind(docs, "Deployment")
+        container = router["spec"]["template"]["spec"]["containers"][0]
+        by_dns = discovery == "dns" and (not values["tls"]["enabled"] or values["tls"]["serverName"])
+        if by_dns:
+            assert flag(container, "workers") is None
+            assert sorted(flag(container, "workers-dns").split(",")) == sorted(expected_services)
+        else:
+            assert flag(container, "workers-dns") is None
+            assert sorted(flag(container, "workers").split(",")) == sorted(expected_pods)
+
+
+def test_router_flags_follow_the_values(chart):
+    docs = objects(chart, {"router": {"routing": "prefill=kv,decode=least-load", "disaggMinUncachedTokens": 256,
+                                      "maxInFlight": 64}})
     (router,) = by_kind(docs, "Deployment")
-    workers = flag(router["spec"]["template"]["spec"]["containers"][0], "workers").split(",")
-    assert sorted(workers) == sorted(expected)
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert [flag(container, f) for f in ("routing", "disagg-min-uncached-tokens", "max-in-flight")] == [
+        "prefill=kv,decode=least-load", "256", "64"]
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
@@ -305,8 +326,8 @@ def test_long_names_are_truncated_to_dns_labels(chart):
         # the controller-revision-hash label is "<name>-<10 chars>" and must stay a 63-char label
         assert len(sts["metadata"]["name"]) <= 52
     router = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
-    assert all(len(label) <= 63 for address in flag(router, "workers").split(",")
-               for label in address.rsplit(":", 1)[0].split("."))
+    assert all(len(label) <= 63 for name in flag(router, "workers-dns").split(",")
+               for label in name.split("=", 1)[1].rsplit(":", 1)[0].split("."))
 
 
 def pod_templates(docs: list[dict]) -> list[dict]:
@@ -372,6 +393,9 @@ def test_service_monitor_scrapes_every_service(chart):
     {"terminationGracePeriodSeconds": 30},
     {"engine": {"dtype": "int4"}},
     {"router": {"metricsPort": 0}},
+    {"router": {"discovery": "consul"}},
+    {"router": {"routing": "prefill=fastest"}},
+    {"router": {"maxInFlight": 0}},
     {"metrics": {"serviceMonitor": {"interval": "often"}}},
     {"metrics": {"scrape": True}},
     {"tls": {"enabled": True}},

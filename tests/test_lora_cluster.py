@@ -16,7 +16,7 @@ from conftest import assert_all_blocks_free
 from lora_adapters import PeftOracle, write_adapter
 from tandem.client import LLM, DisaggregatedParams, LoRARequest, SamplingParams
 from tandem.client.errors import RequestError
-from tandem.testing.cluster import LocalCluster, client_kwargs_for
+from tandem.testing.cluster import LocalCluster
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 8
@@ -75,8 +75,8 @@ def cluster_model(cluster) -> str:
     return cluster.engine_args[cluster.engine_args.index("--model") + 1]
 
 
-def _context_only(llm_address: str, prompt, adapter):
-    with LLM(llm_address, **client_kwargs_for(llm_address)) as prefill:
+def _context_only(cluster, llm_address: str, prompt, adapter):
+    with LLM(llm_address, **cluster.worker_client_kwargs()) as prefill:
         out = prefill.generate(prompt, GREEDY, lora_request=adapter, use_tqdm=False,
                                disaggregated_params=DisaggregatedParams(request_type="context_only"))
     return out.outputs[0].disaggregated_params
@@ -99,7 +99,7 @@ def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
     moved = LoRARequest("moving", 9, str(shutil.copytree(adapters[3].lora_path, root / "moving")))
     prompt = PROMPTS[1]
     with LLM(cluster.workers[1].address, **cluster.worker_client_kwargs()) as decode:
-        handoff = _context_only(cluster.workers[0].address, prompt, moved)
+        handoff = _context_only(cluster, cluster.workers[0].address, prompt, moved)
         shutil.rmtree(moved.lora_path)  # the decode worker does not have the files
         with pytest.raises(RequestError) as refused:
             _generation_only(decode, prompt, handoff, moved)
@@ -113,10 +113,12 @@ def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
             assert "computed with LoRA adapter 'moving'" in str(mismatch.value)
         _release(cluster, handoff)
         # With the adapter it was computed with, the same handoff goes through.
-        good = _context_only(cluster.workers[0].address, prompt, adapters[3])
+        good = _context_only(cluster, cluster.workers[0].address, prompt, adapters[3])
         pulled = _generation_only(decode, prompt, good, adapters[3])
         whole = llm.generate(prompt, GREEDY, lora_request=adapters[3], use_tqdm=False)
-        assert pulled.outputs[0].token_ids == whole.outputs[0].token_ids  # the first token included
+        # A generation_only output starts with the handoff's first_gen_tokens.
+        assert pulled.outputs[0].token_ids[:len(good.first_gen_tokens)] == list(good.first_gen_tokens)
+        assert pulled.outputs[0].token_ids == whole.outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 

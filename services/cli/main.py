@@ -50,7 +50,27 @@ def _parser() -> argparse.ArgumentParser:
     router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
-    router.add_argument("--workers", required=True, help="comma-separated worker addresses host:port")
+    router.add_argument("--workers", default="", help="comma-separated worker addresses host:port")
+    router.add_argument("--workers-dns", default="",
+                        help="comma-separated DNS names [ROLE=]HOST:PORT whose addresses are the workers (a "
+                             "Kubernetes headless service per role), re-resolved every --dns-interval seconds")
+    router.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions")
+    router.add_argument("--hosts-file", default=None,
+                        help="resolve --workers-dns names from this file of 'NAME HOST:PORT' lines instead of DNS")
+    router.add_argument("--routing", default="kv",
+                        help="pick policy per role: kv, least-load, round-robin or conversation; one for all "
+                             "roles or e.g. prefill=kv,decode=least-load (default: kv)")
+    router.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                        help="kv policy: weight of the blocks to compute against the blocks running (Dynamo's "
+                             "overlap_score_weight)")
+    router.add_argument("--disagg-min-uncached-tokens", type=int, default=0,
+                        help="run a request whole on a decode worker when the uncached part of its prompt is "
+                             "shorter than this (0: always split when prefill workers exist)")
+    router.add_argument("--disagg-prefill-queue-tokens", type=int, default=0,
+                        help="run requests whole on decode workers while every prefill worker has this many "
+                             "prompt tokens queued (0: never)")
+    router.add_argument("--max-in-flight", type=int, default=4096,
+                        help="Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint")
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
                         help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
     _add_metrics_port(router, ROUTER_METRICS_PORT)
@@ -115,6 +135,10 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
                              "does not answer the probe in --health-timeout is hung and its streams move on")
 
 
+def _split(values: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values.split(",") if v.strip())
+
+
 def _engine_config(args):
     from tandem.engine.checkpoints import resolve_model
     return engine_config(args, resolve_model)
@@ -134,7 +158,12 @@ def _serve(args) -> int:
                               cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
                               health_timeout_s=args.health_timeout, stream_progress_timeout_s=args.stream_progress_timeout,
                               limits=request_limits(args),
-                              workers=tuple(a.strip() for a in args.workers.split(",") if a.strip()))
+                              workers=_split(args.workers), workers_dns=_split(args.workers_dns),
+                              dns_interval_s=args.dns_interval, hosts_file=args.hosts_file, routing=args.routing,
+                              kv_overlap_weight=args.kv_overlap_weight,
+                              disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+                              disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
+                              max_in_flight=args.max_in_flight)
         asyncio.run(serve_router(config))
         return 0
     from tandem.common.roles import Role

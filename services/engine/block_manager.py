@@ -9,10 +9,9 @@ first; that is when it leaves the cache (a "removed" KV event).
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from tandem.common.kv_hash import chain_hash
 from tandem.engine.sequence import Sequence
 
 # TRT-LLM's default retention priority, reported on stored blocks.
@@ -21,20 +20,6 @@ DEFAULT_PRIORITY = 35
 
 class NoFreeBlocksError(RuntimeError):
     pass
-
-
-def chain_hash(parent: int | None, token_ids, salt: str | None, lora: str | None = None) -> int:
-    """Deterministic across processes (unlike hash()), so KV events from different workers agree.
-    lora: the adapter's fingerprint; 0xff never occurs in UTF-8, so no cache_salt can imitate it."""
-    digest = hashlib.blake2b(digest_size=8)
-    if parent is None:
-        digest.update(b"root:" + (salt or "").encode())
-        if lora is not None:
-            digest.update(b"\xfflora:" + lora.encode())
-    else:
-        digest.update(parent.to_bytes(8, "little"))
-    digest.update(array("q", token_ids).tobytes())
-    return int.from_bytes(digest.digest(), "little") >> 1  # fits a signed int64 (protobuf, JSON)
 
 
 class BlockManager:

@@ -53,9 +53,12 @@ class JsonBuffer:
 
 class EngineCore:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000,
-                 on_stats: Callable[[dict], None] | None = None):
+                 on_stats: Callable[[dict], None] | None = None,
+                 on_kv_events: Callable[[list[dict]], None] | None = None):
         self.engine = engine
         self.loop = loop
+        # Called on the loop with each batch of KV events (the worker's KV block feed), as on_stats.
+        self.on_kv_events = on_kv_events
         # Called on the loop with each step's iteration stats (the worker's metrics), off the engine thread.
         self.on_stats = on_stats
         self._commands: queue.Queue = queue.Queue()
@@ -228,7 +231,12 @@ class EngineCore:
         for data in self.engine.block_manager.drain_events():
             events.append({"event_id": self._next_event_id, "data": data, "window_size": self.engine.max_model_len})
             self._next_event_id += 1
-        self.loop.call_soon_threadsafe(self.kv_events.push, events)
+        self.loop.call_soon_threadsafe(self._push_kv_events, events)
+
+    def _push_kv_events(self, events: list[dict]) -> None:
+        self.kv_events.push(events)
+        if self.on_kv_events is not None:
+            self.on_kv_events(events)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

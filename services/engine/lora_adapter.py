@@ -204,6 +204,12 @@ class AdapterStore:
         self._lock = threading.Lock()
         self.num_reads = 0
 
+    def fingerprint(self, int_id: int) -> str | None:
+        """The fingerprint of adapter int_id if it is loaded here."""
+        with self._lock:
+            adapter = self._adapters.get(int_id)
+        return adapter.fingerprint if adapter is not None else None
+
     def load(self, name: str, int_id: int, path: str) -> LoRAAdapter:
         """The adapter a request names, read from disk on first use. An id is one adapter: the same
         id with another name or path is refused."""

@@ -8,7 +8,9 @@ from tandem.common.auth import AccessPolicy
 from tandem.common.channels import ClusterCredentials
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
+from tandem.router.discovery import DnsDiscovery, hosts_file_resolver, parse_dns_targets, resolve_dns
 from tandem.router.metrics import RouterMetrics
+from tandem.router.policies import ConditionalDisagg
 from tandem.router.servicer import RouterServicer
 from tandem.router.workers import WorkerPool
 from tandem.v1 import llm_pb2, llm_pb2_grpc
@@ -42,7 +44,9 @@ async def serve_router(config: RouterConfig) -> None:
                         tls=config.tls, health_port=config.health_port,
                         max_request_bytes=config.limits.max_request_bytes)
     credentials = ClusterCredentials(config.tls, config.cluster_token, config.admin_token)
-    pool = WorkerPool(config.workers, config.health_interval_s, credentials, health_timeout_s=config.health_timeout_s)
+    pool = WorkerPool(config.workers, config.health_interval_s, credentials, health_timeout_s=config.health_timeout_s,
+                      routing=config.policies, kv_overlap_weight=config.kv_overlap_weight,
+                      disagg=ConditionalDisagg(config.disagg_min_uncached_tokens, config.disagg_prefill_queue_tokens))
     servicer = RouterServicer(pool, server.address, server.request_stop, config, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     metrics_url = metrics.serve_http(config.host, config.metrics_port)
@@ -51,11 +55,17 @@ async def serve_router(config: RouterConfig) -> None:
     if metrics_url:
         log.info("metrics on %s", metrics_url)
     pool.start()
-    tracker = asyncio.create_task(_track_readiness(server, pool, servicer))
-    log.info("router on %s, workers %s", server.address, ", ".join(config.workers))
+    tasks = [asyncio.create_task(_track_readiness(server, pool, servicer))]
+    if config.workers_dns:
+        resolver = hosts_file_resolver(config.hosts_file) if config.hosts_file else resolve_dns
+        discovery = DnsDiscovery(parse_dns_targets(config.workers_dns), pool.set_addresses, config.dns_interval_s,
+                                 resolver)
+        tasks.append(asyncio.create_task(discovery.run()))
+    log.info("router on %s, workers %s", server.address, ", ".join(config.workers + config.workers_dns))
     try:
         await server.wait_for_stop()
     finally:
-        tracker.cancel()
+        for task in tasks:
+            task.cancel()
         await pool.close()
         metrics.close()

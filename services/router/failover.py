@@ -21,7 +21,7 @@ from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.router.route import Route, WorkerStalledError, release_lease
-from tandem.router.workers import WorkerHandle, adapter_of
+from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
 
 log = logging.getLogger("tandem.router.failover")
@@ -48,10 +48,9 @@ def _code(exc: BaseException) -> str:
     return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
 
 
-def pick_or_none(route: Route, roles: tuple[Role, ...], exclude: set[str],
-                 adapter_id: int | None = None) -> WorkerHandle | None:
+def pick_or_none(route: Route, roles: tuple[Role, ...], exclude: set[str]) -> WorkerHandle | None:
     try:
-        return route.pool.pick_any_of(roles, exclude, adapter_id)
+        return route.pool.pick_any_of(roles, exclude, placement=route.placement)
     except RpcError:
         return None
 
@@ -62,7 +61,7 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
     run it (the caller runs the request on one worker instead)."""
     tried: set[str] = set()
     while True:
-        prefill = pick_or_none(route, (Role.PREFILL,), tried, adapter_of(ctx))
+        prefill = pick_or_none(route, (Role.PREFILL,), tried)
         if prefill is None:
             return None
         out = None
@@ -144,6 +143,6 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative
             # else nothing came back yet (not even the prompt's tokens): send the request again as it was
-            worker = pick_or_none(route, roles, tried, adapter_of(request))
+            worker = pick_or_none(route, roles, tried)
             if worker is None:
                 raise exc

@@ -15,7 +15,7 @@ from tandem.common.streams import merge
 from tandem.router import failover
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
-from tandem.router.workers import LOCAL_ROLES, adapter_of
+from tandem.router.workers import LOCAL_ROLES
 from tandem.v1 import llm_pb2, types_pb2
 
 # Where the generation phase of a split can go on: a decode worker (pulling the KV, or
@@ -25,28 +25,28 @@ GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 
 async def stream(route: Route, request: llm_pb2.GenerateRequest):
     """The messages of request, which asks the workers for streamed token ids."""
-    pool = route.pool
+    pool, placement = route.pool, route.placement
     request_type = request.disaggregated_params.request_type
-    adapter = adapter_of(request)
     if request_type == types_pb2.REQUEST_TYPE_CONTEXT_ONLY:
-        messages = route.relay(pool.pick(Role.PREFILL, adapter_id=adapter), request)
+        messages = route.relay(pool.pick(Role.PREFILL, placement=placement), request)
     elif request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
-        messages = route.relay(pool.pick_any_of(roles, adapter_id=adapter), request)
+        messages = route.relay(pool.pick_any_of(roles, placement=placement), request)
     elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
         messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
     elif request.sampling_params.n > 1:
-        messages = route.relay(pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter), request)
+        messages = route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
     else:
         messages = local(route, request)
     async for msg in messages:
         yield msg
 
 
-async def local(route: Route, request: llm_pb2.GenerateRequest):
-    """One sequence on one worker, preferably an aggregated one; it moves if the worker dies."""
-    worker = route.pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter_of(request))
+async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES):
+    """One sequence on one worker of roles (preferably an aggregated one); it moves to any worker
+    that can run it whole if its worker dies."""
+    worker = route.pool.pick_any_of(roles, placement=route.placement)
     async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, Progress([])):
         if msg.finished:
             msg.metrics.served_by[:] = route.served_by
@@ -54,7 +54,14 @@ async def local(route: Route, request: llm_pb2.GenerateRequest):
 
 
 async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
-    """The client's messages for a request split over a prefill and a decode worker."""
+    """The client's messages for a request split over a prefill and a decode worker, or run whole
+    on a decode worker when conditional disaggregation says so (pool.should_split)."""
+    split, reason = route.pool.should_split(route.placement)
+    route.metrics.disagg_decided(split, reason)
+    if not split:
+        async for msg in local(route, request, (Role.DECODE,) + LOCAL_ROLES):
+            yield msg
+        return
     started = time.monotonic()
     ctx = llm_pb2.GenerateRequest()
     ctx.CopyFrom(request)
@@ -105,7 +112,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
             return
         progress = Progress(list(ctx_out.prompt_token_ids), list(handoff.first_gen_tokens),
                             ctx_out.outputs[0].cumulative_logprob)
-        decode = failover.pick_or_none(route, (Role.DECODE,), set(), adapter_of(request))
+        decode = failover.pick_or_none(route, (Role.DECODE,), set())
         if decode is not None:
             gen = llm_pb2.GenerateRequest()
             gen.CopyFrom(request)
@@ -113,7 +120,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
             gen.disaggregated_params.CopyFrom(handoff)
             gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         else:  # no decode worker is left: another worker recomputes the prompt and carries on
-            decode = route.pool.pick_any_of(LOCAL_ROLES, adapter_id=adapter_of(request))
+            decode = route.pool.pick_any_of(LOCAL_ROLES, placement=route.placement)
             gen = failover.resume_request(request, progress.prompt_token_ids, progress.tokens)
         async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
             msg.ClearField("prompt")

@@ -17,6 +17,17 @@ class RouterMetrics(ProcessMetrics):
                                   "mid-stream.", base, registry=reg)
         self.prefill_retries = Counter("tandem:router_prefill_retries", "Context phases retried on another prefill "
                                        "worker after theirs died.", base, registry=reg)
+        self.busy_refusals = Counter("tandem:router_busy_refusals", "Generate calls refused RESOURCE_EXHAUSTED "
+                                     "(with a retry hint) because --max-in-flight were running.", base, registry=reg)
+        self.disagg_decisions = Counter("tandem:router_disagg_decisions", "Requests that could be split: split "
+                                        "(prefill worker, then decode worker) or run whole on a decode worker "
+                                        "(local), and why.", base + ["decision", "reason"], registry=reg)
+
+    def disagg_decided(self, split: bool, reason: str) -> None:
+        self.disagg_decisions.labels(*self.labels, "split" if split else "local", reason).inc()
+
+    def refused_busy(self) -> None:
+        self.busy_refusals.labels(*self.labels).inc()
 
     def migrated(self) -> None:
         self.migrations.labels(*self.labels).inc()

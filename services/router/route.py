@@ -4,6 +4,7 @@ went through, and the calls that stop it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -13,6 +14,7 @@ from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.router.metrics import RouterMetrics
+from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
@@ -30,8 +32,13 @@ class WorkerStalledError(RpcError):
 
 class Route:
     def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics, client: str = "",
-                 progress_timeout_s: float = 10.0):
+                 progress_timeout_s: float = 10.0, placement: Placement | None = None,
+                 deadline: float | None = None):
         self.pool = pool
+        # The client's deadline (time.monotonic()); every worker call carries what is left of it.
+        self.deadline = deadline
+        # What the pick policies know of the request (its prompt's blocks, adapter, conversation).
+        self.placement = placement if placement is not None else Placement()
         self.request_id = request_id
         self.metrics = metrics
         # Who started the request (common/callers.py): named to the workers, the only one who may abort it.
@@ -50,7 +57,8 @@ class Route:
         self.children: list[Route] = []
 
     def child(self, request_id: str) -> "Route":
-        return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s)
+        return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s,
+                     dataclasses.replace(self.placement, overlap={}), self.deadline)
 
     async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False):
         """The worker's messages for request, counted in its in-flight load while they flow.
@@ -58,15 +66,27 @@ class Route:
         WorkerStalledError when the worker hangs under the stream."""
         self.worker = worker
         self.served_by.append(worker.address)
+        # The load this puts on the worker, as the pick policies weigh it: the prompt tokens it
+        # computes (until its first message) and the prompt's blocks (while the stream runs).
+        block_size = self.pool.kv_index.block_size
+        pulls = request.disaggregated_params.opaque_state != b""
+        prefill_tokens = 0 if pulls else self.placement.uncached_tokens(worker.address, block_size)
+        blocks = self.placement.num_blocks(block_size)
         worker.in_flight += 1
+        worker.queued_prefill_tokens += prefill_tokens
+        worker.active_blocks += blocks
         metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
-        call = self.call = worker.llm.Generate(request, metadata=metadata)
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        call = self.call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(call, worker))
         finished = False
         try:
             async for msg in call:
                 self._last_message_at = time.monotonic()
+                if prefill_tokens:
+                    worker.queued_prefill_tokens -= prefill_tokens
+                    prefill_tokens = 0
                 finished = msg.finished
                 yield msg
         except asyncio.CancelledError:
@@ -78,6 +98,8 @@ class Route:
         finally:
             watchdog.cancel()
             worker.in_flight -= 1
+            worker.queued_prefill_tokens -= prefill_tokens
+            worker.active_blocks -= blocks
             if not finished:
                 # A call whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.

@@ -10,17 +10,29 @@ from google.protobuf import struct_pb2
 
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
-from tandem.common.errors import PreconditionError, RpcError, unavailable
+from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
 from tandem.common.roles import Role
 from tandem.common.streams import merge
 from tandem.router import generate
 from tandem.router.metrics import RouterMetrics
 from tandem.router.config import RouterConfig
+from tandem.router.policies import Placement
 from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
+
+
+# Seconds a client refused for --max-in-flight is told to wait before it retries.
+RETRY_AFTER_BUSY_S = 0.5
+
+
+def _deadline(context) -> float | None:
+    """The client's deadline on the monotonic clock (None: it set none): the worker calls made for
+    the request carry what is left of it."""
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
 
 
 class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
@@ -55,16 +67,24 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return self.front
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        if len(self.routes) >= self.config.max_in_flight:
+            # Refused before any work (tokenizing included): the caller retries after a moment,
+            # and the router's memory stays bounded by max_in_flight requests.
+            self.metrics.refused_busy()
+            raise RetryLaterError(f"the router serves {len(self.routes)} requests (--max-in-flight "
+                                  f"{self.config.max_in_flight})", RETRY_AFTER_BUSY_S)
         tracker = self.metrics.requests.track()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self.routes:
             raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
         text_request = await self._text().prepare(request)
+        engine_request = text_request.engine_request
         route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics, caller_of(context),
-                                                        self.config.stream_progress_timeout_s)
+                                                        self.config.stream_progress_timeout_s,
+                                                        Placement.of(engine_request), _deadline(context))
         try:
-            produced = tracker.produced(generate.stream(route, text_request.engine_request))
+            produced = tracker.produced(generate.stream(route, engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)
             async for msg in tracker.delivered(messages, len(text_request.prompt_token_ids)):
                 yield msg

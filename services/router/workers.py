@@ -1,9 +1,9 @@
-"""The router's view of its workers: channels, roles, readiness, the LoRA adapters they hold,
-and the pick policy."""
+"""The router's view of its workers: channels, roles, readiness, load, the LoRA adapters they
+hold, and the pick (by each role's policy, policies.py). Workers come and go while the router
+runs (discovery.py); each has its own watch tasks (health.py)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -14,22 +14,20 @@ from tandem.common.auth import bearer_metadata
 from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from tandem.router import health
+from tandem.router.kv_index import KvIndex
+from tandem.router.policies import ADAPTER_MISS_COST, NO_PLACEMENT, ConditionalDisagg, Picker, Placement, Policy
+from tandem.v1 import llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+
+__all__ = ["ADAPTER_MISS_COST", "LOCAL_ROLES", "WorkerHandle", "WorkerPool"]
 
 log = logging.getLogger("tandem.router.workers")
 
-# What a worker that does not hold a request's LoRA adapter costs in pick(), in requests in
-# flight: it loads the adapter first (a disk read, a copy to the device, maybe an eviction), so a
-# holder is preferred unless it is this much busier.
-ADAPTER_MISS_COST = 4
 # Seconds a worker counts as holding an adapter after a request with it was sent there, whatever
 # the polls said meanwhile (a poll answered before the worker loaded it would say it does not).
 PICKED_ADAPTER_MEMORY_S = 5.0
-
-
-def adapter_of(request: llm_pb2.GenerateRequest) -> int | None:
-    """The lora_int_id of the request's LoRA adapter, None for the base model."""
-    return request.lora_request.lora_int_id if request.lora_request.lora_name else None
+# Seconds a worker dropped from discovery keeps its channel for the streams still running on it.
+REMOVED_WORKER_GRACE_S = 600.0
 
 
 @dataclass
@@ -42,16 +40,25 @@ class WorkerHandle:
     role: Role = Role.UNKNOWN
     ready: bool = False
     in_flight: int = 0
+    # Load the router itself puts there (fresher than any poll): prompt tokens sent to be
+    # computed whose first message has not come back, and KV blocks of the requests running.
+    queued_prefill_tokens: int = 0
+    active_blocks: int = 0
+    # Free KV blocks at the last state poll (None: not known yet).
+    num_free_blocks: int | None = None
     # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
     # adapter was last sent here (it loads the adapter): lora_int_id -> loop time.
     lora_adapters: list[types_pb2.LoRARequest] = field(default_factory=list)
     lora_picked: dict[int, float] = field(default_factory=dict)
+    # Its last poll was refused for want of a credential (logged once).
+    refused: bool = False
+    # Set to poll the worker's state now rather than at the next interval (its health changed).
+    poll_now: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
 
     def holds(self, adapter_id: int, now: float) -> bool:
         return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
                 or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S)
-    # Its last poll was refused for want of a credential (logged once).
-    refused: bool = False
 
     @property
     def can_prefill(self) -> bool:
@@ -69,30 +76,81 @@ LOCAL_ROLES = (Role.BOTH, Role.DECODE, Role.PREFILL)
 
 class WorkerPool:
     def __init__(self, addresses: tuple[str, ...], health_interval_s: float,
-                 credentials: ClusterCredentials = ClusterCredentials(), health_timeout_s: float = 1.0):
+                 credentials: ClusterCredentials = ClusterCredentials(), health_timeout_s: float = 1.0,
+                 routing: dict[Role, Policy] | None = None, kv_overlap_weight: float = 1.0,
+                 disagg: ConditionalDisagg = ConditionalDisagg()):
         """credentials: the router's TLS identity and tokens; its channels present them on every call."""
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.credentials = credentials
         # Sent on every admin call to a worker (the channels add it too; explicit where a call is admin).
         self.admin_metadata = bearer_metadata(credentials.admin_token)
+        self.kv_index = KvIndex()
+        self.picker = Picker(routing or {}, self.kv_index, kv_overlap_weight)
+        self.disagg = disagg
         self.workers: list[WorkerHandle] = []
-        for address in addresses:
-            channel = credentials.open(address)
-            self.workers.append(WorkerHandle(address, channel, credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
-                                             credentials.stub(worker_pb2_grpc.WorkerStub, channel),
-                                             health_pb2_grpc.HealthStub(channel)))
-        self._rr = itertools.count()
         self.changed = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._started = False
+        self._closing: set[asyncio.Task] = set()
+        for address in addresses:
+            self.workers.append(self._open(address))
+
+    def _open(self, address: str) -> WorkerHandle:
+        channel = self.credentials.open(address)
+        return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                            self.credentials.stub(worker_pb2_grpc.WorkerStub, channel),
+                            health_pb2_grpc.HealthStub(channel))
 
     def start(self) -> None:
-        # One poll loop per worker: a hung worker's slow answers delay nobody else's.
-        self._tasks = [asyncio.create_task(self._poll_forever(w)) for w in self.workers]
+        self._started = True
+        for w in self.workers:
+            self._start_watching(w)
+
+    def _start_watching(self, w: WorkerHandle) -> None:
+        # Tasks per worker: a hung worker's slow answers delay nobody else's.
+        w.tasks = [asyncio.create_task(health.poll_forever(self, w)), asyncio.create_task(health.watch_health(self, w)),
+                   asyncio.create_task(health.follow_kv_blocks(self, w))]
+
+    def set_addresses(self, addresses: set[str]) -> None:
+        """Discovery's latest answer: workers new to it start being watched, workers missing from
+        it stop being picked (their running streams finish, or fail over, as any)."""
+        known = {w.address for w in self.workers}
+        for address in sorted(addresses - known):
+            log.info("worker %s discovered", address)
+            w = self._open(address)
+            self.workers.append(w)
+            if self._started:
+                self._start_watching(w)
+        for w in [w for w in self.workers if w.address not in addresses]:
+            log.info("worker %s (%s) left discovery; %d requests still on it", w.address, w.role.label or "?",
+                     w.in_flight)
+            self.workers.remove(w)
+            w.ready = False
+            self.kv_index.forget(w.address)
+            task = asyncio.create_task(self._close_when_idle(w))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self.notify()
+
+    async def _close_when_idle(self, w: WorkerHandle) -> None:
+        for task in w.tasks:
+            task.cancel()
+        deadline = asyncio.get_running_loop().time() + REMOVED_WORKER_GRACE_S
+        while w.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        await w.channel.close()
+
+    def notify(self) -> None:
+        """Wakes whoever waits for a change of the workers' readiness."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in list(self._closing):
             task.cancel()
         for w in self.workers:
+            for task in w.tasks:
+                task.cancel()
             await w.channel.close()
 
     @property
@@ -109,6 +167,12 @@ class WorkerPool:
         ready = self.ready_workers
         return any(w.role is Role.PREFILL for w in ready) and any(w.role is Role.DECODE for w in ready)
 
+    def should_split(self, placement: Placement) -> tuple[bool, str]:
+        """Conditional disaggregation for a request that can be split: (split, reason)."""
+        ready = self.ready_workers
+        return self.disagg.decide(placement, self.kv_index, [w for w in ready if w.role is Role.PREFILL],
+                                  [w for w in ready if w.role is Role.DECODE])
+
     def by_address(self, address: str) -> WorkerHandle:
         for w in self.workers:
             if w.address == address:
@@ -120,66 +184,30 @@ class WorkerPool:
         worker.ready = False
 
     def pick(self, need: Role | None, exclude: set[str] | frozenset[str] = frozenset(),
-             adapter_id: int | None = None) -> WorkerHandle:
-        """The ready worker of role `need` (None: any role) with the fewest requests in flight,
-        counting ADAPTER_MISS_COST more for one that does not hold the request's LoRA adapter
-        (adapter_id); round-robin among equals."""
-        return self.pick_any_of((need,), exclude, adapter_id)
+             adapter_id: int | None = None, placement: Placement | None = None) -> WorkerHandle:
+        """The ready worker of role `need` (None: any role) by that role's policy (policies.py);
+        adapter_id: the request's LoRA adapter when no placement carries it."""
+        return self.pick_any_of((need,), exclude, adapter_id, placement)
 
     def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset(),
-                    adapter_id: int | None = None) -> WorkerHandle:
+                    adapter_id: int | None = None, placement: Placement | None = None) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
+        if placement is None:
+            placement = Placement(adapter_id=adapter_id) if adapter_id is not None else NO_PLACEMENT
         now = asyncio.get_running_loop().time()
-
-        def load(w: WorkerHandle) -> int:
-            return w.in_flight + (ADAPTER_MISS_COST if adapter_id is not None and not w.holds(adapter_id, now) else 0)
-
         ready = [w for w in self.ready_workers if w.address not in exclude]
         for need in needs:
             # A split needs the transceivers only prefill and decode workers have: roles match exactly.
             candidates = [w for w in ready if need is None or w.role is need]
             if candidates:
-                start = next(self._rr) % len(candidates)
-                rotated = candidates[start:] + candidates[:start]
-                chosen = min(rotated, key=load)
-                if adapter_id is not None:
-                    chosen.lora_picked[adapter_id] = now
+                chosen = self.picker.choose(need, candidates, placement, now)
+                if placement.adapter_id is not None:
+                    chosen.lora_picked[placement.adapter_id] = now
                 return chosen
         wanted = "/".join(n.label if n is not None else "any" for n in needs)
         raise unavailable(f"no ready worker can serve {wanted} requests (workers: "
                           + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
                                       for w in self.workers) + ")")
-
-    async def _poll_forever(self, w: WorkerHandle) -> None:
-        while True:
-            await self._poll(w)
-            self.changed.set()
-            self.changed = asyncio.Event()
-            await asyncio.sleep(self.health_interval_s)
-
-    async def _poll(self, w: WorkerHandle) -> None:
-        try:
-            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
-            ready = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError as exc:
-            ready = False
-            refused = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-            if refused and not w.refused:
-                log.error("worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
-                          w.address, exc.code().name, exc.details())
-            w.refused = refused
-        if ready:
-            try:
-                state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
-                w.role = Role(state.role)
-                w.lora_adapters = list(state.lora_adapters)
-            except grpc.aio.AioRpcError:
-                # The state waits for the engine thread between steps; a slow step leaves the last
-                # adapters in place. A worker whose role is still unknown cannot be picked yet.
-                ready = w.role is not Role.UNKNOWN
-        if ready != w.ready:
-            log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
-        w.ready = ready
 
     async def is_responsive(self, w: WorkerHandle, engine_timeout_s: float) -> bool:
         """Whether the worker's event loop answers within the health timeout (a SIGSTOPped worker

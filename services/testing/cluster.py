@@ -73,6 +73,9 @@ class LocalCluster:
     tls: TlsConfig | None = None
     # Flags for the router (after the cluster's own, so they win).
     router_args: list[str] = field(default_factory=list)
+    # Discovery by (simulated) DNS: the router resolves one name per role from this file
+    # (--workers-dns with --hosts-file, write_hosts_file) instead of a --workers list.
+    hosts_file: Path | None = None
     services: list[Service] = field(default_factory=list)
 
     def __post_init__(self):
@@ -118,11 +121,11 @@ class LocalCluster:
 
     @property
     def router(self) -> Service:
-        return self.services[-1]
+        return next(s for s in self.services if s.role == "router")
 
     @property
     def workers(self) -> list[Service]:
-        return self.services[:-1]
+        return [s for s in self.services if s.role != "router"]
 
     @property
     def address(self) -> str:
@@ -131,27 +134,11 @@ class LocalCluster:
     def start(self, timeout: float = 120.0) -> "LocalCluster":
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        tls_argv = self.tls.argv() if self.tls else []
-        counts: dict[str, int] = {}
         for role in self.roles:
-            counts[role] = counts.get(role, 0) + 1
-            port = free_port(self.host)
-            name = f"{role}-{counts[role]}"
-            metrics_port = free_port(self.host) if self.metrics else 0
-            argv = [sys.executable, "-m", "tandem.cli.main", "serve", role, "--host", self.host, "--port", str(port),
-                    "--metrics-port", str(metrics_port), *tls_argv, *self.engine_args, *self.worker_args.get(name, [])]
-            self.services.append(Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log",
-                                         self._metrics_address(metrics_port)))
-        port = self.router_port or free_port(self.host)
-        metrics_port = (self.router_metrics_port or free_port(self.host)) if self.metrics else 0
-        workers = ",".join(s.address for s in self.services)
-        if self.tls is not None and not self.tls.require_client_cert:
-            tls_argv = tls_argv + ["--tls-client-auth", "none"]
-        self.services.append(Service("router", "router", f"{self.host}:{port}",
-                                     [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
-                                      "--port", str(port), "--workers", workers, "--health-interval", "0.2",
-                                      "--metrics-port", str(metrics_port), *tls_argv, *self.router_args],
-                                     self.log_dir / "router.log", self._metrics_address(metrics_port)))
+            self.services.append(self._worker_service(role))
+        if self.hosts_file is not None:
+            self.write_hosts_file()
+        self.services.append(self._router_service("router", self.router_port, self.router_args))
         for s in self.services:
             self._spawn(s, "w")
         for s in self.services:
@@ -163,6 +150,70 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _worker_service(self, role: str) -> Service:
+        name = f"{role}-{sum(s.role == role for s in self.services) + 1}"
+        port = free_port(self.host)
+        metrics_port = free_port(self.host) if self.metrics else 0
+        argv = [sys.executable, "-m", "tandem.cli.main", "serve", role, "--host", self.host, "--port", str(port),
+                "--metrics-port", str(metrics_port), *(self.tls.argv() if self.tls else []), *self.engine_args,
+                *self.worker_args.get(name, [])]
+        return Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log",
+                       self._metrics_address(metrics_port))
+
+    def _router_service(self, name: str, port: int, args: list[str]) -> Service:
+        port = port or free_port(self.host)
+        fixed_metrics_port = self.router_metrics_port if name == "router" else 0
+        metrics_port = (fixed_metrics_port or free_port(self.host)) if self.metrics else 0
+        tls_argv = self.tls.argv() if self.tls else []
+        if self.tls is not None and not self.tls.require_client_cert:
+            tls_argv = tls_argv + ["--tls-client-auth", "none"]
+        if self.hosts_file is not None:
+            roles = sorted({s.role for s in self.workers})
+            discovery = ["--workers-dns", ",".join(f"{r}={self.dns_name(r)}:1" for r in roles),
+                         "--hosts-file", str(self.hosts_file), "--dns-interval", "0.3"]
+        else:
+            discovery = ["--workers", ",".join(s.address for s in self.workers)]
+        return Service(name, "router", f"{self.host}:{port}",
+                       [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
+                        "--port", str(port), *discovery, "--health-interval", "0.2",
+                        "--metrics-port", str(metrics_port), *tls_argv, *args],
+                       self.log_dir / f"{name}.log", self._metrics_address(metrics_port))
+
+    @staticmethod
+    def dns_name(role: str) -> str:
+        """The name a role's workers are found under with hosts_file (a headless service's)."""
+        return f"tandem-{role}.test"
+
+    def write_hosts_file(self, exclude: tuple[str, ...] = ()) -> None:
+        """Lists every worker but those at the addresses in exclude under its role's name; the
+        router sees the change at its next resolution. Written whole, then renamed into place."""
+        lines = [f"{self.dns_name(s.role)} {s.address}" for s in self.workers if s.address not in exclude]
+        partial = self.hosts_file.with_suffix(".partial")
+        partial.write_text("\n".join(lines) + "\n")
+        partial.replace(self.hosts_file)
+
+    def add_worker(self, role: str, timeout: float = 120.0) -> Service:
+        """Starts one more worker of role and waits until it serves (the router learns of it only
+        through discovery: write_hosts_file)."""
+        service = self._worker_service(role)
+        self.services.append(service)
+        _RUNNING[service.address] = self
+        self._spawn(service, "w")
+        self.wait_serving([service.address], timeout)
+        return service
+
+    def add_router(self, name: str, args: list[str], timeout: float = 120.0) -> Service:
+        """Another router over the same workers (e.g. another routing policy, to compare)."""
+        service = self._router_service(name, 0, args)
+        self.services.append(service)
+        _RUNNING[service.address] = self
+        self._spawn(service, "w")
+        self.wait_serving([service.address], timeout)
+        with self.channel(service.address) as channel:
+            from tandem.v1 import llm_pb2, llm_pb2_grpc
+            llm_pb2_grpc.AsyncLLMStub(channel).Setup(llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+        return service
 
     def _metrics_address(self, port: int) -> str | None:
         return f"{self.host}:{port}" if port else None

@@ -28,6 +28,7 @@ from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
+from tandem.worker.kv_feed import KvBlockFeed
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -46,6 +47,8 @@ class WorkerRuntime:
         self.startup_metrics: dict[str, float] = {}
         self.engine: LLMEngine | None = None
         self.core: EngineCore | None = None
+        # The router's KV index feed (SubscribeKvBlocks), once the engine is loaded.
+        self.kv_feed: KvBlockFeed | None = None
         self.tokenizer: Tokenizer | None = None
         self.front: TextFront | None = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -90,7 +93,10 @@ class WorkerRuntime:
                                          capacity=2 * engine_config.max_loras)
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
-        self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step)
+        self.kv_feed = KvBlockFeed(self.engine.block_manager.block_size,
+                                   lambda int_id: self.adapters.fingerprint(int_id) if self.adapters else None)
+        self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step,
+                               on_kv_events=self.kv_feed.observe)
         if self.leases is not None:
             self.leases.attach(self.core)
         self.handoff_format = (HandoffFormat(self.engine.runner.kv_layout, self.signing_key)

@@ -209,6 +209,14 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         confirmed = keeper is not None and keeper.confirm(request.ctx_request_id, request.pulled)
         return worker_pb2.ConfirmLeaseResponse(confirmed=confirmed)
 
+    async def SubscribeKvBlocks(self, request, context):
+        if self.rt.encode_only:
+            raise PreconditionError("an encoder-only worker has no KV cache")
+        if self.rt.kv_feed is None:
+            raise unavailable("the worker is still loading its model")
+        async for update in self.rt.kv_feed.subscribe():
+            yield update
+
     async def StopSequences(self, request, context):
         worker_request = self.llm.requests.get(request.request_id)
         if worker_request is None:

@@ -147,3 +147,28 @@ class KvHandoff(_message.Message):
     lora_request: _types_pb2.LoRARequest
     lora_fingerprint: str
     def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., lora_request: _Optional[_Union[_types_pb2.LoRARequest, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+
+class SubscribeKvBlocksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvBlocksUpdate(_message.Message):
+    __slots__ = ("snapshot", "stored", "removed", "tokens_per_block", "lora_fingerprints")
+    class LoraFingerprintsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    tokens_per_block: int
+    lora_fingerprints: _containers.ScalarMap[int, str]
+    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., tokens_per_block: _Optional[int] = ..., lora_fingerprints: _Optional[_Mapping[int, str]] = ...) -> None: ...

@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvBlocks = channel.unary_stream(
+                '/tandem.v1.Worker/SubscribeKvBlocks',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -99,6 +104,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvBlocks(self, request, context):
+        """The router's KV index feed: first every block hash in the prefix cache now (snapshot), then
+        the changes as they happen, coalesced while the subscriber lags (a subscriber too far behind
+        gets a fresh snapshot instead). Every subscriber sees every change, unlike GetKvCacheEvents,
+        which drains one queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +136,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ConfirmLease,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.SerializeToString,
+            ),
+            'SubscribeKvBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvBlocks,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,6 +253,33 @@ class Worker:
             '/tandem.v1.Worker/ConfirmLease',
             tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Worker/SubscribeKvBlocks',
+            tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.FromString,
             options,
             channel_credentials,
             insecure,

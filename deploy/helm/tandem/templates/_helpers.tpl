@@ -55,6 +55,26 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
 {{/* host:port of every worker pod through its headless Service, in role order. */}}
+{{/* The router's --workers-dns: each worker role's headless Service, ROLE=NAME:PORT, for every
+role with replicas (pods come and go behind it: `kubectl scale` needs no re-render). */}}
+{{- define "tandem.workerServices" -}}
+{{- $names := list }}
+{{- range $role := list "prefill" "decode" "both" }}
+{{- $spec := index $.Values $role }}
+{{- if gt (int $spec.replicas) 0 }}
+{{- $svc := include "tandem.componentName" (dict "root" $ "component" $role) }}
+{{- $names = append $names (printf "%s=%s.%s.svc.%s:%d" $role $svc $.Release.Namespace $.Values.clusterDomain (int $spec.port)) }}
+{{- end }}
+{{- end }}
+{{- join "," $names }}
+{{- end }}
+
+{{/* Whether the router finds its workers through DNS: router.discovery=dns, unless TLS is on
+without tls.serverName (DNS answers pod IPs, which no certificate names). */}}
+{{- define "tandem.dnsDiscovery" -}}
+{{- if and (eq .Values.router.discovery "dns") (or (not .Values.tls.enabled) .Values.tls.serverName) }}true{{ end }}
+{{- end }}
+
 {{- define "tandem.workerAddresses" -}}
 {{- $addresses := list }}
 {{- range $role := list "prefill" "decode" "both" }}

@@ -1,0 +1,107 @@
+"""How the router follows one worker: its health by grpc.health.v1 Watch (a change reaches the
+router at once) with Check polls beside it (a worker whose loop hangs keeps its Watch stream
+open and says nothing: only a poll with a timeout finds it; and a worker without Watch is
+polled alone), its state (role, adapters, free blocks) by GetWorkerState polls, and its prefix
+cache by the SubscribeKvBlocks feed into the router's KV index."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from tandem.common.roles import Role
+from tandem.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from tandem.router.workers import WorkerHandle, WorkerPool
+
+log = logging.getLogger("tandem.router.health")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+async def poll_forever(pool: WorkerPool, w: WorkerHandle) -> None:
+    while True:
+        w.poll_now.clear()
+        await poll(pool, w)
+        pool.notify()
+        try:
+            await asyncio.wait_for(w.poll_now.wait(), pool.health_interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
+    try:
+        resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=pool.health_timeout_s)
+        ready = resp.status == SERVING
+    except grpc.aio.AioRpcError as exc:
+        ready = False
+        refused = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        if refused and not w.refused:
+            log.error("worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
+                      w.address, exc.code().name, exc.details())
+        w.refused = refused
+    if ready:
+        try:
+            state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
+            w.role = Role(state.role)
+            w.lora_adapters = list(state.lora_adapters)
+            w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
+        except grpc.aio.AioRpcError:
+            # The state waits for the engine thread between steps; a slow step leaves the last
+            # adapters in place. A worker whose role is still unknown cannot be picked yet.
+            ready = w.role is not Role.UNKNOWN
+    set_ready(pool, w, ready)
+
+
+def set_ready(pool: WorkerPool, w: WorkerHandle, ready: bool) -> None:
+    if ready != w.ready:
+        log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
+        w.ready = ready
+        pool.notify()
+
+
+async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
+    """Follows the worker's Watch stream: NOT_SERVING stops picks at once, SERVING makes the
+    state poll run now (it sets ready). A worker without Watch is left to the polls."""
+    while True:
+        call = w.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        try:
+            async for reply in call:
+                if reply.status == SERVING:
+                    w.poll_now.set()
+                else:
+                    set_ready(pool, w, False)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("worker %s has no health Watch; polling it every %.1f s", w.address, pool.health_interval_s)
+                return
+        finally:
+            call.cancel()
+        await asyncio.sleep(pool.health_interval_s)
+
+
+async def follow_kv_blocks(pool: WorkerPool, w: WorkerHandle) -> None:
+    """Feeds the worker's prefix cache into the KV index while it is ready; each (re)subscription
+    starts with a snapshot that replaces what the index knew of it."""
+    index = pool.kv_index
+    while True:
+        while not w.ready or w.role is Role.UNKNOWN:
+            await pool.changed.wait()
+        call = w.internal.SubscribeKvBlocks(worker_pb2.SubscribeKvBlocksRequest())
+        try:
+            async for update in call:
+                index.apply(w.address, update)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+                log.warning("worker %s has no KV block feed: KV-aware routing sees no cache there", w.address)
+                return
+            log.info("KV block feed of %s ended (%s); resubscribing", w.address, exc.code().name)
+        finally:
+            call.cancel()
+            index.forget(w.address)
+        await asyncio.sleep(pool.health_interval_s)
