@@ -214,12 +214,14 @@ class LLMEngine:
 
     def swap_weights(self, model, source: str) -> None:
         """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
+        self.runner.require_single_rank("update_weights")
         self.require_idle("update_weights")
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
     def release_memory(self, tags: list[str]) -> None:
         """Frees the memory behind tags. Refused while requests run or leases are out."""
+        self.runner.require_single_rank("release")
         self.require_idle("release")
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()
@@ -228,10 +230,15 @@ class LLMEngine:
             self.runner.release_weights()
 
     def resume_memory(self, tags: list[str]) -> None:
+        self.runner.require_single_rank("resume")
         if "model" in tags:
             self.runner.restore_weights()
         if "kv_cache" in tags:
             self.runner.restore_kv_cache()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if it has any."""
+        self.runner.close()
 
     @property
     def released_tags(self) -> list[str]:

@@ -166,6 +166,8 @@ class WorkerRuntime:
     async def close(self) -> None:
         if self.core is not None:
             self.core.stop()
+        if self.engine is not None:
+            self.engine.close()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()
