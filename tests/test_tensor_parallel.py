@@ -193,3 +193,85 @@ def test_tensor_parallel_size_is_an_engine_flag():
     from tandem.engine.checkpoints import tiny_model_dir
     argv = engine_argv(EngineConfig(str(tiny_model_dir()), tensor_parallel_size=2, max_loras=0))
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+
+
+# -- handoffs between workers of different tensor-parallel sizes --
+
+def _rank_pools(kv: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """A full pool [blocks, layers, 2, block_size, heads, head_dim] cut into tp ranks' pools (heads split)."""
+    return [chunk.contiguous() for chunk in kv.chunk(tp, dim=4)]
+
+
+@pytest.mark.parametrize("remote_tp, local_tp", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (1, 1)])
+def test_read_plan_moves_each_head_slice_to_the_rank_that_owns_it(remote_tp, local_tp):
+    from tandem.kvtransfer.head_slices import PoolGeometry, read_plan
+    num_blocks, layers, block_size, heads, head_dim = 6, 2, 4, 4, 3
+    full = torch.arange(num_blocks * layers * 2 * block_size * heads * head_dim, dtype=torch.float32).view(
+        num_blocks, layers, 2, block_size, heads, head_dim)
+    remote = [p.view(torch.uint8).reshape(-1).numpy() for p in _rank_pools(full, remote_tp)]
+    local_pools = _rank_pools(torch.zeros_like(full), local_tp)
+    local = [p.view(torch.uint8).reshape(-1).numpy() for p in local_pools]
+    remote_ids, local_ids = [3, 4, 0], [1, 2, 5]
+    plan = read_plan(remote_ids, local_ids, PoolGeometry(layers, block_size, heads, head_dim, 4), remote_tp, local_tp,
+                     max_run_blocks=None)
+    for remote_rank, remote_off, local_rank, local_off, nbytes in plan.tolist():
+        local[local_rank][local_off:local_off + nbytes] = remote[remote_rank][remote_off:remote_off + nbytes]
+    got = torch.cat(local_pools, dim=4)
+    assert torch.equal(got[local_ids], full[remote_ids])
+    untouched = [b for b in range(num_blocks) if b not in local_ids]
+    assert not got[untouched].any()
+    if remote_tp == local_tp:  # whole blocks, one descriptor per run and rank, as at TP 1
+        assert len(plan) == 2 * local_tp
+
+
+def test_handoff_check_converts_tp_and_refuses_other_fields(model_dirs):
+    """The layout hash leaves the TP size out (a READ converts it); what it covers is refused,
+    FAILED_PRECONDITION naming the field."""
+    import grpc
+    from tandem.common.errors import status_for
+    from tandem.common.exceptions import IncompatibleHandoffError
+    from tandem.engine.kv_layout import kv_layout
+    from tandem.engine.model_config import ModelConfig
+    from tandem.kvtransfer.handoff import HandoffFormat
+    model_dir = str(model_dirs["llama"])
+    config = ModelConfig.from_pretrained(model_dir)
+    prefill = HandoffFormat(kv_layout(model_dir, config, "float32", 8), None)
+    prompt = [1, 5, 6, 7]
+    opaque = prefill.build("127.0.0.1:1", "agent", 3, [0], time.time() + 30, prompt, None)
+    assert HandoffFormat(kv_layout(model_dir, config, "float32", 8), None).parse(opaque, prompt, None).block_ids == [0]
+    for other in (kv_layout(model_dir, config, "float32", 4), kv_layout(model_dir, config, "bfloat16", 8),
+                  kv_layout(str(model_dirs["qwen3"]), ModelConfig.from_pretrained(model_dirs["qwen3"]), "float32", 8)):
+        changed = sorted(k for k in other if other[k] != prefill.layout[k])
+        with pytest.raises(IncompatibleHandoffError) as refused:
+            HandoffFormat(other, None).parse(opaque, prompt, None)
+        assert all(field in str(refused.value) for field in changed)
+        assert status_for(refused.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _cluster_tokens(model_dir, prefill_tp: int, decode_tp: int, prompts, max_tokens: int) -> list[list[int]]:
+    from tandem.client import LLM, SamplingParams
+    from tandem.testing.cluster import LocalCluster
+    tp_args = {f"{role}-1": ["--tensor-parallel-size", str(tp), "--max-loras", "0"]
+               for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)) if tp > 1}
+    engine_args = ["--model", str(model_dir), "--num-blocks", "64", "--block-size", "4"]
+    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args, worker_args=tp_args, metrics=False) as c:
+        with LLM(c.address) as llm:
+            outs = [llm.generate(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+            decode = c.workers[1].address
+    for out in outs:
+        assert out.metrics.served_by[-1] == decode and out.metrics.kv_transfer_bytes > 0
+    return [out.outputs[0].token_ids for out in outs]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_split_between_tp_sizes_gives_the_aggregated_tokens(model_dirs, prefill_tp, decode_tp):
+    """router + prefill + decode processes, the KV moved by NIXL (UCX) head slice by head slice."""
+    model_dir = model_dirs["llama"]
+    rng = random.Random(prefill_tp * 10 + decode_tp)
+    prompts = [[1] + [rng.randrange(4, 300) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    aggregated = LLMEngine(EngineConfig(str(model_dir), block_size=4, num_blocks=64))
+    expected = run_to_completion(aggregated, {str(i): p for i, p in enumerate(prompts)},
+                                 SamplingOptions(max_tokens=8, ignore_eos=True))
+    assert _cluster_tokens(model_dir, prefill_tp, decode_tp, prompts, 8) == [expected[str(i)] for i in
+                                                                             range(len(prompts))]
