@@ -275,3 +275,12 @@ def test_split_between_tp_sizes_gives_the_aggregated_tokens(model_dirs, prefill_
                                  SamplingOptions(max_tokens=8, ignore_eos=True))
     assert _cluster_tokens(model_dir, prefill_tp, decode_tp, prompts, 8) == [expected[str(i)] for i in
                                                                              range(len(prompts))]
+
+
+def test_tandem_up_takes_the_tp_size_per_role():
+    import argparse
+    from tandem.cli.up import role_worker_args
+    args = argparse.Namespace(prefill_tensor_parallel_size=None, decode_tensor_parallel_size=2,
+                              both_tensor_parallel_size=None)
+    assert role_worker_args(args, ["prefill", "decode", "decode"]) == {
+        "decode-1": ["--tensor-parallel-size", "2"], "decode-2": ["--tensor-parallel-size", "2"]}
