@@ -32,7 +32,7 @@ VALUE_SETS = {
         "model": {"source": "pvc", "claimName": "models", "path": "Llama-3.1-8B-Instruct"},
         "engine": {"dtype": "bfloat16"},
         "prefill": {"replicas": 2, "gpus": 2, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
-        "decode": {"replicas": 3, "kvCacheGb": 40,
+        "decode": {"replicas": 3, "kvCacheGb": 40, "tensorParallelSize": 2,
                    "resources": {"limits": {"memory": "64Gi"}},
                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
@@ -181,10 +181,24 @@ def test_workers_run_on_gpus_by_default(chart):
 
 def test_gpu_requests_merge_with_resources(chart):
     by_role = {c["name"]: c for c in containers(objects(chart, VALUE_SETS["disaggregated"]))}
-    assert by_role["decode"]["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"},
-                                              "requests": {"nvidia.com/gpu": 1}}
+    assert by_role["decode"]["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "64Gi"},
+                                              "requests": {"nvidia.com/gpu": 2}}
     assert by_role["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 2},
                                                "requests": {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"}}
+
+
+def test_tensor_parallel_size_per_role_sets_the_flag_and_the_gpu_request(chart):
+    by_role = {c["name"]: c for c in containers(objects(chart, VALUE_SETS["disaggregated"]))}
+    assert flag(by_role["decode"], "tensor-parallel-size") == "2" and flag(by_role["decode"], "max-loras") == "0"
+    assert "--tensor-parallel-size" not in " ".join(by_role["prefill"]["args"])
+    # gpus 2 on a TP-1 prefill stays 2; the request is whichever is larger.
+    assert by_role["prefill"]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    cpu = {c["name"]: c for c in containers(objects(chart, {**CPU_VALUES, "decode": {
+        **CPU_VALUES.get("decode", {}), "tensorParallelSize": 2}}))}
+    assert flag(cpu["decode"], "tensor-parallel-size") == "2"
+    assert "nvidia.com/gpu" not in str(cpu["decode"].get("resources"))
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"decode": {"tensorParallelSize": 0}})
 
 
 def test_cpu_values_request_no_gpu_and_use_the_cpu_image(chart):

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="prefill workers (default: 1 prefill + 1 decode when no role count is given)")
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
+    for role in ("prefill", "decode", "both"):
+        up.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help=f"ranks of each {role} worker (default: --tensor-parallel-size)")
     up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
     up.add_argument("--metrics-port", type=int, default=ROUTER_METRICS_PORT,
                     help="the router's Prometheus port (/metrics); each worker gets a free one, all printed; "

@@ -24,6 +24,17 @@ def _has_chat_template(model_dir: str) -> bool:
         config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
 
 
+def role_worker_args(args, roles: list[str]) -> dict[str, list[str]]:
+    """--<role>-tensor-parallel-size N: the flag each worker of that role gets on top of the engine flags."""
+    worker_args: dict[str, list[str]] = {}
+    for role in dict.fromkeys(roles):
+        size = getattr(args, f"{role}_tensor_parallel_size", None)
+        if size is not None:
+            for index in range(1, roles.count(role) + 1):
+                worker_args[f"{role}-{index}"] = ["--tensor-parallel-size", str(size)]
+    return worker_args
+
+
 def up(args, engine) -> int:
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["both"] * args.both
     if not roles:
@@ -39,9 +50,12 @@ def up(args, engine) -> int:
     cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine) + limits, host=args.host,
                            router_port=args.port, router_args=router_args, env=env,
                            metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port,
-                           cluster_token=args.cluster_token, tls=tls_config(args))
+                           cluster_token=args.cluster_token, tls=tls_config(args),
+                           worker_args=role_worker_args(args, roles))
     supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts))
     print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
+    for name, extra in cluster.worker_args.items():
+        print(f"  {name}: {' '.join(extra)}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         cluster.start()

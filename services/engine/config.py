@@ -32,6 +32,8 @@ class EngineConfig:
     max_loras: int = _flag(4, "LoRA adapters held on the device at once (the adapter pool's slots; a batch mixes "
                               "at most this many; 0: refuse lora_request)")
     max_lora_rank: int = _flag(16, "largest LoRA rank the adapter pool holds (lower ranks are zero-padded to it)")
+    tensor_parallel_size: int = _flag(1, "ranks (GPUs) the worker spans: one process each, the model's heads, "
+                                         "intermediate size and vocabulary split across them")
     overlap_scheduling: bool = _flag(True, "read each step's tokens back before scheduling the next (no overlap of "
                                            "host and device work)", flag="--no-overlap-scheduling")
 
@@ -50,5 +52,11 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
                              f"{self.max_lora_rank}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.max_loras:
+            raise ValueError(f"LoRA adapters are not supported with tensor_parallel_size > 1 (the adapter pool "
+                             f"is not sharded): give --max-loras 0 with --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")

@@ -130,6 +130,14 @@ class LLMEngine:
             raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
         if options.embedding_bias and len(options.embedding_bias) != vocab:
             raise ValueError(f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}")
+        if self.config.tensor_parallel_size > 1:
+            # Rank 0 alone reads prompt rows (a gathered LM head) and copies forked beams' KV.
+            asked = [name for name, on in (("prompt_logprobs", bool(options.prompt_logprobs)),
+                                           ("return_context_logits", options.return_context_logits),
+                                           ("use_beam_search", options.beam_width > 1)) if on]
+            if asked:
+                raise NotImplementedError(f"{', '.join(asked)} on a tensor-parallel worker is not supported yet; "
+                                          "send it to a worker with --tensor-parallel-size 1")
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
                       priority: float, cache_salt: str | None, output_token_ids: list[int] | None,
@@ -231,12 +239,14 @@ class LLMEngine:
 
     def swap_weights(self, model, source: str) -> None:
         """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
+        self.runner.require_single_rank("update_weights")
         self.require_idle("update_weights")
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
     def release_memory(self, tags: list[str]) -> None:
         """Frees the memory behind tags. Refused while requests run or leases are out."""
+        self.runner.require_single_rank("release")
         self.require_idle("release")
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()
@@ -245,10 +255,15 @@ class LLMEngine:
             self.runner.release_weights()
 
     def resume_memory(self, tags: list[str]) -> None:
+        self.runner.require_single_rank("resume")
         if "model" in tags:
             self.runner.restore_weights()
         if "kv_cache" in tags:
             self.runner.restore_kv_cache()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if it has any."""
+        self.runner.close()
 
     @property
     def released_tags(self) -> list[str]:

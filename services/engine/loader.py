@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.parallel import TensorParallel, check_divisible, shard_parameter
 
 # Fused engine parameter <- the HF tensors concatenated along dim 0, in this order.
 _FUSED = {
@@ -59,12 +60,16 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    tp: TensorParallel = TensorParallel(),
 ) -> tuple[CausalLM, ModelConfig]:
+    """tp: the rank whose share of the weights to keep (parallel.py); every rank reads the whole
+    checkpoint on the host and moves only its share to the device."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    check_divisible(config, tp.size)
     dtype = dtype or config.torch_dtype
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     expected = _expected_hf_names(model)
     tensors = _read_tensors(_checkpoint_files(model_dir))
 
@@ -81,10 +86,11 @@ def load_model(
     shapes = dict((name, param.shape) for name, param in model.named_parameters())
     state = {}
     for name, parts in expected.items():
-        tensor = torch.cat([tensors.pop(p) for p in parts])
+        tensor = shard_parameter(name, torch.cat([tensors.pop(p) for p in parts]), config, tp.rank, tp.size)
         if tensor.shape != shapes[name]:
             raise ValueError(
-                f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}, "
+                f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}"
+                + (f" (rank {tp.rank} of {tp.size})" if tp.is_parallel else "") + ", "
                 f"config.json implies {tuple(shapes[name])}")
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -95,12 +101,17 @@ def load_model(
 
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int,
-    dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None, device: str | torch.device = "cpu", tp_size: int = 1,
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zeroed.
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads / tp_size, head_dim], zeroed: a rank
+    holds the KV of its own heads.
 
     Zeroed rather than empty: padded block-table entries point at block 0 and are
     masked, and masked garbage that happens to be NaN would still poison the sum.
     """
-    shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+    shape = kv_cache_shape(config, num_blocks, block_size, tp_size)
     return torch.zeros(shape, dtype=dtype or config.torch_dtype, device=device)
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads // tp_size, config.head_dim)

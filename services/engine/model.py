@@ -3,6 +3,9 @@
 Flat batches: every tensor is [num_tokens, ...] with no padding; AttentionMetadata says
 which rows belong to which sequence. q/k/v and gate/up are fused into one matmul each.
 With a LoRABatch (lora_pool.py) each projection adds its tokens' adapters to its output.
+Under tensor parallelism (parallel.py) each rank builds the layers of its share: its heads, its
+slice of the intermediate size and of the vocabulary; o_proj, down_proj and the embedding end in
+an all-reduce, the logits in an all-gather.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
 from tandem.kernels import dispatch as kernels
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fused import rope_cos_sin
@@ -64,14 +68,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.has_o_proj_bias)
@@ -96,7 +101,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         out = kernels.paged_attention(q, kv_layer, meta, self.scale).reshape(-1, self.q_size)
-        return _project(self.o_proj, out, lora, self.layer_index, "o_proj")
+        return self.tp.all_reduce(_project(self.o_proj, out, lora, self.layer_index, "o_proj"))
 
 
 def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
@@ -107,24 +112,27 @@ def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: s
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
-        return _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
+        down = _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
+        return self.tp.all_reduce(down)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index)
+        self.mlp = MLP(config, layer_index, tp)
 
     def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP's output and the residual stream before it; the next layer's norm adds them
@@ -141,17 +149,21 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Parameter names follow the HF checkpoint, except the fused qkv_proj / gate_up_proj."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
+        self.tp = tp
+        # Rows of the vocabulary this rank holds (all of it at size 1), zero-padded to an equal share.
+        self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.size)[0]
+        vocab_rows = -(-config.vocab_size // tp.size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, index, tp) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
 
     @torch.inference_mode()
     def forward(
@@ -160,7 +172,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]; writes the KV of all T tokens.
         lora: the step's LoRABatch, or None when no token uses an adapter."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        if self.tp.is_parallel:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_start, self.tp)
+        else:
+            hidden = self.embed_tokens(input_ids)
+        residual = None
         cos_sin = self.rotary.cos_sin
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora)
@@ -169,4 +185,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.tp.is_parallel:
+            return F.linear(hidden, weight).float()
+        # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
+        return self.tp.gather_last_dim(F.linear(hidden, weight))[:, :self.config.vocab_size].float()

@@ -20,14 +20,19 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.guided import allowed_bitmask, new_matcher
-from tandem.engine.loader import allocate_kv_cache, load_model
+from tandem.engine.kv_share import allocate_shared
+from tandem.engine.loader import allocate_kv_cache, kv_cache_shape, load_model
 from tandem.engine.logits_masks import banned_ids
 from tandem.engine.lora_adapter import lora_modules
 from tandem.engine.lora_pool import LoRABatch, LoRAPool
+from tandem.common.exceptions import PreconditionError
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.parallel import TensorParallel, check_divisible
 from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.engine.step_inputs import InputBuffers
+from tandem.engine.step_inputs import InputBuffers, PackedStep
+from tandem.engine.tp_ranks import FollowerRanks
 from tandem.kernels.dispatch import backend_for
 
 log = logging.getLogger("tandem.model_runner")
@@ -54,12 +59,35 @@ def _resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, kv_share_path: str | None = None):
+        """tp: this process's rank when it is a follower (tp_follower.py); rank 0 passes None and
+        starts the followers itself when config.tensor_parallel_size > 1. kv_share_path: a CPU
+        follower's KV pool file, which rank 0 maps (kv_share.py)."""
         self.config = config
+        self.kv_share_path = kv_share_path
+        self.followers: FollowerRanks | None = None
+        # Rank 0's views of the followers' KV pools: its one NIXL agent registers them with its own.
+        self.follower_pools: list[torch.Tensor] = []
+        if tp is None and config.tensor_parallel_size > 1:
+            # Refused here, before any rank starts, when the model does not split that way.
+            check_divisible(ModelConfig.from_pretrained(config.model_dir), config.tensor_parallel_size)
+            self.followers = FollowerRanks(config)
+            tp = self.followers.tp
+        self.tp = tp or TensorParallel()
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+        if self.followers is not None:
+            self.followers.wait_loaded()
+            self.follower_pools = self.followers.map_pools(tuple(self.kv_cache.shape), self.dtype, self.device)
+
+    def _build(self, config: EngineConfig) -> None:
         self.device = _resolve_device(config.device)
         self.bind_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device)
+        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device, tp=self.tp)
         self.dtype = next(self.model.parameters()).dtype
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
@@ -67,7 +95,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = self._allocate_kv_cache()
         max_num_seqs = config.max_num_seqs
         self.lora_pool = None
         if config.max_loras:
@@ -82,6 +110,8 @@ class ModelRunner:
         # The last step's draws on the device and each drawing sequence's row in them: the next
         # step reads a token still in flight from there, not from the host.
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
+        # A follower rank's copy of those draws (rank 0 broadcasts them).
+        self._follower_tokens: torch.Tensor | None = None
         if config.enforce_eager:
             pass
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
@@ -91,6 +121,34 @@ class ModelRunner:
             if self.lora_pool is not None:
                 self.lora_graphs = DecodeGraphs(lambda size: self._decode_logits(size, with_lora=True),
                                                 self.inputs.fill_dummy, max_num_seqs, self.device)
+
+    def _allocate_kv_cache(self):
+        if self.kv_share_path is not None:
+            shape = kv_cache_shape(self.model_config, self.num_blocks, self.block_size, self.tp.size)
+            return allocate_shared(shape, self.dtype, self.kv_share_path)
+        return allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                 self.tp.size)
+
+    @property
+    def kv_pools(self) -> list[torch.Tensor]:
+        """Every rank's KV pool, rank 0's first (just the one at tensor_parallel_size 1)."""
+        return [self.kv_cache] + self.follower_pools
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads this rank holds (all of them at tensor_parallel_size 1)."""
+        return self.model_config.num_kv_heads // self.tp.size
+
+    def require_single_rank(self, what: str) -> None:
+        """Refuses what the follower ranks cannot follow yet (new weights, released memory)."""
+        if self.tp.is_parallel:
+            raise PreconditionError(f"{what} is not supported with tensor_parallel_size={self.tp.size} "
+                                    f"(the follower ranks would keep the old weights and memory)")
+
+    def close(self) -> None:
+        """Stops the follower ranks (rank 0 of a tensor-parallel engine); nothing to do otherwise."""
+        if self.followers is not None:
+            self.followers.close()
 
     def bind_device(self) -> None:
         """Makes the engine's GPU the calling thread's current device. Triton launches on the
@@ -136,10 +194,11 @@ class ModelRunner:
 
     def restore_kv_cache(self) -> None:
         if self.kv_cache is None:
-            self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+            self.kv_cache = self._allocate_kv_cache()
 
     def load_weights(self, checkpoint_dir: str):
         """Loads a checkpoint of this model's architecture (off the engine thread); swap_weights() installs it."""
+        self.require_single_rank("update_weights")
         model, config = load_model(checkpoint_dir, dtype=self.dtype, device=self.device)
         mismatch = [f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"
                     for name in _SHAPE_FIELDS if getattr(config, name) != getattr(self.model_config, name)]
@@ -173,7 +232,7 @@ class ModelRunner:
 
     def _num_blocks_for_memory(self, gigabytes: float) -> int:
         mc = self.model_config
-        per_block = mc.num_layers * 2 * self.block_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_block = mc.num_layers * 2 * self.block_size * self.num_local_kv_heads * mc.head_dim * self.dtype.itemsize
         num_blocks = int(gigabytes * (1 << 30)) // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
@@ -204,7 +263,7 @@ class ModelRunner:
         splits = None
         if self.device.type == "cuda":
             from tandem.kernels.paged_attention_triton import graph_num_splits
-            splits = graph_num_splits(batch_size, self.model_config.num_kv_heads, self.device)
+            splits = graph_num_splits(batch_size, self.num_local_kv_heads, self.device)
         views, meta = self.inputs.graph_metadata(batch_size, splits, self.max_model_len)
         lora = LoRABatch(self.lora_pool, self.inputs.graph_lora_metadata(batch_size)) if with_lora else None
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache, lora)
@@ -245,22 +304,12 @@ class ModelRunner:
         self.bind_device()
         graph_size = self._graph_size(batch)
         graphs = self.lora_graphs if any(seq.lora_slot is not None for seq in batch.seqs) else self.graphs
-        if graph_size is not None:
-            graphs.capture()  # first decode step (with adapters) after start or after new weights / a new pool
         last_rows, last_tokens = self._last_draws or ({}, None)
-        inputs = self.inputs.prepare(batch, graph_size, last_rows)
-        if inputs.pending_rows.numel():
-            tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
-            inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
-        seqs = [batch.seqs[i] for i in inputs.sample_indices]
-        hidden = logits = None
-        if graph_size is not None:
-            logits = graphs.run(graph_size)[:len(seqs)]
-        else:
-            lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
-            if seqs:
-                logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        step = self.inputs.pack(batch, graph_size, last_rows)
+        if self.followers is not None:
+            self.followers.send_step(step)
+        hidden, logits = self._forward(step, graphs, last_tokens)
+        seqs = [batch.seqs[i] for i in step.sample_indices]
         prompt_logprobs = self._prompt_rows(batch, hidden, logits, seqs)
         if not seqs:
             self._last_draws = None
@@ -280,5 +329,35 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [banned_ids(s.options, s.all_token_ids if s.options.needs_token_ids else [], n)
              for s, n in zip(seqs, drawn)], bitmask)
+        self.tp.broadcast(draws.token_ids)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws, prompt_logprobs
+
+    @torch.inference_mode()
+    def follow(self, step: PackedStep) -> None:
+        """A follower rank runs rank 0's step: the same forward, then the ids rank 0 drew."""
+        self.bind_device()
+        _, logits = self._forward(step, self.graphs, self._follower_tokens)
+        if logits is None:
+            self._follower_tokens = None
+            return
+        tokens = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device)
+        self._follower_tokens = self.tp.broadcast(tokens)
+
+    def _forward(self, step: PackedStep, graphs: DecodeGraphs | None, last_tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's hidden states (None from a decode graph) and the logits of its sampled rows
+        (None when no row samples: a prefill chunk)."""
+        if step.graph_size is not None:
+            graphs.capture()  # first decode step (with adapters) after start or after new weights / a new pool
+        inputs = self.inputs.upload(step)
+        if inputs.pending_rows.numel():
+            tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
+            inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
+        if step.graph_size is not None:
+            return None, graphs.run(step.graph_size)[:len(step.sample_indices)]
+        lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
+        if not step.sample_indices:
+            return hidden, None
+        return hidden, self.model.compute_logits(hidden[inputs.sample_rows])

@@ -65,6 +65,21 @@ class StepInputs:
     lora_meta: LoRAMetadata | None = None
 
 
+@dataclass
+class PackedStep:
+    """A step's inputs on the host, as one int32 region plus the counts that lay it out
+    (packed_layout's arguments): what rank 0 sends its tensor-parallel followers each step."""
+    host: torch.Tensor  # int32 [used]
+    counts: tuple[int, int, int, int, int]  # num_tokens, num_rows, num_samples, num_pending, num_table_entries
+    max_query_len: int
+    max_seq_len: int
+    starts: list[int]  # query_start_loc, padding rows included
+    seq_lens: list[int]
+    sample_indices: list[int]
+    graph_size: int | None
+    has_lora: bool
+
+
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, num_lora_slots: int = 0):
@@ -81,6 +96,12 @@ class InputBuffers:
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
+
+    def host_buffer(self) -> torch.Tensor:
+        """The next of the two host buffers (a tensor-parallel follower fills it with rank 0's step)."""
+        host = self._host[self._turn]
+        self._turn ^= 1
+        return host
 
     def views(self, num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
               num_table_entries: int = 0) -> dict[str, torch.Tensor]:
@@ -117,12 +138,16 @@ class InputBuffers:
 
     def prepare(self, batch: ScheduledBatch, graph_size: int | None = None,
                 pending_sources: dict | None = None) -> StepInputs:
-        """Copies the batch's inputs to the device. With graph_size (a decode batch: one new token
+        """Copies the batch's inputs to the device (pack() then upload())."""
+        return self.upload(self.pack(batch, graph_size, pending_sources))
+
+    def pack(self, batch: ScheduledBatch, graph_size: int | None = None,
+             pending_sources: dict | None = None) -> PackedStep:
+        """Fills a host buffer with the batch's inputs. With graph_size (a decode batch: one new token
         per sequence, all sampling), rows past the batch are padding: they store no KV and attend
         to one key of block 0, and their logits are ignored. A sequence whose next token is still
         in flight (num_pending_tokens) gets a placeholder id and its row in pending_sources."""
-        host = self._host[self._turn]
-        self._turn ^= 1
+        host = self.host_buffer()
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -202,14 +227,20 @@ class InputBuffers:
             offset, length = layout[name]
             buf[offset:offset + length] = values
         used = sum(length for _, length in layout.values())
-        self.packed[:used].copy_(host[:used], non_blocking=True)
-        views = self.views(num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        counts = (num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        return PackedStep(host[:used], counts, max(batch.num_new_tokens), max(seq_lens), starts, seq_lens,
+                          sample_indices, graph_size, has_lora)
+
+    def upload(self, step: PackedStep) -> StepInputs:
+        """Moves a packed step to the device: one asynchronous copy and one block-table scatter."""
+        self.packed[:step.host.numel()].copy_(step.host, non_blocking=True)
+        views = self.views(*step.counts)
         # Entries past a table's length (and padding rows) keep older block ids: never read, always valid.
         self.block_tables.view(-1).index_copy_(0, views["table_places"].long(), views["table_entries"])
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
-            block_tables=self.block_tables[:num_rows], max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens), _host_query_start_loc=starts, _host_seq_lens=seq_lens)
-        lora_meta = LoRAMetadata(views["lora_order"], views["lora_starts"]) if has_lora else None
-        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], sample_indices, graph_size,
-                          views["pending_rows"], views["pending_sources"], lora_meta)
+            block_tables=self.block_tables[:step.counts[1]], max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len, _host_query_start_loc=step.starts, _host_seq_lens=step.seq_lens)
+        lora_meta = LoRAMetadata(views["lora_order"], views["lora_starts"]) if step.has_lora else None
+        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], step.sample_indices,
+                          step.graph_size, views["pending_rows"], views["pending_sources"], lora_meta)

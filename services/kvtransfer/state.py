@@ -16,7 +16,8 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"TKVS"
-FORMAT_VERSION = 1
+# 2: rank_pools, every tensor-parallel rank's pool (one agent registers them all).
+FORMAT_VERSION = 2
 MEMORY_TYPES = ("DRAM", "VRAM")
 
 _PREFIX = struct.Struct("!4sHI")
@@ -30,6 +31,7 @@ _HEADER_FIELDS = {
     "memory_type": str,
     "device_id": int,
     "layout_hash": str,
+    "rank_pools": list,
 }
 
 
@@ -45,8 +47,17 @@ class TransceiverState:
     memory_type: str
     device_id: int
     layout_hash: str
+    # (base address, device id) of each tensor-parallel rank's pool, rank 0's first.
+    rank_pools: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.rank_pools:
+            object.__setattr__(self, "rank_pools", ((self.base_address, self.device_id),))
+        pools = tuple(tuple(pool) for pool in self.rank_pools)
+        if any(len(pool) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool)
+               or pool[0] == 0 for pool in pools):
+            raise ValueError(f"rank_pools must be (base_address > 0, device_id >= 0) pairs, got {self.rank_pools!r}")
+        object.__setattr__(self, "rank_pools", pools)
         if not self.agent_name:
             raise ValueError("agent_name must be non-empty")
         if not self.agent_metadata:
@@ -60,6 +71,10 @@ class TransceiverState:
             )
         if self.device_id < 0:
             raise ValueError(f"device_id must be >= 0, got {self.device_id}")
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.rank_pools)
 
     def block_address(self, block_id: int) -> int:
         return self.base_address + block_id * self.block_nbytes

@@ -10,6 +10,10 @@ num_kv_heads, head_dim], so block b of every layer is one contiguous byte range
 and a run of consecutive blocks is one contiguous range too: a request needs
 one descriptor per run, not one per block and layer.
 
+A tensor-parallel worker registers every rank's pool with its one agent (rank 0 maps the
+followers' pools, engine/kv_share.py) and its state lists them; a READ between workers of
+different TP sizes moves head slices (head_slices.py).
+
 Not thread-safe: one owner thread (the worker's engine thread) drives it.
 """
 
@@ -29,6 +33,7 @@ from tandem.kvtransfer.errors import (
     TransferError,
     UnknownPeerError,
 )
+from tandem.kvtransfer.head_slices import PoolGeometry, coalesce_runs, read_plan, split_runs  # noqa: F401 (re-exported)
 from tandem.kvtransfer.state import TransceiverState
 from tandem.kvtransfer.transfer import NIXL_ERRORS, Transfer, settled
 
@@ -37,39 +42,11 @@ logger = logging.getLogger(__name__)
 KV_CACHE_NDIM = 6
 
 
-def coalesce_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group paired ids into (remote_start, local_start, num_blocks) runs.
-
-    A run continues only while both sides advance by exactly one block, since a
-    descriptor is one contiguous range on each side.
-    """
-    runs: list[tuple[int, int, int]] = []
-    for remote_id, local_id in zip(remote_block_ids, local_block_ids):
-        if runs:
-            remote_start, local_start, count = runs[-1]
-            if remote_id == remote_start + count and local_id == local_start + count:
-                runs[-1] = (remote_start, local_start, count + 1)
-                continue
-        runs.append((remote_id, local_id, 1))
-    return runs
-
-
-def split_runs(runs: list[tuple[int, int, int]], max_blocks: int | None) -> list[tuple[int, int, int]]:
-    """Cuts runs longer than max_blocks: several descriptors let the backend move them in parallel."""
-    if not max_blocks:
-        return runs
-    out = []
-    for remote_start, local_start, count in runs:
-        for offset in range(0, count, max_blocks):
-            out.append((remote_start + offset, local_start + offset, min(max_blocks, count - offset)))
-    return out
-
-
 class KvTransceiver:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, agent_name: str, kv_cache: torch.Tensor, layout_hash: str, *, progress_thread: bool = True,
-                 max_descriptor_bytes: int | None = None):
+    def __init__(self, agent_name: str, kv_cache: torch.Tensor | list[torch.Tensor], layout_hash: str, *,
+                 progress_thread: bool = True, max_descriptor_bytes: int | None = None):
         """`progress_thread`: NIXL's own UCX progress thread. With it, a READ completes
         whatever the peer is doing; without it, UCX progresses only inside
         Transfer.done() and poll_notifications(), and a READ completes only once the
@@ -82,12 +59,14 @@ class KvTransceiver:
             raise ValueError("agent_name must be a non-empty string")
         if not isinstance(layout_hash, str) or not layout_hash:
             raise ValueError("layout_hash must be a non-empty string")
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != KV_CACHE_NDIM:
-            raise ValueError(
-                "kv_cache must be a tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]"
-            )
-        if not kv_cache.is_contiguous() or kv_cache.numel() == 0:
-            raise ValueError("kv_cache must be contiguous and non-empty: blocks are addressed by byte offset")
+        pools = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+        for pool in pools:
+            if not isinstance(pool, torch.Tensor) or pool.dim() != KV_CACHE_NDIM or pool.shape != pools[0].shape:
+                raise ValueError("kv_cache must be a tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                                 "head_dim], or one such tensor of one shape per tensor-parallel rank")
+            if not pool.is_contiguous() or pool.numel() == 0:
+                raise ValueError("kv_cache must be contiguous and non-empty: blocks are addressed by byte offset")
+        kv_cache = pools[0]
         if kv_cache.device.type == "cpu":
             memory_type, device_id = "DRAM", 0
         elif kv_cache.device.type == "cuda":
@@ -95,7 +74,10 @@ class KvTransceiver:
         else:
             raise ValueError(f"kv_cache on {kv_cache.device} is not supported (cpu or cuda)")
 
-        self._kv_cache = kv_cache  # keeps the registered storage alive
+        self._pools = pools  # keeps the registered storage alive
+        num_blocks, num_layers, _, block_size, heads_per_rank, head_dim = kv_cache.shape
+        self._geometry = PoolGeometry(num_layers, block_size, heads_per_rank * len(pools), head_dim,
+                                      kv_cache.element_size())
         self._layout_hash = layout_hash
         self._peers: dict[str, TransceiverState] = {}
         self._in_flight: set[Transfer] = set()
@@ -105,7 +87,7 @@ class KvTransceiver:
         if "UCX" not in self._agent.backends:
             raise KvTransferError("NIXL UCX backend is not available in this environment")
         try:
-            self._registration = self._agent.register_memory(kv_cache)
+            self._registration = self._agent.register_memory(pools)
         except NIXL_ERRORS as exc:
             raise KvTransferError(f"registering the KV pool ({memory_type}) with NIXL failed: {exc}") from exc
         # Metadata is taken after registration so that it carries the pool's keys.
@@ -118,6 +100,7 @@ class KvTransceiver:
             memory_type=memory_type,
             device_id=device_id,
             layout_hash=layout_hash,
+            rank_pools=tuple((pool.data_ptr(), _device_id(pool)) for pool in pools),
         )
         self._state_bytes = self._local.to_bytes()
         if max_descriptor_bytes is not None and max_descriptor_bytes <= 0:
@@ -137,6 +120,10 @@ class KvTransceiver:
         return self._local.block_nbytes
 
     @property
+    def tp_size(self) -> int:
+        return self._local.tp_size
+
+    @property
     def peer_names(self) -> tuple[str, ...]:
         return tuple(self._peers)
 
@@ -153,11 +140,15 @@ class KvTransceiver:
         remote = TransceiverState.from_bytes(state)
         if remote.layout_hash != self._layout_hash:
             raise LayoutMismatchError(self._layout_hash, remote.layout_hash, remote.agent_name)
-        if remote.block_nbytes != self.block_nbytes:
+        if remote.block_nbytes * remote.tp_size != self.block_nbytes * self.tp_size:
             raise ValueError(
-                f"peer {remote.agent_name!r} has {remote.block_nbytes}-byte blocks, ours are "
-                f"{self.block_nbytes} bytes, yet the layout hashes match: the hash misses a KV dimension"
+                f"peer {remote.agent_name!r} has {remote.block_nbytes}-byte blocks on each of {remote.tp_size} "
+                f"ranks, ours are {self.block_nbytes} bytes on {self.tp_size}, yet the layout hashes match: the "
+                f"hash misses a KV dimension"
             )
+        if self._geometry.num_kv_heads % remote.tp_size:
+            raise ValueError(f"peer {remote.agent_name!r} splits {self._geometry.num_kv_heads} KV heads over "
+                             f"{remote.tp_size} ranks")
         if remote.agent_name == self.agent_name:
             raise ValueError(f"peer name {remote.agent_name!r} is our own agent name")
         cached = self._peers.get(remote.agent_name)
@@ -218,15 +209,15 @@ class KvTransceiver:
                 agent.send_notif(peer_name, notify)
             return Transfer.completed(peer_name)
 
-        runs = split_runs(coalesce_runs(remote_block_ids, local_block_ids), self._max_run_blocks)
-        block_nbytes = self.block_nbytes
-        remote_descs = np.array(
-            [(peer.block_address(r), n * block_nbytes, peer.device_id) for r, _, n in runs], dtype=np.uint64
-        )
-        local_descs = np.array(
-            [(self._local.block_address(l), n * block_nbytes, self._local.device_id) for _, l, n in runs],
-            dtype=np.uint64,
-        )
+        plan = read_plan(remote_block_ids, local_block_ids, self._geometry, peer.tp_size, self.tp_size,
+                         self._max_run_blocks)
+        remote_pools, local_pools = np.array(peer.rank_pools, dtype=np.uint64), np.array(self._local.rank_pools,
+                                                                                         dtype=np.uint64)
+        remote_descs = np.stack([remote_pools[plan[:, 0], 0] + plan[:, 1].astype(np.uint64),
+                                 plan[:, 4].astype(np.uint64), remote_pools[plan[:, 0], 1]], axis=1)
+        local_descs = np.stack([local_pools[plan[:, 2], 0] + plan[:, 3].astype(np.uint64),
+                                plan[:, 4].astype(np.uint64), local_pools[plan[:, 2], 1]], axis=1)
+        num_bytes = int(plan[:, 4].sum())
         try:
             handle = agent.initialize_xfer(
                 "READ",
@@ -238,7 +229,7 @@ class KvTransceiver:
         except NIXL_ERRORS as exc:
             raise TransferError(f"preparing READ from peer {peer_name!r} failed: {exc}") from exc
         transfer = Transfer(
-            agent, handle, peer_name, len(runs), len(remote_block_ids) * block_nbytes, self._in_flight.discard
+            agent, handle, peer_name, len(plan), num_bytes, self._in_flight.discard
         )
         self._in_flight.add(transfer)
         try:
@@ -290,3 +281,7 @@ def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> No
             raise ValueError(f"{side} block id {block_id!r} is not an integer")
         if not 0 <= block_id < num_blocks:
             raise ValueError(f"{side} block id {block_id} is out of range [0, {num_blocks})")
+
+
+def _device_id(pool: torch.Tensor) -> int:
+    return pool.device.index if pool.device.type == "cuda" else 0

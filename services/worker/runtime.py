@@ -138,7 +138,7 @@ class WorkerRuntime:
         pool) fetch the new state."""
         self._transceiver_generation += 1
         agent_name = f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
-        self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_cache, self.kv_layout_hash,
+        self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_pools, self.kv_layout_hash,
                                          progress_thread=self.config.nixl_progress_thread)
         keeper = self.leases
         self.poller = TransferPoller(self.transceiver, self.core.loop,
@@ -182,6 +182,8 @@ class WorkerRuntime:
     async def close(self) -> None:
         if self.core is not None:
             self.core.stop()
+        if self.engine is not None:
+            self.engine.close()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()

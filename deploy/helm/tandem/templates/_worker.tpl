@@ -6,7 +6,7 @@
 {{- $model := $root.Values.model }}
 {{- $resources := deepCopy $spec.resources }}
 {{- if eq $spec.device "cuda" }}
-{{- $gpus := int $spec.gpus }}
+{{- $gpus := max (int $spec.gpus) (int $spec.tensorParallelSize) }}
 {{- /* merge writes into its first argument: a fresh dict each time */}}
 {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) }}
 {{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) }}
@@ -73,6 +73,10 @@ spec:
             - --max-num-seqs={{ int $spec.maxNumSeqs }}
             - --max-num-batched-tokens={{ int $spec.maxNumBatchedTokens }}
             - --device={{ $spec.device }}
+            {{- if gt (int $spec.tensorParallelSize) 1 }}
+            - --tensor-parallel-size={{ int $spec.tensorParallelSize }}
+            - --max-loras=0
+            {{- end }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
             - --drain-seconds={{ int $root.Values.drain.seconds }}
             {{- include "tandem.metricsFlag" (dict "root" $root "port" $spec.metricsPort) | nindent 12 }}
