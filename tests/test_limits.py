@@ -141,7 +141,7 @@ def test_a_long_prompt_under_the_limit_does_not_stall_other_streams(cluster):
     channel.close()
     assert out[-1].finished and len(out[0].prompt_token_ids) == 16
     # Had the tokenizer held the GIL, the stream would have stood still for all of tokenize_s.
-    assert tokenize_s > 1.0 and len(gaps) > num_before + 10, (tokenize_s, len(gaps))
+    assert tokenize_s > 0.5 and len(gaps) > num_before + 10, (tokenize_s, len(gaps))
     assert max(gaps[num_before:]) < tokenize_s / 2, (max(gaps), tokenize_s)
 
 
