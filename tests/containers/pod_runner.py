@@ -10,6 +10,7 @@ sends SIGTERM and waits terminationGracePeriodSeconds before a SIGKILL.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import threading
@@ -98,6 +99,16 @@ def _tmpfs_options(volume: dict, read_only: bool) -> str:
             raise ValueError(f"volume {volume['name']}: cannot read sizeLimit {empty_dir['sizeLimit']!r}")
         options.append(f"size={match.group(1)}{match.group(2)}")
     return ",".join(options)
+
+
+def rendered_secrets(docs: list[dict]) -> dict[str, dict[str, str]]:
+    """The Secrets the chart renders itself (its generated cluster token), as the API server stores them."""
+    found = {}
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            data = {k: base64.b64decode(v).decode() for k, v in (doc.get("data") or {}).items()}
+            found[doc["metadata"]["name"]] = data | dict(doc.get("stringData") or {})
+    return found
 
 
 def _environment(container: dict, secrets: dict[str, dict[str, str]]) -> dict[str, str]:

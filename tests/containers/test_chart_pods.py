@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from container_harness import ROOT, cpu_image, docker_client, logs
-from pod_runner import PodRunner, Release
+from pod_runner import PodRunner, Release, rendered_secrets
 
 pytestmark = pytest.mark.timeout(1800)  # the first test may build the image from nothing
 
@@ -72,7 +72,7 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
     pods = _by_component(release)
     assert sorted(pods) == ["decode", "prefill", "router"]
     target = _router_target(docs)
-    with PodRunner(client, image, release, SECRETS) as runner:
+    with PodRunner(client, image, release, SECRETS | rendered_secrets(docs)) as runner:
         runner.wait_ready(READY_TIMEOUT_S)
         print("[chart-pods] ready after", {p.name: round(p.ready_after_s, 1) for p in release.pods})
 
