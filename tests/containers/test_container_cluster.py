@@ -5,6 +5,7 @@ lists, health-checks and streams from the router."""
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 
@@ -13,6 +14,7 @@ import pytest
 
 from container_harness import CONTAINER_PREFIX, cpu_image, docker_client, health_status, logs
 from tandem.client import LLM, SamplingParams
+from tandem.common.auth import CLUSTER_TOKEN_KEY
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from test_grpcurl import grpcurl
 from testcontainers.core.container import DockerContainer
@@ -20,6 +22,8 @@ from testcontainers.core.container import DockerContainer
 pytestmark = pytest.mark.timeout(1800)  # the first test may build the image from nothing
 
 MODEL = "/opt/tandem/models/tiny-llama-v2"
+# The cluster's shared secret, in every container's environment (as the chart's Secret gives it).
+CLUSTER_TOKEN = secrets.token_urlsafe(32)
 START_TIMEOUT_S = 180
 
 
@@ -35,6 +39,7 @@ def _service(image: str, name: str, args: list[str]) -> DockerContainer:
             .with_name(f"{CONTAINER_PREFIX}-{name}")
             .with_command(args)
             .with_env("HOME", "/tmp")
+            .with_env("TANDEM_CLUSTER_TOKEN", CLUSTER_TOKEN)
             .with_tmpfs_mount("/tmp")
             .with_kwargs(network_mode="host", read_only=True, user="10001:10001", cap_drop=["ALL"],
                          security_opt=["no-new-privileges"], shm_size="1g"))
@@ -84,7 +89,8 @@ def cluster():
 
 def _worker_state(address: str) -> worker_pb2.WorkerState:
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(
+            worker_pb2.WorkerStateRequest(), timeout=10, metadata=((CLUSTER_TOKEN_KEY, CLUSTER_TOKEN),))
 
 
 def test_disaggregated_generate_matches_transformers(cluster, oracle, model_dirs):
