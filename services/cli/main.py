@@ -167,7 +167,8 @@ def _serve(args) -> int:
                               disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
                               disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
                               max_in_flight=args.max_in_flight)
-        asyncio.run(serve_router(config))
+        from tandem.common import loop
+        loop.run(serve_router(config))
         return 0
     from tandem.common.roles import Role
     from tandem.worker.app import serve_worker

@@ -117,10 +117,11 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
         try:
             async for msg in route.relay(worker, current):
                 for out in msg.outputs:
-                    skipped = min(num_echoed, len(out.token_ids))
-                    del out.token_ids[:skipped]
-                    del out.logprobs[:skipped]
-                    num_echoed -= skipped
+                    if num_echoed:
+                        skipped = min(num_echoed, len(out.token_ids))
+                        del out.token_ids[:skipped]
+                        del out.logprobs[:skipped]
+                        num_echoed -= skipped
                     progress.tokens.extend(out.token_ids)
                     out.cumulative_logprob += progress.logprob_base
                     last_cumulative = out.cumulative_logprob

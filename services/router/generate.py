@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import AsyncIterator
 
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
@@ -23,24 +24,23 @@ from tandem.v1 import llm_pb2, types_pb2
 GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 
 
-async def stream(route: Route, request: llm_pb2.GenerateRequest):
-    """The messages of request, which asks the workers for streamed token ids."""
+def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[types_pb2.RequestOutput]:
+    """The messages of request, which asks the workers for streamed token ids. The worker of a
+    relayed call is picked here, at once; the stream is the relay itself (no layer of its own:
+    every layer costs each relayed message a generator hop)."""
     pool, placement = route.pool, route.placement
     request_type = request.disaggregated_params.request_type
     if request_type == types_pb2.REQUEST_TYPE_CONTEXT_ONLY:
-        messages = route.relay(pool.pick(Role.PREFILL, placement=placement), request)
-    elif request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
+        return route.relay(pool.pick(Role.PREFILL, placement=placement), request)
+    if request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
-        messages = route.relay(pool.pick_any_of(roles, placement=placement), request)
-    elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
-        messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
-    elif request.sampling_params.n > 1:
-        messages = route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
-    else:
-        messages = local(route, request)
-    async for msg in messages:
-        yield msg
+        return route.relay(pool.pick_any_of(roles, placement=placement), request)
+    if pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
+        return split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
+    if request.sampling_params.n > 1:
+        return route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
+    return local(route, request)
 
 
 async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES):

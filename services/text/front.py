@@ -36,6 +36,10 @@ class TextRequest:
         return list(self.engine_request.prompt.token_ids.ids)
 
 
+async def _merged(messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
+    yield merge_outputs([msg async for msg in messages])
+
+
 class TextFront:
     def __init__(self, tokenizer: Tokenizer, limits: RequestLimits | None = None, max_model_len: int = 0):
         """max_model_len: the served model's context, when known here (0: the worker checks it)."""
@@ -95,15 +99,11 @@ class TextFront:
         return TextRequest(engine_request, processor, request.streaming)
 
     @staticmethod
-    async def respond(text_request: TextRequest, messages: AsyncIterator[types_pb2.RequestOutput],
-                      on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+    def respond(text_request: TextRequest, messages: AsyncIterator[types_pb2.RequestOutput],
+                on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         """The client's messages: the producer's, with text; merged into one unless streaming."""
         processed = text_request.processor.run(messages, on_stop)
-        if text_request.streaming:
-            async for msg in processed:
-                yield msg
-        else:
-            yield merge_outputs([msg async for msg in processed])
+        return processed if text_request.streaming else _merged(processed)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         vocab = self.tokenizer.vocab_size

@@ -65,10 +65,14 @@ class TextProcessor:
             self._sequences[index] = _Sequence(detok)
         return self._sequences[index]
 
-    async def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
-                  on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+    def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
+            on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         """Adds text to each message. When stop strings end every sequence, the message that says
         so waits for the producer's own last message (its metrics), into which it is merged."""
+        return self._passthrough(messages) if self._is_passthrough else self._with_text(messages, on_stop)
+
+    async def _with_text(self, messages: AsyncIterator[types_pb2.RequestOutput],
+                         on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         held: types_pb2.RequestOutput | None = None
         async for msg in messages:
             stops = self._apply(msg)
@@ -90,6 +94,22 @@ class TextProcessor:
         if held is not None:
             held.finished = True
             yield held
+
+    @property
+    def _is_passthrough(self) -> bool:
+        """Token ids only (detokenize off, so no stop string), nothing to put ahead of them or take
+        out: the producer's messages go on as they are, but for the prompt's text on the first."""
+        o = self.options
+        return not o.detokenize and not o.prefix_token_ids and not o.strip_logprobs
+
+    async def _passthrough(self, messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
+        async for msg in messages:
+            if self._first and self.prompt_text is not None:
+                msg.prompt = self.prompt_text
+            self._first = False
+            yield msg
+            if msg.finished:
+                return
 
     @property
     def _all_finished(self) -> bool:

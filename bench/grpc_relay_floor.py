@@ -1,0 +1,114 @@
+"""The floor under bench/router.py: what a bare grpc.aio relay costs on this machine. An upstream
+server streams one-token RequestOutputs, a relay process forwards them (`async for msg in
+stub.Generate(request): yield msg`, nothing else), a client reads them; the relay's CPU per
+message (psutil) and the p50 latency it adds to a one-message stream. No tandem code runs in
+the relay: a router at one token per message cannot cost less than this.
+
+    python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import time
+
+import grpc
+import psutil
+
+from tandem.testing.cluster import free_port
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
+
+
+class Upstream(llm_pb2_grpc.AsyncLLMServicer):
+    def __init__(self, num_messages: int, pace_s: float):
+        self.num_messages, self.pace_s = num_messages, pace_s
+
+    async def Generate(self, request, context):
+        n = request.sampling_params.max_tokens or self.num_messages
+        for i in range(n):
+            out = types_pb2.RequestOutput(request_id=request.request_id, finished=i == n - 1)
+            out.outputs.add(index=0, token_ids=[i])
+            yield out
+            if self.pace_s and i < n - 1:
+                await asyncio.sleep(self.pace_s)
+
+
+class Relay(llm_pb2_grpc.AsyncLLMServicer):
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.stub = None
+
+    async def Generate(self, request, context):
+        if self.stub is None:
+            self.stub = llm_pb2_grpc.AsyncLLMStub(grpc.aio.insecure_channel(self.upstream))
+        async for msg in self.stub.Generate(request):
+            yield msg
+
+
+def _serve(servicer, port: int, loop: str) -> None:
+    async def main():
+        server = grpc.aio.server()
+        llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+    if loop == "uvloop":
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
+
+
+async def _measure(args, relay_pid: int, upstream: int, relay: int) -> None:
+    stubs = {name: llm_pb2_grpc.AsyncLLMStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+             for name, port in (("direct", upstream), ("relay", relay))}
+
+    async def one(stub, i: int, max_tokens: int) -> int:
+        request = llm_pb2.GenerateRequest(request_id=str(i))
+        request.sampling_params.max_tokens = max_tokens
+        return sum([1 async for _ in stub.Generate(request)])
+
+    times: dict[str, list[float]] = {name: [] for name in stubs}
+    for i in range(args.samples + 20):
+        for name, stub in stubs.items():
+            started = time.perf_counter()
+            await one(stub, i, 1)
+            if i >= 20:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    p50 = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    process = psutil.Process(relay_pid)
+    cpu = sum(process.cpu_times()[:2])
+    counts = await asyncio.gather(*(one(stubs["relay"], i, args.tokens) for i in range(args.streams)))
+    cpu = sum(process.cpu_times()[:2]) - cpu
+    print(f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  grpcio {grpc.__version__}")
+    print(f"latency p50, 1-message stream: direct {p50['direct']:.2f} ms, relay {p50['relay']:.2f} ms, "
+          f"added {p50['relay'] - p50['direct']:.2f} ms")
+    print(f"{args.streams} streams x {args.tokens} messages (one token each, {args.pace_ms} ms apart): relay CPU "
+          f"{cpu / sum(counts) * 1e6:.0f} us per message = {sum(counts) / cpu:,.0f} messages per relay CPU-second")
+
+
+def main(args) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    upstream, relay = free_port("127.0.0.1"), free_port("127.0.0.1")
+    processes = [ctx.Process(target=_serve, args=(Upstream(args.tokens, args.pace_ms / 1e3), upstream, args.loop)),
+                 ctx.Process(target=_serve, args=(Relay(f"127.0.0.1:{upstream}"), relay, args.loop))]
+    for p in processes:
+        p.start()
+    try:
+        time.sleep(2)
+        asyncio.run(_measure(args, processes[1].pid, upstream, relay))
+    finally:
+        for p in processes:
+            p.terminate()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--pace-ms", type=float, default=4.0, help="upstream's gap between messages of a stream")
+    main(parser.parse_args())
