@@ -159,7 +159,10 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
         up.wait_for("leaving it down", 10)
         with AsyncLLMSync(up.address) as generate:
             out = generate("with the decode left down", SamplingParams(max_tokens=4))
-        assert out.metrics.served_by == [prefill_address] and len(out.outputs[0].token_ids) == 4
+        # Until a health check sees the kill, the router may still hand off to the dead decode,
+        # and the request then fails over to the prefill worker.
+        assert out.metrics.served_by in ([prefill_address], [prefill_address, decode_address, prefill_address])
+        assert len(out.outputs[0].token_ids) == 4
         assert not serving(decode_address)
         assert up.process.poll() is None
     finally:

@@ -1,6 +1,8 @@
-"""The event loop a tandem server runs on: uvloop when it is installed (a cheaper loop per gRPC
-completion: grpc.aio wakes the loop once per finished operation, two per relayed message),
-asyncio's own otherwise or when TANDEM_EVENT_LOOP=asyncio asks for it."""
+"""The event loop a tandem server runs on: asyncio's own, or uvloop when TANDEM_EVENT_LOOP=uvloop
+asks for it and it is installed. uvloop costs 10-20% less CPU per grpc.aio completion on the CPU
+bench, but on the H200 serving bench a burst of 32 or 64 new streams through a uvloop router
+stalled 1.4-1.7 s before its first tokens in 2 of 3 bursts (none of 2 on asyncio's loop;
+bench/RESULTS.md), so it is not the default."""
 from __future__ import annotations
 
 import asyncio
@@ -12,13 +14,13 @@ log = logging.getLogger("tandem.loop")
 
 T = TypeVar("T")
 
-# TANDEM_EVENT_LOOP: "uvloop" (the default, where importable) or "asyncio".
+# TANDEM_EVENT_LOOP: "asyncio" (the default) or "uvloop" (where importable; asyncio's otherwise).
 EVENT_LOOP_ENV = "TANDEM_EVENT_LOOP"
 
 
 def loop_name() -> str:
     """The loop run() will use."""
-    wanted = os.environ.get(EVENT_LOOP_ENV, "uvloop").strip().lower() or "uvloop"
+    wanted = os.environ.get(EVENT_LOOP_ENV, "asyncio").strip().lower() or "asyncio"
     if wanted not in ("uvloop", "asyncio"):
         raise ValueError(f"{EVENT_LOOP_ENV} must be 'uvloop' or 'asyncio', got {wanted!r}")
     if wanted == "uvloop":
