@@ -1,7 +1,7 @@
 """The event loop a tandem server runs on: asyncio's own, or uvloop when TANDEM_EVENT_LOOP=uvloop
 asks for it and it is installed. uvloop costs 10-20% less CPU per grpc.aio completion on the CPU
 bench, but on the H200 serving bench a burst of 32 or 64 new streams through a uvloop router
-stalled 1.4-1.7 s before its first tokens in 2 of 3 bursts (none of 2 on asyncio's loop;
+stalled 1.4-1.7 s before its first tokens in 2 of 6 bursts (none of 4 on asyncio's loop;
 bench/RESULTS.md), so it is not the default."""
 from __future__ import annotations
 
