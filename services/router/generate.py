@@ -12,7 +12,7 @@ from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
 from tandem.common.streams import merge
-from tandem.router import failover
+from tandem.router import failover, perf_metrics
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
 from tandem.router.workers import LOCAL_ROLES
@@ -40,6 +40,7 @@ async def stream(route: Route, request: llm_pb2.GenerateRequest):
     else:
         messages = local(route, request)
     async for msg in messages:
+        perf_metrics.stamp_arrival(msg, route.arrival_time)
         yield msg
 
 
@@ -47,7 +48,14 @@ async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Rol
     """One sequence on one worker of roles (preferably an aggregated one); it moves to any worker
     that can run it whole if its worker dies."""
     worker = route.pool.pick_any_of(roles, placement=route.placement)
-    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, Progress([])):
+    progress = Progress([])
+    # The start as the router saw it: the perf metrics of a stream a migration recomputed.
+    sent_time, first_token_time = time.time(), 0.0
+    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress):
+        if not first_token_time and any(out.token_ids for out in msg.outputs):
+            first_token_time = time.time()
+        if progress.is_recomputed:
+            perf_metrics.start_from_router(msg, sent_time, first_token_time)
         if msg.finished:
             msg.metrics.served_by[:] = route.served_by
         yield msg
@@ -91,6 +99,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill_metrics = types_pb2.RequestMetrics()
     prefill_metrics.CopyFrom(ctx_out.metrics)
     ctx_out.ClearField("metrics")  # metrics come once, on the last message
+    prefill_perf = types_pb2.PerfMetrics()
+    prefill_perf.CopyFrom(ctx_out.outputs[0].perf_metrics)
+    ctx_out.outputs[0].ClearField("perf_metrics")  # so do perf metrics: the decode's, combined with these
 
     def client_metrics(metrics: types_pb2.RequestMetrics) -> None:
         """The client's view: the whole request as the router saw it; the prompt was computed
@@ -125,6 +136,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
+            for out in msg.outputs:
+                if out.HasField("perf_metrics"):
+                    perf_metrics.combine_split(prefill_perf, out.perf_metrics)
             if msg.finished:
                 client_metrics(msg.metrics)
             yield msg
