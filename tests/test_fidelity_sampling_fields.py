@@ -41,12 +41,11 @@ class LookaheadDecodingConfig:
 IMPLEMENTED = {"bad": ["never"], "bad_token_ids": [5], "embedding_bias": [0.0] * 8, "no_repeat_ngram_size": 3,
                "exclude_input_from_output": False, "guided_decoding": GuidedDecodingParams(json={"type": "object"}),
                "use_beam_search": True, "length_penalty": 1.2, "early_stopping": 1, "return_context_logits": True,
-               "return_generation_logits": True}
+               "return_generation_logits": True, "return_perf_metrics": True}
 # One non-default value per field the server does not implement yet.
 UNIMPLEMENTED = {
     "top_p_min": 0.1, "top_p_reset_ids": 3, "top_p_decay": 0.9, "beam_search_diversity_rate": 0.5,
-    "beam_width_array": [2, 2], "return_encoder_output": True,
-    "return_perf_metrics": True, "additional_model_outputs": ["hidden_states"],
+    "beam_width_array": [2, 2], "return_encoder_output": True, "additional_model_outputs": ["hidden_states"],
     "lookahead_config": LookaheadDecodingConfig(),
 }
 

@@ -105,6 +105,7 @@ class GenerationPhase:
                 return
             core.register(rid, request.stream)
             started = time.perf_counter()
+            request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
             # No notification: the confirm below ends the lease.
             pending = self.poller.read(agent, list(handoff.block_ids)[plan.num_cached_blocks:], plan.block_ids, b"",
@@ -117,6 +118,7 @@ class GenerationPhase:
                 return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
+            request.metrics.kv_transfer_end = time.time()
             self.on_pulled(nbytes, request.metrics.kv_transfer_s)
             request.metrics.num_cached_prompt_tokens = len(request.prompt_token_ids)
             core.send(RemoteKvArrived(rid))

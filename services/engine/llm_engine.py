@@ -1,6 +1,7 @@
 """Requests in, per-step outputs out. Single-threaded: the worker's engine thread owns it."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 
@@ -15,6 +16,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.lora_adapter import LoRAAdapter
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
@@ -50,6 +52,8 @@ class InFlightStep:
     sampled: list[Sequence]
     draws: SampledBatch | None
     started: float
+    # Its number (EngineCounters.iteration): the iteration of the perf metrics of what it draws.
+    iteration: int = 0
 
     @property
     def needs_ids(self) -> bool:
@@ -61,6 +65,8 @@ class InFlightStep:
 @dataclass
 class EngineCounters:
     num_steps: int = 0
+    # Steps launched so far (ahead of num_steps by the one in flight when overlapped).
+    iteration: int = 0
     num_prompt_tokens_computed: int = 0
     num_generated_tokens: int = 0
     last_step_seconds: float = 0.0
@@ -153,7 +159,8 @@ class LLMEngine:
         if adapter is not None and self.runner.lora_pool is None:
             raise PreconditionError(f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}")
         return Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority,
-                        cache_salt=cache_salt, output_token_ids=output_token_ids, adapter=adapter)
+                        cache_salt=cache_salt, output_token_ids=output_token_ids, adapter=adapter,
+                        perf=SequencePerf() if options.return_perf_metrics else None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                     phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
@@ -197,6 +204,8 @@ class LLMEngine:
             return None
         bm.take_cached(seq, cached, hashes, seq.num_prompt_tokens)
         seq.block_table += bm.allocate(num_blocks - len(cached))
+        if seq.perf is not None:  # the blocks not found here are the ones pulled
+            seq.perf.admitted(len(cached), bm.num_blocks_for(seq.num_prompt_tokens))
         seq.status = Status.WAITING_FOR_REMOTE_KV
         self._seqs[request_id] = seq
         num_prompt_blocks = bm.num_blocks_for(seq.num_prompt_tokens)
@@ -320,6 +329,10 @@ class LLMEngine:
         if batch.is_empty:
             return None
         started = time.perf_counter()
+        self.counters.iteration += 1
+        for seq in batch.seqs:
+            if seq.perf is not None:
+                seq.perf.scheduled(self.counters.iteration)
         sampled, draws, prompt_logprobs = self.runner.execute(batch)
         for seq, rows in prompt_logprobs.items():
             seq.num_prompt_rows += rows.num_positions
@@ -339,7 +352,7 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
         for seq in sampled:
             seq.num_pending_tokens += 1
-        return InFlightStep(batch, sampled, draws, started)
+        return InFlightStep(batch, sampled, draws, started, self.counters.iteration)
 
     def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
         """Waits for a launched step's draws and appends each to its sequence."""
@@ -356,20 +369,26 @@ class LLMEngine:
                     beams[id(seq.beam)] = seq.beam
                     continue
                 out = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
-                                         result.ranks[k] if result.ranks else None)
+                                         result.ranks[k] if result.ranks else None, step.iteration)
                 if result.logits_rows and result.logits_rows[k] is not None:
                     out.generation_logits = [result.logits_rows[k]]
                 outputs.append(out)
                 self.block_manager.register_computed(seq)  # the block the token completes, now known
+            for group in beams.values():
+                root = self._seqs.get(group.request_id)
+                if root is not None and root.perf is not None:  # a beam step draws the request's next token
+                    root.perf.token_drawn(step.iteration)
             outputs += [out for group in beams.values() if group.ready for out in self._beam_step(group)]
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None,
-                      ranks: dict[int, int] | None = None) -> StepOutput:
+                      ranks: dict[int, int] | None = None, iteration: int = 0) -> StepOutput:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+        if seq.perf is not None:
+            seq.perf.token_drawn(iteration)
         seq.output_token_ids.append(token_id)
         seq.output_logprobs.append(top)
         seq.cumulative_logprob += logprob
@@ -396,6 +415,8 @@ class LLMEngine:
                          lease, [ranks], seq.prompt_logprobs if first and seq.options.prompt_logprobs else None)
         if first and seq.context_logits:
             out.context_logits = torch.cat(seq.context_logits)
+        if finished and seq.perf is not None:
+            out.perf = dataclasses.replace(seq.perf)  # a copy: the loop reads it, this thread owns seq
         return out
 
     def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
@@ -403,10 +424,13 @@ class LLMEngine:
         beams as the request's output."""
         new = group.step()
         if group.done:
+            root = self._seqs.get(group.request_id)  # the slots share its id: gone once they finish
+            perf = dataclasses.replace(root.perf) if root is not None and root.perf is not None else None
             for slot in group.slots:
                 self._finish(slot)
             self._seqs.pop(group.request_id, None)
-            return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results())]
+            return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results(),
+                               perf=perf)]
         copies = group.advance(new, self.block_manager)
         for slot in group.slots:
             if slot not in self.scheduler.running and slot not in self.scheduler.waiting:

@@ -154,6 +154,8 @@ class Scheduler:
         bm.take_cached(seq, cached, hashes, seq.num_tokens)
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+        if seq.perf is not None:
+            seq.perf.admitted(len(cached), bm.num_blocks_for(seq.num_tokens))
         bm.grow(seq, num_new)
         return num_new
 

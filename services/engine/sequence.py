@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 
 
@@ -86,6 +87,8 @@ class Sequence:
     # while the sequence runs (pinned: the slot cannot be given to another adapter meanwhile).
     adapter: object | None = None
     lora_slot: int | None = None
+    # What options.return_perf_metrics asks to record (None when not asked).
+    perf: SequencePerf | None = None
 
     @property
     def lora_fingerprint(self) -> str | None:

@@ -103,6 +103,8 @@ class Progress:
     # cumulative_logprob of `tokens` that no current worker sampled (the context phase's first
     # token, tokens before a migration): added to what the current worker reports.
     logprob_base: float = 0.0
+    # A migration moved the stream after some of its tokens: the current worker recomputed them.
+    is_recomputed: bool = False
 
 
 async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, worker: WorkerHandle,
@@ -143,6 +145,7 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
             if progress.prompt_token_ids:
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative
+                progress.is_recomputed = progress.is_recomputed or bool(progress.tokens)
             # else nothing came back yet (not even the prompt's tokens): send the request again as it was
             worker = pick_or_none(route, roles, tried)
             if worker is None:

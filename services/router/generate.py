@@ -13,7 +13,7 @@ from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
 from tandem.common.streams import merge
-from tandem.router import failover
+from tandem.router import failover, perf_metrics
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
 from tandem.router.workers import LOCAL_ROLES
@@ -26,28 +26,46 @@ GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 
 def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[types_pb2.RequestOutput]:
     """The messages of request, which asks the workers for streamed token ids. The worker of a
-    relayed call is picked here, at once; the stream is the relay itself (no layer of its own:
-    every layer costs each relayed message a generator hop)."""
+    relayed call is picked here, at once; the stream is the relay itself (no layer of its own, but
+    for requests that ask for perf metrics: every layer costs each relayed message a generator hop)."""
     pool, placement = route.pool, route.placement
     request_type = request.disaggregated_params.request_type
     if request_type == types_pb2.REQUEST_TYPE_CONTEXT_ONLY:
-        return route.relay(pool.pick(Role.PREFILL, placement=placement), request)
-    if request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
+        messages = route.relay(pool.pick(Role.PREFILL, placement=placement), request)
+    elif request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
         roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
-        return route.relay(pool.pick_any_of(roles, placement=placement), request)
-    if pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
-        return split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
-    if request.sampling_params.n > 1:
-        return route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
-    return local(route, request)
+        messages = route.relay(pool.pick_any_of(roles, placement=placement), request)
+    elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
+        messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
+    elif request.sampling_params.n > 1:
+        messages = route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
+    else:
+        messages = local(route, request)
+    if request.sampling_params.return_perf_metrics:  # the only requests that pay for a layer
+        return _stamped(messages, route.arrival_time)
+    return messages
+
+
+async def _stamped(messages: AsyncIterator[types_pb2.RequestOutput], arrival_time: float):
+    """messages with the router's arrival time in their perf metrics."""
+    async for msg in messages:
+        perf_metrics.stamp_arrival(msg, arrival_time)
+        yield msg
 
 
 async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES):
     """One sequence on one worker of roles (preferably an aggregated one); it moves to any worker
     that can run it whole if its worker dies."""
     worker = route.pool.pick_any_of(roles, placement=route.placement)
-    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, Progress([])):
+    progress = Progress([])
+    # The start as the router saw it: the perf metrics of a stream a migration recomputed.
+    sent_time, first_token_time = time.time(), 0.0
+    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress):
+        if not first_token_time and any(out.token_ids for out in msg.outputs):
+            first_token_time = time.time()
+        if progress.is_recomputed:
+            perf_metrics.start_from_router(msg, sent_time, first_token_time)
         if msg.finished:
             msg.metrics.served_by[:] = route.served_by
         yield msg
@@ -91,6 +109,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill_metrics = types_pb2.RequestMetrics()
     prefill_metrics.CopyFrom(ctx_out.metrics)
     ctx_out.ClearField("metrics")  # metrics come once, on the last message
+    prefill_perf = types_pb2.PerfMetrics()
+    prefill_perf.CopyFrom(ctx_out.outputs[0].perf_metrics)
+    ctx_out.outputs[0].ClearField("perf_metrics")  # so do perf metrics: the decode's, combined with these
 
     def client_metrics(metrics: types_pb2.RequestMetrics) -> None:
         """The client's view: the whole request as the router saw it; the prompt was computed
@@ -125,6 +146,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
+            for out in msg.outputs:
+                if out.HasField("perf_metrics"):
+                    perf_metrics.combine_split(prefill_perf, out.perf_metrics)
             if msg.finished:
                 client_metrics(msg.metrics)
             yield msg

@@ -33,8 +33,10 @@ class WorkerStalledError(RpcError):
 class Route:
     def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics, client: str = "",
                  progress_timeout_s: float = 10.0, placement: Placement | None = None,
-                 deadline: float | None = None):
+                 deadline: float | None = None, arrival_time: float | None = None):
         self.pool = pool
+        # When the request reached the router (time.time(): the perf metrics' clock).
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
         # The client's deadline (time.monotonic()); every worker call carries what is left of it.
         self.deadline = deadline
         # What the pick policies know of the request (its prompt's blocks, adapter, conversation).
@@ -58,7 +60,7 @@ class Route:
 
     def child(self, request_id: str) -> "Route":
         return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s,
-                     dataclasses.replace(self.placement, overlap={}), self.deadline)
+                     dataclasses.replace(self.placement, overlap={}), self.deadline, self.arrival_time)
 
     async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False):
         """The worker's messages for request, counted in its in-flight load while they flow.

@@ -67,6 +67,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return self.front
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        arrival_time = time.time()
         if len(self.routes) >= self.config.max_in_flight:
             # Refused before any work (tokenizing included): the caller retries after a moment,
             # and the router's memory stays bounded by max_in_flight requests.
@@ -82,7 +83,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         engine_request = text_request.engine_request
         route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics, caller_of(context),
                                                         self.config.stream_progress_timeout_s,
-                                                        Placement.of(engine_request), _deadline(context))
+                                                        Placement.of(engine_request), _deadline(context),
+                                                        arrival_time)
         try:
             produced = tracker.produced(generate.stream(route, engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)

@@ -58,6 +58,7 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
         embedding_bias=tuple(params.embedding_bias),
         return_context_logits=_opt(params, "return_context_logits", False),
         return_generation_logits=_opt(params, "return_generation_logits", False),
+        return_perf_metrics=_opt(params, "return_perf_metrics", False),
         beam_width=(best_of or n) if beam_search else 1,
         length_penalty=_opt(params, "length_penalty", 0.0),
         early_stopping=_opt(params, "early_stopping", 1),
@@ -107,10 +108,9 @@ def check_unsupported(request) -> None:
 # when set, never ignored. A bool is "set" when it differs from its default.
 _UNIMPLEMENTED_SAMPLING_FIELDS = (
     "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "beam_width_array",
-    "return_encoder_output", "return_perf_metrics",
-    "additional_model_outputs", "lookahead_config")
+    "return_encoder_output", "additional_model_outputs", "lookahead_config")
 _BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
-                  "exclude_input_from_output": True, "return_encoder_output": False, "return_perf_metrics": False}
+                  "exclude_input_from_output": True, "return_encoder_output": False}
 
 
 def _is_set(params: types_pb2.SamplingParams, name: str) -> bool:

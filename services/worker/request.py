@@ -15,6 +15,7 @@ from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
+from tandem.worker.perf_metrics import perf_metrics
 from tandem.v1 import types_pb2
 
 FINISH_REASONS = {
@@ -53,10 +54,14 @@ class SequenceState:
 @dataclasses.dataclass
 class RequestMetricsState:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    # The same moment on the wall clock, and the KV pull's window (the perf metrics' times).
+    arrival_time: float = dataclasses.field(default_factory=time.time)
     first_token_at: float | None = None
     num_cached_prompt_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
+    kv_transfer_start: float = 0.0
+    kv_transfer_end: float = 0.0
 
 
 class WorkerRequest:
@@ -274,9 +279,11 @@ class WorkerRequest:
             self.metrics.first_token_at = time.monotonic()
         self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
         if out.beams is not None:
-            self._apply_beams(by_seq, state, out.beams)
+            self._apply_beams(by_seq, state, out.beams, out.perf)
             return
         comp = self._completion(by_seq, state)
+        if out.perf is not None:
+            comp.perf_metrics.CopyFrom(self._perf_metrics(out.perf))
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
         ranks = out.new_ranks or [None] * len(out.new_logprobs)
@@ -317,7 +324,11 @@ class WorkerRequest:
                     del comp.token_ids[-1]
                     del comp.logprobs[len(comp.token_ids):]
 
-    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list) -> None:
+    def _perf_metrics(self, perf) -> types_pb2.PerfMetrics:
+        m = self.metrics
+        return perf_metrics(perf, m.arrival_time, m.kv_transfer_start, m.kv_transfer_end, m.kv_transfer_bytes)
+
+    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list, perf=None) -> None:
         """The finished beam search: one CompletionOutput per returned beam, best first (TensorRT-LLM
         returns the beams together, executor/result.py, _handle_sequence with use_beam_search)."""
         state.finished = True
@@ -330,3 +341,5 @@ class WorkerRequest:
             if self.options.logprobs is not None:
                 comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs={t: v}) for t, v in
                                      zip(beam.token_ids, beam.token_logprobs))
+            if perf is not None:  # one engine request searched them all
+                comp.perf_metrics.CopyFrom(self._perf_metrics(perf))

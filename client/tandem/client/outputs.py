@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from tandem.client.params import DisaggregatedParams
+from tandem.client.perf_metrics import RequestPerfMetrics
 from tandem.v1 import types_pb2
 
 _FINISH = {types_pb2.FINISH_REASON_UNSPECIFIED: None, types_pb2.FINISH_REASON_STOP: "stop",
@@ -54,8 +55,9 @@ def logits_array(rows: list[list[float]]):
 class CompletionOutput:
     """tensorrt_llm.executor.result.CompletionOutput. cumulative_logprob and logprobs are filled
     only when SamplingParams.logprobs was set, as in TensorRT-LLM. generation_logits ([tokens,
-    vocab]; a numpy array, or lists without numpy) when return_generation_logits; the extra
-    model outputs and perf metrics stay None: the server refuses the params that would fill them."""
+    vocab]; a numpy array, or lists without numpy) when return_generation_logits;
+    request_perf_metrics from the sequence's last message when return_perf_metrics. The extra
+    model outputs stay None: the server refuses the params that would fill them."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -68,7 +70,7 @@ class CompletionOutput:
     additional_context_outputs: Optional[dict] = None
     additional_generation_outputs: Optional[dict] = None
     disaggregated_params: Optional[DisaggregatedParams] = None
-    request_perf_metrics: Optional[dict] = None
+    request_perf_metrics: Optional[RequestPerfMetrics] = None
     # What the latest streamed message added.
     _generation_rows: list = field(default_factory=list, repr=False)
     text_diff: str = ""
@@ -97,6 +99,8 @@ class CompletionOutput:
             self.stop_reason = getattr(msg, which)
         if msg.HasField("disaggregated_params"):
             self.disaggregated_params = DisaggregatedParams.from_proto(msg.disaggregated_params)
+        if msg.HasField("perf_metrics"):
+            self.request_perf_metrics = RequestPerfMetrics.from_proto(msg.perf_metrics)
         if msg.generation_logits:
             self._generation_rows += [list(row.values) for row in msg.generation_logits]
             self.generation_logits = logits_array(self._generation_rows)

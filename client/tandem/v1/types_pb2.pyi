@@ -292,7 +292,7 @@ class LogitsRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CompletionOutput(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params", "generation_logits")
+    __slots__ = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_token_id", "stop_string", "disaggregated_params", "generation_logits", "perf_metrics")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class CompletionOutput(_message.Message):
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_PARAMS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PERF_METRICS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -313,7 +314,8 @@ class CompletionOutput(_message.Message):
     stop_string: str
     disaggregated_params: DisaggregatedParams
     generation_logits: _containers.RepeatedCompositeFieldContainer[LogitsRow]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., generation_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ...) -> None: ...
+    perf_metrics: PerfMetrics
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., generation_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ..., perf_metrics: _Optional[_Union[PerfMetrics, _Mapping]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
     __slots__ = ("time_to_first_token_s", "e2e_latency_s", "num_cached_prompt_tokens", "num_computed_prompt_tokens", "kv_transfer_bytes", "kv_transfer_s", "served_by")
@@ -332,6 +334,61 @@ class RequestMetrics(_message.Message):
     kv_transfer_s: float
     served_by: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PerfMetrics(_message.Message):
+    __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter")
+    class TimingMetrics(_message.Message):
+        __slots__ = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "kv_cache_transfer_start", "kv_cache_transfer_end", "kv_cache_size")
+        ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+        FIRST_SCHEDULED_TIME_FIELD_NUMBER: _ClassVar[int]
+        FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+        LAST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+        KV_CACHE_TRANSFER_START_FIELD_NUMBER: _ClassVar[int]
+        KV_CACHE_TRANSFER_END_FIELD_NUMBER: _ClassVar[int]
+        KV_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+        arrival_time: float
+        first_scheduled_time: float
+        first_token_time: float
+        last_token_time: float
+        kv_cache_transfer_start: float
+        kv_cache_transfer_end: float
+        kv_cache_size: int
+        def __init__(self, arrival_time: _Optional[float] = ..., first_scheduled_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., last_token_time: _Optional[float] = ..., kv_cache_transfer_start: _Optional[float] = ..., kv_cache_transfer_end: _Optional[float] = ..., kv_cache_size: _Optional[int] = ...) -> None: ...
+    class KvCacheMetrics(_message.Message):
+        __slots__ = ("num_total_allocated_blocks", "num_new_allocated_blocks", "num_reused_blocks", "num_missed_blocks", "kv_cache_hit_rate")
+        NUM_TOTAL_ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        NUM_NEW_ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        NUM_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        NUM_MISSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        KV_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+        num_total_allocated_blocks: int
+        num_new_allocated_blocks: int
+        num_reused_blocks: int
+        num_missed_blocks: int
+        kv_cache_hit_rate: float
+        def __init__(self, num_total_allocated_blocks: _Optional[int] = ..., num_new_allocated_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., num_missed_blocks: _Optional[int] = ..., kv_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    class SpeculativeDecodingMetrics(_message.Message):
+        __slots__ = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+        ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+        TOTAL_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        TOTAL_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        acceptance_rate: float
+        total_accepted_draft_tokens: int
+        total_draft_tokens: int
+        def __init__(self, acceptance_rate: _Optional[float] = ..., total_accepted_draft_tokens: _Optional[int] = ..., total_draft_tokens: _Optional[int] = ...) -> None: ...
+    TIMING_METRICS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ITER_FIELD_NUMBER: _ClassVar[int]
+    LAST_ITER_FIELD_NUMBER: _ClassVar[int]
+    ITER_FIELD_NUMBER: _ClassVar[int]
+    timing_metrics: PerfMetrics.TimingMetrics
+    kv_cache_metrics: PerfMetrics.KvCacheMetrics
+    speculative_decoding: PerfMetrics.SpeculativeDecodingMetrics
+    first_iter: int
+    last_iter: int
+    iter: int
+    def __init__(self, timing_metrics: _Optional[_Union[PerfMetrics.TimingMetrics, _Mapping]] = ..., kv_cache_metrics: _Optional[_Union[PerfMetrics.KvCacheMetrics, _Mapping]] = ..., speculative_decoding: _Optional[_Union[PerfMetrics.SpeculativeDecodingMetrics, _Mapping]] = ..., first_iter: _Optional[int] = ..., last_iter: _Optional[int] = ..., iter: _Optional[int] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params", "context_logits")

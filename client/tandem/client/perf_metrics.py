@@ -1,0 +1,64 @@
+"""CompletionOutput.request_perf_metrics: tensorrt_llm.bindings.executor.RequestPerfMetrics, its
+attributes and their types, filled from the server's PerfMetrics (SamplingParams.return_perf_metrics).
+
+TensorRT-LLM's times are datetime.timedelta since its steady clock's epoch; tandem's are
+timedelta since the Unix epoch (a wall clock: a split request's times come from the router, the
+prefill and the decode), so differences and total_seconds() read the same way."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from tandem.v1 import types_pb2
+
+
+@dataclass(slots=True)
+class TimingMetrics:
+    """A zero time (timedelta(0)) is one that did not happen: no KV pull, for the transfer's."""
+    arrival_time: timedelta = timedelta(0)
+    first_scheduled_time: timedelta = timedelta(0)
+    first_token_time: timedelta = timedelta(0)
+    last_token_time: timedelta = timedelta(0)
+    kv_cache_transfer_start: timedelta = timedelta(0)
+    kv_cache_transfer_end: timedelta = timedelta(0)
+    kv_cache_size: int = 0  # bytes of KV pulled
+
+
+@dataclass(slots=True)
+class KvCacheMetrics:
+    num_total_allocated_blocks: int = 0
+    num_new_allocated_blocks: int = 0
+    num_reused_blocks: int = 0
+    num_missed_blocks: int = 0
+    kv_cache_hit_rate: float = 0.0
+
+
+@dataclass(slots=True)
+class SpeculativeDecodingMetrics:
+    """Always zeros: tandem has no speculative decoding."""
+    acceptance_rate: float = 0.0
+    total_accepted_draft_tokens: int = 0
+    total_draft_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestPerfMetrics:
+    timing_metrics: TimingMetrics = field(default_factory=TimingMetrics)
+    kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
+    speculative_decoding: SpeculativeDecodingMetrics = field(default_factory=SpeculativeDecodingMetrics)
+    first_iter: int = 0
+    last_iter: int = 0
+    iter: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.PerfMetrics) -> "RequestPerfMetrics":
+        t, kv, spec = msg.timing_metrics, msg.kv_cache_metrics, msg.speculative_decoding
+        timing = TimingMetrics(*(timedelta(seconds=s) for s in (
+            t.arrival_time, t.first_scheduled_time, t.first_token_time, t.last_token_time,
+            t.kv_cache_transfer_start, t.kv_cache_transfer_end)), kv_cache_size=t.kv_cache_size)
+        return cls(timing,
+                   KvCacheMetrics(kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_reused_blocks,
+                                  kv.num_missed_blocks, kv.kv_cache_hit_rate),
+                   SpeculativeDecodingMetrics(spec.acceptance_rate, spec.total_accepted_draft_tokens,
+                                              spec.total_draft_tokens),
+                   msg.first_iter, msg.last_iter, msg.iter)

@@ -1,0 +1,245 @@
+"""SamplingParams.return_perf_metrics: CompletionOutput.request_perf_metrics as TensorRT-LLM fills
+it (tensorrt_llm.bindings.executor.RequestPerfMetrics), through the router's split, a whole
+request through the router, and a worker called directly.
+
+TensorRT-LLM's own test (test_llm_perf_metrics): arrival < first scheduled < first token < last
+token, one missed block and no reuse on a fresh one-block prompt, iter - first_iter ==
+max_tokens - 1 and last_iter == iter. Here the times are wall-clock timedeltas since the Unix
+epoch, compared with the test's own clock around each request.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+
+from tandem.client import AsyncLLM, SamplingParams
+from tandem.client.perf_metrics import RequestPerfMetrics
+from tandem.testing.cluster import LocalCluster, client_kwargs_for
+from test_disagg import worker_state
+
+BLOCK_SIZE = 8
+MAX_TOKENS = 6
+ENGINE_ARGS = ["--num-blocks", "256", "--block-size", str(BLOCK_SIZE)]
+# A router that never splits: every request runs whole (on the decode worker).
+WHOLE_ROUTER_ARGS = ["--disagg-min-uncached-tokens", "1000000"]
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, return_perf_metrics=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with LocalCluster(roles=["prefill", "decode", "both"],
+                      engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS]) as c:
+        c.add_router("router-whole", WHOLE_ROUTER_ARGS)
+        yield c
+
+
+def _targets(cluster) -> dict[str, str]:
+    return {"split": cluster.address, "whole": cluster.service("router-whole").address,
+            "worker": cluster.workers[2].address}
+
+
+_PROMPT_RNG = random.Random(43)
+
+
+def _fresh_prompt() -> str:
+    """A prompt no worker has cached yet (about 30 tokens: several full blocks)."""
+    words = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor", "iris", "juniper"]
+    return " ".join(_PROMPT_RNG.choice(words) for _ in range(24))
+
+
+async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams, streaming: bool):
+    """The request's final output; streamed, each message is checked: a sequence's perf metrics
+    come with its last message (the one that sets its finish reason) when asked for, not before."""
+    if not streaming:
+        return await llm.generate_async(prompt, params)
+    async for out in llm.generate_async(prompt, params, streaming=True):
+        for seq in out.outputs:
+            is_last = seq.finish_reason is not None
+            assert (seq.request_perf_metrics is not None) == (is_last and params.return_perf_metrics), seq
+    return out
+
+
+async def _generate(target: str, prompt: str, params: SamplingParams, streaming: bool):
+    async with AsyncLLM(target, **client_kwargs_for(target)) as llm:
+        return await _collect(llm, prompt, params, streaming)
+
+
+def _run(target: str, prompt: str, params: SamplingParams = PARAMS, streaming: bool = False):
+    """(output, the test's clock before and after it) as timedeltas since the Unix epoch."""
+    before = timedelta(seconds=time.time())
+    out = asyncio.run(_generate(target, prompt, params, streaming))
+    return out, before, timedelta(seconds=time.time())
+
+
+def _check_times(perf: RequestPerfMetrics, before: timedelta, after: timedelta) -> None:
+    t = perf.timing_metrics
+    assert before <= t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.last_token_time <= after, t
+
+
+def _num_blocks(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+@pytest.mark.parametrize("path", ["split", "whole", "worker"])
+def test_absent_unless_asked(cluster, path, streaming):
+    params = dataclasses.replace(PARAMS, return_perf_metrics=False)
+    out, _, _ = _run(_targets(cluster)[path], "no metrics asked", params, streaming)
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    assert out.outputs[0].request_perf_metrics is None
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+@pytest.mark.parametrize("path", ["whole", "worker"])
+def test_a_whole_request(cluster, path, streaming):
+    prompt = _fresh_prompt()
+    out, before, after = _run(_targets(cluster)[path], prompt, streaming=streaming)
+    seq = out.outputs[0]
+    perf = seq.request_perf_metrics
+    _check_times(perf, before, after)
+    t = perf.timing_metrics
+    assert t.kv_cache_size == 0 and t.kv_cache_transfer_start == t.kv_cache_transfer_end == timedelta(0)
+    # One step computed the prompt and drew the first token, then one step per token.
+    assert perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 1
+    # A fresh prompt: every block allocated new, none found in the prefix cache.
+    kv = perf.kv_cache_metrics
+    blocks = _num_blocks(len(out.prompt_token_ids))
+    assert (kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_missed_blocks) == (blocks,) * 3
+    assert kv.num_reused_blocks == 0 and kv.kv_cache_hit_rate == 0.0
+    spec = perf.speculative_decoding
+    assert (spec.acceptance_rate, spec.total_accepted_draft_tokens, spec.total_draft_tokens) == (0.0, 0, 0)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+def test_a_split_request_combines_both_halves(cluster, streaming):
+    prompt = _fresh_prompt()
+    out, before, after = _run(cluster.address, prompt, streaming=streaming)
+    seq = out.outputs[0]
+    perf = seq.request_perf_metrics
+    # The router's arrival, the prefill's schedule and first token, the decode's last token:
+    # in order only when combined (the decode got the request after the prefill's first token).
+    _check_times(perf, before, after)
+    t = perf.timing_metrics
+    # The decode pulled the prompt's KV after the prefill drew the first token, before drawing its own.
+    assert t.first_token_time <= t.kv_cache_transfer_start <= t.kv_cache_transfer_end <= t.last_token_time
+    assert t.kv_cache_size > 0 and t.kv_cache_size == out.metrics.kv_transfer_bytes
+    # The decode's steps: the first one drew the second token.
+    assert perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 2
+    # Both workers allocated the prompt's blocks; the prefill found none of them cached.
+    kv = perf.kv_cache_metrics
+    blocks = _num_blocks(len(out.prompt_token_ids))
+    assert kv.num_total_allocated_blocks == kv.num_new_allocated_blocks == 2 * blocks
+    assert (kv.num_reused_blocks, kv.num_missed_blocks, kv.kv_cache_hit_rate) == (0, blocks, 0.0)
+
+
+@pytest.mark.parametrize("path", ["split", "whole", "worker"])
+def test_the_same_prompt_again_reuses_the_prefix_cache(cluster, path):
+    target, prompt = _targets(cluster)[path], _fresh_prompt()
+    first, _, _ = _run(target, prompt)
+    again, before, after = _run(target, prompt)
+    blocks = _num_blocks(len(again.prompt_token_ids))
+    kv_first = first.outputs[0].request_perf_metrics.kv_cache_metrics
+    perf = again.outputs[0].request_perf_metrics
+    _check_times(perf, before, after)
+    kv = perf.kv_cache_metrics
+    assert kv_first.num_reused_blocks == 0
+    assert 0 < kv.num_reused_blocks < blocks  # the prompt's last token is computed again
+    assert kv.num_reused_blocks + kv.num_missed_blocks == blocks
+    assert kv.kv_cache_hit_rate == pytest.approx(kv.num_reused_blocks / blocks) and kv.kv_cache_hit_rate > 0
+    if path == "split":  # the decode's own allocation counts too; the pull says what it still needed
+        assert kv.num_total_allocated_blocks == 2 * blocks
+        assert perf.timing_metrics.kv_cache_size == again.metrics.kv_transfer_bytes
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+@pytest.mark.parametrize("path", ["split", "worker"])
+def test_each_of_n_sequences_gets_its_own(cluster, path, streaming):
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, return_perf_metrics=True, n=3, temperature=0.8,
+                            seed=5)
+    out, before, after = _run(_targets(cluster)[path], _fresh_prompt(), params, streaming)
+    assert sorted(o.index for o in out.outputs) == [0, 1, 2]
+    perfs = [o.request_perf_metrics for o in out.outputs]
+    for perf in perfs:
+        _check_times(perf, before, after)
+    assert len({id(p) for p in perfs}) == 3
+    if path == "split":
+        # n single-sequence splits: each its own pull, all with the one arrival at the router.
+        assert all(p.timing_metrics.kv_cache_size > 0 for p in perfs)
+        assert len({p.timing_metrics.arrival_time for p in perfs}) == 1
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+def test_beam_search_best_of_returns_it_on_each_beam(cluster, streaming):
+    """The beams come from one searched request (aggregated even through the splitting router):
+    each returned one carries its record."""
+    params = dataclasses.replace(PARAMS, use_beam_search=True, n=2, best_of=3)
+    out, before, after = _run(cluster.address, _fresh_prompt(), params, streaming)
+    assert len(out.outputs) == 2
+    for seq in out.outputs:
+        _check_times(seq.request_perf_metrics, before, after)
+    assert out.outputs[0].request_perf_metrics == out.outputs[1].request_perf_metrics
+
+
+@pytest.fixture
+def two_decodes(model_dirs):
+    """A prefill, two decode workers and an aggregated one; the router-whole router runs whole
+    requests on a decode worker."""
+    with LocalCluster(roles=["prefill", "decode", "decode", "both"],
+                      engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS]) as c:
+        c.add_router("router-whole", WHOLE_ROUTER_ARGS)
+        yield c
+
+
+async def _stream_killing_its_decode(cluster, llm: AsyncLLM, params: SamplingParams):
+    """Streams a long request and kills the decode worker that runs it once it has drawn 10 tokens
+    for it: (output, the test's clock before, when the kill was sent, after)."""
+    decodes = [s for s in cluster.workers if s.role == "decode" and s.process.poll() is None]
+    generated = {s.address: worker_state(s.address).num_generated_tokens for s in decodes}
+    killed_at = []
+
+    async def kill_the_busy_decode():
+        while True:
+            for s in decodes:
+                if (await asyncio.to_thread(worker_state, s.address)).num_generated_tokens >= generated[s.address] + 10:
+                    killed_at.append(timedelta(seconds=time.time()))
+                    s.process.send_signal(signal.SIGKILL)
+                    await asyncio.to_thread(s.process.wait, 5)
+                    return
+            await asyncio.sleep(0.005)
+
+    before = timedelta(seconds=time.time())
+    killer = asyncio.create_task(kill_the_busy_decode())
+    try:
+        out = await _collect(llm, "a long story that outlives its decode worker", params, streaming=True)
+        await asyncio.wait_for(killer, 5)
+    finally:
+        killer.cancel()
+    return out, before, killed_at[0], timedelta(seconds=time.time())
+
+
+def test_a_migrated_stream_keeps_a_sane_record(two_decodes):
+    """A decode worker dies mid-stream and the request carries on elsewhere, recomputed: its last
+    message still has the whole request's record, the start as it happened before the kill."""
+    params = dataclasses.replace(PARAMS, max_tokens=300)
+
+    async def go():
+        # Both clients set up while every worker is alive (setup waits for them all).
+        async with AsyncLLM(two_decodes.address) as split, \
+                AsyncLLM(two_decodes.service("router-whole").address) as whole:
+            return [await _stream_killing_its_decode(two_decodes, llm, params) for llm in (split, whole)]
+    for out, before, killed_at, after in asyncio.run(go()):
+        seq = out.outputs[0]
+        assert len(seq.token_ids) == 300 and len(out.metrics.served_by) >= 2
+        perf = seq.request_perf_metrics
+        _check_times(perf, before, after)
+        t = perf.timing_metrics
+        assert t.first_token_time < killed_at < t.last_token_time
+        # The worker that finished it recomputed the KV: no pull.
+        assert t.kv_cache_size == 0 and t.kv_cache_transfer_start == timedelta(0)
+        assert perf.first_iter <= perf.last_iter == perf.iter
