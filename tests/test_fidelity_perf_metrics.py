@@ -243,3 +243,30 @@ def test_a_migrated_stream_keeps_a_sane_record(two_decodes):
         # The worker that finished it recomputed the KV: no pull.
         assert t.kv_cache_size == 0 and t.kv_cache_transfer_start == timedelta(0)
         assert perf.first_iter <= perf.last_iter == perf.iter
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
+@pytest.mark.parametrize("path", ["split", "whole", "worker"])
+@pytest.mark.parametrize("stop_after", [1, 3], ids=["first-token", "later-token"])
+def test_a_stop_string_still_returns_them(cluster, path, streaming, stop_after):
+    """A stop string ends the sequence in the text front, after the engine: the producer's record
+    (up to the abort) still reaches the message that ends it, on a split the prefill's alone when
+    the stop string is in the first token."""
+    target = _targets(cluster)[path]
+    prompt = _fresh_prompt()
+    greedy = dataclasses.replace(PARAMS, max_tokens=12, top_k=1, return_perf_metrics=False)
+    free, _, _ = _run(target, prompt, greedy)
+    text = free.outputs[0].text
+    cut = len(_run(target, prompt, dataclasses.replace(greedy, max_tokens=stop_after))[0].outputs[0].text)
+    stop = text[max(0, cut - 1):cut] if cut else text[:1]
+    assert stop, text
+    # Room to run on past the stop string: a sequence the worker finished before the front's stop
+    # reached it is aborted in the router, and its record is not waited for.
+    out, before, after = _run(target, prompt, dataclasses.replace(greedy, max_tokens=64, stop=[stop],
+                                                                   return_perf_metrics=True), streaming)
+    seq = out.outputs[0]
+    assert seq.finish_reason == "stop" and seq.stop_reason == stop, seq
+    perf = seq.request_perf_metrics
+    assert perf is not None, seq
+    _check_times(perf, before, after)
+    assert perf.kv_cache_metrics.num_total_allocated_blocks >= _num_blocks(len(out.prompt_token_ids))

@@ -415,7 +415,7 @@ class LLMEngine:
                          lease, [ranks], seq.prompt_logprobs if first and seq.options.prompt_logprobs else None)
         if first and seq.context_logits:
             out.context_logits = torch.cat(seq.context_logits)
-        if finished and seq.perf is not None:
+        if seq.perf is not None:  # on every output: a stop string or an abort may end it next
             out.perf = dataclasses.replace(seq.perf)  # a copy: the loop reads it, this thread owns seq
         return out
 

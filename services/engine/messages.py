@@ -124,8 +124,8 @@ class StepOutput:
     # new token's draw (one [V] row per token), when the options ask for them.
     context_logits: Any = None
     generation_logits: list | None = None
-    # The sequence's perf metrics (engine/perf_metrics.SequencePerf) on its last output, when its
-    # options ask for them (return_perf_metrics).
+    # The sequence's perf metrics so far (engine/perf_metrics.SequencePerf) on each of its outputs,
+    # when its options ask for them (return_perf_metrics); the worker sends the last one.
     perf: Any = None
 
 

@@ -129,6 +129,8 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         if route.cancelled:  # aborted (or stopped by a stop string) before the decode phase
             last = cancelled_output(request.request_id)
             client_metrics(last.metrics)
+            if request.sampling_params.return_perf_metrics:  # the prefill's record is the whole of it
+                last.outputs[0].perf_metrics.CopyFrom(prefill_perf)
             yield last
             return
         progress = Progress(list(ctx_out.prompt_token_ids), list(handoff.first_gen_tokens),

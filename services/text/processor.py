@@ -82,6 +82,7 @@ class TextProcessor:
                 held.finished = held.finished or msg.finished
                 if msg.HasField("metrics"):
                     held.metrics.CopyFrom(msg.metrics)
+                _merge_perf_metrics(held, msg)
                 if held.finished:
                     break
                 continue
@@ -124,8 +125,10 @@ class TextProcessor:
         kept = []
         for comp in msg.outputs:
             state = self._sequence(comp.index)
-            if state.stopped:
-                continue  # tokens that raced with the stop string
+            if state.stopped:  # tokens that raced with the stop string are dropped
+                if comp.HasField("perf_metrics"):  # the producer's record of the stopped sequence
+                    kept.append(types_pb2.CompletionOutput(index=comp.index, perf_metrics=comp.perf_metrics))
+                continue
             kept.append(comp)
             if self._apply_completion(comp, state):
                 handoff = None
@@ -227,3 +230,14 @@ class TextProcessor:
     def _strip_logprobs(self, comp: types_pb2.CompletionOutput) -> None:
         if self.options.strip_logprobs:
             del comp.logprobs[:]
+
+
+def _merge_perf_metrics(held: types_pb2.RequestOutput, msg: types_pb2.RequestOutput) -> None:
+    """Puts the perf metrics of msg's sequences into held, the message that ends them."""
+    by_index = {comp.index: comp for comp in held.outputs}
+    for comp in msg.outputs:
+        if comp.HasField("perf_metrics"):
+            target = by_index.get(comp.index)
+            if target is None:
+                target = held.outputs.add(index=comp.index)
+            target.perf_metrics.CopyFrom(comp.perf_metrics)

@@ -49,6 +49,8 @@ class SequenceState:
     undelivered_lease: int | None = None
     # Its first message went out (a generation_only output starts with first_gen_tokens).
     started: bool = False
+    # The engine's latest perf metrics of it (return_perf_metrics), for the message that ends it.
+    perf: object = None
 
 
 @dataclasses.dataclass
@@ -217,16 +219,14 @@ class WorkerRequest:
             if item is CANCELLED:
                 for state in self.sequences.values():
                     if not state.finished:
-                        state.finished = True
-                        self._completion(by_seq, state).finish_reason = types_pb2.FINISH_REASON_CANCELLED
+                        self._cancel(by_seq, state)
                 continue
             if isinstance(item, EngineFailure):
                 raise item.error
             if isinstance(item, SequenceStopped):
                 state = self.sequences[item.engine_id]
                 if not state.finished:
-                    state.finished = True
-                    self._completion(by_seq, state).finish_reason = types_pb2.FINISH_REASON_CANCELLED
+                    self._cancel(by_seq, state)
                 continue
             self._apply(by_seq, item)
         msg = types_pb2.RequestOutput(request_id=self.request_id, finished=self.is_finished,
@@ -245,6 +245,14 @@ class WorkerRequest:
         if msg.finished:
             self._fill_metrics(msg.metrics)
         return msg
+
+    def _cancel(self, by_seq: dict, state: SequenceState) -> None:
+        """Ends state's sequence short of its finish (an abort, or a stop string the front found)."""
+        state.finished = True
+        comp = self._completion(by_seq, state)
+        comp.finish_reason = types_pb2.FINISH_REASON_CANCELLED
+        if state.perf is not None:
+            comp.perf_metrics.CopyFrom(self._perf_metrics(state.perf))
 
     def _fill_metrics(self, metrics: types_pb2.RequestMetrics) -> None:
         m = self.metrics
@@ -282,7 +290,8 @@ class WorkerRequest:
             self._apply_beams(by_seq, state, out.beams, out.perf)
             return
         comp = self._completion(by_seq, state)
-        if out.perf is not None:
+        state.perf = out.perf
+        if out.perf is not None and out.finished:
             comp.perf_metrics.CopyFrom(self._perf_metrics(out.perf))
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
