@@ -167,11 +167,16 @@ def test_each_of_n_sequences_gets_its_own(cluster, path, streaming):
     perfs = [o.request_perf_metrics for o in out.outputs]
     for perf in perfs:
         _check_times(perf, before, after)
-    assert len({id(p) for p in perfs}) == 3
     if path == "split":
-        # n single-sequence splits: each its own pull, all with the one arrival at the router.
+        # n single-sequence splits: each its own pull (its own window), all with the one arrival
+        # at the router; the decode's steps drew all but the first token.
         assert all(p.timing_metrics.kv_cache_size > 0 for p in perfs)
         assert len({p.timing_metrics.arrival_time for p in perfs}) == 1
+        assert len({(p.timing_metrics.kv_cache_transfer_start, p.timing_metrics.kv_cache_transfer_end)
+                    for p in perfs}) == 3
+        assert all(p.last_iter - p.first_iter == len(o.token_ids) - 2 for p, o in zip(perfs, out.outputs))
+    else:  # one engine request per sequence, each drawing a token per step
+        assert all(p.last_iter - p.first_iter == len(o.token_ids) - 1 for p, o in zip(perfs, out.outputs))
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
@@ -255,18 +260,27 @@ def test_a_stop_string_still_returns_them(cluster, path, streaming, stop_after):
     target = _targets(cluster)[path]
     prompt = _fresh_prompt()
     greedy = dataclasses.replace(PARAMS, max_tokens=12, top_k=1, return_perf_metrics=False)
-    free, _, _ = _run(target, prompt, greedy)
-    text = free.outputs[0].text
-    cut = len(_run(target, prompt, dataclasses.replace(greedy, max_tokens=stop_after))[0].outputs[0].text)
-    stop = text[max(0, cut - 1):cut] if cut else text[:1]
-    assert stop, text
+    longer = _run(target, prompt, greedy)[0].outputs[0].text
+    # The text of the first k >= stop_after tokens where it is whole (not cut inside a character:
+    # the random model draws byte tokens), and the shortest end of it found nowhere before, so
+    # that the stop string matches in token k, not earlier.
+    for k in range(stop_after, 12):
+        text = _run(target, prompt, dataclasses.replace(greedy, max_tokens=k))[0].outputs[0].text
+        if text and longer.startswith(text) and not text.endswith("\ufffd"):
+            break
+    stop = next((text[-n:] for n in range(1, len(text) + 1) if text.find(text[-n:]) == len(text) - n), "")
+    assert stop, (text, longer)
     # Room to run on past the stop string: a sequence the worker finished before the front's stop
     # reached it is aborted in the router, and its record is not waited for.
     out, before, after = _run(target, prompt, dataclasses.replace(greedy, max_tokens=64, stop=[stop],
                                                                    return_perf_metrics=True), streaming)
     seq = out.outputs[0]
     assert seq.finish_reason == "stop" and seq.stop_reason == stop, seq
+    assert seq.text + stop == text, (seq.text, stop, text)
     perf = seq.request_perf_metrics
     assert perf is not None, seq
     _check_times(perf, before, after)
     assert perf.kv_cache_metrics.num_total_allocated_blocks >= _num_blocks(len(out.prompt_token_ids))
+    assert perf.first_iter <= perf.last_iter == perf.iter
+    if path == "split":  # a stop in the first token ends the request at the prefill, before any pull
+        assert (perf.timing_metrics.kv_cache_size > 0) == (k > 1), (k, perf.timing_metrics)

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase
 
@@ -126,7 +127,7 @@ class StepOutput:
     generation_logits: list | None = None
     # The sequence's perf metrics so far (engine/perf_metrics.SequencePerf) on each of its outputs,
     # when its options ask for them (return_perf_metrics); the worker sends the last one.
-    perf: Any = None
+    perf: SequencePerf | None = None
 
 
 @dataclass

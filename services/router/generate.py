@@ -60,12 +60,14 @@ async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Rol
     worker = route.pool.pick_any_of(roles, placement=route.placement)
     progress = Progress([])
     # The start as the router saw it: the perf metrics of a stream a migration recomputed.
-    sent_time, first_token_time = time.time(), 0.0
+    wants_perf = request.sampling_params.return_perf_metrics
+    sent_time, first_token_time = time.time() if wants_perf else 0.0, 0.0
     async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress):
-        if not first_token_time and any(out.token_ids for out in msg.outputs):
-            first_token_time = time.time()
-        if progress.is_recomputed:
-            perf_metrics.start_from_router(msg, sent_time, first_token_time)
+        if wants_perf:
+            if not first_token_time and any(out.token_ids for out in msg.outputs):
+                first_token_time = time.time()
+            if progress.is_recomputed:
+                perf_metrics.start_from_router(msg, sent_time, first_token_time)
         if msg.finished:
             msg.metrics.served_by[:] = route.served_by
         yield msg
@@ -109,9 +111,11 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill_metrics = types_pb2.RequestMetrics()
     prefill_metrics.CopyFrom(ctx_out.metrics)
     ctx_out.ClearField("metrics")  # metrics come once, on the last message
+    wants_perf = request.sampling_params.return_perf_metrics
     prefill_perf = types_pb2.PerfMetrics()
-    prefill_perf.CopyFrom(ctx_out.outputs[0].perf_metrics)
-    ctx_out.outputs[0].ClearField("perf_metrics")  # so do perf metrics: the decode's, combined with these
+    if wants_perf:
+        prefill_perf.CopyFrom(ctx_out.outputs[0].perf_metrics)
+        ctx_out.outputs[0].ClearField("perf_metrics")  # so do perf metrics: the decode's, combined with these
 
     def client_metrics(metrics: types_pb2.RequestMetrics) -> None:
         """The client's view: the whole request as the router saw it; the prompt was computed
@@ -129,7 +133,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         if route.cancelled:  # aborted (or stopped by a stop string) before the decode phase
             last = cancelled_output(request.request_id)
             client_metrics(last.metrics)
-            if request.sampling_params.return_perf_metrics:  # the prefill's record is the whole of it
+            if wants_perf:  # the prefill's record is the whole of it
                 last.outputs[0].perf_metrics.CopyFrom(prefill_perf)
             yield last
             return
@@ -148,9 +152,10 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
             msg.ClearField("prompt")
             del msg.prompt_token_ids[:]
-            for out in msg.outputs:
-                if out.HasField("perf_metrics"):
-                    perf_metrics.combine_split(prefill_perf, out.perf_metrics)
+            if wants_perf:
+                for out in msg.outputs:
+                    if out.HasField("perf_metrics"):
+                        perf_metrics.combine_split(prefill_perf, out.perf_metrics)
             if msg.finished:
                 client_metrics(msg.metrics)
             yield msg

@@ -7,6 +7,7 @@ which its children get through their environment; with a TlsConfig every process
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import signal
 import socket
@@ -27,7 +28,31 @@ from tandem.common.tls import TlsConfig
 _RUNNING: dict[str, "LocalCluster"] = {}
 
 
+# Ports are picked below the kernel's ephemeral range (net.ipv4.ip_local_port_range), from
+# which it hands out the local ports of outgoing connections: a port picked from that range can
+# be taken by some connection before the service binds it (a server then fails with EADDRINUSE).
+_LOWEST_PICKED_PORT = 10000
+_port_rng = random.Random()  # seeded from the OS: concurrent test runs pick apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, outside the ephemeral range where there is room for one."""
+    high = _ephemeral_low()
+    for _ in range(100 if high - _LOWEST_PICKED_PORT >= 1000 else 0):
+        port = _port_rng.randrange(_LOWEST_PICKED_PORT, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -13,6 +13,7 @@ from typing import Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
+from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
 from tandem.worker.perf_metrics import perf_metrics
@@ -50,7 +51,7 @@ class SequenceState:
     # Its first message went out (a generation_only output starts with first_gen_tokens).
     started: bool = False
     # The engine's latest perf metrics of it (return_perf_metrics), for the message that ends it.
-    perf: object = None
+    perf: SequencePerf | None = None
 
 
 @dataclasses.dataclass
@@ -333,11 +334,11 @@ class WorkerRequest:
                     del comp.token_ids[-1]
                     del comp.logprobs[len(comp.token_ids):]
 
-    def _perf_metrics(self, perf) -> types_pb2.PerfMetrics:
+    def _perf_metrics(self, perf: SequencePerf) -> types_pb2.PerfMetrics:
         m = self.metrics
         return perf_metrics(perf, m.arrival_time, m.kv_transfer_start, m.kv_transfer_end, m.kv_transfer_bytes)
 
-    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list, perf=None) -> None:
+    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list, perf: SequencePerf | None = None) -> None:
         """The finished beam search: one CompletionOutput per returned beam, best first (TensorRT-LLM
         returns the beams together, executor/result.py, _handle_sequence with use_beam_search)."""
         state.finished = True

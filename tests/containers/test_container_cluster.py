@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import time
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 from container_harness import CONTAINER_PREFIX, cpu_image, docker_client, health_status, logs
 from tandem.client import LLM, SamplingParams
 from tandem.common.auth import CLUSTER_TOKEN_KEY
+from tandem.testing.cluster import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from test_grpcurl import grpcurl
 from testcontainers.core.container import DockerContainer
@@ -25,12 +25,6 @@ MODEL = "/opt/tandem/models/tiny-llama-v2"
 # The cluster's shared secret, in every container's environment (as the chart's Secret gives it).
 CLUSTER_TOKEN = secrets.token_urlsafe(32)
 START_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _service(image: str, name: str, args: list[str]) -> DockerContainer:
@@ -65,9 +59,9 @@ def _wait_serving(containers: dict[str, tuple[DockerContainer, str]]) -> None:
 def cluster():
     docker_client()
     image = cpu_image()
-    ports = {role: _free_port() for role in ("prefill", "decode", "router")}
+    ports = {role: free_port() for role in ("prefill", "decode", "router")}
     # Host network: every process needs its own metrics port too (workers default to 9192).
-    metrics = {role: ["--metrics-port", str(_free_port())] for role in ports}
+    metrics = {role: ["--metrics-port", str(free_port())] for role in ports}
     address = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
     engine = ["--model", MODEL, "--num-blocks", "64", "--drain-seconds", "5"]
     specs = {

@@ -6,7 +6,8 @@ from tandem.client.outputs import CompletionOutput, Logprob, RequestMetrics
 from tandem.client.params import (ConversationParams, DisaggregatedParams, KvCacheRetentionConfig, LoRARequest,
                                   PreprocessedInputs, PromptAdapterRequest, SchedulingParams, TextPrompt,
                                   TokensPrompt)
-from tandem.client.perf_metrics import RequestPerfMetrics
+from tandem.client.perf_metrics import (KvCacheMetrics, RequestPerfMetrics, SpeculativeDecodingMetrics,
+                                        TimingMetrics)
 from tandem.client.results import RequestOutput
 from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
 
@@ -14,6 +15,6 @@ __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "GuidedDecodingParams", "DisaggregatedParams", "SchedulingParams",
     "ConversationParams", "KvCacheRetentionConfig", "LoRARequest", "PromptAdapterRequest", "PreprocessedInputs",
     "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
-    "RequestPerfMetrics", "EncoderOutput", "RequestError", "InvalidRequestError", "UnsupportedRequestError",
+    "RequestPerfMetrics", "TimingMetrics", "KvCacheMetrics", "SpeculativeDecodingMetrics", "EncoderOutput", "RequestError", "InvalidRequestError", "UnsupportedRequestError",
     "RequestTimeoutError",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Optional
 
 from tandem.v1 import types_pb2
 
@@ -46,19 +47,24 @@ class RequestPerfMetrics:
     timing_metrics: TimingMetrics = field(default_factory=TimingMetrics)
     kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
     speculative_decoding: SpeculativeDecodingMetrics = field(default_factory=SpeculativeDecodingMetrics)
-    first_iter: int = 0
-    last_iter: int = 0
-    iter: int = 0
+    # Engine steps (counted from 1); None where none was recorded, as TensorRT-LLM's Optional[int].
+    first_iter: Optional[int] = None
+    last_iter: Optional[int] = None
+    iter: Optional[int] = None
 
     @classmethod
     def from_proto(cls, msg: types_pb2.PerfMetrics) -> "RequestPerfMetrics":
         t, kv, spec = msg.timing_metrics, msg.kv_cache_metrics, msg.speculative_decoding
-        timing = TimingMetrics(*(timedelta(seconds=s) for s in (
-            t.arrival_time, t.first_scheduled_time, t.first_token_time, t.last_token_time,
-            t.kv_cache_transfer_start, t.kv_cache_transfer_end)), kv_cache_size=t.kv_cache_size)
+        timing = TimingMetrics(arrival_time=timedelta(seconds=t.arrival_time),
+                               first_scheduled_time=timedelta(seconds=t.first_scheduled_time),
+                               first_token_time=timedelta(seconds=t.first_token_time),
+                               last_token_time=timedelta(seconds=t.last_token_time),
+                               kv_cache_transfer_start=timedelta(seconds=t.kv_cache_transfer_start),
+                               kv_cache_transfer_end=timedelta(seconds=t.kv_cache_transfer_end),
+                               kv_cache_size=t.kv_cache_size)
         return cls(timing,
                    KvCacheMetrics(kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_reused_blocks,
                                   kv.num_missed_blocks, kv.kv_cache_hit_rate),
                    SpeculativeDecodingMetrics(spec.acceptance_rate, spec.total_accepted_draft_tokens,
                                               spec.total_draft_tokens),
-                   msg.first_iter, msg.last_iter, msg.iter)
+                   msg.first_iter or None, msg.last_iter or None, msg.iter or None)
