@@ -284,3 +284,27 @@ def test_a_stop_string_still_returns_them(cluster, path, streaming, stop_after):
     assert perf.first_iter <= perf.last_iter == perf.iter
     if path == "split":  # a stop in the first token ends the request at the prefill, before any pull
         assert (perf.timing_metrics.kv_cache_size > 0) == (k > 1), (k, perf.timing_metrics)
+
+
+async def _abort_after_tokens(target: str, prompt: str, params: SamplingParams, num_tokens: int):
+    async with AsyncLLM(target, **client_kwargs_for(target)) as llm:
+        result = llm.generate_async(prompt, params, streaming=True)
+        async for out in result:
+            if len(out.outputs[0].token_ids) >= num_tokens and not result.aborted():
+                result.abort()
+        return out
+
+
+@pytest.mark.parametrize("path", ["split", "whole", "worker"])
+def test_an_aborted_request_gets_the_record_up_to_the_abort(cluster, path):
+    params = SamplingParams(max_tokens=200, ignore_eos=True, return_perf_metrics=True)
+    before = timedelta(seconds=time.time())
+    out = asyncio.run(_abort_after_tokens(_targets(cluster)[path], _fresh_prompt(), params, 3))
+    after = timedelta(seconds=time.time())
+    seq = out.outputs[0]
+    assert seq.finish_reason == "cancelled" and 3 <= len(seq.token_ids) < 200, seq
+    perf = seq.request_perf_metrics
+    assert perf is not None, seq
+    _check_times(perf, before, after)
+    # The engine's record may hold tokens drawn after the last one the client got, none before it.
+    assert perf.last_iter - perf.first_iter >= len(seq.token_ids) - (2 if path == "split" else 1)
