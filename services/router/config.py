@@ -3,19 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from tandem.common.drain import DEFAULT_DRAIN_SECONDS
-from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
-from tandem.common.tls import TlsConfig
-from tandem.common.limits import RequestLimits
 from tandem.common.roles import Role
+from tandem.common.server_config import ServerConfig
 from tandem.router.discovery import parse_dns_targets
 from tandem.router.policies import Policy, parse_routing
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
+class RouterConfig(ServerConfig):
     # Worker addresses (host:port); each worker reports its own role.
     workers: tuple[str, ...] = ()
     # DNS names (host:port, optionally ROLE=host:port) whose addresses are the workers: a
@@ -42,23 +37,9 @@ class RouterConfig:
     health_timeout_s: float = 1.0
     # Seconds a stream may go without a message before its worker is probed.
     stream_progress_timeout_s: float = 10.0
-    # Admin RPCs need this bearer token when set; the router sends it on to the workers.
-    admin_token: str | None = None
-    # SIGTERM: seconds to finish in-flight requests after health turns NOT_SERVING.
-    drain_seconds: float = DEFAULT_DRAIN_SECONDS
-    # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
-    metrics_port: int = 0
-    # Sent on every call to a worker (workers given one refuse calls without it).
-    cluster_token: str | None = None
-    # Its server's certificate (the public face) and its identity towards the workers.
-    tls: TlsConfig | None = None
-    # Plaintext grpc.health.v1 alone on this port (probes that speak no TLS).
-    health_port: int | None = None
-    limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
     def __post_init__(self):
-        if self.drain_seconds < 0:
-            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+        super().__post_init__()
         if not self.workers and not self.workers_dns:
             raise ValueError("the router needs worker addresses (--workers host:port,...) or DNS names "
                              "(--workers-dns prefill=host:port,...)")
@@ -81,10 +62,6 @@ class RouterConfig:
         for name in ("health_interval_s", "health_timeout_s", "stream_progress_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
-        check_token(self.admin_token, "--admin-token")
-        check_token(self.cluster_token, "--cluster-token", MIN_CLUSTER_TOKEN_CHARS)
 
     @property
     def policies(self) -> dict[Role, Policy]:
