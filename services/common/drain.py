@@ -13,8 +13,9 @@ import grpc
 
 # Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
 DEFAULT_DRAIN_SECONDS = 30.0
-# Subscriptions end only when their client leaves: a drain never waits for them.
-SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks"})
+# Subscriptions (and output streams, whose Generate calls hold the drain themselves) end only when
+# their client leaves: a drain never waits for them.
+SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks", "StreamOutputs"})
 
 
 def holds_drain(method: str) -> bool:

@@ -10,10 +10,11 @@ import time
 
 import grpc
 
-from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
+from tandem.common.callers import CLIENT_METADATA, OUTPUT_STREAM_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.router.metrics import RouterMetrics
+from tandem.router.output_streams import is_unknown_output_stream, report_end, streamed_outputs
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -78,17 +79,43 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
+        try:
+            for attempt in range(2):
+                started = False
+                try:
+                    async for msg in self._call(worker, request, metadata):
+                        started = True
+                        if prefill_tokens:
+                            worker.queued_prefill_tokens -= prefill_tokens
+                            prefill_tokens = 0
+                        yield msg
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    # The worker does not know our output stream (its connection to us was replaced):
+                    # nothing ran there; once more, on a new stream.
+                    if attempt or started or not is_unknown_output_stream(exc):
+                        raise
+                    worker.outputs.reset()
+        finally:
+            worker.in_flight -= 1
+            worker.queued_prefill_tokens -= prefill_tokens
+            worker.active_blocks -= blocks
+
+    async def _call(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, metadata: tuple):
+        """One Generate call's messages; its outputs come on the worker's output stream when it has one."""
+        attached = await worker.outputs.attach(self.pool.health_timeout_s)
+        if attached is not None:
+            stream, tag, inbox = attached
+            metadata += ((OUTPUT_STREAM_METADATA, f"{stream.stream_id}:{tag}"),)
         timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
         call = self.call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(call, worker))
+        ender = None if attached is None else asyncio.create_task(report_end(call, inbox))
         finished = False
         try:
-            async for msg in call:
+            async for msg in (call if attached is None else streamed_outputs(inbox)):
                 self._last_message_at = time.monotonic()
-                if prefill_tokens:
-                    worker.queued_prefill_tokens -= prefill_tokens
-                    prefill_tokens = 0
                 finished = msg.finished
                 yield msg
         except asyncio.CancelledError:
@@ -99,9 +126,10 @@ class Route:
             yield cancelled_output(request.request_id)  # Abort cancelled the call
         finally:
             watchdog.cancel()
-            worker.in_flight -= 1
-            worker.queued_prefill_tokens -= prefill_tokens
-            worker.active_blocks -= blocks
+            if ender is not None:
+                stream.detach(tag)
+                if not finished:  # a finished call ends by itself (cancelling its read would cancel it)
+                    ender.cancel()
             if not finished:
                 # A call whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.

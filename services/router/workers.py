@@ -16,6 +16,7 @@ from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.router import health
 from tandem.router.kv_index import KvIndex
+from tandem.router.output_streams import WorkerOutputs
 from tandem.router.policies import ADAPTER_MISS_COST, NO_PLACEMENT, ConditionalDisagg, Picker, Placement, Policy
 from tandem.v1 import llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
@@ -55,6 +56,8 @@ class WorkerHandle:
     # Set to poll the worker's state now rather than at the next interval (its health changed).
     poll_now: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    # The output stream its Generate calls write to (output_streams.py); set by the pool.
+    outputs: WorkerOutputs | None = None
 
     def holds(self, adapter_id: int, now: float) -> bool:
         return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
@@ -97,9 +100,9 @@ class WorkerPool:
 
     def _open(self, address: str) -> WorkerHandle:
         channel = self.credentials.open(address)
-        return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
-                            self.credentials.stub(worker_pb2_grpc.WorkerStub, channel),
-                            health_pb2_grpc.HealthStub(channel))
+        internal = self.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
+        return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel), internal,
+                            health_pb2_grpc.HealthStub(channel), outputs=WorkerOutputs(internal, address))
 
     def start(self) -> None:
         self._started = True
@@ -138,6 +141,7 @@ class WorkerPool:
         deadline = asyncio.get_running_loop().time() + REMOVED_WORKER_GRACE_S
         while w.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.2)
+        w.outputs.close()
         await w.channel.close()
 
     def notify(self) -> None:
@@ -151,6 +155,7 @@ class WorkerPool:
         for w in self.workers:
             for task in w.tasks:
                 task.cancel()
+            w.outputs.close()
             await w.channel.close()
 
     @property

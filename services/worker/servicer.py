@@ -8,13 +8,14 @@ import uuid
 
 from google.protobuf import json_format
 
-from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
+from tandem.common.callers import OUTPUT_STREAM_METADATA, SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
+from tandem.worker.output_streams import OutputStreams
 from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
@@ -33,11 +34,14 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
         self.guides = Guides(runtime)
+        self.output_streams = OutputStreams()
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         rt = self.rt
         tracker = rt.metrics.requests.track()
         rt.check_accepting()
+        named = metadata_value(context, OUTPUT_STREAM_METADATA)
+        output_stream, tag = self.output_streams.named(named, caller_of(context)) if named else (None, 0)
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
         adapter = await rt.load_adapter(text_request.engine_request)
@@ -46,9 +50,16 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.requests[worker_request.request_id] = worker_request
         try:
             messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+            ended = False
             async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
-                yield msg
+                if output_stream is None:
+                    yield msg
+                else:  # the caller's batched channel carries it; this call only ends
+                    ended = msg.finished
+                    await output_stream.send(tag, msg)
                 worker_request.delivered()
+            if output_stream is not None and not ended:
+                output_stream.end(tag)
         finally:
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
@@ -197,7 +208,9 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         self.llm = llm
 
     async def GetWorkerState(self, request, context):
-        return await self.rt.worker_state()
+        state = await self.rt.worker_state()
+        state.num_output_streams = self.llm.output_streams.num_open
+        return state
 
     async def ReleaseKv(self, request, context):
         keeper = self.rt.leases
@@ -216,6 +229,10 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
             raise unavailable("the worker is still loading its model")
         async for update in self.rt.kv_feed.subscribe():
             yield update
+
+    async def StreamOutputs(self, request, context):
+        async for batch in self.llm.output_streams.serve(caller_of(context)):
+            yield batch
 
     async def StopSequences(self, request, context):
         worker_request = self.llm.requests.get(request.request_id)

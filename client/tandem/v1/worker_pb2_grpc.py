@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.FromString,
                 _registered_method=True)
+        self.StreamOutputs = channel.unary_stream(
+                '/tandem.v1.Worker/StreamOutputs',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -114,6 +119,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamOutputs(self, request, context):
+        """The caller's batched output channel: a Generate whose metadata `tandem-output-stream` names
+        this stream as "<stream_id>:<tag>" sends its RequestOutputs here instead of on its own call,
+        then its tag in `ended`, and the call ends (with the request's status) after that. One
+        OutputBatch carries what every such request produced in one engine step, so a step of a
+        large batch costs the caller one message instead of one per request. Only the connection that
+        opened a stream may name it; closing it ends the requests still writing to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +158,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeKvBlocks,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.SerializeToString,
+            ),
+            'StreamOutputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamOutputs,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +302,33 @@ class Worker:
             '/tandem.v1.Worker/SubscribeKvBlocks',
             tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Worker/StreamOutputs',
+            tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,219 @@
+"""The router's end of its workers' output streams (Worker.StreamOutputs, worker/output_streams.py):
+one stream per worker carries the outputs of every Generate the router runs there, a batch
+per engine step. Route.relay reads a request's outputs from the inbox its tag names here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+import grpc
+
+from tandem.common.callers import UNKNOWN_OUTPUT_STREAM
+from tandem.common.outputs import merge_outputs
+from tandem.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("tandem.router.output_streams")
+
+# Put on a request's inbox after its last output, and when its call was cancelled.
+ENDED = object()
+CALL_CANCELLED = object()
+# Seconds after a failed open before the next try (meanwhile calls stream their own outputs).
+RETRY_OPEN_S = 1.0
+
+
+def is_unknown_output_stream(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker refused a Generate for naming a stream it does not hold (worker/output_streams.py)."""
+    return exc.code() is grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(UNKNOWN_OUTPUT_STREAM)
+
+
+def stream_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """What a request whose output stream broke raises: the error its own call would have."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class Inbox:
+    """A request's outputs as the stream reader hands them over; the relay takes all there are at once."""
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self):
+        self.items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
+async def streamed_outputs(inbox: Inbox):
+    """The messages of a Generate whose worker writes them on an output stream, as iterating its
+    call would give them (report_end hands the call's own end over): its error status raised,
+    CancelledError once the call is cancelled. Outputs that piled up while the consumer was busy
+    go on as one message (a lagging client gets fewer, larger messages)."""
+    while True:
+        pending: list[types_pb2.RequestOutput] = []
+        for item in await inbox.take():
+            if item.__class__ is types_pb2.RequestOutput:
+                pending.append(item)
+                continue
+            if pending:
+                yield pending[0] if len(pending) == 1 else merge_outputs(pending)
+                pending = []
+            if item is ENDED:
+                return
+            if item is CALL_CANCELLED:
+                raise asyncio.CancelledError
+            raise item
+        if pending:
+            yield pending[0] if len(pending) == 1 else merge_outputs(pending)
+
+
+async def report_end(call: grpc.aio.UnaryStreamCall, inbox: Inbox) -> None:
+    """Hands the call's own end to the inbox: its error, or its cancellation. A call that ends
+    well says nothing (the stream's end mark comes after its last output), unless it streamed
+    its outputs itself (a worker that does not know output streams ignores the metadata)."""
+    streamed_itself = False
+    try:
+        async for msg in call:
+            streamed_itself = True
+            inbox.put(msg)
+    except asyncio.CancelledError:
+        inbox.put(CALL_CANCELLED)
+        return
+    except grpc.aio.AioRpcError as exc:
+        inbox.put(exc)
+        return
+    if streamed_itself:
+        inbox.put(ENDED)
+
+
+class _OpenStream:
+    """One StreamOutputs call and the queues of the requests whose outputs it carries."""
+
+    def __init__(self, call, stream_id: str):
+        self.call = call
+        self.stream_id = stream_id
+        self.inboxes: dict[int, Inbox] = {}
+        self.failure: tuple[grpc.StatusCode, str] | None = None
+        self._next_tag = 0
+        self._reader = asyncio.create_task(self._read())
+
+    def attach(self) -> tuple[int, Inbox]:
+        self._next_tag += 1
+        inbox = self.inboxes[self._next_tag] = Inbox()
+        return self._next_tag, inbox
+
+    def detach(self, tag: int) -> None:
+        self.inboxes.pop(tag, None)
+
+    async def _read(self) -> None:
+        inboxes = self.inboxes
+        failure = (grpc.StatusCode.UNAVAILABLE, "the worker closed its output stream")
+        try:
+            # read(), as _open's first read: grpc.aio refuses a call read both ways.
+            while (batch := await self.call.read()) is not grpc.aio.EOF:
+                for tag, output in zip(batch.tags, batch.outputs):
+                    inbox = inboxes.get(tag)
+                    if inbox is not None:  # None: its relay is over (a cancelled call's stragglers)
+                        inbox.put(output)
+                for tag in batch.ended:
+                    inbox = inboxes.get(tag)
+                    if inbox is not None:
+                        inbox.put(ENDED)
+        except grpc.aio.AioRpcError as exc:
+            failure = (exc.code(), exc.details() or "")
+        except asyncio.CancelledError:
+            failure = (grpc.StatusCode.UNAVAILABLE, "the router closed its output stream")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad batch ends the stream; its requests fail over
+            log.exception("output stream %s failed", self.stream_id)
+            failure = (grpc.StatusCode.INTERNAL, f"the output stream broke: {exc}")
+        finally:
+            self.failure = failure
+            log.info("output stream %s ended: %s %s", self.stream_id, failure[0].name, failure[1])
+            for inbox in inboxes.values():
+                inbox.put(stream_failure(*failure))
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self.call.cancel()
+
+
+class WorkerOutputs:
+    """One worker's output stream, opened on first use and again after it broke."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str):
+        self._stub = stub
+        self._address = address
+        self._stream: _OpenStream | None = None
+        self._opening: asyncio.Task | None = None
+        # After a failed open, calls stream their own outputs until then (loop time).
+        self._retry_at = 0.0
+        # The worker has no StreamOutputs (an older version): its calls stream their own outputs.
+        self.unsupported = False
+
+    async def attach(self, timeout: float) -> tuple[_OpenStream, int, Inbox] | None:
+        """(stream, tag, inbox) for one Generate's outputs, or None when the worker's stream
+        cannot be had (the call then streams its outputs itself, as to any caller)."""
+        if self.unsupported:
+            return None
+        stream = self._stream
+        if stream is None or stream.failure is not None:
+            if asyncio.get_running_loop().time() < self._retry_at:
+                return None
+            if self._opening is None:
+                self._opening = asyncio.create_task(self._open(timeout))
+            try:
+                stream = await asyncio.shield(self._opening)
+            finally:
+                if self._opening is not None and self._opening.done():
+                    self._opening = None
+            if stream is None:
+                return None
+        tag, inbox = stream.attach()
+        return stream, tag, inbox
+
+    async def _open(self, timeout: float) -> _OpenStream | None:
+        call = self._stub.StreamOutputs(worker_pb2.StreamOutputsRequest())
+        try:
+            first = await asyncio.wait_for(call.read(), timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            call.cancel()
+            self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = True
+            log.info("no output stream from %s (%s); its calls stream their own outputs", self._address,
+                     exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
+            return None
+        if first is grpc.aio.EOF or not first.stream_id:
+            call.cancel()
+            self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
+            return None
+        self._stream = _OpenStream(call, first.stream_id)
+        return self._stream
+
+    def reset(self) -> None:
+        """The worker does not know the open stream: the next attach opens another."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+        if self._stream is not None:
+            self._stream.close()

@@ -1,0 +1,198 @@
+"""Batched output streams (Worker.StreamOutputs): the router's Generate calls on a worker name
+one, and their outputs travel on it, a batch per engine step for all of them.
+
+Real worker and router processes on loopback; the tests call the worker the way the router
+does (the cluster's credentials, one connection per channel)."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from conftest import assert_all_blocks_free
+from tandem.client import LLM, SamplingParams
+from tandem.common.callers import OUTPUT_STREAM_METADATA, UNKNOWN_OUTPUT_STREAM
+from tandem.router.output_streams import is_unknown_output_stream
+from tandem.testing.cluster import LocalCluster
+from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+from test_disagg import worker_state
+
+NUM_REQUESTS, MAX_TOKENS = 12, 24
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
+                                                   "--block-size", "8"]) as c:
+        yield c
+
+
+@pytest.fixture
+def no_leaked_blocks(cluster):
+    yield
+    with LLM(cluster.workers[0].address, **cluster.worker_client_kwargs()) as worker:
+        assert_all_blocks_free(worker)
+
+
+def _channel(cluster) -> grpc.aio.Channel:
+    """A channel of its own connection (gRPC shares a connection between channels of equal arguments)."""
+    return grpc.aio.insecure_channel(cluster.workers[0].address,
+                                     options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
+    rng = random.Random(i)
+    request = llm_pb2.GenerateRequest(request_id=f"stream-{i}", streaming=True)
+    request.prompt.token_ids.ids[:] = [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 30))]
+    request.sampling_params.max_tokens = max_tokens
+    request.sampling_params.ignore_eos = True
+    request.sampling_params.detokenize = False
+    return request
+
+
+async def _open(cluster, channel):
+    stub = cluster.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
+    call = stub.StreamOutputs(worker_pb2.StreamOutputsRequest())
+    first = await asyncio.wait_for(call.read(), 10)
+    assert first.stream_id and not first.outputs
+    return call, first.stream_id
+
+
+async def _tokens_on_their_own_calls(cluster, requests) -> dict[str, list[int]]:
+    async with _channel(cluster) as channel:
+        llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+
+        async def one(request):
+            return [t async for msg in llm.Generate(request) for out in msg.outputs for t in out.token_ids]
+        return dict(zip((r.request_id for r in requests), await asyncio.gather(*map(one, requests))))
+
+
+def test_concurrent_requests_share_batches_and_get_their_own_tokens(cluster, no_leaked_blocks):
+    requests = [_request(i) for i in range(NUM_REQUESTS)]
+
+    async def run():
+        expected = await _tokens_on_their_own_calls(cluster, [_request(i) for i in range(NUM_REQUESTS)])
+        async with _channel(cluster) as channel:
+            call, stream_id = await _open(cluster, channel)
+            llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+            calls = [llm.Generate(r, metadata=((OUTPUT_STREAM_METADATA, f"{stream_id}:{tag}"),))
+                     for tag, r in enumerate(requests, start=100)]
+            tokens: dict[int, list[int]] = {}
+            ended: set[int] = set()
+            num_batches = num_outputs = 0
+            while len(ended) < len(requests):
+                batch = await asyncio.wait_for(call.read(), 30)
+                assert batch is not grpc.aio.EOF
+                num_batches += 1
+                num_outputs += len(batch.outputs)
+                assert len(batch.tags) == len(batch.outputs)
+                for tag, out in zip(batch.tags, batch.outputs):
+                    assert tag not in ended
+                    tokens.setdefault(tag, []).extend(t for o in out.outputs for t in o.token_ids)
+                ended.update(batch.ended)
+            # The calls carry no messages: only each request's status, OK once its end was sent.
+            for c in calls:
+                assert [m async for m in c] == []
+                assert await c.code() == grpc.StatusCode.OK
+            call.cancel()
+        return expected, tokens, num_batches, num_outputs
+
+    expected, tokens, num_batches, num_outputs = asyncio.run(run())
+    assert {tag - 100: t for tag, t in tokens.items()} == {i: expected[r.request_id]
+                                                           for i, r in enumerate(requests)}
+    assert all(len(t) == MAX_TOKENS for t in tokens.values())
+    # A step's outputs of every running request go in one message.
+    assert num_batches < num_outputs / 3, (num_batches, num_outputs)
+
+
+def test_a_stream_is_named_only_by_the_connection_that_opened_it(cluster, no_leaked_blocks):
+    async def run():
+        async with _channel(cluster) as mine, _channel(cluster) as theirs:
+            call, stream_id = await _open(cluster, mine)
+            other = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, theirs)
+            results = {}
+            for name, value in (("other connection", f"{stream_id}:1"), ("unknown id", "0" * 32 + ":1"),
+                                ("no tag", stream_id), ("bad tag", f"{stream_id}:x1"),
+                                ("tag too large", f"{stream_id}:{1 << 64}")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await other.Generate(_request(1), metadata=((OUTPUT_STREAM_METADATA, value),)).read()
+                results[name] = (refused.value.code(), refused.value.details(),
+                                 is_unknown_output_stream(refused.value))
+            call.cancel()
+            return results
+
+    results = asyncio.run(run())
+    # The router tells this refusal apart (it opens a new stream and sends the request again).
+    for name in ("other connection", "unknown id"):
+        code, details, unknown = results[name]
+        assert code == grpc.StatusCode.UNAVAILABLE and details.startswith(UNKNOWN_OUTPUT_STREAM) and unknown, name
+    for name in ("no tag", "bad tag", "tag too large"):
+        code, details, unknown = results[name]
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and OUTPUT_STREAM_METADATA in details and not unknown, name
+
+
+def test_closing_a_stream_ends_the_requests_writing_to_it(cluster, no_leaked_blocks):
+    async def run():
+        async with _channel(cluster) as channel:
+            call, stream_id = await _open(cluster, channel)
+            llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+            calls = [llm.Generate(_request(i, max_tokens=2000), metadata=((OUTPUT_STREAM_METADATA, f"{stream_id}:{i}"),))
+                     for i in range(4)]
+            batch = await asyncio.wait_for(call.read(), 30)  # they run
+            assert batch.outputs
+            call.cancel()
+            codes = []
+            for c in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(c.read(), 30)
+                codes.append(ended.value.code())
+            return codes
+
+    assert asyncio.run(run()) == [grpc.StatusCode.UNAVAILABLE] * 4
+
+
+def test_open_streams_are_bounded(cluster):
+    async def run():
+        channels = [_channel(cluster) for _ in range(70)]
+        try:
+            calls = [cluster.credentials.stub(worker_pb2_grpc.WorkerStub, ch).StreamOutputs(
+                worker_pb2.StreamOutputsRequest()) for ch in channels]
+            codes = []
+            for c in calls:
+                try:
+                    await asyncio.wait_for(c.read(), 10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            for c in calls:
+                c.cancel()
+            return codes
+        finally:
+            for ch in channels:
+                await ch.close()
+
+    codes = asyncio.run(run())
+    assert codes.count(grpc.StatusCode.OK) == 64
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6
+
+
+def test_the_router_streams_through_the_output_stream(cluster, no_leaked_blocks):
+    """Through the router: every client stream gets its tokens (equal to the worker's own calls)
+    while the router reads one output stream from the worker."""
+    requests = [_request(50 + i) for i in range(NUM_REQUESTS)]
+
+    async def run():
+        expected = await _tokens_on_their_own_calls(cluster, requests)
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            router = llm_pb2_grpc.AsyncLLMStub(channel)
+
+            async def one(request):
+                return [t async for msg in router.Generate(request) for out in msg.outputs for t in out.token_ids]
+            got = await asyncio.gather(*map(one, requests))
+        return expected, dict(zip((r.request_id for r in requests), got))
+
+    expected, got = asyncio.run(run())
+    assert got == expected
+    assert worker_state(cluster.workers[0].address).num_output_streams == 1  # the router's
