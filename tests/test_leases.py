@@ -10,8 +10,9 @@ import time
 import pytest
 
 from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
+from tandem.common.callers import SPLIT_METADATA
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import worker_pb2
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from test_disagg import worker_state
 
 LEASE_SECONDS = 6.0
@@ -121,6 +122,45 @@ def test_aborted_before_during_and_after_the_pull(cluster):
     state = wait_for(lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s, timeout=5)
     assert state, "leases still out seconds after their requests ended (long before they expire)"
     assert state.num_leases_opened > opened_before
+
+
+def test_a_split_whose_reply_the_router_lost_is_released_by_its_disagg_request_id(cluster):
+    """The router cancels a split's context call when its client aborts: if the prefill had just
+    finished, its reply (the handoff) is lost with the call. The router then names the split's
+    disagg_request_id; the prefill frees that lease at once rather than at its expiry."""
+    prefill = cluster.workers[0].address
+    request = llm_pb2.GenerateRequest(request_id="lost-reply")
+    request.prompt.token_ids.ids[:] = [1, 5, 6, 7, 8, 9, 10, 11, 12]
+    request.sampling_params.max_tokens = 4
+    request.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
+    request.disaggregated_params.disagg_request_id = 7_000_001
+    with cluster.channel(prefill) as channel:
+        (reply,) = list(llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, metadata=((SPLIT_METADATA, "1"),),
+                                                                  timeout=30))
+        assert reply.outputs[0].disaggregated_params.opaque_state  # a lease is out
+        before = endings(cluster)
+        internal = worker_pb2_grpc.WorkerStub(channel)
+        other = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_002), timeout=10)
+        released = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10)
+        again = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10)
+    assert (other.released, released.released, again.released) == (False, True, False)
+    assert endings(cluster).get("released", 0) == before.get("released", 0) + 1
+    assert worker_state(prefill).num_leases == 0
+
+
+def test_a_client_handoff_is_not_released_by_its_disagg_request_id(cluster):
+    """A client's own context_only request may carry any disagg_request_id (TensorRT-LLM's
+    field): only the router's splits, whose ids the router draws, are released by it."""
+    with LLM(cluster.address) as llm:
+        ctx = llm.generate("keep my handoff", SamplingParams(max_tokens=4), use_tqdm=False,
+                           disaggregated_params=DisaggregatedParams(request_type="context_only",
+                                                                    disagg_request_id=7_000_003))
+    handoff = ctx.outputs[0].disaggregated_params
+    with cluster.channel(cluster.workers[0].address) as channel:
+        internal = worker_pb2_grpc.WorkerStub(channel)
+        by_disagg = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_003), timeout=10)
+        by_lease = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id), timeout=10)
+    assert (by_disagg.released, by_lease.released) == (False, True)
 
 
 def test_paused(cluster):

@@ -22,7 +22,9 @@ class ContextPhase:
         against its share of the pool from now on (refused when that is full)."""
         if request.client is not None:
             self.keeper.admit(request.request_id, request.client, len(request.prompt_token_ids))
-            request.on_close.append(lambda: self.keeper.forget(request.request_id))
+        elif request.disagg_in.HasField("disagg_request_id"):  # the router's own split
+            self.keeper.expect_split(request.request_id, request.disagg_in.disagg_request_id)
+        request.on_close.append(lambda: self.keeper.forget(request.request_id))
         request.hand_off = lambda out: self._handoff_params(request, out)
         request.withdraw = self._withdraw
         request.submit(Phase.CONTEXT_ONLY)

@@ -76,6 +76,12 @@ class LeaseKeeper:
         self._claimed: dict[int, Claim] = {}
         self._held: Counter[str] = Counter()
         self.num_refused = 0
+        # The router's own splits: request id -> its disagg_request_id while the context phase
+        # runs, then the lease's id by it. The router releases by that id a handoff whose reply it
+        # lost (cancelled after the context phase ended, before the reply was read).
+        self._split_ids: dict[str, int] = {}
+        self._split_leases: dict[int, int] = {}
+        self._split_of_lease: dict[int, int] = {}
 
     def attach(self, core: EngineCore) -> None:
         """The engine thread that frees the blocks of ended leases."""
@@ -105,9 +111,15 @@ class LeaseKeeper:
                               f"{bm.num_blocks} KV blocks ({who} share): pull or release them first",
                               max(0.1, min(retry_after, self.lease_seconds + EXPIRY_GRACE_S)))
 
+    def expect_split(self, request_id: str, disagg_request_id: int) -> None:
+        """A context phase of the router's own split: its lease is also released by disagg_request_id."""
+        with self._lock:
+            self._split_ids[request_id] = disagg_request_id
+
     def forget(self, request_id: str) -> None:
         """The request ended without a handoff (finished in its context phase, aborted, failed)."""
         with self._lock:
+            self._split_ids.pop(request_id, None)
             claim = self._admitted.pop(request_id, None)
             if claim is not None:
                 self._unhold(claim)
@@ -124,6 +136,10 @@ class LeaseKeeper:
         with self._lock:
             self._leases[lease.lease_id] = lease
             self.num_opened += 1
+            disagg_request_id = self._split_ids.pop(request_id, None)
+            if disagg_request_id is not None:
+                self._split_leases[disagg_request_id] = lease.lease_id
+                self._split_of_lease[lease.lease_id] = disagg_request_id
             claim = self._admitted.pop(request_id, None)
             if claim is not None:
                 claim.expires_at = lease.expires_at
@@ -149,6 +165,9 @@ class LeaseKeeper:
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
                 self.endings[reason.value] += 1
+                disagg_request_id = self._split_of_lease.pop(lease_id, None)
+                if disagg_request_id is not None:
+                    del self._split_leases[disagg_request_id]
             claim = self._claimed.pop(lease_id, None)
             if claim is not None:
                 self._unhold(claim)
@@ -156,6 +175,12 @@ class LeaseKeeper:
             return False
         self._core.send(FreeBlocks(lease.block_ids))
         return True
+
+    def release_split(self, disagg_request_id: int, reason: LeaseEnd) -> bool:
+        """Ends the lease of the router's split with that disagg_request_id; False when none is out."""
+        with self._lock:
+            lease_id = self._split_leases.get(disagg_request_id)
+        return lease_id is not None and self.release(lease_id, reason)
 
     def release_all(self, reason: LeaseEnd) -> int:
         with self._lock:

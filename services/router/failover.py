@@ -68,6 +68,8 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
         try:
             async for out in route.relay(prefill, ctx, split=True):
                 pass
+            if route.cancelled and not _hands_off(out):
+                _release_lost_handoff(route, prefill, ctx)
             return prefill, out
         except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
             if not await worker_gone(prefill, exc, route.pool.health_timeout_s):
@@ -78,10 +80,23 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             route.metrics.prefill_retried()
         except BaseException:
             # Cancelled after the reply came: the handoff it carries is nobody else's to release.
-            if out is not None and out.outputs and out.outputs[0].disaggregated_params.opaque_state:
+            if _hands_off(out):
                 lease_id = out.outputs[0].disaggregated_params.ctx_request_id
                 asyncio.ensure_future(release_lease(route.pool, prefill, lease_id))
+            else:
+                _release_lost_handoff(route, prefill, ctx)
             raise
+
+
+def _hands_off(out: types_pb2.RequestOutput | None) -> bool:
+    return out is not None and bool(out.outputs) and bool(out.outputs[0].disaggregated_params.opaque_state)
+
+
+def _release_lost_handoff(route: Route, prefill: WorkerHandle, ctx: llm_pb2.GenerateRequest) -> None:
+    """The context call was cancelled before its reply was read: the prefill may have finished
+    and sent a handoff that nobody will present. Its lease goes by the split's disagg_request_id
+    (the request is aborted there if it still runs); without this it would wait for its expiry."""
+    asyncio.ensure_future(release_lease(route.pool, prefill, 0, ctx.disaggregated_params.disagg_request_id))
 
 
 def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so_far: list[int]) -> llm_pb2.GenerateRequest:

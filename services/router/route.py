@@ -190,10 +190,13 @@ class Route:
             await self.abort()
 
 
-async def release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int) -> None:
-    """Best effort: the decode's NIXL notification normally released it already."""
+async def release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int,
+                        disagg_request_id: int = 0) -> None:
+    """Best effort: the decode's confirm normally released it already. disagg_request_id instead
+    of ctx_request_id: the lease of the router's own split of that id (its reply was lost)."""
+    request = worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id, disagg_request_id=disagg_request_id)
     try:
-        await prefill.internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id), timeout=5,
-                                         metadata=pool.admin_metadata)
+        await prefill.internal.ReleaseKv(request, timeout=5, metadata=pool.admin_metadata)
     except grpc.aio.AioRpcError as exc:
-        log.info("ReleaseKv(%d) on %s: %s (the lease expires anyway)", ctx_request_id, prefill.address, exc.code())
+        log.info("ReleaseKv(%d/%d) on %s: %s (the lease expires anyway)", ctx_request_id, disagg_request_id,
+                 prefill.address, exc.code())

@@ -214,8 +214,14 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ReleaseKv(self, request, context):
         keeper = self.rt.leases
-        released = keeper is not None and keeper.release(request.ctx_request_id, LeaseEnd.RELEASED)
-        return worker_pb2.ReleaseKvResponse(released=released)
+        if keeper is None:
+            return worker_pb2.ReleaseKvResponse(released=False)
+        if request.ctx_request_id or not request.disagg_request_id:
+            return worker_pb2.ReleaseKvResponse(released=keeper.release(request.ctx_request_id, LeaseEnd.RELEASED))
+        for worker_request in list(self.llm.requests.values()):  # still running: it ends without a handoff
+            if worker_request.client is None and worker_request.disagg_in.disagg_request_id == request.disagg_request_id:
+                worker_request.cancel()
+        return worker_pb2.ReleaseKvResponse(released=keeper.release_split(request.disagg_request_id, LeaseEnd.RELEASED))
 
     async def ConfirmLease(self, request, context):
         keeper = self.rt.leases

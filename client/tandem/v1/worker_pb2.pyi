@@ -97,10 +97,12 @@ class WorkerState(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_output_streams: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("ctx_request_id",)
+    __slots__ = ("ctx_request_id", "disagg_request_id")
     CTX_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ctx_request_id: int
-    def __init__(self, ctx_request_id: _Optional[int] = ...) -> None: ...
+    disagg_request_id: int
+    def __init__(self, ctx_request_id: _Optional[int] = ..., disagg_request_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("released",)
