@@ -2,10 +2,10 @@
 # Issue 7's session on an H200 machine (the device tool), one GPU or more: the GPU engine tests,
 # bench/serve.py's table, kernel timings, and KV pulls (raw, and under GIL contention). Each part
 # has its own time limit so a failure costs only its part; outputs land in $OUT.
-# Usage there: [PARTS="tests fidelity lora skinny serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
+# Usage there: [PARTS="tests fidelity lora serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
 set -u
 source bench/gpu_env.sh || exit 1
-PARTS=${PARTS:-tests fidelity lora skinny serve kernels pull}
+PARTS=${PARTS:-tests fidelity lora serve kernels pull}
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
@@ -13,7 +13,7 @@ PARTS=${PARTS:-tests fidelity lora skinny serve kernels pull}
 } 2>&1 | tee "$OUT/session.txt"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_lora_gpu.py tests/test_skinny_linear.py \
+  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_lora_gpu.py \
     $(ls tests/test_tensor_parallel_gpu.py 2>/dev/null) 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
 fi
 if has fidelity; then  # issue 9's server features on the GPU against the CPU
@@ -21,9 +21,6 @@ if has fidelity; then  # issue 9's server features on the GPU against the CPU
 fi
 if has lora; then
   timeout "${LORA_S:-150}" python3 bench/lora.py 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/lora.txt" | tail -15
-fi
-if has skinny; then  # the skinny linear kernel against cuBLAS on the 8B decode GEMMs
-  timeout "${SKINNY_S:-150}" python3 bench/skinny_linear.py 2>&1 | tee "$OUT/skinny.txt" | tail -60
 fi
 if has serve; then
   timeout "${SERVE_S:-330}" python3 bench/serve.py "$@" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/serve.txt" | tail -45

@@ -12,7 +12,6 @@ import os
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import lora as lora_reference
@@ -59,14 +58,6 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     if backend_for(kv_layer.device) == "triton":
         return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
     return reference.paged_attention(query, kv_layer, meta, scale)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias): on CUDA, a decode step's few rows may take the skinny
-    Triton kernel where it measured faster than cuBLAS for that shape."""
-    if x.device.type == "cuda" and backend_for(x.device) == "triton":
-        return _triton_module("skinny_linear_triton").linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
@@ -89,7 +90,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         meta: AttentionMetadata, kv_layer: torch.Tensor, lora=None,
     ) -> torch.Tensor:
-        qkv = kernels.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -104,7 +105,7 @@ class Attention(nn.Module):
 
 
 def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
-    y = kernels.linear(x, linear.weight, linear.bias)
+    y = linear(x)
     if lora is not None:
         lora.apply(layer_index, kind, x, y)
     return y
@@ -185,6 +186,6 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not self.tp.is_parallel:
-            return kernels.linear(hidden, weight).float()
+            return F.linear(hidden, weight).float()
         # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
-        return self.tp.gather_last_dim(kernels.linear(hidden, weight))[:, :self.config.vocab_size].float()
+        return self.tp.gather_last_dim(F.linear(hidden, weight))[:, :self.config.vocab_size].float()
