@@ -16,7 +16,7 @@ from tandem.client import LLM, SamplingParams
 from tandem.common.callers import OUTPUT_STREAM_METADATA, UNKNOWN_OUTPUT_STREAM
 from tandem.router.output_streams import is_unknown_output_stream
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from test_disagg import worker_state
 
 NUM_REQUESTS, MAX_TOKENS = 12, 24
@@ -196,3 +196,42 @@ def test_the_router_streams_through_the_output_stream(cluster, no_leaked_blocks)
     expected, got = asyncio.run(run())
     assert got == expected
     assert worker_state(cluster.workers[0].address).num_output_streams == 1  # the router's
+
+
+def test_aborted_and_several_sequence_requests_end_on_the_stream(cluster, no_leaked_blocks):
+    """An Abort ends a streamed request with finish_reason cancelled in its last batch; a request
+    of n=2 sequences (which takes the worker's usual path, not the fast one) streams both."""
+    async def run():
+        async with _channel(cluster) as channel:
+            call, stream_id = await _open(cluster, channel)
+            llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+            long = _request(200, max_tokens=3000)
+            pair = _request(201)
+            pair.sampling_params.n = 2
+            pair.sampling_params.temperature = 0.8
+            pair.sampling_params.seed = 5
+            calls = [llm.Generate(long, metadata=((OUTPUT_STREAM_METADATA, f"{stream_id}:1"),)),
+                     llm.Generate(pair, metadata=((OUTPUT_STREAM_METADATA, f"{stream_id}:2"),))]
+            outputs: dict[int, list] = {1: [], 2: []}
+            ended: set[int] = set()
+            aborted = False
+            while len(ended) < 2:
+                batch = await asyncio.wait_for(call.read(), 30)
+                for tag, out in zip(batch.tags, batch.outputs):
+                    outputs[tag].append(out)
+                ended.update(batch.ended)
+                if outputs[1] and not aborted:
+                    aborted = (await llm.Abort(llm_pb2.AbortRequest(request_id=long.request_id))).aborted
+            codes = [await c.code() for c in calls]
+            call.cancel()
+            return aborted, outputs, codes
+
+    aborted, outputs, codes = asyncio.run(run())
+    assert aborted and codes == [grpc.StatusCode.OK] * 2
+    last = outputs[1][-1]
+    assert last.finished and last.outputs[0].finish_reason == types_pb2.FINISH_REASON_CANCELLED
+    tokens = {0: [], 1: []}
+    for out in outputs[2]:
+        for comp in out.outputs:
+            tokens[comp.index].extend(comp.token_ids)
+    assert outputs[2][-1].finished and [len(t) for t in tokens.values()] == [MAX_TOKENS, MAX_TOKENS]

@@ -204,23 +204,32 @@ class RequestTracker:
         self.metrics = metrics
         self.started = time.monotonic()
         self.first_token_at: float | None = None
+        # What the client got so far, per sequence index: tokens and finish reasons.
+        self._num_tokens: dict[int, int] = {}
+        self._reasons: dict[int, str] = {}
+
+    def saw(self, msg: types_pb2.RequestOutput) -> None:
+        """One message of the token-id stream (what produced() does per message)."""
+        if self.first_token_at is None and any(out.token_ids for out in msg.outputs):
+            self.first_token_at = time.monotonic()
+
+    def counted(self, msg: types_pb2.RequestOutput, num_prompt_tokens: int) -> None:
+        """One message the client gets (what delivered() does per message); the last one records."""
+        for out in msg.outputs:
+            self._num_tokens[out.index] = self._num_tokens.get(out.index, 0) + len(out.token_ids)
+            if out.disaggregated_params.opaque_state:  # a context phase's 'not_finished'
+                self._reasons[out.index] = "handoff"
+            elif out.finish_reason:
+                self._reasons[out.index] = finish_reason_label(out.finish_reason)
+        if msg.finished:
+            self.metrics.record(self, num_prompt_tokens, self._num_tokens, self._reasons)
 
     async def produced(self, messages: AsyncIterator[types_pb2.RequestOutput]):
         async for msg in messages:
-            if self.first_token_at is None and any(out.token_ids for out in msg.outputs):
-                self.first_token_at = time.monotonic()
+            self.saw(msg)
             yield msg
 
     async def delivered(self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int):
-        num_tokens: dict[int, int] = {}
-        reasons: dict[int, str] = {}
         async for msg in messages:
-            for out in msg.outputs:
-                num_tokens[out.index] = num_tokens.get(out.index, 0) + len(out.token_ids)
-                if out.disaggregated_params.opaque_state:  # a context phase's 'not_finished'
-                    reasons[out.index] = "handoff"
-                elif out.finish_reason:
-                    reasons[out.index] = finish_reason_label(out.finish_reason)
-            if msg.finished:
-                self.metrics.record(self, num_prompt_tokens, num_tokens, reasons)
+            self.counted(msg, num_prompt_tokens)
             yield msg

@@ -69,7 +69,7 @@ class TextProcessor:
             on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         """Adds text to each message. When stop strings end every sequence, the message that says
         so waits for the producer's own last message (its metrics), into which it is merged."""
-        return self._passthrough(messages) if self._is_passthrough else self._with_text(messages, on_stop)
+        return self._passthrough(messages) if self.is_passthrough else self._with_text(messages, on_stop)
 
     async def _with_text(self, messages: AsyncIterator[types_pb2.RequestOutput],
                          on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
@@ -97,7 +97,7 @@ class TextProcessor:
             yield held
 
     @property
-    def _is_passthrough(self) -> bool:
+    def is_passthrough(self) -> bool:
         """Token ids only (detokenize off, so no stop string), nothing to put ahead of them or take
         out: the producer's messages go on as they are, but for the prompt's text on the first."""
         o = self.options
@@ -105,12 +105,16 @@ class TextProcessor:
 
     async def _passthrough(self, messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
         async for msg in messages:
-            if self._first and self.prompt_text is not None:
-                msg.prompt = self.prompt_text
-            self._first = False
+            self.pass_through(msg)
             yield msg
             if msg.finished:
                 return
+
+    def pass_through(self, msg: types_pb2.RequestOutput) -> None:
+        """A passthrough request's one change to a message: the prompt's text on the first."""
+        if self._first and self.prompt_text is not None:
+            msg.prompt = self.prompt_text
+        self._first = False
 
     @property
     def _all_finished(self) -> bool:

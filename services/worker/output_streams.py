@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Callable
 
 import grpc
 
@@ -20,10 +21,10 @@ from tandem.v1 import types_pb2, worker_pb2
 
 
 class OutputStream:
-    """One caller's channel. Senders append to the pending batch and wait until the batch that
-    holds their output is written: a request has at most one output waiting here, and while the
-    caller reads slowly the engine's outputs pile up in the request's own queue, where the
-    next message takes them all (fewer, larger messages when the caller lags)."""
+    """One caller's channel. Outputs are pushed onto the pending batch (with a callback run once
+    the batch that holds them is written, or the stream fails), and the StreamOutputs call
+    writes whatever is pending as one message whenever it can: while the caller reads slowly,
+    the batches grow (fewer, larger messages when the caller lags)."""
 
     def __init__(self, owner: str):
         self.stream_id = uuid.uuid4().hex
@@ -31,54 +32,70 @@ class OutputStream:
         self._tags: list[int] = []
         self._outputs: list[types_pb2.RequestOutput] = []
         self._ended: list[int] = []
-        # Resolved once the pending batch is written; and the one of the batch being written.
-        self._written: asyncio.Future | None = None
-        self._writing: asyncio.Future | None = None
+        # Run (with None, or the stream's error) once the pending batch is written.
+        self._callbacks: list[Callable[[BaseException | None], None]] = []
         self._wake = asyncio.Event()
         self._error: RpcError | None = None
 
-    async def send(self, tag: int, msg: types_pb2.RequestOutput) -> None:
-        """Queues msg in the next batch and returns once that batch is written. A finished msg
-        is the request's last: its end goes in the same batch."""
+    def push(self, tag: int, msg: types_pb2.RequestOutput,
+             on_written: Callable[[BaseException | None], None] | None = None) -> None:
+        """Puts msg in the next batch. A finished msg is the request's last: its end goes in the
+        same batch. on_written(None) runs once that batch is written, on_written(error) if the
+        stream closes first."""
         if self._error is not None:
             raise self._error
         self._tags.append(tag)
         self._outputs.append(msg)
         if msg.finished:
             self._ended.append(tag)
-        await asyncio.shield(self._pending_batch())
+        if on_written is not None:
+            self._callbacks.append(on_written)
+        self._wake.set()
+
+    async def send(self, tag: int, msg: types_pb2.RequestOutput) -> None:
+        """push, then wait until the batch holding msg is written."""
+        written = asyncio.get_running_loop().create_future()
+        self.push(tag, msg, lambda error: _resolve(written, error))
+        await asyncio.shield(written)
 
     def end(self, tag: int) -> None:
         """The request of tag has sent its last output, not a finished one (its end goes in the next batch)."""
         if self._error is None:
             self._ended.append(tag)
-            self._pending_batch()
-
-    def _pending_batch(self) -> asyncio.Future:
-        if self._written is None:
-            self._written = asyncio.get_running_loop().create_future()
             self._wake.set()
-        return self._written
 
     async def batches(self):
         """The StreamOutputs call's messages: the stream id, then a batch whenever outputs are pending."""
         yield worker_pb2.OutputBatch(stream_id=self.stream_id)
+        writing: list[Callable[[BaseException | None], None]] = []
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if not self._tags and not self._ended:
+                    continue
                 batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended)
-                self._writing, self._written = self._written, None
+                writing, self._callbacks = self._callbacks, []
                 self._tags, self._outputs, self._ended = [], [], []
                 yield batch
-                self._writing.set_result(None)
-                self._writing = None
+                for callback in writing:
+                    callback(None)
+                writing = []
         finally:
             self._error = unavailable(f"output stream {self.stream_id} closed (its caller went away)")
-            for future in (self._written, self._writing):
-                if future is not None and not future.done():
-                    future.set_exception(self._error)
-                    future.exception()  # a sender cancelled meanwhile would leave it unretrieved
+            for callback in writing + self._callbacks:
+                callback(self._error)
+            self._callbacks = []
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+        future.exception()  # a sender cancelled meanwhile would leave it unretrieved
 
 
 class OutputStreams:

@@ -188,7 +188,7 @@ class WorkerRequest:
             items = [await self.stream.get()]
             while not self.stream.empty():
                 items.append(self.stream.get_nowait())
-            yield self._message(items, first)
+            yield self.message(items, first)
             first = False
 
     def delivered(self) -> None:
@@ -214,7 +214,7 @@ class WorkerRequest:
         for callback in self.on_close:
             callback()
 
-    def _message(self, items: list, first: bool) -> types_pb2.RequestOutput:
+    def message(self, items: list, first: bool) -> types_pb2.RequestOutput:
         by_seq: dict[str, types_pb2.CompletionOutput] = {}
         for item in items:
             if item is CANCELLED:

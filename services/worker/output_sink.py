@@ -1,0 +1,79 @@
+"""The fast path of a Generate whose outputs go to an output stream (the router's calls): each
+engine output becomes its message and joins the stream's next batch right where the engine
+core hands it over, on the event loop, without waking the request's coroutine.
+
+The usual path puts every output on the request's queue, wakes its coroutine, and passes the
+message through a chain of async generators (the request's, the text front's, two metric
+layers, the interceptors'): ~85 us of the loop's time per output on the 2-core CPU machine, so
+a step of 256 sequences cost the worker 20 ms of the GIL it shares with the engine thread
+(bench/RESULTS.md, issue 7, offline). Here the same steps run as plain calls; the coroutine
+waits once, for the request's end.
+
+Only single-sequence streaming requests whose text layer is a passthrough take it (what the
+router sends); the rest keep the usual path.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from tandem.common.metrics import RequestTracker
+from tandem.engine.messages import StepOutput
+from tandem.text.front import TextRequest
+from tandem.worker.output_streams import OutputStream
+from tandem.worker.request import WorkerRequest
+
+
+def takes_fast_path(text_request: TextRequest) -> bool:
+    params = text_request.engine_request.sampling_params
+    return (text_request.streaming and text_request.processor.is_passthrough and params.n <= 1
+            and not params.use_beam_search)
+
+
+class OutputSink:
+    """Stands where a request's queue stands (the engine core calls put_nowait with each of its
+    outputs, the request puts its own CANCELLED and failures): builds each message at once."""
+
+    def __init__(self, request: WorkerRequest, text_request: TextRequest, tracker: RequestTracker,
+                 stream: OutputStream, tag: int):
+        self.request = request
+        self.text_request = text_request
+        self.tracker = tracker
+        self.stream = stream
+        self.tag = tag
+        # Resolved once the request's last message is written (or with the error that ends it).
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._first = True
+        self._finished = False
+
+    def put_nowait(self, item) -> None:
+        if self._finished or self.done.done():
+            # After the end (an output that raced with an abort): its lease is nobody's.
+            if isinstance(item, StepOutput) and item.lease is not None and self.request.withdraw is not None:
+                self.request.withdraw(item.lease.lease_id)
+            return
+        request = self.request
+        try:
+            msg = request.message([item], self._first)
+            self._first = False
+            self.text_request.processor.pass_through(msg)
+            self.tracker.saw(msg)
+            self.tracker.counted(msg, len(request.prompt_token_ids))
+            self._finished = msg.finished
+            self.stream.push(self.tag, msg, self._written_callback(msg.finished))
+        except BaseException as exc:  # noqa: BLE001 - ends the request's call with its status
+            self._finished = True
+            if not self.done.done():
+                self.done.set_exception(exc)
+
+    def _written_callback(self, is_last: bool):
+        def written(error: BaseException | None) -> None:
+            if error is None:
+                self.request.delivered()
+                if is_last and not self.done.done():
+                    self.done.set_result(None)
+            elif not self.done.done():
+                self.done.set_exception(error)
+        return written
+
+    def empty(self) -> bool:
+        return True  # nothing waits here: each output went out as it came
