@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from tandem.common.auth import AccessPolicy
+from tandem.common.gc_pauses import freeze_startup_heap, watch_pauses
 from tandem.common.channels import ClusterCredentials
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
@@ -30,6 +31,8 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
             except Exception as exc:  # noqa: BLE001 - tried again next round
                 log.warning("loading the tokenizer from %s failed: %s", ready[0].address, exc)
         now = servicer.front is not None and any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
+        if now and serving is None:
+            freeze_startup_heap("router")
         if now != serving:
             await server.set_serving(now)
             serving = now
@@ -37,6 +40,7 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 
 
 async def serve_router(config: RouterConfig) -> None:
+    watch_pauses()
     metrics = RouterMetrics()
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
                         drain_seconds=config.drain_seconds, metrics=metrics,

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from tandem.common.auth import AccessPolicy
+from tandem.common.gc_pauses import freeze_startup_heap, watch_pauses
 from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
@@ -22,6 +23,7 @@ SERVICE_NAMES = [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name,
 
 
 async def serve_worker(config: WorkerConfig) -> None:
+    watch_pauses()
     ready = asyncio.Event()
     metrics = WorkerMetrics(config.role, config.engine.model_dir)
     policy = AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token, internal=True)
@@ -43,6 +45,7 @@ async def serve_worker(config: WorkerConfig) -> None:
         log.info("metrics on %s", metrics_url)
     try:
         await runtime.load()
+        freeze_startup_heap(f"{config.role.label} worker")
         await server.set_serving(True)
         log.info("%s worker ready on %s (model %s)", config.role.label, server.address, config.engine.model_dir)
         await server.wait_for_stop()
