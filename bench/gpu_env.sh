@@ -11,3 +11,4 @@ ln -sfn "$PWD/client/tandem/v1" /tmp/ns/tandem/v1
 export PYTHONPATH=/tmp/site:/tmp/ns TANDEM_HOME=/tmp/tandem-home PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PATH=/tmp/site/bin:$PATH  # console scripts of the carried wheels (py-spy)

@@ -305,8 +305,11 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
         for name, num, prompt_len in (("c32", 32, 128), ("c64", 64, 128), ("offline", 64 if quick else 256, 512)):
             if name in rows:
                 _step_stats(address)  # drain
+                profilers = _profile(cluster, name, log_dir) if name == "offline" else []
                 outs, wall = asyncio.run(_run_requests(address, _prompts(rng, num, prompt_len, vocab),
                                                        64 if quick else 256))
+                for profiler in profilers:
+                    profiler.wait()
                 tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 ttfts = sorted(o.metrics.time_to_first_token_s * 1e3 for o in outs)
                 # Once the last request has its first token every request decodes: the step period
@@ -329,6 +332,21 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
             out["aggregated_16"] = _split_workload(address, rng, vocab, quick)
             log(f"aggregated 16 x 1024/128: {out['aggregated_16']}")
     return out
+
+
+def _profile(cluster, row: str, log_dir: Path) -> list:
+    """py-spy (when on PATH) records the worker and the router through a row: where the host time
+    of the serving path goes (raw stacks per thread, in the logs tarball)."""
+    import shutil
+    import subprocess
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return []
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "-p", str(service.process.pid), "-d", "8", "-r", "100", "-f", "raw",
+                              "--threads", "--nonblocking", "-o", str(log_dir / f"py-spy-{row}-{service.name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for service in (cluster.workers[0], cluster.router)]
 
 
 def _step_stats(address, full_batch: int = 0) -> dict:
