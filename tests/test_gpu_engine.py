@@ -191,3 +191,24 @@ def test_a_cuda1_engine_works_after_the_process_touched_cuda0(model_dirs):
     ref = run_to_completion(_engine(model_dirs["llama"], device="cpu"), {"a": [1, 5, 6, 7]},
                     {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))})
     assert out == ref
+
+
+def _num_compiled(kernel) -> int:
+    """Variants of a Triton kernel compiled so far in this process (Triton 3.x keeps them per device)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_no_attention_variant_compiles_after_the_warm_up(model_dirs):
+    """After precompile_kernels (the worker's warm-up), mixed batches of any shape launch only
+    variants compiled already: a compile mid-serving stalled a burst for ~1 s."""
+    from tandem.kernels import paged_attention_triton as kernel
+    engine = _engine(model_dirs["llama"], max_num_seqs=16, max_num_batched_tokens=512)
+    engine.runner.precompile_kernels()
+    before = _num_compiled(kernel._attention_kernel), _num_compiled(kernel._merge_splits_kernel)
+    rng = random.Random(5)
+    for round_ in range(4):
+        prompts = {f"c{round_}-{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 200))]
+                   for i in range(rng.randrange(1, 16))}
+        run_to_completion(engine, prompts, {rid: SamplingOptions(max_tokens=rng.randrange(1, 30), ignore_eos=True)
+                                            for rid in prompts})
+    assert (_num_compiled(kernel._attention_kernel), _num_compiled(kernel._merge_splits_kernel)) == before

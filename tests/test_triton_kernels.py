@@ -136,3 +136,12 @@ def test_default_splits_round_up_to_powers_of_two_with_empty_segments(monkeypatc
     block_size, num_heads, num_kv_heads, head_dim, shape = CASES["mixed"]
     shape = [(q, s + 150) for q, s in shape]
     assert_matches_reference(*make_batch(block_size, num_heads, num_kv_heads, head_dim, shape, torch.float32, seed=9))
+
+
+def test_precompile_launches_every_eager_variant():
+    """The worker's warm-up launches each key-segment count with prefill and with decode tiles
+    (on a GPU: compiles them), so no step compiles one in the middle of serving."""
+    import tandem.kernels.paged_attention_triton as kernel_module
+    kv_layer = torch.randn(4, 2, 8, 2, 32)
+    assert kernel_module.precompile_eager_variants(kv_layer, 4, torch.float32) == 2 * len(kernel_module.EAGER_NUM_SPLITS)
+    assert kernel_module.EAGER_NUM_SPLITS[-1] == 32  # _default_num_splits' cap

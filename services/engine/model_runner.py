@@ -12,6 +12,7 @@ pays nothing for LoRA).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,17 @@ class ModelRunner:
             if self.lora_pool is not None:
                 self.lora_graphs = DecodeGraphs(lambda size: self._decode_logits(size, with_lora=True),
                                                 self.inputs.fill_dummy, max_num_seqs, self.device)
+
+    def precompile_kernels(self) -> float:
+        """Compiles the attention variants eager steps can launch (paged_attention_triton), so no
+        compile stalls serving; returns the seconds it took (0 where Triton does not run)."""
+        if self.device.type != "cuda" or backend_for(self.device) != "triton":
+            return 0.0
+        from tandem.kernels.paged_attention_triton import precompile_eager_variants
+        started = time.perf_counter()
+        precompile_eager_variants(self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
 
     def _allocate_kv_cache(self):
         if self.kv_share_path is not None:

@@ -3,6 +3,7 @@ role, the KV transceiver and its poller, readiness and counters."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -32,6 +33,8 @@ from tandem.worker.kv_feed import KvBlockFeed
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
+
+log = logging.getLogger("tandem.worker")
 
 
 class WorkerRuntime:
@@ -167,8 +170,12 @@ class WorkerRuntime:
         self.transceiver = self.poller = self._peers = None
 
     def _warm_up(self) -> None:
-        """One prefill and one decode step so the first real request does not pay for lazy init."""
+        """One prefill and one decode step so the first real request does not pay for lazy init;
+        the attention kernel's eager variants compiled before any request can need one."""
         engine = self.engine
+        seconds = engine.runner.precompile_kernels()
+        if seconds:
+            log.info("attention kernel variants compiled in %.1f s", seconds)
         engine.add_request("warmup", [min(1, engine.model_config.vocab_size - 1)] * 4,
                            SamplingOptions(max_tokens=2, ignore_eos=True))
         while engine.num_unfinished:
