@@ -235,3 +235,24 @@ def test_aborted_and_several_sequence_requests_end_on_the_stream(cluster, no_lea
         for comp in out.outputs:
             tokens[comp.index].extend(comp.token_ids)
     assert outputs[2][-1].finished and [len(t) for t in tokens.values()] == [MAX_TOKENS, MAX_TOKENS]
+
+
+def test_a_lagging_clients_outputs_are_merged_in_the_routers_inbox():
+    """The router reads a worker's stream as it comes; what a slow client has not taken yet is
+    held as one merged message, not one message per engine step."""
+    from tandem.router.output_streams import MAX_PENDING_OUTPUTS, Inbox, streamed_outputs
+    from tandem.router import output_streams
+
+    async def run():
+        inbox = Inbox()
+        for step in range(3 * MAX_PENDING_OUTPUTS + 5):
+            msg = types_pb2.RequestOutput(request_id="slow", finished=False)
+            msg.outputs.add(index=0, token_ids=[step])
+            inbox.put(msg)
+        assert len(inbox.items) <= MAX_PENDING_OUTPUTS
+        inbox.put(output_streams.ENDED)
+        return [m async for m in streamed_outputs(inbox)]
+
+    messages = asyncio.run(run())
+    assert len(messages) == 1
+    assert list(messages[0].outputs[0].token_ids) == list(range(3 * MAX_PENDING_OUTPUTS + 5))

@@ -19,6 +19,8 @@ log = logging.getLogger("tandem.router.output_streams")
 # Put on a request's inbox after its last output, and when its call was cancelled.
 ENDED = object()
 CALL_CANCELLED = object()
+# Outputs an inbox holds before it merges them into one (its client lags behind the worker).
+MAX_PENDING_OUTPUTS = 64
 # Seconds after a failed open before the next try (meanwhile calls stream their own outputs).
 RETRY_OPEN_S = 1.0
 
@@ -42,7 +44,13 @@ class Inbox:
         self._waiter: asyncio.Future | None = None
 
     def put(self, item) -> None:
-        self.items.append(item)
+        items = self.items
+        items.append(item)
+        if len(items) >= MAX_PENDING_OUTPUTS and all(i.__class__ is types_pb2.RequestOutput for i in items):
+            # A client that lags holds one merged message here, not one per engine step.
+            merged = merge_outputs(list(items))
+            items.clear()
+            items.append(merged)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
