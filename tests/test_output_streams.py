@@ -256,3 +256,46 @@ def test_a_lagging_clients_outputs_are_merged_in_the_routers_inbox():
     messages = asyncio.run(run())
     assert len(messages) == 1
     assert list(messages[0].outputs[0].token_ids) == list(range(3 * MAX_PENDING_OUTPUTS + 5))
+
+
+class _ScriptedCall:
+    """A StreamOutputs call that reads a fixed list of batches, then EOF (the router's reader
+    is tested against the exact interleavings a real worker cannot be made to produce)."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.cancelled = False
+
+    async def read(self):
+        await asyncio.sleep(0)
+        return self.batches.pop(0) if self.batches else grpc.aio.EOF
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_the_rest():
+    """A handoff that arrives after its relay ended (its call was cancelled just as the prefill
+    answered) is handed to on_orphan (the pool releases its lease); the stream's end fails the
+    relays still attached and cancels the call."""
+    from tandem.router import output_streams
+
+    async def run():
+        orphans = []
+        handoff = types_pb2.RequestOutput(request_id="late", finished=True)
+        handoff.outputs.add(index=0).disaggregated_params.ctx_request_id = 42
+        mine = types_pb2.RequestOutput(request_id="live")
+        call = _ScriptedCall([worker_pb2.OutputBatch(tags=[9, 1], outputs=[handoff, mine])])
+        stream = output_streams._OpenStream(call, "s", orphans.append)
+        tag, inbox = stream.attach()
+        assert tag == 1
+        first = await inbox.take()
+        second = await inbox.take()
+        await asyncio.sleep(0)
+        return orphans, first, second, call.cancelled, stream.attach()
+
+    orphans, first, second, cancelled, late_attach = asyncio.run(run())
+    assert [o.request_id for o in orphans] == ["late"]
+    assert [o.request_id for o in first] == ["live"]
+    assert isinstance(second[0], grpc.aio.AioRpcError) and second[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert cancelled and late_attach is None  # a failed stream takes no new relay

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from tandem.common.auth import AccessPolicy
-from tandem.common.gc_pauses import freeze_startup_heap, watch_pauses
+from tandem.common.gc_pauses import freeze_startup_heap, unfreeze_heap, watch_pauses
 from tandem.common.channels import ClusterCredentials
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
@@ -23,6 +23,7 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
     """The router is SERVING while it can route: it has the model's tokenizer, and at least one
     worker that can prefill and one that can decode are ready."""
     serving = None
+    frozen = False
     while True:
         ready = pool.ready_workers
         if ready and servicer.front is None:
@@ -31,8 +32,9 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
             except Exception as exc:  # noqa: BLE001 - tried again next round
                 log.warning("loading the tokenizer from %s failed: %s", ready[0].address, exc)
         now = servicer.front is not None and any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
-        if now and serving is None:
+        if now and not frozen:
             freeze_startup_heap("router")
+            frozen = True
         if now != serving:
             await server.set_serving(now)
             serving = now
@@ -73,3 +75,4 @@ async def serve_router(config: RouterConfig) -> None:
             task.cancel()
         await pool.close()
         metrics.close()
+        unfreeze_heap()

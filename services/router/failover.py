@@ -10,13 +10,13 @@ because a seeded request's randomness depends only on (seed, token index).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tandem.common.background import spawn
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
@@ -73,6 +73,7 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             return prefill, out
         except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
             if not await worker_gone(prefill, exc, route.pool.health_timeout_s):
+                _release_lost_handoff(route, prefill, ctx)  # the reply may have come on its own after all
                 raise
             log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, _code(exc), ctx.request_id)
             route.pool.mark_down(prefill)
@@ -82,7 +83,7 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             # Cancelled after the reply came: the handoff it carries is nobody else's to release.
             if _hands_off(out):
                 lease_id = out.outputs[0].disaggregated_params.ctx_request_id
-                asyncio.ensure_future(release_lease(route.pool, prefill, lease_id))
+                spawn(release_lease(route.pool, prefill, lease_id))
             else:
                 _release_lost_handoff(route, prefill, ctx)
             raise
@@ -96,7 +97,7 @@ def _release_lost_handoff(route: Route, prefill: WorkerHandle, ctx: llm_pb2.Gene
     """The context call was cancelled before its reply was read: the prefill may have finished
     and sent a handoff that nobody will present. Its lease goes by the split's disagg_request_id
     (the request is aborted there if it still runs); without this it would wait for its expiry."""
-    asyncio.ensure_future(release_lease(route.pool, prefill, 0, ctx.disaggregated_params.disagg_request_id))
+    spawn(release_lease(route.pool, prefill, 0, ctx.disaggregated_params.disagg_request_id))
 
 
 def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so_far: list[int]) -> llm_pb2.GenerateRequest:

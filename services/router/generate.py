@@ -4,11 +4,11 @@ worker), or, for n > 1 over a split, as n single-sequence splits. A split whose 
 decode) side has no ready worker left runs on one worker of another role instead."""
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from typing import AsyncIterator
 
+from tandem.common.background import spawn
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
@@ -160,7 +160,7 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
                 client_metrics(msg.metrics)
             yield msg
     finally:
-        asyncio.ensure_future(release_lease(route.pool, prefill, handoff.ctx_request_id))
+        spawn(release_lease(route.pool, prefill, handoff.ctx_request_id))
 
 
 async def split_n(route: Route, request: llm_pb2.GenerateRequest):

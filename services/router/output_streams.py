@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from typing import Callable
 
 import grpc
 
@@ -112,15 +113,21 @@ async def report_end(call: grpc.aio.UnaryStreamCall, inbox: Inbox) -> None:
 class _OpenStream:
     """One StreamOutputs call and the queues of the requests whose outputs it carries."""
 
-    def __init__(self, call, stream_id: str):
+    def __init__(self, call, stream_id: str, on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None):
         self.call = call
         self.stream_id = stream_id
+        # Called with an output whose relay is over (a cancelled or failed call's stragglers).
+        self.on_orphan = on_orphan
         self.inboxes: dict[int, Inbox] = {}
         self.failure: tuple[grpc.StatusCode, str] | None = None
         self._next_tag = 0
         self._reader = asyncio.create_task(self._read())
 
-    def attach(self) -> tuple[int, Inbox]:
+    def attach(self) -> tuple[int, Inbox] | None:
+        """A tag and its inbox; None once the stream has failed (its failure was sent to the
+        inboxes it had: a new one would never hear of it)."""
+        if self.failure is not None:
+            return None
         self._next_tag += 1
         inbox = self.inboxes[self._next_tag] = Inbox()
         return self._next_tag, inbox
@@ -136,8 +143,10 @@ class _OpenStream:
             while (batch := await self.call.read()) is not grpc.aio.EOF:
                 for tag, output in zip(batch.tags, batch.outputs):
                     inbox = inboxes.get(tag)
-                    if inbox is not None:  # None: its relay is over (a cancelled call's stragglers)
+                    if inbox is not None:
                         inbox.put(output)
+                    elif self.on_orphan is not None:  # its relay is over (a cancelled call's stragglers)
+                        self.on_orphan(output)
                 for tag in batch.ended:
                     inbox = inboxes.get(tag)
                     if inbox is not None:
@@ -152,6 +161,7 @@ class _OpenStream:
             failure = (grpc.StatusCode.INTERNAL, f"the output stream broke: {exc}")
         finally:
             self.failure = failure
+            self.call.cancel()  # the worker's side ends too, whatever ended ours
             log.info("output stream %s ended: %s %s", self.stream_id, failure[0].name, failure[1])
             for inbox in inboxes.values():
                 inbox.put(stream_failure(*failure))
@@ -164,9 +174,11 @@ class _OpenStream:
 class WorkerOutputs:
     """One worker's output stream, opened on first use and again after it broke."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str):
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str,
+                 on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None):
         self._stub = stub
         self._address = address
+        self._on_orphan = on_orphan
         self._stream: _OpenStream | None = None
         self._opening: asyncio.Task | None = None
         # After a failed open, calls stream their own outputs until then (loop time).
@@ -185,17 +197,22 @@ class WorkerOutputs:
                 return None
             if self._opening is None:
                 self._opening = asyncio.create_task(self._open(timeout))
-            try:
-                stream = await asyncio.shield(self._opening)
-            finally:
-                if self._opening is not None and self._opening.done():
-                    self._opening = None
+            stream = await asyncio.shield(self._opening)
             if stream is None:
                 return None
-        tag, inbox = stream.attach()
+        attached = stream.attach()
+        if attached is None:  # it failed meanwhile: this call streams its own outputs
+            return None
+        tag, inbox = attached
         return stream, tag, inbox
 
     async def _open(self, timeout: float) -> _OpenStream | None:
+        try:
+            return await self._open_call(timeout)
+        finally:
+            self._opening = None  # done, whoever still waits for it
+
+    async def _open_call(self, timeout: float) -> _OpenStream | None:
         call = self._stub.StreamOutputs(worker_pb2.StreamOutputsRequest())
         try:
             first = await asyncio.wait_for(call.read(), timeout)
@@ -211,13 +228,13 @@ class WorkerOutputs:
             call.cancel()
             self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
             return None
-        self._stream = _OpenStream(call, first.stream_id)
+        self._stream = _OpenStream(call, first.stream_id, self._on_orphan)
         return self._stream
 
-    def reset(self) -> None:
-        """The worker does not know the open stream: the next attach opens another."""
-        if self._stream is not None:
-            self._stream.close()
+    def reset(self, stream: _OpenStream) -> None:
+        """The worker does not know stream: the next attach opens another (unless one already replaced it)."""
+        if self._stream is stream:
+            stream.close()
             self._stream = None
 
     def close(self) -> None:

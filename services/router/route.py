@@ -83,7 +83,7 @@ class Route:
             for attempt in range(2):
                 started = False
                 try:
-                    async for msg in self._call(worker, request, metadata):
+                    async for msg in self._call(worker, request, metadata, use_stream=attempt == 0):
                         started = True
                         if prefill_tokens:
                             worker.queued_prefill_tokens -= prefill_tokens
@@ -91,19 +91,20 @@ class Route:
                         yield msg
                     return
                 except grpc.aio.AioRpcError as exc:
-                    # The worker does not know our output stream (its connection to us was replaced):
-                    # nothing ran there; once more, on a new stream.
+                    # The worker does not know our output stream (its connection to us was replaced,
+                    # _call reset it): nothing ran there; once more, on the call itself.
                     if attempt or started or not is_unknown_output_stream(exc):
                         raise
-                    worker.outputs.reset()
         finally:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
 
-    async def _call(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, metadata: tuple):
-        """One Generate call's messages; its outputs come on the worker's output stream when it has one."""
-        attached = await worker.outputs.attach(self.pool.health_timeout_s)
+    async def _call(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, metadata: tuple,
+                    use_stream: bool = True):
+        """One Generate call's messages; its outputs come on the worker's output stream when it
+        has one (and use_stream), else on the call."""
+        attached = await worker.outputs.attach(self.pool.health_timeout_s) if use_stream else None
         if attached is not None:
             stream, tag, inbox = attached
             metadata += ((OUTPUT_STREAM_METADATA, f"{stream.stream_id}:{tag}"),)
@@ -118,6 +119,10 @@ class Route:
                 self._last_message_at = time.monotonic()
                 finished = msg.finished
                 yield msg
+        except grpc.aio.AioRpcError as exc:
+            if attached is not None and is_unknown_output_stream(exc):
+                worker.outputs.reset(stream)
+            raise
         except asyncio.CancelledError:
             if watchdog.done() and not watchdog.cancelled() and watchdog.result():
                 raise WorkerStalledError(worker) from None

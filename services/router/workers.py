@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.auth import bearer_metadata
 from tandem.common.channels import ClusterCredentials
+from tandem.common.background import spawn
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.router import health
@@ -101,8 +102,23 @@ class WorkerPool:
     def _open(self, address: str) -> WorkerHandle:
         channel = self.credentials.open(address)
         internal = self.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
+        outputs = WorkerOutputs(internal, address, lambda output: self._release_orphaned_handoff(internal, address, output))
         return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel), internal,
-                            health_pb2_grpc.HealthStub(channel), outputs=WorkerOutputs(internal, address))
+                            health_pb2_grpc.HealthStub(channel), outputs=outputs)
+
+    def _release_orphaned_handoff(self, internal, address: str, output: types_pb2.RequestOutput) -> None:
+        """An output came on a stream after its relay ended (its call was cancelled or failed just
+        as the worker answered): a handoff in it reaches nobody, so its lease goes now, not at expiry."""
+        for comp in output.outputs:
+            if comp.disaggregated_params.opaque_state:
+                request = worker_pb2.ReleaseKvRequest(ctx_request_id=comp.disaggregated_params.ctx_request_id)
+                spawn(self._release(internal, address, request))
+
+    async def _release(self, internal, address: str, request: worker_pb2.ReleaseKvRequest) -> None:
+        try:
+            await internal.ReleaseKv(request, timeout=5, metadata=self.admin_metadata)
+        except grpc.aio.AioRpcError as exc:
+            log.info("ReleaseKv(%d) on %s: %s (the lease expires anyway)", request.ctx_request_id, address, exc.code())
 
     def start(self) -> None:
         self._started = True

@@ -5,7 +5,7 @@ import asyncio
 import logging
 
 from tandem.common.auth import AccessPolicy
-from tandem.common.gc_pauses import freeze_startup_heap, watch_pauses
+from tandem.common.gc_pauses import freeze_startup_heap, unfreeze_heap, watch_pauses
 from tandem.common.interceptors import ReadinessInterceptor
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
@@ -53,3 +53,4 @@ async def serve_worker(config: WorkerConfig) -> None:
         await llm_servicer.abort_all()
         await runtime.close()
         metrics.close()
+        unfreeze_heap()

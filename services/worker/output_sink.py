@@ -44,6 +44,10 @@ class OutputSink:
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self._first = True
         self._finished = False
+        # Messages pushed and not yet written, and an error that ends the request once they are
+        # (its call's status must not overtake them: the caller would drop their tokens).
+        self._num_unwritten = 0
+        self._error: BaseException | None = None
 
     def put_nowait(self, item) -> None:
         if self._finished or self.done.done():
@@ -60,20 +64,33 @@ class OutputSink:
             self.tracker.counted(msg, len(request.prompt_token_ids))
             self._finished = msg.finished
             self.stream.push(self.tag, msg, self._written_callback(msg.finished))
+            self._num_unwritten += 1
         except BaseException as exc:  # noqa: BLE001 - ends the request's call with its status
             self._finished = True
-            if not self.done.done():
-                self.done.set_exception(exc)
+            self._error = exc
+            if not self._num_unwritten:
+                self._end(exc)
 
     def _written_callback(self, is_last: bool):
         def written(error: BaseException | None) -> None:
-            if error is None:
-                self.request.delivered()
-                if is_last and not self.done.done():
-                    self.done.set_result(None)
-            elif not self.done.done():
-                self.done.set_exception(error)
+            self._num_unwritten -= 1
+            if error is not None:
+                self._end(error)
+                return
+            self.request.delivered()
+            if is_last:
+                self._end(None)
+            elif self._error is not None and not self._num_unwritten:
+                self._end(self._error)
         return written
+
+    def _end(self, error: BaseException | None) -> None:
+        if self.done.done():
+            return
+        if error is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(error)
 
     def empty(self) -> bool:
         return True  # nothing waits here: each output went out as it came

@@ -34,6 +34,8 @@ class OutputStream:
         self._ended: list[int] = []
         # Run (with None, or the stream's error) once the pending batch is written.
         self._callbacks: list[Callable[[BaseException | None], None]] = []
+        # The callbacks of the batch being written.
+        self._writing: list[Callable[[BaseException | None], None]] = []
         self._wake = asyncio.Event()
         self._error: RpcError | None = None
 
@@ -67,25 +69,33 @@ class OutputStream:
     async def batches(self):
         """The StreamOutputs call's messages: the stream id, then a batch whenever outputs are pending."""
         yield worker_pb2.OutputBatch(stream_id=self.stream_id)
-        writing: list[Callable[[BaseException | None], None]] = []
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if self._error is not None:
+                    return
                 if not self._tags and not self._ended:
                     continue
                 batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended)
-                writing, self._callbacks = self._callbacks, []
+                self._writing, self._callbacks = self._callbacks, []
                 self._tags, self._outputs, self._ended = [], [], []
                 yield batch
+                writing, self._writing = self._writing, []
                 for callback in writing:
                     callback(None)
-                writing = []
         finally:
+            self.close()
+
+    def close(self) -> None:
+        """Fails what was pushed and not written; later pushes raise. Idempotent."""
+        if self._error is None:
             self._error = unavailable(f"output stream {self.stream_id} closed (its caller went away)")
-            for callback in writing + self._callbacks:
-                callback(self._error)
-            self._callbacks = []
+        callbacks = self._writing + self._callbacks
+        self._writing, self._callbacks = [], []
+        self._wake.set()  # the writer returns
+        for callback in callbacks:
+            callback(self._error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -109,19 +119,27 @@ class OutputStreams:
     def num_open(self) -> int:
         return len(self._streams)
 
-    async def serve(self, owner: str):
-        """Opens a stream for owner (the caller's identity) and yields its messages until the caller leaves."""
+    async def serve(self, owner: str, context=None):
+        """Opens a stream for owner (the caller's identity) and yields its messages until the caller
+        leaves. With the call's context, the stream closes as soon as the call ends (a generator
+        suspended in a write is finalized only later)."""
         if len(self._streams) >= self.max_streams:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{len(self._streams)} output streams are open on this worker (at most {self.max_streams}); "
                            f"close one first")
         stream = OutputStream(owner)
         self._streams[stream.stream_id] = stream
+        if context is not None:
+            context.add_done_callback(lambda _: self._close(stream))
         try:
             async for batch in stream.batches():
                 yield batch
         finally:
-            self._streams.pop(stream.stream_id, None)
+            self._close(stream)
+
+    def _close(self, stream: OutputStream) -> None:
+        self._streams.pop(stream.stream_id, None)
+        stream.close()
 
     def named(self, value: str, caller: str) -> tuple[OutputStream, int]:
         """The stream and tag a Generate's metadata names; only the stream's owner may name it."""

@@ -259,7 +259,7 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
             yield update
 
     async def StreamOutputs(self, request, context):
-        async for batch in self.llm.output_streams.serve(caller_of(context)):
+        async for batch in self.llm.output_streams.serve(caller_of(context), context):
             yield batch
 
     async def StopSequences(self, request, context):
