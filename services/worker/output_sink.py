@@ -33,9 +33,8 @@ class OutputSink:
     """Stands where a request's queue stands (the engine core calls put_nowait with each of its
     outputs, the request puts its own CANCELLED and failures): builds each message at once."""
 
-    def __init__(self, request: WorkerRequest, text_request: TextRequest, tracker: RequestTracker,
-                 stream: OutputStream, tag: int):
-        self.request = request
+    def __init__(self, text_request: TextRequest, tracker: RequestTracker, stream: OutputStream, tag: int):
+        self.request: WorkerRequest | None = None
         self.text_request = text_request
         self.tracker = tracker
         self.stream = stream
@@ -48,6 +47,19 @@ class OutputSink:
         # (its call's status must not overtake them: the caller would drop their tokens).
         self._num_unwritten = 0
         self._error: BaseException | None = None
+
+    def bind(self, request: WorkerRequest) -> None:
+        """Takes request's outputs from now on (before it is started)."""
+        self.request = request
+        request.stream = self
+
+    async def wait(self) -> None:
+        """Until the request's last message is written; raises what ended it otherwise."""
+        try:
+            await self.done
+        finally:
+            if self.done.done() and not self.done.cancelled():
+                self.done.exception()  # retrieved: a cancelled call's end was raised elsewhere
 
     def put_nowait(self, item) -> None:
         if self._finished or self.done.done():

@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import json
 import uuid
-from typing import Callable
 
 from google.protobuf import json_format
 
@@ -49,20 +48,14 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         adapter = await rt.load_adapter(text_request.engine_request)
         guide = await self.guides.compile(request.sampling_params)
         if output_stream is not None and takes_fast_path(text_request):
-            sinks = []
-
-            def sink_for(worker_request: WorkerRequest) -> OutputSink:
-                sinks.append(OutputSink(worker_request, text_request, tracker, output_stream, tag))
-                return sinks[0]
-            worker_request = self._start(text_request.engine_request, context, adapter, guide, sink_for)
+            sink = OutputSink(text_request, tracker, output_stream, tag)
+            worker_request = self._start(text_request.engine_request, context, adapter, guide, sink)
             self.requests[worker_request.request_id] = worker_request
             try:
-                await sinks[0].done  # each output went out as the engine handed it over
+                await sink.wait()  # each output went out as the engine handed it over
             finally:
                 self.requests.pop(worker_request.request_id, None)
                 worker_request.close()
-                if sinks[0].done.done() and not sinks[0].done.cancelled():
-                    sinks[0].done.exception()  # retrieved: a cancelled call's end was raised elsewhere
             return
         worker_request = self._start(text_request.engine_request, context, adapter, guide)
         self.requests[worker_request.request_id] = worker_request
@@ -83,9 +76,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             worker_request.close()
 
     def _start(self, request: llm_pb2.GenerateRequest, context, adapter=None, guide=None,
-               sink_for: Callable[[WorkerRequest], OutputSink] | None = None) -> WorkerRequest:
+               sink: OutputSink | None = None) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for;
-        sink_for: what takes its outputs instead of its queue (output_sink.py)."""
+        sink: what takes its outputs instead of its queue (output_sink.py)."""
         engine = self.rt.engine
         options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
         if guide is not None:
@@ -108,8 +101,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         worker_request.owner = caller_of(context)
         # Whose unclaimed KV handoff a context phase would leave (the router's own splits: nobody's).
         worker_request.client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
-        if sink_for is not None:
-            worker_request.stream = sink_for(worker_request)
+        if sink is not None:
+            sink.bind(worker_request)
         start(worker_request)
         return worker_request
 
