@@ -34,6 +34,9 @@ CHANNEL_OPTIONS = [
 
 
 _DRAIN_POLL_S = 0.05
+# After NOT_SERVING is set, how long at least before the server stops: the health Watch streams
+# need a turn of the loop (or a few, on a busy machine) to write NOT_SERVING before stop cancels them.
+_WATCH_FLUSH_S = 0.2
 
 DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 
@@ -122,8 +125,9 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_seconds
         log.info("draining %s: NOT_SERVING, up to %.1f s for in-flight work", self.address, self.drain_seconds)
+        flushed = loop.time() + min(_WATCH_FLUSH_S, self.drain_seconds)
         drained = await self.is_drained()
-        while not drained and loop.time() < deadline and not self._force_stop.is_set():
+        while (not drained or loop.time() < flushed) and loop.time() < deadline and not self._force_stop.is_set():
             await asyncio.sleep(_DRAIN_POLL_S)
             drained = await self.is_drained()
         if drained:
