@@ -52,6 +52,19 @@ def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
     return request
 
 
+def _entries(batch: worker_pb2.OutputBatch):
+    """(tag, message) per entry, as worker.proto says to read a batch: a lone token is the message
+    of that one token."""
+    if not batch.tokens:
+        yield from zip(batch.tags, batch.outputs)
+        return
+    outputs = iter(batch.outputs)
+    for tag, token, cumulative in zip(batch.tags, batch.tokens, batch.cumulative_logprobs, strict=True):
+        yield tag, next(outputs) if token < 0 else types_pb2.RequestOutput(outputs=[types_pb2.CompletionOutput(
+            index=0, token_ids=[token], cumulative_logprob=cumulative)])
+    assert next(outputs, None) is None
+
+
 async def _open(cluster, channel):
     stub = cluster.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
     call = stub.StreamOutputs(worker_pb2.StreamOutputsRequest())
@@ -81,14 +94,14 @@ def test_concurrent_requests_share_batches_and_get_their_own_tokens(cluster, no_
                      for tag, r in enumerate(requests, start=100)]
             tokens: dict[int, list[int]] = {}
             ended: set[int] = set()
-            num_batches = num_outputs = 0
+            num_batches = num_outputs = num_lone = 0
             while len(ended) < len(requests):
                 batch = await asyncio.wait_for(call.read(), 30)
                 assert batch is not grpc.aio.EOF
                 num_batches += 1
-                num_outputs += len(batch.outputs)
-                assert len(batch.tags) == len(batch.outputs)
-                for tag, out in zip(batch.tags, batch.outputs):
+                num_outputs += len(batch.tags)
+                num_lone += sum(1 for t in batch.tokens if t >= 0)
+                for tag, out in _entries(batch):
                     assert tag not in ended
                     tokens.setdefault(tag, []).extend(t for o in out.outputs for t in o.token_ids)
                 ended.update(batch.ended)
@@ -97,14 +110,16 @@ def test_concurrent_requests_share_batches_and_get_their_own_tokens(cluster, no_
                 assert [m async for m in c] == []
                 assert await c.code() == grpc.StatusCode.OK
             call.cancel()
-        return expected, tokens, num_batches, num_outputs
+        return expected, tokens, num_batches, num_outputs, num_lone
 
-    expected, tokens, num_batches, num_outputs = asyncio.run(run())
+    expected, tokens, num_batches, num_outputs, num_lone = asyncio.run(run())
     assert {tag - 100: t for tag, t in tokens.items()} == {i: expected[r.request_id]
                                                            for i, r in enumerate(requests)}
     assert all(len(t) == MAX_TOKENS for t in tokens.values())
     # A step's outputs of every running request go in one message.
     assert num_batches < num_outputs / 3, (num_batches, num_outputs)
+    # Every message but a request's first and last is one token, sent without a RequestOutput.
+    assert num_lone == num_outputs - 2 * len(requests), (num_lone, num_outputs)
 
 
 def test_a_stream_is_named_only_by_the_connection_that_opened_it(cluster, no_leaked_blocks):
@@ -141,7 +156,7 @@ def test_closing_a_stream_ends_the_requests_writing_to_it(cluster, no_leaked_blo
             calls = [llm.Generate(_request(i, max_tokens=2000), metadata=((OUTPUT_STREAM_METADATA, f"{stream_id}:{i}"),))
                      for i in range(4)]
             batch = await asyncio.wait_for(call.read(), 30)  # they run
-            assert batch.outputs
+            assert batch.tags
             call.cancel()
             codes = []
             for c in calls:
@@ -217,7 +232,7 @@ def test_aborted_and_several_sequence_requests_end_on_the_stream(cluster, no_lea
             aborted = False
             while len(ended) < 2:
                 batch = await asyncio.wait_for(call.read(), 30)
-                for tag, out in zip(batch.tags, batch.outputs):
+                for tag, out in _entries(batch):
                     outputs[tag].append(out)
                 ended.update(batch.ended)
                 if outputs[1] and not aborted:
@@ -299,3 +314,54 @@ def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_t
     assert [o.request_id for o in first] == ["live"]
     assert isinstance(second[0], grpc.aio.AioRpcError) and second[0].code() == grpc.StatusCode.UNAVAILABLE
     assert cancelled and late_attach is None  # a failed stream takes no new relay
+
+
+def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
+    """The router rebuilds each lone token as the message the worker would have sent (its
+    request id from the request's earlier message), in entry order among full messages; a
+    malformed batch fails the stream (its requests fail over) before any of it is delivered."""
+    from tandem.router import output_streams
+
+    def full(request_id, tokens, finished=False):
+        msg = types_pb2.RequestOutput(request_id=request_id, finished=finished)
+        msg.outputs.add(index=0, token_ids=tokens, cumulative_logprob=-float(len(tokens)))
+        return msg
+
+    async def run(batches):
+        stream = output_streams._OpenStream(_ScriptedCall(batches), "s")
+        inboxes = [stream.attach()[1], stream.attach()[1]]
+        received = {1: [], 2: []}
+        for tag, inbox in enumerate(inboxes, start=1):
+            while True:
+                items = await inbox.take()
+                received[tag] += items
+                if not all(i.__class__ is types_pb2.RequestOutput for i in items):
+                    break
+        return received
+
+    batches = [
+        worker_pb2.OutputBatch(tags=[1, 2], outputs=[full("a", [5]), full("b", [6, 7])]),
+        worker_pb2.OutputBatch(tags=[2, 1, 1, 2], outputs=[full("a", [11], finished=True)],
+                               tokens=[8, 9, -1, 10], cumulative_logprobs=[-3.0, -2.0, 0.0, -4.0], ended=[1]),
+        worker_pb2.OutputBatch(tags=[2], outputs=[full("b", [12], finished=True)], ended=[2]),
+    ]
+    received = asyncio.run(run(batches))
+    a, b = received[1], received[2]
+    assert a[-1] is output_streams.ENDED and b[-1] is output_streams.ENDED
+    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob, m.finished)
+            for m in a[:-1]] == [("a", [5], -1.0, False), ("a", [9], -2.0, False), ("a", [11], -1.0, True)]
+    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob)
+            for m in b[:-1]] == [("b", [6, 7], -2.0), ("b", [8], -3.0), ("b", [10], -4.0), ("b", [12], -1.0)]
+    lone = types_pb2.RequestOutput(request_id="b")
+    lone.outputs.add(index=0, token_ids=[8], cumulative_logprob=-3.0)
+    assert b[1].SerializeToString() == lone.SerializeToString()  # what the worker's full message would be
+
+    for bad in (dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, 3]),  # no logprobs
+                dict(tags=[1], outputs=[full("a", [5])], tokens=[4], cumulative_logprobs=[0]),  # an output too many
+                dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, -1], cumulative_logprobs=[0, 0]),
+                dict(tags=[1], outputs=[], tokens=[4, 5], cumulative_logprobs=[0, 0])):
+        bad = [worker_pb2.OutputBatch(**bad)]
+        received = asyncio.run(run(bad))
+        failure = received[1][0]  # nothing of the batch was delivered
+        assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.INTERNAL, failure
+        assert "malformed output batch" in failure.details()

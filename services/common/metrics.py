@@ -224,6 +224,10 @@ class RequestTracker:
         if msg.finished:
             self.metrics.record(self, num_prompt_tokens, self._num_tokens, self._reasons)
 
+    def count_tokens(self, index: int, num_tokens: int) -> None:
+        """What counted() does for a message of num_tokens tokens of sequence index and nothing else."""
+        self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
+
     async def produced(self, messages: AsyncIterator[types_pb2.RequestOutput]):
         async for msg in messages:
             self.saw(msg)

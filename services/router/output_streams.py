@@ -38,13 +38,23 @@ def stream_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class Inbox:
     """A request's outputs as the stream reader hands them over; the relay takes all there are at once."""
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("items", "request_id", "_waiter")
 
     def __init__(self):
         self.items: deque = deque()
+        # The request id the worker's messages carry, from the first (a lone token's message is
+        # built with it: the worker sends lone tokens only after a request's first message).
+        self.request_id = ""
         self._waiter: asyncio.Future | None = None
 
+    def put_token(self, token_id: int, cumulative_logprob: float) -> None:
+        """A lone token (OutputBatch.tokens): the message the worker would have sent for it."""
+        self.put(types_pb2.RequestOutput(request_id=self.request_id, outputs=[types_pb2.CompletionOutput(
+            index=0, token_ids=[token_id], cumulative_logprob=cumulative_logprob)]))
+
     def put(self, item) -> None:
+        if not self.request_id and item.__class__ is types_pb2.RequestOutput:
+            self.request_id = item.request_id
         items = self.items
         items.append(item)
         if len(items) >= MAX_PENDING_OUTPUTS and all(i.__class__ is types_pb2.RequestOutput for i in items):
@@ -141,12 +151,11 @@ class _OpenStream:
         try:
             # read(), as _open's first read: grpc.aio refuses a call read both ways.
             while (batch := await self.call.read()) is not grpc.aio.EOF:
-                for tag, output in zip(batch.tags, batch.outputs):
-                    inbox = inboxes.get(tag)
-                    if inbox is not None:
-                        inbox.put(output)
-                    elif self.on_orphan is not None:  # its relay is over (a cancelled call's stragglers)
-                        self.on_orphan(output)
+                if batch.tokens:
+                    self._deliver_mixed(batch)
+                else:
+                    for tag, output in zip(batch.tags, batch.outputs):
+                        self._deliver(inboxes.get(tag), output)
                 for tag in batch.ended:
                     inbox = inboxes.get(tag)
                     if inbox is not None:
@@ -165,6 +174,28 @@ class _OpenStream:
             log.info("output stream %s ended: %s %s", self.stream_id, failure[0].name, failure[1])
             for inbox in inboxes.values():
                 inbox.put(stream_failure(*failure))
+
+    def _deliver(self, inbox: Inbox | None, output: types_pb2.RequestOutput) -> None:
+        if inbox is not None:
+            inbox.put(output)
+        elif self.on_orphan is not None:  # its relay is over (a cancelled call's stragglers)
+            self.on_orphan(output)
+
+    def _deliver_mixed(self, batch: worker_pb2.OutputBatch) -> None:
+        """A batch with lone tokens: entry i is batch.tokens[i], or the next full output where that is -1."""
+        tags, tokens = batch.tags, batch.tokens
+        if len(tokens) != len(tags) or len(batch.cumulative_logprobs) != len(tags) \
+                or sum(1 for t in tokens if t < 0) != len(batch.outputs):
+            raise ValueError(f"malformed output batch: {len(tags)} tags, {len(tokens)} tokens, "
+                             f"{len(batch.cumulative_logprobs)} logprobs, {len(batch.outputs)} outputs")
+        inboxes = self.inboxes
+        outputs = iter(batch.outputs)
+        for tag, token, cumulative in zip(tags, tokens, batch.cumulative_logprobs):
+            inbox = inboxes.get(tag)
+            if token < 0:
+                self._deliver(inbox, next(outputs))
+            elif inbox is not None:  # a lone token whose relay is over is nobody's (it holds no handoff)
+                inbox.put_token(token, cumulative)
 
     def close(self) -> None:
         self._reader.cancel()

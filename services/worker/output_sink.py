@@ -52,6 +52,10 @@ class OutputSink:
         """Takes request's outputs from now on (before it is started)."""
         self.request = request
         request.stream = self
+        # Its decode steps' outputs can go as lone tokens (OutputStream.push_token): one
+        # sequence, no logprobs, so a step's message is its one token and nothing else.
+        self._lone_tokens = request.options.logprobs is None and not request.beam_search and len(request.sequences) == 1
+        self._state = next(iter(request.sequences.values()))
 
     async def wait(self) -> None:
         """Until the request's last message is written; raises what ended it otherwise."""
@@ -66,6 +70,11 @@ class OutputSink:
             # After the end (an output that raced with an abort): its lease is nobody's.
             if isinstance(item, StepOutput) and item.lease is not None and self.request.withdraw is not None:
                 self.request.withdraw(item.lease.lease_id)
+            return
+        if (self._lone_tokens and item.__class__ is StepOutput and not item.finished and item.lease is None
+                and item.perf is None and item.generation_logits is None and len(item.new_token_ids) == 1
+                and not self._first and self.tracker.first_token_at is not None):
+            self._push_token(item)
             return
         request = self.request
         try:
@@ -82,6 +91,33 @@ class OutputSink:
             self._error = exc
             if not self._num_unwritten:
                 self._end(exc)
+
+    def _push_token(self, item: StepOutput) -> None:
+        """What message() and the tracker would do with a decode step's lone token, without the message."""
+        if self._state.finished:  # a token that raced with an abort
+            return
+        request = self.request
+        metrics = request.metrics
+        if item.num_cached_prompt_tokens > metrics.num_cached_prompt_tokens:
+            metrics.num_cached_prompt_tokens = item.num_cached_prompt_tokens
+        try:
+            self.stream.push_token(self.tag, item.new_token_ids[0], request.first_cumulative + item.cumulative_logprob,
+                                   self._token_written)
+        except BaseException as exc:  # noqa: BLE001 - the stream is closed: the request ends with its status
+            self._finished = True
+            self._error = exc
+            if not self._num_unwritten:
+                self._end(exc)
+            return
+        self._num_unwritten += 1
+        self.tracker.count_tokens(0, 1)
+
+    def _token_written(self, error: BaseException | None) -> None:
+        self._num_unwritten -= 1
+        if error is not None:
+            self._end(error)
+        elif self._error is not None and not self._num_unwritten:
+            self._end(self._error)
 
     def _written_callback(self, is_last: bool):
         def written(error: BaseException | None) -> None:

@@ -31,6 +31,10 @@ class OutputStream:
         self.owner = owner
         self._tags: list[int] = []
         self._outputs: list[types_pb2.RequestOutput] = []
+        # Per entry of _tags: -1 (a full message, in _outputs) or a lone token (push_token).
+        self._tokens: list[int] = []
+        self._cumulative: list[float] = []
+        self._num_tokens = 0
         self._ended: list[int] = []
         # Run (with None, or the stream's error) once the pending batch is written.
         self._callbacks: list[Callable[[BaseException | None], None]] = []
@@ -48,10 +52,25 @@ class OutputStream:
             raise self._error
         self._tags.append(tag)
         self._outputs.append(msg)
+        self._tokens.append(-1)
+        self._cumulative.append(0.0)
         if msg.finished:
             self._ended.append(tag)
         if on_written is not None:
             self._callbacks.append(on_written)
+        self._wake.set()
+
+    def push_token(self, tag: int, token_id: int, cumulative_logprob: float,
+                   on_written: Callable[[BaseException | None], None]) -> None:
+        """push of a message that holds one token of sequence 0 and nothing else (not the
+        request's last), sent as two numbers instead of a RequestOutput (OutputBatch.tokens)."""
+        if self._error is not None:
+            raise self._error
+        self._tags.append(tag)
+        self._tokens.append(token_id)
+        self._cumulative.append(cumulative_logprob)
+        self._num_tokens += 1
+        self._callbacks.append(on_written)
         self._wake.set()
 
     async def send(self, tag: int, msg: types_pb2.RequestOutput) -> None:
@@ -78,8 +97,12 @@ class OutputStream:
                 if not self._tags and not self._ended:
                     continue
                 batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended)
+                if self._num_tokens:
+                    batch.tokens.extend(self._tokens)
+                    batch.cumulative_logprobs.extend(self._cumulative)
                 self._writing, self._callbacks = self._callbacks, []
                 self._tags, self._outputs, self._ended = [], [], []
+                self._tokens, self._cumulative, self._num_tokens = [], [], 0
                 yield batch
                 writing, self._writing = self._writing, []
                 for callback in writing:

@@ -24,16 +24,20 @@ class StreamOutputsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("stream_id", "tags", "outputs", "ended")
+    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     tags: _containers.RepeatedScalarFieldContainer[int]
     outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.RequestOutput]
     ended: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    cumulative_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerStateRequest(_message.Message):
     __slots__ = ()
