@@ -218,6 +218,7 @@ def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1
             results["eager_bs32_kernels"] = _kernel_profile(engine, runner)
         for seq in list(engine.scheduler.running):
             engine.abort_request(seq.request_id)
+    results["offline"] = _offline_in_process(engine, runner, rng, vocab, gpu_ms)
     prompt = [rng.randrange(3, vocab) for _ in range(2048)]
     ttfts = []
     for i in range(3):
@@ -257,6 +258,39 @@ def _kernel_profile(engine, runner) -> list[tuple[str, float, int]]:
         log(f"  {ms:8.3f} ms  {count:5d}x  {name}")
     log(f"  total {sum(r[1] for r in rows):.3f} ms GPU in {sum(r[2] for r in rows)} kernel launches")
     return rows[:30]
+
+
+def _offline_in_process(engine, runner, rng, vocab, gpu_ms, num=256, prompt_len=512, max_tokens=256) -> dict:
+    """The offline row's workload on the engine alone (no gRPC, no router): what serving it is
+    held against. Its decode steps attend over 512-768 tokens each, 3-5x the context of the
+    bs256 row above, so their GPU time is the replay measured here, once every request decodes."""
+    from tandem.engine.sampling_options import SamplingOptions
+    opts = SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+    device = runner.device
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(num):
+        engine.add_request(f"offline-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], opts)
+    last_first = replay = None
+    generated = 0
+    while engine.num_unfinished:
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+        if last_first is None and not engine.scheduler.waiting and \
+                all(s.num_output_tokens for s in engine.scheduler.running):
+            paused = time.perf_counter()
+            batch = len(engine.scheduler.running)
+            size = runner.graphs.size_for(batch) if runner.graphs else None
+            replay = gpu_ms(lambda: runner.graphs.run(size), num=5) if size else float("nan")
+            last_first = time.perf_counter()
+            start += last_first - paused  # the replays are not the workload's
+    _sync(device)
+    wall = time.perf_counter() - start
+    # The same estimate as the served row's: steps after the last first token (the replays' time left out).
+    late_step_ms = (time.perf_counter() - last_first) * 1e3 / (max_tokens - 1) if last_first else float("nan")
+    out = dict(tok_s=generated / wall, wall_s=wall, decode_step_ms=late_step_ms, replay_gpu_ms_full_batch=replay)
+    log(f"engine in-process offline {num} x {prompt_len}/{max_tokens}: {generated / wall:.0f} tok/s, wall {wall:.2f} s, "
+        f"decode step after the last first token {late_step_ms:.2f} ms, graph replay at that point {replay:.2f} ms GPU")
+    return out
 
 
 # -- 5. serving ------------------------------------------------------------------------------
@@ -415,6 +449,11 @@ def print_table(res: dict, floor_ms: float, hf: dict) -> None:
             row(name, label, serve[name]["tok_s"], "tok/s", batch * 1e3 / floor_ms, hf.get(batch))
         else:
             row(name, label, 0, "", 0, None)
+    offline = res.get("profile", {}).get("offline")
+    if offline and "offline" in serve:
+        log(f"{'  offline, the engine alone':<34}{offline['tok_s']:>16,.1f} tok/s   served / alone "
+            f"{serve['offline']['tok_s'] / offline['tok_s']:.2f}; decode step {serve['offline']['decode_step_ms']:.2f} ms "
+            f"served, {offline['decode_step_ms']:.2f} alone, replay {offline['replay_gpu_ms_full_batch']:.2f} ms GPU")
     if "ttft" in serve:
         log(f"{'TTFT one 2048-token prompt':<34}{serve['ttft']['ttft_ms']:>19.1f} ms{'-':>10}{'-':>16}{'-':>8}   "
             f"{GOALS['ttft']}")
