@@ -10,6 +10,10 @@ the router process): tokens relayed per router CPU-second = streamed tokens/s pe
 
     python bench/router.py                      # 300 latency samples, 32 streams x 256 tokens
     python bench/router.py --streams 64 --tokens 512
+    python bench/router.py --stream-interval 4  # also a router that sends >= 4 tokens a message
+
+With --stream-interval N > 1 a second router (`--stream-interval N`) streams the same workload:
+the same tokens in about N times fewer messages to the clients.
 """
 from __future__ import annotations
 
@@ -78,22 +82,28 @@ def _cpu_s(process: psutil.Process) -> float:
 async def main(args) -> None:
     model = tiny_model_dir()
     engine_args = ["--model", str(model), "--num-blocks", "2048", "--block-size", "16", "--max-num-seqs", "128"]
+    interval_name = f"router/{args.stream_interval}"
     with LocalCluster(roles=["both"], engine_args=engine_args, metrics=False) as cluster:
         credentials = cluster.credentials
-        router_channel = credentials.open(cluster.address)
-        worker_channel = credentials.open(cluster.workers[0].address)
-        stubs = {"router": credentials.stub(llm_pb2_grpc.AsyncLLMStub, router_channel),
-                 "direct": credentials.stub(llm_pb2_grpc.AsyncLLMStub, worker_channel)}
-        router = psutil.Process(cluster.router.process.pid)
-        times = await _latency(stubs, args.samples)
+        channels = [credentials.open(cluster.address), credentials.open(cluster.workers[0].address)]
+        stubs = {"router": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[0]),
+                 "direct": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[1])}
+        processes = {"router": psutil.Process(cluster.router.process.pid)}
+        if args.stream_interval > 1:
+            service = cluster.add_router("router-interval", ["--stream-interval", str(args.stream_interval)])
+            channels.append(credentials.open(service.address))
+            stubs[interval_name] = credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[-1])
+            processes[interval_name] = psutil.Process(service.process.pid)
+        times = await _latency({name: stubs[name] for name in ("router", "direct")}, args.samples)
         await _stream(stubs["router"], 4, 16)  # warm-up
         results = {}
-        for name in ("direct", "router"):
-            cpu_before = _cpu_s(router)
+        for name in stubs:
+            process = processes.get(name, processes["router"])
+            cpu_before = _cpu_s(process)
             num_tokens, num_messages, seconds = await _stream(stubs[name], args.streams, args.tokens)
-            results[name] = (num_tokens, num_messages, seconds, _cpu_s(router) - cpu_before)
-        await router_channel.close()
-        await worker_channel.close()
+            results[name] = (num_tokens, num_messages, seconds, _cpu_s(process) - cpu_before)
+        for channel in channels:
+            await channel.close()
 
     print(f"# bench/router.py  {time.strftime('%Y-%m-%d')}  {platform.node()}  {os.cpu_count()} CPUs  "
           f"{platform.processor() or platform.machine()}")
@@ -106,11 +116,14 @@ async def main(args) -> None:
     print(f"{'added':10}{added_p50:8.2f}{added_p99:8.2f}   goal: p50 added < {GOAL_ADDED_P50_MS:.0f} ms")
     print(f"\nstreaming, {args.streams} streams x {args.tokens} tokens:")
     print(f"{'':10}{'tokens':>8}{'msgs':>8}{'wall s':>8}{'tok/s':>9}{'router cpu s':>14}{'tok/router-core-s':>19}")
-    for name in ("direct", "router"):
-        num_tokens, num_messages, seconds, cpu = results[name]
-        per_core = f"{num_tokens / cpu:19,.0f}" if name == "router" else f"{'-':>19}"
+    for name, (num_tokens, num_messages, seconds, cpu) in results.items():
+        routed = name != "direct"
+        per_core = f"{num_tokens / cpu:19,.0f}" if routed else f"{'-':>19}"
         print(f"{name:10}{num_tokens:8d}{num_messages:8d}{seconds:8.2f}{num_tokens / seconds:9,.0f}"
-              f"{cpu if name == 'router' else 0:14.2f}{per_core}")
+              f"{cpu if routed else 0:14.2f}{per_core}")
+    if args.stream_interval > 1:
+        print(f"({interval_name}: a router with --stream-interval {args.stream_interval}, >= "
+              f"{args.stream_interval} tokens a message but the first and the last)")
     print(f"goal: >= {GOAL_TOKENS_PER_CORE:,} streamed tokens/s per router core (the wall rate is the "
           f"worker's engine on this CPU; per core = tokens / router CPU seconds)")
     ratio = (results["router"][0] / results["router"][2]) / (results["direct"][0] / results["direct"][2])
@@ -122,4 +135,6 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="also stream through a router with this --stream-interval (1: not)")
     asyncio.run(main(parser.parse_args()))

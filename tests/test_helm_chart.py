@@ -141,11 +141,11 @@ def test_router_finds_exactly_the_worker_pods(chart, case):
 
 def test_router_flags_follow_the_values(chart):
     docs = objects(chart, {"router": {"routing": "prefill=kv,decode=least-load", "disaggMinUncachedTokens": 256,
-                                      "maxInFlight": 64}})
+                                      "maxInFlight": 64, "streamInterval": 4}})
     (router,) = by_kind(docs, "Deployment")
     container = router["spec"]["template"]["spec"]["containers"][0]
-    assert [flag(container, f) for f in ("routing", "disagg-min-uncached-tokens", "max-in-flight")] == [
-        "prefill=kv,decode=least-load", "256", "64"]
+    assert [flag(container, f) for f in ("routing", "disagg-min-uncached-tokens", "max-in-flight",
+                                         "stream-interval")] == ["prefill=kv,decode=least-load", "256", "64", "4"]
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
@@ -410,6 +410,8 @@ def test_service_monitor_scrapes_every_service(chart):
     {"router": {"discovery": "consul"}},
     {"router": {"routing": "prefill=fastest"}},
     {"router": {"maxInFlight": 0}},
+    {"router": {"streamInterval": 0}},
+    {"router": {"streamInterval": 257}},
     {"metrics": {"serviceMonitor": {"interval": "often"}}},
     {"metrics": {"scrape": True}},
     {"tls": {"enabled": True}},

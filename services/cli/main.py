@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--disagg-prefill-queue-tokens", type=int, default=0,
                         help="run requests whole on decode workers while every prefill worker has this many "
                              "prompt tokens queued (0: never)")
+    router.add_argument("--stream-interval", type=int, default=1,
+                        help="streamed tokens per message to a client (the first and the last go at once); "
+                             "more: fewer gRPC writes per token, each token later by up to that many - 1 steps")
     router.add_argument("--max-in-flight", type=int, default=4096,
                         help="Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint")
     router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
@@ -166,7 +169,7 @@ def _serve(args) -> int:
                               kv_overlap_weight=args.kv_overlap_weight,
                               disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
                               disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
-                              max_in_flight=args.max_in_flight)
+                              max_in_flight=args.max_in_flight, stream_interval=args.stream_interval)
         from tandem.common import loop
         loop.run(serve_router(config))
         return 0

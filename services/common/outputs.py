@@ -33,6 +33,37 @@ def merge_outputs(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestO
     return merged
 
 
+async def every_n_tokens(messages, interval: int):
+    """A streamed request's messages, merged so that each carries at least interval new tokens
+    (the router's --stream-interval, SGLang's and vLLM's stream interval): fewer, larger
+    messages for the same tokens. The first message goes on at once (time to first token), the
+    last with whatever is held; tokens held when the stream fails go on before its error. There
+    is no timer: tokens wait for the next ones at most interval - 1 engine steps."""
+    held: list[types_pb2.RequestOutput] = []
+    num_held = 0
+    first = True
+    try:
+        async for msg in messages:
+            if first or msg.finished:
+                first = False
+                held.append(msg)
+                yield held[0] if len(held) == 1 else merge_outputs(held)
+                held, num_held = [], 0
+                continue
+            held.append(msg)
+            for out in msg.outputs:
+                num_held += len(out.token_ids)
+            if num_held >= interval:
+                yield held[0] if len(held) == 1 else merge_outputs(held)
+                held, num_held = [], 0
+    except Exception:
+        if held:  # what arrived before the failure is the client's (a stopped request still has it)
+            yield held[0] if len(held) == 1 else merge_outputs(held)
+        raise
+    if held:
+        yield held[0] if len(held) == 1 else merge_outputs(held)
+
+
 def cancelled_output(request_id: str) -> types_pb2.RequestOutput:
     """The last message of a request aborted before its worker could say so itself."""
     out = types_pb2.RequestOutput(request_id=request_id, finished=True)

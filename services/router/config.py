@@ -9,6 +9,10 @@ from tandem.router.discovery import parse_dns_targets
 from tandem.router.policies import Policy, parse_routing
 
 
+# Past this the "stream" is a few messages per request: use a non-streaming Generate instead.
+MAX_STREAM_INTERVAL = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig(ServerConfig):
     # Worker addresses (host:port); each worker reports its own role.
@@ -37,6 +41,9 @@ class RouterConfig(ServerConfig):
     health_timeout_s: float = 1.0
     # Seconds a stream may go without a message before its worker is probed.
     stream_progress_timeout_s: float = 10.0
+    # A streamed request's messages to its client carry at least this many new tokens each
+    # (the first and the last go at once): fewer gRPC writes per token. 1: every step's tokens.
+    stream_interval: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -55,6 +62,8 @@ class RouterConfig(ServerConfig):
         for name in ("disagg_min_uncached_tokens", "disagg_prefill_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}, got {self.stream_interval}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if len(set(self.workers)) != len(self.workers):

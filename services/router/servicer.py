@@ -11,6 +11,7 @@ from google.protobuf import struct_pb2
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
+from tandem.common.outputs import every_n_tokens
 from tandem.common.roles import Role
 from tandem.common.streams import merge
 from tandem.router import generate
@@ -88,6 +89,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         try:
             produced = tracker.produced(generate.stream(route, engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)
+            if text_request.streaming and self.config.stream_interval > 1:
+                messages = every_n_tokens(messages, self.config.stream_interval)
             async for msg in tracker.delivered(messages, len(text_request.prompt_token_ids)):
                 yield msg
         finally:
