@@ -44,26 +44,14 @@ def main() -> None:
                                     max_model_len=4096))
     runner = engine.runner
 
-    def gpu_ms(fn, num=5):
-        if not on_cuda:
-            return float("nan")
-        fn()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(num):
-            fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / num
-
     rng = random.Random(SEED)
-    warm = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], gpu_ms, num=16, max_tokens=8)
+    warm = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], num=16, max_tokens=8)
     log(f"(warm-up: {warm['tok_s']:.0f} tok/s)")
     log(f"{'budget':>8}{'tok/s':>10}{'wall s':>9}{'late step ms':>14}")
     for budget in budgets:
         engine.scheduler.max_num_batched_tokens = budget
         _sync(device)
-        out = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], gpu_ms, num=args.num)
+        out = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], num=args.num)
         log(f"{budget:8d}{out['tok_s']:10.0f}{out['wall_s']:9.2f}{out['decode_step_ms']:14.2f}")
 
 

@@ -160,6 +160,20 @@ def transformers_rates(model_dir: Path, device: torch.device, vocab: int, batche
 
 
 # -- 4. the engine in-process ------------------------------------------------------------------
+def gpu_ms(device: torch.device, fn, num: int = 20) -> float:
+    """GPU milliseconds per call of fn (after one untimed call); nan off CUDA."""
+    if device.type != "cuda":
+        return float("nan")
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(num):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / num
+
+
 def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64, 256)) -> dict:
     """Per decode step: wall ms, GPU ms of the graph replay and of the sampler; an eager step for
     comparison; TTFT of a 2048-token prompt in-process; the kernels of an eager bs32 step."""
@@ -183,18 +197,6 @@ def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1
         _sync(device)
         return (time.perf_counter() - start) / num * 1e3
 
-    def gpu_ms(fn, num=20):
-        if device.type != "cuda":
-            return float("nan")
-        fn()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(num):
-            fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / num
-
     for batch in batches:
         for i in range(batch):
             engine.add_request(f"p{batch}-{i}", [rng.randrange(3, vocab) for _ in range(128)], opts)
@@ -203,11 +205,11 @@ def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1
         engine.step()
         wall = timed_steps(20)
         size = runner.graphs.size_for(batch) if runner.graphs else None
-        replay = gpu_ms(lambda: runner.graphs.run(size)) if size else float("nan")
+        replay = gpu_ms(device, lambda: runner.graphs.run(size)) if size else float("nan")
         seqs = engine.scheduler.running
         logits = torch.randn(batch, vocab, device=device)
-        sample = gpu_ms(lambda: runner.sampler.sample(logits, [s.options for s in seqs], [0] * batch, [[]] * batch,
-                                                      [[]] * batch, [frozenset()] * batch))
+        sample = gpu_ms(device, lambda: runner.sampler.sample(logits, [s.options for s in seqs], [0] * batch,
+                                                              [[]] * batch, [[]] * batch, [frozenset()] * batch))
         graphs, runner.graphs = runner.graphs, None
         eager = timed_steps(3) if batch <= 64 else float("nan")
         runner.graphs = graphs
@@ -218,7 +220,7 @@ def engine_profile(model_dir: Path, device: torch.device, vocab: int, batches=(1
             results["eager_bs32_kernels"] = _kernel_profile(engine, runner)
         for seq in list(engine.scheduler.running):
             engine.abort_request(seq.request_id)
-    results["offline"] = _offline_in_process(engine, runner, rng, vocab, gpu_ms)
+    results["offline"] = _offline_in_process(engine, runner, rng, vocab)
     prompt = [rng.randrange(3, vocab) for _ in range(2048)]
     ttfts = []
     for i in range(3):
@@ -260,7 +262,7 @@ def _kernel_profile(engine, runner) -> list[tuple[str, float, int]]:
     return rows[:30]
 
 
-def _offline_in_process(engine, runner, rng, vocab, gpu_ms, num=256, prompt_len=512, max_tokens=256) -> dict:
+def _offline_in_process(engine, runner, rng, vocab, num=256, prompt_len=512, max_tokens=256) -> dict:
     """The offline row's workload on the engine alone (no gRPC, no router): what serving it is
     held against. Its decode steps attend over 512-768 tokens each, 3-5x the context of the
     bs256 row above, so their GPU time is the replay measured here, once every request decodes."""
@@ -280,7 +282,7 @@ def _offline_in_process(engine, runner, rng, vocab, gpu_ms, num=256, prompt_len=
             paused = time.perf_counter()
             batch = len(engine.scheduler.running)
             size = runner.graphs.size_for(batch) if runner.graphs else None
-            replay = gpu_ms(lambda: runner.graphs.run(size), num=5) if size else float("nan")
+            replay = gpu_ms(device, lambda: runner.graphs.run(size), num=5) if size else float("nan")
             last_first = time.perf_counter()
             start += last_first - paused  # the replays are not the workload's
     _sync(device)

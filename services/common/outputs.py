@@ -47,21 +47,26 @@ async def every_n_tokens(messages, interval: int):
             if first or msg.finished:
                 first = False
                 held.append(msg)
-                yield held[0] if len(held) == 1 else merge_outputs(held)
+                yield merged(held)
                 held, num_held = [], 0
                 continue
             held.append(msg)
             for out in msg.outputs:
                 num_held += len(out.token_ids)
             if num_held >= interval:
-                yield held[0] if len(held) == 1 else merge_outputs(held)
+                yield merged(held)
                 held, num_held = [], 0
     except Exception:
         if held:  # what arrived before the failure is the client's (a stopped request still has it)
-            yield held[0] if len(held) == 1 else merge_outputs(held)
+            yield merged(held)
         raise
     if held:
-        yield held[0] if len(held) == 1 else merge_outputs(held)
+        yield merged(held)
+
+
+def merged(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestOutput:
+    """The one message that stands for messages (itself when there is one)."""
+    return messages[0] if len(messages) == 1 else merge_outputs(messages)
 
 
 def cancelled_output(request_id: str) -> types_pb2.RequestOutput:

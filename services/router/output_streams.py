@@ -12,7 +12,7 @@ from typing import Callable
 import grpc
 
 from tandem.common.callers import UNKNOWN_OUTPUT_STREAM
-from tandem.common.outputs import merge_outputs
+from tandem.common.outputs import merge_outputs, merged
 from tandem.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.output_streams")
@@ -59,9 +59,9 @@ class Inbox:
         items.append(item)
         if len(items) >= MAX_PENDING_OUTPUTS and all(i.__class__ is types_pb2.RequestOutput for i in items):
             # A client that lags holds one merged message here, not one per engine step.
-            merged = merge_outputs(list(items))
+            one = merge_outputs(list(items))
             items.clear()
-            items.append(merged)
+            items.append(one)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -90,7 +90,7 @@ async def streamed_outputs(inbox: Inbox):
                 pending.append(item)
                 continue
             if pending:
-                yield pending[0] if len(pending) == 1 else merge_outputs(pending)
+                yield merged(pending)
                 pending = []
             if item is ENDED:
                 return
@@ -98,7 +98,7 @@ async def streamed_outputs(inbox: Inbox):
                 raise asyncio.CancelledError
             raise item
         if pending:
-            yield pending[0] if len(pending) == 1 else merge_outputs(pending)
+            yield merged(pending)
 
 
 async def report_end(call: grpc.aio.UnaryStreamCall, inbox: Inbox) -> None:
