@@ -2,6 +2,8 @@
 
     python bench/kernels.py            # CUDA: Llama-3.1-8B shapes (32 q / 8 kv heads, head_dim 128, bf16)
     python bench/kernels.py --tiny     # small shapes; on a CPU, Triton runs under TRITON_INTERPRET
+    python bench/kernels.py --dense-prefill  # CUDA: also fresh prompts on cuDNN and FlashAttention-2
+    python bench/kernels.py --linear         # CUDA: also the decode GEMMs under cuBLAS and cuBLASLt
 
 Decode rows report KV bytes read over time (GB/s) against HBM bandwidth; prefill rows
 report causal attention FLOPs over time (TFLOP/s) against dense bf16. On a CPU the shapes
@@ -16,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -190,11 +193,77 @@ def sweep_prefill(bench: Bench, length: int) -> None:
     module.launch_config = default
 
 
+def _gather_blocks(kv_layer: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fresh prompt's keys and values, [seq_len, Hkv, D] each, copied block by block from the cache."""
+    block_size = kv_layer.shape[2]
+    blocks = table[:-(-seq_len // block_size)].long()
+    return tuple(kv_layer[:, i].index_select(0, blocks).flatten(0, 1)[:seq_len] for i in (0, 1))
+
+
+def dense_prefill_rows(bench: Bench) -> None:
+    """Fresh prompts' attention: the paged Triton kernel against dense kernels that need the keys
+    gathered out of the paged cache first (PyTorch's cuDNN SDPA backend, one call per prompt, and its
+    FlashAttention-2 varlen kernel, one call per step). Tried as an engine path on 2026-12-02 and
+    reverted: with the gather neither beats the paged kernel below ~8k tokens (bench/RESULTS.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    print("fresh prompts' attention, block 16 (cuDNN and FA2 timed with the gather they need):")
+    print(f"  {'case':<18}{'paged ms':>10}{'gather ms':>11}{'cuDNN ms':>10}{'FA2 ms':>9}{'cuDNN err':>11}{'FA2 err':>9}")
+    scale = bench.head_dim ** -0.5
+    for lens in ([2048], [512] * 16, [8192], [300, 700, 1024]):
+        query, kv_layer, meta = bench._batch(16, lens, lens)
+        starts = meta.host_query_start_loc()
+        paged = lambda: bench.triton.paged_attention_triton(query, kv_layer, meta, scale)  # noqa: E731
+        gather = lambda: [_gather_blocks(kv_layer, meta.block_tables[b], n) for b, n in enumerate(lens)]  # noqa: E731
+
+        def cudnn():
+            out = torch.empty_like(query)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                for b, (key, value) in enumerate(gather()):
+                    q, k, v = (t.transpose(0, 1)[None] for t in (query[starts[b]:starts[b + 1]], key, value))
+                    out[starts[b]:starts[b + 1]] = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            return out
+
+        def fa2():
+            key, value = (torch.cat(parts) for parts in zip(*gather()))
+            return torch.ops.aten._flash_attention_forward(
+                query, key, value, meta.query_start_loc, meta.query_start_loc, max(lens), max(lens), 0.0, True,
+                False, scale=scale)[0]
+        expected = paged().float()
+        errors = [float((fn().float() - expected).norm() / expected.norm()) for fn in (cudnn, fa2)]
+        name = f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
+        print(f"  {name:<18}{bench._time(paged):10.4f}{bench._time(gather):11.4f}{bench._time(cudnn):10.4f}"
+              f"{bench._time(fa2):9.4f}{errors[0]:11.1e}{errors[1]:9.1e}")
+
+
+def linear_rows(bench: Bench) -> None:
+    """The 8B decode GEMMs at small batch under each BLAS library PyTorch can pick (cuBLAS,
+    cuBLASLt), as weight bytes read per second against the copy rate."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    print(f"decode GEMMs (weights read once; against the {HBM_COPY_TBS} TB/s copy rate):")
+    print(f"  {'gemm':<9}{'rows':>5}" + "".join(f"{lib + ' ms':>13}{'x copy':>8}" for lib in ("cublas", "cublaslt")))
+    weights = {name: bench._randn(*shape) for name, shape in shapes.items()}
+    for rows in (1, 8, 32):
+        for name, weight in weights.items():
+            x = bench._randn(rows, weight.shape[1])
+            line = f"  {name:<9}{rows:5d}"
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                ms = bench._time(lambda: F.linear(x, weight))
+                line += f"{ms:13.4f}{weight.numel() * weight.element_size() / ms / 1e9 / HBM_COPY_TBS:8.2f}"
+            print(line)
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes; Triton through the interpreter on CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep-prefill", action="store_true", help="also time other prefill tile shapes")
+    parser.add_argument("--dense-prefill", action="store_true",
+                        help="CUDA: also time fresh prompts' attention on cuDNN and FlashAttention-2 (after a gather)")
+    parser.add_argument("--linear", action="store_true", help="CUDA: also time the decode GEMMs per BLAS library")
     return parser.parse_args()
 
 
@@ -230,6 +299,10 @@ def main() -> None:
     print_table(rows)
     if args.sweep_prefill and run_triton:
         sweep_prefill(bench, max(shapes.prefill_lens))
+    if args.dense_prefill and on_cuda:
+        dense_prefill_rows(bench)
+    if args.linear and on_cuda:
+        linear_rows(bench)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -7,6 +7,8 @@ first token.
     python bench/offline_budget.py --budgets 1024,2048      # any list (the largest sizes the buffers)
     python bench/offline_budget.py --shape tiny             # CPU smoke run (numbers mean nothing)
 
+Each row also times one fresh 2048-token prompt's first token in-process (the TTFT row's work).
+
 One engine is built with the largest budget; each run lowers the scheduler's budget, so all
 runs share the loaded weights and captured graphs. Prints a row per budget as it finishes.
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from serve import SEED, SHAPES, _offline_in_process, _sync, log, write_checkpoint
+from serve import SEED, SHAPES, _offline_in_process, _sync, log, ttft_in_process, write_checkpoint
 
 
 def main() -> None:
@@ -47,12 +49,16 @@ def main() -> None:
     rng = random.Random(SEED)
     warm = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], num=16, max_tokens=8)
     log(f"(warm-up: {warm['tok_s']:.0f} tok/s)")
-    log(f"{'budget':>8}{'tok/s':>10}{'wall s':>9}{'late step ms':>14}")
+    vocab = SHAPES[shape_name]["vocab_size"]
+    rows = []
     for budget in budgets:
         engine.scheduler.max_num_batched_tokens = budget
         _sync(device)
-        out = _offline_in_process(engine, runner, rng, SHAPES[shape_name]["vocab_size"], num=args.num)
-        log(f"{budget:8d}{out['tok_s']:10.0f}{out['wall_s']:9.2f}{out['decode_step_ms']:14.2f}")
+        out = _offline_in_process(engine, runner, rng, vocab, num=args.num)
+        rows.append((budget, out, ttft_in_process(engine, rng, vocab)))
+    log(f"{'budget':>8}{'tok/s':>10}{'wall s':>9}{'late step ms':>14}{'TTFT 2048 ms':>14}")
+    for budget, out, ttft in rows:
+        log(f"{budget:8d}{out['tok_s']:10.0f}{out['wall_s']:9.2f}{out['decode_step_ms']:14.2f}{ttft:14.1f}")
 
 
 if __name__ == "__main__":
