@@ -20,6 +20,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
                                ProcessCollector, disable_created_metrics, start_http_server)
 
 from tandem.common.interceptors import wrap_handler
+from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 # vLLM's buckets (loggers.py), so dashboards built for vLLM read tandem's histograms alike.
@@ -229,11 +230,13 @@ class RequestTracker:
         self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
 
     async def produced(self, messages: AsyncIterator[types_pb2.RequestOutput]):
-        async for msg in messages:
-            self.saw(msg)
-            yield msg
+        async with closing(messages) as messages:
+            async for msg in messages:
+                self.saw(msg)
+                yield msg
 
     async def delivered(self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int):
-        async for msg in messages:
-            self.counted(msg, num_prompt_tokens)
-            yield msg
+        async with closing(messages) as messages:
+            async for msg in messages:
+                self.counted(msg, num_prompt_tokens)
+                yield msg
