@@ -2,7 +2,9 @@
 server streams one-token RequestOutputs, a relay process forwards them (`async for msg in
 stub.Generate(request): yield msg`, nothing else), a client reads them; the relay's CPU per
 message (psutil) and the p50 latency it adds to a one-message stream. No tandem code runs in
-the relay: a router at one token per message cannot cost less than this.
+the relay: a router at one token per message cannot cost less than this. The upstream's own CPU
+per message is the floor of a server that only sends (a router whose worker outputs arrive
+batched, on output streams, still sends one message per token to its clients).
 
     python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4]
 """
@@ -61,7 +63,7 @@ def _serve(servicer, port: int, loop: str) -> None:
         asyncio.run(main())
 
 
-async def _measure(args, relay_pid: int, upstream: int, relay: int) -> None:
+async def _measure(args, relay_pid: int, upstream_pid: int, upstream: int, relay: int) -> None:
     stubs = {name: llm_pb2_grpc.AsyncLLMStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
              for name, port in (("direct", upstream), ("relay", relay))}
 
@@ -78,15 +80,18 @@ async def _measure(args, relay_pid: int, upstream: int, relay: int) -> None:
             if i >= 20:
                 times[name].append((time.perf_counter() - started) * 1e3)
     p50 = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
-    process = psutil.Process(relay_pid)
-    cpu = sum(process.cpu_times()[:2])
+    process, sender = psutil.Process(relay_pid), psutil.Process(upstream_pid)
+    cpu, sender_cpu = sum(process.cpu_times()[:2]), sum(sender.cpu_times()[:2])
     counts = await asyncio.gather(*(one(stubs["relay"], i, args.tokens) for i in range(args.streams)))
     cpu = sum(process.cpu_times()[:2]) - cpu
+    sender_cpu = sum(sender.cpu_times()[:2]) - sender_cpu
     print(f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  grpcio {grpc.__version__}")
     print(f"latency p50, 1-message stream: direct {p50['direct']:.2f} ms, relay {p50['relay']:.2f} ms, "
           f"added {p50['relay'] - p50['direct']:.2f} ms")
     print(f"{args.streams} streams x {args.tokens} messages (one token each, {args.pace_ms} ms apart): relay CPU "
           f"{cpu / sum(counts) * 1e6:.0f} us per message = {sum(counts) / cpu:,.0f} messages per relay CPU-second")
+    print(f"the upstream (sends only): {sender_cpu / sum(counts) * 1e6:.0f} us per message = "
+          f"{sum(counts) / sender_cpu:,.0f} messages per CPU-second")
 
 
 def main(args) -> None:
@@ -98,7 +103,7 @@ def main(args) -> None:
         p.start()
     try:
         time.sleep(2)
-        asyncio.run(_measure(args, processes[1].pid, upstream, relay))
+        asyncio.run(_measure(args, processes[1].pid, processes[0].pid, upstream, relay))
     finally:
         for p in processes:
             p.terminate()

@@ -133,22 +133,9 @@ class AccessPolicy:
                        f"TANDEM_ADMIN_TOKEN) and send 'authorization: Bearer <token>'", loopback_only=True)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Applies an AccessPolicy before any servicer code runs."""
-
-    def __init__(self, policy: AccessPolicy):
-        self.policy = policy
-
-    async def intercept_service(self, continuation, handler_call_details):
-        verdict = self.policy.decide(handler_call_details.method, dict(handler_call_details.invocation_metadata or ()))
-        handler = await continuation(handler_call_details)
-        if verdict is ALLOW or handler is None:
-            return handler
-        return _guarded(handler, verdict)
-
-
-def _guarded(handler: grpc.RpcMethodHandler, verdict: Verdict) -> grpc.RpcMethodHandler:
-    """The handler behind a check of the caller's address (loopback_only) or refused outright."""
+def guarded(handler: grpc.RpcMethodHandler, verdict: Verdict) -> grpc.RpcMethodHandler:
+    """The handler behind a check of the caller's address (loopback_only) or refused outright:
+    what a call the policy did not ALLOW gets before any servicer code runs (server_calls.py)."""
 
     @contextlib.asynccontextmanager
     async def check(context):

@@ -24,15 +24,14 @@ def holds_drain(method: str) -> bool:
     return service.startswith("/tandem.") and name not in SUBSCRIPTIONS
 
 
-class InFlightCalls(grpc.aio.ServerInterceptor):
-    """Counts the RPCs that hold a drain while they are being served."""
+class InFlightCalls:
+    """Counts the RPCs that hold a drain while they are being served (server_calls.py wraps them)."""
 
     def __init__(self):
         self.count = 0
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or not holds_drain(handler_call_details.method):
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+        if handler is None or not holds_drain(method):
             return handler
         if handler.unary_unary is not None:
             inner = handler.unary_unary

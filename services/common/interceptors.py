@@ -1,4 +1,6 @@
-"""Cross-cutting server concerns: exception -> status mapping, request ids in logs."""
+"""Cross-cutting server concerns: exception -> status mapping, readiness, and the handler
+wrapping the others (auth, metrics, drain) share. server_calls.py applies them all as one
+grpc.aio interceptor."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +14,7 @@ from tandem.common.errors import RETRY_PUSHBACK_METADATA, retry_pushback_ms, sta
 log = logging.getLogger("tandem.rpc")
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
+async def abort_for(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
@@ -30,7 +32,8 @@ class MalformedRequest:
         self.error = error
 
 
-def _tolerant(deserializer):
+def tolerant_deserializer(deserializer):
+    """deserializer giving a MalformedRequest for bytes that do not parse."""
     if deserializer is None:
         return None
 
@@ -42,23 +45,26 @@ def _tolerant(deserializer):
     return parse
 
 
-async def _refuse_malformed(context: grpc.aio.ServicerContext, method: str, request: MalformedRequest) -> None:
+async def refuse_if_malformed(context: grpc.aio.ServicerContext, method: str, request) -> None:
+    if not isinstance(request, MalformedRequest):
+        return
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{method}: the request is not a valid protobuf message ({request.error})")
 
 
-class ReadinessInterceptor(grpc.aio.ServerInterceptor):
+class Readiness:
     """Answers UNAVAILABLE until the service is ready (the port opens before the model is loaded)."""
 
     def __init__(self, is_ready, exempt: frozenset[str]):
         self._is_ready = is_ready
         self._exempt = exempt
 
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        if self._is_ready() or method.rsplit("/", 1)[-1] in self._exempt or not method.startswith("/tandem."):
-            return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
+    def lets_through(self, method: str) -> bool:
+        return self._is_ready() or method.rsplit("/", 1)[-1] in self._exempt or not method.startswith("/tandem.")
+
+    @staticmethod
+    def refuse(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+        """What answers a call that came too early, in handler's place."""
 
         async def unavailable_unary(request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly")
@@ -87,7 +93,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = 
     as a MalformedRequest; check(request, context) runs inside the guard before the handler."""
     if handler is None:
         return None
-    deserializer = _tolerant(handler.request_deserializer) if tolerant else handler.request_deserializer
+    deserializer = tolerant_deserializer(handler.request_deserializer) if tolerant else handler.request_deserializer
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
@@ -115,24 +121,21 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = 
     return handler
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a servicer into the status status_for() names, and requests
-    that do not parse into INVALID_ARGUMENT."""
+def map_errors(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """handler with exceptions escaping the servicer turned into the status status_for() names,
+    and requests that do not parse answered INVALID_ARGUMENT."""
 
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
+    @contextlib.asynccontextmanager
+    async def mapped(context):
+        try:
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await abort_for(context, method, exc)
 
-        @contextlib.asynccontextmanager
-        async def mapped(context):
-            try:
-                yield
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                await _abort(context, method, exc)
+    async def refuse_malformed(request, context):
+        await refuse_if_malformed(context, method, request)
 
-        async def refuse_malformed(request, context):
-            if isinstance(request, MalformedRequest):
-                await _refuse_malformed(context, method, request)
+    return wrap_handler(handler, mapped, tolerant=True, check=refuse_malformed)
 
-        return wrap_handler(await continuation(handler_call_details), mapped, tolerant=True, check=refuse_malformed)

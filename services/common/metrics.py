@@ -20,6 +20,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
                                ProcessCollector, disable_created_metrics, start_http_server)
 
 from tandem.common.interceptors import wrap_handler
+from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 # vLLM's buckets (loggers.py), so dashboards built for vLLM read tandem's histograms alike.
@@ -66,7 +67,7 @@ class ProcessMetrics:
             "tandem:grpc_server_handled", "RPCs completed on this server, by method and gRPC status code",
             ["role", "worker_id", "grpc_service", "grpc_method", "grpc_code"], registry=self.registry)
         self.requests = RequestMetrics(self)
-        self.interceptor = MetricsInterceptor(self)
+        self.rpc_counts = RpcCounts(self)
         self._http: tuple | None = None
 
     @property
@@ -98,33 +99,41 @@ class ProcessMetrics:
             self._http = None
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every unary and server-streaming RPC by its final status code. Outermost, so that
-    the statuses other interceptors answer with (auth, readiness, error mapping) count too."""
+class RpcCounts:
+    """Counts every unary and server-streaming RPC by its final status code. Outermost of the
+    server's wrappers (server_calls.py), so that the statuses the others answer with (auth,
+    readiness, error mapping) count too."""
 
     def __init__(self, metrics: ProcessMetrics):
         self._metrics = metrics
+        # (method, code, worker_id) -> its counter: labels() costs more than the increment.
+        self._counters: dict[tuple[str, grpc.StatusCode, str], object] = {}
+
+    def count(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
+        """One RPC of method ended, with exc (None: returned)."""
+        m = self._metrics
+        code = status_code(context, exc)
+        key = (method, code, m.worker_id)
+        counter = self._counters.get(key)
+        if counter is None:
+            service, _, name = method.lstrip("/").rpartition("/")
+            counter = self._counters[key] = m.rpcs_handled.labels(m.role, m.worker_id, service, name, code.name)
+        counter.inc()
 
     @contextlib.asynccontextmanager
     async def _counting(self, method: str, context: grpc.aio.ServicerContext):
         try:
             yield
         except BaseException as exc:
-            self._count(method, _status_code(context, exc))
+            self.count(method, context, exc)
             raise
-        self._count(method, _status_code(context, None))
+        self.count(method, context, None)
 
-    def _count(self, method: str, code: grpc.StatusCode) -> None:
-        service, _, name = method.lstrip("/").rpartition("/")
-        m = self._metrics
-        m.rpcs_handled.labels(m.role, m.worker_id, service, name, code.name).inc()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        return wrap_handler(await continuation(handler_call_details), lambda context: self._counting(method, context))
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+        return wrap_handler(handler, lambda context: self._counting(method, context))
 
 
-def _status_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+def status_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
     """The status an RPC ended with: the one set on its context (context.abort, set_code),
     CANCELLED when the client went away, UNKNOWN for an exception nothing turned into a status."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
@@ -229,11 +238,13 @@ class RequestTracker:
         self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
 
     async def produced(self, messages: AsyncIterator[types_pb2.RequestOutput]):
-        async for msg in messages:
-            self.saw(msg)
-            yield msg
+        async with closing(messages) as messages:
+            async for msg in messages:
+                self.saw(msg)
+                yield msg
 
     async def delivered(self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int):
-        async for msg in messages:
-            self.counted(msg, num_prompt_tokens)
-            yield msg
+        async with closing(messages) as messages:
+            async for msg in messages:
+                self.counted(msg, num_prompt_tokens)
+                yield msg

@@ -1,6 +1,7 @@
 """RequestOutput helpers shared by workers and the router (no torch)."""
 from __future__ import annotations
 
+from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 
@@ -43,19 +44,20 @@ async def every_n_tokens(messages, interval: int):
     num_held = 0
     first = True
     try:
-        async for msg in messages:
-            if first or msg.finished:
-                first = False
+        async with closing(messages) as messages:
+            async for msg in messages:
+                if first or msg.finished:
+                    first = False
+                    held.append(msg)
+                    yield merged(held)
+                    held, num_held = [], 0
+                    continue
                 held.append(msg)
-                yield merged(held)
-                held, num_held = [], 0
-                continue
-            held.append(msg)
-            for out in msg.outputs:
-                num_held += len(out.token_ids)
-            if num_held >= interval:
-                yield merged(held)
-                held, num_held = [], 0
+                for out in msg.outputs:
+                    num_held += len(out.token_ids)
+                if num_held >= interval:
+                    yield merged(held)
+                    held, num_held = [], 0
     except Exception:
         if held:  # what arrived before the failure is the client's (a stopped request still has it)
             yield merged(held)

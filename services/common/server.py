@@ -12,10 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.common.auth import AccessPolicy, AuthInterceptor
+from tandem.common.auth import AccessPolicy
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
-from tandem.common.interceptors import ErrorMappingInterceptor, ReadinessInterceptor
+from tandem.common.interceptors import Readiness
 from tandem.common.metrics import ProcessMetrics
+from tandem.common.server_calls import ServerCalls
 from tandem.common.tls import TlsConfig
 
 log = logging.getLogger("tandem.server")
@@ -43,7 +44,7 @@ DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 
 class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
-                 policy: AccessPolicy = AccessPolicy(), readiness: ReadinessInterceptor | None = None,
+                 policy: AccessPolicy = AccessPolicy(), readiness: Readiness | None = None,
                  metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None,
                  max_request_bytes: int = MAX_MESSAGE_BYTES):
         """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
@@ -54,9 +55,9 @@ class GrpcServer:
         self.drain_seconds = drain_seconds
         self.in_flight = InFlightCalls()
         self._drain_checks: list[DrainCheck] = []
-        # The metrics interceptor is outermost: it sees the status every other one answers with.
-        interceptors = ([metrics.interceptor] if metrics else []) + [self.in_flight, AuthInterceptor(policy)] + \
-            ([readiness] if readiness else []) + [ErrorMappingInterceptor()]
+        # One interceptor for all of them (server_calls.py); the RPC counts are outermost: they see
+        # the status every other concern answers with.
+        interceptors = [ServerCalls(policy, self.in_flight, readiness, metrics.rpc_counts if metrics else None)]
         # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
         options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes})
         self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))

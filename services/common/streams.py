@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator, TypeVar
 
 T = TypeVar("T")
 _END = object()
+
+
+def closing(stream):
+    """`async with closing(stream) as items: async for item in items: ...`. Python does not close
+    an async generator that its consumer leaves early (a return on the last message, or the
+    consumer closed in turn): the garbage collector does, and on an asyncio loop each one costs a
+    task and a wake-up of the loop (call_soon_threadsafe), one per layer of a request's stream,
+    and its finally blocks (load accounting, the worker call's cleanup) run only then. Closed
+    here, a whole chain of layers closes at once. Anything without aclose (a grpc call) passes."""
+    return contextlib.aclosing(stream) if hasattr(stream, "aclose") else contextlib.nullcontext(stream)
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

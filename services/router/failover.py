@@ -20,6 +20,7 @@ from tandem.common.background import spawn
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
+from tandem.common.streams import closing
 from tandem.router.route import Route, WorkerStalledError, release_lease
 from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
@@ -66,8 +67,9 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             return None
         out = None
         try:
-            async for out in route.relay(prefill, ctx, split=True):
-                pass
+            async with closing(route.relay(prefill, ctx, split=True)) as replies:
+                async for out in replies:
+                    pass
             if route.cancelled and not _hands_off(out):
                 _release_lost_handoff(route, prefill, ctx)
             return prefill, out
@@ -133,19 +135,20 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
         # A generation_only output starts with its first_gen_tokens, which this stream already has.
         num_echoed = len(current.disaggregated_params.first_gen_tokens)
         try:
-            async for msg in route.relay(worker, current):
-                for out in msg.outputs:
-                    if num_echoed:
-                        skipped = min(num_echoed, len(out.token_ids))
-                        del out.token_ids[:skipped]
-                        del out.logprobs[:skipped]
-                        num_echoed -= skipped
-                    progress.tokens.extend(out.token_ids)
-                    out.cumulative_logprob += progress.logprob_base
-                    last_cumulative = out.cumulative_logprob
-                if not progress.prompt_token_ids and msg.prompt_token_ids:
-                    progress.prompt_token_ids = list(msg.prompt_token_ids)
-                yield msg
+            async with closing(route.relay(worker, current)) as messages:
+                async for msg in messages:
+                    for out in msg.outputs:
+                        if num_echoed:
+                            skipped = min(num_echoed, len(out.token_ids))
+                            del out.token_ids[:skipped]
+                            del out.logprobs[:skipped]
+                            num_echoed -= skipped
+                        progress.tokens.extend(out.token_ids)
+                        out.cumulative_logprob += progress.logprob_base
+                        last_cumulative = out.cumulative_logprob
+                    if not progress.prompt_token_ids and msg.prompt_token_ids:
+                        progress.prompt_token_ids = list(msg.prompt_token_ids)
+                    yield msg
             return
         except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
             if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc, route.pool.health_timeout_s):

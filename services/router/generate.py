@@ -12,7 +12,7 @@ from tandem.common.background import spawn
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
-from tandem.common.streams import merge
+from tandem.common.streams import closing, merge
 from tandem.router import failover, perf_metrics
 from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
@@ -49,9 +49,10 @@ def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[type
 
 async def _stamped(messages: AsyncIterator[types_pb2.RequestOutput], arrival_time: float):
     """messages with the router's arrival time in their perf metrics."""
-    async for msg in messages:
-        perf_metrics.stamp_arrival(msg, arrival_time)
-        yield msg
+    async with closing(messages) as messages:
+        async for msg in messages:
+            perf_metrics.stamp_arrival(msg, arrival_time)
+            yield msg
 
 
 async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES):
@@ -62,15 +63,16 @@ async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Rol
     # The start as the router saw it: the perf metrics of a stream a migration recomputed.
     wants_perf = request.sampling_params.return_perf_metrics
     sent_time, first_token_time = time.time() if wants_perf else 0.0, 0.0
-    async for msg in failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress):
-        if wants_perf:
-            if not first_token_time and any(out.token_ids for out in msg.outputs):
-                first_token_time = time.time()
-            if progress.is_recomputed:
-                perf_metrics.start_from_router(msg, sent_time, first_token_time)
-        if msg.finished:
-            msg.metrics.served_by[:] = route.served_by
-        yield msg
+    async with closing(failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress)) as messages:
+        async for msg in messages:
+            if wants_perf:
+                if not first_token_time and any(out.token_ids for out in msg.outputs):
+                    first_token_time = time.time()
+                if progress.is_recomputed:
+                    perf_metrics.start_from_router(msg, sent_time, first_token_time)
+            if msg.finished:
+                msg.metrics.served_by[:] = route.served_by
+            yield msg
 
 
 async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
@@ -79,8 +81,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     split, reason = route.pool.should_split(route.placement)
     route.metrics.disagg_decided(split, reason)
     if not split:
-        async for msg in local(route, request, (Role.DECODE,) + LOCAL_ROLES):
-            yield msg
+        async with closing(local(route, request, (Role.DECODE,) + LOCAL_ROLES)) as messages:
+            async for msg in messages:
+                yield msg
         return
     started = time.monotonic()
     ctx = llm_pb2.GenerateRequest()
@@ -91,8 +94,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     ctx.disaggregated_params.finish_in_context = True
     context = await failover.context_with_retry(route, ctx)
     if context is None:  # no prefill worker is left: the whole request runs on one worker
-        async for msg in local(route, request):
-            yield msg
+        async with closing(local(route, request)) as messages:
+            async for msg in messages:
+                yield msg
         return
     prefill, ctx_out = context
     handoff = types_pb2.DisaggregatedParams()
@@ -149,16 +153,17 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         else:  # no decode worker is left: another worker recomputes the prompt and carries on
             decode = route.pool.pick_any_of(LOCAL_ROLES, placement=route.placement)
             gen = failover.resume_request(request, progress.prompt_token_ids, progress.tokens)
-        async for msg in failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress):
-            msg.ClearField("prompt")
-            del msg.prompt_token_ids[:]
-            if wants_perf:
-                for out in msg.outputs:
-                    if out.HasField("perf_metrics"):
-                        perf_metrics.combine_split(prefill_perf, out.perf_metrics)
-            if msg.finished:
-                client_metrics(msg.metrics)
-            yield msg
+        async with closing(failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress)) as messages:
+            async for msg in messages:
+                msg.ClearField("prompt")
+                del msg.prompt_token_ids[:]
+                if wants_perf:
+                    for out in msg.outputs:
+                        if out.HasField("perf_metrics"):
+                            perf_metrics.combine_split(prefill_perf, out.perf_metrics)
+                if msg.finished:
+                    client_metrics(msg.metrics)
+                yield msg
     finally:
         spawn(release_lease(route.pool, prefill, handoff.ctx_request_id))
 
@@ -179,14 +184,15 @@ async def split_n(route: Route, request: llm_pb2.GenerateRequest):
         route.children.append(route.child(sub.request_id))
         subs.append(sub)
     first = True
-    async for index, item in merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)]):
-        item.request_id = request.request_id
-        item.finished = False
-        for out in item.outputs:
-            out.index = index
-        if not first:
-            item.ClearField("prompt")
-            del item.prompt_token_ids[:]
-        first = False
-        yield item
+    async with closing(merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)])) as items:
+        async for index, item in items:
+            item.request_id = request.request_id
+            item.finished = False
+            for out in item.outputs:
+                out.index = index
+            if not first:
+                item.ClearField("prompt")
+                del item.prompt_token_ids[:]
+            first = False
+            yield item
     yield types_pb2.RequestOutput(request_id=request.request_id, finished=True)

@@ -13,6 +13,7 @@ import grpc
 from tandem.common.callers import CLIENT_METADATA, OUTPUT_STREAM_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
+from tandem.common.streams import closing
 from tandem.router.metrics import RouterMetrics
 from tandem.router.output_streams import is_unknown_output_stream, report_end, streamed_outputs
 from tandem.router.policies import Placement
@@ -83,12 +84,13 @@ class Route:
             for attempt in range(2):
                 started = False
                 try:
-                    async for msg in self._call(worker, request, metadata, use_stream=attempt == 0):
-                        started = True
-                        if prefill_tokens:
-                            worker.queued_prefill_tokens -= prefill_tokens
-                            prefill_tokens = 0
-                        yield msg
+                    async with closing(self._call(worker, request, metadata, use_stream=attempt == 0)) as messages:
+                        async for msg in messages:
+                            started = True
+                            if prefill_tokens:
+                                worker.queued_prefill_tokens -= prefill_tokens
+                                prefill_tokens = 0
+                            yield msg
                     return
                 except grpc.aio.AioRpcError as exc:
                     # The worker does not know our output stream (its connection to us was replaced,
@@ -115,10 +117,11 @@ class Route:
         ender = None if attached is None else asyncio.create_task(report_end(call, inbox))
         finished = False
         try:
-            async for msg in (call if attached is None else streamed_outputs(inbox)):
-                self._last_message_at = time.monotonic()
-                finished = msg.finished
-                yield msg
+            async with closing(call if attached is None else streamed_outputs(inbox)) as messages:
+                async for msg in messages:
+                    self._last_message_at = time.monotonic()
+                    finished = msg.finished
+                    yield msg
         except grpc.aio.AioRpcError as exc:
             if attached is not None and is_unknown_output_stream(exc):
                 worker.outputs.reset(stream)

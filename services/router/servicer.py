@@ -13,7 +13,7 @@ from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
 from tandem.common.outputs import every_n_tokens
 from tandem.common.roles import Role
-from tandem.common.streams import merge
+from tandem.common.streams import closing, merge
 from tandem.router import generate
 from tandem.router.metrics import RouterMetrics
 from tandem.router.config import RouterConfig
@@ -91,8 +91,9 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             messages = TextFront.respond(text_request, produced, route.stop)
             if text_request.streaming and self.config.stream_interval > 1:
                 messages = every_n_tokens(messages, self.config.stream_interval)
-            async for msg in tracker.delivered(messages, len(text_request.prompt_token_ids)):
-                yield msg
+            async with closing(tracker.delivered(messages, len(text_request.prompt_token_ids))) as delivered:
+                async for msg in delivered:
+                    yield msg
         finally:
             self.routes.pop(request.request_id, None)
 

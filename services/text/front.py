@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from tandem.common.limits import RequestLimits, check_prompt_size, check_prompt_tokens, check_request
 from tandem.common.outputs import merge_outputs
+from tandem.common.streams import closing
 from tandem.text.processor import StopCallback, TextOptions, TextProcessor
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, types_pb2
@@ -37,7 +38,9 @@ class TextRequest:
 
 
 async def _merged(messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
-    yield merge_outputs([msg async for msg in messages])
+    async with closing(messages) as messages:
+        merged = merge_outputs([msg async for msg in messages])
+    yield merged
 
 
 class TextFront:

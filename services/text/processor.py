@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
+from tandem.common.streams import closing
 from tandem.text.detokenizer import IncrementalDetokenizer
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import types_pb2
@@ -74,24 +75,25 @@ class TextProcessor:
     async def _with_text(self, messages: AsyncIterator[types_pb2.RequestOutput],
                          on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
         held: types_pb2.RequestOutput | None = None
-        async for msg in messages:
-            stops = self._apply(msg)
-            for index, handoff in stops:
-                await on_stop(index, handoff)
-            if held is not None:
-                held.finished = held.finished or msg.finished
-                if msg.HasField("metrics"):
-                    held.metrics.CopyFrom(msg.metrics)
-                _merge_perf_metrics(held, msg)
-                if held.finished:
-                    break
-                continue
-            if stops and not msg.finished and self._all_finished:
-                held = msg  # every sequence is done here; the producer is stopping
-                continue
-            yield msg
-            if msg.finished:
-                return
+        async with closing(messages) as messages:
+            async for msg in messages:
+                stops = self._apply(msg)
+                for index, handoff in stops:
+                    await on_stop(index, handoff)
+                if held is not None:
+                    held.finished = held.finished or msg.finished
+                    if msg.HasField("metrics"):
+                        held.metrics.CopyFrom(msg.metrics)
+                    _merge_perf_metrics(held, msg)
+                    if held.finished:
+                        break
+                    continue
+                if stops and not msg.finished and self._all_finished:
+                    held = msg  # every sequence is done here; the producer is stopping
+                    continue
+                yield msg
+                if msg.finished:
+                    return
         if held is not None:
             held.finished = True
             yield held
@@ -104,11 +106,12 @@ class TextProcessor:
         return not o.detokenize and not o.prefix_token_ids and not o.strip_logprobs
 
     async def _passthrough(self, messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
-        async for msg in messages:
-            self.pass_through(msg)
-            yield msg
-            if msg.finished:
-                return
+        async with closing(messages) as messages:
+            async for msg in messages:
+                self.pass_through(msg)
+                yield msg
+                if msg.finished:
+                    return
 
     def pass_through(self, msg: types_pb2.RequestOutput) -> None:
         """A passthrough request's one change to a message: the prompt's text on the first."""

@@ -6,7 +6,7 @@ import logging
 
 from tandem.common.auth import AccessPolicy
 from tandem.common.gc_pauses import freeze_startup_heap, unfreeze_heap, watch_pauses
-from tandem.common.interceptors import ReadinessInterceptor
+from tandem.common.interceptors import Readiness
 from tandem.common.server import GrpcServer
 from tandem.engine.bert import is_encoder_only
 from tandem.worker.config import WorkerConfig
@@ -29,7 +29,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     policy = AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token, internal=True)
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds, policy=policy,
                         tls=config.tls, health_port=config.health_port,
-                        readiness=ReadinessInterceptor(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
+                        readiness=Readiness(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
                         metrics=metrics, max_request_bytes=config.limits.max_request_bytes)
     runtime = WorkerRuntime(config, server, ready, metrics)
     server.add_drain_check(runtime.is_drained)
