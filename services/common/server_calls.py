@@ -60,7 +60,8 @@ class ServerCalls(grpc.aio.ServerInterceptor):
     def _one_wrapper(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
         """What _layered gives an allowed call of a ready server, as one wrapper; None for the
         kinds it does not cover (writer-API streams, client streams)."""
-        counts, in_flight = self.rpc_counts, self.in_flight
+        in_flight = self.in_flight
+        count = self.rpc_counts.count if self.rpc_counts is not None else _uncounted
         holds = holds_drain(method)
         deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
@@ -82,11 +83,9 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                         if holds:
                             in_flight.count -= 1
                 except BaseException as exc:
-                    if counts is not None:
-                        counts.count(method, context, exc)
+                    count(method, context, exc)
                     raise
-                if counts is not None:
-                    counts.count(method, context, None)
+                count(method, context, None)
                 return reply
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
@@ -115,11 +114,13 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                             # call.cancel()) rather than whenever the garbage collector finalizes it.
                             await stream.aclose()
                 except BaseException as exc:
-                    if counts is not None:
-                        counts.count(method, context, exc)
+                    count(method, context, exc)
                     raise
-                if counts is not None:
-                    counts.count(method, context, None)
+                count(method, context, None)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
         return None
+
+
+def _uncounted(method: str, context, exc: BaseException | None) -> None:
+    """The RPC count of a server without metrics."""
