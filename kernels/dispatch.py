@@ -93,9 +93,3 @@ def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, 
         _triton_module("lora_triton").lora_expand(buf, b_pool, meta, y, slice_bounds)
     else:
         lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)
-
-
-def prefetch_l2(weight: torch.Tensor, fraction: float, mode: str = "line") -> None:
-    """Pulls the first `fraction` of each row of `weight` into L2 (CUDA + Triton); elsewhere nothing to do."""
-    if weight.is_cuda and backend_for(weight.device) == "triton":
-        _triton_module("prefetch_triton").prefetch_l2(weight, fraction, mode)

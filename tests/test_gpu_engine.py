@@ -95,21 +95,6 @@ def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
     assert num_equal >= len(prompts) - 2
 
 
-@pytest.mark.parametrize("mode", ["line", "bulk"])
-def test_l2_weight_prefetches_leave_graph_tokens_bit_identical(model_dirs, monkeypatch, mode):
-    """Prefetches only warm L2 (weight_prefetch.py): graphs with every target prefetched give the
-    tokens and logprobs of graphs without, in bf16, and the small graphs did capture them."""
-    rng = random.Random(11)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(5, 40))] for i in range(6)}
-    options = SamplingOptions(max_tokens=24, ignore_eos=True, logprobs=2)
-    monkeypatch.setenv("TANDEM_L2_PREFETCH", "off")
-    plain = _outputs_with_logprobs(_engine(model_dirs["llama"], dtype="bfloat16"), prompts, options)
-    monkeypatch.setenv("TANDEM_L2_PREFETCH", f"o_proj=1,gate_up_proj=0.5,down_proj=0.25,qkv_proj=1,mode={mode}")
-    engine = _engine(model_dirs["llama"], dtype="bfloat16")
-    assert _outputs_with_logprobs(engine, prompts, options) == plain
-    assert engine.runner.model.prefetcher.num_fetches > 0
-
-
 def test_sampler_on_gpu_draws_what_the_cpu_draws():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(48, 5000, generator=gen) * 3

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
-from tandem.engine.weight_prefetch import PrefetchPlan, WeightPrefetcher
 from tandem.kernels import dispatch as kernels
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fused import rope_cos_sin
@@ -69,12 +68,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel(),
-                 prefetcher: WeightPrefetcher | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
-        self.prefetcher = prefetcher or WeightPrefetcher()
         self.num_heads = config.num_heads // tp.size
         self.num_kv_heads = config.num_kv_heads // tp.size
         self.head_dim = config.head_dim
@@ -94,7 +91,6 @@ class Attention(nn.Module):
         meta: AttentionMetadata, kv_layer: torch.Tensor, lora=None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        self.prefetcher.fetch("o_proj", self.o_proj.weight)
         if lora is not None:
             lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -116,32 +112,27 @@ def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: s
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel(),
-                 prefetcher: WeightPrefetcher | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
-        self.prefetcher = prefetcher or WeightPrefetcher()
         intermediate_size = config.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
-        self.prefetcher.fetch("down_proj", self.down_proj.weight)
         down = _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
         return self.tp.all_reduce(down)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel(),
-                 prefetcher: WeightPrefetcher | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.prefetcher = prefetcher or WeightPrefetcher()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index, tp, self.prefetcher)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index, tp, self.prefetcher)
+        self.mlp = MLP(config, layer_index, tp)
 
     def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP's output and the residual stream before it; the next layer's norm adds them
@@ -151,7 +142,6 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer, lora)
-        self.prefetcher.fetch("gate_up_proj", self.mlp.gate_up_proj.weight)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed, lora), residual
 
@@ -167,10 +157,7 @@ class CausalLM(nn.Module):
         self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.size)[0]
         vocab_rows = -(-config.vocab_size // tp.size)
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
-        # Weights pulled into L2 ahead of their GEMM in small decode graphs (weight_prefetch.py).
-        self.prefetcher = WeightPrefetcher(PrefetchPlan.from_env())
-        self.layers = nn.ModuleList(DecoderLayer(config, index, tp, self.prefetcher)
-                                    for index in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index, tp) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
@@ -191,12 +178,8 @@ class CausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.rotary.cos_sin
-        self.prefetcher.begin(input_ids.shape[0], input_ids.device)
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora)
-            if index + 1 < len(self.layers):
-                self.prefetcher.fetch("qkv_proj", self.layers[index + 1].self_attn.qkv_proj.weight)
-        self.prefetcher.end()
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
