@@ -2,7 +2,7 @@
 # Issue 7's session on an H200 machine (the device tool), one GPU or more: the GPU engine tests,
 # bench/serve.py's table, kernel timings, and KV pulls (raw, and under GIL contention). Each part
 # has its own time limit so a failure costs only its part; outputs land in $OUT.
-# Usage there: [PARTS="tests fidelity lora serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
+# Usage there: [PARTS="tests fidelity lora gemv serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -21,6 +21,9 @@ if has fidelity; then  # issue 9's server features on the GPU against the CPU
 fi
 if has lora; then
   timeout "${LORA_S:-150}" python3 bench/lora.py 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/lora.txt" | tail -15
+fi
+if has gemv; then  # batch-1 GEMMs: the Triton GEMV against cuBLAS, alone and in the engine
+  timeout "${GEMV_S:-240}" python3 bench/gemv.py ${GEMV_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/gemv.txt" | tail -30
 fi
 if has serve; then
   timeout "${SERVE_S:-330}" python3 bench/serve.py "$@" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/serve.txt" | tail -45

@@ -12,6 +12,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import lora as lora_reference
@@ -93,3 +94,24 @@ def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, 
         _triton_module("lora_triton").lora_expand(buf, b_pool, meta, y, slice_bounds)
     else:
         lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)
+
+
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One contiguous row on the Triton backend, unless TANDEM_GEMV=off (cuBLAS for every shape)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype == weight.dtype and backend_for(x.device) == "triton"
+            and os.environ.get("TANDEM_GEMV", "on").strip().lower() != "off")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T (+ bias): one row goes to the Triton GEMV (gemv_triton.py), more to cuBLAS."""
+    if _takes_gemv(x, weight):
+        return _triton_module("gemv_triton").gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(gate_up) @ weight^T; for one row SwiGLU rides in the GEMV's loads (one kernel)."""
+    if _takes_gemv(gate_up, weight):
+        return _triton_module("gemv_triton").silu_mul_gemv(gate_up, weight)
+    return F.linear(silu_and_mul(gate_up), weight)

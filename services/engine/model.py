@@ -13,7 +13,6 @@ import math
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
@@ -90,7 +89,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         meta: AttentionMetadata, kv_layer: torch.Tensor, lora=None,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = kernels.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         if lora is not None:
             lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -105,7 +104,7 @@ class Attention(nn.Module):
 
 
 def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
-    y = linear(x)
+    y = kernels.linear(x, linear.weight, linear.bias)
     if lora is not None:
         lora.apply(layer_index, kind, x, y)
     return y
@@ -122,7 +121,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
-        down = _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
+        if lora is None:
+            down = kernels.silu_mul_linear(gate_up, self.down_proj.weight)
+        else:  # the down adapters read the activation
+            down = _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
         return self.tp.all_reduce(down)
 
 
@@ -186,6 +188,6 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not self.tp.is_parallel:
-            return F.linear(hidden, weight).float()
+            return kernels.linear(hidden, weight).float()
         # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
-        return self.tp.gather_last_dim(F.linear(hidden, weight))[:, :self.config.vocab_size].float()
+        return self.tp.gather_last_dim(kernels.linear(hidden, weight))[:, :self.config.vocab_size].float()

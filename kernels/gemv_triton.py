@@ -1,0 +1,108 @@
+"""One-row linear layers (a batch-1 decode step) as Triton GEMVs: same signatures as `gemv.py`.
+
+At batch 1 a linear layer is a pass over its weight, and its time is bytes over bandwidth;
+inside a decode graph cuBLAS's one-row kernels reach 0.63x (o_proj, 4096 x 4096) to 1.00x
+(lm_head) of the H200's copy rate, these 0.80x to 1.05x (bench/gemv.py, run 20; bench/RESULTS.md),
+which took the 8B batch-1 step from 4.64 to 4.21 ms of GPU time. Here each program owns BLOCK_N whole
+rows of the weight and walks K in BLOCK_K steps of wide loads, multiplying in float32 and
+summing once at the end: no tensor cores (nothing to share a tile with), no split-K merge,
+and enough programs (N / BLOCK_N) to have every SM's loads in flight from the first cycle.
+`silu_mul_gemv` also folds SwiGLU into down_proj's activation loads, one kernel fewer a layer.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.launch_checks import FLOAT_DTYPES, require
+
+
+@triton.jit
+def _activation(x_ptr, k0, ks, K, half, SILU: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activation chunk [BLOCK_K] at k0, float32; with SILU, silu(gate) * up of a [gate | up]
+    row of width 2 * half, rounded to the dtype where the torch reference rounds."""
+    offs = k0 + ks
+    mask = offs < K
+    dtype = x_ptr.dtype.element_ty
+    if SILU:
+        if EVEN_K:
+            gate = tl.load(x_ptr + offs).to(tl.float32)
+            up = tl.load(x_ptr + half + offs).to(tl.float32)
+        else:
+            gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (silu * up).to(dtype).to(tl.float32)
+    if EVEN_K:
+        return tl.load(x_ptr + offs).to(tl.float32)
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn, half,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The last program's rows past N repeat row N-1: its loads need no mask, its stores have one.
+    rows = tl.minimum(cols, N - 1).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _activation(x_ptr, k0, ks, K, half, SILU, EVEN_K)
+        if EVEN_K:
+            w = tl.load(w_rows + (k0 + ks)[None, :])
+        else:
+            w = tl.load(w_rows + (k0 + ks)[None, :], mask=(k0 + ks < K)[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def tile_for(N: int, K: int, silu: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: the H200 sweep's picks (bench/gemv.py, run 20).
+    One row per program and 2048-wide steps won on every 8B shape; with SwiGLU folded in, four rows
+    share each recomputed activation chunk (one row a program spends its time in exp)."""
+    block_k = min(2048, triton.next_power_of_2(K))
+    return (4, block_k, 4) if silu else (1, block_k, 8)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K: int, silu: bool,
+            tile: tuple[int, int, int] | None) -> torch.Tensor:
+    N = weight.shape[0]
+    require(weight.dim() == 2 and weight.shape[1] == K, f"weight must be [N, {K}], got {tuple(weight.shape)}")
+    require(x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
+            f"x {x.dtype} and weight {weight.dtype} must share a float dtype")
+    require(x.device == weight.device, f"x is on {x.device}, weight on {weight.device}")
+    require(x.is_contiguous() and weight.stride(1) == 1, "x must be contiguous and weight rows K-contiguous")
+    require(bias is None or (bias.shape == (N,) and bias.is_contiguous() and bias.dtype == x.dtype),
+            f"bias must be a contiguous [{N}] {x.dtype} tensor")
+    block_n, block_k, num_warps = tile or tile_for(N, K, silu)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if N:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _gemv_kernel[(triton.cdiv(N, block_n),)](
+                x, weight, bias if bias is not None else y, y, N, K, weight.stride(0), K,
+                HAS_BIAS=bias is not None, SILU=silu, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=num_warps)
+    return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N]."""
+    require(x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row [1, K], got {tuple(x.shape)}")
+    return _launch(x, weight, bias, x.shape[1], silu=False, tile=tile)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor,
+                  tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """SwiGLU of gate_up [1, 2K] @ weight [N, K]^T -> [1, N], in one kernel."""
+    require(gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] % 2 == 0,
+            f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}")
+    return _launch(gate_up, weight, None, gate_up.shape[1] // 2, silu=True, tile=tile)
