@@ -14,6 +14,7 @@ import pytest
 
 from reliability import lost, record, run_load, scaled
 from test_disagg import worker_state
+from test_metrics import scrape, value
 from tandem.client import AsyncLLM, SamplingParams
 from tandem.testing.cluster import LocalCluster
 
@@ -169,6 +170,34 @@ def test_with_the_only_prefill_hung_or_dead_requests_run_on_the_decode(model_dir
         assert not failed, failed[:3]
         assert all(o.served_by[-1] == decode.address for o in hung + dead)
         assert all(o.served_by == [decode.address] for o in dead)
+        assert_all_free(c, [decode])
+
+
+def test_the_only_prefill_killed_between_health_polls_costs_no_request(model_dirs):
+    """SIGKILL the only prefill and send requests at once, long before the next health poll:
+    its dropped connection (the health Watch ends) is what stops the router picking it, so the
+    requests run on the decode from the start, none lost, no block left behind."""
+    max_tokens = 8
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    router_args = ["--health-interval", "5", "--health-timeout", "0.5"]  # no poll comes in the window
+    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=router_args) as c:
+        prefill, decode = c.workers
+
+        async def go():
+            llm = AsyncLLM(c.address)
+            try:
+                split = await asyncio.wait_for(run_load(llm, random_prompts(4, 7), params, 4), 60)
+                prefill.process.kill()
+                prefill.process.wait()
+                after = await asyncio.wait_for(run_load(llm, random_prompts(16, 8), params, 16), 60)
+                return split, after
+            finally:
+                llm.close()
+        split, after = asyncio.run(go())
+        assert not lost(split + after, max_tokens), lost(split + after, max_tokens)[:3]
+        assert all(o.served_by == [prefill.address, decode.address] for o in split)
+        assert [o.served_by for o in after] == [[decode.address]] * len(after)
+        assert value(scrape(c.router), "tandem:router_prefill_retries_total") == 0
         assert_all_free(c, [decode])
 
 

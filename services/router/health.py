@@ -67,7 +67,10 @@ def set_ready(pool: WorkerPool, w: WorkerHandle, ready: bool) -> None:
 
 async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
     """Follows the worker's Watch stream: NOT_SERVING stops picks at once, SERVING makes the
-    state poll run now (it sets ready). A worker without Watch is left to the polls."""
+    state poll run now (it sets ready), and so does the stream's end, which stops picks too: a
+    worker that dies (or restarts) ends it at once, long before the next poll would fail, and a
+    request sent there meanwhile would pay a failed call and a health check before it goes
+    elsewhere. A worker without Watch is left to the polls."""
     while True:
         call = w.health.Watch(health_pb2.HealthCheckRequest(service=""))
         try:
@@ -82,6 +85,8 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
                 return
         finally:
             call.cancel()
+        set_ready(pool, w, False)
+        w.poll_now.set()
         await asyncio.sleep(pool.health_interval_s)
 
 
