@@ -114,7 +114,8 @@ class Route:
         call = self.call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(call, worker))
-        ender = None if attached is None else asyncio.create_task(report_end(call, inbox))
+        if attached is not None:
+            report_end(call, inbox)
         finished = False
         try:
             async with closing(call if attached is None else streamed_outputs(inbox)) as messages:
@@ -134,10 +135,8 @@ class Route:
             yield cancelled_output(request.request_id)  # Abort cancelled the call
         finally:
             watchdog.cancel()
-            if ender is not None:
+            if attached is not None:
                 stream.detach(tag)
-                if not finished:  # a finished call ends by itself (cancelling its read would cancel it)
-                    ender.cancel()
             if not finished:
                 # A call whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.
