@@ -72,14 +72,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym, s
 
 
 def tile_for(N: int, K: int, silu: bool = False, num_rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: the H200 sweep's picks at one row
-    (bench/gemv.py, run 20). One weight row per program and 2048-wide steps won on every 8B shape
-    (each thread loads 16 bytes of weight a step); with SwiGLU folded in, four weight rows share
-    each recomputed activation chunk (one a program spends its time in exp), and more activation
-    rows narrow its K step so a thread holds as many products as at one row."""
-    if silu:
-        return 4, max(16, min(2048 // triton.next_power_of_2(num_rows), triton.next_power_of_2(K))), 4
-    return 1, max(16, min(2048, triton.next_power_of_2(K))), 8
+    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: the H200 sweep's picks (bench/gemv.py, run 20).
+    One row per program and 2048-wide steps won on every 8B shape; with SwiGLU folded in, four rows
+    share each recomputed activation chunk (one row a program spends its time in exp). More
+    activation rows keep the products a thread holds in registers the same by narrowing K's step."""
+    rows = triton.next_power_of_2(num_rows)
+    block_k = max(16, min(2048 // rows, triton.next_power_of_2(K)))
+    return (4, block_k, 4) if silu else (1, block_k, 8)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K: int, silu: bool,
