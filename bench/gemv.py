@@ -7,7 +7,7 @@
    of the weight (nothing stays in L2 between them, as in a decode step): cuBLAS and each tile
    (BLOCK_N, BLOCK_K, warps) of the GEMV, as weight bytes per second against the copy rate.
    down_proj also with SwiGLU folded in (silu_mul_gemv) against SwiGLU kernel + cuBLAS.
-2. The engine at batch 1-8: the decode graph's replay (GPU ms) and the step (wall ms) with
+2. The engine at batch 1: the decode graph's replay (GPU ms) and the step (wall ms) with
    TANDEM_GEMV=off (cuBLAS) and on (the GEMV with gemv_triton.tile_for's tiles), against the floor
    (weights / copy rate), and the greedy tokens of the two.
 """
@@ -85,21 +85,11 @@ def sweep(device, shapes, tiles, copy_gbs) -> dict:
         rate = lambda t: nbytes / t / 1e6 / copy_gbs  # noqa: E731
         print(f"  {name:<10}{f'{N}x{K}':>14}{cublas:9.4f}{rate(cublas):7.2f}{str(tile):>18}{ms:9.4f}{rate(ms):7.2f}"
               f"{default:9.4f}  " + " ".join(f"{t[0]}/{t[1]}/{t[2]}:{v:.4f}" for t, v in sorted(times.items())))
-        for rows in (2, 4, 8):  # the shipped tiles at more activation rows
-            xs = torch.randn(rows, x.shape[1], generator=gen, device=device, dtype=torch.bfloat16)
-            if silu:
-                pair = (lambda i: F.linear(dispatch.silu_and_mul(xs), weights[i]),
-                        lambda i: gemv_triton.silu_mul_gemv(xs, weights[i]))
-            else:
-                pair = (lambda i: F.linear(xs, weights[i]), lambda i: gemv_triton.gemv(xs, weights[i]))
-            theirs, mine = (_graph_ms(fn, device, copies) for fn in pair)
-            print(f"  {'':<10}{f'{rows} rows':>14}{theirs:9.4f}{rate(theirs):7.2f}{'shipped tile':>18}{mine:9.4f}"
-                  f"{rate(mine):7.2f}")
         del weights
     return best
 
 
-def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float, batches=(1, 2, 4, 8)) -> None:
+def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions
@@ -109,9 +99,8 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float, batches=(1
     runner = engine.runner
     rng = random.Random(serve.SEED)
     prompt = [rng.randrange(3, vocab) for _ in range(128)]
-    print(f"engine decode steps, 128-token prompts (floor {floor_ms:.2f} ms/step = weights / copy rate):")
-    print(f"  {'TANDEM_GEMV':<12}{'batch':>6}{'replay ms':>10}{'x floor':>8}{'step ms':>9}{'tok/s':>8}{'eager ms':>9}"
-          f"  greedy (64 tokens, batch 1)")
+    print(f"engine at batch 1, 128-token prompt (floor {floor_ms:.2f} ms/step = weights / copy rate):")
+    print(f"  {'TANDEM_GEMV':<12}{'replay ms':>10}{'x floor':>8}{'step ms':>9}{'tok/s':>8}{'eager ms':>9}  greedy (64 tokens)")
     first = None
     for setting in ("off", "on", "off", "on"):
         os.environ["TANDEM_GEMV"] = setting
@@ -125,25 +114,18 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float, batches=(1
         tokens = list(seq.output_token_ids)
         first = first or tokens
         agree = next((i for i, (a, b) in enumerate(zip(tokens, first)) if a != b), len(tokens))
-        greedy = "same as the first" if agree == len(tokens) else f"first differs at token {agree}"
-        for batch in batches:
-            for i in range(batch):
-                engine.add_request(f"timed-{setting}-{batch}-{i}", [i + 3] + prompt[1:],
-                                   SamplingOptions(max_tokens=4000, ignore_eos=True))
-            for _ in range(3):
-                engine.step()
-            step_ms = _step_ms(engine, device, 30)
-            size = runner.graphs.size_for(batch) if runner.graphs else None
-            replay = serve.gpu_ms(device, lambda: runner.graphs.run(size), num=50) if size else float("nan")
-            eager_ms = float("nan")
-            if batch == 1:
-                graphs, runner.graphs = runner.graphs, None
-                eager_ms = _step_ms(engine, device, 3)
-                runner.graphs = graphs
-            for seq in list(engine.scheduler.running):
-                engine.abort_request(seq.request_id)
-            print(f"  {setting:<12}{batch:6d}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}"
-                  f"{batch * 1e3 / step_ms:8.1f}{eager_ms:9.2f}  {greedy if batch == 1 else ''}")
+        engine.add_request(f"timed-{setting}", prompt, SamplingOptions(max_tokens=4000, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        step_ms = _step_ms(engine, device, 30)
+        replay = serve.gpu_ms(device, lambda: runner.graphs.run(1), num=50) if runner.graphs else float("nan")
+        graphs, runner.graphs = runner.graphs, None
+        eager_ms = _step_ms(engine, device, 3)
+        runner.graphs = graphs
+        for seq in list(engine.scheduler.running):
+            engine.abort_request(seq.request_id)
+        print(f"  {setting:<12}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}{1e3 / step_ms:8.1f}{eager_ms:9.2f}"
+              f"  {'same as the first' if agree == len(tokens) else f'first differs at token {agree}'}")
 
 
 def _step_ms(engine, device, num: int) -> float:

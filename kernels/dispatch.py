@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import fused as fused_reference
-from tandem.kernels import gemv as gemv_reference
 from tandem.kernels import lora as lora_reference
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -97,34 +96,22 @@ def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, 
         lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)
 
 
-def gemv_max_rows() -> int:
-    """Rows up to which linear layers run as Triton GEMVs: TANDEM_GEMV=on (default, gemv.MAX_ROWS),
-    off (0: cuBLAS for every shape) or a number of rows (read at each call, as the backend is)."""
-    value = os.environ.get("TANDEM_GEMV", "on").strip().lower()
-    if value in ("on", ""):
-        return gemv_reference.MAX_ROWS
-    if value == "off":
-        return 0
-    if not value.isdigit():
-        raise ValueError(f"TANDEM_GEMV={value!r}; expected on, off or a number of rows")
-    return min(int(value), gemv_reference.MAX_ROWS)
-
-
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and 0 < x.shape[0] <= gemv_reference.MAX_ROWS and x.stride(-1) == 1
-            and weight.stride(1) == 1 and x.dtype == weight.dtype and backend_for(x.device) == "triton"
-            and x.shape[0] <= gemv_max_rows())
+    """One contiguous row on the Triton backend, unless TANDEM_GEMV=off (cuBLAS for every shape)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype == weight.dtype and backend_for(x.device) == "triton"
+            and os.environ.get("TANDEM_GEMV", "on").strip().lower() != "off")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias): a few rows go to the Triton GEMV (gemv_triton.py), more to cuBLAS."""
+    """x [T, K] @ weight [N, K]^T (+ bias): one row goes to the Triton GEMV (gemv_triton.py), more to cuBLAS."""
     if _takes_gemv(x, weight):
         return _triton_module("gemv_triton").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(gate_up) @ weight^T; for a few rows SwiGLU rides in the GEMV's loads (one kernel)."""
+    """silu_and_mul(gate_up) @ weight^T; for one row SwiGLU rides in the GEMV's loads (one kernel)."""
     if _takes_gemv(gate_up, weight):
         return _triton_module("gemv_triton").silu_mul_gemv(gate_up, weight)
     return F.linear(silu_and_mul(gate_up), weight)

@@ -1,4 +1,4 @@
-"""Linear layers of a few rows (a decode step of 1-8 sequences) as Triton GEMVs: same signatures as `gemv.py`.
+"""One-row linear layers (a batch-1 decode step) as Triton GEMVs: same signatures as `gemv.py`.
 
 At batch 1 a linear layer is a pass over its weight, and its time is bytes over bandwidth;
 inside a decode graph cuBLAS's one-row kernels reach 0.63x (o_proj, 4096 x 4096) to 1.00x
@@ -17,67 +17,58 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.gemv import MAX_ROWS
 from tandem.kernels.launch_checks import FLOAT_DTYPES, require
 
 
 @triton.jit
-def _activation(x_ptr, stride_xm, m, m_valid, k0, ks, K, half, SILU: tl.constexpr, EVEN_K: tl.constexpr):
-    """The activation chunk [BLOCK_M, BLOCK_K] of rows m at k0, float32; with SILU, silu(gate) * up
-    of [gate | up] rows of width 2 * half, rounded to the dtype where the torch reference rounds."""
-    offs = (k0 + ks)[None, :]
-    ptrs = x_ptr + m[:, None] * stride_xm + offs
-    mask = m_valid[:, None] & (offs < K)
+def _activation(x_ptr, k0, ks, K, half, SILU: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activation chunk [BLOCK_K] at k0, float32; with SILU, silu(gate) * up of a [gate | up]
+    row of width 2 * half, rounded to the dtype where the torch reference rounds."""
+    offs = k0 + ks
+    mask = offs < K
     dtype = x_ptr.dtype.element_ty
     if SILU:
         if EVEN_K:
-            gate = tl.load(ptrs, mask=m_valid[:, None], other=0.0).to(tl.float32)
-            up = tl.load(ptrs + half, mask=m_valid[:, None], other=0.0).to(tl.float32)
+            gate = tl.load(x_ptr + offs).to(tl.float32)
+            up = tl.load(x_ptr + half + offs).to(tl.float32)
         else:
-            gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(ptrs + half, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         return (silu * up).to(dtype).to(tl.float32)
     if EVEN_K:
-        return tl.load(ptrs, mask=m_valid[:, None], other=0.0).to(tl.float32)
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(x_ptr + offs).to(tl.float32)
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym, stride_wn, half,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn, half,
                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last program's rows past N repeat row N-1: its loads need no mask, its stores have one.
     rows = tl.minimum(cols, N - 1).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_valid = m < M
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows[:, None] * stride_wn
-    # [BLOCK_M, BLOCK_N, BLOCK_K] products, summed over K once at the end; each weight chunk is
-    # loaded once for all BLOCK_M activation rows.
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = _activation(x_ptr, stride_xm, m, m_valid, k0, ks, K, half, SILU, EVEN_K)
+        x = _activation(x_ptr, k0, ks, K, half, SILU, EVEN_K)
         if EVEN_K:
             w = tl.load(w_rows + (k0 + ks)[None, :])
         else:
             w = tl.load(w_rows + (k0 + ks)[None, :], mask=(k0 + ks < K)[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_valid[:, None] & (cols < N)[None, :])
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
-def tile_for(N: int, K: int, silu: bool = False, num_rows: int = 1) -> tuple[int, int, int]:
+def tile_for(N: int, K: int, silu: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: the H200 sweep's picks (bench/gemv.py, run 20).
     One row per program and 2048-wide steps won on every 8B shape; with SwiGLU folded in, four rows
-    share each recomputed activation chunk (one row a program spends its time in exp). More
-    activation rows keep the products a thread holds in registers the same by narrowing K's step."""
-    rows = triton.next_power_of_2(num_rows)
-    block_k = max(16, min(2048 // rows, triton.next_power_of_2(K)))
+    share each recomputed activation chunk (one row a program spends its time in exp)."""
+    block_k = min(2048, triton.next_power_of_2(K))
     return (4, block_k, 4) if silu else (1, block_k, 8)
 
 
@@ -88,31 +79,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K:
     require(x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
             f"x {x.dtype} and weight {weight.dtype} must share a float dtype")
     require(x.device == weight.device, f"x is on {x.device}, weight on {weight.device}")
-    require(x.stride(-1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous along K")
+    require(x.is_contiguous() and weight.stride(1) == 1, "x must be contiguous and weight rows K-contiguous")
     require(bias is None or (bias.shape == (N,) and bias.is_contiguous() and bias.dtype == x.dtype),
             f"bias must be a contiguous [{N}] {x.dtype} tensor")
-    num_rows = x.shape[0]
-    block_n, block_k, num_warps = tile or tile_for(N, K, silu, num_rows)
-    y = torch.empty(num_rows, N, dtype=x.dtype, device=x.device)
-    if N and num_rows:
+    block_n, block_k, num_warps = tile or tile_for(N, K, silu)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if N:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _gemv_kernel[(triton.cdiv(N, block_n),)](
-                x, weight, bias if bias is not None else y, y, num_rows, N, K, x.stride(0), y.stride(0),
-                weight.stride(0), K, HAS_BIAS=bias is not None, SILU=silu, EVEN_K=K % block_k == 0,
-                BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+                x, weight, bias if bias is not None else y, y, N, K, weight.stride(0), K,
+                HAS_BIAS=bias is not None, SILU=silu, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=num_warps)
     return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] @ weight [N, K]^T (+ bias) -> [M, N]."""
-    require(x.dim() == 2 and x.shape[0] <= MAX_ROWS, f"gemv takes [M <= {MAX_ROWS}, K] rows, got {tuple(x.shape)}")
+    """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N]."""
+    require(x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row [1, K], got {tuple(x.shape)}")
     return _launch(x, weight, bias, x.shape[1], silu=False, tile=tile)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor,
                   tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """SwiGLU of gate_up [M <= MAX_ROWS, 2K] @ weight [N, K]^T -> [M, N], in one kernel."""
-    require(gate_up.dim() == 2 and gate_up.shape[0] <= MAX_ROWS and gate_up.shape[1] % 2 == 0,
-            f"silu_mul_gemv takes [gate | up] rows [M <= {MAX_ROWS}, 2K], got {tuple(gate_up.shape)}")
+    """SwiGLU of gate_up [1, 2K] @ weight [N, K]^T -> [1, N], in one kernel."""
+    require(gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] % 2 == 0,
+            f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}")
     return _launch(gate_up, weight, None, gate_up.shape[1] // 2, silu=True, tile=tile)
