@@ -76,3 +76,40 @@ def test_store_kv_skips_negative_slots_and_writes_block_major():
 def test_build_rejects_too_few_blocks():
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build([3], [9], [[0, 1]], block_size=4)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,fresh", [
+    ([9], [9], True),  # a whole prompt, nothing before it
+    ([1], [1], False),  # one token: a decode-shaped step
+    ([5], [12], False),  # a chunk after cached or computed tokens
+    ([4, 4], [4, 4], False),  # two prompts
+])
+def test_one_fresh_prompt_is_told_from_the_host_copies(query_lens, seq_lens, fresh):
+    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(seq_lens))]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size=4)
+    assert meta.is_one_fresh_prompt is fresh
+    without_host_copies = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                            meta.block_tables, meta.max_query_len, meta.max_seq_len)
+    assert without_host_copies.is_one_fresh_prompt is False  # a captured graph's metadata
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,length", [(8, 2, 32, 37), (4, 4, 16, 64), (6, 1, 64, 5)])
+def test_fresh_prompt_attention_over_its_own_keys_matches_the_paged_cache(num_heads, num_kv_heads, head_dim,
+                                                                          length, dtype):
+    from tandem.kernels.dispatch import fresh_prompt_attention
+    gen = torch.Generator().manual_seed(length + num_heads)
+    block_size = 8
+    num_blocks = (length + block_size - 1) // block_size
+    kv_layer = torch.zeros(num_blocks + 3, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    table = list(range(3, 3 + num_blocks))[::-1]  # scattered, backwards
+    meta = AttentionMetadata.build([length], [length], [table], block_size)
+    query, key, value = (torch.randn(length, h, head_dim, generator=gen).to(dtype)
+                         for h in (num_heads, num_kv_heads, num_kv_heads))
+    store_kv(key, value, kv_layer, meta.slot_mapping)
+    want = paged_attention(query, kv_layer, meta, head_dim ** -0.5)
+    got = fresh_prompt_attention(query, key, value, head_dim ** -0.5)
+    assert got.shape == want.shape == query.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got.double(), dense_attention(query, key, value, head_dim ** -0.5), **tol)
