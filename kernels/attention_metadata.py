@@ -31,16 +31,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
-    def is_one_fresh_prompt(self) -> bool:
-        """One sequence whose new tokens (more than one) are all of its tokens: nothing computed or
-        cached before them, so its attention needs only the step's own keys and values. Known from
-        the host copies; False without them (a captured decode graph)."""
-        starts, seq_lens = self._host_query_start_loc, self._host_seq_lens
-        if starts is None or seq_lens is None or len(seq_lens) != 1:
-            return False
-        return starts[1] - starts[0] == seq_lens[0] > 1
-
     def host_query_start_loc(self) -> list[int]:
         if self._host_query_start_loc is None:
             self._host_query_start_loc = self.query_start_loc.tolist()

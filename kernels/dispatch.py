@@ -13,7 +13,6 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import lora as lora_reference
@@ -62,30 +61,6 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     return reference.paged_attention(query, kv_layer, meta, scale)
 
 
-_FRESH_PROMPT_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                          SDPBackend.MATH]
-
-
-def takes_fresh_prompt_attention(query: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """A step of one fresh prompt on the Triton backend in fp16/bf16 goes to cuDNN's fused
-    attention over the step's own keys (`fresh_prompt_attention`), unless
-    TANDEM_PREFILL_ATTENTION=paged: on an H200 it runs a 2048-token prompt's layer in 0.087 ms
-    against the paged kernel's 0.137 (bench/attention_sweep.py, bench/RESULTS.md)."""
-    return (meta.is_one_fresh_prompt and query.dtype in (torch.float16, torch.bfloat16)
-            and backend_for(query.device) == "triton" and torch.backends.cuda.cudnn_sdp_enabled()
-            and os.environ.get("TANDEM_PREFILL_ATTENTION", "cudnn").strip().lower() != "paged")
-
-
-def fresh_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of one prompt over its own keys: query [T, Hq, D], key and value
-    [T, Hkv, D] (rotated, as stored) -> [T, Hq, D]. cuDNN first; where it cannot take the shape
-    (or on a CPU) the next SDPA backend that can."""
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    with sdpa_kernel(_FRESH_PROMPT_BACKENDS, set_priority=True):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _fused(x.device).rms_norm(x, weight, eps)
 
@@ -101,12 +76,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                  key_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary embedding of query and key, the key and value stored to their slots (and the rotated
-    key to key_out when given); returns the rotated query."""
-    return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping,
-                                                 key_out)
+                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
+    return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping)
 
 
 def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta) -> torch.Tensor:

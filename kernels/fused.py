@@ -49,14 +49,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                  key_out: torch.Tensor | None = None) -> torch.Tensor:
+                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
-    the value to their KV slots (-1: skip) and returns the rotated query. With key_out ([T, Hkv, D], not
-    key itself) the rotated key is also written there, for attention over the step's own keys."""
+    the value to their KV slots (-1: skip) and returns the rotated query."""
     cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)
-    rotated_key = _rotate(key, cos, sin)
-    store_kv(rotated_key, value, kv_layer, slot_mapping)
-    if key_out is not None:
-        key_out.copy_(rotated_key)
+    store_kv(_rotate(key, cos, sin), value, kv_layer, slot_mapping)
     return _rotate(query, cos, sin)

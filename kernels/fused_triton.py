@@ -90,11 +90,11 @@ def _rotate(x_ptr, out_ptr, row_in, stride_in_head, row_out, stride_out_head, co
 
 @triton.jit
 def _rope_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, kv_ptr, slot_ptr, q_out_ptr, k_out_ptr,
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, kv_ptr, slot_ptr, q_out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos_sin,
-    stride_block, stride_kv, stride_slot, stride_head, stride_kot, stride_koh,
+    stride_block, stride_kv, stride_slot, stride_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, WRITE_KEY: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -114,9 +114,6 @@ def _rope_store_kv_kernel(
         mask = (heads < NUM_KV_HEADS) & (dims < 2 * HALF)
         value = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
         tl.store(dst + stride_kv + heads * stride_head + dims, value.to(kv_ptr.dtype.element_ty), mask=mask)
-    if WRITE_KEY:
-        _rotate(k_ptr, k_out_ptr, token * stride_kt, stride_kh, token * stride_kot, stride_koh, cos, sin,
-                NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
 
 
 def _row_block(n_cols: int) -> tuple[int, int]:
@@ -171,11 +168,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                  key_out: torch.Tensor | None = None) -> torch.Tensor:
+                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
-    the value to their KV slots (-1: skip) and returns the rotated query. With key_out ([T, Hkv, D], not
-    key itself) the rotated key is also written there, for attention over the step's own keys."""
+    the value to their KV slots (-1: skip) and returns the rotated query."""
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     require(query.dim() == 3 and query.shape[-1] == head_dim and head_dim % 2 == 0,
@@ -190,21 +185,15 @@ def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
             "query, key, value, positions and slot_mapping disagree on T")
     require(query.dtype == key.dtype and cos_sin.dtype == query.dtype and cos_sin.shape[1] == head_dim
             and cos_sin.stride(1) == 1, f"cos_sin must be [positions, {head_dim}] in {query.dtype}")
-    if key_out is not None:
-        check_tokens("key_out", key_out, num_kv_heads, head_dim, kv_layer.device)
-        require(key_out.shape[0] == num_tokens and key_out.dtype == key.dtype and key_out.data_ptr() != key.data_ptr(),
-                f"key_out must be a [{num_tokens}, {num_kv_heads}, {head_dim}] {key.dtype} tensor of its own")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens:
         half = head_dim // 2
-        k_out = key if key_out is None else key_out
         _rope_store_kv_kernel[(num_tokens,)](
-            query, key, value, positions, cos_sin, kv_layer, slot_mapping, out, k_out,
+            query, key, value, positions, cos_sin, kv_layer, slot_mapping, out,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cos_sin.stride(0), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-            k_out.stride(0), k_out.stride(1),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            BLOCK_SIZE=block_size, WRITE_KEY=key_out is not None, num_warps=4,
+            BLOCK_SIZE=block_size, num_warps=4,
         )
     return out

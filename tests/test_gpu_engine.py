@@ -84,21 +84,15 @@ def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
     got = _outputs_with_logprobs(graphed, prompts, options)
     want = _outputs_with_logprobs(_engine(model_dirs["llama"], enforce_eager=True, **kwargs), prompts, options)
     assert graphed.scheduler.num_preemptions > 0
-    assert _num_equal_to_a_near_tie(got, want) >= len(prompts) - 2
-
-
-def _num_equal_to_a_near_tie(got: dict, want: dict) -> int:
-    """Streams of (token, top logprobs) per request must agree until a near-tie, where each side's
-    token is in the other's top two; returns how many agree to the end."""
     num_equal = 0
-    for rid in want:
+    for rid in prompts:
         for (token, top), (want_token, want_top) in zip(got[rid], want[rid]):
             if token != want_token:
                 assert token in want_top and want_token in top, (rid, token, want_token, top, want_top)
                 break
         else:
             num_equal += 1
-    return num_equal
+    assert num_equal >= len(prompts) - 2
 
 
 def test_sampler_on_gpu_draws_what_the_cpu_draws():
@@ -185,48 +179,6 @@ def test_graph_attention_splits_match_eager():
         meta.num_kv_splits = splits
         got = paged_attention_triton(query, cache, meta, 128 ** -0.5)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-
-
-def test_fresh_prompt_attention_matches_the_paged_kernel_on_llama_8b_heads():
-    """A step of one fresh prompt goes to cuDNN over the step's own keys (dispatch.py): it must agree
-    with the paged Triton kernel reading the same keys out of scattered cache blocks."""
-    from tandem.kernels import dispatch
-    from tandem.kernels.paged_attention_triton import paged_attention_triton
-    gen = torch.Generator("cuda").manual_seed(2)
-    for length in (7, 300, 2048):
-        num_blocks = -(-length // 16)
-        table = torch.randperm(num_blocks + 8, generator=gen, device="cuda")[:num_blocks].tolist()
-        cache = torch.zeros(num_blocks + 8, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-        query, key, value = (torch.randn(length, h, 128, generator=gen, device="cuda").bfloat16() for h in (32, 8, 8))
-        meta = AttentionMetadata.build([length], [length], [table], 16, device="cuda")
-        assert dispatch.takes_fresh_prompt_attention(query, meta)
-        dispatch.store_kv(key, value, cache, meta.slot_mapping)
-        got = dispatch.fresh_prompt_attention(query, key, value, 128 ** -0.5)
-        torch.testing.assert_close(got.float(), paged_attention_triton(query, cache, meta, 128 ** -0.5).float(),
-                                   atol=2e-2, rtol=2e-2)
-
-
-def test_fresh_prompts_on_cudnn_give_the_paged_kernels_tokens(model_dirs, monkeypatch):
-    """bf16, one prompt per step: greedy tokens with prefill attention on cuDNN and with
-    TANDEM_PREFILL_ATTENTION=paged agree to the end or up to a near-tie (each side's token in the
-    other's top two), and the cuDNN side did take the path."""
-    from tandem.kernels import dispatch
-    rng = random.Random(11)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(20, 120))] for i in range(6)}
-    options = SamplingOptions(max_tokens=16, ignore_eos=True, logprobs=2)
-    calls = []
-    real = dispatch.fresh_prompt_attention
-    monkeypatch.setattr(dispatch, "fresh_prompt_attention", lambda *a: calls.append(1) or real(*a))
-    results = {}
-    for mode in ("cudnn", "paged"):
-        monkeypatch.setenv("TANDEM_PREFILL_ATTENTION", mode)
-        engine = _engine(model_dirs["llama"], dtype="bfloat16")
-        results[mode] = {rid: _outputs_with_logprobs(engine, {rid: ids}, options)[rid] for rid, ids in prompts.items()}
-        if mode == "cudnn":
-            assert calls, "no step took the fresh-prompt path"
-            num_calls, calls[:] = len(calls), []
-    assert not calls and num_calls >= len(prompts)
-    assert _num_equal_to_a_near_tie(results["cudnn"], results["paged"]) >= len(prompts) - 1
 
 
 def test_engine_steps_from_another_thread(model_dirs):

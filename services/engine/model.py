@@ -98,14 +98,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kernels.takes_fresh_prompt_attention(q, meta):  # its keys are the step's own: no pages to read
-            rotated_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping, rotated_k)
-            out = kernels.fresh_prompt_attention(q, rotated_k, v, self.scale)
-        else:
-            q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
-            out = kernels.paged_attention(q, kv_layer, meta, self.scale)
-        out = out.reshape(-1, self.q_size)
+        q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
+        out = kernels.paged_attention(q, kv_layer, meta, self.scale).reshape(-1, self.q_size)
         return self.tp.all_reduce(_project(self.o_proj, out, lora, self.layer_index, "o_proj"))
 
 
