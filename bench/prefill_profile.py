@@ -1,0 +1,174 @@
+"""Where a prefill step's time goes on the GPU (issue 7's TTFT row), and the GEMM rates behind it.
+
+    python3 bench/prefill_profile.py [--model-dir DIR]   # CUDA; writes bench/serve.py's 8B checkpoint if missing
+
+1. The 8B layer's GEMMs at 256, 2048 and 8192 rows under each BLAS library PyTorch can pick
+   (cuBLAS, cuBLASLt), in TFLOP/s against the H200's dense bf16 peak (L2 flushed before each).
+2. One fresh 2048-token prompt in the engine (the TTFT row, in-process): its wall time from
+   add_request to the first token, and the GPU time of its kernels by kind (torch profiler), so
+   that the wall is held against the kernels' sum (what is not kernel time is host time the GPU
+   waits for).
+3. The same breakdown for an eager decode step of 256 sequences over 512-token prompts (the
+   offline row's late steps; a replayed graph runs these kernels but hides them from the profiler).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from serve import SHAPES, _sync, write_checkpoint
+
+BF16_DENSE_TFLOPS = 989.0
+KINDS = (("attention", ("_attention_kernel", "_merge_splits")), ("add+rmsnorm", ("_rms_norm",)),
+         ("rope+kv store", ("_rope_store_kv", "_store_kv")), ("swiglu", ("_silu",)), ("gemv", ("_gemv",)),
+         ("sampler", ("sort", "topk", "softmax", "argmax", "exponential", "_sample", "reduce")))
+GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90")
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in KINDS:
+        if any(m.lower() in lowered for m in marks):
+            return kind
+    return "gemm" if any(m in lowered for m in GEMM_MARKS) else "other"
+
+
+def gemm_rates(device: torch.device) -> None:
+    import triton.testing
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    print("the 8B layer's GEMMs, TFLOP/s (dense bf16 peak 989):")
+    print(f"  {'rows':>5} {'gemm':<8}" + "".join(f"{lib + ' ms':>14}{'TFLOP/s':>9}" for lib in ("cublas", "cublaslt")))
+    gen = torch.Generator(device).manual_seed(0)
+    weights = {name: torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
+               for name, shape in shapes.items()}
+    for rows in (256, 2048, 8192):
+        total = {"cublas": 0.0, "cublaslt": 0.0}
+        for name, weight in weights.items():
+            x = torch.randn(rows, weight.shape[1], generator=gen, device=device).bfloat16()
+            flops = 2 * rows * weight.numel()
+            line = f"  {rows:5d} {name:<8}"
+            for lib in total:
+                torch.backends.cuda.preferred_blas_library(lib)
+                ms = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=10, rep=50, return_mode="median")
+                total[lib] += ms
+                line += f"{ms:14.4f}{flops / ms / 1e9:9.0f}"
+            print(line)
+        layer_flops = 2 * rows * sum(w.numel() for w in weights.values())
+        print(f"  {rows:5d} {'layer':<8}" + "".join(f"{ms:14.4f}{layer_flops / ms / 1e9:9.0f}" for ms in total.values())
+              + f"   x32 layers: {total['cublas'] * 32:.1f} / {total['cublaslt'] * 32:.1f} ms")
+    torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def idle_gaps(prof, window: str) -> None:
+    """The GPU's idle time inside the profiled window: before its first kernel, between kernels
+    (the largest gaps, with the kernels around them) and after its last kernel."""
+    events = prof.events()
+    # The window's CPU range (record_function also puts a same-named range on the GPU's timeline).
+    (span,) = [e for e in events if e.name == window and e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return
+    gaps, reach, idle = [], kernels[0].time_range.end, 0.0
+    for before, kernel in zip(kernels, kernels[1:]):
+        if kernel.time_range.start > reach:
+            gap = kernel.time_range.start - reach
+            idle += gap
+            gaps.append((gap, before.name[:40], kernel.name[:40]))
+        reach = max(reach, kernel.time_range.end)
+    lead = kernels[0].time_range.start - span.time_range.start
+    tail = span.time_range.end - reach
+    print(f"  GPU idle (profiler on, CPU ops recorded): {lead / 1e3:.2f} ms before the first kernel, "
+          f"{idle / 1e3:.2f} ms between kernels ({len(gaps)} gaps), {tail / 1e3:.2f} ms after the last")
+    for gap, before, after in sorted(gaps, reverse=True)[:6]:
+        print(f"    {gap / 1e3:7.3f} ms  after {before}  before {after}")
+
+
+def kernel_breakdown(title: str, run) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+    _sync(torch.device("cuda"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    top: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        total = (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) / 1e3
+        if total <= 0:
+            continue
+        kind = kind_of(event.key)
+        by_kind[kind][0] += total
+        by_kind[kind][1] += event.count
+        top[event.key[:70]] += total
+    busy = sum(ms for ms, _ in by_kind.values())
+    print(f"{title}: wall {wall:.2f} ms, kernels {busy:.2f} ms ({busy / wall:.0%} of the wall)")
+    for kind, (ms, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {kind:<14} {ms:8.3f} ms {count:6d} launches")
+    print("  top kernels:")
+    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {ms:8.3f} ms  {name}")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("window"):
+            run()
+            torch.cuda.synchronize()
+    idle_gaps(prof, "window")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default="/dev/shm/tandem-llama-3.1-8b-bf16")
+    parser.add_argument("--skip-gemms", action="store_true", help="leave out part 1")
+    args = parser.parse_args()
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_options import SamplingOptions
+    device = torch.device("cuda")
+    print(f"# bench/prefill_profile.py; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    if not args.skip_gemms:
+        gemm_rates(device)
+    shape = SHAPES["llama-3.1-8b"]
+    write_checkpoint(Path(args.model_dir), shape, device)
+    engine = LLMEngine(EngineConfig(args.model_dir, device="cuda", dtype="bfloat16", kv_cache_memory_gb=30,
+                                    max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096))
+    rng = random.Random(0)
+    vocab = shape["vocab_size"]
+    prompt = [rng.randrange(3, vocab) for _ in range(2048)]
+    first = iter(range(3, vocab))
+
+    def one_prompt():
+        engine.add_request(f"ttft-{time.perf_counter_ns()}", [next(first)] + prompt[1:], SamplingOptions(max_tokens=1))
+        while engine.num_unfinished:
+            engine.step()
+    walls = []
+    for _ in range(6):
+        _sync(device)
+        start = time.perf_counter()
+        one_prompt()
+        walls.append((time.perf_counter() - start) * 1e3)
+    print(f"one fresh 2048-token prompt, no profiler: TTFT in-process {sorted(walls[1:])} ms")
+    kernel_breakdown("one fresh 2048-token prompt (TTFT in-process)", one_prompt)
+
+    opts = SamplingOptions(max_tokens=64, ignore_eos=True)
+    for i in range(256):
+        engine.add_request(f"d{i}", [rng.randrange(3, vocab) for _ in range(512)], opts)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    engine.step()
+    kernel_breakdown("an eager decode step of 256 sequences at ~520 tokens", engine.step)
+    engine.runner.graphs = graphs
+
+
+if __name__ == "__main__":
+    main()
