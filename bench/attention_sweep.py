@@ -9,10 +9,13 @@ shapes the serving rows reach (offline 256 x ~640, 32-64 x ~256, batch 1), repla
 graphs with the key-segment count a captured decode graph uses; KV GB/s against the copy rate.
 
 Prefill: fresh prompts (the 2048-token TTFT row, the offline row's 16 x 512 steps) under the
-engine's kernel and under variants of its inner loop (`_variant_kernel` below: no load masks on
-whole tiles, keys loaded transposed, and keys read from the step's dense K/V instead of the
-pages, which prices the paging), against cuDNN's fused attention on dense tensors; TFLOP/s
+engine's kernel and under variants of its inner loop (`_variant_kernel` below, a copy of the
+engine kernel's loop with switches: no load masks on whole tiles, keys loaded transposed, the
+next tile's block ids loaded a tile ahead, and keys read from the step's dense K/V instead of
+the pages, which prices the paging), against cuDNN's fused attention on dense tensors; TFLOP/s
 against dense bf16. Each row's relative error against the torch reference is printed beside it.
+In the raw files of runs 23-24 (bench/results) the decode "variant" lines print above their
+case's header; this version prints them below it.
 """
 from __future__ import annotations
 
@@ -254,13 +257,12 @@ def decode_sweep(args, device, dtype, copy_gbs):
                 print(f"  batch {batch} ctx {context} {config}: failed ({type(exc).__name__}: {exc})"[:200])
                 continue
             rows.append((ms, config, error))
+        variants = []
         if case.meta.num_kv_splits in (None, 1):  # the variant kernel has no key segments
             for prefetch in (False, True):
                 fn = lambda prefetch=prefetch: variant_attention(  # noqa: E731
                     case.query, case.kv_layer, case.meta, case.scale, default, prefetch_ids=prefetch)
-                ms = time_ms(fn, device)
-                print(f"      variant, block ids {'a tile ahead' if prefetch else 'per tile    '}: {ms:.4f} ms, "
-                      f"{case.kv_bytes / (ms * 1e-3) / 1e9 if ms == ms else 0:,.0f} GB/s, err {case.error(fn()):.1e}")
+                variants.append((prefetch, time_ms(fn, device), case.error(fn())))
         rows.sort(key=lambda r: r[0])
         base = next((r for r in rows if r[1] == default), None)
         print(f"  batch {batch:3d} ctx {context:5d} splits {case.meta.num_kv_splits}: engine's {default.tile_n}/"
@@ -269,6 +271,9 @@ def decode_sweep(args, device, dtype, copy_gbs):
         for ms, config, error in rows[:4]:
             print(f"      tile {config.tile_n:4d} warps {config.num_warps} stages {config.num_stages}: {ms:.4f} ms, "
                   f"{case.kv_bytes / (ms * 1e-3) / 1e9:,.0f} GB/s, err {error:.1e}")
+        for prefetch, ms, error in variants:
+            print(f"      variant, block ids {'a tile ahead' if prefetch else 'per tile    '}: {ms:.4f} ms, "
+                  f"{case.kv_bytes / (ms * 1e-3) / 1e9 if ms == ms else 0:,.0f} GB/s, err {error:.1e}")
 
 
 def prefill_sweep(args, device, dtype):
@@ -307,6 +312,7 @@ def prefill_sweep(args, device, dtype):
                 except Exception as exc:  # noqa: BLE001
                     print(f"    {name}: failed ({type(exc).__name__}: {exc})"[:160])
         kinds = [("engine kernel", None), ("variant: no load masks", dict(trans_k=False)),
+                 ("variant: + keys transposed", dict(trans_k=True)),
                  ("variant: + block ids a tile ahead", dict(trans_k=False, prefetch_ids=True)),
                  ("variant: dense K/V", dict(trans_k=False, dense=True))]
         for name, kw in kinds:

@@ -96,11 +96,19 @@ def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, 
         lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)
 
 
+def _gemv_enabled() -> bool:
+    """TANDEM_GEMV=on (the default) or off (cuBLAS for every shape); read at each call, like the
+    backend override, so set it before the decode graphs are captured."""
+    value = os.environ.get("TANDEM_GEMV", "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"TANDEM_GEMV={value!r}; expected on or off")
+    return value == "on"
+
+
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One contiguous row on the Triton backend, unless TANDEM_GEMV=off (cuBLAS for every shape)."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype == weight.dtype and backend_for(x.device) == "triton"
-            and os.environ.get("TANDEM_GEMV", "on").strip().lower() != "off")
+    """One contiguous row with K >= 1 on the Triton backend, unless TANDEM_GEMV=off."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > 0 and x.is_contiguous() and weight.stride(1) == 1
+            and x.dtype == weight.dtype and backend_for(x.device) == "triton" and _gemv_enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -72,6 +72,9 @@ def test_a_strided_weight_view_is_read_by_its_row_stride():
     (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.bfloat16)), "share a float dtype"),
     (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(3)), "bias must be"),
     (lambda: gemv_triton.silu_mul_gemv(torch.zeros(1, 7), torch.zeros(4, 3)), "gate | up"),
+    (lambda: gemv_triton.gemv(torch.zeros(1, 0), torch.zeros(4, 0)), "K >= 1"),
+    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(3, 64, 4)), "powers of two"),
+    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(0, 64, 4)), "powers of two"),
 ])
 def test_bad_inputs_are_value_errors(call, message):
     with pytest.raises(ValueError, match=message):
@@ -92,6 +95,9 @@ def test_the_dispatcher_sends_one_row_to_the_gemv_and_more_to_cublas(monkeypatch
     monkeypatch.setenv("TANDEM_GEMV", "off")
     dispatch.linear(torch.randn(1, 8), weight)
     assert calls == ["gemv", "silu"]
+    monkeypatch.setenv("TANDEM_GEMV", "0")  # not a setting: an error, not silently on
+    with pytest.raises(ValueError, match="TANDEM_GEMV"):
+        dispatch.linear(torch.randn(1, 8), weight)
     monkeypatch.delenv("TANDEM_ATTENTION_BACKEND")
     monkeypatch.delenv("TANDEM_GEMV")
     dispatch.linear(torch.randn(1, 8), weight)  # CPU tensors without the override: torch

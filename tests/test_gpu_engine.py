@@ -158,6 +158,13 @@ def test_gemvs_match_cublas_on_llama_8b_shapes():
     for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         x, weight = randn(1, K), randn(N, K, std=K ** -0.5)
         _close_bf16(gemv_triton.gemv(x, weight), gemv.gemv(x, weight))
+    # SmolLM2-135M's shapes (K not a multiple of the tile: the masked loads), with a bias, and fp16.
+    for N, K in ((960, 576), (576, 1536), (49152, 576)):
+        x, weight, bias = randn(1, K), randn(N, K, std=K ** -0.5), randn(N)
+        _close_bf16(gemv_triton.gemv(x, weight, bias), gemv.gemv(x, weight, bias))
+        x, weight = x.half(), weight.half()
+        torch.testing.assert_close(gemv_triton.gemv(x, weight).float(), gemv.gemv(x, weight).float(),
+                                   atol=1e-2, rtol=2 ** -9)
     gate_up, down = randn(1, 2 * 14336, std=2.0), randn(4096, 14336, std=14336 ** -0.5)
     _close_bf16(gemv_triton.silu_mul_gemv(gate_up, down), gemv.silu_mul_gemv(gate_up, down))
 

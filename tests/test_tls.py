@@ -192,11 +192,10 @@ def test_tandem_up_hands_tls_and_the_cluster_token_to_its_children(pki, model_di
             "--model", str(model_dirs["llama"]), "--num-blocks", "32", "--tls-cert", str(pki["node"].cert),
             "--tls-key", str(pki["node"].key), "--tls-ca", str(pki["ca"].cert), "--tls-client-auth", "none",
             "--metrics-port", str(free_port())]
-    # SIGINT as Ctrl-C delivers it, even when pytest runs as a background job (whose children
-    # inherit SIGINT ignored: the stop below would then wait forever).
+    # The SIGINT below stops it even when pytest runs as a background job, whose children inherit
+    # SIGINT ignored (`tandem up` installs its own handler).
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=dict(os.environ, TANDEM_CLUSTER_TOKEN=token), start_new_session=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                          env=dict(os.environ, TANDEM_CLUSTER_TOKEN=token), start_new_session=True)
     try:
         lines = []
         for line in up.stdout:

@@ -57,6 +57,9 @@ def up(args, engine) -> int:
     for name, extra in cluster.worker_args.items():
         print(f"  {name}: {' '.join(extra)}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C stops, even when started with SIGINT ignored (a script's `&` job), where Python would
+    # install no handler of its own and a SIGINT would never stop the cluster.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
         print(f"tandem: ready on {cluster.address}; logs in {cluster.log_dir}", flush=True)
