@@ -96,6 +96,13 @@ def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, 
         lora_reference.lora_expand(buf, b_pool, meta, y, slice_bounds)
 
 
+def check_settings(device: torch.device) -> None:
+    """The kernel settings read from the environment, checked once before a model loads: a bad
+    value is a ValueError at start-up, not in the middle of a step."""
+    backend_for(device)
+    _gemv_enabled()
+
+
 def _gemv_enabled() -> bool:
     """TANDEM_GEMV=on (the default) or off (cuBLAS for every shape); read at each call, like the
     backend override, so set it before the decode graphs are captured."""

@@ -102,3 +102,11 @@ def test_the_dispatcher_sends_one_row_to_the_gemv_and_more_to_cublas(monkeypatch
     monkeypatch.delenv("TANDEM_GEMV")
     dispatch.linear(torch.randn(1, 8), weight)  # CPU tensors without the override: torch
     assert calls == ["gemv", "silu"]
+
+
+def test_a_bad_gemv_setting_stops_an_engine_before_its_model_loads(monkeypatch, model_dirs):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.model_runner import ModelRunner
+    monkeypatch.setenv("TANDEM_GEMV", "of")
+    with pytest.raises(ValueError, match="TANDEM_GEMV='of'; expected on or off"):
+        ModelRunner(EngineConfig(str(model_dirs["llama"]), device="cpu", num_blocks=16))

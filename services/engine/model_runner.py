@@ -34,7 +34,7 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
-from tandem.kernels.dispatch import backend_for
+from tandem.kernels.dispatch import backend_for, check_settings
 
 log = logging.getLogger("tandem.model_runner")
 
@@ -86,6 +86,7 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         self.device = _resolve_device(config.device)
+        check_settings(self.device)
         self.bind_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device, tp=self.tp)
