@@ -98,6 +98,13 @@ class SamplingOptions:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @cached_property
+    def wants_only_draws(self) -> bool:
+        """The sampler owes it nothing but the drawn id and its log-probability: no penalty, bias,
+        top log-probabilities, beam candidates or logits rows (most requests)."""
+        return not (self.has_penalties or self.embedding_bias or self.logprobs is not None or self.beam_width > 1
+                    or self.return_generation_logits)
+
+    @cached_property
     def wants_prompt_rows(self) -> bool:
         """It asks for an output of every prompt position: prompt_logprobs or the context logits."""
         return bool(self.prompt_logprobs) or self.return_context_logits
