@@ -131,6 +131,24 @@ def test_min_tokens_blocking_and_raw_logprobs():
     assert result.top_logprobs[1] == {4: pytest.approx(raw[1, 4].item(), abs=1e-6)}
 
 
+def test_rows_asking_for_more_than_a_draw_get_it_at_their_own_rows_only():
+    # The sampler looks again only at the rows whose options want more than a draw: among plain
+    # rows, each extra lands at its row and nowhere else.
+    sampler = Sampler(vocab_size=6, max_rows=5)
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]] * 5)
+    plain = SamplingOptions()
+    options = [plain, SamplingOptions(logprobs=2), SamplingOptions(repetition_penalty=2.0), plain,
+               SamplingOptions(return_generation_logits=True)]
+    assert [o.wants_only_draws for o in options] == [True, False, False, True, False]
+    result = draw(sampler, logits, options, histories=[[], [], [1], [], []])
+    assert result.token_ids == [1, 1, 2, 1, 1]
+    assert [t is None for t in result.top_logprobs] == [True, False, True, True, True]
+    assert set(result.top_logprobs[1]) == {1, 2} and result.ranks[1] == {1: 1, 2: 2}
+    assert [r is None for r in result.ranks] == [True, False, True, True, True]
+    assert [r is None for r in result.logits_rows] == [True, True, True, True, False]
+    assert torch.equal(result.logits_rows[4], logits[4])
+
+
 def test_rejects_more_rows_than_it_holds():
     with pytest.raises(ValueError, match="holds 2"):
         draw(Sampler(vocab_size=4, max_rows=2), torch.zeros(3, 4), [SamplingOptions()] * 3)

@@ -10,6 +10,7 @@ first; that is when it leaves the cache (a "removed" KV event).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from tandem.common.kv_hash import chain_hash
 from tandem.engine.sequence import Sequence
@@ -114,6 +115,16 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.num_prefix_query_tokens += num_queried_tokens
             self.num_prefix_hit_tokens += len(blocks) * self.block_size
+
+    def register_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """register_computed for each of seqs. Most sequences of a decode step complete no block:
+        they are passed over before any hashing work."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for seq in seqs:
+            if min(seq.num_computed_tokens, seq.num_tokens) // bs > len(seq.block_hashes):
+                self.register_computed(seq)
 
     def register_computed(self, seq: Sequence) -> None:
         """Hashes seq's newly full, computed blocks into the cache (a "stored" event)."""

@@ -89,7 +89,9 @@ class LLMEngine:
         self.leases = leases
         # True when the last step found nothing it could run (everything waits for blocks).
         self.last_step_was_idle = False
-        self.current_batch_ids: list[str] = []
+        # The batches of the step being run (the one scheduled, and the one in flight when
+        # overlapped): the requests a failed step fails.
+        self._current_batches: list[ScheduledBatch] = []
         # Every sequence the engine owns: queued, running or WAITING_FOR_REMOTE_KV.
         self._seqs: dict[str, Sequence] = {}
         # The launched step whose draws the host has not read yet (overlap_scheduling).
@@ -99,6 +101,11 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         """Sequences the scheduler will run (those waiting for remote KV are not among them yet)."""
         return self.scheduler.num_unfinished
+
+    @property
+    def current_batch_ids(self) -> list[str]:
+        """The requests of the step being run; read only when it failed, so not built every step."""
+        return [seq.request_id for batch in self._current_batches for seq in batch.seqs]
 
     @property
     def num_waiting_for_remote_kv(self) -> int:
@@ -312,9 +319,7 @@ class LLMEngine:
             outputs += self._postprocess(self._in_flight)  # penalties count the ids: read them first
             self._in_flight = None
         batch = self.scheduler.schedule()
-        self.current_batch_ids = [seq.request_id for seq in batch.seqs]
-        if self._in_flight is not None:
-            self.current_batch_ids += [seq.request_id for seq in self._in_flight.batch.seqs]
+        self._current_batches = [batch] if self._in_flight is None else [batch, self._in_flight.batch]
         previous, self._in_flight = self._in_flight, self._launch(batch)
         if previous is not None:
             outputs += self._postprocess(previous)
@@ -339,17 +344,19 @@ class LLMEngine:
             seq.prompt_logprobs += rows.logprobs
             if rows.logits is not None:
                 seq.context_logits.append(rows.logits)
+        num_context = sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0)
         self.counters.last_batch = {
             "numScheduledRequests": len(batch.seqs),
-            "numContextRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens == 0),
-            "numGenRequests": sum(1 for s in batch.seqs if s.num_output_tokens + s.num_pending_tokens > 0),
+            "numContextRequests": num_context,
+            "numGenRequests": len(batch.seqs) - num_context,
             "numCtxTokens": batch.num_tokens - len(sampled),
         }
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            prompt_part = max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens + num_new) - seq.num_computed_tokens)
-            self.counters.num_prompt_tokens_computed += prompt_part
-            seq.num_computed_tokens += num_new
-            self.block_manager.register_computed(seq)
+            computed = seq.num_computed_tokens
+            if computed < seq.num_prompt_tokens:
+                self.counters.num_prompt_tokens_computed += min(seq.num_prompt_tokens, computed + num_new) - computed
+            seq.num_computed_tokens = computed + num_new
+        self.block_manager.register_computed_blocks(batch.seqs)
         for seq in sampled:
             seq.num_pending_tokens += 1
         return InFlightStep(batch, sampled, draws, started, self.counters.iteration)
@@ -360,7 +367,11 @@ class LLMEngine:
         if step.sampled:
             result = step.draws.to_host()
             beams: dict[int, BeamGroup] = {}
-            for k, seq in enumerate(step.sampled):
+            appended: list[Sequence] = []
+            ranks = result.ranks or [None] * len(step.sampled)
+            logits_rows = result.logits_rows
+            for k, (seq, token_id, logprob, top, rank) in enumerate(zip(step.sampled, result.token_ids, result.logprobs,
+                                                                        result.top_logprobs, ranks)):
                 seq.num_pending_tokens -= 1
                 if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
                     continue
@@ -368,12 +379,12 @@ class LLMEngine:
                     seq.beam.record(seq, *result.beam_candidates[k])
                     beams[id(seq.beam)] = seq.beam
                     continue
-                out = self._append_token(seq, result.token_ids[k], result.logprobs[k], result.top_logprobs[k],
-                                         result.ranks[k] if result.ranks else None, step.iteration)
-                if result.logits_rows and result.logits_rows[k] is not None:
-                    out.generation_logits = [result.logits_rows[k]]
+                out = self._append_token(seq, token_id, logprob, top, rank, step.iteration)
+                if logits_rows and logits_rows[k] is not None:
+                    out.generation_logits = [logits_rows[k]]
                 outputs.append(out)
-                self.block_manager.register_computed(seq)  # the block the token completes, now known
+                appended.append(seq)
+            self.block_manager.register_computed_blocks(appended)  # the blocks their tokens complete, now known
             for group in beams.values():
                 root = self._seqs.get(group.request_id)
                 if root is not None and root.perf is not None:  # a beam step draws the request's next token
@@ -398,7 +409,8 @@ class LLMEngine:
         if seq.guide_matcher is not None and not seq.guide_matcher.accept_token(token_id) \
                 and seq.finish_reason is None:
             seq.finish_reason = FinishReason.STOP  # nothing more can follow the guide
-        if seq.finish_reason is None and self.block_manager.num_blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+        bm = self.block_manager
+        if seq.finish_reason is None and seq.num_tokens > bm.num_blocks * bm.block_size:
             seq.finish_reason = FinishReason.LENGTH  # the whole KV pool cannot hold the next step's KV
         # A context_only sequence ends here with its first token, whether or not that token ends it
         # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.

@@ -46,6 +46,11 @@ class PromptRows:
     logprobs: list[PositionLogprobs]  # top prompt_logprobs per position ([] when not asked)
     logits: torch.Tensor | None  # [positions, vocab] float32 on the host (return_context_logits)
 
+# The history and the banned ids of a row whose options need neither (most rows): shared, never
+# mutated, so a step builds nothing for them.
+_NO_IDS: list[int] = []
+_NONE_BANNED: frozenset[int] = frozenset()
+
 # What must agree for new weights to replace the served ones.
 _SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
@@ -336,12 +341,13 @@ class ModelRunner:
                 if s.options.guide is not None and s.guide_matcher is None:
                     s.guide_matcher = new_matcher(s.options.guide, s.output_token_ids)
             bitmask = allowed_bitmask([s.guide_matcher for s in seqs], self.model_config.vocab_size)
+        options = [s.options for s in seqs]
         draws = self.sampler.sample(
-            logits, [s.options for s in seqs], drawn,
-            [s.all_token_ids if s.options.repetition_penalty != 1.0 else [] for s in seqs],
+            logits, options, drawn,
+            [s.all_token_ids if o.repetition_penalty != 1.0 else _NO_IDS for s, o in zip(seqs, options)],
             [s.output_token_ids for s in seqs],
-            [banned_ids(s.options, s.all_token_ids if s.options.needs_token_ids else [], n)
-             for s, n in zip(seqs, drawn)], bitmask)
+            [banned_ids(o, s.all_token_ids if o.needs_token_ids else _NO_IDS, n) if o.may_ban_tokens else _NONE_BANNED
+             for s, o, n in zip(seqs, options, drawn)], bitmask)
         self.tp.broadcast(draws.token_ids)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws, prompt_logprobs

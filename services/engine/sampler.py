@@ -110,26 +110,24 @@ class SampledBatch:
         num_rows = len(self.options)
         token_ids = self.host.token_ids[:num_rows].tolist()
         logprobs = self.host.logprobs[:num_rows].tolist()
-        top: list[dict[int, float] | None] = []
-        ranks: list[dict[int, int] | None] = []
-        values = ids = sampled_ranks = None
-        if self.num_top:
-            values = self.host.top_values[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
-            ids = self.host.top_ids[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
-        if self.has_ranks:
+        top: list[dict[int, float] | None] = [None] * num_rows
+        ranks: list[dict[int, int] | None] = [None] * num_rows
+        if self.has_ranks:  # some row asked for logprobs
+            values = ids = None
+            if self.num_top:
+                values = self.host.top_values[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
+                ids = self.host.top_ids[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
             sampled_ranks = self.host.ranks[:num_rows].tolist()
-        for row, opt in enumerate(self.options):
-            if opt.logprobs is None:
-                top.append(None)
-                ranks.append(None)
-                continue
-            entry = {token_ids[row]: logprobs[row]}
-            rank = {token_ids[row]: sampled_ranks[row]}
-            if opt.logprobs:
-                entry.update(zip(ids[row][:opt.logprobs], values[row][:opt.logprobs]))
-                rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
-            top.append(entry)
-            ranks.append(rank)
+            for row, opt in enumerate(self.options):
+                if opt.logprobs is None:
+                    continue
+                entry = {token_ids[row]: logprobs[row]}
+                rank = {token_ids[row]: sampled_ranks[row]}
+                if opt.logprobs:
+                    entry.update(zip(ids[row][:opt.logprobs], values[row][:opt.logprobs]))
+                    rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
+                top[row] = entry
+                ranks[row] = rank
         candidates: list = []
         if self.beam_block is not None:
             values, ids = (t.tolist() for t in self.beam_block)
@@ -193,10 +191,12 @@ class Sampler:
         self._turn ^= 1
         raw = logits.float()
         lse = torch.logsumexp(raw, dim=-1)
-        # Penalties and min_tokens are rare: their small index tensors are built per step.
-        penalized = [row for row, o in enumerate(options) if o.has_penalties]
-        blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids]
-        biased = [row for row, o in enumerate(options) if o.embedding_bias]
+        # Penalties and min_tokens are rare: their small index tensors are built per step. The rows
+        # that ask for anything beyond a draw are found in one pass; only they are looked at again.
+        extras = [row for row, o in enumerate(options) if not o.wants_only_draws]
+        penalized = [row for row in extras if options[row].has_penalties]
+        blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids] if any(blocked) else []
+        biased = [row for row in extras if options[row].embedding_bias]
         logits = raw.clone() if penalized or blocked_pairs or biased else raw
         if allowed is not None:
             logits = logits.masked_fill(~unpack_bitmask(allowed.to(self.device, non_blocking=True), self.vocab_size),
@@ -215,22 +215,23 @@ class Sampler:
         token_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - lse
         host.token_ids[:num_rows].copy_(chosen, non_blocking=True)
         host.logprobs[:num_rows].copy_(token_logprobs, non_blocking=True)
-        num_top = max((o.logprobs or 0 for o in options), default=0)
+        num_top = max((options[row].logprobs or 0 for row in extras), default=0)
         if num_top:
             values, ids = (raw - lse[:, None]).topk(num_top, dim=-1)
             host.top_values[:values.numel()].view_as(values).copy_(values, non_blocking=True)
             host.top_ids[:ids.numel()].view_as(ids).copy_(ids, non_blocking=True)
-        has_ranks = any(o.logprobs is not None for o in options)
+        has_ranks = any(options[row].logprobs is not None for row in extras)
         if has_ranks:  # 1 + the tokens the model finds strictly more likely, counted on the device
             sampled_raw = raw.gather(1, chosen[:, None])
             host.ranks[:num_rows].copy_((raw > sampled_raw).sum(dim=-1) + 1, non_blocking=True)
         beam_block = None
-        num_candidates = max((o.num_beam_candidates for o in options if o.beam_width > 1), default=0)
+        num_candidates = max((options[row].num_beam_candidates for row in extras if options[row].beam_width > 1),
+                             default=0)
         if num_candidates:  # log_softmax, then the processors' masks and bias (transformers' beam search)
             values, ids = (logits - lse[:, None]).topk(num_candidates, dim=-1)
             beam_block = (values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
         logits_block = None
-        wanted = [row for row, o in enumerate(options) if o.return_generation_logits]
+        wanted = [row for row in extras if options[row].return_generation_logits]
         if wanted:
             logits_block = raw[wanted].to("cpu", non_blocking=True)
         ready = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 
@@ -79,20 +80,40 @@ class SamplingOptions:
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
-    @property
+    # The derived values below are read for every sequence of every step: each is computed once
+    # (the options are frozen), cached_property keeps it in the instance's __dict__.
+    @cached_property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def needs_token_ids(self) -> bool:
         """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
         step must read them back first."""
         return (self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
                 or self.guide is not None or self.beam_width > 1)
 
-    @property
+    @cached_property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @cached_property
+    def wants_only_draws(self) -> bool:
+        """The sampler owes it nothing but the drawn id and its log-probability: no penalty, bias,
+        top log-probabilities, beam candidates or logits rows (most requests)."""
+        return not (self.has_penalties or self.embedding_bias or self.logprobs is not None or self.beam_width > 1
+                    or self.return_generation_logits)
+
+    @cached_property
+    def wants_prompt_rows(self) -> bool:
+        """It asks for an output of every prompt position: prompt_logprobs or the context logits."""
+        return bool(self.prompt_logprobs) or self.return_context_logits
+
+    @cached_property
+    def may_ban_tokens(self) -> bool:
+        """Some draw of it may have ids blocked (logits_masks.banned_ids): min_tokens, bad words or
+        no repeated n-grams."""
+        return self.min_tokens > 0 or bool(self.bad_words) or self.no_repeat_ngram_size > 0
 
     @property
     def num_beam_candidates(self) -> int:
@@ -105,6 +126,10 @@ class SamplingOptions:
 
     def end_ids(self) -> frozenset[int]:
         """Token ids that finish the sequence once min_tokens are out."""
+        return self._end_ids
+
+    @cached_property
+    def _end_ids(self) -> frozenset[int]:
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
             ids.update(self.eos_token_ids)

@@ -93,13 +93,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         self.running.sort(key=_order)
+        # Membership in running is a list scan: it is only asked once this step has preempted.
+        num_preemptions = self.num_preemptions
         for seq in list(self.running):
             # Beams forked past max_num_seqs run in turns: a step holds at most max_num_seqs.
             if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
             # Preempted while making room for a higher-priority one, ending with its tokens in flight,
             # or a beam whose next token waits for the other beams.
-            if seq not in self.running or seq.finishes_when_pending_lands or seq.awaiting_beam:
+            if (self.num_preemptions != num_preemptions and seq not in self.running) \
+                    or seq.finishes_when_pending_lands or seq.awaiting_beam:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new):
@@ -108,8 +111,9 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         self.waiting.sort(key=_order)
-        num_active = self.num_active
-        for seq in [s for s in self.waiting if not s.awaiting_beam]:
+        candidates = [s for s in self.waiting if not s.awaiting_beam]
+        num_active = self.num_active if candidates else 0  # a pass over running: only when someone waits
+        for seq in candidates:
             if budget <= 0 or num_active >= self.max_num_seqs:
                 break
             if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
@@ -161,12 +165,16 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make sure seq has blocks for num_new more tokens, preempting lower-priority sequences."""
-        while not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq, num_new)):
+        bm = self.block_manager
+        num_needed = bm.blocks_needed(seq, num_new)
+        if not num_needed:  # most decode steps: the token fits in the last block
+            return True
+        while not bm.can_allocate(num_needed):
             victim = max(self.running, key=_order)
             self._preempt(victim)
             if victim is seq:
                 return False
-        self.block_manager.grow(seq, num_new)
+        bm.grow(seq, num_new)
         return True
 
     def _acquire_adapter(self, seq: Sequence) -> bool:

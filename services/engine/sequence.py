@@ -113,8 +113,7 @@ class Sequence:
     def needs_prompt_rows(self) -> bool:
         """Asked for prompt_logprobs or context logits and not every prompt position has them yet: its
         prompt is computed whole (no prefix cache), each position once (not again after a preemption)."""
-        wanted = bool(self.options.prompt_logprobs) or self.options.return_context_logits
-        return wanted and self.num_prompt_rows < self.num_prompt_tokens
+        return self.options.wants_prompt_rows and self.num_prompt_rows < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

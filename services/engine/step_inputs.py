@@ -159,15 +159,21 @@ class InputBuffers:
         pending_rows: list[int] = []
         sources: list[int] = []
         tables = []
+        table_lengths: list[int] = []
+        seq_slots: list[int] = []  # each sequence's adapter slot, -1 for none
+        pending_sources = pending_sources or {}
+        row = 0  # the batch's tokens so far: this sequence's first row
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
             table = seq.block_table
-            if end > seq.num_tokens:
-                if num_new != 1 or end != seq.num_tokens + 1 or seq not in (pending_sources or {}):
+            num_known = seq.num_tokens  # a property: read once per sequence of the step
+            if end > num_known:
+                source = pending_sources.get(seq)
+                if num_new != 1 or end != num_known + 1 or source is None:
                     raise RuntimeError(f"{seq.request_id}: only the one token the previous step drew can be in flight")
-                pending_rows.append(starts[-1])
-                sources.append(pending_sources[seq])
+                pending_rows.append(row)
+                sources.append(source)
                 input_ids.append(0)
             else:
                 input_ids += seq.token_slice(start, end)
@@ -177,12 +183,16 @@ class InputBuffers:
             else:
                 positions += range(start, end)
                 slots += _slots(table, start, end, bs).tolist()
-            starts.append(starts[-1] + num_new)
+            row += num_new
+            starts.append(row)
             seq_lens.append(end)
-            if end == seq.num_tokens + seq.num_pending_tokens:
-                sample_rows.append(starts[-1] - 1)
+            if end == num_known + seq.num_pending_tokens:
+                sample_rows.append(row - 1)
                 sample_indices.append(i)
             tables.append(table)
+            table_lengths.append(len(table))
+            lora_slot = seq.lora_slot
+            seq_slots.append(-1 if lora_slot is None else lora_slot)
         num_seqs = len(tables)
         num_rows = graph_size or num_seqs
         num_tokens = graph_size or starts[-1]
@@ -190,20 +200,18 @@ class InputBuffers:
             raise ValueError(f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
                              f"({self.max_num_tokens} / {self.max_num_seqs})")
         num_samples = graph_size or len(sample_rows)
-        seq_slots = [-1 if seq.lora_slot is None else seq.lora_slot for seq in batch.seqs]
-        has_lora = any(slot >= 0 for slot in seq_slots)
+        has_lora = max(seq_slots) >= 0
         if has_lora and not self.num_lora_slots:
             raise ValueError("a sequence has a LoRA slot but the input buffers have no LoRA fields")
-        width = max(len(t) for t in tables)
+        width = max(table_lengths)
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
 
-        table_lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_seqs)
-        num_entries = int(table_lengths.sum())
+        lengths = np.asarray(table_lengths, dtype=np.int64)
+        num_entries = int(lengths.sum())
         # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table.
-        row_starts = np.cumsum(table_lengths) - table_lengths
-        places = np.arange(num_entries) + np.repeat(
-            np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, table_lengths)
+        row_starts = np.cumsum(lengths) - lengths
+        places = np.arange(num_entries) + np.repeat(np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, lengths)
         layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots)
         buf = host.numpy()
         num_real = starts[-1]
