@@ -183,7 +183,7 @@ class LLMEngine:
             if adapter is not None:
                 raise NotImplementedError("use_beam_search with a lora_request is not supported yet: send one or "
                                           "the other")
-            seq.beam = BeamGroup(seq, options.end_ids(), self.max_model_len)
+            seq.beam = BeamGroup(seq, options.end_ids, self.max_model_len)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq

@@ -15,7 +15,7 @@ def banned_ids(options: SamplingOptions, token_ids: list[int], num_output_tokens
     """token_ids: the sequence so far (prompt + output) when options.needs_token_ids, else ignored."""
     banned: set[int] = set()
     if num_output_tokens < options.min_tokens:
-        banned |= options.end_ids()
+        banned |= options.end_ids
     for word in options.bad_words:
         if len(word) == 1 or (len(token_ids) >= len(word) - 1 and tuple(token_ids[len(token_ids) - len(word) + 1:])
                               == word[:-1]):

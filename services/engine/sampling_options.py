@@ -118,18 +118,15 @@ class SamplingOptions:
     @property
     def num_beam_candidates(self) -> int:
         """Candidates a beam keeps per step: max(2, 1 + end ids) x beams (transformers' beams_to_keep)."""
-        return max(2, 1 + len(self.end_ids())) * self.beam_width
+        return max(2, 1 + len(self.end_ids)) * self.beam_width
 
     def eos_ids(self) -> frozenset[int]:
         """The end ids (the model's EOS or end_id) that end this sequence, stop tokens aside."""
         return frozenset(() if self.ignore_eos else self.eos_token_ids)
 
+    @cached_property
     def end_ids(self) -> frozenset[int]:
         """Token ids that finish the sequence once min_tokens are out."""
-        return self._end_ids
-
-    @cached_property
-    def _end_ids(self) -> frozenset[int]:
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:
             ids.update(self.eos_token_ids)

@@ -38,7 +38,7 @@ def natural_finish(options: SamplingOptions, num_prompt_tokens: int, output_toke
     options: (STOP, the end id) once min_tokens are out, (LENGTH, None) at max_tokens or the model's
     context length, else (None, None)."""
     num_output = len(output_token_ids)
-    if num_output and num_output >= options.min_tokens and output_token_ids[-1] in options.end_ids():
+    if num_output and num_output >= options.min_tokens and output_token_ids[-1] in options.end_ids:
         return FinishReason.STOP, output_token_ids[-1]
     if num_output >= options.max_tokens or num_prompt_tokens + num_output >= max_model_len:
         return FinishReason.LENGTH, None
