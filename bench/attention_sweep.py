@@ -91,6 +91,24 @@ def _variant_tile(q, k_base, v_base, table, block_ids, start, kv_hi, q_pos, kv_c
     return m_new, l_i, acc
 
 
+@triton.jit
+def _variant_span(q, k_base, v_base, table, block_ids, lo, hi, kv_hi, q_pos, kv_col, dims, m_i, l_i, acc, scale_log2,
+                  stride_block, stride_slot, stride_kt,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr,
+                  DENSE: tl.constexpr, TRANS_K: tl.constexpr, PREFETCH_IDS: tl.constexpr, UPCAST: tl.constexpr):
+    """The tiles of keys [lo, hi). PREFETCH_IDS: the next tile's block ids are loaded while this
+    tile computes, so the key loads do not wait on a table load each step."""
+    for start in range(lo, hi, TILE_N):
+        next_ids = block_ids
+        if PREFETCH_IDS:
+            next_ids = _tile_block_ids(table, start + TILE_N, kv_hi, BLOCK_SIZE, TILE_N)
+        m_i, l_i, acc = _variant_tile(q, k_base, v_base, table, block_ids, start, kv_hi, q_pos, kv_col, dims, m_i, l_i,
+                                      acc, scale_log2, stride_block, stride_slot, stride_kt,
+                                      BLOCK_SIZE, TILE_N, MASKED, DENSE, TRANS_K, PREFETCH_IDS, UPCAST)
+        block_ids = next_ids
+    return m_i, l_i, acc, block_ids
+
+
 @triton.jit(do_not_specialize=["stride_table"])
 def _variant_kernel(
     q_ptr, kv_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale_log2,
@@ -138,22 +156,12 @@ def _variant_kernel(
     # PREFETCH_IDS: the next tile's block ids are loaded while this tile computes, so the key
     # loads do not wait on a table load each step.
     block_ids = _tile_block_ids(table, 0, kv_hi, BLOCK_SIZE, TILE_N)
-    for start in range(0, unmasked_hi, TILE_N):
-        next_ids = block_ids
-        if PREFETCH_IDS:
-            next_ids = _tile_block_ids(table, start + TILE_N, kv_hi, BLOCK_SIZE, TILE_N)
-        m_i, l_i, acc = _variant_tile(q, k_base, v_base, table, block_ids, start, kv_hi, q_pos, kv_col, dims, m_i, l_i,
-                                      acc, scale_log2, stride_block, stride_slot, stride_kt,
-                                      BLOCK_SIZE, TILE_N, False, DENSE, TRANS_K, PREFETCH_IDS, UPCAST)
-        block_ids = next_ids
-    for start in range(unmasked_hi, kv_hi, TILE_N):
-        next_ids = block_ids
-        if PREFETCH_IDS:
-            next_ids = _tile_block_ids(table, start + TILE_N, kv_hi, BLOCK_SIZE, TILE_N)
-        m_i, l_i, acc = _variant_tile(q, k_base, v_base, table, block_ids, start, kv_hi, q_pos, kv_col, dims, m_i, l_i,
-                                      acc, scale_log2, stride_block, stride_slot, stride_kt,
-                                      BLOCK_SIZE, TILE_N, True, DENSE, TRANS_K, PREFETCH_IDS, UPCAST)
-        block_ids = next_ids
+    m_i, l_i, acc, block_ids = _variant_span(
+        q, k_base, v_base, table, block_ids, 0, unmasked_hi, kv_hi, q_pos, kv_col, dims, m_i, l_i, acc, scale_log2,
+        stride_block, stride_slot, stride_kt, BLOCK_SIZE, TILE_N, False, DENSE, TRANS_K, PREFETCH_IDS, UPCAST)
+    m_i, l_i, acc, block_ids = _variant_span(
+        q, k_base, v_base, table, block_ids, unmasked_hi, kv_hi, kv_hi, q_pos, kv_col, dims, m_i, l_i, acc, scale_log2,
+        stride_block, stride_slot, stride_kt, BLOCK_SIZE, TILE_N, True, DENSE, TRANS_K, PREFETCH_IDS, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
