@@ -91,6 +91,8 @@ def idle_gaps(prof, window: str) -> None:
 
 
 def kernel_breakdown(title: str, run) -> None:
+    """Runs `run` twice: profiled on the GPU only (the kernel times by kind), then with CPU ops
+    recorded too (the window idle_gaps needs; that recording slows the host, so not for times)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     _sync(torch.device("cuda"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
