@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.router.health")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# A Watch stream that lived shorter than this is reopened only after as long (a proxy that cuts
+# every stream at once must not make the router spin).
+WATCH_REOPEN_MIN_S = 1.0
 
 
 async def poll_forever(pool: WorkerPool, w: WorkerHandle) -> None:
@@ -67,15 +70,26 @@ def set_ready(pool: WorkerPool, w: WorkerHandle, ready: bool) -> None:
 
 async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
     """Follows the worker's Watch stream: NOT_SERVING stops picks at once, SERVING makes the
-    state poll run now (it sets ready), and so does the stream's end, which stops picks too: a
-    worker that dies (or restarts) ends it at once, long before the next poll would fail, and a
-    request sent there meanwhile would pay a failed call and a health check before it goes
-    elsewhere. A worker without Watch is left to the polls."""
+    state poll run now (it sets ready). The stream's end stops picks too: a worker that dies (or
+    restarts) ends it at once, long before the next poll would fail, and a request sent there
+    meanwhile would pay a failed call and a health check before it goes elsewhere. Then the Watch
+    is opened again at once: a live worker whose stream was cut on the way (a proxy's idle
+    timeout, a GOAWAY at max connection age) answers it with SERVING in one round trip and is
+    picked again then, without waiting for a state poll that waits on its engine; a dead one
+    refuses it, and a worker that answers only after a refusal (a restart: maybe another role or
+    model) is ready only once a poll has looked at it. A worker without Watch is left to the polls."""
+    loop = asyncio.get_running_loop()
+    is_reopen = False  # the last stream answered, then ended: this one reopens it at once
     while True:
+        opened_at = loop.time()
+        answered = False
         call = w.health.Watch(health_pb2.HealthCheckRequest(service=""))
         try:
             async for reply in call:
+                answered = True
                 if reply.status == SERVING:
+                    if is_reopen and w.role is not Role.UNKNOWN and not w.refused:
+                        set_ready(pool, w, True)
                     w.poll_now.set()
                 else:
                     set_ready(pool, w, False)
@@ -87,7 +101,11 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
             call.cancel()
         set_ready(pool, w, False)
         w.poll_now.set()
-        await asyncio.sleep(pool.health_interval_s)
+        is_reopen = answered
+        if not answered:  # not open at all (down, refusing): the polls and the next try find it
+            await asyncio.sleep(pool.health_interval_s)
+        elif loop.time() - opened_at < WATCH_REOPEN_MIN_S:  # cut again and again at once: do not spin
+            await asyncio.sleep(min(pool.health_interval_s, WATCH_REOPEN_MIN_S))
 
 
 async def follow_kv_blocks(pool: WorkerPool, w: WorkerHandle) -> None:
