@@ -46,8 +46,10 @@ proto: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tandem up --demo
 
-# The container tests need Docker (.ci/run installs and starts it); here they fail without it, never skip.
+# The container tests need Docker, mmdebstrap and a running dockerd: host_deps.sh installs (as root)
+# and starts what is missing. Without them those tests fail, never skip.
 test: $(STAMP)
+	deploy/image/host_deps.sh
 	env -u TANDEM_SKIP_CONTAINER_TESTS $(PY) -m pytest -q -p no:cacheprovider tests
 
 # The load and fault matrix full-size (docs/RELIABILITY.md), bounded to 30 minutes: each fault
@@ -65,8 +67,9 @@ chart: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_helm_chart.py
 
 # The container image, offline: mmdebstrap base, loopback wheel index, BuildKit (deploy/image/build.py).
-# Needs root, docker.io and mmdebstrap; deploy/image/dockerd.sh starts dockerd when none runs.
+# Needs docker.io and mmdebstrap: host_deps.sh installs them (as root) and starts dockerd.
 image: $(STAMP)
+	deploy/image/host_deps.sh
 	$(PY) deploy/image/build.py --variant $(IMAGE_VARIANT) --models "$(IMAGE_MODELS)"
 
 bench: $(STAMP)

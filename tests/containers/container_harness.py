@@ -40,8 +40,8 @@ def docker_client() -> docker.DockerClient:
         client = docker.from_env(timeout=120)
         client.ping()
     except docker.errors.DockerException as exc:
-        pytest.fail(f"the container tests need a Docker daemon ({exc}). Install and start one as root: "
-                    f"apt-get install docker.io mmdebstrap && deploy/image/dockerd.sh -- or, for a targeted run "
+        pytest.fail(f"the container tests need a Docker daemon ({exc}). Install and start one: "
+                    f"deploy/image/host_deps.sh (as root: installs docker.io and mmdebstrap, starts dockerd) -- or, for a targeted run "
                     f"on a machine without Docker, set {SKIP_VARIABLE}=1", pytrace=False)
     return client
 
