@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import fused as fused_reference
+from tandem.kernels import greedy as greedy_reference
 from tandem.kernels import lora as lora_reference
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -79,6 +80,14 @@ def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
                   cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
     return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping)
+
+
+def greedy_draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 logits [R, V] -> (each row's argmax int64, the first on ties; its log-probability; the
+    row's log-sum-exp): one read of the logits on the Triton backend (greedy_triton.py)."""
+    if backend_for(logits.device) == "triton":
+        return _triton_module("greedy_triton").greedy_draw(logits)
+    return greedy_reference.greedy_draw(logits)
 
 
 def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta) -> torch.Tensor:

@@ -112,6 +112,26 @@ def test_sampler_on_gpu_draws_what_the_cpu_draws():
         assert (a is None) == (b is None) and (a is None or set(a) == set(b))
 
 
+def test_greedy_draw_matches_torch_on_the_8b_vocabulary():
+    """greedy_triton's two kernels against torch's logsumexp / argmax / gather at the Llama-3
+    vocabulary, batch 1 to 256: the same ids (ties planted inside a chunk and across chunks), the
+    log-probabilities and lse within float32 summation order."""
+    from tandem.kernels import greedy, greedy_triton
+    gen = torch.Generator("cuda").manual_seed(0)
+    for rows in (1, 7, 256):
+        logits = torch.randn(rows, 128256, generator=gen, device="cuda") * 4
+        logits[0, [70000, 5, 2049]] = 60.0  # chunks 34, 0, 1: 5 wins
+        if rows > 1:
+            logits[1, [128255, 4097, 4096]] = 60.0  # 4096 wins, inside chunk 2
+            logits[2, ::2] = float("-inf")
+        ids, logprobs, lse = greedy_triton.greedy_draw(logits)
+        want_ids, want_logprobs, want_lse = greedy.greedy_draw(logits)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logprobs, want_logprobs, atol=1e-5, rtol=1e-5)
+    assert ids[:2].tolist() == [5, 4096]
+
+
 def _close_bf16(got, want):
     """Equal up to two bf16 rounding steps: a float32 sum in another order may round the statistic,
     and then the product with the weight, the other way."""

@@ -19,6 +19,7 @@ import torch
 
 from tandem.engine.guided import unpack_bitmask
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.kernels import dispatch as kernels
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -190,7 +191,6 @@ class Sampler:
         host = self._host[self._turn]
         self._turn ^= 1
         raw = logits.float()
-        lse = torch.logsumexp(raw, dim=-1)
         # Penalties and min_tokens are rare: their small index tensors are built per step. The rows
         # that ask for anything beyond a draw are found in one pass; only they are looked at again.
         extras = [row for row, o in enumerate(options) if not o.wants_only_draws]
@@ -208,11 +208,16 @@ class Sampler:
         if blocked_pairs:
             rows, ids = zip(*blocked_pairs)
             logits[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = float("-inf")
-        chosen = logits.argmax(dim=-1)
+        # Reported log-probabilities are the raw model's (before penalties, blocking and guides).
+        if logits is raw:  # nothing changed the logits: one pass finds the argmax and the lse
+            chosen, token_logprobs, lse = kernels.greedy_draw(raw)
+        else:
+            lse = torch.logsumexp(raw, dim=-1)
+            chosen, token_logprobs = logits.argmax(dim=-1), None
         if not all(o.is_greedy for o in options):
-            chosen = self._draw(logits, chosen, options, token_indices, host)
-        # Reported log-probabilities are the raw model's (before penalties and blocking).
-        token_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - lse
+            chosen, token_logprobs = self._draw(logits, chosen, options, token_indices, host), None
+        if token_logprobs is None:
+            token_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - lse
         host.token_ids[:num_rows].copy_(chosen, non_blocking=True)
         host.logprobs[:num_rows].copy_(token_logprobs, non_blocking=True)
         num_top = max((options[row].logprobs or 0 for row in extras), default=0)
