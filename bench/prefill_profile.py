@@ -10,6 +10,9 @@
    waits for).
 3. The same breakdown for an eager decode step of 256 sequences over 512-token prompts (the
    offline row's late steps; a replayed graph runs these kernels but hides them from the profiler).
+4. Those sequences' graph decode steps as the engine runs them, timed by CUDA events at each
+   step's input upload and after its graph (decode_timeline): whether the GPU waits for the host
+   between graphs, and the host's time from a step's draws on the host to the next upload.
 """
 from __future__ import annotations
 
@@ -124,6 +127,64 @@ def kernel_breakdown(title: str, run) -> None:
     idle_gaps(prof, "window")
 
 
+def decode_timeline(engine, num_steps: int = 12) -> None:
+    """Runs num_steps engine steps with a CUDA event (and the host's clock) at each step's input
+    upload and after its graph replay, and one when the host has a step's draws: per step, the GPU
+    time from upload to upload, the part in the upload and graph, the gap after the graph (the
+    sampler's kernels, then idle if the host had not queued the next step yet), and the host's
+    time from a step's draws to the next upload."""
+    from tandem.engine import sampler as sampler_module
+    runner = engine.runner
+    marks: list[tuple[str, torch.cuda.Event, float]] = []
+
+    def mark(kind: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((kind, event, time.perf_counter()))
+    upload, run, to_host = runner.inputs.upload, runner.graphs.run, sampler_module.SampledBatch.to_host
+
+    def timed_upload(step):
+        mark("upload")
+        return upload(step)
+
+    def timed_run(size):
+        logits = run(size)
+        mark("graph")
+        return logits
+
+    def timed_to_host(batch):
+        result = to_host(batch)
+        marks.append(("draws", None, time.perf_counter()))
+        return result
+    runner.inputs.upload, runner.graphs.run = timed_upload, timed_run
+    sampler_module.SampledBatch.to_host = timed_to_host
+    try:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    finally:
+        del runner.inputs.upload, runner.graphs.run
+        sampler_module.SampledBatch.to_host = to_host
+    uploads = [(e, t) for kind, e, t in marks if kind == "upload"]
+    graphs = [(e, t) for kind, e, t in marks if kind == "graph"]
+    draws = [t for kind, _, t in marks if kind == "draws"]
+    print(f"graph decode steps as the engine runs them ({len(graphs)} steps; ms):")
+    print("   gpu step  upload+graph  gap after graph  host: draws -> next upload")
+    rows = []
+    for i in range(min(len(uploads), len(graphs)) - 1):
+        step = uploads[i][0].elapsed_time(uploads[i + 1][0])
+        body = uploads[i][0].elapsed_time(graphs[i][0])
+        gap = graphs[i][0].elapsed_time(uploads[i + 1][0])
+        # The draws read back just before upload i+1 was queued (the host's last wait before it).
+        before = [t for t in draws if t <= uploads[i + 1][1]]
+        host = (uploads[i + 1][1] - before[-1]) * 1e3 if before else float("nan")
+        rows.append((step, body, gap, host))
+        print(f"  {step:9.3f} {body:13.3f} {gap:16.3f} {host:27.3f}")
+    if rows:
+        med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
+        print(f"  median: step {med[0]:.3f}, upload+graph {med[1]:.3f}, gap {med[2]:.3f}, host {med[3]:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default="/dev/shm/tandem-llama-3.1-8b-bf16")
@@ -170,6 +231,9 @@ def main() -> None:
     engine.step()
     kernel_breakdown("an eager decode step of 256 sequences at ~520 tokens", engine.step)
     engine.runner.graphs = graphs
+    for _ in range(2):
+        engine.step()
+    decode_timeline(engine)
 
 
 if __name__ == "__main__":
