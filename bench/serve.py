@@ -29,6 +29,7 @@ import sys
 import tarfile
 import time
 import traceback
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -282,8 +283,11 @@ def _offline_in_process(engine, runner, rng, vocab, num=256, prompt_len=512, max
         engine.add_request(f"offline-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], opts)
     last_first = replay = None
     generated = 0
+    full_batch_ends: list[float | None] = []  # after each step once all decode: its end while the batch is full
     while engine.num_unfinished:
         generated += sum(len(o.new_token_ids) for o in engine.step())
+        if last_first is not None:
+            full_batch_ends.append(time.perf_counter() if len(engine.scheduler.running) == num else None)
         if last_first is None and not engine.scheduler.waiting and \
                 all(s.num_output_tokens for s in engine.scheduler.running):
             paused = time.perf_counter()
@@ -296,9 +300,12 @@ def _offline_in_process(engine, runner, rng, vocab, num=256, prompt_len=512, max
     wall = time.perf_counter() - start
     # The same estimate as the served row's: steps after the last first token (the replays' time left out).
     late_step_ms = (time.perf_counter() - last_first) * 1e3 / (max_tokens - 1) if last_first else float("nan")
-    out = dict(tok_s=generated / wall, wall_s=wall, decode_step_ms=late_step_ms, replay_gpu_ms_full_batch=replay)
+    period = _median_period_ms(full_batch_ends)
+    out = dict(tok_s=generated / wall, wall_s=wall, decode_step_ms=late_step_ms, replay_gpu_ms_full_batch=replay,
+               full_batch_period_ms=period)
     log(f"engine in-process offline {num} x {prompt_len}/{max_tokens}: {generated / wall:.0f} tok/s, wall {wall:.2f} s, "
-        f"decode step after the last first token {late_step_ms:.2f} ms, graph replay at that point {replay:.2f} ms GPU")
+        f"decode step after the last first token {late_step_ms:.2f} ms, graph replay at that point {replay:.2f} ms GPU, "
+        f"full-batch step period {period:.2f} ms")
     return out
 
 
@@ -327,12 +334,12 @@ def _tpot_ms(out) -> float:
     return (out.metrics.e2e_latency_s - out.metrics.time_to_first_token_s) / max(1, n - 1) * 1e3
 
 
-def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_dir) -> dict:
+def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_dir, router_args=()) -> dict:
     """Rows 1-5 and the aggregated half of row 6 through the router with one `both` worker."""
     rng = random.Random(SEED + 1)
     out = {}
     cluster = cluster_cls(roles=["both"], engine_args=engine_args, log_dir=log_dir / "aggregated",
-                          worker_args={"both-1": ["--device", worker_device]})
+                          worker_args={"both-1": ["--device", worker_device]}, router_args=list(router_args))
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         cluster.start(timeout=900)
@@ -363,7 +370,8 @@ def serve_rows(cluster_cls, engine_args, worker_device, vocab, rows, quick, log_
                                  decode_step_ms=late_step_ms, **_step_stats(address, full_batch=num))
                 log(f"{num} x {prompt_len}/256: {tokens / wall:.0f} tok/s, wall {wall:.2f} s, median TPOT "
                     f"{out[name]['ms_step']:.2f} ms, TTFT median {ttfts[len(ttfts) // 2]:.0f} / max {ttfts[-1]:.0f} ms, "
-                    f"decode step after the last first token {late_step_ms:.2f} ms")
+                    f"decode step after the last first token {late_step_ms:.2f} ms, the worker's full-batch step "
+                    f"period {out[name].get('full_batch_period_ms', float('nan')):.2f} ms")
         if "ttft" in rows:
             ttfts = []
             for prompt in _prompts(rng, 5, 2048, vocab):
@@ -392,6 +400,12 @@ def _profile(cluster, row: str, log_dir: Path) -> list:
             for service in (cluster.workers[0], cluster.router)]
 
 
+def _median_period_ms(ends: list[float | None]) -> float:
+    """Median time between consecutive step ends (seconds; None: a step that does not count) in ms."""
+    gaps = sorted((b - a) * 1e3 for a, b in zip(ends, ends[1:]) if a is not None and b is not None)
+    return gaps[len(gaps) // 2] if gaps else float("nan")
+
+
 def _step_stats(address, full_batch: int = 0) -> dict:
     """The worker's iteration stats since the last call: how many steps, and the median latency of the
     steps that ran the whole batch (launch to read-back: with overlap it spans parts of two periods)."""
@@ -401,9 +415,19 @@ def _step_stats(address, full_batch: int = 0) -> dict:
             stats = llm.get_stats(timeout=0.2)
     except Exception as exc:  # noqa: BLE001 - stats are a diagnosis, not the measurement
         return {"stats_error": str(exc)}
-    full = [s["iterLatencyMS"] for s in stats
-            if s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch]
-    return {"steps": len(stats), "full_batch_latency_ms": statistics.median(full) if full else None}
+    is_full = [s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch for s in stats]
+    full = [s["iterLatencyMS"] for s, f in zip(stats, is_full) if f]
+    # The period between full-batch steps, from their records' times (iterLatencyMS, launch to
+    # read-back, spans parts of two periods under overlap scheduling).
+    ends, previous = [], None
+    for s, f in zip(stats, is_full):
+        consecutive = previous is not None and s.get("iter") == previous + 1
+        if not consecutive:
+            ends.append(None)
+        previous = s.get("iter")
+        ends.append(datetime.strptime(s["timestamp"], "%m-%d-%Y %H:%M:%S.%f").timestamp() if f else None)
+    return {"steps": len(stats), "full_batch_latency_ms": statistics.median(full) if full else None,
+            "full_batch_period_ms": _median_period_ms(ends)}
 
 
 def _split_workload(address, rng, vocab, quick) -> dict:
@@ -462,7 +486,9 @@ def print_table(res: dict, floor_ms: float, hf: dict) -> None:
     if offline and "offline" in serve:
         log(f"{'  offline, the engine alone':<34}{offline['tok_s']:>16,.1f} tok/s   served / alone "
             f"{serve['offline']['tok_s'] / offline['tok_s']:.2f}; decode step {serve['offline']['decode_step_ms']:.2f} ms "
-            f"served, {offline['decode_step_ms']:.2f} alone, replay {offline['replay_gpu_ms_full_batch']:.2f} ms GPU")
+            f"served, {offline['decode_step_ms']:.2f} alone, replay {offline['replay_gpu_ms_full_batch']:.2f} ms GPU; "
+            f"full-batch step period {serve['offline'].get('full_batch_period_ms', float('nan')):.2f} ms served (worker "
+            f"stats), {offline.get('full_batch_period_ms', float('nan')):.2f} alone")
     if "ttft" in serve:
         log(f"{'TTFT one 2048-token prompt':<34}{serve['ttft']['ttft_ms']:>19.1f} ms{'-':>10}{'-':>16}{'-':>8}   "
             f"{GOALS['ttft']}")
@@ -484,6 +510,8 @@ def main() -> None:
     parser.add_argument("--phases", default="transformers,profile,serve,split")
     parser.add_argument("--rows", default="bs1,c32,c64,offline,ttft,split")
     parser.add_argument("--quick", action="store_true", help="fewer tokens per row (smoke runs)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the router's --stream-interval for rows 1-5 (tokens per message to a client)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = parser.parse_args()
 
@@ -525,8 +553,9 @@ def main() -> None:
     log_dir = Path("/tmp/tandem-serve-logs")
     phase("transformers", lambda: transformers_rates(model_dir, device, shape["vocab_size"]))
     phase("profile", lambda: engine_profile(model_dir, device, shape["vocab_size"]))
+    router_args = ["--stream-interval", str(args.stream_interval)] if args.stream_interval > 1 else []
     phase("serve", lambda: serve_rows(LocalCluster, engine_args, str(device), shape["vocab_size"], rows, args.quick,
-                                      log_dir))
+                                      log_dir, router_args))
     split_args = [a if a != "28" else "10" for a in engine_args]
     if "split" in rows:
         phase("split", lambda: serve_split(LocalCluster, split_args, str(device), decode_device, shape["vocab_size"],
