@@ -1,6 +1,8 @@
 """How the router follows a worker's health when the Watch stream is cut on the way while the
 worker lives (a proxy's idle timeout, a GOAWAY at the server's max connection age): the worker
-stays pickable but for a round trip, even while its engine is too busy to answer a state poll."""
+stays pickable but for a round trip, even while its engine is too busy to answer a state poll;
+and when the process behind the address is replaced (a restart, maybe in another role), the new
+one is not picked on the old one's word."""
 from __future__ import annotations
 
 import asyncio
@@ -33,17 +35,19 @@ class CountingHealth(health_async.HealthServicer):
 
 
 class BusyEngineWorker(worker_pb2_grpc.WorkerServicer):
-    """Answers the first state poll at once and later ones only after a long step (an engine busy
-    with a long prefill answers between steps)."""
+    """Answers the first `num_quick` state polls at once and later ones only after a long step
+    (an engine busy with a long prefill answers between steps)."""
 
-    def __init__(self):
+    def __init__(self, role=worker_pb2.ROLE_DECODE, num_quick: int = 1):
+        self.role = role
+        self.num_quick = num_quick
         self.polls = 0
 
     async def GetWorkerState(self, request, context):
         self.polls += 1
-        if self.polls > 1:
+        if self.polls > self.num_quick:
             await asyncio.sleep(SAMPLE_S + 5)
-        return worker_pb2.WorkerState(role=worker_pb2.ROLE_DECODE)
+        return worker_pb2.WorkerState(role=self.role)
 
     async def SubscribeKvBlocks(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake worker has no KV block feed")
@@ -92,3 +96,54 @@ def test_a_live_worker_whose_watch_stream_is_cut_stays_pickable():
     # Each cut costs one round trip on loopback, not the busy engine's state poll (> SAMPLE_S).
     assert longest_down_s < 0.25, f"not ready for {longest_down_s:.3f} s after a cut Watch stream"
     assert ready_share > 0.95, ready_share
+
+
+async def _worker_server(port: int, worker: BusyEngineWorker, serving: bool):
+    server = grpc.aio.server()
+    health = health_async.HealthServicer()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING if serving else
+                     health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, health, bound
+
+
+async def _replace_the_process(old_stream_age_s: float) -> list[tuple[Role, bool]]:
+    old, _, port = await _worker_server(0, BusyEngineWorker(worker_pb2.ROLE_DECODE, num_quick=10), serving=True)
+    pool = WorkerPool((f"127.0.0.1:{port}",), health_interval_s=30.0, health_timeout_s=0.5)
+    new = None
+    try:
+        pool.start()
+        assert await pool.wait_ready(10)
+        w = pool.workers[0]
+        assert w.role is Role.DECODE and w.ready
+        await asyncio.sleep(old_stream_age_s)
+        # The old process goes; a new one, another role and still loading, listens at once (its
+        # state polls are slow, so only the Watch could make it pickable soon).
+        stopping = asyncio.create_task(old.stop(None))
+        new, health, _ = await _worker_server(port, BusyEngineWorker(worker_pb2.ROLE_PREFILL, num_quick=0),
+                                              serving=False)
+        await stopping
+        await asyncio.sleep(0.5)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)  # loaded
+        seen = []
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            seen.append((w.role, w.ready))
+        return seen
+    finally:
+        for t in pool.workers[0].tasks:
+            t.cancel()
+        await pool.workers[0].channel.close()
+        if new is not None:
+            await new.stop(None)
+
+
+# 0: the old stream is cut young, so the reopen waits and finds the new process serving already;
+# 1.5: it is reopened at once and finds the new process loading.
+@pytest.mark.parametrize("old_stream_age_s", [0.0, 1.5])
+def test_a_new_process_on_the_address_is_not_picked_on_the_old_ones_role(old_stream_age_s):
+    seen = asyncio.run(_replace_the_process(old_stream_age_s))
+    assert not any(ready for _, ready in seen), "the new process was picked before a state poll looked at it"

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.router.health")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-# A Watch stream that lived shorter than this is reopened only after as long (a proxy that cuts
-# every stream at once must not make the router spin).
+# A Watch stream that lived shorter than this is reopened only after min(this, the health
+# interval) (a proxy that cuts every stream at once must not make the router spin).
 WATCH_REOPEN_MIN_S = 1.0
 
 
@@ -75,11 +75,15 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
     meanwhile would pay a failed call and a health check before it goes elsewhere. Then the Watch
     is opened again at once: a live worker whose stream was cut on the way (a proxy's idle
     timeout, a GOAWAY at max connection age) answers it with SERVING in one round trip and is
-    picked again then, without waiting for a state poll that waits on its engine; a dead one
-    refuses it, and a worker that answers only after a refusal (a restart: maybe another role or
-    model) is ready only once a poll has looked at it. A worker without Watch is left to the polls."""
+    picked again then, without waiting for a state poll that waits on its engine. Only that
+    first reply of a stream reopened at once is trusted so: a dead worker refuses the reopen, and
+    a new process on the address (a restart, maybe in another role) says NOT_SERVING first while
+    it loads, or is reached only after a wait; it is ready once a poll has looked at it. (A new
+    process already serving on the same address the instant the old one's stream ends, a hot
+    swap over SO_REUSEPORT, would be trusted until the poll: telling processes apart needs an
+    instance id in the Watch's metadata.) A worker without Watch is left to the polls."""
     loop = asyncio.get_running_loop()
-    is_reopen = False  # the last stream answered, then ended: this one reopens it at once
+    is_reopen = False  # the last stream answered, lived >= WATCH_REOPEN_MIN_S and ended: reopened at once
     while True:
         opened_at = loop.time()
         answered = False
@@ -93,6 +97,9 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
                     w.poll_now.set()
                 else:
                     set_ready(pool, w, False)
+                # Only a reopened stream's first reply stands for the process the last poll saw: a
+                # new process on the address (a restart) says NOT_SERVING first, while it loads.
+                is_reopen = False
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("worker %s has no health Watch; polling it every %.1f s", w.address, pool.health_interval_s)
@@ -101,10 +108,11 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
             call.cancel()
         set_ready(pool, w, False)
         w.poll_now.set()
-        is_reopen = answered
+        # Trusted only when reopened at once: after a wait another process may be serving there.
+        is_reopen = answered and loop.time() - opened_at >= WATCH_REOPEN_MIN_S
         if not answered:  # not open at all (down, refusing): the polls and the next try find it
             await asyncio.sleep(pool.health_interval_s)
-        elif loop.time() - opened_at < WATCH_REOPEN_MIN_S:  # cut again and again at once: do not spin
+        elif not is_reopen:  # cut again and again at once: do not spin
             await asyncio.sleep(min(pool.health_interval_s, WATCH_REOPEN_MIN_S))
 
 
