@@ -167,6 +167,8 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
         sampler_module.SampledBatch.to_host = to_host
     uploads = [(e, t) for kind, e, t in marks if kind == "upload"]
     graphs = [(e, t) for kind, e, t in marks if kind == "graph"]
+    if len(uploads) != len(graphs):  # an eager step uploads too: the rows would pair wrong steps
+        raise RuntimeError(f"{len(uploads)} uploads for {len(graphs)} graph replays: not every step was a graph")
     draws = [t for kind, _, t in marks if kind == "draws"]
     print(f"graph decode steps as the engine runs them ({len(graphs)} steps; ms):")
     print("   gpu step  upload+graph  gap after graph  host: draws -> next upload")

@@ -3,7 +3,7 @@ answer (logsumexp, argmax, gather, subtract), each replayed as a CUDA graph (GPU
 launch cost, as in a decode step whose host runs ahead), and Sampler.sample end to end on
 all-greedy rows (wall per call: what the bench/serve.py profile calls the sampler), at the
 Llama-3 vocabulary, beside the floor: one read of the float32 logits at the copy rate measured
-in the same run.
+in the same run; the logits rotate through copies twice the L2's size, so each call reads HBM.
 
     python bench/sampler.py                 # CUDA: batch 1, 32, 64, 256 x 128256
     python bench/sampler.py --vocab 49152   # SmolLM2's vocabulary
@@ -23,19 +23,20 @@ from tandem.engine.sampling_options import SamplingOptions
 from tandem.kernels import greedy
 
 
-def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """GPU ms per call of fn, captured `calls` times in one CUDA graph and replayed."""
+def graph_ms(fn, inputs: list, calls: int = 20, replays: int = 10) -> float:
+    """GPU ms per call of fn, captured `calls` times in one CUDA graph (call i on inputs[i % len])
+    and replayed: inputs larger than the L2 together make every call read from HBM."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
-        fn()
+        fn(inputs[0])
+        fn(inputs[-1])
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(inputs[i % len(inputs)])
     graph.replay()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
@@ -78,17 +79,24 @@ def main() -> None:
     gen = torch.Generator(device).manual_seed(0)
     for rows in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(rows, args.vocab, generator=gen, device=device) * 4
-        floor = rows * args.vocab * 4 / (copy_gbs / 2) / 1e6  # one read; the copy rate counts read + write
+        # One read of the logits at the copy rate (which counts the bytes read and written).
+        floor = rows * args.vocab * 4 / copy_gbs / 1e6
+        # Copies of the logits that together are >= 2x the L2, so the graphs' calls read HBM.
+        num_copies = 1
+        if on_gpu:
+            l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+            num_copies = max(1, -(-2 * l2_bytes // logits.nbytes))
+        copies = [logits] + [logits.clone() for _ in range(num_copies - 1)]
         sampler = Sampler(args.vocab, max_rows=rows, device=device)
         options = [SamplingOptions(max_tokens=16)] * rows
         empty = ([0] * rows, [[]] * rows, [[]] * rows, [frozenset()] * rows)
 
         def sample():
             sampler.sample(logits, options, *empty).to_host()
-        torch_ops = graph_ms(lambda: greedy.greedy_draw(logits)) if on_gpu else wall_ms(
+        torch_ops = graph_ms(greedy.greedy_draw, copies) if on_gpu else wall_ms(
             device, lambda: greedy.greedy_draw(logits))
         if on_gpu:
-            fused = graph_ms(lambda: greedy_triton.greedy_draw(logits))
+            fused = graph_ms(greedy_triton.greedy_draw, copies)
             sample_kernels = wall_ms(device, sample)
             import tandem.kernels.dispatch as dispatch
             original, dispatch.greedy_draw = dispatch.greedy_draw, greedy.greedy_draw

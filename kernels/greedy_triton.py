@@ -6,7 +6,9 @@ and at batch 1 each of its reductions over a 128k vocabulary runs on a handful o
 of a 4.3 ms decode step of the 8B shape (bench/serve.py, run 28). Here every program reads one
 CHUNK of a row once and keeps (max, first index of the max, sum of exp(x - max)); a second kernel
 merges a row's chunks. Ties go to the smallest index, as torch.argmax's do, so the greedy tokens
-are the torch path's.
+are the torch path's for finite (and -inf) logits. A NaN or +inf logit is not torch's case here:
+the id stays in the vocabulary but is not the one torch.argmax names (NaN counts as the max
+there), and a +inf makes the lse NaN (torch: inf).
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def greedy_draw(logits: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor,
     require(logits.stride(1) == 1, "greedy_draw needs each row of the logits contiguous")
     require(chunk > 0 and chunk & (chunk - 1) == 0, f"chunk must be a power of two, got {chunk}")
     num_rows, vocab = logits.shape
-    require(0 < vocab < 2 ** 31, f"greedy_draw needs 1 <= V < 2**31, got V = {vocab}")
+    require(0 < vocab <= 2 ** 31 - chunk, f"greedy_draw needs 1 <= V <= 2**31 - chunk, got V = {vocab}")
+    require(triton.cdiv(vocab, chunk) <= 65535, f"V = {vocab} needs more than 65535 chunks of {chunk}: a larger chunk")
     device = logits.device
     ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)

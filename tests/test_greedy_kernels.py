@@ -68,7 +68,8 @@ def test_a_strided_row_view_is_read_by_its_row_stride():
     (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8, dtype=torch.bfloat16)), "float32"),
     (lambda: greedy_triton.greedy_draw(torch.zeros(8)), r"\[R, V\]"),
     (lambda: greedy_triton.greedy_draw(torch.zeros(8, 2).t()), "contiguous"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(2, 0)), "V < 2"),
+    (lambda: greedy_triton.greedy_draw(torch.zeros(2, 0)), "1 <= V"),
+    (lambda: greedy_triton.greedy_draw(torch.zeros(1, 70000), chunk=1), "65535 chunks"),
     (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8), chunk=100), "power of two"),
 ])
 def test_bad_inputs_are_value_errors(call, message):
@@ -100,3 +101,9 @@ def test_the_sampler_takes_the_kernel_only_when_nothing_changed_the_logits(monke
     assert calls == [(3, vocab)]  # the banned id changed the logits: torch's path
     assert result.token_ids[0] == logits[0].clone().index_fill_(0, torch.tensor([top]), float("-inf")).argmax().item()
     assert result.logprobs[0] == pytest.approx(log_probs[0, result.token_ids[0]].item(), abs=1e-5)
+    penalized = [SamplingOptions(max_tokens=4, repetition_penalty=1.5)] + [SamplingOptions(max_tokens=4)] * 2
+    sampler.sample(logits, penalized, [0] * 3, [[top], [], []], [[top], [], []], [frozenset()] * 3).to_host()
+    allowed = torch.full((3, (vocab + 31) // 32), -1, dtype=torch.int32)  # a guide that allows every id
+    sampler.sample(logits, [SamplingOptions(max_tokens=4)] * 3, [0] * 3, [[]] * 3, [[]] * 3, [frozenset()] * 3,
+                   allowed).to_host()
+    assert calls == [(3, vocab)]  # a penalty and a guide keep torch's path too
