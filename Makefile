@@ -47,7 +47,7 @@ run: $(STAMP)
 	$(VENV)/bin/tandem up --demo
 
 # The container tests need Docker, mmdebstrap and a running dockerd: host_deps.sh installs (as root)
-# and starts what is missing. Without them those tests fail, never skip.
+# and starts what is missing, or says what is (not root). Without them those tests fail, never skip.
 test: $(STAMP)
 	deploy/image/host_deps.sh
 	env -u TANDEM_SKIP_CONTAINER_TESTS $(PY) -m pytest -q -p no:cacheprovider tests
@@ -69,7 +69,7 @@ chart: $(STAMP)
 # The container image, offline: mmdebstrap base, loopback wheel index, BuildKit (deploy/image/build.py).
 # Needs docker.io and mmdebstrap: host_deps.sh installs them (as root) and starts dockerd.
 image: $(STAMP)
-	deploy/image/host_deps.sh
+	deploy/image/host_deps.sh --strict
 	$(PY) deploy/image/build.py --variant $(IMAGE_VARIANT) --models "$(IMAGE_MODELS)"
 
 bench: $(STAMP)

@@ -41,7 +41,7 @@ def docker_client() -> docker.DockerClient:
         client.ping()
     except docker.errors.DockerException as exc:
         pytest.fail(f"the container tests need a Docker daemon ({exc}). Install and start one: "
-                    f"deploy/image/host_deps.sh (as root: installs docker.io and mmdebstrap, starts dockerd) -- or, for a targeted run "
+                    f"deploy/image/host_deps.sh (as root: installs docker.io, mmdebstrap and iptables, starts dockerd) -- or, for a targeted run "
                     f"on a machine without Docker, set {SKIP_VARIABLE}=1", pytrace=False)
     return client
 
