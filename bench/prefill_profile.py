@@ -173,7 +173,7 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
     print(f"graph decode steps as the engine runs them ({len(graphs)} steps; ms):")
     print("   gpu step  upload+graph  gap after graph  host: draws -> next upload")
     rows = []
-    for i in range(min(len(uploads), len(graphs)) - 1):
+    for i in range(len(graphs) - 1):
         step = uploads[i][0].elapsed_time(uploads[i + 1][0])
         body = uploads[i][0].elapsed_time(graphs[i][0])
         gap = graphs[i][0].elapsed_time(uploads[i + 1][0])

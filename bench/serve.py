@@ -283,11 +283,11 @@ def _offline_in_process(engine, runner, rng, vocab, num=256, prompt_len=512, max
         engine.add_request(f"offline-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], opts)
     last_first = replay = None
     generated = 0
-    full_batch_ends: list[float | None] = []  # after each step once all decode: its end while the batch is full
+    full_batch_ends: dict[int, float] = {}  # step number -> its end, for the steps that ran the whole batch
     while engine.num_unfinished:
         generated += sum(len(o.new_token_ids) for o in engine.step())
-        if last_first is not None:
-            full_batch_ends.append(time.perf_counter() if len(engine.scheduler.running) == num else None)
+        if last_first is not None and len(engine.scheduler.running) == num:
+            full_batch_ends[engine.counters.num_steps] = time.perf_counter()
         if last_first is None and not engine.scheduler.waiting and \
                 all(s.num_output_tokens for s in engine.scheduler.running):
             paused = time.perf_counter()
@@ -400,10 +400,10 @@ def _profile(cluster, row: str, log_dir: Path) -> list:
             for service in (cluster.workers[0], cluster.router)]
 
 
-def _median_period_ms(ends: list[float | None]) -> float:
-    """Median time between consecutive step ends (seconds; None: a step that does not count) in ms."""
-    gaps = sorted((b - a) * 1e3 for a, b in zip(ends, ends[1:]) if a is not None and b is not None)
-    return gaps[len(gaps) // 2] if gaps else float("nan")
+def _median_period_ms(ends: dict[int, float]) -> float:
+    """Median ms between the ends (seconds, by step number) of consecutive steps that both count."""
+    gaps = [(ends[step + 1] - end) * 1e3 for step, end in ends.items() if step + 1 in ends]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def _step_stats(address, full_batch: int = 0) -> dict:
@@ -415,18 +415,12 @@ def _step_stats(address, full_batch: int = 0) -> dict:
             stats = llm.get_stats(timeout=0.2)
     except Exception as exc:  # noqa: BLE001 - stats are a diagnosis, not the measurement
         return {"stats_error": str(exc)}
-    is_full = [s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch for s in stats]
-    full = [s["iterLatencyMS"] for s, f in zip(stats, is_full) if f]
+    full = [s for s in stats if s.get("inflightBatchingStats", {}).get("numScheduledRequests", 0) >= full_batch]
     # The period between full-batch steps, from their records' times (iterLatencyMS, launch to
     # read-back, spans parts of two periods under overlap scheduling).
-    ends, previous = [], None
-    for s, f in zip(stats, is_full):
-        consecutive = previous is not None and s.get("iter") == previous + 1
-        if not consecutive:
-            ends.append(None)
-        previous = s.get("iter")
-        ends.append(datetime.strptime(s["timestamp"], "%m-%d-%Y %H:%M:%S.%f").timestamp() if f else None)
-    return {"steps": len(stats), "full_batch_latency_ms": statistics.median(full) if full else None,
+    ends = {s["iter"]: datetime.strptime(s["timestamp"], "%m-%d-%Y %H:%M:%S.%f").timestamp() for s in full}
+    return {"steps": len(stats),
+            "full_batch_latency_ms": statistics.median(s["iterLatencyMS"] for s in full) if full else None,
             "full_batch_period_ms": _median_period_ms(ends)}
 
 

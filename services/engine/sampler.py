@@ -213,10 +213,11 @@ class Sampler:
             chosen, token_logprobs, lse = kernels.greedy_draw(raw)
         else:
             lse = torch.logsumexp(raw, dim=-1)
-            chosen, token_logprobs = logits.argmax(dim=-1), None
-        if not all(o.is_greedy for o in options):
-            chosen, token_logprobs = self._draw(logits, chosen, options, token_indices, host), None
-        if token_logprobs is None:
+            chosen = logits.argmax(dim=-1)
+        is_greedy = all(o.is_greedy for o in options)
+        if not is_greedy:
+            chosen = self._draw(logits, chosen, options, token_indices, host)
+        if logits is not raw or not is_greedy:  # chosen is not raw's argmax: its logprob is gathered
             token_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - lse
         host.token_ids[:num_rows].copy_(chosen, non_blocking=True)
         host.logprobs[:num_rows].copy_(token_logprobs, non_blocking=True)
