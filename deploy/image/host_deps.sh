@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the container tests and `make image` need on the host besides .venv: a Docker CLI with a
-# running daemon, mmdebstrap (the image's base) and iptables (dockerd's networking). `make test`
-# and `make image` call it. It looks for the tools, not for package names: a Docker that is
+# running daemon (a CLI with neither a daemon nor dockerd gets Debian's), mmdebstrap (the image's
+# base) and iptables (dockerd's networking). `make test` and `make image` call it. It looks for the tools, not for package names: a Docker that is
 # already there (docker-ce, Docker Desktop, a rootless one) is used as it is, never replaced.
 # Only what is missing is installed, only as root with apt; anywhere else it says what is
 # missing and goes on (exit 0), and the container tests then fail with that message themselves.
@@ -12,7 +12,10 @@ strict=0
 [[ "${1:-}" == "--strict" ]] && strict=1
 
 missing=()  # Debian packages
-command -v docker >/dev/null || missing+=(docker.io)
+# A Docker CLI alone (no daemon answers, no dockerd to start) gets Debian's daemon beside it.
+if ! command -v docker >/dev/null || { ! command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; }; then
+    missing+=(docker.io)
+fi
 command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
 if [[ " ${missing[*]} " == *" docker.io "* ]]; then
     command -v iptables >/dev/null || missing+=(iptables)
