@@ -6,7 +6,12 @@ the relay: a router at one token per message cannot cost less than this. The ups
 per message is the floor of a server that only sends (a router whose worker outputs arrive
 batched, on output streams, still sends one message per token to its clients).
 
-    python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4]
+With --session the relay holds one bidi stream to the upstream instead of a call per request
+(requests go as messages on it; the upstream sends what all requests produced since its last
+send as one OutputBatch): the floor of a router whose worker leg is multiplexed both ways. Its
+"upstream" line is then a batching sender's cost, not one message per token.
+
+    python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4] [--session]
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import grpc
 import psutil
 
 from tandem.testing.cluster import free_port
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2
 
 
 class Upstream(llm_pb2_grpc.AsyncLLMServicer):
@@ -34,6 +39,83 @@ class Upstream(llm_pb2_grpc.AsyncLLMServicer):
             yield out
             if self.pace_s and i < n - 1:
                 await asyncio.sleep(self.pace_s)
+
+
+SESSION = "/floor.Session/Run"
+
+
+def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
+    """The upstream's multiplexed end: GenerateRequests in on one bidi stream (request_id = tag),
+    OutputBatches out, one per wake-up with what every request produced since the last."""
+    async def run(requests, context):
+        pending: list[types_pb2.RequestOutput] = []
+        wake = asyncio.Event()
+
+        async def produce(request):
+            n = request.sampling_params.max_tokens or upstream.num_messages
+            for i in range(n):
+                out = types_pb2.RequestOutput(request_id=request.request_id, finished=i == n - 1)
+                out.outputs.add(index=0, token_ids=[i])
+                pending.append(out)
+                wake.set()
+                if upstream.pace_s and i < n - 1:
+                    await asyncio.sleep(upstream.pace_s)
+
+        async def read():
+            async for request in requests:
+                tasks.add(asyncio.create_task(produce(request)))
+        tasks: set = set()
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                batch = worker_pb2.OutputBatch(outputs=pending)
+                pending.clear()
+                yield batch
+        finally:
+            reader.cancel()
+    return grpc.method_handlers_generic_handler("floor.Session", {"Run": grpc.stream_stream_rpc_method_handler(
+        run, request_deserializer=llm_pb2.GenerateRequest.FromString,
+        response_serializer=worker_pb2.OutputBatch.SerializeToString)})
+
+
+class SessionRelay(llm_pb2_grpc.AsyncLLMServicer):
+    """The relay over one multiplexed stream: no call per request on the upstream leg."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.call = None
+        self.inboxes: dict[str, asyncio.Queue] = {}
+
+    async def _read(self):
+        async for batch in self.call:
+            for out in batch.outputs:
+                inbox = self.inboxes.get(out.request_id)
+                if inbox is not None:
+                    inbox.put_nowait(out)
+
+    async def Generate(self, request, context):
+        if self.call is None:
+            channel = grpc.aio.insecure_channel(self.upstream)
+            self.call = channel.stream_stream(SESSION, request_serializer=llm_pb2.GenerateRequest.SerializeToString,
+                                              response_deserializer=worker_pb2.OutputBatch.FromString)()
+            self.writes = asyncio.Queue()
+            self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
+        inbox = self.inboxes[request.request_id] = asyncio.Queue()
+        self.writes.put_nowait(request)
+        try:
+            while True:
+                msg = await inbox.get()
+                yield msg
+                if msg.finished:
+                    return
+        finally:
+            del self.inboxes[request.request_id]
+
+    async def _write(self):
+        while True:
+            await self.call.write(await self.writes.get())
 
 
 class Relay(llm_pb2_grpc.AsyncLLMServicer):
@@ -52,6 +134,8 @@ def _serve(servicer, port: int, loop: str) -> None:
     async def main():
         server = grpc.aio.server()
         llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server)
+        if isinstance(servicer, Upstream):
+            server.add_generic_rpc_handlers((_session_handler(servicer),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -85,7 +169,7 @@ async def _measure(args, relay_pid: int, upstream_pid: int, upstream: int, relay
     counts = await asyncio.gather(*(one(stubs["relay"], i, args.tokens) for i in range(args.streams)))
     cpu = sum(process.cpu_times()[:2]) - cpu
     sender_cpu = sum(sender.cpu_times()[:2]) - sender_cpu
-    print(f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  grpcio {grpc.__version__}")
+    print(f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  {'session' if args.session else 'call per request'}  grpcio {grpc.__version__}")
     print(f"latency p50, 1-message stream: direct {p50['direct']:.2f} ms, relay {p50['relay']:.2f} ms, "
           f"added {p50['relay'] - p50['direct']:.2f} ms")
     print(f"{args.streams} streams x {args.tokens} messages (one token each, {args.pace_ms} ms apart): relay CPU "
@@ -97,8 +181,9 @@ async def _measure(args, relay_pid: int, upstream_pid: int, upstream: int, relay
 def main(args) -> None:
     ctx = multiprocessing.get_context("spawn")
     upstream, relay = free_port("127.0.0.1"), free_port("127.0.0.1")
+    relay_class = SessionRelay if args.session else Relay
     processes = [ctx.Process(target=_serve, args=(Upstream(args.tokens, args.pace_ms / 1e3), upstream, args.loop)),
-                 ctx.Process(target=_serve, args=(Relay(f"127.0.0.1:{upstream}"), relay, args.loop))]
+                 ctx.Process(target=_serve, args=(relay_class(f"127.0.0.1:{upstream}"), relay, args.loop))]
     for p in processes:
         p.start()
     try:
@@ -116,4 +201,6 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--pace-ms", type=float, default=4.0, help="upstream's gap between messages of a stream")
+    parser.add_argument("--session", action="store_true",
+                        help="relay over one multiplexed stream to the upstream (no call per request there)")
     main(parser.parse_args())
