@@ -17,6 +17,7 @@ from test_disagg import worker_state
 from test_metrics import scrape, value
 from tandem.client import AsyncLLM, SamplingParams
 from tandem.testing.cluster import LocalCluster
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 # Hung workers are noticed after a second without progress (and a probe that is not answered).
 ROUTER_ARGS = ["--stream-progress-timeout", "1", "--health-timeout", "0.5"]
@@ -107,6 +108,7 @@ def test_streams_move_off_a_hung_decode(model_dirs):
     with LocalCluster(roles=["prefill", "decode", "decode"], engine_args=engine_args(model_dirs),
                       router_args=ROUTER_ARGS) as c:
         decodes = c.workers[1:]
+        channels = [c.channel(w.address) for w in decodes]
 
         async def go():
             llm = AsyncLLM(c.address)
@@ -114,16 +116,24 @@ def test_streams_move_off_a_hung_decode(model_dirs):
                 expected = [o.tokens for o in await run_load(llm, prompts[:4], params, 4)]
                 stopped = []
 
+                def active(stub) -> int:
+                    return stub.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10).num_active_requests
+
                 async def hang_a_busy_decode():
+                    # one channel per decode, opened once: a poll costs a round trip, not a handshake
+                    stubs = [(w, worker_pb2_grpc.WorkerStub(channel)) for w, channel in zip(decodes, channels)]
                     while True:
-                        for w in decodes:
-                            if (await asyncio.to_thread(worker_state, w.address)).num_active_requests >= 2:
+                        for w, stub in stubs:
+                            if await asyncio.to_thread(active, stub) >= 2:
                                 w.process.send_signal(signal.SIGSTOP)
                                 stopped.append((w, time.monotonic()))
                                 return
-                        await asyncio.sleep(0.01)
+                        await asyncio.sleep(0.005)
                 hang = asyncio.create_task(hang_a_busy_decode())
                 outcomes = await asyncio.wait_for(run_load(llm, prompts, params, num_requests), 120)
+                if not hang.done():  # bounded: the load ended with no decode ever seen holding 2 streams
+                    hang.cancel()
+                    pytest.fail(f"the load of {num_requests} streams ended before a decode held 2 of them")
                 await hang
                 return expected, outcomes, stopped[0], time.monotonic()
             finally:
@@ -133,6 +143,8 @@ def test_streams_move_off_a_hung_decode(model_dirs):
         finally:
             for w in decodes:
                 w.process.send_signal(signal.SIGCONT)
+            for channel in channels:
+                channel.close()
         moved = [o for o in outcomes if victim.address in o.served_by[:-1]]
         failed = lost(outcomes, max_tokens) + [o for i, o in enumerate(outcomes) if o.tokens != expected[i % 4]]
         record("decode SIGSTOP under its streams, 1P+2D", len(outcomes), len(outcomes) - len(failed), len(failed),
