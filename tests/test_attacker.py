@@ -21,7 +21,7 @@ from conftest import assert_all_blocks_free
 from tandem.client import DisaggregatedParams, LLM, RequestError, SamplingParams
 from tandem.kvtransfer import TransceiverState
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from test_disagg import worker_state
 
 ADMIN_TOKEN = "attacker-test-admin-token"
@@ -66,16 +66,22 @@ INTERNAL_CALLS = [
     (worker_pb2_grpc.WorkerStub, "ReleaseKv", worker_pb2.ReleaseKvRequest(ctx_request_id=1)),
     (worker_pb2_grpc.WorkerStub, "StopSequences", worker_pb2.StopSequencesRequest(request_id="x")),
     (worker_pb2_grpc.WorkerStub, "ConfirmLease", worker_pb2.ConfirmLeaseRequest(ctx_request_id=1, pulled=True)),
+    (worker_pb2_grpc.WorkerStub, "SubscribeKvBlocks", worker_pb2.SubscribeKvBlocksRequest()),
+    # The router's channel for Generates: a stream of requests (a submit here).
+    (worker_pb2_grpc.WorkerStub, "Session", worker_pb2.SessionRequest(submits=[worker_pb2.SessionSubmit(
+        tag=1, request=llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 2]))))])),
 ]
+STREAMS = {"StreamKvCacheEvents", "Generate", "SubscribeKvBlocks", "Session"}
 
 
 def _call(channel, stub_type, method, request, metadata=()):
-    result = getattr(stub_type(channel), method)(request, metadata=metadata, timeout=10)
-    return list(result) if method.startswith("Stream") or method == "Generate" else result
+    argument = iter([request]) if method == "Session" else request
+    result = getattr(stub_type(channel), method)(argument, metadata=metadata, timeout=10)
+    return list(result) if method in STREAMS else result
 
 
 def test_workers_refuse_every_call_without_the_cluster_token(cluster):
-    """18 calls on each worker (9 RPCs, no token and a wrong one): all refused."""
+    """22 calls on each worker (11 RPCs, no token and a wrong one): all refused."""
     for worker in cluster.workers:
         with grpc.insecure_channel(worker.address) as channel:
             for stub_type, method, request in INTERNAL_CALLS:

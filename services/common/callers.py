@@ -17,12 +17,6 @@ CLIENT_METADATA = "tandem-client"
 # Set by the router on the context_only half of a request it splits itself: its handoff goes
 # straight to a decode worker, so it is not a client's unclaimed lease.
 SPLIT_METADATA = "tandem-split"
-# Set by the router on a Generate whose outputs go to its output stream on that worker
-# (Worker.StreamOutputs): "<stream id>:<tag>".
-OUTPUT_STREAM_METADATA = "tandem-output-stream"
-# How a worker's refusal of a Generate naming an output stream it does not hold begins (UNAVAILABLE):
-# the router then opens a new stream and sends the request again.
-UNKNOWN_OUTPUT_STREAM = "unknown output stream"
 
 
 def caller_of(context: grpc.aio.ServicerContext) -> str:

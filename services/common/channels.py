@@ -64,8 +64,8 @@ class _TokenStub:
         method = getattr(self._stub, name)
         credentials = self._credentials
 
-        def call(request, *args, metadata=None, **kwargs):
-            return method(request, *args, metadata=credentials.metadata_for(name, metadata), **kwargs)
+        def call(*args, metadata=None, **kwargs):  # a request, or none for a stream of requests (Session)
+            return method(*args, metadata=credentials.metadata_for(name, metadata), **kwargs)
 
         setattr(self, name, call)  # built once per method
         return call

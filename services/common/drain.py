@@ -13,9 +13,9 @@ import grpc
 
 # Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
 DEFAULT_DRAIN_SECONDS = 30.0
-# Subscriptions (and output streams, whose Generate calls hold the drain themselves) end only when
-# their client leaves: a drain never waits for them.
-SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks", "StreamOutputs"})
+# Subscriptions (and sessions, whose requests hold the drain themselves: worker/sessions.py) end
+# only when their client leaves: a drain never waits for them.
+SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks", "Session"})
 
 
 def holds_drain(method: str) -> bool:
@@ -62,4 +62,4 @@ class InFlightCalls:
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
-        return handler  # tandem's streams are async generators; it has no client-streaming RPCs
+        return handler  # tandem's streams are async generators; its one bidi stream (Session) is a subscription

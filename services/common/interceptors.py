@@ -76,6 +76,9 @@ class Readiness:
         if handler is not None and handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(unavailable_stream, handler.request_deserializer,
                                                         handler.response_serializer)
+        if handler is not None and handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(unavailable_stream, handler.request_deserializer,
+                                                         handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(unavailable_unary, handler.request_deserializer if handler else None,
                                                    handler.response_serializer if handler else None)
 
@@ -87,10 +90,12 @@ async def _no_check(request, context) -> None:
 def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = False,
                  check=_no_check) -> grpc.RpcMethodHandler | None:
     """The handler with guard(context), an async context manager, around every call, for each kind
-    of handler grpc.aio has: unary, server-streaming generators and writer-API streams (context.write,
-    as health's Watch). grpc tells the streaming kinds apart by the function's type, so a wrapper
-    must be of the same type as what it wraps. tolerant: bytes that do not parse reach the handler
-    as a MalformedRequest; check(request, context) runs inside the guard before the handler."""
+    of handler grpc.aio has: unary, streams of responses or requests or both, as generators or as
+    writer-API coroutines (context.write, as health's Watch). Every kind is wrapped: the guard is
+    also the access check (auth.guarded). grpc tells the streaming kinds apart by the function's
+    type, so a wrapper must be of the same type as what it wraps. tolerant: bytes that do not
+    parse reach the handler as a MalformedRequest; check(request, context) runs inside the guard
+    before the handler of a single request."""
     if handler is None:
         return None
     deserializer = tolerant_deserializer(handler.request_deserializer) if tolerant else handler.request_deserializer
@@ -118,7 +123,28 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = 
                         yield item
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
-    return handler
+    # Streams of requests: check() looks at one request, so a stream's messages are the handler's
+    # to check (the tolerant deserializer still hands it a MalformedRequest for bad bytes).
+    if handler.stream_stream is not None:
+        inner_bidi = handler.stream_stream
+        if inspect.isasyncgenfunction(inner_bidi):
+            async def stream_stream(requests, context):
+                async with guard(context):
+                    async for item in inner_bidi(requests, context):
+                        yield item
+        else:
+            async def stream_stream(requests, context):
+                async with guard(context):
+                    await inner_bidi(requests, context)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, handler.response_serializer)
+    inner_client_stream = handler.stream_unary
+
+    async def stream_unary(requests, context):
+        async with guard(context):
+            return await inner_client_stream(requests, context)
+
+    return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, handler.response_serializer)
 
 
 def map_errors(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:

@@ -100,7 +100,7 @@ class ProcessMetrics:
 
 
 class RpcCounts:
-    """Counts every unary and server-streaming RPC by its final status code. Outermost of the
+    """Counts every RPC by its final status code. Outermost of the
     server's wrappers (server_calls.py), so that the statuses the others answer with (auth,
     readiness, error mapping) count too."""
 
@@ -111,8 +111,11 @@ class RpcCounts:
 
     def count(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
         """One RPC of method ended, with exc (None: returned)."""
+        self.count_code(method, status_code(context, exc))
+
+    def count_code(self, method: str, code: grpc.StatusCode) -> None:
+        """One RPC of method ended with code (also a Generate that came on a session)."""
         m = self._metrics
-        code = status_code(context, exc)
         key = (method, code, m.worker_id)
         counter = self._counters.get(key)
         if counter is None:

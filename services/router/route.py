@@ -7,15 +7,16 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 import grpc
 
-from tandem.common.callers import CLIENT_METADATA, OUTPUT_STREAM_METADATA, SPLIT_METADATA
+from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.streams import closing
 from tandem.router.metrics import RouterMetrics
-from tandem.router.output_streams import is_unknown_output_stream, report_end, streamed_outputs
+from tandem.router.inbox import streamed_outputs
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -51,9 +52,9 @@ class Route:
         self.progress_timeout_s = progress_timeout_s
         self.worker: WorkerHandle | None = None
         self._last_message_at = 0.0
-        # The downstream Generate in progress; Abort cancels it when the worker does not know the
-        # request yet (its Generate is still on the way).
-        self.call: grpc.aio.UnaryStreamCall | None = None
+        # Cuts the relay in progress here (cancels its call, or its request on the session); Abort
+        # uses it when the worker does not know the request yet (it is still on the way).
+        self.cut: Callable[[], None] | None = None
         # Ended by the client (Abort) or by a stop string: whatever comes next is not streamed on.
         self.cancelled = False
         self.served_by: list[str] = []
@@ -79,72 +80,63 @@ class Route:
         worker.in_flight += 1
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
-        metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
         try:
-            for attempt in range(2):
-                started = False
-                try:
-                    async with closing(self._call(worker, request, metadata, use_stream=attempt == 0)) as messages:
-                        async for msg in messages:
-                            started = True
-                            if prefill_tokens:
-                                worker.queued_prefill_tokens -= prefill_tokens
-                                prefill_tokens = 0
-                            yield msg
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    # The worker does not know our output stream (its connection to us was replaced,
-                    # _call reset it): nothing ran there; once more, on the call itself.
-                    if attempt or started or not is_unknown_output_stream(exc):
-                        raise
+            async with closing(self._relay_once(worker, request, split)) as messages:
+                async for msg in messages:
+                    if prefill_tokens:
+                        worker.queued_prefill_tokens -= prefill_tokens
+                        prefill_tokens = 0
+                    yield msg
         finally:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
 
-    async def _call(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, metadata: tuple,
-                    use_stream: bool = True):
-        """One Generate call's messages; its outputs come on the worker's output stream when it
-        has one (and use_stream), else on the call."""
-        attached = await worker.outputs.attach(self.pool.health_timeout_s) if use_stream else None
+    async def _relay_once(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool):
+        """The request's messages from worker: on the worker's session when it has one and the
+        request fits a session message, else on a Generate call of its own."""
+        timeout = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
+        attached = await worker.session.attach(self.pool.health_timeout_s)
         if attached is not None:
-            stream, tag, inbox = attached
-            metadata += ((OUTPUT_STREAM_METADATA, f"{stream.stream_id}:{tag}"),)
-        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        call = self.call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
+            session, tag, inbox = attached
+            if session.submit(tag, request, self.client, split, timeout):
+                self.cut = lambda: session.cut(tag, inbox)
+                messages = streamed_outputs(inbox)
+            else:
+                session.detach(tag)
+                attached = None
+        if attached is None:
+            metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
+            call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
+            self.cut = call.cancel
+            messages = call
         self._last_message_at = time.monotonic()
-        watchdog = asyncio.create_task(self._watch(call, worker))
-        if attached is not None:
-            report_end(call, inbox)
+        watchdog = asyncio.create_task(self._watch(worker))
         finished = False
         try:
-            async with closing(call if attached is None else streamed_outputs(inbox)) as messages:
+            async with closing(messages) as messages:
                 async for msg in messages:
                     self._last_message_at = time.monotonic()
                     finished = msg.finished
                     yield msg
-        except grpc.aio.AioRpcError as exc:
-            if attached is not None and is_unknown_output_stream(exc):
-                worker.outputs.reset(stream)
-            raise
         except asyncio.CancelledError:
             if watchdog.done() and not watchdog.cancelled() and watchdog.result():
                 raise WorkerStalledError(worker) from None
             if not self.cancelled:
                 raise  # the client went away
-            yield cancelled_output(request.request_id)  # Abort cancelled the call
+            yield cancelled_output(request.request_id)  # Abort cut the relay
         finally:
             watchdog.cancel()
-            if attached is not None:
-                stream.detach(tag)
             if not finished:
-                # A call whose last message came is left to end by itself: cancelling it could
+                # A request whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.
-                call.cancel()
-            self.call = None
+                self.cut()
+            elif attached is not None:
+                session.detach(tag)
+            self.cut = None
 
-    async def _watch(self, call: grpc.aio.UnaryStreamCall, worker: WorkerHandle) -> bool:
-        """Cancels call (and returns True) once its worker has been quiet for the progress
+    async def _watch(self, worker: WorkerHandle) -> bool:
+        """Cuts the relay (and returns True) once its worker has been quiet for the progress
         timeout and does not answer a probe; a busy worker that answers gets another period."""
         while True:
             quiet = time.monotonic() - self._last_message_at
@@ -157,11 +149,11 @@ class Route:
             log.warning("worker %s stopped producing for %s (%.1f s) and does not answer; moving the request on",
                         worker.address, self.request_id, time.monotonic() - self._last_message_at)
             self.pool.mark_down(worker)
-            call.cancel()
+            self.cut()
             return True
 
     async def abort(self) -> None:
-        """Stops the request wherever it is: the worker aborts it, or (not registered there yet) its call is cancelled."""
+        """Stops the request wherever it is: the worker aborts it, or (not registered there yet) its relay is cut."""
         self.cancelled = True
         for child in self.children:
             await child.abort()
@@ -172,8 +164,8 @@ class Route:
             aborted = reply.aborted
         except grpc.aio.AioRpcError:  # the worker is gone (a migration may be under way): cancel our side
             aborted = False
-        if not aborted and self.call is not None:
-            self.call.cancel()
+        if not aborted and self.cut is not None:
+            self.cut()
 
     async def stop(self, index: int, handoff: types_pb2.DisaggregatedParams | None) -> None:
         """The text front found a stop string in sequence `index`: end it where it runs."""

@@ -17,7 +17,7 @@ from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.router import health
 from tandem.router.kv_index import KvIndex
-from tandem.router.output_streams import WorkerOutputs
+from tandem.router.sessions import WorkerSession
 from tandem.router.policies import ADAPTER_MISS_COST, NO_PLACEMENT, ConditionalDisagg, Picker, Placement, Policy
 from tandem.v1 import llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
@@ -57,8 +57,8 @@ class WorkerHandle:
     # Set to poll the worker's state now rather than at the next interval (its health changed).
     poll_now: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
-    # The output stream its Generate calls write to (output_streams.py); set by the pool.
-    outputs: WorkerOutputs | None = None
+    # The session its requests go on (sessions.py); set by the pool.
+    session: WorkerSession | None = None
 
     def holds(self, adapter_id: int, now: float) -> bool:
         return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
@@ -102,9 +102,9 @@ class WorkerPool:
     def _open(self, address: str) -> WorkerHandle:
         channel = self.credentials.open(address)
         internal = self.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
-        outputs = WorkerOutputs(internal, address, lambda output: self._release_orphaned_handoff(internal, address, output))
+        session = WorkerSession(internal, address, lambda output: self._release_orphaned_handoff(internal, address, output))
         return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel), internal,
-                            health_pb2_grpc.HealthStub(channel), outputs=outputs)
+                            health_pb2_grpc.HealthStub(channel), session=session)
 
     def _release_orphaned_handoff(self, internal, address: str, output: types_pb2.RequestOutput) -> None:
         """An output came on a stream after its relay ended (its call was cancelled or failed just
@@ -157,7 +157,7 @@ class WorkerPool:
         deadline = asyncio.get_running_loop().time() + REMOVED_WORKER_GRACE_S
         while w.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.2)
-        w.outputs.close()
+        w.session.close()
         await w.channel.close()
 
     def notify(self) -> None:
@@ -171,7 +171,7 @@ class WorkerPool:
         for w in self.workers:
             for task in w.tasks:
                 task.cancel()
-            w.outputs.close()
+            w.session.close()
             await w.channel.close()
 
     @property

@@ -22,6 +22,9 @@ class EncodeOnlyLLMServicer(WorkerLLMServicer):
         raise self._refuse("Generate")
         yield  # pragma: no cover - makes this a server-streaming handler like the one it overrides
 
+    async def run_submitted(self, submit, stream, owner):
+        raise self._refuse("Generate")
+
     async def Preprocess(self, request, context):
         raise self._refuse("Preprocess")
 

@@ -1,11 +1,11 @@
-"""Batched output channels (Worker.StreamOutputs): the router's Generate calls name one, and
-their outputs travel on it, one message per engine step for all of them, instead of one
-message per request per step on each call. gRPC's cost is per message, on both ends: at a
-batch of 256 a step cost the worker and the router 256 sends and reads; here it costs one.
+"""The output half of a session (Worker.Session, sessions.py): the outputs of every request the
+router runs on this worker go out batched, one message per engine step for all of them, instead
+of one message per request per step. gRPC's cost is per message, on both ends: at a batch of
+256 a step cost the worker and the router 256 sends and reads; here it costs one.
 
-A request still has its own Generate call: it carries the request in, its status and its
-cancellation; only its outputs move. Its call ends after its last output is written here, so
-the caller has every output once it sees the call end well (or this stream fail).
+Each request's end goes in the batch after its last output: its tag in `ended`, or, where its
+own call would have ended with an error status, the status in `failed`. So the caller has every
+output of a request once it sees the request's end.
 """
 from __future__ import annotations
 
@@ -15,19 +15,20 @@ from typing import Callable
 
 import grpc
 
-from tandem.common.callers import OUTPUT_STREAM_METADATA, UNKNOWN_OUTPUT_STREAM
 from tandem.common.errors import RpcError, unavailable
 from tandem.v1 import types_pb2, worker_pb2
 
 
 class OutputStream:
-    """One caller's channel. Outputs are pushed onto the pending batch (with a callback run once
-    the batch that holds them is written, or the stream fails), and the StreamOutputs call
-    writes whatever is pending as one message whenever it can: while the caller reads slowly,
-    the batches grow (fewer, larger messages when the caller lags)."""
+    """One session's outputs. Outputs are pushed onto the pending batch (with a callback run once
+    the batch that holds them is written, or the stream fails), and the Session call writes
+    whatever is pending as one message whenever it can: while the caller reads slowly, the
+    batches grow (fewer, larger messages when the caller lags)."""
 
-    def __init__(self, owner: str):
+    def __init__(self, owner: str, max_request_bytes: int = 0):
         self.stream_id = uuid.uuid4().hex
+        # What the session's caller may send in one message (told in the first batch).
+        self.max_request_bytes = max_request_bytes
         self.owner = owner
         self._tags: list[int] = []
         self._outputs: list[types_pb2.RequestOutput] = []
@@ -36,6 +37,9 @@ class OutputStream:
         self._cumulative: list[float] = []
         self._num_tokens = 0
         self._ended: list[int] = []
+        self._failed: list[worker_pb2.SessionFailure] = []
+        # finish() was called: the stream ends once nothing is pending.
+        self._finishing = False
         # Run (with None, or the stream's error) once the pending batch is written.
         self._callbacks: list[Callable[[BaseException | None], None]] = []
         # The callbacks of the batch being written.
@@ -73,6 +77,19 @@ class OutputStream:
         self._callbacks.append(on_written)
         self._wake.set()
 
+    def fail(self, tag: int, code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0) -> None:
+        """The request of tag ended with an error status (after whatever it pushed before)."""
+        if self._error is None:
+            self._failed.append(worker_pb2.SessionFailure(tag=tag, code=code.value[0], details=details,
+                                                          retry_pushback_ms=retry_pushback_ms))
+            self._wake.set()
+
+    def finish(self) -> None:
+        """Ends the stream well once what is pending is written (the caller sends no more requests
+        and the last of its requests has ended)."""
+        self._finishing = True
+        self._wake.set()
+
     async def send(self, tag: int, msg: types_pb2.RequestOutput) -> None:
         """push, then wait until the batch holding msg is written."""
         written = asyncio.get_running_loop().create_future()
@@ -86,34 +103,40 @@ class OutputStream:
             self._wake.set()
 
     async def batches(self):
-        """The StreamOutputs call's messages: the stream id, then a batch whenever outputs are pending."""
-        yield worker_pb2.OutputBatch(stream_id=self.stream_id)
+        """The Session call's messages: the stream id, then a batch whenever outputs are pending,
+        until the stream closes (or finishes)."""
+        yield worker_pb2.OutputBatch(stream_id=self.stream_id, max_request_bytes=self.max_request_bytes)
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 if self._error is not None:
                     return
-                if not self._tags and not self._ended:
+                if not self._tags and not self._ended and not self._failed:
+                    if self._finishing:
+                        return
                     continue
-                batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended)
+                batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended,
+                                               failed=self._failed)
                 if self._num_tokens:
                     batch.tokens.extend(self._tokens)
                     batch.cumulative_logprobs.extend(self._cumulative)
                 self._writing, self._callbacks = self._callbacks, []
-                self._tags, self._outputs, self._ended = [], [], []
+                self._tags, self._outputs, self._ended, self._failed = [], [], [], []
                 self._tokens, self._cumulative, self._num_tokens = [], [], 0
                 yield batch
                 writing, self._writing = self._writing, []
                 for callback in writing:
                     callback(None)
+                if self._finishing:
+                    self._wake.set()  # once more round: it returns when nothing came meanwhile
         finally:
             self.close()
 
     def close(self) -> None:
         """Fails what was pushed and not written; later pushes raise. Idempotent."""
         if self._error is None:
-            self._error = unavailable(f"output stream {self.stream_id} closed (its caller went away)")
+            self._error = unavailable(f"session {self.stream_id} closed (its caller went away)")
         callbacks = self._writing + self._callbacks
         self._writing, self._callbacks = [], []
         self._wake.set()  # the writer returns
@@ -129,49 +152,3 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     else:
         future.set_exception(error)
         future.exception()  # a sender cancelled meanwhile would leave it unretrieved
-
-
-class OutputStreams:
-    """The worker's open output streams, by id."""
-
-    def __init__(self, max_streams: int = 64):
-        self.max_streams = max_streams
-        self._streams: dict[str, OutputStream] = {}
-
-    @property
-    def num_open(self) -> int:
-        return len(self._streams)
-
-    async def serve(self, owner: str, context=None):
-        """Opens a stream for owner (the caller's identity) and yields its messages until the caller
-        leaves. With the call's context, the stream closes as soon as the call ends (a generator
-        suspended in a write is finalized only later)."""
-        if len(self._streams) >= self.max_streams:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{len(self._streams)} output streams are open on this worker (at most {self.max_streams}); "
-                           f"close one first")
-        stream = OutputStream(owner)
-        self._streams[stream.stream_id] = stream
-        if context is not None:
-            context.add_done_callback(lambda _: self._close(stream))
-        try:
-            async for batch in stream.batches():
-                yield batch
-        finally:
-            self._close(stream)
-
-    def _close(self, stream: OutputStream) -> None:
-        self._streams.pop(stream.stream_id, None)
-        stream.close()
-
-    def named(self, value: str, caller: str) -> tuple[OutputStream, int]:
-        """The stream and tag a Generate's metadata names; only the stream's owner may name it."""
-        stream_id, sep, tag = value.partition(":")
-        if not sep or not tag.isdigit() or len(tag) > 20 or int(tag) >= 1 << 64:
-            raise ValueError(f"metadata {OUTPUT_STREAM_METADATA} must be '<stream id>:<tag>', got {value[:80]!r}")
-        stream = self._streams.get(stream_id)
-        if stream is None or stream.owner != caller:
-            # Also what a caller whose stream just closed sees: it retries on a new one.
-            raise unavailable(f"{UNKNOWN_OUTPUT_STREAM}: {stream_id[:40]!r} is not open on this connection; open "
-                              f"one with StreamOutputs")
-        return stream, int(tag)

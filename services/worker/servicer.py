@@ -8,7 +8,7 @@ import uuid
 
 from google.protobuf import json_format
 
-from tandem.common.callers import OUTPUT_STREAM_METADATA, SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
+from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
@@ -16,10 +16,11 @@ from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
 from tandem.worker.output_sink import OutputSink, takes_fast_path
-from tandem.worker.output_streams import OutputStreams
+from tandem.worker.output_streams import OutputStream
 from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
+from tandem.worker.sessions import Sessions
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -35,21 +36,32 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
         self.guides = Guides(runtime)
-        self.output_streams = OutputStreams()
+        self.sessions = Sessions(self.run_submitted, runtime.server.in_flight, runtime.metrics.rpc_counts.count_code,
+                                 runtime.config.limits.max_request_bytes)
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
-        rt = self.rt
-        tracker = rt.metrics.requests.track()
-        rt.check_accepting()
-        named = metadata_value(context, OUTPUT_STREAM_METADATA)
-        output_stream, tag = self.output_streams.named(named, caller_of(context)) if named else (None, 0)
-        check_unsupported(request)
-        text_request = await rt.front.prepare(request)
-        adapter = await rt.load_adapter(text_request.engine_request)
-        guide = await self.guides.compile(request.sampling_params)
-        if output_stream is not None and takes_fast_path(text_request):
-            sink = OutputSink(text_request, tracker, output_stream, tag)
-            worker_request = self._start(text_request.engine_request, context, adapter, guide, sink)
+        tracker, text_request, adapter, guide = await self._prepare(request)
+        client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
+        worker_request = self._start(text_request.engine_request, caller_of(context), client, adapter, guide)
+        self.requests[worker_request.request_id] = worker_request
+        try:
+            messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+            async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
+                yield msg
+                worker_request.delivered()
+        finally:
+            self.requests.pop(worker_request.request_id, None)
+            worker_request.close()
+
+    async def run_submitted(self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str) -> None:
+        """A Generate that came on a session (sessions.py), run as its call would run: its outputs
+        go on the session's stream under its tag, then its end; what it raises is its status."""
+        tracker, text_request, adapter, guide = await self._prepare(submit.request)
+        client = None if submit.split else submit.client or owner
+        tag = submit.tag
+        if takes_fast_path(text_request):
+            sink = OutputSink(text_request, tracker, stream, tag)
+            worker_request = self._start(text_request.engine_request, owner, client, adapter, guide, sink)
             self.requests[worker_request.request_id] = worker_request
             try:
                 await sink.wait()  # each output went out as the engine handed it over
@@ -57,28 +69,38 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 self.requests.pop(worker_request.request_id, None)
                 worker_request.close()
             return
-        worker_request = self._start(text_request.engine_request, context, adapter, guide)
+        worker_request = self._start(text_request.engine_request, owner, client, adapter, guide)
         self.requests[worker_request.request_id] = worker_request
         try:
             messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
             ended = False
             async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
-                if output_stream is None:
-                    yield msg
-                else:  # the caller's batched channel carries it; this call only ends
-                    ended = msg.finished
-                    await output_stream.send(tag, msg)
+                ended = msg.finished
+                await stream.send(tag, msg)
                 worker_request.delivered()
-            if output_stream is not None and not ended:
-                output_stream.end(tag)
+            if not ended:
+                stream.end(tag)
         finally:
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest, context, adapter=None, guide=None,
+    async def _prepare(self, request: llm_pb2.GenerateRequest):
+        """What every Generate does before it starts: refused while paused, checked, its text
+        front, adapter and guide ready. Returns (tracker, text request, adapter, guide)."""
+        rt = self.rt
+        tracker = rt.metrics.requests.track()
+        rt.check_accepting()
+        check_unsupported(request)
+        text_request = await rt.front.prepare(request)
+        adapter = await rt.load_adapter(text_request.engine_request)
+        guide = await self.guides.compile(request.sampling_params)
+        return tracker, text_request, adapter, guide
+
+    def _start(self, request: llm_pb2.GenerateRequest, owner: str, client: str | None, adapter=None, guide=None,
                sink: OutputSink | None = None) -> WorkerRequest:
-        """Validates a token-id request and starts it in the phase its request_type asks for;
-        sink: what takes its outputs instead of its queue (output_sink.py)."""
+        """Validates a token-id request and starts it in the phase its request_type asks for.
+        owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
+        (None: the router's own split); sink: what takes its outputs instead of its queue (output_sink.py)."""
         engine = self.rt.engine
         options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
         if guide is not None:
@@ -98,9 +120,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         worker_request = WorkerRequest(self.rt.core, request_id, prompt_ids, options, phase,
                                        request.priority if request.HasField("priority") else 0.5, salt,
                                        request.disaggregated_params, adapter)
-        worker_request.owner = caller_of(context)
-        # Whose unclaimed KV handoff a context phase would leave (the router's own splits: nobody's).
-        worker_request.client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
+        worker_request.owner = owner
+        worker_request.client = client
         if sink is not None:
             sink.bind(worker_request)
         start(worker_request)
@@ -224,7 +245,7 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetWorkerState(self, request, context):
         state = await self.rt.worker_state()
-        state.num_output_streams = self.llm.output_streams.num_open
+        state.num_sessions = self.llm.sessions.num_open
         return state
 
     async def ReleaseKv(self, request, context):
@@ -251,8 +272,8 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         async for update in self.rt.kv_feed.subscribe():
             yield update
 
-    async def StreamOutputs(self, request, context):
-        async for batch in self.llm.output_streams.serve(caller_of(context), context):
+    async def Session(self, request_iterator, context):
+        async for batch in self.llm.sessions.serve(caller_of(context), request_iterator, context):
             yield batch
 
     async def StopSequences(self, request, context):

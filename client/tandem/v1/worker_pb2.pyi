@@ -1,3 +1,4 @@
+from tandem.v1 import llm_pb2 as _llm_pb2
 from tandem.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -19,32 +20,66 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 ROLE_BOTH: Role
 
-class StreamOutputsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class SessionRequest(_message.Message):
+    __slots__ = ("submits", "cancels")
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    submits: _containers.RepeatedCompositeFieldContainer[SessionSubmit]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, submits: _Optional[_Iterable[_Union[SessionSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionSubmit(_message.Message):
+    __slots__ = ("tag", "request", "client", "split", "timeout_s")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: _llm_pb2.GenerateRequest
+    client: str
+    split: bool
+    timeout_s: float
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_llm_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SessionFailure(_message.Message):
+    __slots__ = ("tag", "code", "details", "retry_pushback_ms")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_PUSHBACK_MS_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    code: int
+    details: str
+    retry_pushback_ms: int
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs")
+    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs", "failed", "max_request_bytes")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     tags: _containers.RepeatedScalarFieldContainer[int]
     outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.RequestOutput]
     ended: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cumulative_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    failed: _containers.RepeatedCompositeFieldContainer[SessionFailure]
+    max_request_bytes: int
+    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_output_streams")
+    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_sessions")
     class LeaseEndingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,7 +109,7 @@ class WorkerState(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     NUM_IGNORED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_UNCONFIRMED_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
-    NUM_OUTPUT_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     kv_layout_hash: str
     num_total_blocks: int
@@ -97,8 +132,8 @@ class WorkerState(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.LoRARequest]
     num_ignored_notifications: int
     num_unconfirmed_handoffs: int
-    num_output_streams: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_output_streams: _Optional[int] = ...) -> None: ...
+    num_sessions: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("ctx_request_id", "disagg_request_id")

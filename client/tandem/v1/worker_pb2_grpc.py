@@ -61,9 +61,9 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.FromString,
                 _registered_method=True)
-        self.StreamOutputs = channel.unary_stream(
-                '/tandem.v1.Worker/StreamOutputs',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+        self.Session = channel.stream_stream(
+                '/tandem.v1.Worker/Session',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
                 _registered_method=True)
 
@@ -119,13 +119,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def StreamOutputs(self, request, context):
-        """The caller's batched output channel: a Generate whose metadata `tandem-output-stream` names
-        this stream as "<stream_id>:<tag>" sends its RequestOutputs here instead of on its own call,
-        then its tag in `ended`, and the call ends (with the request's status) after that. One
-        OutputBatch carries what every such request produced in one engine step, so a step of a
-        large batch costs the caller one message instead of one per request. Only the connection that
-        opened a stream may name it; closing it ends the requests still writing to it.
+    def Session(self, request_iterator, context):
+        """The caller's multiplexed channel to this worker (the router opens one per worker): Generate
+        requests go in as messages on it (SessionRequest.submits) instead of a call each, and the
+        outputs of every request of the session come back batched, one OutputBatch per engine step
+        for all of them. A request runs as its own Generate call would: the same checks, phases and
+        messages, its end in OutputBatch.ended or its status in OutputBatch.failed, and a cancel
+        (SessionRequest.cancels) or the session's end stops it as cancelling its call would. The
+        session's caller owns its requests (Abort). gRPC's cost is per call and per message, on
+        both ends: a request costs one entry on a message here, and a step of a large batch one
+        message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,9 +162,9 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.KvBlocksUpdate.SerializeToString,
             ),
-            'StreamOutputs': grpc.unary_stream_rpc_method_handler(
-                    servicer.StreamOutputs,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.FromString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SessionRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
             ),
     }
@@ -313,7 +316,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def StreamOutputs(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -323,11 +326,11 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/tandem.v1.Worker/StreamOutputs',
-            tandem_dot_v1_dot_worker__pb2.StreamOutputsRequest.SerializeToString,
+            '/tandem.v1.Worker/Session',
+            tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,169 @@
+"""Worker.Session: the router's multiplexed channel to this worker. Its Generate requests come in
+as entries of SessionRequest messages, not as a gRPC call each, and run as their calls would
+(WorkerLLMServicer.run_submitted: the same checks, phases and messages); their outputs go out
+batched on the session's OutputStream (output_streams.py).
+
+A call costs both ends a gRPC call set-up, its metadata, an interceptor pass and a status; on
+the 2-core CPU machine that was most of the router's 1.5-1.8 ms of CPU per request
+(bench/router.py), and on a GPU host it is time the worker's event loop takes from the engine
+thread's GIL. Here a request costs an entry on a message.
+
+What gRPC and the server's interceptor give a call, a session gives each of its requests: a
+task that a cancel or the session's end cancels (the request is aborted in the engine), a
+deadline, the drain's in-flight count, the RPC count of Generate by status, and the status an
+exception maps to (common/errors.status_for), sent after the request's last output. The
+session's caller owns its requests (Abort); only a caller that may call Worker RPCs at all can
+open one (the cluster credential, common/auth.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import grpc
+
+from tandem.common.drain import InFlightCalls
+from tandem.common.errors import RpcError, invalid, retry_pushback_ms, status_for
+from tandem.common.interceptors import MalformedRequest
+from tandem.worker.output_streams import OutputStream
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger("tandem.worker.sessions")
+
+# Sessions one worker serves at once (one per router is the usual number).
+MAX_SESSIONS = 64
+# Requests one session may run at once; past it a submit fails with RESOURCE_EXHAUSTED.
+MAX_REQUESTS_PER_SESSION = 4096
+# The method a session's requests count under (tandem:grpc_server_handled): they are Generates.
+GENERATE_METHOD = "/tandem.v1.AsyncLLM/Generate"
+
+RunSubmitted = Callable[[worker_pb2.SessionSubmit, OutputStream, str], Awaitable[None]]
+CountStatus = Callable[[str, grpc.StatusCode], None]
+
+
+class Session:
+    """One Session call: the requests it runs, by tag, and the stream their outputs go on."""
+
+    def __init__(self, owner: str, run: RunSubmitted, in_flight: InFlightCalls, count: CountStatus,
+                 max_request_bytes: int):
+        self.owner = owner
+        self.stream = OutputStream(owner, max_request_bytes)
+        self._run = run
+        self._in_flight = in_flight
+        self._count = count
+        self.tasks: dict[int, asyncio.Task] = {}
+
+    async def read(self, requests) -> None:
+        """Starts and stops requests as the caller's messages say; once the caller has sent its
+        last message (half-close), the session ends after its last request."""
+        async for message in requests:
+            if isinstance(message, MalformedRequest):
+                raise invalid(f"Session: a message is not a valid SessionRequest ({message.error})")
+            for submit in message.submits:
+                self._start(submit)
+            for tag in message.cancels:
+                task = self.tasks.get(tag)
+                if task is not None:
+                    task.cancel()
+        while self.tasks:
+            await asyncio.wait(list(self.tasks.values()))
+        self.stream.finish()
+
+    def _start(self, submit: worker_pb2.SessionSubmit) -> None:
+        tag = submit.tag
+        if tag in self.tasks:
+            # Its entries could not be told from the running request's: the caller is broken, and
+            # the session ends (INVALID_ARGUMENT) with every request on it.
+            raise invalid(f"Session: tag {tag} is already running on this session; tags must be unique")
+        if len(self.tasks) >= MAX_REQUESTS_PER_SESSION:
+            self._refuse(tag, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"{len(self.tasks)} requests run on this session (at most "
+                                       f"{MAX_REQUESTS_PER_SESSION}); wait for some to end"))
+        elif submit.timeout_s < 0:
+            self._refuse(tag, invalid(f"timeout_s must be >= 0 (0: none), got {submit.timeout_s}"))
+        else:
+            self.tasks[tag] = asyncio.create_task(self._serve(submit))
+
+    def _refuse(self, tag: int, exc: RpcError) -> None:
+        self.stream.fail(tag, exc.code, exc.message)
+        self._count(GENERATE_METHOD, exc.code)
+
+    async def _serve(self, submit: worker_pb2.SessionSubmit) -> None:
+        """Runs one request to its end; what ends it in error goes on the stream as its status."""
+        code = grpc.StatusCode.OK
+        self._in_flight.count += 1
+        deadline = asyncio.timeout(submit.timeout_s or None)
+        try:
+            async with deadline:
+                await self._run(submit, self.stream, self.owner)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the caller cancelled it, or the session ended
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the request's status
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                exc = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"the request's deadline passed ({submit.timeout_s:g} s after it reached the worker)")
+            code, details = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("a session request failed", exc_info=exc)
+            self.stream.fail(submit.tag, code, details, retry_pushback_ms(exc) or 0)
+        finally:
+            self._in_flight.count -= 1
+            self.tasks.pop(submit.tag, None)
+            self._count(GENERATE_METHOD, code)
+
+    def close(self) -> None:
+        """The call is over: its requests stop (each aborts in the engine), its stream fails what is unwritten."""
+        for task in self.tasks.values():
+            task.cancel()
+        self.stream.close()
+
+
+class Sessions:
+    """The worker's open sessions."""
+
+    def __init__(self, run: RunSubmitted, in_flight: InFlightCalls, count: CountStatus, max_request_bytes: int,
+                 max_sessions: int = MAX_SESSIONS):
+        """max_request_bytes: the server's bound on one message (the caller keeps its messages under it)."""
+        self._run = run
+        self.max_request_bytes = max_request_bytes
+        self._in_flight = in_flight
+        self._count = count
+        self.max_sessions = max_sessions
+        self._open: dict[str, Session] = {}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    async def serve(self, owner: str, requests, context=None):
+        """Runs a session for owner (the caller's identity) and yields its messages until the caller
+        leaves. With the call's context, the session closes as soon as the call ends (a generator
+        suspended in a write is finalized only later)."""
+        if len(self._open) >= self.max_sessions:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{len(self._open)} sessions are open on this worker (at most {self.max_sessions}); "
+                           f"close one first")
+        session = Session(owner, self._run, self._in_flight, self._count, self.max_request_bytes)
+        self._open[session.stream.stream_id] = session
+        if context is not None:
+            context.add_done_callback(lambda _: self._close(session))
+        reader = asyncio.create_task(session.read(requests))
+        reader.add_done_callback(lambda task: task.cancelled() or task.exception() is None
+                                 or session.stream.close())
+        try:
+            async for batch in session.stream.batches():
+                yield batch
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()
+        finally:
+            reader.cancel()
+            self._close(session)
+
+    def _close(self, session: Session) -> None:
+        self._open.pop(session.stream.stream_id, None)
+        session.close()
+
+    def close_all(self) -> None:
+        for session in list(self._open.values()):
+            self._close(session)

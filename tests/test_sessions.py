@@ -1,0 +1,642 @@
+"""Sessions (Worker.Session): the router's requests to a worker go in as messages on one bidi
+stream, and their outputs come back on it, a batch per engine step for all of them.
+
+Real worker and router processes on loopback; the tests open sessions the way the router does
+(the cluster's credentials, one connection per channel), and against the router's own session
+code with scripted calls where a real worker cannot be made to produce an interleaving."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from conftest import assert_all_blocks_free
+from tandem.client import LLM, SamplingParams
+from tandem.router import inbox as inboxes, sessions
+from tandem.testing.cluster import LocalCluster
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from test_disagg import worker_state
+
+NUM_REQUESTS, MAX_TOKENS = 12, 24
+STREAM_INTERVAL = 4
+SESSION = "/tandem.v1.Worker/Session"
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
+                                                   "--block-size", "8"]) as c:
+        c.add_router("router-interval", ["--stream-interval", str(STREAM_INTERVAL)])
+        yield c
+
+
+@pytest.fixture
+def no_leaked_blocks(cluster):
+    yield
+    with LLM(cluster.workers[0].address, **cluster.worker_client_kwargs()) as worker:
+        assert_all_blocks_free(worker)
+
+
+def _channel(cluster) -> grpc.aio.Channel:
+    """A channel of its own connection (gRPC shares a connection between channels of equal arguments)."""
+    return grpc.aio.insecure_channel(cluster.workers[0].address,
+                                     options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
+    rng = random.Random(i)
+    request = llm_pb2.GenerateRequest(request_id=f"session-{i}", streaming=True)
+    request.prompt.token_ids.ids[:] = [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 30))]
+    request.sampling_params.max_tokens = max_tokens
+    request.sampling_params.ignore_eos = True
+    request.sampling_params.detokenize = False
+    return request
+
+
+def _submit(tag: int, request: llm_pb2.GenerateRequest, **fields) -> worker_pb2.SessionRequest:
+    return worker_pb2.SessionRequest(submits=[worker_pb2.SessionSubmit(tag=tag, request=request, **fields)])
+
+
+def _entries(batch: worker_pb2.OutputBatch):
+    """(tag, message) per entry, as worker.proto says to read a batch: a lone token is the message
+    of that one token."""
+    if not batch.tokens:
+        yield from zip(batch.tags, batch.outputs)
+        return
+    outputs = iter(batch.outputs)
+    for tag, token, cumulative in zip(batch.tags, batch.tokens, batch.cumulative_logprobs, strict=True):
+        yield tag, next(outputs) if token < 0 else types_pb2.RequestOutput(outputs=[types_pb2.CompletionOutput(
+            index=0, token_ids=[token], cumulative_logprob=cumulative)])
+    assert next(outputs, None) is None
+
+
+async def _open(cluster, channel):
+    call = cluster.credentials.stub(worker_pb2_grpc.WorkerStub, channel).Session()
+    first = await asyncio.wait_for(call.read(), 10)
+    assert first.stream_id and not first.tags and first.max_request_bytes == 16 << 20
+    return call
+
+
+async def _read_until_over(call, tags: set[int], on_batch=None):
+    """Reads batches until every tag has ended or failed: (outputs by tag, ended, failures by tag, batches)."""
+    outputs: dict[int, list] = {tag: [] for tag in tags}
+    ended: set[int] = set()
+    failed: dict[int, worker_pb2.SessionFailure] = {}
+    batches = []
+    while not tags <= ended | set(failed):
+        batch = await asyncio.wait_for(call.read(), 30)
+        assert batch is not grpc.aio.EOF
+        batches.append(batch)
+        for tag, out in _entries(batch):
+            assert tag not in ended and tag not in failed, "an entry after its request's end"
+            outputs.setdefault(tag, []).append(out)
+        ended.update(batch.ended)
+        failed.update((f.tag, f) for f in batch.failed)
+        if on_batch is not None:
+            await on_batch(batch, outputs)
+    return outputs, ended, failed, batches
+
+
+async def _read_to_the_end(call) -> list[worker_pb2.OutputBatch]:
+    """Every batch until the call ends (raises its error status)."""
+    batches = []
+    while (batch := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
+        batches.append(batch)
+    return batches
+
+
+def _tokens(messages) -> list[int]:
+    return [t for msg in messages for out in msg.outputs for t in out.token_ids]
+
+
+async def _tokens_on_their_own_calls(cluster, requests) -> dict[str, list[int]]:
+    async with _channel(cluster) as channel:
+        llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+
+        async def one(request):
+            return _tokens([msg async for msg in llm.Generate(request)])
+        return dict(zip((r.request_id for r in requests), await asyncio.gather(*map(one, requests))))
+
+
+def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster, no_leaked_blocks):
+    requests = [_request(i) for i in range(NUM_REQUESTS)]
+
+    async def run():
+        expected = await _tokens_on_their_own_calls(cluster, requests)
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            await call.write(worker_pb2.SessionRequest(submits=[
+                worker_pb2.SessionSubmit(tag=tag, request=r) for tag, r in enumerate(requests, start=100)]))
+            outputs, ended, failed, batches = await _read_until_over(call, set(range(100, 100 + NUM_REQUESTS)))
+            num_sessions = worker_state(cluster.workers[0].address).num_sessions
+            call.cancel()
+        return expected, outputs, failed, batches, num_sessions
+
+    expected, outputs, failed, batches, num_sessions = asyncio.run(run())
+    assert not failed and num_sessions >= 1
+    assert {tag - 100: _tokens(msgs) for tag, msgs in outputs.items()} == {
+        i: expected[r.request_id] for i, r in enumerate(requests)}
+    assert all(len(_tokens(msgs)) == MAX_TOKENS for msgs in outputs.values())
+    num_outputs = sum(len(b.tags) for b in batches)
+    # A step's outputs of every running request go in one message.
+    assert len(batches) < num_outputs / 3, (len(batches), num_outputs)
+    # Every message but a request's first and last is one token, sent without a RequestOutput.
+    num_lone = sum(1 for b in batches for t in b.tokens if t >= 0)
+    assert num_lone == num_outputs - 2 * len(requests), (num_lone, num_outputs)
+
+
+def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(cluster, no_leaked_blocks):
+    """Out of vocabulary, a negative timeout, a deadline that passes: each fails with the status
+    and message its own call would get, after its outputs; the request beside them completes."""
+    async def run():
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            bad = _request(1)
+            bad.prompt.token_ids.ids.append(10 ** 6)
+            slow = _request(2, max_tokens=1900)
+            good = _request(3)
+            await call.write(worker_pb2.SessionRequest(submits=[
+                worker_pb2.SessionSubmit(tag=1, request=bad),
+                worker_pb2.SessionSubmit(tag=2, request=slow, timeout_s=0.3),
+                worker_pb2.SessionSubmit(tag=3, request=good),
+                worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1)]))
+            result = await _read_until_over(call, {1, 2, 3, 5})
+            call.cancel()
+            return result
+
+    outputs, ended, failed, _ = asyncio.run(run())
+    assert ended == {3} and len(_tokens(outputs[3])) == MAX_TOKENS
+    assert failed[1].code == INVALID and "out of vocabulary" in failed[1].details and not outputs[1]
+    assert failed[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "deadline" in failed[2].details
+    assert 0 < len(_tokens(outputs[2])) < 1900  # it ran until the deadline
+    assert failed[5].code == INVALID and "timeout_s must be >= 0" in failed[5].details
+
+
+def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, no_leaked_blocks):
+    """A cancel (the router's relay is over) stops the request at once: nothing more comes for
+    it and its blocks are freed. An Abort from the session's own connection ends a request with
+    finish_reason cancelled; from another connection it aborts nothing. A request of n=2 (the
+    worker's usual path, not the fast one) streams both sequences beside them."""
+    async def run():
+        async with _channel(cluster) as channel, _channel(cluster) as other:
+            call = await _open(cluster, channel)
+            llm = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel)
+            stranger = cluster.credentials.stub(llm_pb2_grpc.AsyncLLMStub, other)
+            pair = _request(201)
+            pair.sampling_params.n = 2
+            pair.sampling_params.temperature = 0.8
+            pair.sampling_params.seed = 5
+            await call.write(worker_pb2.SessionRequest(submits=[
+                worker_pb2.SessionSubmit(tag=1, request=_request(200, max_tokens=1900)),
+                worker_pb2.SessionSubmit(tag=2, request=_request(202, max_tokens=1900)),
+                worker_pb2.SessionSubmit(tag=3, request=pair)]))
+            actions = {}
+
+            async def act(batch, outputs):
+                if outputs[1] and outputs[2] and not actions:
+                    actions["stranger"] = (await stranger.Abort(llm_pb2.AbortRequest(request_id="session-200"))).aborted
+                    actions["owner"] = (await llm.Abort(llm_pb2.AbortRequest(request_id="session-200"))).aborted
+                    await call.write(worker_pb2.SessionRequest(cancels=[2, 77]))  # 77: never submitted
+                    actions["tokens of 2 at the cancel"] = len(_tokens(outputs[2]))
+            outputs, ended, failed, _ = await _read_until_over(call, {1, 3}, act)
+            await asyncio.sleep(0.3)
+            state = worker_state(cluster.workers[0].address)
+            call.cancel()
+            return actions, outputs, ended, failed, state
+
+    actions, outputs, ended, failed, state = asyncio.run(run())
+    assert actions["owner"] and not actions["stranger"]
+    assert ended == {1, 3} and not failed
+    last = outputs[1][-1]
+    assert last.finished and last.outputs[0].finish_reason == types_pb2.FINISH_REASON_CANCELLED
+    # Entries of 2 written before the worker read the cancel can follow it; a few steps at most.
+    assert len(_tokens(outputs[2])) < actions["tokens of 2 at the cancel"] + 20 < 1900
+    tokens = {0: [], 1: []}
+    for out in outputs[3]:
+        for comp in out.outputs:
+            tokens[comp.index].extend(comp.token_ids)
+    assert outputs[3][-1].finished and [len(t) for t in tokens.values()] == [MAX_TOKENS, MAX_TOKENS]
+    assert state.num_active_requests == 0
+
+
+def test_closing_a_session_stops_its_requests(cluster, no_leaked_blocks):
+    async def run():
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            await call.write(worker_pb2.SessionRequest(submits=[
+                worker_pb2.SessionSubmit(tag=i, request=_request(300 + i, max_tokens=1900)) for i in range(4)]))
+            batch = await asyncio.wait_for(call.read(), 30)  # they run
+            assert batch.tags
+            call.cancel()
+        for _ in range(100):
+            state = worker_state(cluster.workers[0].address)
+            if state.num_active_requests == 0:
+                return state
+            await asyncio.sleep(0.1)
+        return state
+
+    assert asyncio.run(run()).num_active_requests == 0
+
+
+def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessions_end(cluster, no_leaked_blocks):
+    async def run():
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            await call.write(_submit(1, _request(400)))
+            await call.done_writing()
+            return await _read_to_the_end(call), await call.code()
+
+    batches, code = asyncio.run(run())
+    assert code == grpc.StatusCode.OK
+    assert sum(len(b.tags) for b in batches) > 0 and [t for b in batches for t in b.ended] == [1]
+
+
+def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(cluster, no_leaked_blocks):
+    async def run():
+        async with _channel(cluster) as channel:
+            session = channel.stream_stream(SESSION, request_serializer=lambda raw: raw,
+                                            response_deserializer=worker_pb2.OutputBatch.FromString)
+            call = session(metadata=cluster.credentials.metadata_for(SESSION, ()))
+            await call.write(b"\xff\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await _read_to_the_end(call)
+            return ended.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid SessionRequest" in error.details()
+
+
+def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_blocks):
+    """Entries of two requests under one tag could not be told apart: a caller that does that is
+    broken, and its session ends with every request on it."""
+    async def run():
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            await call.write(_submit(1, _request(500, max_tokens=1900)))
+            await call.write(_submit(2, _request(501, max_tokens=1900)))
+            await call.write(_submit(1, _request(502)))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await _read_to_the_end(call)
+        for _ in range(100):
+            if worker_state(cluster.workers[0].address).num_active_requests == 0:
+                break
+            await asyncio.sleep(0.1)
+        return ended.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "tag 1 is already running" in error.details()
+
+
+def test_sessions_are_bounded(cluster):
+    async def run():
+        channels = [_channel(cluster) for _ in range(70)]
+        try:
+            calls = [cluster.credentials.stub(worker_pb2_grpc.WorkerStub, ch).Session() for ch in channels]
+            codes = []
+            for c in calls:
+                try:
+                    await asyncio.wait_for(c.read(), 10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            for c in calls:
+                c.cancel()
+            return codes
+        finally:
+            for ch in channels:
+                await ch.close()
+
+    codes = asyncio.run(run())
+    assert codes.count(grpc.StatusCode.OK) == 64
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6
+
+
+def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_blocks):
+    """Through the router: every client stream gets its tokens (equal to the worker's own calls)
+    while the router holds one session with the worker."""
+    requests = [_request(50 + i) for i in range(NUM_REQUESTS)]
+
+    async def run():
+        expected = await _tokens_on_their_own_calls(cluster, requests)
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            router = llm_pb2_grpc.AsyncLLMStub(channel)
+
+            async def one(request):
+                return _tokens([msg async for msg in router.Generate(request)])
+            got = await asyncio.gather(*map(one, requests))
+        return expected, dict(zip((r.request_id for r in requests), got))
+
+    expected, got = asyncio.run(run())
+    assert got == expected
+    assert worker_state(cluster.workers[0].address).num_sessions == 1  # the router's (the other router has sent nothing yet)
+
+
+def test_a_session_keeps_its_messages_under_the_workers_bound(model_dirs):
+    """A worker whose --max-request-bytes is small: the router writes a burst of requests in as
+    many messages as fit under it, sends a request too large for any on a call of its own (which
+    gRPC refuses, as it would a client's), and the session carries on."""
+    bound = 2048  # ~1.4 KB a 700-token request: one a message
+    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
+                                                   "--block-size", "8"],
+                      worker_args={"both-1": ["--max-request-bytes", str(bound)]}) as c:
+        def prompt(i: int, n: int) -> list[int]:
+            rng = random.Random(i)
+            return [1] + [rng.randrange(200, 380) for _ in range(n)]
+
+        params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+        with LLM(c.address) as llm:
+            outs = llm.generate([prompt(i, 700) for i in range(16)], params, use_tqdm=False)
+            with pytest.raises(Exception) as too_large:
+                llm.generate(prompt(99, 1500), params, use_tqdm=False)
+            again = llm.generate(prompt(0, 700), params, use_tqdm=False)
+        state = worker_state(c.workers[0].address)
+        log = c.service("router").log_tail()
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs) and again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert "RESOURCE_EXHAUSTED" in str(too_large.value)
+    assert state.num_sessions == 1 and not [line for line in log.splitlines() if "session" in line and "ended" in line]
+
+
+class _ScriptedCall:
+    """A Session call that reads a fixed list of batches, then EOF, and keeps what is written (the
+    router's session code is tested against the exact interleavings a real worker cannot be made
+    to produce)."""
+
+    def __init__(self, batches, read_gate: asyncio.Event | None = None):
+        self.batches = list(batches)
+        self.written: list[worker_pb2.SessionRequest] = []
+        self.cancelled = False
+        self.read_gate = read_gate
+
+    async def read(self):
+        if self.read_gate is not None:
+            await self.read_gate.wait()
+        await asyncio.sleep(0)
+        return self.batches.pop(0) if self.batches else grpc.aio.EOF
+
+    async def write(self, message):
+        self.written.append(message)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancelled_submit_is_dropped():
+    async def run():
+        gate = asyncio.Event()  # the worker says nothing meanwhile
+        call = _ScriptedCall([], gate)
+        session = sessions.OpenSession(call, "s", max_message_bytes=200)
+        tags = [session.attach()[0] for _ in range(6)]
+        requests = [_request(i) for i in range(6)]
+        big = llm_pb2.GenerateRequest(request_id="big")
+        big.prompt.token_ids.ids[:] = range(1000, 1700)
+        assert not session.submit(session.attach()[0], big, "client", False, None)  # a call of its own
+        for tag, request in zip(tags, requests):
+            assert session.submit(tag, request, "client", tag == tags[0], 2.5 if tag == tags[1] else None)
+        session.cancel(tags[2])  # never sent: dropped, no cancel goes out
+        await asyncio.sleep(0.01)
+        session.cancel(tags[3])  # sent already: a cancel goes out
+        await asyncio.sleep(0.01)
+        session.close()
+        return tags, requests, call.written
+
+    tags, requests, written = asyncio.run(run())
+    submits = [s for m in written for s in m.submits]
+    assert [s.tag for s in submits] == [tags[i] for i in (0, 1, 3, 4, 5)]
+    assert all(m.ByteSize() <= 200 for m in written) and len(written) >= 3  # 50-80 bytes a submit
+    assert submits[0].split and not submits[1].split and submits[1].timeout_s == 2.5 and submits[0].timeout_s == 0
+    assert submits[0].client == "client" and submits[2].request == requests[3]
+    assert [t for m in written for t in m.cancels] == [tags[3]]
+
+
+def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
+    async def run():
+        failed = worker_pb2.SessionFailure(tag=1, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                           details="the pool is full", retry_pushback_ms=1500)
+        first = types_pb2.RequestOutput(request_id="r")
+        first.outputs.add(index=0, token_ids=[7])
+        session = sessions.OpenSession(_ScriptedCall([worker_pb2.OutputBatch(tags=[1], outputs=[first]),
+                                                      worker_pb2.OutputBatch(failed=[failed])]), "s")
+        _, inbox = session.attach()
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            async for msg in inboxes.streamed_outputs(inbox):
+                got.append(msg)
+        session.close()
+        return got, error.value
+
+    got, error = asyncio.run(run())
+    assert [list(m.outputs[0].token_ids) for m in got] == [[7]]  # its outputs first, then its status
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details() == "the pool is full"
+    from tandem.common.errors import retry_pushback_ms
+    assert retry_pushback_ms(error) == 1500
+
+
+def test_a_lagging_clients_outputs_are_merged_in_the_routers_inbox():
+    """The router reads a worker's stream as it comes; what a slow client has not taken yet is
+    held as one merged message, not one message per engine step."""
+    from tandem.router.inbox import MAX_PENDING_OUTPUTS, Inbox, streamed_outputs
+
+    async def run():
+        inbox = Inbox()
+        for step in range(3 * MAX_PENDING_OUTPUTS + 5):
+            msg = types_pb2.RequestOutput(request_id="slow", finished=False)
+            msg.outputs.add(index=0, token_ids=[step])
+            inbox.put(msg)
+        assert len(inbox.items) <= MAX_PENDING_OUTPUTS
+        inbox.put(inboxes.ENDED)
+        return [m async for m in streamed_outputs(inbox)]
+
+    messages = asyncio.run(run())
+    assert len(messages) == 1
+    assert list(messages[0].outputs[0].token_ids) == list(range(3 * MAX_PENDING_OUTPUTS + 5))
+
+
+def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_the_rest():
+    """A handoff that arrives after its relay ended (it was cancelled just as the prefill
+    answered) is handed to on_orphan (the pool releases its lease); the stream's end fails the
+    relays still attached and cancels the call."""
+
+    async def run():
+        orphans = []
+        handoff = types_pb2.RequestOutput(request_id="late", finished=True)
+        handoff.outputs.add(index=0).disaggregated_params.ctx_request_id = 42
+        mine = types_pb2.RequestOutput(request_id="live")
+        call = _ScriptedCall([worker_pb2.OutputBatch(tags=[9, 1], outputs=[handoff, mine])])
+        stream = sessions.OpenSession(call, "s", orphans.append)
+        tag, inbox = stream.attach()
+        assert tag == 1
+        first = await inbox.take()
+        second = await inbox.take()
+        await asyncio.sleep(0)
+        return orphans, first, second, call.cancelled, stream.attach()
+
+    orphans, first, second, cancelled, late_attach = asyncio.run(run())
+    assert [o.request_id for o in orphans] == ["late"]
+    assert [o.request_id for o in first] == ["live"]
+    assert isinstance(second[0], grpc.aio.AioRpcError) and second[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert cancelled and late_attach is None  # a failed stream takes no new relay
+
+
+def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
+    """The router rebuilds each lone token as the message the worker would have sent (its
+    request id from the request's earlier message), in entry order among full messages; a
+    malformed batch fails the stream (its requests fail over) before any of it is delivered."""
+
+    def full(request_id, tokens, finished=False):
+        msg = types_pb2.RequestOutput(request_id=request_id, finished=finished)
+        msg.outputs.add(index=0, token_ids=tokens, cumulative_logprob=-float(len(tokens)))
+        return msg
+
+    async def run(batches):
+        stream = sessions.OpenSession(_ScriptedCall(batches), "s")
+        inboxes = [stream.attach()[1], stream.attach()[1]]
+        received = {1: [], 2: []}
+        for tag, inbox in enumerate(inboxes, start=1):
+            while True:
+                items = await inbox.take()
+                received[tag] += items
+                if not all(i.__class__ is types_pb2.RequestOutput for i in items):
+                    break
+        return received
+
+    batches = [
+        worker_pb2.OutputBatch(tags=[1, 2], outputs=[full("a", [5]), full("b", [6, 7])]),
+        worker_pb2.OutputBatch(tags=[2, 1, 1, 2], outputs=[full("a", [11], finished=True)],
+                               tokens=[8, 9, -1, 10], cumulative_logprobs=[-3.0, -2.0, 0.0, -4.0], ended=[1]),
+        worker_pb2.OutputBatch(tags=[2], outputs=[full("b", [12], finished=True)], ended=[2]),
+    ]
+    received = asyncio.run(run(batches))
+    a, b = received[1], received[2]
+    assert a[-1] is inboxes.ENDED and b[-1] is inboxes.ENDED
+    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob, m.finished)
+            for m in a[:-1]] == [("a", [5], -1.0, False), ("a", [9], -2.0, False), ("a", [11], -1.0, True)]
+    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob)
+            for m in b[:-1]] == [("b", [6, 7], -2.0), ("b", [8], -3.0), ("b", [10], -4.0), ("b", [12], -1.0)]
+    lone = types_pb2.RequestOutput(request_id="b")
+    lone.outputs.add(index=0, token_ids=[8], cumulative_logprob=-3.0)
+    assert b[1].SerializeToString() == lone.SerializeToString()  # what the worker's full message would be
+
+    for bad in (dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, 3]),  # no logprobs
+                dict(tags=[1], outputs=[full("a", [5])], tokens=[4], cumulative_logprobs=[0]),  # an output too many
+                dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, -1], cumulative_logprobs=[0, 0]),
+                dict(tags=[1], outputs=[], tokens=[4, 5], cumulative_logprobs=[0, 0])):
+        bad = [worker_pb2.OutputBatch(**bad)]
+        received = asyncio.run(run(bad))
+        failure = received[1][0]  # nothing of the batch was delivered
+        assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.INTERNAL, failure
+        assert "malformed output batch" in failure.details()
+
+
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_leaked_blocks):
+    """--stream-interval 4: the first message at once, then at least 4 new tokens a message, the
+    last at once; the tokens, finish reasons and cumulative logprobs are those of interval 1."""
+    from tandem.client import AsyncLLM
+
+    async def stream(address, prompt, params):
+        llm = await AsyncLLM(address)
+        try:
+            steps = []  # per message: new tokens (all sequences), finished
+            async for out in llm.generate_async(prompt, params, streaming=True):
+                steps.append((sum(len(o.token_ids_diff) for o in out.outputs), out.finished))
+            final = [(list(o.token_ids), o.finish_reason, o.cumulative_logprob) for o in out.outputs]
+            return steps, final
+        finally:
+            llm.close()
+
+    async def run():
+        results = []
+        for seed, (max_tokens, n) in enumerate(((25, 1), (1, 1), (9, 2))):
+            rng = random.Random(seed)
+            prompt = [1] + [rng.randrange(4, 200) for _ in range(12)]
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, n=n,
+                                    **({"temperature": 0.9, "seed": 3} if n > 1 else {}))
+            every = await stream(cluster.address, prompt, params)
+            grouped = await stream(cluster.service("router-interval").address, prompt, params)
+            results.append((max_tokens, n, every, grouped))
+        return results
+
+    for max_tokens, n, (every_steps, every_final), (steps, final) in asyncio.run(run()):
+        assert final == every_final, (max_tokens, n)
+        assert sum(k for k, _ in steps) == sum(k for k, _ in every_steps) == max_tokens * n
+        assert steps[0][0] >= 1  # the first token at once
+        assert [finished for _, finished in steps] == [False] * (len(steps) - 1) + [True]
+        assert all(k >= STREAM_INTERVAL for k, _ in steps[1:-1]), steps  # between: at least the interval
+        assert len(steps) <= 2 + (max_tokens * n - 1) // STREAM_INTERVAL, steps
+        if max_tokens * n > 2 * STREAM_INTERVAL:
+            assert len(steps) < len(every_steps), (steps, every_steps)
+
+
+def test_every_n_tokens_holds_tokens_until_the_interval_and_never_drops_them():
+    from tandem.common.outputs import every_n_tokens
+
+    def msg(tokens, finished=False):
+        out = types_pb2.RequestOutput(request_id="r", finished=finished)
+        out.outputs.add(index=0, token_ids=tokens)
+        return out
+
+    async def source(items):
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def collect(items, interval):
+        got = []
+        try:
+            async for m in every_n_tokens(source(items), interval):
+                got.append((list(m.outputs[0].token_ids), m.finished))
+        except RuntimeError as exc:
+            got.append(str(exc))
+        return got
+
+    ones = [msg([t]) for t in range(1, 8)] + [msg([8], finished=True)]
+    assert asyncio.run(collect(ones, 3)) == [([1], False), ([2, 3, 4], False), ([5, 6, 7], False), ([8], True)]
+    assert asyncio.run(collect(ones[:5] + [msg([6], finished=True)], 3)) == [
+        ([1], False), ([2, 3, 4], False), ([5, 6], True)]
+    assert asyncio.run(collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3)) == [([1], False), ([2, 3, 4, 5], False),
+                                                                              ([6], False)]
+    # A failure after held tokens: they go on first, then the error.
+    assert asyncio.run(collect([msg([1]), msg([2]), msg([3]), RuntimeError("worker lost")], 3)) == [
+        ([1], False), ([2, 3], False), "worker lost"]
+
+
+@pytest.mark.parametrize("value", ["0", "257", "-3"])
+def test_a_stream_interval_out_of_range_is_refused_with_what_to_give(value):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "router", "--workers", "127.0.0.1:1",
+                           "--stream-interval", value], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert f"stream_interval must be between 1 and 256, got {value}" in proc.stderr
+
+
+def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
+    """The readiness refusal answers a stream of requests in its own kind (a handler of another
+    kind would fail the call with a status that says nothing)."""
+    from tandem.common.interceptors import Readiness
+    from tandem.common.server import GrpcServer
+
+    async def never_called(requests, context):
+        yield worker_pb2.OutputBatch(stream_id="ready")
+
+    async def run():
+        server = GrpcServer("127.0.0.1", 0, ["tandem.v1.Worker"], readiness=Readiness(lambda: False, frozenset()))
+        handler = grpc.stream_stream_rpc_method_handler(never_called, worker_pb2.SessionRequest.FromString,
+                                                        worker_pb2.OutputBatch.SerializeToString)
+        server.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "tandem.v1.Worker", {"Session": handler})])
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                call = worker_pb2_grpc.WorkerStub(channel).Session()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await asyncio.wait_for(call.read(), 10)
+                return refused.value
+        finally:
+            await server.server.stop(0)
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading its model" in error.details()
