@@ -136,6 +136,24 @@ def _worker_state(cluster):
         return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest())
 
 
+def test_each_process_names_its_instance_in_health_answers_and_the_worker_state(cluster):
+    """The router trusts a reopened health Watch only from the process its last state poll saw
+    (router/health.py): a worker's health answers and its state carry the same instance id, and
+    no other process has it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tandem.common.health import INSTANCE_ID_METADATA
+
+    def health_instance(address: str) -> str:
+        with cluster.channel(address) as channel:
+            _, call = health_pb2_grpc.HealthStub(channel).Check.with_call(health_pb2.HealthCheckRequest())
+            return dict(call.initial_metadata())[INSTANCE_ID_METADATA]
+
+    worker = health_instance(cluster.workers[0].address)
+    assert worker and worker == _worker_state(cluster).instance_id
+    assert health_instance(cluster.workers[0].address) == worker  # drawn once per process
+    assert health_instance(cluster.address) not in ("", worker)
+
+
 def test_client_cancellation_aborts_on_the_server(cluster, llm):
     before = _worker_state(cluster).num_generated_tokens
 

@@ -6,14 +6,16 @@ import asyncio
 import inspect
 import logging
 import signal
+import uuid
 from typing import Awaitable, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AccessPolicy
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
+from tandem.common.health import InstanceHealthServicer
 from tandem.common.interceptors import Readiness
 from tandem.common.metrics import ProcessMetrics
 from tandem.common.server_calls import ServerCalls
@@ -61,7 +63,10 @@ class GrpcServer:
         # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
         options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes})
         self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))
-        self.health = health.aio.HealthServicer()
+        # Names this process to health checkers (health.py) and in a worker's state: a process
+        # runs one server, so one id per process life, a new one on each restart.
+        self.instance_id = uuid.uuid4().hex
+        self.health = InstanceHealthServicer(self.instance_id)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

@@ -2,7 +2,11 @@
 router at once) with Check polls beside it (a worker whose loop hangs keeps its Watch stream
 open and says nothing: only a poll with a timeout finds it; and a worker without Watch is
 polled alone), its state (role, adapters, free blocks) by GetWorkerState polls, and its prefix
-cache by the SubscribeKvBlocks feed into the router's KV index."""
+cache by the SubscribeKvBlocks feed into the router's KV index.
+
+Each worker process has an instance id (common/health.py): a state poll records it with the
+role, and the health answers carry it, so the router tells the process it knows from another
+one that took the address over (a restart, a hot swap) before it trusts what it knew."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tandem.common.health import instance_id_of
 from tandem.common.roles import Role
 from tandem.v1 import worker_pb2
 
@@ -38,8 +43,11 @@ async def poll_forever(pool: WorkerPool, w: WorkerHandle) -> None:
 
 
 async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
+    checked_instance = ""
     try:
-        resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=pool.health_timeout_s)
+        call = w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=pool.health_timeout_s)
+        resp = await call
+        checked_instance = instance_id_of(await call.initial_metadata())
         ready = resp.status == SERVING
     except grpc.aio.AioRpcError as exc:
         ready = False
@@ -51,13 +59,17 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
     if ready:
         try:
             state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
+            if state.instance_id != w.instance_id:
+                pool.meet_new_process(w, state.instance_id)
             w.role = Role(state.role)
             w.lora_adapters = list(state.lora_adapters)
             w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
         except grpc.aio.AioRpcError:
             # The state waits for the engine thread between steps; a slow step leaves the last
-            # adapters in place. A worker whose role is still unknown cannot be picked yet.
-            ready = w.role is not Role.UNKNOWN
+            # adapters in place. A worker whose role is still unknown cannot be picked yet, nor
+            # another process than the one the last state poll saw (its Check says so): its role
+            # is not known either.
+            ready = w.role is not Role.UNKNOWN and checked_instance == w.instance_id
     set_ready(pool, w, ready)
 
 
@@ -76,12 +88,12 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
     is opened again at once: a live worker whose stream was cut on the way (a proxy's idle
     timeout, a GOAWAY at max connection age) answers it with SERVING in one round trip and is
     picked again then, without waiting for a state poll that waits on its engine. Only that
-    first reply of a stream reopened at once is trusted so: a dead worker refuses the reopen, and
-    a new process on the address (a restart, maybe in another role) says NOT_SERVING first while
-    it loads, or is reached only after a wait; it is ready once a poll has looked at it. (A new
-    process already serving on the same address the instant the old one's stream ends, a hot
-    swap over SO_REUSEPORT, would be trusted until the poll: telling processes apart needs an
-    instance id in the Watch's metadata.) A worker without Watch is left to the polls."""
+    first reply of a stream reopened at once is trusted so, and only when its metadata names the
+    process the last state poll saw: a dead worker refuses the reopen, and a new process on the
+    address (a restart, maybe in another role) says NOT_SERVING first while it loads, is reached
+    only after a wait, or, already serving there the instant the old one's stream ends (a hot
+    swap over SO_REUSEPORT), names another instance; it is ready once a poll has looked at it.
+    A worker without Watch is left to the polls."""
     loop = asyncio.get_running_loop()
     is_reopen = False  # the last stream answered, lived >= WATCH_REOPEN_MIN_S and ended: reopened at once
     while True:
@@ -93,7 +105,14 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
                 answered = True
                 if reply.status == SERVING:
                     if is_reopen and w.role is not Role.UNKNOWN and not w.refused:
-                        set_ready(pool, w, True)
+                        # ('' == '': a worker that names no instance, an older one, is trusted as before.)
+                        instance_id = instance_id_of(await call.initial_metadata())
+                        if instance_id == w.instance_id:
+                            set_ready(pool, w, True)
+                        else:
+                            log.info("worker %s answers as another process (instance %s, was %s): "
+                                     "ready once a state poll has looked at it", w.address,
+                                     instance_id or "?", w.instance_id or "?")
                     w.poll_now.set()
                 else:
                     set_ready(pool, w, False)

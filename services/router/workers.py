@@ -40,6 +40,8 @@ class WorkerHandle:
     internal: worker_pb2_grpc.WorkerStub
     health: health_pb2_grpc.HealthStub
     role: Role = Role.UNKNOWN
+    # The instance id of the process the last state poll saw there (health.py; '' before any).
+    instance_id: str = ""
     ready: bool = False
     in_flight: int = 0
     # Load the router itself puts there (fresher than any poll): prompt tokens sent to be
@@ -56,9 +58,17 @@ class WorkerHandle:
     refused: bool = False
     # Set to poll the worker's state now rather than at the next interval (its health changed).
     poll_now: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its health tasks, and the KV block feed's (restarted when another process takes the address).
     tasks: list[asyncio.Task] = field(default_factory=list)
+    kv_feed: asyncio.Task | None = None
     # The session its requests go on (sessions.py); set by the pool.
     session: WorkerSession | None = None
+
+    def cancel_tasks(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.kv_feed is not None:
+            self.kv_feed.cancel()
 
     def holds(self, adapter_id: int, now: float) -> bool:
         return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
@@ -127,8 +137,25 @@ class WorkerPool:
 
     def _start_watching(self, w: WorkerHandle) -> None:
         # Tasks per worker: a hung worker's slow answers delay nobody else's.
-        w.tasks = [asyncio.create_task(health.poll_forever(self, w)), asyncio.create_task(health.watch_health(self, w)),
-                   asyncio.create_task(health.follow_kv_blocks(self, w))]
+        w.tasks = [asyncio.create_task(health.poll_forever(self, w)), asyncio.create_task(health.watch_health(self, w))]
+        w.kv_feed = asyncio.create_task(health.follow_kv_blocks(self, w))
+
+    def meet_new_process(self, w: WorkerHandle, instance_id: str) -> None:
+        """A state poll found another process at the worker's address than the last one (a
+        restart, a hot swap; instance_id is the new one's): what the router knew of the old one
+        is dropped. The poll brings the new one's role, adapters and free blocks; the adapters
+        sent to the old one are not loaded in the new one; and the old one's prefix cache leaves
+        the KV index: the feed starts over (it may still read the old process's stream, on a
+        connection that outlives the swap) and the new subscription's snapshot fills it again."""
+        if w.instance_id or w.role is not Role.UNKNOWN:  # an earlier poll answered: there is something to drop
+            log.info("worker %s is another process now (instance %s, was %s)", w.address, instance_id or "?",
+                     w.instance_id or "?")
+            w.lora_picked.clear()
+            self.kv_index.forget(w.address)
+            if w.kv_feed is not None:
+                w.kv_feed.cancel()
+                w.kv_feed = asyncio.create_task(health.follow_kv_blocks(self, w))
+        w.instance_id = instance_id
 
     def set_addresses(self, addresses: set[str]) -> None:
         """Discovery's latest answer: workers new to it start being watched, workers missing from
@@ -152,8 +179,7 @@ class WorkerPool:
         self.notify()
 
     async def _close_when_idle(self, w: WorkerHandle) -> None:
-        for task in w.tasks:
-            task.cancel()
+        w.cancel_tasks()
         deadline = asyncio.get_running_loop().time() + REMOVED_WORKER_GRACE_S
         while w.in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.2)
@@ -169,8 +195,7 @@ class WorkerPool:
         for task in list(self._closing):
             task.cancel()
         for w in self.workers:
-            for task in w.tasks:
-                task.cancel()
+            w.cancel_tasks()
             w.session.close()
             await w.channel.close()
 

@@ -260,13 +260,13 @@ class WorkerRuntime:
         return self._num_bytes_received + (generation.num_bytes_received if generation else 0)
 
     async def worker_state(self) -> worker_pb2.WorkerState:
-        if self.encoder is not None:  # no KV cache; the router only needs the role
-            return worker_pb2.WorkerState(role=self.role, paused=self.paused)
+        if self.encoder is not None:  # no KV cache; the router only needs the role and the instance
+            return worker_pb2.WorkerState(role=self.role, paused=self.paused, instance_id=self.server.instance_id)
         snap = await self.core.call(ReadCounters())
         keeper, generation = self.leases, self.phases.generation
         return worker_pb2.WorkerState(
-            role=self.role, kv_layout_hash=self.kv_layout_hash, num_total_blocks=snap.num_total_blocks,
-            num_free_blocks=snap.num_free_blocks,
+            role=self.role, instance_id=self.server.instance_id, kv_layout_hash=self.kv_layout_hash,
+            num_total_blocks=snap.num_total_blocks, num_free_blocks=snap.num_free_blocks,
             num_active_requests=snap.num_unfinished + snap.num_waiting_for_remote_kv,
             num_prompt_tokens_computed=snap.num_prompt_tokens_computed,
             num_generated_tokens=snap.num_generated_tokens, num_steps=snap.num_steps,
