@@ -270,3 +270,36 @@ def test_another_process_at_the_address_drops_the_old_ones_prefix_cache_and_adap
     assert role is Role.PREFILL
     assert after == 1, f"the KV index holds {after} blocks for the address; the new process has 1"
     assert not holds_adapter, "an adapter sent to the old process counts as loaded in the new one"
+
+
+def test_a_watcher_still_open_hears_a_change_after_another_watcher_left():
+    """Two routers (or a reopened stream beside the old one's ending handler) watch one worker;
+    one leaves; the other still hears the drain's NOT_SERVING (grpcio-health-checking's own
+    Watch dropped the shared condition with the first watcher to leave, and the other heard
+    nothing more)."""
+    async def run():
+        server = grpc.aio.server()
+        health = InstanceHealthServicer(uuid.uuid4().hex)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                staying, leaving = stub.Watch(health_pb2.HealthCheckRequest()), stub.Watch(health_pb2.HealthCheckRequest())
+                first = [(await staying.read()).status, (await leaving.read()).status]
+                leaving.cancel()
+                await asyncio.sleep(0.2)  # its handler ends
+                await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                later = (await asyncio.wait_for(staying.read(), 5)).status
+                staying.cancel()
+                await asyncio.sleep(0.2)
+                return first, later, dict(health._num_watchers), dict(health._server_watchers)
+        finally:
+            await server.stop(None)
+
+    first, later, watchers, conditions = asyncio.run(run())
+    assert first == [health_pb2.HealthCheckResponse.SERVING] * 2
+    assert later == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert watchers == {} and conditions == {}  # nothing kept once nobody watches
