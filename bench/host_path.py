@@ -46,7 +46,7 @@ class _Core:
 
 
 async def loop_per_output(metrics: RequestMetrics, batch: int, steps: int, lone_tokens: bool) -> dict:
-    stream = OutputStream("bench")
+    stream = OutputStream()
     batches = stream.batches()
     await batches.__anext__()  # the stream id
     sinks = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -20,7 +21,6 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_g
 from test_disagg import worker_state
 
 NUM_REQUESTS, MAX_TOKENS = 12, 24
-STREAM_INTERVAL = 4
 SESSION = "/tandem.v1.Worker/Session"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -29,7 +29,6 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 def cluster(model_dirs):
     with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
                                                    "--block-size", "8"]) as c:
-        c.add_router("router-interval", ["--stream-interval", str(STREAM_INTERVAL)])
         yield c
 
 
@@ -149,7 +148,7 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster,
 
 
 def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(cluster, no_leaked_blocks):
-    """Out of vocabulary, a negative timeout, a deadline that passes: each fails with the status
+    """Out of vocabulary, a negative or NaN timeout, a deadline that passes: each fails with the status
     and message its own call would get, after its outputs; the request beside them completes."""
     async def run():
         async with _channel(cluster) as channel:
@@ -162,8 +161,9 @@ def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(clus
                 worker_pb2.SessionSubmit(tag=1, request=bad),
                 worker_pb2.SessionSubmit(tag=2, request=slow, timeout_s=0.3),
                 worker_pb2.SessionSubmit(tag=3, request=good),
-                worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1)]))
-            result = await _read_until_over(call, {1, 2, 3, 5})
+                worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1),
+                worker_pb2.SessionSubmit(tag=6, request=_request(6), timeout_s=float("nan"))]))
+            result = await _read_until_over(call, {1, 2, 3, 5, 6})
             call.cancel()
             return result
 
@@ -172,7 +172,8 @@ def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(clus
     assert failed[1].code == INVALID and "out of vocabulary" in failed[1].details and not outputs[1]
     assert failed[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "deadline" in failed[2].details
     assert 0 < len(_tokens(outputs[2])) < 1900  # it ran until the deadline
-    assert failed[5].code == INVALID and "timeout_s must be >= 0" in failed[5].details
+    for tag in (5, 6):
+        assert failed[tag].code == INVALID and "timeout_s must be a number of seconds >= 0" in failed[tag].details
 
 
 def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, no_leaked_blocks):
@@ -331,7 +332,7 @@ def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_blocks)
 
     expected, got = asyncio.run(run())
     assert got == expected
-    assert worker_state(cluster.workers[0].address).num_sessions == 1  # the router's (the other router has sent nothing yet)
+    assert worker_state(cluster.workers[0].address).num_sessions == 1  # the router's
 
 
 def test_a_session_keeps_its_messages_under_the_workers_bound(model_dirs):
@@ -394,7 +395,8 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
         big.prompt.token_ids.ids[:] = range(1000, 1700)
         assert not session.submit(session.attach()[0], big, "client", False, None)  # a call of its own
         for tag, request in zip(tags, requests):
-            assert session.submit(tag, request, "client", tag == tags[0], 2.5 if tag == tags[1] else None)
+            deadline = time.monotonic() + 2.5 if tag == tags[1] else None
+            assert session.submit(tag, request, "client", tag == tags[0], deadline)
         session.cancel(tags[2])  # never sent: dropped, no cancel goes out
         await asyncio.sleep(0.01)
         session.cancel(tags[3])  # sent already: a cancel goes out
@@ -406,7 +408,8 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
     submits = [s for m in written for s in m.submits]
     assert [s.tag for s in submits] == [tags[i] for i in (0, 1, 3, 4, 5)]
     assert all(m.ByteSize() <= 200 for m in written) and len(written) >= 3  # 50-80 bytes a submit
-    assert submits[0].split and not submits[1].split and submits[1].timeout_s == 2.5 and submits[0].timeout_s == 0
+    # timeout_s: what is left of the deadline when the submit is written
+    assert submits[0].split and not submits[1].split and 2.4 < submits[1].timeout_s <= 2.5 and submits[0].timeout_s == 0
     assert submits[0].client == "client" and submits[2].request == requests[3]
     assert [t for m in written for t in m.cancels] == [tags[3]]
 
@@ -476,14 +479,14 @@ def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_t
     orphans, first, second, cancelled, late_attach = asyncio.run(run())
     assert [o.request_id for o in orphans] == ["late"]
     assert [o.request_id for o in first] == ["live"]
-    assert isinstance(second[0], grpc.aio.AioRpcError) and second[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(second[0], inboxes.SessionBroken) and second[0].code() == grpc.StatusCode.UNAVAILABLE
     assert cancelled and late_attach is None  # a failed stream takes no new relay
 
 
 def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
     """The router rebuilds each lone token as the message the worker would have sent (its
     request id from the request's earlier message), in entry order among full messages; a
-    malformed batch fails the stream (its requests fail over) before any of it is delivered."""
+    malformed batch ends the session (its requests move on: SessionBroken) before any of it is delivered."""
 
     def full(request_id, tokens, finished=False):
         msg = types_pb2.RequestOutput(request_id=request_id, finished=finished)
@@ -526,91 +529,8 @@ def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
         bad = [worker_pb2.OutputBatch(**bad)]
         received = asyncio.run(run(bad))
         failure = received[1][0]  # nothing of the batch was delivered
-        assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.INTERNAL, failure
-        assert "malformed output batch" in failure.details()
-
-
-def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_leaked_blocks):
-    """--stream-interval 4: the first message at once, then at least 4 new tokens a message, the
-    last at once; the tokens, finish reasons and cumulative logprobs are those of interval 1."""
-    from tandem.client import AsyncLLM
-
-    async def stream(address, prompt, params):
-        llm = await AsyncLLM(address)
-        try:
-            steps = []  # per message: new tokens (all sequences), finished
-            async for out in llm.generate_async(prompt, params, streaming=True):
-                steps.append((sum(len(o.token_ids_diff) for o in out.outputs), out.finished))
-            final = [(list(o.token_ids), o.finish_reason, o.cumulative_logprob) for o in out.outputs]
-            return steps, final
-        finally:
-            llm.close()
-
-    async def run():
-        results = []
-        for seed, (max_tokens, n) in enumerate(((25, 1), (1, 1), (9, 2))):
-            rng = random.Random(seed)
-            prompt = [1] + [rng.randrange(4, 200) for _ in range(12)]
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, n=n,
-                                    **({"temperature": 0.9, "seed": 3} if n > 1 else {}))
-            every = await stream(cluster.address, prompt, params)
-            grouped = await stream(cluster.service("router-interval").address, prompt, params)
-            results.append((max_tokens, n, every, grouped))
-        return results
-
-    for max_tokens, n, (every_steps, every_final), (steps, final) in asyncio.run(run()):
-        assert final == every_final, (max_tokens, n)
-        assert sum(k for k, _ in steps) == sum(k for k, _ in every_steps) == max_tokens * n
-        assert steps[0][0] >= 1  # the first token at once
-        assert [finished for _, finished in steps] == [False] * (len(steps) - 1) + [True]
-        assert all(k >= STREAM_INTERVAL for k, _ in steps[1:-1]), steps  # between: at least the interval
-        assert len(steps) <= 2 + (max_tokens * n - 1) // STREAM_INTERVAL, steps
-        if max_tokens * n > 2 * STREAM_INTERVAL:
-            assert len(steps) < len(every_steps), (steps, every_steps)
-
-
-def test_every_n_tokens_holds_tokens_until_the_interval_and_never_drops_them():
-    from tandem.common.outputs import every_n_tokens
-
-    def msg(tokens, finished=False):
-        out = types_pb2.RequestOutput(request_id="r", finished=finished)
-        out.outputs.add(index=0, token_ids=tokens)
-        return out
-
-    async def source(items):
-        for item in items:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    async def collect(items, interval):
-        got = []
-        try:
-            async for m in every_n_tokens(source(items), interval):
-                got.append((list(m.outputs[0].token_ids), m.finished))
-        except RuntimeError as exc:
-            got.append(str(exc))
-        return got
-
-    ones = [msg([t]) for t in range(1, 8)] + [msg([8], finished=True)]
-    assert asyncio.run(collect(ones, 3)) == [([1], False), ([2, 3, 4], False), ([5, 6, 7], False), ([8], True)]
-    assert asyncio.run(collect(ones[:5] + [msg([6], finished=True)], 3)) == [
-        ([1], False), ([2, 3, 4], False), ([5, 6], True)]
-    assert asyncio.run(collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3)) == [([1], False), ([2, 3, 4, 5], False),
-                                                                              ([6], False)]
-    # A failure after held tokens: they go on first, then the error.
-    assert asyncio.run(collect([msg([1]), msg([2]), msg([3]), RuntimeError("worker lost")], 3)) == [
-        ([1], False), ([2, 3], False), "worker lost"]
-
-
-@pytest.mark.parametrize("value", ["0", "257", "-3"])
-def test_a_stream_interval_out_of_range_is_refused_with_what_to_give(value):
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "router", "--workers", "127.0.0.1:1",
-                           "--stream-interval", value], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr[-500:]
-    assert f"stream_interval must be between 1 and 256, got {value}" in proc.stderr
+        assert isinstance(failure, inboxes.SessionBroken) and failure.code() == grpc.StatusCode.UNAVAILABLE, failure
+        assert "INTERNAL" in failure.details() and "malformed output batch" in failure.details()
 
 
 def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
@@ -640,3 +560,117 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
 
     error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading its model" in error.details()
+
+
+def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(cluster, no_leaked_blocks):
+    """The task is cancelled before its first step: it holds no tag, no drain count, and the
+    session ends once the caller stops writing (the tag can be used again meanwhile)."""
+    async def run():
+        async with _channel(cluster) as channel:
+            call = await _open(cluster, channel)
+            await call.write(worker_pb2.SessionRequest(
+                submits=[worker_pb2.SessionSubmit(tag=1, request=_request(600, max_tokens=1900))], cancels=[1]))
+            await call.write(_submit(1, _request(601)))  # not "already running"
+            await call.done_writing()
+            batches = await _read_to_the_end(call)
+            return batches, await call.code(), worker_state(cluster.workers[0].address)
+
+    batches, code, state = asyncio.run(run())
+    assert code == grpc.StatusCode.OK and [t for b in batches for t in b.ended] == [1]
+    assert len(_tokens(m for b in batches for _, m in _entries(b))) == MAX_TOKENS  # the second tag-1 request
+    assert state.num_active_requests == 0
+
+
+class _Recorder:
+    """What a worker Session reports, in-process: statuses counted and requests run."""
+
+    def __init__(self):
+        self.counted: list[grpc.StatusCode] = []
+        self.started: list[int] = []
+
+    def count(self, method, code):
+        self.counted.append(code)
+
+    async def run(self, submit, stream, owner):
+        self.started.append(submit.tag)
+        await asyncio.sleep(30)
+
+
+def test_a_full_session_refuses_submits_that_may_go_elsewhere_and_bounds_each_message(monkeypatch):
+    """Past the session's bound a submit is refused (nothing ran: SessionFailure.refused, which the
+    router reads as SessionRefused and sends on a call of its own); a message with more submits
+    than the bound ends the session before any of them is started."""
+    from tandem.common.drain import InFlightCalls
+    from tandem.worker import sessions as worker_sessions
+    monkeypatch.setattr(worker_sessions, "MAX_REQUESTS_PER_SESSION", 3)
+
+    async def requests(messages):
+        for message in messages:
+            yield message
+
+    async def run(messages):
+        recorder, in_flight = _Recorder(), InFlightCalls()
+        session = worker_sessions.Session("owner", recorder.run, in_flight, recorder.count, 1 << 20)
+        reader = asyncio.create_task(session.read(requests(messages)))
+        await asyncio.sleep(0.05)
+        failed = list(session.stream._failed)
+        running, in_flight_count = sorted(session.tasks), in_flight.count
+        session.close()
+        await asyncio.sleep(0)
+        error = None
+        try:
+            await asyncio.wait_for(reader, 1)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            pass
+        except Exception as exc:  # noqa: BLE001 - what ended the session
+            error = exc
+        return recorder, failed, running, in_flight_count, in_flight.count, error
+
+    submits = [worker_pb2.SessionSubmit(tag=t, request=_request(t)) for t in range(1, 6)]
+    recorder, failed, running, in_flight_during, in_flight_after, _ = asyncio.run(run(
+        [worker_pb2.SessionRequest(submits=submits[:3]), worker_pb2.SessionRequest(submits=submits[3:4]),
+         worker_pb2.SessionRequest(submits=submits[4:])]))
+    assert running == [1, 2, 3] and in_flight_during == 3 and in_flight_after == 0
+    assert [(f.tag, f.refused, f.code) for f in failed] == [(4, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
+                                                           (5, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    assert inboxes.failure_error(failed[0]).__class__ is inboxes.SessionRefused
+    assert recorder.counted.count(grpc.StatusCode.CANCELLED) == 3  # closing the session cancelled the three
+
+    recorder, failed, running, _, _, error = asyncio.run(run([worker_pb2.SessionRequest(submits=submits[:4])]))
+    assert not recorder.started and not failed and "at most 3" in str(error)
+
+
+def test_cancels_and_submits_waiting_together_still_fit_the_workers_bound():
+    """Cancels pile up while a write is slow (clients leaving); the next messages carry them and
+    the waiting submits without going over the bound the worker told."""
+    async def run():
+        gate = asyncio.Event()
+        call = _ScriptedCall([], gate)
+        session = sessions.OpenSession(call, "s", max_message_bytes=2048)
+        for _ in range(600):
+            tag, _inbox = session.attach()
+            session.submit(tag, _request(tag), "client", False, None)
+            await asyncio.sleep(0)  # written
+            session.cancel(tag)
+        tag, _inbox = session.attach()
+        big = _request(9)
+        big.prompt.token_ids.ids[:] = range(200, 800)
+        assert session.submit(tag, big, "client", False, None)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        session.close()
+        return call.written, tag
+
+    written, last = asyncio.run(run())
+    cancels = [t for m in written for t in m.cancels]
+    assert len(cancels) == 600 and last in [s.tag for m in written for s in m.submits]
+    assert max(m.ByteSize() for m in written) <= 2048
+
+
+def test_a_session_that_ends_under_a_request_moves_it_on_whatever_the_workers_health():
+    from tandem.router.failover import worker_gone
+
+    broken = inboxes.SessionBroken(grpc.StatusCode.RESOURCE_EXHAUSTED, "message over the limit")
+    assert broken.code() == grpc.StatusCode.UNAVAILABLE and "RESOURCE_EXHAUSTED" in broken.details()
+    assert asyncio.run(worker_gone(None, broken))  # no health check asked: the request stopped there
+

@@ -71,7 +71,8 @@ class _TokenStub:
         return call
 
 
-class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                            grpc.StreamStreamClientInterceptor):
     def __init__(self, credentials: ClusterCredentials):
         self._credentials = credentials
 
@@ -83,3 +84,6 @@ class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCl
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)

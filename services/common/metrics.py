@@ -100,9 +100,9 @@ class ProcessMetrics:
 
 
 class RpcCounts:
-    """Counts every RPC by its final status code. Outermost of the
-    server's wrappers (server_calls.py), so that the statuses the others answer with (auth,
-    readiness, error mapping) count too."""
+    """Counts every RPC by its final status code (and each Generate that came on a session, as
+    one). Outermost of the server's wrappers (server_calls.py), so that the statuses the others
+    answer with (auth, readiness, error mapping) count too."""
 
     def __init__(self, metrics: ProcessMetrics):
         self._metrics = metrics

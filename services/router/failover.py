@@ -21,6 +21,7 @@ from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.streams import closing
+from tandem.router.inbox import SessionBroken
 from tandem.router.route import Route, WorkerStalledError, release_lease
 from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
@@ -33,8 +34,9 @@ MAX_MIGRATIONS = 2
 async def worker_gone(worker: WorkerHandle, exc: BaseException, timeout_s: float = 1.0) -> bool:
     """A dead worker's calls fail UNAVAILABLE, but so do a live one's refusals (paused,
     released): only a worker that no longer answers its health check is gone (or one whose
-    stream stalled while it did not answer)."""
-    if isinstance(exc, WorkerStalledError):
+    stream stalled while it did not answer, or whose session with the router ended under the
+    request: the request stopped there)."""
+    if isinstance(exc, (WorkerStalledError, SessionBroken)):  # gone for the request, whatever its health
         return True
     if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False

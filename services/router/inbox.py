@@ -27,11 +27,28 @@ def stream_failure(code: grpc.StatusCode, details: str, retry_pushback_ms: int =
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
+class SessionBroken(grpc.aio.AioRpcError):
+    """The session a request ran on ended under it (the worker went away, or the stream broke):
+    the request cannot go on there, whatever the worker's health says, so failover moves it on
+    (router/failover.py). UNAVAILABLE to a client when no worker is left to move it to."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         f"the session with the worker ended ({code.name}: {details})")
+
+
+class SessionRefused(grpc.aio.AioRpcError):
+    """The worker refused a request before it started (its session ran its most requests):
+    nothing of it ran, and the router sends it again on a call of its own."""
+
+
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def failure_error(failure: worker_pb2.SessionFailure) -> grpc.aio.AioRpcError:
     code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
+    if failure.refused:
+        return SessionRefused(code, grpc.aio.Metadata(), grpc.aio.Metadata(), failure.details)
     return stream_failure(code, failure.details, failure.retry_pushback_ms)
 
 

@@ -16,7 +16,7 @@ from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.streams import closing
 from tandem.router.metrics import RouterMetrics
-from tandem.router.inbox import streamed_outputs
+from tandem.router.inbox import SessionRefused, streamed_outputs
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -81,25 +81,39 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         try:
-            async with closing(self._relay_once(worker, request, split)) as messages:
-                async for msg in messages:
-                    if prefill_tokens:
-                        worker.queued_prefill_tokens -= prefill_tokens
-                        prefill_tokens = 0
-                    yield msg
+            for attempt in range(2):
+                started = False
+                try:
+                    async with closing(self._relay_once(worker, request, split, attempt == 0)) as messages:
+                        async for msg in messages:
+                            started = True
+                            if prefill_tokens:
+                                worker.queued_prefill_tokens -= prefill_tokens
+                                prefill_tokens = 0
+                            yield msg
+                    return
+                except SessionRefused:
+                    # The worker's session was full: nothing ran there; once more, on a call of its own.
+                    if attempt or started:
+                        raise
         finally:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
 
-    async def _relay_once(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool):
+    async def _relay_once(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool,
+                          use_session: bool = True):
         """The request's messages from worker: on the worker's session when it has one and the
-        request fits a session message, else on a Generate call of its own."""
-        timeout = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
-        attached = await worker.session.attach(self.pool.health_timeout_s)
+        request fits a session message (and use_session), else on a Generate call of its own."""
+        attached = await worker.session.attach(self.pool.health_timeout_s) if use_session else None
+        if self.cancelled:  # aborted while the session opened: nothing was sent
+            if attached is not None:
+                attached[0].detach(attached[1])
+            yield cancelled_output(request.request_id)
+            return
         if attached is not None:
             session, tag, inbox = attached
-            if session.submit(tag, request, self.client, split, timeout):
+            if session.submit(tag, request, self.client, split, self.deadline):
                 self.cut = lambda: session.cut(tag, inbox)
                 messages = streamed_outputs(inbox)
             else:
@@ -107,18 +121,23 @@ class Route:
                 attached = None
         if attached is None:
             metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
+            timeout = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
             call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
             self.cut = call.cancel
             messages = call
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(worker))
-        finished = False
+        # The worker ended the request (its last message, or an error status): nothing to stop there.
+        ended = False
         try:
-            async with closing(messages) as messages:
-                async for msg in messages:
+            async with closing(messages) as outputs:
+                async for msg in outputs:
                     self._last_message_at = time.monotonic()
-                    finished = msg.finished
+                    ended = msg.finished
                     yield msg
+        except grpc.aio.AioRpcError:
+            ended = True
+            raise
         except asyncio.CancelledError:
             if watchdog.done() and not watchdog.cancelled() and watchdog.result():
                 raise WorkerStalledError(worker) from None
@@ -127,7 +146,7 @@ class Route:
             yield cancelled_output(request.request_id)  # Abort cut the relay
         finally:
             watchdog.cancel()
-            if not finished:
+            if not ended:
                 # A request whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.
                 self.cut()

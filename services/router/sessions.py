@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 import grpc
 
-from tandem.router.inbox import CUT, ENDED, Inbox, failure_error, stream_failure
+from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.sessions")
 
-# Seconds after a failed open before the next try (meanwhile requests get calls of their own).
+# Seconds after a failed open before the next try (meanwhile requests get calls of their own),
+# and after a worker answered that it has no Session.
 RETRY_OPEN_S = 1.0
+RETRY_UNSUPPORTED_S = 60.0
 # Largest SessionRequest the router writes (and largest request it submits on a session),
 # within what the worker accepts: a bigger request gets a call of its own, whose cost is small
 # beside its prompt's.
 MAX_MESSAGE_BYTES = 64 << 10
 # A submit's bytes in a SessionRequest beyond its own: the field's tag and length (< 64 KiB).
 _ENTRY_OVERHEAD = 4
+# A cancel's most bytes in a SessionRequest (a packed 64-bit varint), and the packed field's header.
+_CANCEL_BYTES, _CANCELS_HEADER = 10, 4
+# Requests a session runs at once, when the worker does not say (worker/sessions.py's bound).
+DEFAULT_MAX_REQUESTS = 4096
 
 
 class OpenSession:
@@ -33,17 +40,20 @@ class OpenSession:
     the reader and writer tasks."""
 
     def __init__(self, call, stream_id: str, on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_requests: int = DEFAULT_MAX_REQUESTS):
         self.call = call
         self.stream_id = stream_id
         # Called with an output whose relay is over (a cancelled or failed request's stragglers).
         self.on_orphan = on_orphan
         self.max_message_bytes = max_message_bytes
+        self.max_requests = max_requests
         self.inboxes: dict[int, Inbox] = {}
         self.failure: tuple[grpc.StatusCode, str] | None = None
         self._next_tag = 0
-        # Not written yet: submits by tag (a cancel of one of them just drops it) and cancels.
-        self._submits: dict[int, worker_pb2.SessionSubmit] = {}
+        # Not written yet: submits by tag, with their size and deadline (time.monotonic(); their
+        # timeout_s is what is left of it when written), and cancels. A cancel of a submit not
+        # written yet just drops it.
+        self._submits: dict[int, tuple[worker_pb2.SessionSubmit, int, float | None]] = {}
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
@@ -51,22 +61,24 @@ class OpenSession:
 
     def attach(self) -> tuple[int, Inbox] | None:
         """A tag and its inbox; None once the session has failed (its failure was sent to the
-        inboxes it had: a new one would never hear of it)."""
-        if self.failure is not None:
+        inboxes it had: a new one would never hear of it) or runs the most requests the worker
+        takes on it."""
+        if self.failure is not None or len(self.inboxes) >= self.max_requests:
             return None
         self._next_tag += 1
         inbox = self.inboxes[self._next_tag] = Inbox()
         return self._next_tag, inbox
 
     def submit(self, tag: int, request: llm_pb2.GenerateRequest, client: str, split: bool,
-               timeout_s: float | None) -> bool:
+               deadline: float | None) -> bool:
         """Queues the request of tag for the worker; False (nothing queued) when it is too large
-        for a session message: it needs a call of its own."""
+        for a session message: it needs a call of its own. deadline: time.monotonic(), or None."""
         submit = worker_pb2.SessionSubmit(tag=tag, request=request, client=client, split=split,
-                                          timeout_s=timeout_s or 0.0)
-        if submit.ByteSize() + _ENTRY_OVERHEAD > self.max_message_bytes:
+                                          timeout_s=1.0 if deadline is not None else 0.0)
+        size = submit.ByteSize() + _ENTRY_OVERHEAD
+        if size + _CANCELS_HEADER > self.max_message_bytes:
             return False
-        self._submits[tag] = submit
+        self._submits[tag] = (submit, size, deadline)
         self._wake.set()
         return True
 
@@ -98,16 +110,21 @@ class OpenSession:
             log.info("session %s: writing stopped (%s)", self.stream_id, exc)
 
     def _next_message(self) -> worker_pb2.SessionRequest:
-        message = worker_pb2.SessionRequest(cancels=self._cancels)
-        self._cancels = []
-        size = message.ByteSize()
-        for tag in list(self._submits):
-            submit = self._submits[tag]
-            grows = submit.ByteSize() + _ENTRY_OVERHEAD
-            if message.submits and size + grows > self.max_message_bytes:
+        """What is waiting, as much as fits under the worker's bound: cancels first, then submits
+        in order (each fits alone: submit() checked it)."""
+        room = self.max_message_bytes - _CANCELS_HEADER
+        num_cancels = min(len(self._cancels), room // _CANCEL_BYTES)
+        message = worker_pb2.SessionRequest(cancels=self._cancels[:num_cancels])
+        del self._cancels[:num_cancels]
+        room -= num_cancels * _CANCEL_BYTES
+        now = time.monotonic()
+        for tag, (submit, size, deadline) in list(self._submits.items()):
+            if size > room:
                 break
+            if deadline is not None:  # what is left of it now, not when the request was queued
+                submit.timeout_s = max(1e-3, deadline - now)
             message.submits.append(submit)
-            size += grows
+            room -= size
             del self._submits[tag]
         return message
 
@@ -135,7 +152,7 @@ class OpenSession:
         except asyncio.CancelledError:
             failure = (grpc.StatusCode.UNAVAILABLE, "the router closed the session")
             raise
-        except Exception as exc:  # noqa: BLE001 - a bad batch ends the session; its requests fail over
+        except Exception as exc:  # noqa: BLE001 - a bad batch ends the session (its requests move on)
             log.exception("session %s failed", self.stream_id)
             failure = (grpc.StatusCode.INTERNAL, f"the session broke: {exc}")
         finally:
@@ -144,7 +161,7 @@ class OpenSession:
             self.call.cancel()  # the worker's side ends too, whatever ended ours
             log.info("session %s ended: %s %s", self.stream_id, failure[0].name, failure[1])
             for inbox in inboxes.values():
-                inbox.put(stream_failure(*failure))
+                inbox.put(SessionBroken(*failure))
 
     def _deliver(self, inbox: Inbox | None, output: types_pb2.RequestOutput) -> None:
         if inbox is not None:
@@ -186,14 +203,10 @@ class WorkerSession:
         self._opening: asyncio.Task | None = None
         # After a failed open, requests get calls of their own until then (loop time).
         self._retry_at = 0.0
-        # The worker has no Session (an older version): its requests get calls of their own.
-        self.unsupported = False
 
     async def attach(self, timeout: float) -> tuple[OpenSession, int, Inbox] | None:
         """(session, tag, inbox) for one request, or None when the worker's session cannot be had
         (the request then gets a call of its own, as any caller's)."""
-        if self.unsupported:
-            return None
         session = self._session
         if session is None or session.failure is not None:
             if asyncio.get_running_loop().time() < self._retry_at:
@@ -204,7 +217,7 @@ class WorkerSession:
             if session is None:
                 return None
         attached = session.attach()
-        if attached is None:  # it failed meanwhile: this request gets a call of its own
+        if attached is None:  # it failed meanwhile, or is full: this request gets a call of its own
             return None
         tag, inbox = attached
         return session, tag, inbox
@@ -221,18 +234,23 @@ class WorkerSession:
             first = await asyncio.wait_for(call.read(), timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             call.cancel()
-            self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                self.unsupported = True
+            # A worker without Session (an older version) is asked again only now and then: it
+            # may have been upgraded in place meanwhile.
+            unsupported = isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNIMPLEMENTED
+            self._retry_at = asyncio.get_running_loop().time() + (RETRY_UNSUPPORTED_S if unsupported else RETRY_OPEN_S)
             log.info("no session with %s (%s); its requests get calls of their own", self._address,
                      exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
             return None
+        except BaseException:  # cancelled while it opened: the call goes with it
+            call.cancel()
+            raise
         if first is grpc.aio.EOF or not first.stream_id:
             call.cancel()
             self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
             return None
         max_bytes = min(MAX_MESSAGE_BYTES, first.max_request_bytes or MAX_MESSAGE_BYTES)
-        self._session = OpenSession(call, first.stream_id, self._on_orphan, max_bytes)
+        self._session = OpenSession(call, first.stream_id, self._on_orphan, max_bytes,
+                                    first.max_requests or DEFAULT_MAX_REQUESTS)
         return self._session
 
     def close(self) -> None:

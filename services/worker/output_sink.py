@@ -1,6 +1,6 @@
-"""The fast path of a Generate whose outputs go to an output stream (the router's calls): each
-engine output becomes its message and joins the stream's next batch right where the engine
-core hands it over, on the event loop, without waking the request's coroutine.
+"""The fast path of a Generate that came on a session (the router's requests): each engine
+output becomes its message and joins the session's next batch right where the engine core
+hands it over, on the event loop, without waking the request's coroutine.
 
 The usual path puts every output on the request's queue, wakes its coroutine, and passes the
 message through a chain of async generators (the request's, the text front's, two metric
@@ -44,7 +44,7 @@ class OutputSink:
         self._first = True
         self._finished = False
         # Messages pushed and not yet written, and an error that ends the request once they are
-        # (its call's status must not overtake them: the caller would drop their tokens).
+        # (its status must not overtake them: the caller would drop their tokens).
         self._num_unwritten = 0
         self._error: BaseException | None = None
 
@@ -86,7 +86,7 @@ class OutputSink:
             self._finished = msg.finished
             self.stream.push(self.tag, msg, self._written_callback(msg.finished))
             self._num_unwritten += 1
-        except BaseException as exc:  # noqa: BLE001 - ends the request's call with its status
+        except BaseException as exc:  # noqa: BLE001 - ends the request with its status
             self._finished = True
             self._error = exc
             if not self._num_unwritten:

@@ -25,11 +25,11 @@ class OutputStream:
     whatever is pending as one message whenever it can: while the caller reads slowly, the
     batches grow (fewer, larger messages when the caller lags)."""
 
-    def __init__(self, owner: str, max_request_bytes: int = 0):
+    def __init__(self, max_request_bytes: int = 0, max_requests: int = 0):
         self.stream_id = uuid.uuid4().hex
-        # What the session's caller may send in one message (told in the first batch).
+        # What the session's caller may send in one message and run at once (told in the first batch).
         self.max_request_bytes = max_request_bytes
-        self.owner = owner
+        self.max_requests = max_requests
         self._tags: list[int] = []
         self._outputs: list[types_pb2.RequestOutput] = []
         # Per entry of _tags: -1 (a full message, in _outputs) or a lone token (push_token).
@@ -77,11 +77,13 @@ class OutputStream:
         self._callbacks.append(on_written)
         self._wake.set()
 
-    def fail(self, tag: int, code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0) -> None:
-        """The request of tag ended with an error status (after whatever it pushed before)."""
+    def fail(self, tag: int, code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0,
+             refused: bool = False) -> None:
+        """The request of tag ended with an error status (after whatever it pushed before);
+        refused: it never started (the caller may send it again elsewhere)."""
         if self._error is None:
             self._failed.append(worker_pb2.SessionFailure(tag=tag, code=code.value[0], details=details,
-                                                          retry_pushback_ms=retry_pushback_ms))
+                                                          retry_pushback_ms=retry_pushback_ms, refused=refused))
             self._wake.set()
 
     def finish(self) -> None:
@@ -105,7 +107,8 @@ class OutputStream:
     async def batches(self):
         """The Session call's messages: the stream id, then a batch whenever outputs are pending,
         until the stream closes (or finishes)."""
-        yield worker_pb2.OutputBatch(stream_id=self.stream_id, max_request_bytes=self.max_request_bytes)
+        yield worker_pb2.OutputBatch(stream_id=self.stream_id, max_request_bytes=self.max_request_bytes,
+                                     max_requests=self.max_requests)
         try:
             while True:
                 await self._wake.wait()

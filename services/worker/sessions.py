@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Awaitable, Callable
 
 import grpc
@@ -33,8 +34,11 @@ log = logging.getLogger("tandem.worker.sessions")
 
 # Sessions one worker serves at once (one per router is the usual number).
 MAX_SESSIONS = 64
-# Requests one session may run at once; past it a submit fails with RESOURCE_EXHAUSTED.
+# Requests one session may run at once (told in its first message); past it a submit is refused
+# (RESOURCE_EXHAUSTED, SessionFailure.refused: the router sends it on a call of its own instead).
 MAX_REQUESTS_PER_SESSION = 4096
+# Cancels one message may carry (the router's, under 64 KiB, carry fewer than 7,000).
+MAX_CANCELS_PER_MESSAGE = 65536
 # The method a session's requests count under (tandem:grpc_server_handled): they are Generates.
 GENERATE_METHOD = "/tandem.v1.AsyncLLM/Generate"
 
@@ -48,7 +52,7 @@ class Session:
     def __init__(self, owner: str, run: RunSubmitted, in_flight: InFlightCalls, count: CountStatus,
                  max_request_bytes: int):
         self.owner = owner
-        self.stream = OutputStream(owner, max_request_bytes)
+        self.stream = OutputStream(max_request_bytes, MAX_REQUESTS_PER_SESSION)
         self._run = run
         self._in_flight = in_flight
         self._count = count
@@ -60,6 +64,11 @@ class Session:
         async for message in requests:
             if isinstance(message, MalformedRequest):
                 raise invalid(f"Session: a message is not a valid SessionRequest ({message.error})")
+            # Bounded before any work: a message's entries are handled in one turn of the loop.
+            if len(message.submits) > MAX_REQUESTS_PER_SESSION or len(message.cancels) > MAX_CANCELS_PER_MESSAGE:
+                raise invalid(f"Session: a message carries {len(message.submits)} submits and "
+                              f"{len(message.cancels)} cancels (at most {MAX_REQUESTS_PER_SESSION} and "
+                              f"{MAX_CANCELS_PER_MESSAGE})")
             for submit in message.submits:
                 self._start(submit)
             for tag in message.cancels:
@@ -77,28 +86,44 @@ class Session:
             # the session ends (INVALID_ARGUMENT) with every request on it.
             raise invalid(f"Session: tag {tag} is already running on this session; tags must be unique")
         if len(self.tasks) >= MAX_REQUESTS_PER_SESSION:
+            # Nothing ran: the caller may send it again, on a call of its own (the router does).
             self._refuse(tag, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"{len(self.tasks)} requests run on this session (at most "
-                                       f"{MAX_REQUESTS_PER_SESSION}); wait for some to end"))
-        elif submit.timeout_s < 0:
-            self._refuse(tag, invalid(f"timeout_s must be >= 0 (0: none), got {submit.timeout_s}"))
+                                       f"{MAX_REQUESTS_PER_SESSION}); wait for some to end"), refused=True)
+        elif not math.isfinite(submit.timeout_s) or submit.timeout_s < 0:
+            self._refuse(tag, invalid(f"timeout_s must be a number of seconds >= 0 (0: none), got {submit.timeout_s}"))
         else:
-            self.tasks[tag] = asyncio.create_task(self._serve(submit))
+            self._in_flight.count += 1
+            task = self.tasks[tag] = asyncio.create_task(self._serve(submit))
+            # Bookkeeping in a done callback, not in _serve: a task cancelled before its first
+            # step (a cancel in the same message as its submit) never runs _serve's finally.
+            task.add_done_callback(lambda done: self._ended(tag, done))
 
-    def _refuse(self, tag: int, exc: RpcError) -> None:
-        self.stream.fail(tag, exc.code, exc.message)
+    def _refuse(self, tag: int, exc: RpcError, refused: bool = False) -> None:
+        self.stream.fail(tag, exc.code, exc.message, refused=refused)
         self._count(GENERATE_METHOD, exc.code)
 
-    async def _serve(self, submit: worker_pb2.SessionSubmit) -> None:
-        """Runs one request to its end; what ends it in error goes on the stream as its status."""
-        code = grpc.StatusCode.OK
-        self._in_flight.count += 1
+    def _ended(self, tag: int, task: asyncio.Task) -> None:
+        self._in_flight.count -= 1
+        if self.tasks.get(tag) is task:
+            del self.tasks[tag]
+        if task.cancelled():
+            code = grpc.StatusCode.CANCELLED
+        elif task.exception() is not None:  # not an Exception (those are statuses): the process is going down
+            code = grpc.StatusCode.UNKNOWN
+        else:
+            code = task.result()
+        self._count(GENERATE_METHOD, code)
+
+    async def _serve(self, submit: worker_pb2.SessionSubmit) -> grpc.StatusCode:
+        """Runs one request to its end; what ends it in error goes on the stream as its status.
+        Returns the status code it ended with."""
         deadline = asyncio.timeout(submit.timeout_s or None)
         try:
             async with deadline:
                 await self._run(submit, self.stream, self.owner)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED  # the caller cancelled it, or the session ended
+            return grpc.StatusCode.CANCELLED  # the caller cancelled it, or the session ended
         except Exception as exc:  # noqa: BLE001 - every failure becomes the request's status
             if isinstance(exc, TimeoutError) and deadline.expired():
                 exc = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -107,10 +132,8 @@ class Session:
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("a session request failed", exc_info=exc)
             self.stream.fail(submit.tag, code, details, retry_pushback_ms(exc) or 0)
-        finally:
-            self._in_flight.count -= 1
-            self.tasks.pop(submit.tag, None)
-            self._count(GENERATE_METHOD, code)
+            return code
+        return grpc.StatusCode.OK
 
     def close(self) -> None:
         """The call is over: its requests stop (each aborts in the engine), its stream fails what is unwritten."""
@@ -163,7 +186,3 @@ class Sessions:
     def _close(self, session: Session) -> None:
         self._open.pop(session.stream.stream_id, None)
         session.close()
-
-    def close_all(self) -> None:
-        for session in list(self._open.values()):
-            self._close(session)

@@ -43,19 +43,21 @@ class SessionSubmit(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_llm_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionFailure(_message.Message):
-    __slots__ = ("tag", "code", "details", "retry_pushback_ms")
+    __slots__ = ("tag", "code", "details", "retry_pushback_ms", "refused")
     TAG_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     RETRY_PUSHBACK_MS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     tag: int
     code: int
     details: str
     retry_pushback_ms: int
-    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ...) -> None: ...
+    refused: bool
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs", "failed", "max_request_bytes")
+    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs", "failed", "max_request_bytes", "max_requests")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class OutputBatch(_message.Message):
     CUMULATIVE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     tags: _containers.RepeatedScalarFieldContainer[int]
     outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.RequestOutput]
@@ -72,7 +75,8 @@ class OutputBatch(_message.Message):
     cumulative_logprobs: _containers.RepeatedScalarFieldContainer[float]
     failed: _containers.RepeatedCompositeFieldContainer[SessionFailure]
     max_request_bytes: int
-    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    max_requests: int
+    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerStateRequest(_message.Message):
     __slots__ = ()
