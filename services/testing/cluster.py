@@ -33,6 +33,10 @@ _RUNNING: dict[str, "LocalCluster"] = {}
 # be taken by some connection before the service binds it (a server then fails with EADDRINUSE).
 _LOWEST_PICKED_PORT = 10000
 _port_rng = random.Random()  # seeded from the OS: concurrent test runs pick apart
+# Ports this process handed out. A cluster picks all its ports before any service binds one, and
+# a port free now is free for the next pick too: without this, two services of one cluster got
+# the same port now and then (one exited with EADDRINUSE; seen in CI, 2026-12-04).
+_handed_out: set[int] = set()
 
 
 def _ephemeral_low() -> int:
@@ -47,15 +51,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     high = _ephemeral_low()
     for _ in range(100 if high - _LOWEST_PICKED_PORT >= 1000 else 0):
         port = _port_rng.randrange(_LOWEST_PICKED_PORT, high)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 @dataclass
