@@ -2,8 +2,8 @@
 worker carries every Generate the router runs there, in (SessionRequest: submits and cancels,
 batched while the stream is busy) and out (OutputBatch: their outputs, a batch per engine step,
 and each request's end or error status). Route.relay reads a request's outputs from the inbox
-(inbox.py) its tag names here; a request too large for a session message, or a worker without sessions,
-gets a Generate call of its own.
+(inbox.py) its tag names here; a request too large for a session message, or a worker without
+sessions, gets a Generate call of its own.
 """
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ class OpenSession:
                deadline: float | None) -> bool:
         """Queues the request of tag for the worker; False (nothing queued) when it is too large
         for a session message: it needs a call of its own. deadline: time.monotonic(), or None."""
+        # timeout_s is set when the submit is written (what is left of the deadline then); a
+        # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(tag=tag, request=request, client=client, split=split,
                                           timeout_s=1.0 if deadline is not None else 0.0)
         size = submit.ByteSize() + _ENTRY_OVERHEAD

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
@@ -42,16 +43,10 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         tracker, text_request, adapter, guide = await self._prepare(request)
         client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
-        worker_request = self._start(text_request.engine_request, caller_of(context), client, adapter, guide)
-        self.requests[worker_request.request_id] = worker_request
-        try:
-            messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
-            async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
+        with self._running(text_request.engine_request, caller_of(context), client, adapter, guide) as worker_request:
+            async for msg in self._messages(text_request, tracker, worker_request):
                 yield msg
                 worker_request.delivered()
-        finally:
-            self.requests.pop(worker_request.request_id, None)
-            worker_request.close()
 
     async def run_submitted(self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str) -> None:
         """A Generate that came on a session (sessions.py), run as its call would run: its outputs
@@ -61,28 +56,23 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         tag = submit.tag
         if takes_fast_path(text_request):
             sink = OutputSink(text_request, tracker, stream, tag)
-            worker_request = self._start(text_request.engine_request, owner, client, adapter, guide, sink)
-            self.requests[worker_request.request_id] = worker_request
-            try:
+            with self._running(text_request.engine_request, owner, client, adapter, guide, sink):
                 await sink.wait()  # each output went out as the engine handed it over
-            finally:
-                self.requests.pop(worker_request.request_id, None)
-                worker_request.close()
             return
-        worker_request = self._start(text_request.engine_request, owner, client, adapter, guide)
-        self.requests[worker_request.request_id] = worker_request
-        try:
-            messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+        with self._running(text_request.engine_request, owner, client, adapter, guide) as worker_request:
             ended = False
-            async for msg in tracker.delivered(messages, len(worker_request.prompt_token_ids)):
+            async for msg in self._messages(text_request, tracker, worker_request):
                 ended = msg.finished
                 await stream.send(tag, msg)
                 worker_request.delivered()
             if not ended:
                 stream.end(tag)
-        finally:
-            self.requests.pop(worker_request.request_id, None)
-            worker_request.close()
+
+    @staticmethod
+    def _messages(text_request, tracker, worker_request: WorkerRequest):
+        """A running request's messages as its caller gets them (the usual path: text front and metrics)."""
+        messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+        return tracker.delivered(messages, len(worker_request.prompt_token_ids))
 
     async def _prepare(self, request: llm_pb2.GenerateRequest):
         """What every Generate does before it starts: refused while paused, checked, its text
@@ -95,6 +85,19 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         adapter = await rt.load_adapter(text_request.engine_request)
         guide = await self.guides.compile(request.sampling_params)
         return tracker, text_request, adapter, guide
+
+    @contextlib.contextmanager
+    def _running(self, request: llm_pb2.GenerateRequest, owner: str, client: str | None, adapter=None, guide=None,
+                 sink: OutputSink | None = None):
+        """The started request (_start), known by its id (Abort, StopSequences) until the block
+        is left, then closed (aborted in the engine if it still runs)."""
+        worker_request = self._start(request, owner, client, adapter, guide, sink)
+        self.requests[worker_request.request_id] = worker_request
+        try:
+            yield worker_request
+        finally:
+            self.requests.pop(worker_request.request_id, None)
+            worker_request.close()
 
     def _start(self, request: llm_pb2.GenerateRequest, owner: str, client: str | None, adapter=None, guide=None,
                sink: OutputSink | None = None) -> WorkerRequest:

@@ -172,8 +172,12 @@ class Sessions:
         if context is not None:
             context.add_done_callback(lambda _: self._close(session))
         reader = asyncio.create_task(session.read(requests))
-        reader.add_done_callback(lambda task: task.cancelled() or task.exception() is None
-                                 or session.stream.close())
+
+        def read_failed(task: asyncio.Task) -> None:
+            """A broken caller (a bad message, a tag twice): the stream ends; its error is the call's status."""
+            if not task.cancelled() and task.exception() is not None:
+                session.stream.close()
+        reader.add_done_callback(read_failed)
         try:
             async for batch in session.stream.batches():
                 yield batch
