@@ -20,9 +20,10 @@ class ClusterCredentials:
     cluster_token: str | None = None
     admin_token: str | None = None
 
-    def open(self, target: str) -> grpc.aio.Channel:
-        """An asyncio channel to another tandem process (TLS when configured); stub() adds the tokens."""
-        options = CHANNEL_OPTIONS + (self.tls.channel_options() if self.tls else [])
+    def open(self, target: str, options: list[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        """An asyncio channel to another tandem process (TLS when configured), with gRPC channel
+        options on top of tandem's; stub() adds the tokens."""
+        options = CHANNEL_OPTIONS + (self.tls.channel_options() if self.tls else []) + list(options)
         if self.tls is None:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, self.tls.channel_credentials(), options=options)
