@@ -12,6 +12,10 @@ the router process): tokens relayed per router CPU-second = streamed tokens/s pe
     python bench/router.py --streams 64 --tokens 512
     python bench/router.py --stream-interval 4  # also a router that sends >= 4 tokens a message
 
+This is the router's CPU per token at a load the router keeps up with (it is woken once per
+engine step). What one router core carries when it is the bottleneck (it then merges each
+request's backlog into fewer messages) is bench/router_capacity.py's measure.
+
 With --stream-interval N > 1 a second router (`--stream-interval N`) streams the same workload:
 the same tokens in about N times fewer messages to the clients.
 """
@@ -123,14 +127,15 @@ async def main(args) -> None:
     print(f"{'':10}{'tokens':>8}{'msgs':>8}{'wall s':>8}{'tok/s':>9}{'router cpu s':>14}{'tok/router-core-s':>19}")
     for name, (num_tokens, num_messages, seconds, cpu) in results.items():
         routed = name != "direct"
-        per_core = f"{num_tokens / cpu:19,.0f}" if routed else f"{'-':>19}"
+        per_core = f"{num_tokens / cpu:19,.0f}" if routed and cpu > 0 else f"{'-':>19}"
         print(f"{name:10}{num_tokens:8d}{num_messages:8d}{seconds:8.2f}{num_tokens / seconds:9,.0f}"
               f"{cpu if routed else 0:14.2f}{per_core}")
     if args.stream_interval > 1:
         print(f"({interval_name}: a router with --stream-interval {args.stream_interval}, >= "
               f"{args.stream_interval} tokens a message but the first and the last)")
     print(f"goal: >= {GOAL_TOKENS_PER_CORE:,} streamed tokens/s per router core (the wall rate is the "
-          f"worker's engine on this CPU; per core = tokens / router CPU seconds)")
+          f"worker's engine on this CPU; per core = tokens / router CPU seconds, at this load: the "
+          f"tokens/s a saturated core carries is bench/router_capacity.py's)")
     ratio = (results["router"][0] / results["router"][2]) / (results["direct"][0] / results["direct"][2])
     print(f"wall-clock rate through the router / direct: {ratio:.2f}")
 
