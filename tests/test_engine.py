@@ -51,6 +51,15 @@ def test_prompt_limits(model_dirs):
     assert engine.block_manager.num_free_blocks == 8
 
 
+def test_a_context_longer_than_the_model_positions_is_refused_at_start(model_dirs):
+    """The tiny Llama has 2048 positions: a longer max_model_len used to start and then fail a
+    long prompt mid-step (IndexError on the rotary table, INTERNAL to the client)."""
+    with pytest.raises(ValueError, match="max_position_embeddings .2048.: give --max-model-len 2048 or less"):
+        LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=2049))
+    assert LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8,
+                                  max_model_len=2048)).max_model_len == 2048
+
+
 def test_abort_frees_blocks(model_dirs):
     engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=32))
     engine.add_request("a", [1, 9, 10, 11, 12], SamplingOptions(max_tokens=50, ignore_eos=True))

@@ -60,6 +60,18 @@ def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp
             proc.kill()
 
 
+def test_a_worker_whose_model_cannot_load_exits_with_what_to_fix(model_dirs):
+    """The error comes after the server started (the model loads behind NOT_SERVING): the worker
+    says what to fix, exits 2, and stops its server on its loop (no finalizer noise after)."""
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "both", "--port", str(free_port()),
+                           "--model", str(model_dirs["llama"]), "--num-blocks", "16", "--max-model-len", "4096"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "give --max-model-len 2048 or less" in proc.stderr, proc.stderr[-2000:]
+    assert "listening on" in proc.stderr  # it did start serving first
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_shutdown_stops_the_cluster_and_the_cli_streams(model_dirs):
     cluster = LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"])
     with cluster:

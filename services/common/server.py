@@ -141,6 +141,11 @@ class GrpcServer:
         else:
             log.warning("stopping %s: drain %s with %d call(s) in flight", self.address,
                         "cut short" if self._force_stop.is_set() else "window over", self.in_flight.count)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops serving at once: the end of a drain, or of a start that failed after start()
+        (grpc.aio's server must stop on its loop, not in a finalizer once the loop is gone)."""
         await self.server.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)

@@ -100,7 +100,11 @@ class ModelRunner:
         self.weights_source = config.model_dir
         self.weights_version = 0
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len > limit:  # positions past it have no rotary table (an IndexError mid-request)
+            raise ValueError(f"max_model_len {config.max_model_len} is more than this model's max_position_embeddings "
+                             f"({limit}): give --max-model-len {limit} or less (0: the model's own)")
+        self.max_model_len = config.max_model_len or limit
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = self._allocate_kv_cache()
         max_num_seqs = config.max_num_seqs

@@ -52,5 +52,6 @@ async def serve_worker(config: WorkerConfig) -> None:
     finally:
         await llm_servicer.abort_all()
         await runtime.close()
+        await server.close()  # stopped already after a drain; still serving if the load failed
         metrics.close()
         unfreeze_heap()
