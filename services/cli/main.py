@@ -11,6 +11,7 @@ from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, r
 from tandem.cli.security_flags import (add_client_tls_flags, add_server_security_flags, add_tls_flags,
                                        client_tls_kwargs, tls_config)
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
+from tandem.common.server import DEFAULT_KEEPALIVE_SECONDS
 
 
 # Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
@@ -35,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     drain = argparse.ArgumentParser(add_help=False)
     drain.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
                        help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work")
+    drain.add_argument("--keepalive-seconds", type=float, default=DEFAULT_KEEPALIVE_SECONDS,
+                       help="ping each peer with calls open this often; one unanswered as long closes its "
+                            "connection and ends its calls (a peer gone without closing it; 0: no pings)")
     for role in ("prefill", "decode", "both"):
         p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[drain])
         p.add_argument("--host", default="127.0.0.1")
@@ -160,6 +164,7 @@ def _serve(args) -> int:
         from tandem.router.config import RouterConfig
         config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
                               admin_token=args.admin_token, drain_seconds=args.drain_seconds,
+                              keepalive_seconds=args.keepalive_seconds,
                               metrics_port=args.metrics_port,
                               cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
                               health_timeout_s=args.health_timeout, stream_progress_timeout_s=args.stream_progress_timeout,
@@ -178,7 +183,8 @@ def _serve(args) -> int:
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
-                          drain_seconds=args.drain_seconds, metrics_port=args.metrics_port,
+                          drain_seconds=args.drain_seconds, keepalive_seconds=args.keepalive_seconds,
+                          metrics_port=args.metrics_port,
                           cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
                           limits=request_limits(args))
     asyncio.run(serve_worker(config))

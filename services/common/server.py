@@ -37,6 +37,28 @@ CHANNEL_OPTIONS = [
 
 
 _DRAIN_POLL_S = 0.05
+# A server pings each peer that has calls open this often, and closes the connection when a ping
+# goes unanswered as long: a client, a router or a worker that vanished without closing its
+# connection (its node died, the network split, the process was stopped) otherwise holds its
+# calls open until TCP gives up, about 15 minutes, and a worker generates their tokens meanwhile
+# (a router that cannot write to a client holds the worker's writes back, worker/output_streams.py).
+DEFAULT_KEEPALIVE_SECONDS = 15.0
+MAX_KEEPALIVE_SECONDS = 3600.0
+
+
+def keepalive_options(seconds: float) -> list[tuple[str, int]]:
+    """A server's options for pings every `seconds` with calls open (none for 0). Pings go on
+    while the peer reads nothing (no data frame between them), which is when they matter. The
+    wait for the answer is grpc.http2.ping_timeout_ms's in this gRPC (1.84; a minute by default):
+    with keepalive_timeout_ms alone, a stopped client of a 1 s setting was cut after 5-15 s or
+    not at all, with both after 2.1 s (tests/test_keepalive.py)."""
+    if seconds <= 0:
+        return []
+    ms = max(1, int(seconds * 1000))
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.ping_timeout_ms", ms)]
+
+
 # After NOT_SERVING is set, how long at least before the server stops: the health Watch streams
 # need a turn of the loop (or a few, on a busy machine) to write NOT_SERVING before stop cancels them.
 _WATCH_FLUSH_S = 0.2
@@ -48,7 +70,7 @@ class GrpcServer:
     def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
                  policy: AccessPolicy = AccessPolicy(), readiness: Readiness | None = None,
                  metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None,
-                 max_request_bytes: int = MAX_MESSAGE_BYTES):
+                 max_request_bytes: int = MAX_MESSAGE_BYTES, keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS):
         """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
         grpc.health.v1 alone in plaintext there, for probes that speak no TLS (Kubernetes')."""
         if drain_seconds < 0:
@@ -61,7 +83,8 @@ class GrpcServer:
         # the status every other concern answers with.
         interceptors = [ServerCalls(policy, self.in_flight, readiness, metrics.rpc_counts if metrics else None)]
         # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
-        options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes})
+        options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes},
+                       **dict(keepalive_options(keepalive_seconds)))
         self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))
         # Names this process to health checkers (health.py) and in a worker's state: a process
         # runs one server, so one id per process life, a new one on each restart.

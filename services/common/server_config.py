@@ -7,6 +7,7 @@ import dataclasses
 from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.limits import RequestLimits
+from tandem.common.server import DEFAULT_KEEPALIVE_SECONDS, MAX_KEEPALIVE_SECONDS
 from tandem.common.tls import TlsConfig
 
 
@@ -18,6 +19,9 @@ class ServerConfig:
     admin_token: str | None = None
     # SIGTERM: seconds to finish in-flight requests (and KV handoffs) after health turns NOT_SERVING.
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    # Seconds between HTTP/2 pings to each peer with calls open; one unanswered that long closes
+    # the connection (a peer that vanished without closing it: its calls end, their work stops); 0: none.
+    keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
     # Prometheus metrics over HTTP at /metrics on host:metrics_port; 0: none.
     metrics_port: int = 0
     # The internal plane's credential: a worker given one refuses every tandem RPC without it (and
@@ -32,6 +36,9 @@ class ServerConfig:
     def __post_init__(self):
         if self.drain_seconds < 0:
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+        if not 0 <= self.keepalive_seconds <= MAX_KEEPALIVE_SECONDS:
+            raise ValueError(f"keepalive_seconds must be in [0, {MAX_KEEPALIVE_SECONDS}] (0: no pings), "
+                             f"got {self.keepalive_seconds}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port < 65536:

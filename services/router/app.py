@@ -46,6 +46,7 @@ async def serve_router(config: RouterConfig) -> None:
     metrics = RouterMetrics()
     server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
                         drain_seconds=config.drain_seconds, metrics=metrics,
+                        keepalive_seconds=config.keepalive_seconds,
                         policy=AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token),
                         tls=config.tls, health_port=config.health_port,
                         max_request_bytes=config.limits.max_request_bytes)

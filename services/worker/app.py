@@ -28,6 +28,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     metrics = WorkerMetrics(config.role, config.engine.model_dir)
     policy = AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token, internal=True)
     server = GrpcServer(config.host, config.port, SERVICE_NAMES, drain_seconds=config.drain_seconds, policy=policy,
+                        keepalive_seconds=config.keepalive_seconds,
                         tls=config.tls, health_port=config.health_port,
                         readiness=Readiness(ready.is_set, exempt=frozenset({"Setup", "Shutdown"})),
                         metrics=metrics, max_request_bytes=config.limits.max_request_bytes)
