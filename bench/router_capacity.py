@@ -12,7 +12,7 @@ CPU (1.0 = the whole core), tokens per message, and what it does to a stream's p
 per output token, TPOT), against clients of the worker itself at the same load.
 
     python bench/router_capacity.py                        # CUDA if there is one, else CPU
-    python bench/router_capacity.py --streams 64,256 --tokens 2000 --clients 8
+    python bench/router_capacity.py --streams 64,256 --tokens 1500 --clients 8
 
 On a 2-core machine the worker's engine (CPU) and the clients share the one other core, and the
 offered load stays below what the router's core carries; `--clients-on-router-cpu` puts the
@@ -118,6 +118,7 @@ def main(args) -> None:
     import torch
 
     from tandem.engine.checkpoints import tiny_model_dir
+    from tandem.engine.model_config import ModelConfig
     from tandem.testing.cluster import LocalCluster
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,9 +128,12 @@ def main(args) -> None:
     router_cpu, others = {all_cpus[-1]}, set(all_cpus[:-1])
     os.sched_setaffinity(0, others)  # this process and what it starts; the router is moved below
     max_streams = max(args.streams)
+    positions = ModelConfig.from_pretrained(str(tiny_model_dir())).max_position_embeddings
+    if not 1 <= args.tokens <= positions - 8:
+        raise SystemExit(f"--tokens must be in [1, {positions - 8}] (the tiny model has {positions} positions)")
     engine_args = ["--model", str(tiny_model_dir()), "--block-size", "16", "--max-num-seqs", str(max_streams),
                    "--num-blocks", str(max_streams * (args.tokens // 16 + 2) + 64), "--max-model-len",
-                   str(args.tokens + 64)]
+                   str(min(args.tokens + 64, positions))]
     rows = []
     with LocalCluster(roles=["both"], engine_args=engine_args, metrics=False,
                       worker_args={"both-1": ["--device", device]}) as cluster:

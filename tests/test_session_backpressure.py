@@ -4,34 +4,37 @@ fewer, larger batches (router/workers.py WORKER_CHANNEL_OPTIONS, worker/output_s
 
 A real gRPC server on loopback writes a session's batches with the worker's OutputStream, an
 engine step of lone tokens at a time as fast as it can; the reader opens its channel as the
-router opens a worker's and reads one batch per few milliseconds."""
+router opens a worker's and reads one batch per few milliseconds, and, for comparison in the same
+run, with gRPC's default channel."""
 from __future__ import annotations
 
 import asyncio
 import random
 
 import grpc
-import pytest
 
 from tandem.common.channels import ClusterCredentials
-from tandem.router.workers import WORKER_CHANNEL_OPTIONS
+from tandem.router import workers
+from tandem.router.workers import WORKER_CHANNEL_OPTIONS, WorkerPool
 from tandem.testing.cluster import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker.output_streams import OutputStream
 
-NUM_REQUESTS = 32
+NUM_REQUESTS, NUM_STEPS = 32, 3000  # ~400 bytes a step: ~1.2 MB of one-step batches
 
 
-async def _serve_steps(num_steps: int, produced: list[int]):
-    """A server whose Session streams num_steps engine steps (a lone token for each of NUM_REQUESTS
-    tags per step), pushed as fast as the writer takes them; produced[0] counts the steps pushed."""
+async def _serve_steps(produced: list[int]):
+    """A server whose every Session streams NUM_STEPS engine steps (a lone token for each of
+    NUM_REQUESTS tags per step), pushed as fast as the writer takes them; produced[0] counts the
+    steps pushed by the latest session."""
     rng = random.Random(0)
 
     async def session(request_iterator, context):
         stream = OutputStream()
+        produced[0] = 0
 
         async def engine():
-            for _ in range(num_steps):
+            for _ in range(NUM_STEPS):
                 for tag in range(NUM_REQUESTS):
                     stream.push_token(tag, rng.randrange(1 << 17), -rng.random(), lambda error: None)
                 produced[0] += 1
@@ -58,36 +61,57 @@ async def _serve_steps(num_steps: int, produced: list[int]):
     return server, f"127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_slow_reader_gets_the_backlog_merged_not_buffered(seed):
-    num_steps = 3000  # ~400 bytes a step: ~1.2 MB of one-step batches, ~70x the router's read-ahead
+async def _read_slowly(address: str, options, produced: list[int]) -> tuple[dict[int, int], int, int]:
+    """(tokens per tag, batches, most steps the worker was ahead of this reader)."""
+    channel = ClusterCredentials().open(address, options)
+    call = worker_pb2_grpc.WorkerStub(channel).Session()
+    tokens = {tag: 0 for tag in range(NUM_REQUESTS)}
+    num_batches = ahead = 0
+    rng = random.Random(0)
+    try:
+        assert (await call.read()).stream_id  # the first batch names the stream
+        while (batch := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
+            num_batches += 1
+            for tag in batch.tags:
+                tokens[tag] += 1
+            ahead = max(ahead, produced[0] - max(tokens.values()))
+            await asyncio.sleep(rng.uniform(0.002, 0.004))  # a saturated router's pace
+    finally:
+        await channel.close()
+    return tokens, num_batches, ahead
 
+
+def test_a_slow_reader_gets_the_backlog_merged_not_buffered():
     async def run():
         produced = [0]
-        server, address = await _serve_steps(num_steps, produced)
-        channel = ClusterCredentials().open(address, WORKER_CHANNEL_OPTIONS)
-        call = worker_pb2_grpc.WorkerStub(channel).Session()
-        tokens = {tag: 0 for tag in range(NUM_REQUESTS)}
-        num_batches, ahead = 0, []
-        rng = random.Random(seed)
+        server, address = await _serve_steps(produced)
         try:
-            assert (await call.read()).stream_id  # the first batch names the stream
-            while (batch := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
-                num_batches += 1
-                for tag in batch.tags:
-                    tokens[tag] += 1
-                # Steps the worker pushed that this reader has not read: what waits in the worker
-                # (merged) or in flight (at most the window).
-                ahead.append(produced[0] - max(tokens.values()))
-                await asyncio.sleep(rng.uniform(0.002, 0.004))  # a saturated router's pace
+            router = await _read_slowly(address, WORKER_CHANNEL_OPTIONS, produced)
+            default = await _read_slowly(address, (), produced)
         finally:
-            await channel.close()
             await server.stop(None)
-        return tokens, num_batches, ahead
+        return router, default
 
-    tokens, num_batches, ahead = asyncio.run(asyncio.wait_for(run(), 120))
-    assert tokens == {tag: num_steps for tag in range(NUM_REQUESTS)}, "every token arrives, in full"
-    # Held back, the worker merges them (25-28 batches here); with gRPC's default window the
-    # steps waited unread in the reader's buffer, one a batch (820-930 batches here).
-    assert num_batches < num_steps / 20, f"{num_batches} batches for {num_steps} steps: the backlog was not merged"
-    assert max(ahead) > 20, "the worker ran ahead of the reader (or the test measured nothing)"
+    (tokens, num_batches, ahead), (default_tokens, default_batches, _) = asyncio.run(asyncio.wait_for(run(), 120))
+    every = {tag: NUM_STEPS for tag in range(NUM_REQUESTS)}
+    assert tokens == every and default_tokens == every, "every token arrives, in full"
+    assert ahead > 20, "the worker ran ahead of the reader (or the test measured nothing)"
+    # Held back, the worker merges the steps (27-37 batches here); with gRPC's default window they
+    # waited unread in the reader's buffer, one or two a batch (1,100-2,000 batches here).
+    assert num_batches * 5 < default_batches, f"{num_batches} batches against {default_batches} with gRPC's window"
+
+
+def test_the_router_opens_its_worker_channels_with_the_read_ahead_bound():
+    opened = []
+
+    class Credentials(ClusterCredentials):
+        def open(self, target, options=()):
+            opened.append((target, list(options)))
+            return super().open(target, options)
+
+    async def run():
+        pool = WorkerPool(["127.0.0.1:1"], 1.0, Credentials())
+        await pool.close()
+
+    asyncio.run(run())
+    assert opened == [("127.0.0.1:1", workers.WORKER_CHANNEL_OPTIONS)]

@@ -11,7 +11,7 @@ from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, r
 from tandem.cli.security_flags import (add_client_tls_flags, add_server_security_flags, add_tls_flags,
                                        client_tls_kwargs, tls_config)
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
-from tandem.common.server import DEFAULT_KEEPALIVE_SECONDS
+from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
 
 
 # Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
@@ -33,14 +33,14 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
     serve_sub = serve.add_subparsers(dest="role", required=True)
-    drain = argparse.ArgumentParser(add_help=False)
-    drain.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
+    server_flags = argparse.ArgumentParser(add_help=False)  # every serve role's
+    server_flags.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
                        help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work")
-    drain.add_argument("--keepalive-seconds", type=float, default=DEFAULT_KEEPALIVE_SECONDS,
+    server_flags.add_argument("--keepalive-seconds", type=float, default=DEFAULT_KEEPALIVE_SECONDS,
                        help="ping each peer with calls open this often; one unanswered as long closes its "
-                            "connection and ends its calls (a peer gone without closing it; 0: no pings)")
+                            "connection and ends its calls (a peer gone without closing it); 0: no pings, else >= 1")
     for role in ("prefill", "decode", "both"):
-        p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[drain])
+        p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[server_flags])
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
         p.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         add_server_security_flags(p)
         add_engine_flags(p)
         add_limit_flags(p)
-    router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[drain])
+    router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[server_flags])
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", default="", help="comma-separated worker addresses host:port")

@@ -4,6 +4,7 @@ call site can forget them)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import grpc
 
@@ -20,7 +21,7 @@ class ClusterCredentials:
     cluster_token: str | None = None
     admin_token: str | None = None
 
-    def open(self, target: str, options: list[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    def open(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """An asyncio channel to another tandem process (TLS when configured), with gRPC channel
         options on top of tandem's; stub() adds the tokens."""
         options = CHANNEL_OPTIONS + (self.tls.channel_options() if self.tls else []) + list(options)

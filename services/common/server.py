@@ -17,6 +17,7 @@ from tandem.common.auth import AccessPolicy
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
 from tandem.common.health import InstanceHealthServicer
 from tandem.common.interceptors import Readiness
+from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS, keepalive_options
 from tandem.common.metrics import ProcessMetrics
 from tandem.common.server_calls import ServerCalls
 from tandem.common.tls import TlsConfig
@@ -37,28 +38,6 @@ CHANNEL_OPTIONS = [
 
 
 _DRAIN_POLL_S = 0.05
-# A server pings each peer that has calls open this often, and closes the connection when a ping
-# goes unanswered as long: a client, a router or a worker that vanished without closing its
-# connection (its node died, the network split, the process was stopped) otherwise holds its
-# calls open until TCP gives up, about 15 minutes, and a worker generates their tokens meanwhile
-# (a router that cannot write to a client holds the worker's writes back, worker/output_streams.py).
-DEFAULT_KEEPALIVE_SECONDS = 15.0
-MAX_KEEPALIVE_SECONDS = 3600.0
-
-
-def keepalive_options(seconds: float) -> list[tuple[str, int]]:
-    """A server's options for pings every `seconds` with calls open (none for 0). Pings go on
-    while the peer reads nothing (no data frame between them), which is when they matter. The
-    wait for the answer is grpc.http2.ping_timeout_ms's in this gRPC (1.84; a minute by default):
-    with keepalive_timeout_ms alone, a stopped client of a 1 s setting was cut after 5-15 s or
-    not at all, with both after 2.1 s (tests/test_keepalive.py)."""
-    if seconds <= 0:
-        return []
-    ms = max(1, int(seconds * 1000))
-    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.ping_timeout_ms", ms)]
-
-
 # After NOT_SERVING is set, how long at least before the server stops: the health Watch streams
 # need a turn of the loop (or a few, on a busy machine) to write NOT_SERVING before stop cancels them.
 _WATCH_FLUSH_S = 0.2

@@ -7,7 +7,7 @@ import dataclasses
 from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.limits import RequestLimits
-from tandem.common.server import DEFAULT_KEEPALIVE_SECONDS, MAX_KEEPALIVE_SECONDS
+from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS, check_keepalive
 from tandem.common.tls import TlsConfig
 
 
@@ -36,9 +36,7 @@ class ServerConfig:
     def __post_init__(self):
         if self.drain_seconds < 0:
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
-        if not 0 <= self.keepalive_seconds <= MAX_KEEPALIVE_SECONDS:
-            raise ValueError(f"keepalive_seconds must be in [0, {MAX_KEEPALIVE_SECONDS}] (0: no pings), "
-                             f"got {self.keepalive_seconds}")
+        check_keepalive(self.keepalive_seconds)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port < 65536:

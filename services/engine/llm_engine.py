@@ -80,7 +80,7 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_pool)

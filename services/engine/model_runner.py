@@ -64,6 +64,15 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def _check_context_length(model_config: ModelConfig, max_model_len: int) -> None:
+    """Positions past the model's have no rotary table: a longer context would start, then fail a
+    long prompt mid-step (an IndexError, INTERNAL to its client)."""
+    limit = model_config.max_position_embeddings
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} is more than this model's max_position_embeddings "
+                         f"({limit}): give --max-model-len {limit} or less (0: the model's own)")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, kv_share_path: str | None = None):
         """tp: this process's rank when it is a follower (tp_follower.py); rank 0 passes None and
@@ -74,11 +83,13 @@ class ModelRunner:
         self.followers: FollowerRanks | None = None
         # Rank 0's views of the followers' KV pools: its one NIXL agent registers them with its own.
         self.follower_pools: list[torch.Tensor] = []
-        if tp is None and config.tensor_parallel_size > 1:
-            # Refused here, before any rank starts, when the model does not split that way.
-            check_divisible(ModelConfig.from_pretrained(config.model_dir), config.tensor_parallel_size)
-            self.followers = FollowerRanks(config)
-            tp = self.followers.tp
+        if tp is None:  # what the model cannot do is refused here, before weights load or any rank starts
+            model_config = ModelConfig.from_pretrained(config.model_dir)
+            _check_context_length(model_config, config.max_model_len)
+            if config.tensor_parallel_size > 1:
+                check_divisible(model_config, config.tensor_parallel_size)
+                self.followers = FollowerRanks(config)
+                tp = self.followers.tp
         self.tp = tp or TensorParallel()
         try:
             self._build(config)
@@ -100,11 +111,7 @@ class ModelRunner:
         self.weights_source = config.model_dir
         self.weights_version = 0
         self.block_size = config.block_size
-        limit = self.model_config.max_position_embeddings
-        if config.max_model_len > limit:  # positions past it have no rotary table (an IndexError mid-request)
-            raise ValueError(f"max_model_len {config.max_model_len} is more than this model's max_position_embeddings "
-                             f"({limit}): give --max-model-len {limit} or less (0: the model's own)")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
         self.kv_cache = self._allocate_kv_cache()
         max_num_seqs = config.max_num_seqs

@@ -37,7 +37,7 @@ REMOVED_WORKER_GRACE_S = 600.0
 # one message. With the probe, the backlog waited unread in the router's receive buffer and went
 # out one token a message, later. bench/router_capacity.py on the H200 host, the router pinned
 # to one core, 256 streams: 27-28k tokens/s at 8 ms TPOT before, 39-44k at 5-5.6 ms with 16 KiB
-# (34-38k at 64 KiB). A message larger than the window still gets the window it needs.
+# (33-38k at 64 KiB). A message larger than the window still gets the window it needs.
 WORKER_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 << 10)]
 
 
