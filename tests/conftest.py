@@ -92,6 +92,17 @@ def assert_all_blocks_free(llm) -> None:
     assert not leaked, f"KV blocks not returned: {leaked}"
 
 
+@pytest.fixture
+def no_leaked_worker_blocks(cluster):
+    """After the test: every worker of the module's `cluster` (a LocalCluster) holds no KV block,
+    asked on the worker itself (a router's view of a worker may lag)."""
+    yield
+    from tandem.client import LLM
+    for worker in cluster.workers:
+        with LLM(worker.address, **cluster.worker_client_kwargs()) as llm:
+            assert_all_blocks_free(llm)
+
+
 class ImmediateEngineThread:
     """Stands in for EngineCore's queue in engine-level tests: applies a lease keeper's FreeBlocks
     at once, on the calling thread."""

@@ -13,7 +13,6 @@ import time
 import grpc
 import pytest
 
-from conftest import assert_all_blocks_free
 from tandem.client import LLM, SamplingParams
 from tandem.router import inbox as inboxes, sessions
 from tandem.testing.cluster import LocalCluster
@@ -30,13 +29,6 @@ def cluster(model_dirs):
     with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
                                                    "--block-size", "8"]) as c:
         yield c
-
-
-@pytest.fixture
-def no_leaked_blocks(cluster):
-    yield
-    with LLM(cluster.workers[0].address, **cluster.worker_client_kwargs()) as worker:
-        assert_all_blocks_free(worker)
 
 
 def _channel(cluster) -> grpc.aio.Channel:
@@ -120,7 +112,7 @@ async def _tokens_on_their_own_calls(cluster, requests) -> dict[str, list[int]]:
         return dict(zip((r.request_id for r in requests), await asyncio.gather(*map(one, requests))))
 
 
-def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster, no_leaked_blocks):
+def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster, no_leaked_worker_blocks):
     requests = [_request(i) for i in range(NUM_REQUESTS)]
 
     async def run():
@@ -147,7 +139,7 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster,
     assert num_lone == num_outputs - 2 * len(requests), (num_lone, num_outputs)
 
 
-def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(cluster, no_leaked_blocks):
+def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(cluster, no_leaked_worker_blocks):
     """Out of vocabulary, a negative or NaN timeout, a deadline that passes: each fails with the status
     and message its own call would get, after its outputs; the request beside them completes."""
     async def run():
@@ -176,7 +168,7 @@ def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(clus
         assert failed[tag].code == INVALID and "timeout_s must be a number of seconds >= 0" in failed[tag].details
 
 
-def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, no_leaked_blocks):
+def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, no_leaked_worker_blocks):
     """A cancel (the router's relay is over) stops the request at once: nothing more comes for
     it and its blocks are freed. An Abort from the session's own connection ends a request with
     finish_reason cancelled; from another connection it aborts nothing. A request of n=2 (the
@@ -223,7 +215,7 @@ def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, n
     assert state.num_active_requests == 0
 
 
-def test_closing_a_session_stops_its_requests(cluster, no_leaked_blocks):
+def test_closing_a_session_stops_its_requests(cluster, no_leaked_worker_blocks):
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
@@ -242,7 +234,7 @@ def test_closing_a_session_stops_its_requests(cluster, no_leaked_blocks):
     assert asyncio.run(run()).num_active_requests == 0
 
 
-def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessions_end(cluster, no_leaked_blocks):
+def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessions_end(cluster, no_leaked_worker_blocks):
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
@@ -255,7 +247,7 @@ def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessi
     assert sum(len(b.tags) for b in batches) > 0 and [t for b in batches for t in b.ended] == [1]
 
 
-def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(cluster, no_leaked_blocks):
+def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(cluster, no_leaked_worker_blocks):
     async def run():
         async with _channel(cluster) as channel:
             session = channel.stream_stream(SESSION, request_serializer=lambda raw: raw,
@@ -270,7 +262,7 @@ def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_a
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid SessionRequest" in error.details()
 
 
-def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_blocks):
+def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_worker_blocks):
     """Entries of two requests under one tag could not be told apart: a caller that does that is
     broken, and its session ends with every request on it."""
     async def run():
@@ -315,7 +307,7 @@ def test_sessions_are_bounded(cluster):
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6
 
 
-def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_blocks):
+def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_worker_blocks):
     """Through the router: every client stream gets its tokens (equal to the worker's own calls)
     while the router holds one session with the worker."""
     requests = [_request(50 + i) for i in range(NUM_REQUESTS)]
@@ -562,7 +554,7 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
     assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading its model" in error.details()
 
 
-def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(cluster, no_leaked_blocks):
+def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(cluster, no_leaked_worker_blocks):
     """The task is cancelled before its first step: it holds no tag, no drain count, and the
     session ends once the caller stops writing (the tag can be used again meanwhile)."""
     async def run():

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from conftest import assert_all_blocks_free
-from tandem.client import LLM, SamplingParams
+from tandem.client import SamplingParams
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import types_pb2
 
@@ -23,14 +22,7 @@ def cluster(model_dirs):
         yield c
 
 
-@pytest.fixture
-def no_leaked_blocks(cluster):
-    yield
-    with LLM(cluster.workers[0].address, **cluster.worker_client_kwargs()) as worker:
-        assert_all_blocks_free(worker)
-
-
-def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_leaked_blocks):
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_leaked_worker_blocks):
     """--stream-interval 4: the first message at once, then at least 4 new tokens a message, the
     last at once; the tokens, finish reasons and cumulative logprobs are those of interval 1."""
     from tandem.client import AsyncLLM

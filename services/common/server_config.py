@@ -6,8 +6,8 @@ import dataclasses
 
 from tandem.common.auth import MIN_CLUSTER_TOKEN_CHARS, check_token
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
-from tandem.common.limits import RequestLimits
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS, check_keepalive
+from tandem.common.limits import RequestLimits
 from tandem.common.tls import TlsConfig
 
 
