@@ -2,7 +2,9 @@
 # Issue 7's session on an H200 machine (the device tool), one GPU or more: the GPU engine tests,
 # bench/serve.py's table, kernel timings, and KV pulls (raw, and under GIL contention). Each part
 # has its own time limit so a failure costs only its part; outputs land in $OUT.
-# Usage there: [PARTS="tests fidelity lora gemv serve kernels pull"] bash bench/gpu_engine_session.sh [serve.py args...]
+# Usage there: [PARTS="tests fidelity lora gemv serve kernels pull pull1 split1"] bash bench/gpu_engine_session.sh [serve.py args...]
+# pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
+# split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -36,4 +38,19 @@ if has pull; then
     timeout "${TRANSFER_S:-60}" python3 bench/kv_transfer.py --device cuda --shape llama-3.1-8b --no-progress-thread --iters 10 2>&1 | grep -v NIXL | tee "$OUT/kv-transfer.txt"
   fi
   (cd bench && timeout "${PULL_S:-45}" python3 kv_pull_contention.py --device cuda --shape llama-3.1-8b --iters 10) 2>&1 | grep -v NIXL | tee "$OUT/kv-pull.txt"
+fi
+if has pull1; then  # one GPU: the transceiver's default (CUDA IPC get path on) beside UCX's own choice
+  for ipc in default auto; do
+    # UCX's own choice moves ~0.4 GB/s here: fewer samples, or the 8192-token row alone takes 30 s.
+    env_flag=$([ "$ipc" = auto ] && echo "--ucx-cuda-ipc-get auto")
+    iters=$([ "$ipc" = auto ] && echo "--iters 3 --warmup 1" || echo "--iters 10")
+    timeout "${PULL1_S:-60}" python3 bench/kv_transfer.py --device cuda --pair one-gpu --shape llama-3.1-8b \
+      --no-progress-thread $iters $env_flag 2>&1 | grep -v NIXL | tee "$OUT/kv-transfer-1gpu-$ipc.txt"
+    (cd bench && timeout "${PULL1_S:-60}" python3 kv_pull_contention.py --device cuda --shape llama-3.1-8b \
+      --iters $([ "$ipc" = auto ] && echo 4 || echo 10) $env_flag) 2>&1 | grep -v NIXL | tee "$OUT/kv-pull-1gpu-$ipc.txt"
+  done
+fi
+if has split1; then
+  timeout "${SPLIT1_S:-420}" python3 bench/split_one_gpu.py ${SPLIT1_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" \
+    | tee "$OUT/split-one-gpu.txt" | tail -25
 fi

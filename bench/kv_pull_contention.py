@@ -10,6 +10,10 @@ separate those costs:
 
     python bench/kv_pull_contention.py                                   # CPU, small shape
     python bench/kv_pull_contention.py --device cuda --shape llama-3.1-8b   # one GPU, 1024 tokens
+    python bench/kv_pull_contention.py --device cuda --shape llama-3.1-8b --ucx-cuda-ipc-get auto  # UCX's choice
+
+--ucx-cuda-ipc-get sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (unset: tandem's default,
+y for GPU pools, kvtransfer/ucx_env.py; auto: UCX's own, which on one GPU goes over loopback TCP).
 
 engine profiles (GIL held / released per step): "eager" 25 / 8 ms is the engine before CUDA
 graphs (21-32 ms of Python per 8 ms step); "graphs" 0.5 / 4 ms is a replayed decode step.
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import math
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -136,7 +141,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--ucx-cuda-ipc-get", choices=("y", "n", "auto"), default=None,
+                        help="UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (default: unset, tandem's default)")
     args = parser.parse_args()
+    if args.ucx_cuda_ipc_get:
+        os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = args.ucx_cuda_ipc_get  # the spawned prefill inherits it
     shape = SHAPES[args.shape]
     num_blocks = math.ceil(args.tokens / shape.block_size)
     # Both pools on one GPU when there is one GPU (the split runs so on a one-GPU machine).
@@ -157,7 +166,9 @@ def main() -> None:
     block_ids = list(range(num_blocks))
     nbytes = num_blocks * shape.block_nbytes
     print(f"# KV pull of {args.tokens} tokens ({nbytes / 2**20:.0f} MiB, {args.shape}), {prefill_device} -> "
-          f"{decode_device}, no progress threads, median / p90 of {args.iters} after 3 warm-up")
+          f"{decode_device}, no progress threads, UCX_CUDA_IPC_ENABLE_GET_ZCOPY "
+          f"{os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', 'unset')} before the agents, median / p90 of "
+          f"{args.iters} after 3 warm-up")
     print(f"{'decode engine':<14}{'prefill engine':<16}{'both poll from':<16}{'median ms':>10}{'p90 ms':>9}")
     cases = [("idle", "idle", "asyncio"), ("eager", "idle", "asyncio"), ("idle", "eager", "asyncio"),
              ("eager", "eager", "asyncio"), ("graphs", "graphs", "asyncio"), ("eager", "eager", "a thread")]

@@ -3,12 +3,17 @@
 A spawned prefill process owns the source pool; this process is the decode
 reader. For each prompt length it times read_blocks()+wait() (median of --iters
 after --warmup) and, in the same run, a plain torch copy of the same number of
-bytes: memcpy between two CPU tensors, or cuda:0 -> cuda:1 with --device cuda.
-That copy is the roofline the transfer is measured against.
+bytes: memcpy between two CPU tensors, or cuda:0 -> cuda:1 with --device cuda
+(cuda:0 -> cuda:0 with one GPU, or --pair one-gpu: two processes on one device, as a split
+served from one GPU). That copy is the roofline the transfer is measured against.
 
     python bench/kv_transfer.py                       # small CPU shape
     python bench/kv_transfer.py --shape llama-3.1-8b  # 4 MiB blocks
-    python bench/kv_transfer.py --device cuda --shape llama-3.1-8b   # VRAM, 2 GPUs
+    python bench/kv_transfer.py --device cuda --shape llama-3.1-8b   # VRAM, 2 GPUs (or 1)
+    python bench/kv_transfer.py --device cuda --pair one-gpu --ucx-cuda-ipc-get auto   # UCX's own choice
+
+--ucx-cuda-ipc-get sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (unset: tandem's default,
+y for GPU pools, kvtransfer/ucx_env.py; auto: UCX's, off without NVLink).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -132,15 +138,23 @@ def main() -> None:
                         help="no NIXL UCX progress thread in either agent (each one spins a core)")
     parser.add_argument("--max-desc-mib", type=float, default=None,
                         help="cut block runs into descriptors of at most this many MiB (default: one per run)")
+    parser.add_argument("--pair", choices=("auto", "two-gpus", "one-gpu"), default="auto",
+                        help="--device cuda: the pools on cuda:0 and cuda:1, or both on cuda:0 (auto: two if there "
+                             "are two)")
+    parser.add_argument("--ucx-cuda-ipc-get", choices=("y", "n", "auto"), default=None,
+                        help="UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (default: unset, tandem's default)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
+    if args.ucx_cuda_ipc_get:
+        os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = args.ucx_cuda_ipc_get  # the spawned prefill inherits it
 
     shape = SHAPES[args.shape]
     if args.device == "cuda":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("--device cuda needs 2 GPUs: the prefill pool on cuda:0, the decode pool on cuda:1")
-        prefill_device, decode_device = torch.device("cuda:0"), torch.device("cuda:1")
+        two = args.pair == "two-gpus" or (args.pair == "auto" and torch.cuda.device_count() >= 2)
+        if two and torch.cuda.device_count() < 2:
+            raise SystemExit("--pair two-gpus needs 2 GPUs: the prefill pool on cuda:0, the decode pool on cuda:1")
+        prefill_device, decode_device = torch.device("cuda:0"), torch.device("cuda:1" if two else "cuda:0")
         torch.cuda.set_device(decode_device)
     else:
         prefill_device = decode_device = torch.device("cpu")
@@ -193,12 +207,13 @@ def main() -> None:
         transfer.wait(60.0)
         return transfer
 
-    print(f"# KV transfer, NIXL READ ({args.device}, {args.layout} blocks, progress thread "
-          f"{'on' if args.progress_thread else 'off'}, max descriptor {args.max_desc_mib or 'unlimited'} MiB), "
-          f"shape {args.shape}: {shape}")
+    pair = f"{prefill_device} -> {decode_device}" if args.device == "cuda" else "CPU memcpy"
+    print(f"# KV transfer, NIXL READ ({args.device} {pair}, {args.layout} blocks, progress thread "
+          f"{'on' if args.progress_thread else 'off'}, max descriptor {args.max_desc_mib or 'unlimited'} MiB, "
+          f"UCX_CUDA_IPC_ENABLE_GET_ZCOPY {os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', 'unset')} before the "
+          f"agents), shape {args.shape}: {shape}")
     print(f"# block = {shape.block_nbytes / 2**10:.0f} KiB; median of {args.iters} after {args.warmup} warm-up; "
-          f"roofline = best torch copy of the same bytes "
-          f"({'cuda:0 -> cuda:1' if args.device == 'cuda' else 'CPU memcpy'}), this run, before the agents start")
+          f"roofline = best torch copy of the same bytes ({pair}), this run, before the agents start")
     one_block_s = timed_s(lambda: read([0], [0]), args.iters, args.warmup)
     print(f"# fixed overhead per request (1-block READ, {shape.block_nbytes / 2**10:.0f} KiB): "
           f"{one_block_s * 1e6:.0f} us")

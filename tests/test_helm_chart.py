@@ -417,10 +417,26 @@ def test_service_monitor_scrapes_every_service(chart):
     {"tls": {"enabled": True}},
     {"tls": {"routerClientAuth": "optional"}},
     {"probes": {"healthPort": 0}},
+    {"decode": {"cudaIpcGetZcopy": "yes please"}},
 ], ids=lambda bad: repr(bad))
 def test_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmValuesError):
         render(chart, bad)
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart):
+    """The worker turns UCX's CUDA IPC get path on itself (kvtransfer/ucx_env.py): the default
+    render sets nothing, so that an `env` entry of the operator's still reaches it alone."""
+    def worker_env(values):
+        return {c["name"]: _env(c) for c in containers(objects(chart, values)) if c["name"] != "router"}
+    assert all("UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in env for env in worker_env({}).values())
+    overridden = worker_env({"prefill": {"cudaIpcGetZcopy": "auto"}, "decode": {"cudaIpcGetZcopy": "n"}})
+    assert {name: env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") for name, env in overridden.items()} == \
+        {"prefill": "auto", "decode": "n"}
 
 
 def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):

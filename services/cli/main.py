@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)")
         p.add_argument("--nixl-progress-thread", action="store_true",
                        help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
+        p.add_argument("--kv-pull-floor-gbps", type=float, default=None,
+                       help="a decode warns (once per prefill) when a KV pull from a prefill on its host runs under "
+                            "this many GB/s, a sign of a TCP lane (default: 5 between GPU pools, none between CPU "
+                            "pools; 0: never)")
+        p.add_argument("--kv-pull-floor-mib", type=float, default=None,
+                       help="only pulls of at least this many MiB count against --kv-pull-floor-gbps (smaller ones "
+                            "are mostly fixed cost; default: 8)")
         _add_metrics_port(p, WORKER_METRICS_PORT)
         add_server_security_flags(p)
         add_engine_flags(p)
@@ -180,9 +187,12 @@ def _serve(args) -> int:
         return 0
     from tandem.common.roles import Role
     from tandem.worker.app import serve_worker
+    from tandem.decode.pull_links import DEFAULT_FLOOR_MIN_MIB, PullFloor
     from tandem.worker.config import WorkerConfig
     config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
                           nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
+                          kv_pull_floor=PullFloor(args.kv_pull_floor_gbps, DEFAULT_FLOOR_MIN_MIB
+                                                  if args.kv_pull_floor_mib is None else args.kv_pull_floor_mib),
                           drain_seconds=args.drain_seconds, keepalive_seconds=args.keepalive_seconds,
                           metrics_port=args.metrics_port,
                           cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,

@@ -29,6 +29,7 @@ from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
 from tandem.decode.peers import PeerCache
+from tandem.decode.pull_links import PullLinks
 from tandem.v1 import types_pb2, worker_pb2
 
 log = logging.getLogger("tandem.decode")
@@ -54,11 +55,13 @@ def check_adapter(handoff: worker_pb2.KvHandoff, adapter) -> None:
 
 
 class GenerationPhase:
-    def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat,
+    def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat, links: PullLinks,
                  on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None):
         self.poller = poller
         self.peers = peers
         self.handoff_format = handoff_format
+        # The rate of each prefill's pulls (the READ alone), kept by the worker.
+        self.links = links
         self.num_bytes_received = 0
         # Told of each pull that landed: its bytes and seconds (the worker's metrics).
         self.on_pulled = on_pulled
@@ -110,8 +113,10 @@ class GenerationPhase:
             # No notification: the confirm below ends the lease.
             pending = self.poller.read(agent, list(handoff.block_ids)[plan.num_cached_blocks:], plan.block_ids, b"",
                                        PULL_TIMEOUT_S)
-            nbytes = await pending.done
+            read = await pending.done
+            nbytes = read.nbytes
             self.num_bytes_received += nbytes
+            self.links.observe(handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, read.seconds)
             if not await self.peers.confirm_lease(handoff, pulled=True):
                 self.num_unconfirmed_handoffs += 1
                 self._recompute(request, handoff)

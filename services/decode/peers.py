@@ -26,6 +26,8 @@ class PeerCache:
         self.poller = poller
         self.credentials = credentials
         self._agents: dict[str, str] = {}  # prefill endpoint -> its agent's name
+        # prefill endpoint -> (within this host, device pools on both sides): the pull's lane.
+        self._lanes: dict[str, tuple[bool, bool]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_stubs: dict[str, tuple] = {}
         self._lock = asyncio.Lock()
@@ -48,8 +50,14 @@ class PeerCache:
                 llm, _ = self._stubs(endpoint)
                 reply = await llm.GetDataTransceiverState(llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
                 state = await self.poller.call(lambda transceiver: transceiver.add_peer(reply.state))
+                local = self.poller.transceiver.local_state
+                self._lanes[endpoint] = (state.same_host(local), state.memory_type == local.memory_type == "VRAM")
                 self._agents[endpoint] = state.agent_name
         return self._agents[endpoint]
+
+    def lane(self, endpoint: str) -> tuple[bool, bool]:
+        """(within this host, device pools on both sides) of a prefill agent_for() has loaded."""
+        return self._lanes[endpoint]
 
     async def confirm_lease(self, handoff: worker_pb2.KvHandoff, pulled: bool) -> bool:
         """Ends the handoff's lease on its prefill; whether it was still live (see Worker/ConfirmLease).

@@ -9,7 +9,7 @@ from tandem.kvtransfer.errors import (
     UnknownPeerError,
 )
 from tandem.kvtransfer.handoff import HandoffFormat
-from tandem.kvtransfer.poller import PendingRead, TransferPoller
+from tandem.kvtransfer.poller import PendingRead, ReadDone, TransferPoller
 from tandem.kvtransfer.state import FORMAT_VERSION, TransceiverState
 from tandem.kvtransfer.transceiver import KvTransceiver, coalesce_runs
 from tandem.kvtransfer.transfer import Transfer
@@ -18,6 +18,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HandoffFormat",
     "PendingRead",
+    "ReadDone",
     "TransferPoller",
     "KvTransceiver",
     "KvTransferError",

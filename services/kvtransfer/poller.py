@@ -30,9 +30,17 @@ _TIGHT_POLL_S = 5e-4
 _IDLE_POLL_S = 2e-2
 
 
+@dataclass(frozen=True)
+class ReadDone:
+    """What a finished READ moved, and how long it ran: from its posting to the poll that found it
+    done (the poller polls every 20 us while READs run)."""
+    nbytes: int
+    seconds: float
+
+
 @dataclass
 class PendingRead:
-    """A READ posted by the poller. done resolves to the bytes read (or a TransferError);
+    """A READ posted by the poller. done resolves to its ReadDone (or a TransferError);
     settled resolves once NIXL holds nothing of it any more, so its blocks may be reused."""
     done: asyncio.Future
     settled: asyncio.Future
@@ -163,7 +171,8 @@ class TransferPoller:
 
     def _finish(self, pending: PendingRead, error: BaseException | None) -> None:
         if error is None:
-            self.loop.call_soon_threadsafe(_resolve, pending.done, pending.transfer.nbytes)
+            transfer = pending.transfer
+            self.loop.call_soon_threadsafe(_resolve, pending.done, ReadDone(transfer.nbytes, transfer.seconds))
         else:
             self.loop.call_soon_threadsafe(_resolve, pending.done, None, error)
         self.loop.call_soon_threadsafe(_resolve, pending.settled, True)

@@ -11,13 +11,17 @@ base64-inflated inside it. All integers are big-endian.
 
 from __future__ import annotations
 
+import functools
 import json
+import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 MAGIC = b"TKVS"
 # 2: rank_pools, every tensor-parallel rank's pool (one agent registers them all).
-FORMAT_VERSION = 2
+# 3: host_id, so that a reader knows a pull that stays within one host.
+FORMAT_VERSION = 3
 MEMORY_TYPES = ("DRAM", "VRAM")
 
 _PREFIX = struct.Struct("!4sHI")
@@ -32,6 +36,7 @@ _HEADER_FIELDS = {
     "device_id": int,
     "layout_hash": str,
     "rank_pools": list,
+    "host_id": str,
 }
 
 
@@ -49,6 +54,8 @@ class TransceiverState:
     layout_hash: str
     # (base address, device id) of each tensor-parallel rank's pool, rank 0's first.
     rank_pools: tuple[tuple[int, int], ...] = ()
+    # The kernel the pool lives under (local_host_id()): equal ids, one host.
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.rank_pools:
@@ -76,8 +83,8 @@ class TransceiverState:
     def tp_size(self) -> int:
         return len(self.rank_pools)
 
-    def block_address(self, block_id: int) -> int:
-        return self.base_address + block_id * self.block_nbytes
+    def same_host(self, other: TransceiverState) -> bool:
+        return bool(self.host_id) and self.host_id == other.host_id
 
     def to_bytes(self) -> bytes:
         header = json.dumps(
@@ -130,3 +137,13 @@ class TransceiverState:
             if not isinstance(header[name], kind) or isinstance(header[name], bool):
                 raise ValueError(f"transceiver state field {name!r} must be {kind.__name__}")
         return cls(agent_metadata=data[offset:], **header)
+
+
+@functools.cache
+def local_host_id() -> str:
+    """The running kernel's boot id: the same for every process and container (every pod) on one
+    host, another on each host and after each reboot. The host name where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()

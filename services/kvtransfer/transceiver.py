@@ -34,8 +34,9 @@ from tandem.kvtransfer.errors import (
     UnknownPeerError,
 )
 from tandem.kvtransfer.head_slices import PoolGeometry, coalesce_runs, read_plan, split_runs  # noqa: F401 (re-exported)
-from tandem.kvtransfer.state import TransceiverState
+from tandem.kvtransfer.state import TransceiverState, local_host_id
 from tandem.kvtransfer.transfer import NIXL_ERRORS, Transfer, settled
+from tandem.kvtransfer.ucx_env import apply_defaults as apply_ucx_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class KvTransceiver:
         self._layout_hash = layout_hash
         self._peers: dict[str, TransceiverState] = {}
         self._in_flight: set[Transfer] = set()
+        apply_ucx_defaults(memory_type)
         self._agent: nixl_agent | None = nixl_agent(
             agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         )
@@ -101,6 +103,7 @@ class KvTransceiver:
             device_id=device_id,
             layout_hash=layout_hash,
             rank_pools=tuple((pool.data_ptr(), _device_id(pool)) for pool in pools),
+            host_id=local_host_id(),
         )
         self._state_bytes = self._local.to_bytes()
         if max_descriptor_bytes is not None and max_descriptor_bytes <= 0:
@@ -122,6 +125,10 @@ class KvTransceiver:
     @property
     def tp_size(self) -> int:
         return self._local.tp_size
+
+    @property
+    def local_state(self) -> TransceiverState:
+        return self._local
 
     @property
     def peer_names(self) -> tuple[str, ...]:

@@ -44,6 +44,9 @@ class Transfer:
         self.peer_name = peer_name
         self.num_descriptors = num_descriptors
         self.nbytes = nbytes
+        self.posted_at = time.perf_counter()
+        # Seconds from posting to the poll that found it finished (None while it runs).
+        self.seconds: float | None = None if handle is not None else 0.0
 
     @classmethod
     def completed(cls, peer_name: str) -> Transfer:
@@ -92,6 +95,7 @@ class Transfer:
             self._error = TransferError(f"READ from peer {self.peer_name!r} was aborted")
 
     def _finish(self) -> None:
+        self.seconds = time.perf_counter() - self.posted_at
         handle, self._handle = self._handle, None
         try:
             self._agent.release_xfer_handle(handle)

@@ -5,6 +5,7 @@ import dataclasses
 
 from tandem.common.roles import Role
 from tandem.common.server_config import ServerConfig
+from tandem.decode.pull_links import PullFloor
 from tandem.engine.config import EngineConfig
 
 
@@ -14,6 +15,8 @@ class WorkerConfig(ServerConfig):
     engine: EngineConfig
     # NIXL's UCX progress thread: READs progress without polling, at the price of a busy core.
     nixl_progress_thread: bool = False
+    # The KV pull rate under which a decode warns of a slow lane to a prefill on its host.
+    kv_pull_floor: PullFloor = PullFloor()
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:

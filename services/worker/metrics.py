@@ -49,6 +49,14 @@ class WorkerMetrics(ProcessMetrics):
                                              "KV pulls from prefill workers: seconds from the request's reservation "
                                              "to its blocks landing.", base, buckets=KV_TRANSFER_BUCKETS,
                                              registry=reg)
+        # Per prefill peer: the READ alone, so that its rate is the lane's (kv_transfer_seconds above
+        # also holds the wait for the peer's state and the lease's confirm).
+        peer = base + ["peer"]
+        self.kv_pull_seconds = Histogram("tandem:kv_pull_seconds", "KV pulls by prefill peer: seconds of the NIXL "
+                                         "READ (bytes in tandem:kv_pull_bytes).", peer, buckets=KV_TRANSFER_BUCKETS,
+                                         registry=reg)
+        self.kv_pull_bytes = Counter("tandem:kv_pull_bytes", "KV pulls by prefill peer: bytes read.", peer,
+                                     registry=reg)
         self._last_step = 0
 
     def watch(self, runtime) -> None:
@@ -71,6 +79,12 @@ class WorkerMetrics(ProcessMetrics):
         labels = self.labels
         self.kv_transfer_bytes.labels(*labels).inc(num_bytes)
         self.kv_transfer_seconds.labels(*labels).observe(seconds)
+
+
+    def observe_peer_pull(self, peer: str, num_bytes: int, seconds: float) -> None:
+        labels = (*self.labels, peer)
+        self.kv_pull_seconds.labels(*labels).observe(seconds)
+        self.kv_pull_bytes.labels(*labels).inc(num_bytes)
 
 
 class _WorkerCollector(Collector):

@@ -15,6 +15,7 @@ from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
 from tandem.decode.generation import GenerationPhase
 from tandem.decode.peers import PeerCache
+from tandem.decode.pull_links import PullLinks
 from tandem.engine.bert import is_encoder_only
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_layout import layout_hash
@@ -65,6 +66,8 @@ class WorkerRuntime:
         self.transceiver: KvTransceiver | None = None
         self.poller: TransferPoller | None = None
         self._peers: PeerCache | None = None
+        # A decode's pull rate per prefill; it outlives a released and resumed pool.
+        self.pull_links = PullLinks(config.kv_pull_floor, on_pull=metrics.observe_peer_pull)
         self._transceiver_generation = 0
         self._num_bytes_received = 0
         self._num_unconfirmed_handoffs = 0
@@ -153,7 +156,7 @@ class WorkerRuntime:
         else:
             cfg = self.config
             self._peers = PeerCache(self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token))
-            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format,
+            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format, self.pull_links,
                                                      on_pulled=self.metrics.observe_kv_pull)
 
     def stop_transceiver(self) -> None:
@@ -281,11 +284,22 @@ class WorkerRuntime:
                            for name, int_id, path in snap.lora_adapters],
             num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0,
             num_unconfirmed_handoffs=self._num_unconfirmed_handoffs + (generation.num_unconfirmed_handoffs
-                                                                       if generation else 0))
+                                                                       if generation else 0),
+            kv_pull_links=[worker_pb2.KvPullLink(
+                peer=link.peer, same_host=link.same_host, device_pools=link.device_pools, num_pulls=link.num_pulls,
+                num_bytes=link.num_bytes, seconds=link.seconds, last_gbps=link.last_gbps, mean_gbps=link.mean_gbps,
+                num_below_floor=link.num_below_floor) for link in self.pull_links.links()])
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
-        return [dict(s, worker_id=self.worker_id) for s in await self.core.iteration_stats.drain(timeout)]
+        records = await self.core.iteration_stats.drain(timeout)
+        # A decode's pulls per prefill so far (cumulative, as kvCacheStats' counters are).
+        pulls = {link.peer: {"numPulls": link.num_pulls, "numBytes": link.num_bytes, "seconds": link.seconds,
+                             "lastGBps": link.last_gbps, "meanGBps": link.mean_gbps, "sameHost": link.same_host,
+                             "devicePools": link.device_pools, "numBelowFloor": link.num_below_floor}
+                 for link in self.pull_links.links()}
+        extra = {"kvPullStats": pulls} if pulls else {}
+        return [dict(s, worker_id=self.worker_id, **extra) for s in records]
 
     async def drain_kv_events(self, timeout: float | None) -> list[dict]:
         return [dict(e, worker_id=self.worker_id) for e in await self.core.kv_events.drain(timeout)]

@@ -88,6 +88,10 @@ spec:
             - name: HOME
               value: /tmp
             {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
+            {{- with $spec.cudaIpcGetZcopy }}
+            - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
+              value: {{ . | quote }}
+            {{- end }}
             {{- with $spec.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}

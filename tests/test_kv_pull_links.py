@@ -1,0 +1,152 @@
+"""KV handoff at device speed within one host (issue 41): the transceiver turns UCX's CUDA IPC get
+path on unless the operator chose, and a decode measures each prefill's pull rate (WorkerState,
+get_stats, /metrics) and warns once per peer when pulls within its host run under the floor."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import assert_all_blocks_free
+from tandem.client import LLM, SamplingParams
+from tandem.decode.pull_links import DEFAULT_DEVICE_FLOOR_GBPS, PullFloor, PullLinks
+from tandem.kvtransfer.ucx_env import CUDA_IPC_GET_ZCOPY
+from tandem.testing.cluster import LocalCluster
+from test_disagg import worker_state
+from test_metrics import scrape, value
+
+MIB = 2 ** 20
+
+
+def _fresh_process(code: str, env_value: str | None) -> subprocess.CompletedProcess:
+    """Runs code in a new interpreter, with the variable set to env_value or absent."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != CUDA_IPC_GET_ZCOPY}
+    if env_value is not None:
+        env[CUDA_IPC_GET_ZCOPY] = env_value
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("operator_value, expected", [(None, "y"), ("n", "n"), ("auto", "auto"), ("y", "y")])
+def test_device_pools_get_the_cuda_ipc_get_path_unless_the_operator_chose(operator_value, expected):
+    result = _fresh_process(f"""
+        import os
+        from tandem.kvtransfer.ucx_env import apply_defaults
+        applied = apply_defaults("VRAM")
+        print(",".join(f"{{k}}={{v}}" for k, v in applied.items()) or "-", os.environ.get({CUDA_IPC_GET_ZCOPY!r}))
+    """, operator_value)
+    assert result.returncode == 0, result.stderr
+    applied, value_after = result.stdout.split()
+    assert value_after == expected
+    assert applied == (f"{CUDA_IPC_GET_ZCOPY}=y" if operator_value is None else "-")
+
+
+def test_a_host_memory_transceiver_sets_nothing_and_ucx_warns_of_nothing():
+    """No cuda_ipc transport is loaded for a DRAM pool: the variable would be an unused one."""
+    result = _fresh_process(f"""
+        import os, torch
+        from tandem.kvtransfer import KvTransceiver
+        with KvTransceiver("t", torch.zeros(4, 2, 2, 8, 2, 16), "hash", progress_thread=False):
+            print(os.environ.get({CUDA_IPC_GET_ZCOPY!r}, "unset"))
+    """, None)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "unset"
+    assert "unused environment variable" not in result.stderr
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a device pool needs a CUDA GPU")
+@pytest.mark.parametrize("operator_value, expected", [(None, "y"), ("auto", "auto")])
+def test_a_device_transceiver_turns_the_cuda_ipc_get_path_on(operator_value, expected):
+    result = _fresh_process(f"""
+        import os, torch
+        from tandem.kvtransfer import KvTransceiver
+        with KvTransceiver("t", torch.zeros(4, 2, 2, 8, 2, 16, device="cuda"), "hash", progress_thread=False):
+            print(os.environ.get({CUDA_IPC_GET_ZCOPY!r}, "unset"))
+    """, operator_value)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == expected
+    assert "unused environment variable" not in result.stderr
+
+
+def test_the_floor_warns_once_per_peer_within_one_host(caplog):
+    observed = []
+    links = PullLinks(PullFloor(), on_pull=lambda peer, b, s: observed.append((peer, b)))
+    caplog.set_level(logging.WARNING, "tandem.decode.pull_links")
+    # Device pools on one host: 128 MiB in 250 ms is 0.54 GB/s, a TCP lane.
+    for _ in range(3):
+        links.observe("10.0.0.1:50052", True, True, 128 * MIB, 0.25)
+    # Fast enough, too small to say, another host, host-memory pools (no default floor): no warning.
+    links.observe("10.0.0.2:50052", True, True, 128 * MIB, 0.0015)
+    links.observe("10.0.0.3:50052", True, True, 1 * MIB, 0.25)
+    links.observe("10.0.0.4:50052", False, True, 128 * MIB, 0.25)
+    links.observe("10.0.0.5:50052", True, False, 128 * MIB, 0.25)
+    links.observe("10.0.0.6:50052", True, True, 0, 0.0)  # an empty pull moves nothing: not a link
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "10.0.0.1:50052" in warnings[0] and "0.54 GB/s" in warnings[0] and CUDA_IPC_GET_ZCOPY in warnings[0]
+    by_peer = {link.peer: link for link in links.links()}
+    assert set(by_peer) == {f"10.0.0.{i}:50052" for i in range(1, 6)}
+    slow = by_peer["10.0.0.1:50052"]
+    assert (slow.num_pulls, slow.num_bytes, slow.num_below_floor) == (3, 384 * MIB, 3)
+    assert slow.mean_gbps == pytest.approx(128 * MIB / 0.25 / 1e9)
+    assert by_peer["10.0.0.2:50052"].last_gbps > DEFAULT_DEVICE_FLOOR_GBPS
+    assert all(by_peer[f"10.0.0.{i}:50052"].num_below_floor == 0 for i in range(2, 6))
+    assert len(observed) == 7
+
+
+def test_floor_settings_are_checked():
+    assert PullFloor().gbps_for(device_pools=True) == DEFAULT_DEVICE_FLOOR_GBPS
+    assert PullFloor().gbps_for(device_pools=False) == 0
+    assert PullFloor(2.0).gbps_for(device_pools=False) == 2.0
+    for bad in (dict(gbps=-1.0), dict(gbps=float("nan")), dict(min_mib=0.0), dict(min_mib=float("inf"))):
+        with pytest.raises(ValueError, match="kv_pull_floor"):
+            PullFloor(**bad)
+
+
+@pytest.fixture(scope="module")
+def slow_floor_cluster(model_dirs):
+    """A split whose decode holds its (CPU) pulls to a floor no loopback path reaches."""
+    engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
+    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args,
+                      worker_args={"decode-1": ["--kv-pull-floor-gbps", "1000", "--kv-pull-floor-mib", "0.001"]}) as c:
+        yield c
+
+
+def test_pull_rates_reach_worker_state_stats_and_metrics_and_a_slow_lane_warns(slow_floor_cluster):
+    cluster = slow_floor_cluster
+    prefill, decode = cluster.workers
+    prompts = [[1] + [(7 * i + 13 * j) % 200 + 3 for j in range(40)] for i in range(3)]
+    with LLM(cluster.address) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert all(o.metrics.kv_transfer_bytes > 0 for o in outs)
+        pulled = sum(o.metrics.kv_transfer_bytes for o in outs)
+        assert_all_blocks_free(llm)
+
+    links = worker_state(decode.address).kv_pull_links
+    assert len(links) == 1
+    link = links[0]
+    assert link.peer == prefill.address and link.same_host and not link.device_pools
+    assert (link.num_pulls, link.num_bytes, link.num_below_floor) == (3, pulled, 3)
+    assert link.seconds > 0 and link.mean_gbps == pytest.approx(pulled / link.seconds / 1e9)
+    assert 0 < link.last_gbps < 1000
+
+    samples = scrape(decode)
+    assert value(samples, "tandem:kv_pull_bytes_total", peer=prefill.address) == pulled
+    assert value(samples, "tandem:kv_pull_seconds_count", peer=prefill.address) == 3
+    assert value(samples, "tandem:kv_pull_seconds_sum", peer=prefill.address) == pytest.approx(link.seconds)
+
+    with LLM(decode.address, **cluster.worker_client_kwargs()) as direct:
+        stats = direct.get_stats(timeout=2)
+    assert stats and stats[-1]["kvPullStats"][prefill.address]["numPulls"] == 3
+
+    log = decode.log_path.read_text(errors="replace")
+    warnings = [line for line in log.splitlines() if "KV pulls from" in line]
+    assert len(warnings) == 1, warnings
+    assert prefill.address in warnings[0] and "under the 1000.0 GB/s" in warnings[0] and "UCX_TLS" in warnings[0]
+    # The prefill pulls nothing: no links, and no series.
+    assert not worker_state(prefill.address).kv_pull_links
+    assert value(scrape(prefill), "tandem:kv_pull_seconds_count") == 0
