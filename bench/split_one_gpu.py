@@ -111,7 +111,11 @@ def serve(roles: list[str], engine_args: list[str], worker_args: dict, rows: lis
                 state = worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
             results["links"] = [dict(peer=link.peer, same_host=link.same_host, device_pools=link.device_pools,
                                      num_pulls=link.num_pulls, mean_gbps=link.mean_gbps, last_gbps=link.last_gbps,
-                                     num_below_floor=link.num_below_floor) for link in state.kv_pull_links]
+                                     num_below_floor=link.num_below_floor, best_gbps=link.best_gbps)
+                                for link in state.kv_pull_links]
+    if "decode" in roles:  # a healthy lane must not warn of a slow one
+        decode_log = cluster.workers[1].log_path.read_text(errors="replace")
+        results["floor_warnings"] = sum("KV pulls from" in line for line in decode_log.splitlines())
     return results
 
 
@@ -135,9 +139,10 @@ def print_table(agg: dict, split: dict, label: str) -> None:
             log(f"{'':<22}{'ratio':<12}{s['tok_s'] / a['tok_s']:>9.2f}{s['wall_s'] / a['wall_s']:>8.2f}"
                 f"{'':>18}{s['tpot_p50'] / a['tpot_p50']:>9.2f}")
     for link in split.get("links", []):
-        log(f"decode's link to {link['peer']}: {link['num_pulls']} pulls, mean {link['mean_gbps']:.2f} GB/s, last "
-            f"{link['last_gbps']:.2f} GB/s, same host {link['same_host']}, device pools {link['device_pools']}, "
-            f"under the floor {link['num_below_floor']}")
+        log(f"decode's link to {link['peer']}: {link['num_pulls']} pulls, mean {link['mean_gbps']:.2f} GB/s, best "
+            f"{link['best_gbps']:.2f} GB/s, last {link['last_gbps']:.2f} GB/s, same host {link['same_host']}, device "
+            f"pools {link['device_pools']}, pulls under the floor {link['num_below_floor']}; slow-lane warnings in the "
+            f"decode's log: {split.get('floor_warnings')}")
 
 
 def main() -> None:

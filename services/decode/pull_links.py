@@ -2,10 +2,14 @@
 
 The rate is measured, not trusted: UCX picks a lane per pair of agents, and a lane that falls
 back to TCP still moves correct bytes, at a hundredth of the speed (loopback TCP between two
-processes on one GPU: 0.44 GB/s against ~100 GB/s over CUDA IPC, bench/RESULTS.md). Each real
-pull's bytes over the seconds of its READ go into the peer's link; a pull of at least
-`floor.min_mib` between two pools of one host that runs under the floor logs one warning per
-peer naming the peer, the rate and the likely cause.
+processes on one GPU: 0.47 GB/s against 380 GB/s over CUDA IPC, bench/RESULTS.md). Each real
+pull's bytes over the seconds of its READ go into the peer's link.
+
+One slow pull says little: under load a READ waits behind others and its poll behind the engine
+thread's GIL (a burst of 512 requests on one H100 ran its pulls at 4.3 GB/s on average over a
+healthy CUDA IPC lane). A TCP lane is slow on every pull. So the lane is judged by its best pull:
+once JUDGED_AFTER pulls of at least `floor.min_mib` between two pools of one host have all run
+under the floor, the decode logs one warning for the peer naming it, the rate and the likely cause.
 
 Lives on the worker (not the generation phase), so a released and resumed pool keeps the links.
 """
@@ -25,6 +29,8 @@ log = logging.getLogger("tandem.decode.pull_links")
 DEFAULT_DEVICE_FLOOR_GBPS = 5.0
 # Below this a pull's time is mostly fixed cost: its rate says nothing about the lane.
 DEFAULT_FLOOR_MIN_MIB = 8.0
+# Pulls of at least min_mib a lane is judged on: all of them under the floor, it warns.
+JUDGED_AFTER = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,9 @@ class PeerLink:
     num_bytes: int = 0
     seconds: float = 0.0
     last_gbps: float = 0.0
+    # Over the pulls that count against the floor (within one host, at least min_mib).
+    num_judged: int = 0
+    best_gbps: float = 0.0
     num_below_floor: int = 0
     warned: bool = False
 
@@ -87,14 +96,17 @@ class PullLinks:
         link.last_gbps = gbps
         self.on_pull(peer, num_bytes, seconds)
         floor = self.floor.gbps_for(device_pools)
-        if not (same_host and floor and num_bytes >= self.floor.min_mib * 2 ** 20 and gbps < floor):
+        if not (same_host and floor and num_bytes >= self.floor.min_mib * 2 ** 20):
             return
-        link.num_below_floor += 1
-        if not link.warned:
+        link.num_judged += 1
+        link.best_gbps = max(link.best_gbps, gbps)
+        link.num_below_floor += gbps < floor
+        if link.num_judged >= JUDGED_AFTER and link.best_gbps < floor and not link.warned:
             link.warned = True
-            log.warning("KV pulls from %s run at %.2f GB/s (%.1f MiB in %.1f ms), under the %.1f GB/s that a "
-                        "healthy path between two %s pools of one host keeps: %s", peer, gbps, num_bytes / 2 ** 20,
-                        seconds * 1e3, floor, "GPU" if device_pools else "host-memory", _likely_cause(device_pools))
+            log.warning("KV pulls from %s run at %.2f GB/s at best over %d pulls (the last: %.1f MiB in %.1f ms), "
+                        "under the %.1f GB/s that a healthy path between two %s pools of one host keeps: %s", peer,
+                        link.best_gbps, link.num_judged, num_bytes / 2 ** 20, seconds * 1e3, floor,
+                        "GPU" if device_pools else "host-memory", _likely_cause(device_pools))
 
     def links(self) -> list[PeerLink]:
         return [dataclasses.replace(link) for link in self._links.values()]

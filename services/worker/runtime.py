@@ -288,7 +288,8 @@ class WorkerRuntime:
             kv_pull_links=[worker_pb2.KvPullLink(
                 peer=link.peer, same_host=link.same_host, device_pools=link.device_pools, num_pulls=link.num_pulls,
                 num_bytes=link.num_bytes, seconds=link.seconds, last_gbps=link.last_gbps, mean_gbps=link.mean_gbps,
-                num_below_floor=link.num_below_floor) for link in self.pull_links.links()])
+                num_below_floor=link.num_below_floor, best_gbps=link.best_gbps, num_judged=link.num_judged)
+                for link in self.pull_links.links()])
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
@@ -296,7 +297,8 @@ class WorkerRuntime:
         # A decode's pulls per prefill so far (cumulative, as kvCacheStats' counters are).
         pulls = {link.peer: {"numPulls": link.num_pulls, "numBytes": link.num_bytes, "seconds": link.seconds,
                              "lastGBps": link.last_gbps, "meanGBps": link.mean_gbps, "sameHost": link.same_host,
-                             "devicePools": link.device_pools, "numBelowFloor": link.num_below_floor}
+                             "devicePools": link.device_pools, "numBelowFloor": link.num_below_floor,
+                             "bestGBps": link.best_gbps, "numJudged": link.num_judged}
                  for link in self.pull_links.links()}
         extra = {"kvPullStats": pulls} if pulls else {}
         return [dict(s, worker_id=self.worker_id, **extra) for s in records]

@@ -144,7 +144,7 @@ class WorkerState(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_pull_links: _Optional[_Iterable[_Union[KvPullLink, _Mapping]]] = ...) -> None: ...
 
 class KvPullLink(_message.Message):
-    __slots__ = ("peer", "same_host", "device_pools", "num_pulls", "num_bytes", "seconds", "last_gbps", "mean_gbps", "num_below_floor")
+    __slots__ = ("peer", "same_host", "device_pools", "num_pulls", "num_bytes", "seconds", "last_gbps", "mean_gbps", "num_below_floor", "best_gbps", "num_judged")
     PEER_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,8 @@ class KvPullLink(_message.Message):
     LAST_GBPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_GBPS_FIELD_NUMBER: _ClassVar[int]
     NUM_BELOW_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    BEST_GBPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_JUDGED_FIELD_NUMBER: _ClassVar[int]
     peer: str
     same_host: bool
     device_pools: bool
@@ -163,7 +165,9 @@ class KvPullLink(_message.Message):
     last_gbps: float
     mean_gbps: float
     num_below_floor: int
-    def __init__(self, peer: _Optional[str] = ..., same_host: _Optional[bool] = ..., device_pools: _Optional[bool] = ..., num_pulls: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., last_gbps: _Optional[float] = ..., mean_gbps: _Optional[float] = ..., num_below_floor: _Optional[int] = ...) -> None: ...
+    best_gbps: float
+    num_judged: int
+    def __init__(self, peer: _Optional[str] = ..., same_host: _Optional[bool] = ..., device_pools: _Optional[bool] = ..., num_pulls: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., last_gbps: _Optional[float] = ..., mean_gbps: _Optional[float] = ..., num_below_floor: _Optional[int] = ..., best_gbps: _Optional[float] = ..., num_judged: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("ctx_request_id", "disagg_request_id")
