@@ -45,9 +45,9 @@ if has pull1; then  # one GPU: the transceiver's default (CUDA IPC get path on) 
     env_flag=$([ "$ipc" = auto ] && echo "--ucx-cuda-ipc-get auto")
     iters=$([ "$ipc" = auto ] && echo "--iters 3 --warmup 1" || echo "--iters 10")
     timeout "${PULL1_S:-60}" python3 bench/kv_transfer.py --device cuda --pair one-gpu --shape llama-3.1-8b \
-      --no-progress-thread $iters $env_flag 2>&1 | grep -v NIXL | tee "$OUT/kv-transfer-1gpu-$ipc.txt"
+      --no-progress-thread $iters $env_flag 2>&1 | grep -v "NIXL INFO" | tee "$OUT/kv-transfer-1gpu-$ipc.txt"
     (cd bench && timeout "${PULL1_S:-60}" python3 kv_pull_contention.py --device cuda --shape llama-3.1-8b \
-      --iters $([ "$ipc" = auto ] && echo 4 || echo 10) $env_flag) 2>&1 | grep -v NIXL | tee "$OUT/kv-pull-1gpu-$ipc.txt"
+      --iters $([ "$ipc" = auto ] && echo 4 || echo 10) $env_flag) 2>&1 | grep -v "NIXL INFO" | tee "$OUT/kv-pull-1gpu-$ipc.txt"
   done
 fi
 if has split1; then
