@@ -141,6 +141,9 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     assert scrapes.delta("prefill", "tandem:kv_handoffs_total") == len(outputs)  # leases opened
     assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="stopped") == 1  # max_tokens=1
     assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="pulled") == len(handed_off)
+    # The decode's confirm ended each pulled lease: the router sent no ReleaseKv after it.
+    assert scrapes.delta("prefill", "tandem:grpc_server_handled_total", grpc_method="ReleaseKv") == 0
+    assert scrapes.delta("prefill", "tandem:grpc_server_handled_total", grpc_method="ConfirmLease") == len(handed_off)
     state_after = {w.role: worker_state(w.address) for w in (prefill, decode)}
     for way, count in state_after["prefill"].lease_endings.items():
         assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way=way) == \

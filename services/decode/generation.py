@@ -5,6 +5,11 @@ instead and the prefill is told to free its copy; when the pull fails (the prefi
 hangs, or released its pool), the prompt is computed here too: the request has its prompt and
 first token, so nothing is lost with the prefill.
 
+Once a handoff verified here, its lease is the decode's to end, on every way the phase can end
+but a cancel or a failure of the request (which the router, seeing no normal end, ends itself):
+pulled and confirmed, computed here (no room, no time, a failed READ: ConfirmLease(pulled=false)),
+or ended by the first tokens. So a split that ends normally costs the router no ReleaseKv.
+
 The confirm (Worker/ConfirmLease, after the READ) is what makes the KV ours to use: a lease
 still live once the READ completed was live during it, so the blocks read were the handoff's.
 A replayed or stale handoff (its lease ended, its blocks perhaps another request's by now)
@@ -143,6 +148,7 @@ class GenerationPhase:
             log.warning("KV pull for %s from %s failed (%s); computing the prompt here", rid, handoff.ctx_endpoint,
                         exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
             self.num_recomputed += 1
+            self._release_remote(handoff)  # the lease is ours to end, whatever its prefill's state
             request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)

@@ -119,9 +119,6 @@ class EngineCore:
         self._commands.put((command, future))
         return await future
 
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     @property
     def num_active(self) -> int:
         return len(self._streams)

@@ -60,9 +60,6 @@ class LoRAPool:
         """The adapters in the pool now, by slot."""
         return [a for a in self._adapters if a is not None]
 
-    def slot_of(self, adapter: LoRAAdapter) -> int | None:
-        return self._slot_of.get(adapter.key)
-
     def num_pins(self, slot: int) -> int:
         return self._pins[slot]
 

@@ -132,11 +132,6 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
-    def is_prefill(self) -> bool:
-        """True while prompt tokens remain to be computed (the next step does not sample unless it ends the prompt)."""
-        return self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 

@@ -125,6 +125,8 @@ class Progress:
     logprob_base: float = 0.0
     # A migration moved the stream after some of its tokens: the current worker recomputed them.
     is_recomputed: bool = False
+    # Workers the stream moved off (died or hung under it).
+    num_migrations: int = 0
 
 
 async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, worker: WorkerHandle,
@@ -163,6 +165,7 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
             route.pool.mark_down(worker)
             tried.add(worker.address)
             route.metrics.migrated()
+            progress.num_migrations += 1
             if progress.prompt_token_ids:
                 current = resume_request(request, progress.prompt_token_ids, progress.tokens)
                 progress.logprob_base = last_cumulative

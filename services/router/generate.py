@@ -22,6 +22,8 @@ from tandem.v1 import llm_pb2, types_pb2
 # Where the generation phase of a split can go on: a decode worker (pulling the KV, or
 # recomputing it after a migration), else any worker that recomputes it.
 GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
+# How a decode phase that ended its handoff's lease itself ends.
+_NORMAL_ENDS = (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
 
 
 def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[types_pb2.RequestOutput]:
@@ -130,6 +132,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         metrics.num_computed_prompt_tokens = prefill_metrics.num_computed_prompt_tokens
         metrics.num_cached_prompt_tokens = prefill_metrics.num_cached_prompt_tokens
 
+    # The decode ends the lease of a handoff it was given on every way its phase ends normally
+    # (decode/generation.py); the router ends it on the others (abort, stop, error, migration).
+    decode_ended_lease = False
     try:
         ctx_out.finished = False
         if not route.cancelled:
@@ -163,9 +168,12 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
                             perf_metrics.combine_split(prefill_perf, out.perf_metrics)
                 if msg.finished:
                     client_metrics(msg.metrics)
+                    decode_ended_lease = (gen.disaggregated_params.opaque_state != b"" and not progress.num_migrations
+                                          and bool(msg.outputs) and msg.outputs[0].finish_reason in _NORMAL_ENDS)
                 yield msg
     finally:
-        spawn(release_lease(route.pool, prefill, handoff.ctx_request_id))
+        if not decode_ended_lease:
+            spawn(release_lease(route.pool, prefill, handoff.ctx_request_id))
 
 
 async def split_n(route: Route, request: llm_pb2.GenerateRequest):

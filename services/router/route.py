@@ -210,8 +210,9 @@ class Route:
 
 async def release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int,
                         disagg_request_id: int = 0) -> None:
-    """Best effort: the decode's confirm normally released it already. disagg_request_id instead
-    of ctx_request_id: the lease of the router's own split of that id (its reply was lost)."""
+    """Best effort, for a split whose decode phase did not end the lease (aborted, stopped, failed,
+    migrated, or never started). disagg_request_id instead of ctx_request_id: the lease of the
+    router's own split of that id (its reply was lost)."""
     request = worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id, disagg_request_id=disagg_request_id)
     try:
         await prefill.internal.ReleaseKv(request, timeout=5, metadata=pool.admin_metadata)
