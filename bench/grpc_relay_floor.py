@@ -13,6 +13,7 @@ send as one OutputBatch): the floor of a router whose worker leg is multiplexed 
 
     python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4] [--session]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ SESSION = "/floor.Session/Run"
 def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
     """The upstream's multiplexed end: GenerateRequests in on one bidi stream (request_id = tag),
     OutputBatches out, one per wake-up with what every request produced since the last."""
+
     async def run(requests, context):
         pending: list[types_pb2.RequestOutput] = []
         wake = asyncio.Event()
@@ -64,6 +66,7 @@ def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
         async def read():
             async for request in requests:
                 tasks.add(asyncio.create_task(produce(request)))
+
         tasks: set = set()
         reader = asyncio.create_task(read())
         try:
@@ -75,9 +78,17 @@ def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
                 yield batch
         finally:
             reader.cancel()
-    return grpc.method_handlers_generic_handler("floor.Session", {"Run": grpc.stream_stream_rpc_method_handler(
-        run, request_deserializer=llm_pb2.GenerateRequest.FromString,
-        response_serializer=worker_pb2.OutputBatch.SerializeToString)})
+
+    return grpc.method_handlers_generic_handler(
+        "floor.Session",
+        {
+            "Run": grpc.stream_stream_rpc_method_handler(
+                run,
+                request_deserializer=llm_pb2.GenerateRequest.FromString,
+                response_serializer=worker_pb2.OutputBatch.SerializeToString,
+            )
+        },
+    )
 
 
 class SessionRelay(llm_pb2_grpc.AsyncLLMServicer):
@@ -98,8 +109,11 @@ class SessionRelay(llm_pb2_grpc.AsyncLLMServicer):
     async def Generate(self, request, context):
         if self.call is None:
             channel = grpc.aio.insecure_channel(self.upstream)
-            self.call = channel.stream_stream(SESSION, request_serializer=llm_pb2.GenerateRequest.SerializeToString,
-                                              response_deserializer=worker_pb2.OutputBatch.FromString)()
+            self.call = channel.stream_stream(
+                SESSION,
+                request_serializer=llm_pb2.GenerateRequest.SerializeToString,
+                response_deserializer=worker_pb2.OutputBatch.FromString,
+            )()
             self.writes = asyncio.Queue()
             self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]
         inbox = self.inboxes[request.request_id] = asyncio.Queue()
@@ -139,8 +153,10 @@ def _serve(servicer, port: int, loop: str) -> None:
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
+
     if loop == "uvloop":
         import uvloop
+
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
     else:
@@ -148,8 +164,10 @@ def _serve(servicer, port: int, loop: str) -> None:
 
 
 async def _measure(args, relay_pid: int, upstream_pid: int, upstream: int, relay: int) -> None:
-    stubs = {name: llm_pb2_grpc.AsyncLLMStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
-             for name, port in (("direct", upstream), ("relay", relay))}
+    stubs = {
+        name: llm_pb2_grpc.AsyncLLMStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+        for name, port in (("direct", upstream), ("relay", relay))
+    }
 
     async def one(stub, i: int, max_tokens: int) -> int:
         request = llm_pb2.GenerateRequest(request_id=str(i))
@@ -166,24 +184,38 @@ async def _measure(args, relay_pid: int, upstream_pid: int, upstream: int, relay
     p50 = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
     process, sender = psutil.Process(relay_pid), psutil.Process(upstream_pid)
     cpu, sender_cpu = sum(process.cpu_times()[:2]), sum(sender.cpu_times()[:2])
-    counts = await asyncio.gather(*(one(stubs["relay"], i, args.tokens) for i in range(args.streams)))
+    counts = await asyncio.gather(
+        *(one(stubs["relay"], i, args.tokens) for i in range(args.streams))
+    )
     cpu = sum(process.cpu_times()[:2]) - cpu
     sender_cpu = sum(sender.cpu_times()[:2]) - sender_cpu
-    print(f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  {'session' if args.session else 'call per request'}  grpcio {grpc.__version__}")
-    print(f"latency p50, 1-message stream: direct {p50['direct']:.2f} ms, relay {p50['relay']:.2f} ms, "
-          f"added {p50['relay'] - p50['direct']:.2f} ms")
-    print(f"{args.streams} streams x {args.tokens} messages (one token each, {args.pace_ms} ms apart): relay CPU "
-          f"{cpu / sum(counts) * 1e6:.0f} us per message = {sum(counts) / cpu:,.0f} messages per relay CPU-second")
-    print(f"the upstream (sends only): {sender_cpu / sum(counts) * 1e6:.0f} us per message = "
-          f"{sum(counts) / sender_cpu:,.0f} messages per CPU-second")
+    print(
+        f"# bench/grpc_relay_floor.py  {time.strftime('%Y-%m-%d')}  loop={args.loop}  {'session' if args.session else 'call per request'}  grpcio {grpc.__version__}"
+    )
+    print(
+        f"latency p50, 1-message stream: direct {p50['direct']:.2f} ms, relay {p50['relay']:.2f} ms, "
+        f"added {p50['relay'] - p50['direct']:.2f} ms"
+    )
+    print(
+        f"{args.streams} streams x {args.tokens} messages (one token each, {args.pace_ms} ms apart): relay CPU "
+        f"{cpu / sum(counts) * 1e6:.0f} us per message = {sum(counts) / cpu:,.0f} messages per relay CPU-second"
+    )
+    print(
+        f"the upstream (sends only): {sender_cpu / sum(counts) * 1e6:.0f} us per message = "
+        f"{sum(counts) / sender_cpu:,.0f} messages per CPU-second"
+    )
 
 
 def main(args) -> None:
     ctx = multiprocessing.get_context("spawn")
     upstream, relay = free_port("127.0.0.1"), free_port("127.0.0.1")
     relay_class = SessionRelay if args.session else Relay
-    processes = [ctx.Process(target=_serve, args=(Upstream(args.tokens, args.pace_ms / 1e3), upstream, args.loop)),
-                 ctx.Process(target=_serve, args=(relay_class(f"127.0.0.1:{upstream}"), relay, args.loop))]
+    processes = [
+        ctx.Process(
+            target=_serve, args=(Upstream(args.tokens, args.pace_ms / 1e3), upstream, args.loop)
+        ),
+        ctx.Process(target=_serve, args=(relay_class(f"127.0.0.1:{upstream}"), relay, args.loop)),
+    ]
     for p in processes:
         p.start()
     try:
@@ -195,12 +227,19 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--pace-ms", type=float, default=4.0, help="upstream's gap between messages of a stream")
-    parser.add_argument("--session", action="store_true",
-                        help="relay over one multiplexed stream to the upstream (no call per request there)")
+    parser.add_argument(
+        "--pace-ms", type=float, default=4.0, help="upstream's gap between messages of a stream"
+    )
+    parser.add_argument(
+        "--session",
+        action="store_true",
+        help="relay over one multiplexed stream to the upstream (no call per request there)",
+    )
     main(parser.parse_args())

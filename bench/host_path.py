@@ -16,6 +16,7 @@ in Python (issue 7: the served step at batch 256 took 2x the in-process one, hos
 Both run on the host's CPU only; the GPU changes neither (the GPU engine's step adds its graph
 replay and a synchronize, which release the GIL).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ from tandem.worker.request import WorkerRequest
 
 class _Core:
     """What a WorkerRequest asks of the engine core here: nothing runs."""
+
     engine = None
 
     def add_request(self, command, stream) -> None:
@@ -45,15 +47,26 @@ class _Core:
         return True
 
 
-async def loop_per_output(metrics: RequestMetrics, batch: int, steps: int, lone_tokens: bool) -> dict:
+async def loop_per_output(
+    metrics: RequestMetrics, batch: int, steps: int, lone_tokens: bool
+) -> dict:
     stream = OutputStream()
     batches = stream.batches()
     await batches.__anext__()  # the stream id
     sinks = []
     for i in range(batch):
-        request = WorkerRequest(_Core(), f"r{i}", list(range(512)), SamplingOptions(max_tokens=steps + 1),
-                                Phase.CONTEXT_AND_GENERATION, 0.5, None)
-        text = TextRequest(llm_pb2.GenerateRequest(), TextProcessor(None, TextOptions(detokenize=False)), True)
+        request = WorkerRequest(
+            _Core(),
+            f"r{i}",
+            list(range(512)),
+            SamplingOptions(max_tokens=steps + 1),
+            Phase.CONTEXT_AND_GENERATION,
+            0.5,
+            None,
+        )
+        text = TextRequest(
+            llm_pb2.GenerateRequest(), TextProcessor(None, TextOptions(detokenize=False)), True
+        )
         sink = OutputSink(text, metrics.track(), stream, i)
         sink.bind(request)
         sink._lone_tokens = sink._lone_tokens and lone_tokens
@@ -62,8 +75,10 @@ async def loop_per_output(metrics: RequestMetrics, batch: int, steps: int, lone_
     num_bytes = 0
     for step in range(steps + 1):
         last = step == steps
-        outputs = [StepOutput(f"r{i}", [step + 3], [None], -0.5 * step, last, num_prompt_tokens=512)
-                   for i in range(batch)]
+        outputs = [
+            StepOutput(f"r{i}", [step + 3], [None], -0.5 * step, last, num_prompt_tokens=512)
+            for i in range(batch)
+        ]
         started = time.perf_counter()
         for sink, output in zip(sinks, outputs):
             sink.put_nowait(output)
@@ -89,12 +104,28 @@ def engine_per_sequence(batch: int, steps: int) -> dict:
     from tandem.engine.checkpoints import tiny_model_dir
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
+
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(str(tiny_model_dir()), block_size=16, num_blocks=batch * 32, max_num_seqs=batch,
-                                    max_num_batched_tokens=batch * 32))
+    engine = LLMEngine(
+        EngineConfig(
+            str(tiny_model_dir()),
+            block_size=16,
+            num_blocks=batch * 32,
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * 32,
+        )
+    )
     for i in range(batch):
-        engine.add_request(f"r{i}", list(range(1, 33)), SamplingOptions(max_tokens=steps + 8, ignore_eos=True),
-                           Phase.CONTEXT_AND_GENERATION, 0.5, None, [], None)
+        engine.add_request(
+            f"r{i}",
+            list(range(1, 33)),
+            SamplingOptions(max_tokens=steps + 8, ignore_eos=True),
+            Phase.CONTEXT_AND_GENERATION,
+            0.5,
+            None,
+            [],
+            None,
+        )
     for _ in range(3):  # the prefill and the first decode steps
         engine.step()
     forward_s = [0.0]
@@ -106,14 +137,19 @@ def engine_per_sequence(batch: int, steps: int) -> dict:
             return forward(*args, **kwargs)
         finally:
             forward_s[0] += time.perf_counter() - started
+
     engine.runner._forward = timed
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - started
     host = wall - forward_s[0]
-    return dict(step_ms=wall / steps * 1e3, forward_ms=forward_s[0] / steps * 1e3, host_ms=host / steps * 1e3,
-                host_us_per_seq=host / steps / batch * 1e6)
+    return dict(
+        step_ms=wall / steps * 1e3,
+        forward_ms=forward_s[0] / steps * 1e3,
+        host_ms=host / steps * 1e3,
+        host_us_per_seq=host / steps / batch * 1e6,
+    )
 
 
 def main() -> None:
@@ -121,19 +157,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
-    print(f"# bench/host_path.py --batch {args.batch} --steps {args.steps}; {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    print(
+        f"# bench/host_path.py --batch {args.batch} --steps {args.steps}; {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
     metrics = ProcessMetrics("both").requests
     full = asyncio.run(loop_per_output(metrics, args.batch, args.steps, lone_tokens=False))
     lone = asyncio.run(loop_per_output(metrics, args.batch, args.steps, lone_tokens=True))
     engine = engine_per_sequence(args.batch, min(args.steps, 60))
-    print(f"{'worker loop, per decode output':44s} {'sink us':>8s} {'batch+serialize us':>19s} {'bytes':>6s} "
-          f"{'ms per step of ' + str(args.batch):>18s}")
+    print(
+        f"{'worker loop, per decode output':44s} {'sink us':>8s} {'batch+serialize us':>19s} {'bytes':>6s} "
+        f"{'ms per step of ' + str(args.batch):>18s}"
+    )
     for name, row in (("full RequestOutput each (before)", full), ("lone tokens (now)", lone)):
         per_step = (row["put_us"] + row["batch_us"]) * args.batch / 1e3
-        print(f"{name:44s} {row['put_us']:8.1f} {row['batch_us']:19.1f} {row['bytes']:6.1f} {per_step:18.2f}")
-    print(f"speed-up of the loop's part: {(full['put_us'] + full['batch_us']) / (lone['put_us'] + lone['batch_us']):.1f}x")
-    print(f"engine thread, decode step of {args.batch} (tiny model, CPU): step {engine['step_ms']:.2f} ms = forward "
-          f"{engine['forward_ms']:.2f} + host {engine['host_ms']:.2f} ms ({engine['host_us_per_seq']:.1f} us per sequence)")
+        print(
+            f"{name:44s} {row['put_us']:8.1f} {row['batch_us']:19.1f} {row['bytes']:6.1f} {per_step:18.2f}"
+        )
+    print(
+        f"speed-up of the loop's part: {(full['put_us'] + full['batch_us']) / (lone['put_us'] + lone['batch_us']):.1f}x"
+    )
+    print(
+        f"engine thread, decode step of {args.batch} (tiny model, CPU): step {engine['step_ms']:.2f} ms = forward "
+        f"{engine['forward_ms']:.2f} + host {engine['host_ms']:.2f} ms ({engine['host_us_per_seq']:.1f} us per sequence)"
+    )
 
 
 if __name__ == "__main__":

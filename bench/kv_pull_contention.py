@@ -18,6 +18,7 @@ y for GPU pools, kvtransfer/ucx_env.py; auto: UCX's own, which on one GPU goes o
 engine profiles (GIL held / released per step): "eager" 25 / 8 ms is the engine before CUDA
 graphs (21-32 ms of Python per 8 ms step); "graphs" 0.5 / 4 ms is a replayed decode step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ import threading
 import time
 
 import torch
-
 from kv_transfer import SHAPES, stamp_blocks
+
 from tandem.kvtransfer import KvTransceiver
 
 PREFILL_NAME, DECODE_NAME = "pull-prefill", "pull-decode"
@@ -73,7 +74,9 @@ def prefill_main(conn, shape_name: str, num_blocks: int, device: str) -> None:
         torch.cuda.set_device(torch_device)
     pool = SHAPES[shape_name].pool(num_blocks, torch_device)
     stamp_blocks(pool)
-    with KvTransceiver(PREFILL_NAME, pool, SHAPES[shape_name].layout_hash, progress_thread=False) as transceiver:
+    with KvTransceiver(
+        PREFILL_NAME, pool, SHAPES[shape_name].layout_hash, progress_thread=False
+    ) as transceiver:
         conn.send_bytes(transceiver.get_state())
 
         async def serve():
@@ -94,6 +97,7 @@ def prefill_main(conn, shape_name: str, num_blocks: int, device: str) -> None:
                     poller = _NotificationThread(transceiver) if where == "thread" else None
                     conn.send_bytes(b"ok")
                 await asyncio.sleep(0.0005)
+
         asyncio.run(serve())
 
 
@@ -136,26 +140,40 @@ def thread_pull(transceiver, block_ids, iters: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--ucx-cuda-ipc-get", choices=("y", "n", "auto"), default=None,
-                        help="UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (default: unset, tandem's default)")
+    parser.add_argument(
+        "--ucx-cuda-ipc-get",
+        choices=("y", "n", "auto"),
+        default=None,
+        help="UCX_CUDA_IPC_ENABLE_GET_ZCOPY in both processes (default: unset, tandem's default)",
+    )
     args = parser.parse_args()
     if args.ucx_cuda_ipc_get:
-        os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = args.ucx_cuda_ipc_get  # the spawned prefill inherits it
+        os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = (
+            args.ucx_cuda_ipc_get
+        )  # the spawned prefill inherits it
     shape = SHAPES[args.shape]
     num_blocks = math.ceil(args.tokens / shape.block_size)
     # Both pools on one GPU when there is one GPU (the split runs so on a one-GPU machine).
     prefill_device = "cuda:0" if args.device == "cuda" else "cpu"
-    decode_device = torch.device("cuda", torch.cuda.device_count() - 1) if args.device == "cuda" else torch.device("cpu")
+    decode_device = (
+        torch.device("cuda", torch.cuda.device_count() - 1)
+        if args.device == "cuda"
+        else torch.device("cpu")
+    )
     if decode_device.type == "cuda":
         torch.cuda.set_device(decode_device)
     context = mp.get_context("spawn")
     conn, child = context.Pipe()
-    prefill = context.Process(target=prefill_main, args=(child, args.shape, num_blocks, prefill_device), daemon=True)
+    prefill = context.Process(
+        target=prefill_main, args=(child, args.shape, num_blocks, prefill_device), daemon=True
+    )
     prefill.start()
     if not conn.poll(120):
         raise SystemExit("the prefill process did not publish its state")
@@ -165,22 +183,36 @@ def main() -> None:
     transceiver.add_peer(state)
     block_ids = list(range(num_blocks))
     nbytes = num_blocks * shape.block_nbytes
-    print(f"# KV pull of {args.tokens} tokens ({nbytes / 2**20:.0f} MiB, {args.shape}), {prefill_device} -> "
-          f"{decode_device}, no progress threads, UCX_CUDA_IPC_ENABLE_GET_ZCOPY "
-          f"{os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', 'unset')} before the agents, median / p90 of "
-          f"{args.iters} after 3 warm-up")
-    print(f"{'decode engine':<14}{'prefill engine':<16}{'both poll from':<16}{'median ms':>10}{'p90 ms':>9}")
-    cases = [("idle", "idle", "asyncio"), ("eager", "idle", "asyncio"), ("idle", "eager", "asyncio"),
-             ("eager", "eager", "asyncio"), ("graphs", "graphs", "asyncio"), ("eager", "eager", "a thread")]
+    print(
+        f"# KV pull of {args.tokens} tokens ({nbytes / 2**20:.0f} MiB, {args.shape}), {prefill_device} -> "
+        f"{decode_device}, no progress threads, UCX_CUDA_IPC_ENABLE_GET_ZCOPY "
+        f"{os.environ.get('UCX_CUDA_IPC_ENABLE_GET_ZCOPY', 'unset')} before the agents, median / p90 of "
+        f"{args.iters} after 3 warm-up"
+    )
+    print(
+        f"{'decode engine':<14}{'prefill engine':<16}{'both poll from':<16}{'median ms':>10}{'p90 ms':>9}"
+    )
+    cases = [
+        ("idle", "idle", "asyncio"),
+        ("eager", "idle", "asyncio"),
+        ("idle", "eager", "asyncio"),
+        ("eager", "eager", "asyncio"),
+        ("graphs", "graphs", "asyncio"),
+        ("eager", "eager", "a thread"),
+    ]
     for decode_profile, prefill_profile, poller in cases:
-        conn.send_bytes(f"{prefill_profile}:{'thread' if poller == 'a thread' else 'asyncio'}".encode())
+        conn.send_bytes(
+            f"{prefill_profile}:{'thread' if poller == 'a thread' else 'asyncio'}".encode()
+        )
         conn.recv_bytes()
         engine = _with_engine(decode_profile)
         if poller == "asyncio":
             samples = asyncio.run(pull_loop(transceiver, block_ids, args.iters + 3))[3:]
         else:
             box = {}
-            worker = threading.Thread(target=lambda: box.update(s=thread_pull(transceiver, block_ids, args.iters + 3)))
+            worker = threading.Thread(
+                target=lambda: box.update(s=thread_pull(transceiver, block_ids, args.iters + 3))
+            )
             worker.start()
             worker.join()
             samples = box["s"][3:]
@@ -188,8 +220,10 @@ def main() -> None:
             engine.stopped = True
             engine.join()
         ms = sorted(s * 1e3 for s in samples)
-        print(f"{decode_profile:<14}{prefill_profile:<16}{poller:<16}{statistics.median(ms):>10.3f}"
-              f"{ms[int(0.9 * (len(ms) - 1))]:>9.3f}")
+        print(
+            f"{decode_profile:<14}{prefill_profile:<16}{poller:<16}{statistics.median(ms):>10.3f}"
+            f"{ms[int(0.9 * (len(ms) - 1))]:>9.3f}"
+        )
     conn.send_bytes(b"stop")
     prefill.join(30)
     transceiver.close()

@@ -9,6 +9,7 @@ scrape time through one ReadCounters command answered between two steps. The flo
     python bench/metrics_overhead.py                 # CPU, the tiny model
     python bench/metrics_overhead.py --batch 32 --rounds 7
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,15 @@ SEED = 0
 class Run:
     """Per engine step: wall time, and the CPU time of the engine thread and of the loop's thread
     (CPU time leaves out the other processes of a shared machine; wall time does not)."""
+
     wall_ms: float
     engine_cpu_ms: float
     loop_cpu_ms: float
 
 
-async def decode_batch(engine: LLMEngine, metrics: WorkerMetrics | None, prompts: list[list[int]],
-                       max_tokens: int) -> Run:
+async def decode_batch(
+    engine: LLMEngine, metrics: WorkerMetrics | None, prompts: list[list[int]], max_tokens: int
+) -> Run:
     """Runs prompts to max_tokens on an engine thread, observing each step into metrics (if any)."""
     loop = asyncio.get_running_loop()
     core = EngineCore(engine, loop, on_stats=metrics.observe_step if metrics is not None else None)
@@ -51,10 +54,20 @@ async def decode_batch(engine: LLMEngine, metrics: WorkerMetrics | None, prompts
     streams = [asyncio.Queue() for _ in prompts]
     core.start()
     engine_clock = time.pthread_getcpuclockid(core._thread.ident)
-    engine_cpu, loop_cpu, started = time.clock_gettime(engine_clock), time.thread_time(), time.perf_counter()
+    engine_cpu, loop_cpu, started = (
+        time.clock_gettime(engine_clock),
+        time.thread_time(),
+        time.perf_counter(),
+    )
     for i, (prompt, stream) in enumerate(zip(prompts, streams)):
-        core.add_request(AddRequest(f"r{time.monotonic_ns()}-{i}", prompt,
-                                    SamplingOptions(max_tokens=max_tokens, ignore_eos=True)), stream)
+        core.add_request(
+            AddRequest(
+                f"r{time.monotonic_ns()}-{i}",
+                prompt,
+                SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
+            ),
+            stream,
+        )
     for stream in streams:
         while not (await stream.get()).finished:
             pass
@@ -73,28 +86,41 @@ def per_call_us(fn, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences decoding together")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=9, help="A/B rounds, interleaved (the machine is shared)")
+    parser.add_argument(
+        "--rounds", type=int, default=9, help="A/B rounds, interleaved (the machine is shared)"
+    )
     args = parser.parse_args()
     rng = random.Random(SEED)
-    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir()), num_blocks=1024, block_size=16))
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(tiny_model_dir()), num_blocks=1024, block_size=16)
+    )
     metrics = WorkerMetrics(Role.DECODE, engine.config.model_dir)
     metrics.bind("127.0.0.1:0")
 
     def prompts():  # fresh ones each run: a prompt seen before would come from the prefix cache
-        return [[1] + [rng.randrange(4, 300) for _ in range(args.prompt_len - 1)] for _ in range(args.batch)]
+        return [
+            [1] + [rng.randrange(4, 300) for _ in range(args.prompt_len - 1)]
+            for _ in range(args.batch)
+        ]
 
     async def ab():
         await decode_batch(engine, None, prompts(), args.max_tokens)  # warm-up
         results: dict[str, list[Run]] = {"off": [], "on": []}
         for round_index in range(args.rounds):
-            for mode in (("off", "on") if round_index % 2 == 0 else ("on", "off")):
-                results[mode].append(await decode_batch(engine, metrics if mode == "on" else None, prompts(),
-                                                        args.max_tokens))
+            for mode in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
+                results[mode].append(
+                    await decode_batch(
+                        engine, metrics if mode == "on" else None, prompts(), args.max_tokens
+                    )
+                )
         return results
+
     results = asyncio.run(ab())
 
     # The loop's work per step, and a scrape (the engine answers ReadCounters between two steps).
@@ -104,6 +130,7 @@ def main() -> None:
     def observe():
         stats["iter"] += 1
         metrics.observe_step(stats)
+
     observe_us = per_call_us(observe, 20000)
 
     async def scrape_ms():
@@ -117,23 +144,33 @@ def main() -> None:
             return (time.perf_counter() - started) / 50 * 1e3
         finally:
             core.stop()
+
     scrape = asyncio.run(scrape_ms())
 
-    print(f"tiny model, CPU, batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} tokens each, "
-          f"{args.rounds} interleaved rounds; floor: 0 (nothing added to the engine thread's step)")
+    print(
+        f"tiny model, CPU, batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} tokens each, "
+        f"{args.rounds} interleaved rounds; floor: 0 (nothing added to the engine thread's step)"
+    )
     print("| measurement | metrics off | metrics on | difference |")
     print("| --- | --- | --- | --- |")
-    for label, field in (("engine thread CPU per step", "engine_cpu_ms"), ("loop thread CPU per step", "loop_cpu_ms"),
-                         ("wall per step", "wall_ms")):
+    for label, field in (
+        ("engine thread CPU per step", "engine_cpu_ms"),
+        ("loop thread CPU per step", "loop_cpu_ms"),
+        ("wall per step", "wall_ms"),
+    ):
         off = statistics.median(getattr(r, field) for r in results["off"])
         on = statistics.median(getattr(r, field) for r in results["on"])
         change = f"{on - off:+.3f} ms ({(on / off - 1) * 100:+.1f}%)"
         print(f"| {label} (median of rounds), ms | {off:.3f} | {on:.3f} | {change} |")
     wall_off = statistics.median(r.wall_ms for r in results["off"])
-    print(f"| loop work per step (3 histogram observations), us | - | {observe_us:.1f} | "
-          f"{observe_us / 1e3 / wall_off * 100:.2f}% of a step |")
-    print(f"| one scrape (all families, ReadCounters round trip), ms | - | {scrape:.2f} | every 15 s: "
-          f"{scrape / 15e3 * 100:.3f}% of the time |")
+    print(
+        f"| loop work per step (3 histogram observations), us | - | {observe_us:.1f} | "
+        f"{observe_us / 1e3 / wall_off * 100:.2f}% of a step |"
+    )
+    print(
+        f"| one scrape (all families, ReadCounters round trip), ms | - | {scrape:.2f} | every 15 s: "
+        f"{scrape / 15e3 * 100:.3f}% of the time |"
+    )
 
 
 if __name__ == "__main__":

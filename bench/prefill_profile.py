@@ -14,6 +14,7 @@
    step's input upload and after its graph (decode_timeline): whether the GPU waits for the host
    between graphs, and the host's time from a step's draws on the host to the next upload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from serve import SHAPES, _sync, write_checkpoint
 
 BF16_DENSE_TFLOPS = 989.0
-KINDS = (("attention", ("_attention_kernel", "_merge_splits")), ("add+rmsnorm", ("_rms_norm",)),
-         ("rope+kv store", ("_rope_store_kv", "_store_kv")), ("swiglu", ("_silu",)), ("gemv", ("_gemv",)),
-         ("sampler", ("sort", "topk", "softmax", "argmax", "exponential", "_sample", "reduce")))
+KINDS = (
+    ("attention", ("_attention_kernel", "_merge_splits")),
+    ("add+rmsnorm", ("_rms_norm",)),
+    ("rope+kv store", ("_rope_store_kv", "_store_kv")),
+    ("swiglu", ("_silu",)),
+    ("gemv", ("_gemv",)),
+    ("sampler", ("sort", "topk", "softmax", "argmax", "exponential", "_sample", "reduce")),
+)
 GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90")
 
 
@@ -44,12 +49,23 @@ def kind_of(name: str) -> str:
 
 def gemm_rates(device: torch.device) -> None:
     import triton.testing
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
     print("the 8B layer's GEMMs, TFLOP/s (dense bf16 peak 989):")
-    print(f"  {'rows':>5} {'gemm':<8}" + "".join(f"{lib + ' ms':>14}{'TFLOP/s':>9}" for lib in ("cublas", "cublaslt")))
+    print(
+        f"  {'rows':>5} {'gemm':<8}"
+        + "".join(f"{lib + ' ms':>14}{'TFLOP/s':>9}" for lib in ("cublas", "cublaslt"))
+    )
     gen = torch.Generator(device).manual_seed(0)
-    weights = {name: torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
-               for name, shape in shapes.items()}
+    weights = {
+        name: torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
+        for name, shape in shapes.items()
+    }
     for rows in (256, 2048, 8192):
         total = {"cublas": 0.0, "cublaslt": 0.0}
         for name, weight in weights.items():
@@ -58,13 +74,18 @@ def gemm_rates(device: torch.device) -> None:
             line = f"  {rows:5d} {name:<8}"
             for lib in total:
                 torch.backends.cuda.preferred_blas_library(lib)
-                ms = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=10, rep=50, return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda: F.linear(x, weight), warmup=10, rep=50, return_mode="median"
+                )
                 total[lib] += ms
                 line += f"{ms:14.4f}{flops / ms / 1e9:9.0f}"
             print(line)
         layer_flops = 2 * rows * sum(w.numel() for w in weights.values())
-        print(f"  {rows:5d} {'layer':<8}" + "".join(f"{ms:14.4f}{layer_flops / ms / 1e9:9.0f}" for ms in total.values())
-              + f"   x32 layers: {total['cublas'] * 32:.1f} / {total['cublaslt'] * 32:.1f} ms")
+        print(
+            f"  {rows:5d} {'layer':<8}"
+            + "".join(f"{ms:14.4f}{layer_flops / ms / 1e9:9.0f}" for ms in total.values())
+            + f"   x32 layers: {total['cublas'] * 32:.1f} / {total['cublaslt'] * 32:.1f} ms"
+        )
     torch.backends.cuda.preferred_blas_library("cublas")
 
 
@@ -73,9 +94,17 @@ def idle_gaps(prof, window: str) -> None:
     (the largest gaps, with the kernels around them) and after its last kernel."""
     events = prof.events()
     # The window's CPU range (record_function also puts a same-named range on the GPU's timeline).
-    (span,) = [e for e in events if e.name == window and e.device_type == torch.autograd.DeviceType.CPU]
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0),
-                     key=lambda e: e.time_range.start)
+    (span,) = [
+        e for e in events if e.name == window and e.device_type == torch.autograd.DeviceType.CPU
+    ]
+    kernels = sorted(
+        (
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ),
+        key=lambda e: e.time_range.start,
+    )
     if not kernels:
         return
     gaps, reach, idle = [], kernels[0].time_range.end, 0.0
@@ -87,8 +116,10 @@ def idle_gaps(prof, window: str) -> None:
         reach = max(reach, kernel.time_range.end)
     lead = kernels[0].time_range.start - span.time_range.start
     tail = span.time_range.end - reach
-    print(f"  GPU idle (profiler on, CPU ops recorded): {lead / 1e3:.2f} ms before the first kernel, "
-          f"{idle / 1e3:.2f} ms between kernels ({len(gaps)} gaps), {tail / 1e3:.2f} ms after the last")
+    print(
+        f"  GPU idle (profiler on, CPU ops recorded): {lead / 1e3:.2f} ms before the first kernel, "
+        f"{idle / 1e3:.2f} ms between kernels ({len(gaps)} gaps), {tail / 1e3:.2f} ms after the last"
+    )
     for gap, before, after in sorted(gaps, reverse=True)[:6]:
         print(f"    {gap / 1e3:7.3f} ms  after {before}  before {after}")
 
@@ -97,6 +128,7 @@ def kernel_breakdown(title: str, run) -> None:
     """Runs `run` twice: profiled on the GPU only (the kernel times by kind), then with CPU ops
     recorded too (the window idle_gaps needs; that recording slows the host, so not for times)."""
     from torch.profiler import ProfilerActivity, profile, record_function
+
     _sync(torch.device("cuda"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -106,7 +138,9 @@ def kernel_breakdown(title: str, run) -> None:
     by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
     top: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        total = (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) / 1e3
+        total = (
+            getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        ) / 1e3
         if total <= 0:
             continue
         kind = kind_of(event.key)
@@ -134,6 +168,7 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
     sampler's kernels, then idle if the host had not queued the next step yet), and the host's
     time from a step's draws to the next upload."""
     from tandem.engine import sampler as sampler_module
+
     runner = engine.runner
     marks: list[tuple[str, torch.cuda.Event, float]] = []
 
@@ -141,7 +176,12 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         marks.append((kind, event, time.perf_counter()))
-    upload, run, to_host = runner.inputs.upload, runner.graphs.run, sampler_module.SampledBatch.to_host
+
+    upload, run, to_host = (
+        runner.inputs.upload,
+        runner.graphs.run,
+        sampler_module.SampledBatch.to_host,
+    )
 
     def timed_upload(step):
         mark("upload")
@@ -156,6 +196,7 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
         result = to_host(batch)
         marks.append(("draws", None, time.perf_counter()))
         return result
+
     runner.inputs.upload, runner.graphs.run = timed_upload, timed_run
     sampler_module.SampledBatch.to_host = timed_to_host
     try:
@@ -168,7 +209,9 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
     uploads = [(e, t) for kind, e, t in marks if kind == "upload"]
     graphs = [(e, t) for kind, e, t in marks if kind == "graph"]
     if len(uploads) != len(graphs):  # an eager step uploads too: the rows would pair wrong steps
-        raise RuntimeError(f"{len(uploads)} uploads for {len(graphs)} graph replays: not every step was a graph")
+        raise RuntimeError(
+            f"{len(uploads)} uploads for {len(graphs)} graph replays: not every step was a graph"
+        )
     draws = [t for kind, _, t in marks if kind == "draws"]
     print(f"graph decode steps as the engine runs them ({len(graphs)} steps; ms):")
     print("   gpu step  upload+graph  gap after graph  host: draws -> next upload")
@@ -184,35 +227,56 @@ def decode_timeline(engine, num_steps: int = 12) -> None:
         print(f"  {step:9.3f} {body:13.3f} {gap:16.3f} {host:27.3f}")
     if rows:
         med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
-        print(f"  median: step {med[0]:.3f}, upload+graph {med[1]:.3f}, gap {med[2]:.3f}, host {med[3]:.3f}")
+        print(
+            f"  median: step {med[0]:.3f}, upload+graph {med[1]:.3f}, gap {med[2]:.3f}, host {med[3]:.3f}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", default="/dev/shm/tandem-llama-3.1-8b-bf16")
     parser.add_argument("--skip-gemms", action="store_true", help="leave out part 1")
     args = parser.parse_args()
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions
+
     device = torch.device("cuda")
-    print(f"# bench/prefill_profile.py; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    print(
+        f"# bench/prefill_profile.py; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
+    )
     if not args.skip_gemms:
         gemm_rates(device)
     shape = SHAPES["llama-3.1-8b"]
     write_checkpoint(Path(args.model_dir), shape, device)
-    engine = LLMEngine(EngineConfig(args.model_dir, device="cuda", dtype="bfloat16", kv_cache_memory_gb=30,
-                                    max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096))
+    engine = LLMEngine(
+        EngineConfig(
+            args.model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            kv_cache_memory_gb=30,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=4096,
+        )
+    )
     rng = random.Random(0)
     vocab = shape["vocab_size"]
     prompt = [rng.randrange(3, vocab) for _ in range(2048)]
     first = iter(range(3, vocab))
 
     def one_prompt():
-        engine.add_request(f"ttft-{time.perf_counter_ns()}", [next(first)] + prompt[1:], SamplingOptions(max_tokens=1))
+        engine.add_request(
+            f"ttft-{time.perf_counter_ns()}",
+            [next(first)] + prompt[1:],
+            SamplingOptions(max_tokens=1),
+        )
         while engine.num_unfinished:
             engine.step()
+
     walls = []
     for _ in range(6):
         _sync(device)
@@ -225,7 +289,9 @@ def main() -> None:
     opts = SamplingOptions(max_tokens=64, ignore_eos=True)
     for i in range(256):
         engine.add_request(f"d{i}", [rng.randrange(3, vocab) for _ in range(512)], opts)
-    while any(s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting):
+    while any(
+        s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting
+    ):
         engine.step()
     for _ in range(3):
         engine.step()

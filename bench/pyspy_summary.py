@@ -3,6 +3,7 @@
 
     python bench/pyspy_summary.py PROFILE.txt [--top 25]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ def summarize(path: str, top: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("profile")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()

@@ -19,6 +19,7 @@ request's backlog into fewer messages) is bench/router_capacity.py's measure.
 With --stream-interval N > 1 a second router (`--stream-interval N`) streams the same workload:
 the same tokens in about N times fewer messages to the clients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,6 @@ import os
 import platform
 import time
 
-import grpc
 import psutil
 
 from tandem.engine.checkpoints import tiny_model_dir
@@ -52,7 +52,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _latency(stubs: dict[str, llm_pb2_grpc.AsyncLLMStub], samples: int) -> dict[str, list[float]]:
+async def _latency(
+    stubs: dict[str, llm_pb2_grpc.AsyncLLMStub], samples: int
+) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in stubs}
     request = _request(1, [1, 5, 6, 7])
     for i in range(samples + 20):
@@ -65,7 +67,9 @@ async def _latency(stubs: dict[str, llm_pb2_grpc.AsyncLLMStub], samples: int) ->
     return times
 
 
-async def _stream(stub: llm_pb2_grpc.AsyncLLMStub, streams: int, tokens: int) -> tuple[int, int, float]:
+async def _stream(
+    stub: llm_pb2_grpc.AsyncLLMStub, streams: int, tokens: int
+) -> tuple[int, int, float]:
     """(tokens received, messages received, seconds)."""
     counts = [0, 0]
 
@@ -73,6 +77,7 @@ async def _stream(stub: llm_pb2_grpc.AsyncLLMStub, streams: int, tokens: int) ->
         async for msg in stub.Generate(_request(tokens, [1, 5 + i % 50, 6, 7])):
             counts[0] += sum(len(o.token_ids) for o in msg.outputs)
             counts[1] += 1
+
     started = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(streams)))
     return counts[0], counts[1], time.perf_counter() - started
@@ -85,16 +90,29 @@ def _cpu_s(process: psutil.Process) -> float:
 
 async def main(args) -> None:
     model = tiny_model_dir()
-    engine_args = ["--model", str(model), "--num-blocks", "2048", "--block-size", "16", "--max-num-seqs", "128"]
+    engine_args = [
+        "--model",
+        str(model),
+        "--num-blocks",
+        "2048",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "128",
+    ]
     interval_name = f"router/{args.stream_interval}"
     with LocalCluster(roles=["both"], engine_args=engine_args, metrics=False) as cluster:
         credentials = cluster.credentials
         channels = [credentials.open(cluster.address), credentials.open(cluster.workers[0].address)]
-        stubs = {"router": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[0]),
-                 "direct": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[1])}
+        stubs = {
+            "router": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[0]),
+            "direct": credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[1]),
+        }
         processes = {"router": psutil.Process(cluster.router.process.pid)}
         if args.stream_interval > 1:
-            service = cluster.add_router("router-interval", ["--stream-interval", str(args.stream_interval)])
+            service = cluster.add_router(
+                "router-interval", ["--stream-interval", str(args.stream_interval)]
+            )
             channels.append(credentials.open(service.address))
             stubs[interval_name] = credentials.stub(llm_pb2_grpc.AsyncLLMStub, channels[-1])
             processes[interval_name] = psutil.Process(service.process.pid)
@@ -108,43 +126,65 @@ async def main(args) -> None:
         for name in stubs:
             process = processes.get(name, processes["router"])
             cpu_before = _cpu_s(process)
-            num_tokens, num_messages, seconds = await _stream(stubs[name], args.streams, args.tokens)
+            num_tokens, num_messages, seconds = await _stream(
+                stubs[name], args.streams, args.tokens
+            )
             results[name] = (num_tokens, num_messages, seconds, _cpu_s(process) - cpu_before)
         for channel in channels:
             await channel.close()
 
-    print(f"# bench/router.py  {time.strftime('%Y-%m-%d')}  {platform.node()}  {os.cpu_count()} CPUs  "
-          f"{platform.processor() or platform.machine()}")
+    print(
+        f"# bench/router.py  {time.strftime('%Y-%m-%d')}  {platform.node()}  {os.cpu_count()} CPUs  "
+        f"{platform.processor() or platform.machine()}"
+    )
     print(f"latency, {args.samples} calls each (4-token prompt, max_tokens=1), ms:")
     print(f"{'':10}{'p50':>8}{'p99':>8}")
     for name in ("direct", "router"):
         print(f"{name:10}{_percentile(times[name], 0.5):8.2f}{_percentile(times[name], 0.99):8.2f}")
     added_p50 = _percentile(times["router"], 0.5) - _percentile(times["direct"], 0.5)
     added_p99 = _percentile(times["router"], 0.99) - _percentile(times["direct"], 0.99)
-    print(f"{'added':10}{added_p50:8.2f}{added_p99:8.2f}   goal: p50 added < {GOAL_ADDED_P50_MS:.0f} ms")
+    print(
+        f"{'added':10}{added_p50:8.2f}{added_p99:8.2f}   goal: p50 added < {GOAL_ADDED_P50_MS:.0f} ms"
+    )
     print(f"router CPU per call: {router_cpu_per_call * 1e3:.2f} ms")
     print(f"\nstreaming, {args.streams} streams x {args.tokens} tokens:")
-    print(f"{'':10}{'tokens':>8}{'msgs':>8}{'wall s':>8}{'tok/s':>9}{'router cpu s':>14}{'tok/router-core-s':>19}")
+    print(
+        f"{'':10}{'tokens':>8}{'msgs':>8}{'wall s':>8}{'tok/s':>9}{'router cpu s':>14}{'tok/router-core-s':>19}"
+    )
     for name, (num_tokens, num_messages, seconds, cpu) in results.items():
         routed = name != "direct"
         per_core = f"{num_tokens / cpu:19,.0f}" if routed and cpu > 0 else f"{'-':>19}"
-        print(f"{name:10}{num_tokens:8d}{num_messages:8d}{seconds:8.2f}{num_tokens / seconds:9,.0f}"
-              f"{cpu if routed else 0:14.2f}{per_core}")
+        print(
+            f"{name:10}{num_tokens:8d}{num_messages:8d}{seconds:8.2f}{num_tokens / seconds:9,.0f}"
+            f"{cpu if routed else 0:14.2f}{per_core}"
+        )
     if args.stream_interval > 1:
-        print(f"({interval_name}: a router with --stream-interval {args.stream_interval}, >= "
-              f"{args.stream_interval} tokens a message but the first and the last)")
-    print(f"goal: >= {GOAL_TOKENS_PER_CORE:,} streamed tokens/s per router core (the wall rate is the "
-          f"worker's engine on this CPU; per core = tokens / router CPU seconds, at this load: the "
-          f"tokens/s a saturated core carries is bench/router_capacity.py's)")
-    ratio = (results["router"][0] / results["router"][2]) / (results["direct"][0] / results["direct"][2])
+        print(
+            f"({interval_name}: a router with --stream-interval {args.stream_interval}, >= "
+            f"{args.stream_interval} tokens a message but the first and the last)"
+        )
+    print(
+        f"goal: >= {GOAL_TOKENS_PER_CORE:,} streamed tokens/s per router core (the wall rate is the "
+        f"worker's engine on this CPU; per core = tokens / router CPU seconds, at this load: the "
+        f"tokens/s a saturated core carries is bench/router_capacity.py's)"
+    )
+    ratio = (results["router"][0] / results["router"][2]) / (
+        results["direct"][0] / results["direct"][2]
+    )
     print(f"wall-clock rate through the router / direct: {ratio:.2f}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="also stream through a router with this --stream-interval (1: not)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="also stream through a router with this --stream-interval (1: not)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -10,14 +10,15 @@ in the same run; the logits rotate through copies twice the L2's size, so each c
 
 On a CPU only torch's path and the sampler are timed (the kernels and the floor need CUDA).
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 import torch
-
 from serve import copy_bandwidth
+
 from tandem.engine.sampler import Sampler
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.kernels import greedy
@@ -61,21 +62,28 @@ def wall_ms(device: torch.device, fn, calls: int = 50) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--batches", default="1,32,64,256")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    print(f"# bench/sampler.py; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; "
-          f"torch {torch.__version__}; vocab {args.vocab}")
+    print(
+        f"# bench/sampler.py; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {name}; "
+        f"torch {torch.__version__}; vocab {args.vocab}"
+    )
     copy_gbs = copy_bandwidth(device) if on_gpu else float("nan")
     if on_gpu:
         from tandem.kernels import greedy_triton
+
         print(f"device copy {copy_gbs:.0f} GB/s (read + write)")
-    print(f"{'rows':>5} {'floor ms':>9} {'torch ops ms':>13} {'kernels ms':>11} {'x floor':>8} "
-          f"{'sample(), torch ms':>19} {'sample(), kernels ms':>21}")
+    print(
+        f"{'rows':>5} {'floor ms':>9} {'torch ops ms':>13} {'kernels ms':>11} {'x floor':>8} "
+        f"{'sample(), torch ms':>19} {'sample(), kernels ms':>21}"
+    )
     gen = torch.Generator(device).manual_seed(0)
     for rows in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(rows, args.vocab, generator=gen, device=device) * 4
@@ -93,12 +101,17 @@ def main() -> None:
 
         def sample():
             sampler.sample(logits, options, *empty).to_host()
-        torch_ops = graph_ms(greedy.greedy_draw, copies) if on_gpu else wall_ms(
-            device, lambda: greedy.greedy_draw(logits))
+
+        torch_ops = (
+            graph_ms(greedy.greedy_draw, copies)
+            if on_gpu
+            else wall_ms(device, lambda: greedy.greedy_draw(logits))
+        )
         if on_gpu:
             fused = graph_ms(greedy_triton.greedy_draw, copies)
             sample_kernels = wall_ms(device, sample)
             import tandem.kernels.dispatch as dispatch
+
             original, dispatch.greedy_draw = dispatch.greedy_draw, greedy.greedy_draw
             try:
                 sample_torch = wall_ms(device, sample)
@@ -107,8 +120,10 @@ def main() -> None:
         else:
             fused = sample_kernels = float("nan")
             sample_torch = wall_ms(device, sample)
-        print(f"{rows:5d} {floor:9.4f} {torch_ops:13.4f} {fused:11.4f} {fused / floor:8.2f} "
-              f"{sample_torch:19.4f} {sample_kernels:21.4f}")
+        print(
+            f"{rows:5d} {floor:9.4f} {torch_ops:13.4f} {fused:11.4f} {fused / floor:8.2f} "
+            f"{sample_torch:19.4f} {sample_kernels:21.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ all-reduce of a decode step's hidden states times the all-reduces a step makes (
 embedding), plus the logits all-gather. The issue's goal: TP2 bs1 step <= 1.3 x (TP1 floor / 2 +
 all-reduce time). Not run on 2 GPUs yet: no numbers are claimed for it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,21 @@ def decode_rates(model_dir: Path, tp: int, device: str, steps: int, vocab: int) 
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions
+
     on_cuda = device.startswith("cuda")
-    engine = LLMEngine(EngineConfig(str(model_dir), device=device, dtype="bfloat16" if on_cuda else "float32",
-                                    kv_cache_memory_gb=16 if on_cuda else 0.25, max_num_seqs=max(BATCHES),
-                                    max_num_batched_tokens=max(BATCHES) * PROMPT_LEN, max_model_len=2048,
-                                    tensor_parallel_size=tp, max_loras=0))
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dir),
+            device=device,
+            dtype="bfloat16" if on_cuda else "float32",
+            kv_cache_memory_gb=16 if on_cuda else 0.25,
+            max_num_seqs=max(BATCHES),
+            max_num_batched_tokens=max(BATCHES) * PROMPT_LEN,
+            max_model_len=2048,
+            tensor_parallel_size=tp,
+            max_loras=0,
+        )
+    )
     rng = random.Random(SEED)
     torch_device = torch.device(device)
     rates = {}
@@ -52,8 +63,15 @@ def decode_rates(model_dir: Path, tp: int, device: str, steps: int, vocab: int) 
         for batch in BATCHES:
             opts = SamplingOptions(max_tokens=100_000, ignore_eos=True)
             for i in range(batch):
-                engine.add_request(f"tp{tp}-b{batch}-{i}", [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)], opts)
-            while any(s.num_output_tokens == 0 for s in engine.scheduler.running + engine.scheduler.waiting):
+                engine.add_request(
+                    f"tp{tp}-b{batch}-{i}",
+                    [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)],
+                    opts,
+                )
+            while any(
+                s.num_output_tokens == 0
+                for s in engine.scheduler.running + engine.scheduler.waiting
+            ):
                 engine.step()
             for _ in range(3):  # graph capture and warm-up
                 engine.step()
@@ -101,13 +119,21 @@ dist.destroy_process_group()
 def collective_ms(hidden: int, vocab: int, batch: int) -> tuple[float, float]:
     """(one all-reduce of [batch, hidden], one all-gather of [batch, vocab / 2]) in ms, 2 ranks."""
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     args = [str(batch * hidden), str(batch * -(-vocab // 2))]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
-    procs = [subprocess.Popen([sys.executable, "-c", _ALL_REDUCE, str(rank), port, *args], env=env,
-                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ALL_REDUCE, str(rank), port, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     out = procs[0].communicate(timeout=300)[0]
     procs[1].wait(timeout=60)
     reduce_ms, gather_ms = (float(v) for v in out.split())
@@ -115,36 +141,55 @@ def collective_ms(hidden: int, vocab: int, batch: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: llama-3.1-8b on CUDA, tiny on CPU")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="default: llama-3.1-8b on CUDA, tiny on CPU",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps per row")
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     if on_cuda and torch.cuda.device_count() < 2:
-        sys.exit("bench/tensor_parallel.py needs 2 GPUs for TP2 (this host has 1); use --shape tiny on the CPU")
+        sys.exit(
+            "bench/tensor_parallel.py needs 2 GPUs for TP2 (this host has 1); use --shape tiny on the CPU"
+        )
     shape_name = args.shape or ("llama-3.1-8b" if on_cuda else "tiny")
     shape = SHAPES[shape_name]
     steps = args.steps or (50 if on_cuda else 5)
     device = "cuda:0" if on_cuda else "cpu"
     torch.manual_seed(SEED)
-    model_dir = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "bench" / f"tp-{shape_name}"
+    model_dir = (
+        Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+        / "bench"
+        / f"tp-{shape_name}"
+    )
     write_checkpoint(model_dir, shape, torch.device(device))
     copy_gbs = copy_bandwidth(torch.device(device))
     floor_ms = {tp: decode_bytes(shape) / tp / (copy_gbs / 2 * 1e9) * 1e3 for tp in (1, 2)}
     rates = {tp: decode_rates(model_dir, tp, device, steps, shape["vocab_size"]) for tp in (1, 2)}
     num_reduces = 2 * shape["num_hidden_layers"] + 1
-    print(f"# TP2 vs TP1 decode, {shape_name} shape, {'bf16 on ' + torch.cuda.get_device_name(0) if on_cuda else 'CPU'}; "
-          f"device copy {copy_gbs:.0f} GB/s (read+write)")
-    print("| batch | TP1 ms/step | TP1 tok/s | TP2 ms/step | TP2 tok/s | TP1 floor ms | TP2 floor ms | "
-          f"all-reduce ms (x{num_reduces}) | all-gather ms | goal ms (1.3 x (TP1 floor/2 + comm)) |")
+    print(
+        f"# TP2 vs TP1 decode, {shape_name} shape, {'bf16 on ' + torch.cuda.get_device_name(0) if on_cuda else 'CPU'}; "
+        f"device copy {copy_gbs:.0f} GB/s (read+write)"
+    )
+    print(
+        "| batch | TP1 ms/step | TP1 tok/s | TP2 ms/step | TP2 tok/s | TP1 floor ms | TP2 floor ms | "
+        f"all-reduce ms (x{num_reduces}) | all-gather ms | goal ms (1.3 x (TP1 floor/2 + comm)) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for batch in BATCHES:
         reduce_ms, gather_ms = collective_ms(shape["hidden_size"], shape["vocab_size"], batch)
         comm_ms = reduce_ms * num_reduces + gather_ms
         goal = 1.3 * (floor_ms[1] / 2 + comm_ms)
-        print(f"| {batch} | {rates[1][batch]:.2f} | {batch / rates[1][batch] * 1e3:,.0f} | {rates[2][batch]:.2f} | "
-              f"{batch / rates[2][batch] * 1e3:,.0f} | {floor_ms[1]:.2f} | {floor_ms[2]:.2f} | "
-              f"{reduce_ms:.3f} ({reduce_ms * num_reduces:.2f}) | {gather_ms:.3f} | {goal:.2f} |")
+        print(
+            f"| {batch} | {rates[1][batch]:.2f} | {batch / rates[1][batch] * 1e3:,.0f} | {rates[2][batch]:.2f} | "
+            f"{batch / rates[2][batch] * 1e3:,.0f} | {floor_ms[1]:.2f} | {floor_ms[2]:.2f} | "
+            f"{reduce_ms:.3f} ({reduce_ms * num_reduces:.2f}) | {gather_ms:.3f} | {goal:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Per-step batch description shared by the model and the attention kernels."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,16 +50,20 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Builds metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are new."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+            raise ValueError(
+                "query_lens, seq_lens and block_tables must have one entry per sequence"
+            )
         slots: list[int] = []
         for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
             if not 0 < query_len <= seq_len:
                 raise ValueError(f"need 0 < query_len <= seq_len, got {query_len} and {seq_len}")
             if len(table) * block_size < seq_len:
-                raise ValueError(f"{len(table)} blocks of {block_size} cannot hold {seq_len} tokens")
+                raise ValueError(
+                    f"{len(table)} blocks of {block_size} cannot hold {seq_len} tokens"
+                )
             for pos in range(seq_len - query_len, seq_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         starts = [0]

@@ -4,6 +4,7 @@
 benchmarks can flip it); forcing triton on CPU tensors needs TRITON_INTERPRET=1.
 Triton is imported lazily: a CPU-only install without it still serves.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,9 @@ def _fused(device: torch.device) -> ModuleType:
     return _triton_module("fused_triton") if backend_for(device) == "triton" else fused_reference
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
     if backend_for(kv_layer.device) == "triton":
         _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping)
@@ -55,7 +58,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slo
         reference.store_kv(key, value, kv_layer, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D]."""
     if backend_for(kv_layer.device) == "triton":
         return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
@@ -66,8 +71,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _fused(x.device).rms_norm(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x)."""
     return _fused(x.device).add_rms_norm(x, residual, weight, eps)
 
@@ -76,10 +82,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _fused(gate_up.device).silu_and_mul(gate_up)
 
 
-def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
-    return _fused(kv_layer.device).rope_store_kv(query, key, value, positions, cos_sin, kv_layer, slot_mapping)
+    return _fused(kv_layer.device).rope_store_kv(
+        query, key, value, positions, cos_sin, kv_layer, slot_mapping
+    )
 
 
 def greedy_draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +112,9 @@ def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta) -> torch.Tensor:
     return lora_reference.lora_shrink(x, a_pool, meta)
 
 
-def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, slice_bounds: tuple[int, ...]) -> None:
+def lora_expand(
+    buf: torch.Tensor, b_pool: torch.Tensor, meta, y: torch.Tensor, slice_bounds: tuple[int, ...]
+) -> None:
     """y[t, slice] += shrink result @ B[slot(t), slice]^T, in place, for the tokens that use an adapter."""
     if backend_for(y.device) == "triton":
         _triton_module("lora_triton").lora_expand(buf, b_pool, meta, y, slice_bounds)
@@ -123,8 +140,16 @@ def _gemv_enabled() -> bool:
 
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One contiguous row with K >= 1 on the Triton backend, unless TANDEM_GEMV=off."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > 0 and x.is_contiguous() and weight.stride(1) == 1
-            and x.dtype == weight.dtype and backend_for(x.device) == "triton" and _gemv_enabled())
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.shape[1] > 0
+        and x.is_contiguous()
+        and weight.stride(1) == 1
+        and x.dtype == weight.dtype
+        and backend_for(x.device) == "triton"
+        and _gemv_enabled()
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

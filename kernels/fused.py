@@ -4,6 +4,7 @@ Each function rounds to the activation dtype exactly where transformers' Llama d
 (the Triton kernels in `fused_triton.py` copy those roundings), so a bf16 model gives
 the same numbers through either path, up to the order of a float32 sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm in one step: returns (rms_norm(residual + x), residual + x)."""
     total = residual + x
     return rms_norm(total, weight, eps), total
@@ -36,7 +38,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_cos_sin(inv_freq: torch.Tensor, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
     """[num_positions, head_dim]: cos of every rotary frequency in the first half, sin in the second,
     computed in float32 and cast once, as HF computes them per step."""
-    freqs = torch.arange(num_positions, dtype=torch.int64, device=inv_freq.device).float()[:, None] * inv_freq.float()
+    freqs = (
+        torch.arange(num_positions, dtype=torch.int64, device=inv_freq.device).float()[:, None]
+        * inv_freq.float()
+    )
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
@@ -48,8 +53,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
     the value to their KV slots (-1: skip) and returns the rotated query."""
     cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)

@@ -7,18 +7,32 @@ decode step these launches, not the bytes they move, were what cost (2.4 ms of a
 rounded to the activation dtype where the torch reference rounds them, so a bf16
 model computes the same numbers either way.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.launch_checks import FLOAT_DTYPES, check_index, check_kv_layer, check_tokens, require
+from tandem.kernels.launch_checks import (
+    FLOAT_DTYPES,
+    check_index,
+    check_kv_layer,
+    check_tokens,
+    require,
+)
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, weight_ptr, out_ptr, stride_x0, stride_x1, num_inner, n_cols, eps,
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_x0,
+    stride_x1,
+    num_inner,
+    n_cols,
+    eps,
     BLOCK_N: tl.constexpr,
 ):
     # Row r of a [R0, R1, N] view: (r // R1, r % R1); the q/k heads of a fused projection are such a view.
@@ -30,12 +44,24 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * n_cols + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row.to(tl.int64) * n_cols + cols,
+        (weight * normed).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, total_ptr, stride_x, stride_r, n_cols, eps,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    total_ptr,
+    stride_x,
+    stride_r,
+    n_cols,
+    eps,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -49,7 +75,9 @@ def _add_rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(total * total, 0) / n_cols + eps)
     normed = (total * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * n_cols + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
@@ -70,8 +98,20 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, row_in, stride_in_head, row_out, stride_out_head, cos, sin,
-            NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rotate(
+    x_ptr,
+    out_ptr,
+    row_in,
+    stride_in_head,
+    row_out,
+    stride_out_head,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
     """x * cos + rotate_half(x) * sin for one token's heads, rounded like the torch reference
     (in x's dtype: each product, then their sum)."""
     dtype = x_ptr.dtype.element_ty
@@ -90,30 +130,83 @@ def _rotate(x_ptr, out_ptr, row_in, stride_in_head, row_out, stride_out_head, co
 
 @triton.jit
 def _rope_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, kv_ptr, slot_ptr, q_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos_sin,
-    stride_block, stride_kv, stride_slot, stride_head,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    kv_ptr,
+    slot_ptr,
+    q_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos_sin,
+    stride_block,
+    stride_kv,
+    stride_slot,
+    stride_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     half = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + half, mask=half < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF + half, mask=half < HALF, other=0.0).to(tl.float32)
-    _rotate(q_ptr, q_out_ptr, token * stride_qt, stride_qh, token * NUM_HEADS * 2 * HALF, 2 * HALF, cos, sin,
-            NUM_HEADS, HEADS_PAD, HALF, HALF_PAD)
+    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + half, mask=half < HALF, other=0.0).to(
+        tl.float32
+    )
+    sin = tl.load(
+        cos_sin_ptr + position * stride_cos_sin + HALF + half, mask=half < HALF, other=0.0
+    ).to(tl.float32)
+    _rotate(
+        q_ptr,
+        q_out_ptr,
+        token * stride_qt,
+        stride_qh,
+        token * NUM_HEADS * 2 * HALF,
+        2 * HALF,
+        cos,
+        sin,
+        NUM_HEADS,
+        HEADS_PAD,
+        HALF,
+        HALF_PAD,
+    )
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
     if slot >= 0:
         # The rotated key goes straight to its cache slot (the layer's strides: [block, k/v, slot, head, dim]).
         dst = kv_ptr + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot
-        _rotate(k_ptr, dst, token * stride_kt, stride_kh, 0, stride_head, cos, sin,
-                NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
+        _rotate(
+            k_ptr,
+            dst,
+            token * stride_kt,
+            stride_kh,
+            0,
+            stride_head,
+            cos,
+            sin,
+            NUM_KV_HEADS,
+            KV_HEADS_PAD,
+            HALF,
+            HALF_PAD,
+        )
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         dims = tl.arange(0, 2 * HALF_PAD)[None, :]
         mask = (heads < NUM_KV_HEADS) & (dims < 2 * HALF)
         value = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-        tl.store(dst + stride_kv + heads * stride_head + dims, value.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            dst + stride_kv + heads * stride_head + dims,
+            value.to(kv_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def _row_block(n_cols: int) -> tuple[int, int]:
@@ -123,77 +216,148 @@ def _row_block(n_cols: int) -> tuple[int, int]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, N] or [T, H, N] (rows may be strided, e.g. heads of a fused projection) -> contiguous."""
-    require(x.dim() in (2, 3) and x.stride(-1) == 1, f"x must be [T, N] or [T, H, N] with unit last stride, "
-                                                     f"got {tuple(x.shape)} strides {x.stride()}")
-    require(weight.shape == (x.shape[-1],) and weight.dtype == x.dtype and x.dtype in FLOAT_DTYPES,
-            f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    require(
+        x.dim() in (2, 3) and x.stride(-1) == 1,
+        f"x must be [T, N] or [T, H, N] with unit last stride, "
+        f"got {tuple(x.shape)} strides {x.stride()}",
+    )
+    require(
+        weight.shape == (x.shape[-1],) and weight.dtype == x.dtype and x.dtype in FLOAT_DTYPES,
+        f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}",
+    )
     view = x if x.dim() == 3 else x.unsqueeze(1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = view.shape[0] * view.shape[1]
     if num_rows:
         block, warps = _row_block(x.shape[-1])
-        _rms_norm_kernel[(num_rows,)](view, weight, out, view.stride(0), view.stride(1), view.shape[1],
-                                      x.shape[-1], eps, BLOCK_N=block, num_warps=warps)
+        _rms_norm_kernel[(num_rows,)](
+            view,
+            weight,
+            out,
+            view.stride(0),
+            view.stride(1),
+            view.shape[1],
+            x.shape[-1],
+            eps,
+            BLOCK_N=block,
+            num_warps=warps,
+        )
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(residual + x), residual + x); x and residual [T, N]."""
-    require(x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype,
-            f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and weight "
-            f"{weight.dtype} must agree")
-    require(x.stride(-1) == 1 and residual.stride(-1) == 1 and weight.shape == (x.shape[1],),
-            "x and residual need unit last stride, weight one value per column")
+    require(
+        x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype,
+        f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and weight "
+        f"{weight.dtype} must agree",
+    )
+    require(
+        x.stride(-1) == 1 and residual.stride(-1) == 1 and weight.shape == (x.shape[1],),
+        "x and residual need unit last stride, weight one value per column",
+    )
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     total = torch.empty_like(out)
     if x.shape[0]:
         block, warps = _row_block(x.shape[1])
-        _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, total, x.stride(0), residual.stride(0),
-                                            x.shape[1], eps, BLOCK_N=block, num_warps=warps)
+        _add_rms_norm_kernel[(x.shape[0],)](
+            x,
+            residual,
+            weight,
+            out,
+            total,
+            x.stride(0),
+            residual.stride(0),
+            x.shape[1],
+            eps,
+            BLOCK_N=block,
+            num_warps=warps,
+        )
     return out, total
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of the fused gate/up projection [T, 2I] -> [T, I]."""
-    require(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
-            f"gate_up must be [T, 2I] with unit last stride, got {tuple(gate_up.shape)}")
+    require(
+        gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
+        f"gate_up must be [T, 2I] with unit last stride, got {tuple(gate_up.shape)}",
+    )
     num_tokens, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, n_cols, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(1024, triton.next_power_of_2(n_cols))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(n_cols, block))](
-            gate_up, out, gate_up.stride(0), n_cols, BLOCK_N=block, num_warps=4)
+            gate_up, out, gate_up.stride(0), n_cols, BLOCK_N=block, num_warps=4
+        )
     return out
 
 
-def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
-                  cos_sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
     the value to their KV slots (-1: skip) and returns the rotated query."""
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    require(query.dim() == 3 and query.shape[-1] == head_dim and head_dim % 2 == 0,
-            f"query must be [T, Hq, {head_dim}] (even head_dim), got {tuple(query.shape)}")
+    require(
+        query.dim() == 3 and query.shape[-1] == head_dim and head_dim % 2 == 0,
+        f"query must be [T, Hq, {head_dim}] (even head_dim), got {tuple(query.shape)}",
+    )
     check_tokens("query", query, query.shape[1], head_dim, kv_layer.device)
     check_tokens("key", key, num_kv_heads, head_dim, kv_layer.device)
     check_tokens("value", value, num_kv_heads, head_dim, kv_layer.device)
     check_index("positions", positions, 1, (torch.int32, torch.int64), kv_layer.device)
     check_index("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), kv_layer.device)
     num_tokens, num_heads = query.shape[0], query.shape[1]
-    require(key.shape[0] == value.shape[0] == positions.shape[0] == slot_mapping.shape[0] == num_tokens,
-            "query, key, value, positions and slot_mapping disagree on T")
-    require(query.dtype == key.dtype and cos_sin.dtype == query.dtype and cos_sin.shape[1] == head_dim
-            and cos_sin.stride(1) == 1, f"cos_sin must be [positions, {head_dim}] in {query.dtype}")
+    require(
+        key.shape[0] == value.shape[0] == positions.shape[0] == slot_mapping.shape[0] == num_tokens,
+        "query, key, value, positions and slot_mapping disagree on T",
+    )
+    require(
+        query.dtype == key.dtype
+        and cos_sin.dtype == query.dtype
+        and cos_sin.shape[1] == head_dim
+        and cos_sin.stride(1) == 1,
+        f"cos_sin must be [positions, {head_dim}] in {query.dtype}",
+    )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens:
         half = head_dim // 2
         _rope_store_kv_kernel[(num_tokens,)](
-            query, key, value, positions, cos_sin, kv_layer, slot_mapping, out,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            cos_sin.stride(0), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=half, HALF_PAD=triton.next_power_of_2(half),
-            BLOCK_SIZE=block_size, num_warps=4,
+            query,
+            key,
+            value,
+            positions,
+            cos_sin,
+            kv_layer,
+            slot_mapping,
+            out,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            cos_sin.stride(0),
+            kv_layer.stride(0),
+            kv_layer.stride(1),
+            kv_layer.stride(2),
+            kv_layer.stride(3),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            BLOCK_SIZE=block_size,
+            num_warps=4,
         )
     return out

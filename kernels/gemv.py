@@ -1,4 +1,5 @@
 """Torch references of the one-row linear kernels (gemv_triton.py), same signatures."""
+
 from __future__ import annotations
 
 import torch

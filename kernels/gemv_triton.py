@@ -9,6 +9,7 @@ summing once at the end: no tensor cores (nothing to share a tile with), no spli
 and enough programs (N / BLOCK_N) to have every SM's loads in flight from the first cycle.
 `silu_mul_gemv` also folds SwiGLU into down_proj's activation loads, one kernel fewer a layer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,9 +43,21 @@ def _activation(x_ptr, k0, ks, K, half, SILU: tl.constexpr, EVEN_K: tl.constexpr
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn, half,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    half,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last program's rows past N repeat row N-1: its loads need no mask, its stores have one.
     rows = tl.minimum(cols, N - 1).to(tl.int64)
@@ -73,41 +86,83 @@ def tile_for(N: int, K: int, silu: bool = False) -> tuple[int, int, int]:
     return (4, block_k, 4) if silu else (1, block_k, 8)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, K: int, silu: bool,
-            tile: tuple[int, int, int] | None) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    K: int,
+    silu: bool,
+    tile: tuple[int, int, int] | None,
+) -> torch.Tensor:
     N = weight.shape[0]
-    require(weight.dim() == 2 and weight.shape[1] == K, f"weight must be [N, {K}], got {tuple(weight.shape)}")
-    require(x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
-            f"x {x.dtype} and weight {weight.dtype} must share a float dtype")
+    require(
+        weight.dim() == 2 and weight.shape[1] == K,
+        f"weight must be [N, {K}], got {tuple(weight.shape)}",
+    )
+    require(
+        x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
+        f"x {x.dtype} and weight {weight.dtype} must share a float dtype",
+    )
     require(x.device == weight.device, f"x is on {x.device}, weight on {weight.device}")
-    require(x.is_contiguous() and weight.stride(1) == 1, "x must be contiguous and weight rows K-contiguous")
+    require(
+        x.is_contiguous() and weight.stride(1) == 1,
+        "x must be contiguous and weight rows K-contiguous",
+    )
     require(K > 0, "the GEMV needs K >= 1 (an empty product is F.linear's case)")
-    require(bias is None or (bias.shape == (N,) and bias.is_contiguous() and bias.dtype == x.dtype
-                             and bias.device == x.device),
-            f"bias must be a contiguous [{N}] {x.dtype} tensor on {x.device}")
+    require(
+        bias is None
+        or (
+            bias.shape == (N,)
+            and bias.is_contiguous()
+            and bias.dtype == x.dtype
+            and bias.device == x.device
+        ),
+        f"bias must be a contiguous [{N}] {x.dtype} tensor on {x.device}",
+    )
     block_n, block_k, num_warps = tile or tile_for(N, K, silu)
-    require(all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, num_warps)),
-            f"tile sizes must be powers of two, got {(block_n, block_k, num_warps)}")
+    require(
+        all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, num_warps)),
+        f"tile sizes must be powers of two, got {(block_n, block_k, num_warps)}",
+    )
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     if N:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _gemv_kernel[(triton.cdiv(N, block_n),)](
-                x, weight, bias if bias is not None else y, y, N, K, weight.stride(0), K,
-                HAS_BIAS=bias is not None, SILU=silu, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=num_warps)
+                x,
+                weight,
+                bias if bias is not None else y,
+                y,
+                N,
+                K,
+                weight.stride(0),
+                K,
+                HAS_BIAS=bias is not None,
+                SILU=silu,
+                EVEN_K=K % block_k == 0,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                num_warps=num_warps,
+            )
     return y
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
     """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N]."""
     require(x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row [1, K], got {tuple(x.shape)}")
     return _launch(x, weight, bias, x.shape[1], silu=False, tile=tile)
 
 
-def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor,
-                  tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+def silu_mul_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int, int] | None = None
+) -> torch.Tensor:
     """SwiGLU of gate_up [1, 2K] @ weight [N, K]^T -> [1, N], in one kernel."""
-    require(gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] % 2 == 0,
-            f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}")
+    require(
+        gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] % 2 == 0,
+        f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}",
+    )
     return _launch(gate_up, weight, None, gate_up.shape[1] // 2, silu=True, tile=tile)

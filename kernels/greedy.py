@@ -1,4 +1,5 @@
 """Torch reference of the greedy draw (greedy_triton.py), same signature: the CPU path and the oracle."""
+
 from __future__ import annotations
 
 import torch

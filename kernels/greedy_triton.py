@@ -10,6 +10,7 @@ are the torch path's for finite (and -inf) logits. A NaN or +inf logit is not to
 the id stays in the vocabulary but is not the one torch.argmax names (NaN counts as the max
 there), and a +inf makes the lse NaN (torch: inf).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,12 +25,22 @@ CHUNK = 2048  # 63 programs a row at a 128k vocabulary: enough to spread batch 1
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, V, stride_row, num_chunks,
-                  CHUNK: tl.constexpr):
+def _chunk_kernel(
+    logits_ptr,
+    part_max_ptr,
+    part_idx_ptr,
+    part_sum_ptr,
+    V,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf"))
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < V, other=float("-inf")
+    )
     m = tl.max(x, 0)
     # Lanes past V are -inf and sit after every real lane: a chunk of -inf alone still names a real index.
     idx = tl.min(tl.where(x == m, offs, 2147483647), 0)
@@ -41,8 +52,17 @@ def _chunk_kernel(logits_ptr, part_max_ptr, part_idx_ptr, part_sum_ptr, V, strid
 
 
 @triton.jit
-def _merge_kernel(part_max_ptr, part_idx_ptr, part_sum_ptr, ids_ptr, logprobs_ptr, lse_ptr, V, num_chunks,
-                  BLOCK_C: tl.constexpr):
+def _merge_kernel(
+    part_max_ptr,
+    part_idx_ptr,
+    part_sum_ptr,
+    ids_ptr,
+    logprobs_ptr,
+    lse_ptr,
+    V,
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     valid = c < num_chunks
@@ -61,16 +81,25 @@ def _merge_kernel(part_max_ptr, part_idx_ptr, part_sum_ptr, ids_ptr, logprobs_pt
     tl.store(lse_ptr + row, lse)
 
 
-def greedy_draw(logits: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_draw(
+    logits: torch.Tensor, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits float32 [R, V] -> (ids int64 [R]: each row's argmax, the first on ties as torch.argmax;
     logprobs float32 [R]: the id's log-probability; lse float32 [R]: the row's log-sum-exp)."""
-    require(logits.dim() == 2 and logits.dtype == torch.float32,
-            f"greedy_draw takes float32 logits [R, V], got {logits.dtype} {tuple(logits.shape)}")
+    require(
+        logits.dim() == 2 and logits.dtype == torch.float32,
+        f"greedy_draw takes float32 logits [R, V], got {logits.dtype} {tuple(logits.shape)}",
+    )
     require(logits.stride(1) == 1, "greedy_draw needs each row of the logits contiguous")
     require(chunk > 0 and chunk & (chunk - 1) == 0, f"chunk must be a power of two, got {chunk}")
     num_rows, vocab = logits.shape
-    require(0 < vocab <= 2 ** 31 - chunk, f"greedy_draw needs 1 <= V <= 2**31 - chunk, got V = {vocab}")
-    require(triton.cdiv(vocab, chunk) <= 65535, f"V = {vocab} needs more than 65535 chunks of {chunk}: a larger chunk")
+    require(
+        0 < vocab <= 2**31 - chunk, f"greedy_draw needs 1 <= V <= 2**31 - chunk, got V = {vocab}"
+    )
+    require(
+        triton.cdiv(vocab, chunk) <= 65535,
+        f"V = {vocab} needs more than 65535 chunks of {chunk}: a larger chunk",
+    )
     device = logits.device
     ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
@@ -82,8 +111,27 @@ def greedy_draw(logits: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor,
     part_sum = torch.empty_like(part_max)
     part_idx = torch.empty(num_rows * num_chunks, dtype=torch.int32, device=device)
     with torch.cuda.device(device) if logits.is_cuda else contextlib.nullcontext():
-        _chunk_kernel[(num_rows, num_chunks)](logits, part_max, part_idx, part_sum, vocab, logits.stride(0),
-                                              num_chunks, CHUNK=chunk, num_warps=4)
-        _merge_kernel[(num_rows,)](part_max, part_idx, part_sum, ids, logprobs, lse, vocab, num_chunks,
-                                   BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+        _chunk_kernel[(num_rows, num_chunks)](
+            logits,
+            part_max,
+            part_idx,
+            part_sum,
+            vocab,
+            logits.stride(0),
+            num_chunks,
+            CHUNK=chunk,
+            num_warps=4,
+        )
+        _merge_kernel[(num_rows,)](
+            part_max,
+            part_idx,
+            part_sum,
+            ids,
+            logprobs,
+            lse,
+            vocab,
+            num_chunks,
+            BLOCK_C=triton.next_power_of_2(num_chunks),
+            num_warps=1,
+        )
     return ids, logprobs, lse

@@ -22,6 +22,7 @@ outside every segment are never read: they may hold anything.
 
 The adapter's scaling (alpha / r) is folded into B when the adapter is loaded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class LoRAMetadata:
     token_order[slot_starts[s]:slot_starts[s + 1]]; slot_starts[num_slots] is the number
     of tokens that use an adapter.
     """
+
     token_order: torch.Tensor
     slot_starts: torch.Tensor
 
@@ -53,16 +55,19 @@ class LoRAMetadata:
     def host_arrays(token_slots, num_slots: int):
         """(token_order, slot_starts) as numpy int32 for per-token slots (-1: no adapter)."""
         import numpy as np
+
         slots = np.asarray(token_slots, dtype=np.int64)
         if slots.size and (slots.max() >= num_slots or slots.min() < -1):
-            raise ValueError(f"token slots must be in [-1, {num_slots}), got {sorted(set(slots.tolist()))}")
+            raise ValueError(
+                f"token slots must be in [-1, {num_slots}), got {sorted(set(slots.tolist()))}"
+            )
         key = np.where(slots < 0, num_slots, slots)  # tokens without an adapter go last
         order = np.argsort(key, kind="stable").astype(np.int32)
         starts = np.searchsorted(key[order], np.arange(num_slots + 1), side="left").astype(np.int32)
         return order, starts
 
     @classmethod
-    def build(cls, token_slots, num_slots: int, device: torch.device | str = "cpu") -> "LoRAMetadata":
+    def build(cls, token_slots, num_slots: int, device: torch.device | str = "cpu") -> LoRAMetadata:
         order, starts = cls.host_arrays(token_slots, num_slots)
         return cls(torch.from_numpy(order).to(device), torch.from_numpy(starts).to(device))
 
@@ -71,7 +76,7 @@ def _segments(meta: LoRAMetadata):
     starts = meta.slot_starts.tolist()
     for slot in range(meta.num_slots):
         if starts[slot + 1] > starts[slot]:
-            yield slot, meta.token_order[starts[slot]:starts[slot + 1]].long()
+            yield slot, meta.token_order[starts[slot] : starts[slot + 1]].long()
 
 
 def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta: LoRAMetadata) -> torch.Tensor:
@@ -82,14 +87,19 @@ def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta: LoRAMetadata) -> to
     return out
 
 
-def lora_expand(buf: torch.Tensor, b_pool: torch.Tensor, meta: LoRAMetadata, y: torch.Tensor,
-                slice_bounds: tuple[int, ...]) -> None:
+def lora_expand(
+    buf: torch.Tensor,
+    b_pool: torch.Tensor,
+    meta: LoRAMetadata,
+    y: torch.Tensor,
+    slice_bounds: tuple[int, ...],
+) -> None:
     """y[t, lo:hi] += round(buf[:, t, s*R:(s+1)*R].sum(0)) @ B[slot(t), lo:hi]^T for each slice s = (lo, hi)
     of slice_bounds (b_pool [num_slots, N_out, R], y [T, N_out]); in place."""
     rank = b_pool.shape[2]
     summed = buf.sum(0)
     for slot, rows in _segments(meta):
         for s, (lo, hi) in enumerate(zip(slice_bounds[:-1], slice_bounds[1:])):
-            low_rank = summed[rows, s * rank:(s + 1) * rank].to(b_pool.dtype).float()
+            low_rank = summed[rows, s * rank : (s + 1) * rank].to(b_pool.dtype).float()
             delta = low_rank @ b_pool[slot, lo:hi].float().T
             y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)

@@ -5,6 +5,7 @@ block-major so that one block of every layer is one contiguous byte range (one N
 descriptor per block). A layer works on `kv_cache[:, layer]`:
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,9 @@ def store_kv(
     kv_layer[block_ids, 1, offsets] = value.to(kv_layer.dtype)
 
 
-def _gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    kv_layer: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., num_blocks] block ids -> key, value [..., num_blocks * block_size, Hkv, D]."""
     blocks = kv_layer[block_table.long()]  # [..., nb, 2, bs, Hkv, D]
     lead = blocks.shape[:-5]
@@ -38,8 +41,11 @@ def _gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor) -> tuple[torch
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """One query token per sequence, batched: query [B, Hq, D] -> [B, Hq, D]."""
     block_size = kv_layer.shape[2]
@@ -48,13 +54,22 @@ def _decode_attention(
     positions = torch.arange(key.shape[1], device=query.device)
     mask = (positions[None, :] < seq_lens[:, None]).view(-1, 1, 1, key.shape[1])
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), key.transpose(1, 2).to(query.dtype), value.transpose(1, 2).to(query.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True)
+        query.unsqueeze(2),
+        key.transpose(1, 2).to(query.dtype),
+        value.transpose(1, 2).to(query.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.squeeze(2)
 
 
 def _prefill_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float,
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
 ) -> torch.Tensor:
     """query [Q, Hq, D] are the last Q of seq_len tokens; causal over the whole sequence."""
     block_size = kv_layer.shape[2]
@@ -66,8 +81,13 @@ def _prefill_attention(
     q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
     mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.to(query.dtype), value.to(query.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True)
+        query.transpose(0, 1),
+        key.to(query.dtype),
+        value.to(query.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.transpose(0, 1)
 
 
@@ -88,10 +108,12 @@ def paged_attention(
         index = torch.tensor(decode_ids, device=query.device)
         rows = meta.query_start_loc[index].long()
         out[rows] = _decode_attention(
-            query[rows], kv_layer, meta.block_tables[index], meta.seq_lens[index], scale)
+            query[rows], kv_layer, meta.block_tables[index], meta.seq_lens[index], scale
+        )
     for b, seq_len in enumerate(seq_lens):
         start, end = starts[b], starts[b + 1]
         if end - start > 1:
             out[start:end] = _prefill_attention(
-                query[start:end], kv_layer, meta.block_tables[b], seq_len, scale)
+                query[start:end], kv_layer, meta.block_tables[b], seq_len, scale
+            )
     return out

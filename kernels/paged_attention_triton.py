@@ -11,6 +11,7 @@ When the grid is too small to fill the GPU (few decode sequences over long conte
 the keys are split into segments handled by separate programs (flash-decoding) and a
 second kernel merges their partial outputs by log-sum-exp.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,11 +36,23 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_block, stride_kv, stride_slot, stride_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_block,
+    stride_kv,
+    stride_slot,
+    stride_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
@@ -51,16 +64,39 @@ def _store_kv_kernel(
     row = token.to(tl.int64)
     key = tl.load(key_ptr + row * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + row * stride_vt + heads * stride_vh + dims, mask=mask)
-    dst = kv_ptr + (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + heads * stride_head + dims
+    dst = (
+        kv_ptr
+        + (slot // BLOCK_SIZE) * stride_block
+        + (slot % BLOCK_SIZE) * stride_slot
+        + heads * stride_head
+        + dims
+    )
     tl.store(dst, key.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attend_tile(
-    q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
-    stride_block, stride_kv, stride_slot,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    q,
+    kv_ptr,
+    table,
+    start,
+    kv_hi,
+    q_pos,
+    head_off,
+    dims,
+    dim_valid,
+    m_i,
+    l_i,
+    acc,
+    scale_log2,
+    stride_block,
+    stride_kv,
+    stride_slot,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + TILE_N), gathered through the block table."""
     pos = start + tl.arange(0, TILE_N)
@@ -84,16 +120,38 @@ def _attend_tile(
 
 # The index tensors are views at any offset into the step's packed buffers and the table's width
 # is the pool's: their alignment must not pick a kernel variant (each variant compiles for ~1 s).
-@triton.jit(do_not_specialize=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "stride_table"])
+@triton.jit(
+    do_not_specialize=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "stride_table"]
+)
 def _attention_kernel(
-    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_block, stride_kv, stride_slot, stride_head, stride_table,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_block,
+    stride_kv,
+    stride_slot,
+    stride_head,
+    stride_table,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
@@ -114,7 +172,11 @@ def _attention_kernel(
     q_pos = context_len + q_index
     dims = tl.arange(0, DIM_PAD)
     dim_valid = dims < HEAD_DIM
-    q_offs = (query_start + q_index).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q_offs = (
+        (query_start + q_index).to(tl.int64)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + dims[None, :]
+    )
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
@@ -130,16 +192,56 @@ def _attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     head_off = kv_head * stride_head
     # Tiles wholly below the block's first row's diagonal need no mask; only the rest pay for it.
-    num_unmasked = tl.maximum(tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1) - kv_lo, 0) // TILE_N
+    num_unmasked = (
+        tl.maximum(tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1) - kv_lo, 0) // TILE_N
+    )
     unmasked_hi = kv_lo + num_unmasked * TILE_N
     for start in range(kv_lo, unmasked_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
-            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, False, UPCAST_DOT)
+            q,
+            kv_ptr,
+            table,
+            start,
+            kv_hi,
+            q_pos,
+            head_off,
+            dims,
+            dim_valid,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            stride_block,
+            stride_kv,
+            stride_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            False,
+            UPCAST_DOT,
+        )
     for start in range(unmasked_hi, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, kv_ptr, table, start, kv_hi, q_pos, head_off, dims, dim_valid, m_i, l_i, acc, scale_log2,
-            stride_block, stride_kv, stride_slot, BLOCK_SIZE, TILE_N, True, UPCAST_DOT)
+            q,
+            kv_ptr,
+            table,
+            start,
+            kv_hi,
+            q_pos,
+            head_off,
+            dims,
+            dim_valid,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            stride_block,
+            stride_kv,
+            stride_slot,
+            BLOCK_SIZE,
+            TILE_N,
+            True,
+            UPCAST_DOT,
+        )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -158,9 +260,16 @@ def _attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -170,11 +279,17 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
     # Split 0 always holds key 0, so the max is finite and the weights sum to >= 1.
     weight = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
-                   mask=(splits < NUM_SPLITS)[:, None], other=0.0)
+    part = tl.load(
+        part_out_ptr + (base + splits)[:, None] * DIM_PAD + dims[None, :],
+        mask=(splits < NUM_SPLITS)[:, None],
+        other=0.0,
+    )
     out = tl.sum(tl.where(weight[:, None] > 0, part * weight[:, None], 0.0), 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 # Decided when the kernels were decorated (TRITON_INTERPRET=1 then), not at launch.
@@ -191,16 +306,30 @@ def store_kv_triton(
     check_tokens("value", value, num_kv_heads, head_dim, kv_layer.device)
     check_index("slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), kv_layer.device)
     num_tokens = key.shape[0]
-    require(value.shape[0] == num_tokens == slot_mapping.shape[0],
-            f"key, value and slot_mapping disagree on T: {key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}")
+    require(
+        value.shape[0] == num_tokens == slot_mapping.shape[0],
+        f"key, value and slot_mapping disagree on T: {key.shape[0]}, {value.shape[0]}, {slot_mapping.shape[0]}",
+    )
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, kv_layer, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        kv_layer,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
     )
 
 
@@ -220,7 +349,9 @@ def launch_config(has_prefill: bool, dim_pad: int) -> LaunchConfig:
     return LaunchConfig(16, 64 if dim_pad <= 128 else 32, 4, 2)
 
 
-def _default_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
+def _default_num_splits(
+    num_programs: int, max_seq_len: int, tile_n: int, device: torch.device
+) -> int:
     """Enough key segments to give every SM about two programs, each segment >= 4 tiles."""
     if device.type != "cuda":
         return 1
@@ -240,8 +371,12 @@ def graph_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> 
 
 
 def paged_attention_triton(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, num_kv_splits: int | None = None,
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its whole paged KV.
 
@@ -254,16 +389,27 @@ def paged_attention_triton(
     require(query.dim() == 3, f"query must be [T, Hq, D], got {tuple(query.shape)}")
     num_heads = query.shape[1]
     check_tokens("query", query, num_heads, head_dim, kv_layer.device)
-    require(num_heads % num_kv_heads == 0, f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
-    require(query.dtype == kv_layer.dtype, f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}")
+    require(
+        num_heads % num_kv_heads == 0,
+        f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads",
+    )
+    require(
+        query.dtype == kv_layer.dtype,
+        f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}",
+    )
     check_index("meta.query_start_loc", meta.query_start_loc, 1, (torch.int32,), kv_layer.device)
     check_index("meta.seq_lens", meta.seq_lens, 1, (torch.int32,), kv_layer.device)
     check_index("meta.block_tables", meta.block_tables, 2, (torch.int32,), kv_layer.device)
     num_seqs = meta.num_seqs
-    require(meta.query_start_loc.shape[0] == num_seqs + 1 and meta.block_tables.shape[0] == num_seqs,
-            f"metadata disagrees on the number of sequences ({num_seqs})")
+    require(
+        meta.query_start_loc.shape[0] == num_seqs + 1 and meta.block_tables.shape[0] == num_seqs,
+        f"metadata disagrees on the number of sequences ({num_seqs})",
+    )
     require(meta.max_query_len >= 1, f"max_query_len must be >= 1, got {meta.max_query_len}")
-    require(num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+    require(
+        num_kv_splits is None or num_kv_splits >= 1,
+        f"num_kv_splits must be None or >= 1, got {num_kv_splits}",
+    )
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens = query.shape[0]
@@ -281,29 +427,64 @@ def paged_attention_triton(
         # NUM_SPLITS is a compile-time constant: one value per batch shape would JIT-compile new
         # kernels while serving (seconds each on an H200). Powers of two bound that to a handful;
         # segments past a sequence's context are empty and drop out of the merge (lse = -inf).
-        num_splits = triton.next_power_of_2(_default_num_splits(
-            num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device))
+        num_splits = triton.next_power_of_2(
+            _default_num_splits(
+                num_seqs * num_q_blocks * num_kv_heads, meta.max_seq_len, tile_n, query.device
+            )
+        )
     if num_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_out = torch.empty(
+            num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     _attention_kernel[(num_seqs, num_q_blocks * num_splits, num_kv_heads)](
-        query, kv_layer, out, part_out, part_lse,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        query,
+        kv_layer,
+        out,
+        part_out,
+        part_lse,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
         scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3), meta.block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        GROUP_PAD=group_pad, DIM_PAD=dim_pad, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        meta.block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        GROUP_PAD=group_pad,
+        DIM_PAD=dim_pad,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
         UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
     return out
 
@@ -327,8 +508,11 @@ def precompile_eager_variants(kv_layer: torch.Tensor, num_heads: int, dtype: tor
             slot_mapping=torch.full((query_len,), -1, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([query_len], dtype=torch.int32, device=device),
-            block_tables=table, max_query_len=query_len, max_seq_len=query_len)
+            block_tables=table,
+            max_query_len=query_len,
+            max_seq_len=query_len,
+        )
         for num_splits in EAGER_NUM_SPLITS:
-            paged_attention_triton(query, kv_layer, meta, head_dim ** -0.5, num_kv_splits=num_splits)
+            paged_attention_triton(query, kv_layer, meta, head_dim**-0.5, num_kv_splits=num_splits)
             launches += 1
     return launches

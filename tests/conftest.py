@@ -1,4 +1,5 @@
 """Shared fixtures: tiny checkpoints, the transformers oracle, local clusters."""
+
 from __future__ import annotations
 
 import os
@@ -9,12 +10,17 @@ import pytest
 
 # Model files for every test session live in one throwaway TANDEM_HOME; child
 # processes inherit it, so each model is written (or converted) once per session.
-_HOME = Path(os.environ.setdefault("TANDEM_HOME", str(Path(__file__).resolve().parent.parent / ".tandem" / "test-home")))
+_HOME = Path(
+    os.environ.setdefault(
+        "TANDEM_HOME", str(Path(__file__).resolve().parent.parent / ".tandem" / "test-home")
+    )
+)
 
 
 @pytest.fixture(scope="session")
 def model_dirs() -> dict[str, Path]:
     from tandem.engine.checkpoints import tiny_model_dir, write_tiny_checkpoint
+
     dirs = {"llama": tiny_model_dir()}
     for model_type in ("qwen2", "qwen3"):
         target = _HOME / "models" / f"tiny-{model_type}-test-v2"
@@ -30,6 +36,7 @@ class Oracle:
     def __init__(self, model_dir: Path):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -38,9 +45,14 @@ class Oracle:
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation, cut after the first EOS (which it includes), like tandem's output."""
         with self.torch.no_grad():
-            out = self.model.generate(self.torch.tensor([prompt_ids]), attention_mask=self.torch.ones(1, len(prompt_ids), dtype=self.torch.long),
-                                      do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.eos)
-        new = out[0, len(prompt_ids):].tolist()
+            out = self.model.generate(
+                self.torch.tensor([prompt_ids]),
+                attention_mask=self.torch.ones(1, len(prompt_ids), dtype=self.torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=self.eos,
+            )
+        new = out[0, len(prompt_ids) :].tolist()
         eos = {self.eos} if isinstance(self.eos, int) else set(self.eos)
         for i, t in enumerate(new):
             if t in eos:
@@ -57,6 +69,7 @@ def oracle():
         if model_dir not in _ORACLES:
             _ORACLES[model_dir] = Oracle(model_dir)
         return _ORACLES[model_dir]
+
     return get
 
 
@@ -81,7 +94,10 @@ def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
     info = llm._server_info()
     while True:
         caps = {w.worker_id: llm.get_kv_cache_capacity(w.worker_id) for w in info.workers}
-        if all(c["numFreeBlocks"] == c["maxNumBlocks"] for c in caps.values()) or time.monotonic() > deadline:
+        if (
+            all(c["numFreeBlocks"] == c["maxNumBlocks"] for c in caps.values())
+            or time.monotonic() > deadline
+        ):
             return caps
         time.sleep(0.05)
 
@@ -98,6 +114,7 @@ def no_leaked_worker_blocks(cluster):
     asked on the worker itself (a router's view of a worker may lag)."""
     yield
     from tandem.client import LLM
+
     for worker in cluster.workers:
         with LLM(worker.address, **cluster.worker_client_kwargs()) as llm:
             assert_all_blocks_free(llm)
@@ -117,15 +134,25 @@ class ImmediateEngineThread:
 def tiny_split_cluster(model_dirs, num_blocks: int = 64):
     """Router + prefill + decode + an aggregated worker (workers[2]) serving the tiny Llama."""
     from tandem.testing.cluster import LocalCluster
-    return LocalCluster(roles=["prefill", "decode", "both"],
-                        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", str(num_blocks),
-                                     "--block-size", "8"])
+
+    return LocalCluster(
+        roles=["prefill", "decode", "both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            str(num_blocks),
+            "--block-size",
+            "8",
+        ],
+    )
 
 
 def split_or_aggregated_client(cluster, which: str):
     """A client of the router (which="split": it splits every request) or of the aggregated worker."""
     from tandem.client import LLM
     from tandem.testing.cluster import client_kwargs_for
+
     address = cluster.address if which == "split" else cluster.workers[2].address
     return LLM(address, **client_kwargs_for(address))
 

@@ -4,6 +4,7 @@
 (TANDEM_RELIABILITY=full) and has each one record what it tried, handled and lost into
 TANDEM_RELIABILITY_REPORT, which `python tests/reliability.py REPORT` prints as a table.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,26 @@ def record(name: str, tried: int, handled: int, lost: int, command: str, note: s
     if not path:
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"name": name, "tried": tried, "handled": handled, "lost": lost, "command": command,
-                            "note": note, "size": "full" if FULL else "ci"}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "name": name,
+                    "tried": tried,
+                    "handled": handled,
+                    "lost": lost,
+                    "command": command,
+                    "note": note,
+                    "size": "full" if FULL else "ci",
+                }
+            )
+            + "\n"
+        )
 
 
 @dataclass
 class Outcome:
     """What became of one request of a load run."""
+
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -64,13 +78,16 @@ async def run_load(llm, prompts: list, params, concurrency: int, on_started=None
             except Exception as exc:  # noqa: BLE001 - a lost request, counted by the caller
                 outcome.error = f"{type(exc).__name__}: {exc}"
             outcome.seconds = time.monotonic() - started
+
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     return outcomes
 
 
 def lost(outcomes: list[Outcome], max_tokens: int) -> list[Outcome]:
     """Requests that failed or ended short (every load request asks for max_tokens, ignore_eos)."""
-    return [o for o in outcomes if o.error or len(o.tokens) != max_tokens or o.finish_reason != "length"]
+    return [
+        o for o in outcomes if o.error or len(o.tokens) != max_tokens or o.finish_reason != "length"
+    ]
 
 
 def print_report(path: str) -> None:
@@ -79,7 +96,9 @@ def print_report(path: str) -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     for r in rows:
         note = f" ({r['note']})" if r["note"] else ""
-        print(f"| {r['name']}{note} | {r['tried']} | {r['handled']} | {r['lost']} | `{r['command']}` |")
+        print(
+            f"| {r['name']}{note} | {r['tried']} | {r['handled']} | {r['lost']} | `{r['command']}` |"
+        )
 
 
 if __name__ == "__main__":

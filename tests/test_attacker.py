@@ -7,6 +7,7 @@ events (other tenants' token ids), no worker RPC, no lease freed by its notifica
 holding leaked agent metadata), no replayed handoff used once its lease has ended (the victim's
 greedy output stays right), no connection to an address it forges into a handoff.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,13 +17,13 @@ import time
 import grpc
 import pytest
 import torch
-
 from conftest import assert_all_blocks_free
-from tandem.client import DisaggregatedParams, LLM, RequestError, SamplingParams
+from test_disagg import worker_state
+
+from tandem.client import LLM, DisaggregatedParams, RequestError, SamplingParams
 from tandem.kvtransfer import TransceiverState
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from test_disagg import worker_state
 
 ADMIN_TOKEN = "attacker-test-admin-token"
 BLOCK_SIZE = 8
@@ -35,10 +36,20 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["prefill", "decode"],
-                      engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", str(NUM_BLOCKS),
-                                   "--block-size", str(BLOCK_SIZE), "--kv-lease-seconds", "60"],
-                      env={"TANDEM_ADMIN_TOKEN": ADMIN_TOKEN}) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--kv-lease-seconds",
+            "60",
+        ],
+        env={"TANDEM_ADMIN_TOKEN": ADMIN_TOKEN},
+    ) as c:
         yield c
 
 
@@ -57,7 +68,11 @@ def _refused(call) -> grpc.StatusCode:
 
 # Every RPC that exposes the internal plane, as (service stub, method, request).
 INTERNAL_CALLS = [
-    (llm_pb2_grpc.AsyncLLMStub, "GetDataTransceiverState", llm_pb2.GetDataTransceiverStateRequest()),
+    (
+        llm_pb2_grpc.AsyncLLMStub,
+        "GetDataTransceiverState",
+        llm_pb2.GetDataTransceiverStateRequest(),
+    ),
     (llm_pb2_grpc.AsyncLLMStub, "GetKvCacheEvents", llm_pb2.EventsRequest(timeout=0.1)),
     (llm_pb2_grpc.AsyncLLMStub, "StreamKvCacheEvents", llm_pb2.EventsRequest(timeout=0.1)),
     (llm_pb2_grpc.AsyncLLMStub, "GetStats", llm_pb2.EventsRequest(timeout=0.1)),
@@ -65,11 +80,27 @@ INTERNAL_CALLS = [
     (worker_pb2_grpc.WorkerStub, "GetWorkerState", worker_pb2.WorkerStateRequest()),
     (worker_pb2_grpc.WorkerStub, "ReleaseKv", worker_pb2.ReleaseKvRequest(ctx_request_id=1)),
     (worker_pb2_grpc.WorkerStub, "StopSequences", worker_pb2.StopSequencesRequest(request_id="x")),
-    (worker_pb2_grpc.WorkerStub, "ConfirmLease", worker_pb2.ConfirmLeaseRequest(ctx_request_id=1, pulled=True)),
+    (
+        worker_pb2_grpc.WorkerStub,
+        "ConfirmLease",
+        worker_pb2.ConfirmLeaseRequest(ctx_request_id=1, pulled=True),
+    ),
     (worker_pb2_grpc.WorkerStub, "SubscribeKvBlocks", worker_pb2.SubscribeKvBlocksRequest()),
     # The router's channel for Generates: a stream of requests (a submit here).
-    (worker_pb2_grpc.WorkerStub, "Session", worker_pb2.SessionRequest(submits=[worker_pb2.SessionSubmit(
-        tag=1, request=llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 2]))))])),
+    (
+        worker_pb2_grpc.WorkerStub,
+        "Session",
+        worker_pb2.SessionRequest(
+            submits=[
+                worker_pb2.SessionSubmit(
+                    tag=1,
+                    request=llm_pb2.GenerateRequest(
+                        prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 2]))
+                    ),
+                )
+            ]
+        ),
+    ),
 ]
 STREAMS = {"StreamKvCacheEvents", "Generate", "SubscribeKvBlocks", "Session"}
 
@@ -85,20 +116,33 @@ def test_workers_refuse_every_call_without_the_cluster_token(cluster):
     for worker in cluster.workers:
         with grpc.insecure_channel(worker.address) as channel:
             for stub_type, method, request in INTERNAL_CALLS:
-                assert _refused(lambda: _call(channel, stub_type, method, request)) == grpc.StatusCode.UNAUTHENTICATED
+                assert (
+                    _refused(lambda: _call(channel, stub_type, method, request))
+                    == grpc.StatusCode.UNAUTHENTICATED
+                )
                 wrong = (("tandem-cluster-token", "x" * 32),)
-                assert (_refused(lambda: _call(channel, stub_type, method, request, wrong))
-                        == grpc.StatusCode.PERMISSION_DENIED), method
+                assert (
+                    _refused(lambda: _call(channel, stub_type, method, request, wrong))
+                    == grpc.StatusCode.PERMISSION_DENIED
+                ), method
 
 
 def test_the_router_keeps_memory_keys_and_kv_events_to_the_admin(cluster):
     with grpc.insecure_channel(cluster.address) as channel:
         for stub_type, method, request in INTERNAL_CALLS[:3]:
-            assert _refused(lambda: _call(channel, stub_type, method, request)) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                _refused(lambda: _call(channel, stub_type, method, request))
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
             bad = (("authorization", "Bearer guessed"),)
-            assert _refused(lambda: _call(channel, stub_type, method, request, bad)) == grpc.StatusCode.PERMISSION_DENIED
+            assert (
+                _refused(lambda: _call(channel, stub_type, method, request, bad))
+                == grpc.StatusCode.PERMISSION_DENIED
+            )
     with LLM(cluster.address, auth_token=ADMIN_TOKEN) as admin:  # the admin has them
-        assert TransceiverState.from_bytes(admin.get_data_transceiver_state()).num_blocks == NUM_BLOCKS
+        assert (
+            TransceiverState.from_bytes(admin.get_data_transceiver_state()).num_blocks == NUM_BLOCKS
+        )
         admin.generate("an event", SamplingParams(max_tokens=1), use_tqdm=False)
         assert admin.get_kv_cache_events(timeout=2)
 
@@ -108,10 +152,15 @@ def _handoff(llm, prompt) -> tuple[list[int], DisaggregatedParams]:
     return ctx.prompt_token_ids, ctx.outputs[0].disaggregated_params
 
 
-def _generation_only(llm, prompt_ids, handoff: DisaggregatedParams, opaque_state: bytes | None = None):
-    params = DisaggregatedParams(request_type="generation_only", first_gen_tokens=handoff.first_gen_tokens,
-                                 ctx_request_id=handoff.ctx_request_id,
-                                 opaque_state=handoff.opaque_state if opaque_state is None else opaque_state)
+def _generation_only(
+    llm, prompt_ids, handoff: DisaggregatedParams, opaque_state: bytes | None = None
+):
+    params = DisaggregatedParams(
+        request_type="generation_only",
+        first_gen_tokens=handoff.first_gen_tokens,
+        ctx_request_id=handoff.ctx_request_id,
+        opaque_state=handoff.opaque_state if opaque_state is None else opaque_state,
+    )
     out = llm.generate(prompt_ids, GREEDY, use_tqdm=False, disaggregated_params=params)
     return list(out.outputs[0].token_ids)  # it starts with the context phase's first token
 
@@ -120,10 +169,14 @@ def test_notifications_from_an_outside_nixl_agent_free_no_lease(cluster):
     """Even with the prefill's agent metadata leaked to it, an outside agent's release
     notifications are dropped: the victim's lease stays live and its handoff works."""
     from nixl._api import nixl_agent, nixl_agent_config
+
     prefill = cluster.workers[0].address
     with cluster.channel(prefill) as channel:  # the leak: what the attacker could not fetch itself
-        state = TransceiverState.from_bytes(llm_pb2_grpc.AsyncLLMStub(channel).GetDataTransceiverState(
-            llm_pb2.GetDataTransceiverStateRequest(), timeout=10).state)
+        state = TransceiverState.from_bytes(
+            llm_pb2_grpc.AsyncLLMStub(channel)
+            .GetDataTransceiverState(llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
+            .state
+        )
     with LLM(cluster.address) as llm:
         prompt_ids, victim = _handoff(llm, "the victim's lease")
         before = worker_state(prefill)
@@ -132,14 +185,21 @@ def test_notifications_from_an_outside_nixl_agent_free_no_lease(cluster):
         registration = agent.register_memory(pool)
         name = agent.add_remote_agent(state.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
-        messages = [f"release:{victim.ctx_request_id}:pulled".encode(), f"release:{victim.ctx_request_id}:fallback".encode()]
+        messages = [
+            f"release:{victim.ctx_request_id}:pulled".encode(),
+            f"release:{victim.ctx_request_id}:fallback".encode(),
+        ]
         messages += [f"release:{lease_id}:pulled".encode() for lease_id in range(1, 33)]  # guessing
         try:
             for message in messages:
                 agent.send_notif(name, message)
             deadline = time.monotonic() + 10
-            while worker_state(prefill).num_ignored_notifications < before.num_ignored_notifications + len(messages):
-                assert time.monotonic() < deadline, "the prefill never received the attacker's notifications"
+            while worker_state(
+                prefill
+            ).num_ignored_notifications < before.num_ignored_notifications + len(messages):
+                assert time.monotonic() < deadline, (
+                    "the prefill never received the attacker's notifications"
+                )
                 time.sleep(0.05)
         finally:
             agent.remove_remote_agent(name)
@@ -174,7 +234,9 @@ def test_a_replayed_handoff_is_recomputed_never_cached(cluster):
         replayed = _generation_only(attacker, prompt_ids, handoff)
         after = worker_state(decode)
         assert after.num_unconfirmed_handoffs == before.num_unconfirmed_handoffs + 1
-        assert after.kv_bytes_received > before.kv_bytes_received  # it did read, and dropped what it read
+        assert (
+            after.kv_bytes_received > before.kv_bytes_received
+        )  # it did read, and dropped what it read
         assert replayed == first
         assert victim.generate(prompt_ids, GREEDY, use_tqdm=False).outputs[0].token_ids == first
 
@@ -186,27 +248,34 @@ def test_a_forged_endpoint_makes_the_decode_connect_nowhere(cluster):
         trap.settimeout(1.0)
         prompt_ids, handoff = _handoff(llm, "forged endpoint")
         forged = worker_pb2.KvHandoff.FromString(handoff.opaque_state)
-        forged.ctx_endpoint = "127.0.0.1:%d" % trap.getsockname()[1]
+        forged.ctx_endpoint = f"127.0.0.1:{trap.getsockname()[1]}"
         unsigned = worker_pb2.KvHandoff()
         unsigned.CopyFrom(forged)
         unsigned.signature = b""
         for opaque in (forged.SerializeToString(), unsigned.SerializeToString()):
             with pytest.raises(RequestError) as err:
                 _generation_only(llm, prompt_ids, handoff, opaque)
-            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "signature" in err.value.details
+            assert (
+                err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                and "signature" in err.value.details
+            )
         with pytest.raises(socket.timeout):
             trap.accept()
-        _generation_only(llm, prompt_ids, handoff)  # the genuine one still works (and ends the lease)
+        _generation_only(
+            llm, prompt_ids, handoff
+        )  # the genuine one still works (and ends the lease)
 
 
 def test_kv_events_stream_refused_to_a_tokenless_client(cluster):
     """The client library's streaming KV events: refused, nothing leaks before the refusal."""
+
     async def stream():
         llm = LLM(cluster.address)
         try:
             return [e async for e in llm.get_kv_cache_events_async(timeout=2)]
         finally:
             llm.close()
+
     with pytest.raises(RequestError) as err:
         asyncio.run(stream())
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED

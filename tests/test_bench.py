@@ -1,5 +1,6 @@
 """`tandem bench` against a real tiny-model cluster (1 prefill + 1 decode): the CLI runs a
 concurrency sweep and a request-rate sweep, and its JSON, table and plot say what happened."""
+
 from __future__ import annotations
 
 import json
@@ -7,25 +8,58 @@ import subprocess
 import sys
 
 import pytest
+from test_disagg import worker_state
 
 from tandem.cli.bench import percentile
 from tandem.testing.cluster import LocalCluster
-from test_disagg import worker_state
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]),
-                                                                "--num-blocks", "256", "--block-size", "8"]) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+        ],
+    ) as c:
         yield c
 
 
 def _bench(cluster, tmp_path, *sweep: str, num_prompts: int = 6):
     result, png = tmp_path / "result.json", tmp_path / "plot.png"
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "bench", "--target", cluster.address, *sweep,
-                           "--num-prompts", str(num_prompts), "--input-len", "24", "--output-len", "6",
-                           "--num-warmup", "2", "--seed", "7", "--result-json", str(result), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "bench",
+            "--target",
+            cluster.address,
+            *sweep,
+            "--num-prompts",
+            str(num_prompts),
+            "--input-len",
+            "24",
+            "--output-len",
+            "6",
+            "--num-warmup",
+            "2",
+            "--seed",
+            "7",
+            "--result-json",
+            str(result),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(result.read_text()), png, proc
 
@@ -39,13 +73,16 @@ def test_percentile_interpolates_like_numpy():
 def test_concurrency_sweep(cluster, tmp_path):
     def prompt_tokens_computed():
         return sum(worker_state(w.address).num_prompt_tokens_computed for w in cluster.workers)
+
     before = prompt_tokens_computed()
     result, png, proc = _bench(cluster, tmp_path, "--max-concurrency", "1,3")
     assert result["sweep"] == "max_concurrency" and result["mode"] == "disaggregated"
     assert [p["max_concurrency"] for p in result["points"]] == [1, 3]
     for p in result["points"]:
         assert p["completed"] == 6 and p["failed"] == 0
-        assert p["input_tokens"] == 6 * 24 and p["output_tokens"] == 6 * 6  # fixed lengths, as the server saw them
+        assert (
+            p["input_tokens"] == 6 * 24 and p["output_tokens"] == 6 * 6
+        )  # fixed lengths, as the server saw them
         for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
             assert 0 < p[metric]["p50"] <= p[metric]["p90"] <= p[metric]["p99"]
         assert p["ttft_ms"]["p50"] < p["e2e_ms"]["p99"]
@@ -58,7 +95,9 @@ def test_concurrency_sweep(cluster, tmp_path):
 
 
 def test_request_rate_sweep_with_random_lengths(cluster, tmp_path):
-    result, _, _ = _bench(cluster, tmp_path, "--request-rate", "4,inf", "--range-ratio", "0.5", num_prompts=8)
+    result, _, _ = _bench(
+        cluster, tmp_path, "--request-rate", "4,inf", "--range-ratio", "0.5", num_prompts=8
+    )
     assert [p["request_rate"] for p in result["points"]] == [4.0, "inf"]
     for p in result["points"]:
         assert p["completed"] == 8 and p["failed"] == 0

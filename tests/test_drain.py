@@ -4,6 +4,7 @@ within --drain-seconds, and only then does the process exit.
 The GrpcServer cases run a real server in-process on loopback (a slow stream stands in for a
 generation); the last case SIGTERMs a decode worker process in the middle of a disaggregated stream.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.testing.cluster import LocalCluster
 from tandem.common.server import GrpcServer
+from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
 
 SERVICE = "tandem.test.Drain"
@@ -37,14 +38,20 @@ async def _endless_stream(request, context):
 
 def _server(drain_seconds: float) -> GrpcServer:
     server = GrpcServer("127.0.0.1", 0, [SERVICE], drain_seconds=drain_seconds)
-    handlers = {name: grpc.unary_stream_rpc_method_handler(fn) for name, fn in
-                (("Generate", _slow_stream), ("StreamStats", _endless_stream))}
-    server.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    handlers = {
+        name: grpc.unary_stream_rpc_method_handler(fn)
+        for name, fn in (("Generate", _slow_stream), ("StreamStats", _endless_stream))
+    }
+    server.server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(SERVICE, handlers)]
+    )
     return server
 
 
 async def _aio_health(channel: grpc.aio.Channel) -> str:
-    response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+    response = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=1
+    )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
@@ -75,7 +82,9 @@ def test_a_stream_in_flight_finishes_within_the_drain_window():
     received, code, health, stop_s = asyncio.run(_read_after_stop(10, "Generate", stop_after=3))
     assert health == "NOT_SERVING"
     assert code is None and len(received) == NUM_MESSAGES
-    assert stop_s < 5, "the server stops as soon as the stream is done, not at the end of the window"
+    assert stop_s < 5, (
+        "the server stops as soon as the stream is done, not at the end of the window"
+    )
 
 
 def test_the_drain_window_bounds_the_wait():
@@ -127,7 +136,9 @@ def test_health_watch_sees_not_serving_first_and_does_not_hold_the_drain():
         seen = []
         async with grpc.aio.insecure_channel(server.address) as channel:
             try:
-                async for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
+                async for response in health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest()
+                ):
                     seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
                     if len(seen) == 1:
                         server.request_stop()
@@ -145,8 +156,11 @@ def test_negative_drain_is_refused():
 
 
 def _generate(address: str, max_tokens: int, on_message=None) -> list[int]:
-    request = llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 5, 9, 13])), streaming=True,
-                                      sampling_params=types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    request = llm_pb2.GenerateRequest(
+        prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 5, 9, 13])),
+        streaming=True,
+        sampling_params=types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     tokens: list[int] = []
     with grpc.insecure_channel(address) as channel:
         for output in llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, timeout=120):
@@ -156,12 +170,21 @@ def _generate(address: str, max_tokens: int, on_message=None) -> list[int]:
     return tokens
 
 
-def _watch_health(address: str, statuses: list[tuple[str, int]], progress: list[int], first: threading.Event) -> None:
+def _watch_health(
+    address: str, statuses: list[tuple[str, int]], progress: list[int], first: threading.Event
+) -> None:
     """Health changes as the Watch stream reports them, each with the client's token count at that moment."""
     with grpc.insecure_channel(address) as channel:
         try:
-            for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=120):
-                statuses.append((health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), progress[-1]))
+            for response in health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(), timeout=120
+            ):
+                statuses.append(
+                    (
+                        health_pb2.HealthCheckResponse.ServingStatus.Name(response.status),
+                        progress[-1],
+                    )
+                )
                 first.set()
         except grpc.RpcError:
             pass  # the server stopped
@@ -171,14 +194,18 @@ def test_sigterm_of_a_decode_worker_lets_its_stream_finish(model_dirs):
     """1 prefill + 1 decode: nowhere to migrate to, so the stream completes only if the decode drains.
     The stream is long (seconds of generation), so the SIGTERM lands while the decode still generates."""
     max_tokens = 1500
-    cluster = LocalCluster(roles=["prefill", "decode"],
-                           engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256"],
-                           worker_args={"decode-1": ["--drain-seconds", "60"]})
+    cluster = LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256"],
+        worker_args={"decode-1": ["--drain-seconds", "60"]},
+    )
     with cluster:
         decode = cluster.workers[1]
         reference = _generate(cluster.address, max_tokens)
         progress, statuses, watching = [0], [], threading.Event()
-        watcher = threading.Thread(target=_watch_health, args=(decode.address, statuses, progress, watching))
+        watcher = threading.Thread(
+            target=_watch_health, args=(decode.address, statuses, progress, watching)
+        )
         watcher.start()
         assert watching.wait(10) and statuses[0][0] == "SERVING"
 
@@ -195,8 +222,15 @@ def test_sigterm_of_a_decode_worker_lets_its_stream_finish(model_dirs):
         watcher.join(30)
         assert terminated.is_set()
         assert tokens == reference, "the drained stream is the uninterrupted one, token for token"
-        assert [status for status, _ in statuses] == ["SERVING", "NOT_SERVING"], (statuses, decode.log_tail())
-        assert statuses[1][1] < max_tokens, "health turned NOT_SERVING while the stream was still going"
+        assert [status for status, _ in statuses] == ["SERVING", "NOT_SERVING"], (
+            statuses,
+            decode.log_tail(),
+        )
+        assert statuses[1][1] < max_tokens, (
+            "health turned NOT_SERVING while the stream was still going"
+        )
         assert decode.process.wait(timeout=20) == 0, decode.log_tail()
-        assert time.monotonic() - stream_done < 15, "the worker exits once drained, not at the end of its window"
+        assert time.monotonic() - stream_done < 15, (
+            "the worker exits once drained, not at the end of its window"
+        )
         assert "stopping" in decode.log_tail() and "drained" in decode.log_tail()

@@ -1,12 +1,13 @@
 """The engine in-process: continuous batching under pressure (chunked prefill,
 preemption by recompute, priorities) still gives transformers' greedy tokens."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from conftest import run_to_completion
+
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, PromptNeverFitsError, PromptTooLongError
 from tandem.engine.sampling_options import SamplingOptions
@@ -14,13 +15,25 @@ from tandem.engine.sampling_options import SamplingOptions
 
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 @pytest.mark.parametrize("num_blocks, budget", [(200, 512), (16, 16), (12, 7)])
-def test_batching_under_pressure_matches_transformers(model_dirs, oracle, model, num_blocks, budget):
+def test_batching_under_pressure_matches_transformers(
+    model_dirs, oracle, model, num_blocks, budget
+):
     ref = oracle(model_dirs[model])
     rng = random.Random(num_blocks * 31 + budget)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, ref.model.config.vocab_size) for _ in range(rng.randrange(4, 28))]
-               for i in range(6)}
-    engine = LLMEngine(EngineConfig(str(model_dirs[model]), block_size=4, num_blocks=num_blocks,
-                                    max_num_seqs=4, max_num_batched_tokens=budget))
+    prompts = {
+        f"r{i}": [1]
+        + [rng.randrange(4, ref.model.config.vocab_size) for _ in range(rng.randrange(4, 28))]
+        for i in range(6)
+    }
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dirs[model]),
+            block_size=4,
+            num_blocks=num_blocks,
+            max_num_seqs=4,
+            max_num_batched_tokens=budget,
+        )
+    )
     got = run_to_completion(engine, prompts, SamplingOptions(max_tokens=16, eos_token_ids=(2,)))
     for rid, ids in prompts.items():
         assert got[rid] == ref.greedy(ids, 16), rid
@@ -30,7 +43,9 @@ def test_batching_under_pressure_matches_transformers(model_dirs, oracle, model,
 
 
 def test_higher_priority_finishes_first(model_dirs):
-    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=64, max_num_seqs=1))
+    engine = LLMEngine(
+        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=64, max_num_seqs=1)
+    )
     opts = SamplingOptions(max_tokens=4, ignore_eos=True)
     engine.add_request("low", [1, 5, 6], opts, priority=0.1)
     engine.add_request("high", [1, 7, 8], opts, priority=0.9)
@@ -41,23 +56,33 @@ def test_higher_priority_finishes_first(model_dirs):
 
 
 def test_prompt_limits(model_dirs):
-    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64))
+    engine = LLMEngine(
+        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64)
+    )
     with pytest.raises(PromptTooLongError, match="context"):
         engine.add_request("long", [1] * 64, SamplingOptions())
     with pytest.raises(PromptNeverFitsError, match="KV blocks"):
         engine.add_request("huge", [1] * 40, SamplingOptions())
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("oov", [1, 10 ** 6], SamplingOptions())
+        engine.add_request("oov", [1, 10**6], SamplingOptions())
     assert engine.block_manager.num_free_blocks == 8
 
 
 def test_a_context_longer_than_the_model_positions_is_refused_at_start(model_dirs):
     """The tiny Llama has 2048 positions: a longer max_model_len used to start and then fail a
     long prompt mid-step (IndexError on the rotary table, INTERNAL to the client)."""
-    with pytest.raises(ValueError, match="max_position_embeddings .2048.: give --max-model-len 2048 or less"):
-        LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=2049))
-    assert LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8,
-                                  max_model_len=2048)).max_model_len == 2048
+    with pytest.raises(
+        ValueError, match="max_position_embeddings .2048.: give --max-model-len 2048 or less"
+    ):
+        LLMEngine(
+            EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=2049)
+        )
+    assert (
+        LLMEngine(
+            EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=2048)
+        ).max_model_len
+        == 2048
+    )
 
 
 def test_abort_frees_blocks(model_dirs):
@@ -86,14 +111,18 @@ def test_a_sequence_that_outgrows_the_pool_ends_with_length(model_dirs):
 def test_prefix_cache_reuse_eviction_and_events(model_dirs, oracle):
     ref = oracle(model_dirs["llama"])
     engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=24))
-    assert engine.block_manager.drain_events() == [{"type": "created", "num_blocks_per_cache_level": [24, 0]}]
+    assert engine.block_manager.drain_events() == [
+        {"type": "created", "num_blocks_per_cache_level": [24, 0]}
+    ]
     shared = [1] + list(range(10, 25))  # 16 tokens: 4 full blocks
     opts = SamplingOptions(max_tokens=6, ignore_eos=True)
     first = run_to_completion(engine, {"a": shared + [40, 41]}, opts)["a"]
     computed = engine.counters.num_prompt_tokens_computed
     second = run_to_completion(engine, {"b": shared + [50, 51, 52]}, opts)["b"]
     assert engine.counters.num_prompt_tokens_computed - computed == 3  # only the new tail
-    assert first == ref.greedy(shared + [40, 41], 6) and second == ref.greedy(shared + [50, 51, 52], 6)
+    assert first == ref.greedy(shared + [40, 41], 6) and second == ref.greedy(
+        shared + [50, 51, 52], 6
+    )
     events = engine.block_manager.drain_events()
     stored = [b for e in events if e["type"] == "stored" for b in e["blocks"]]
     assert [t["token_id"] for t in stored[0]["tokens"]] == shared[:4]
@@ -127,7 +156,9 @@ def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
     engine.add_request("a", [1, 5, 6], opts)
     for _ in range(3):
         engine.step()
-    plan = engine.add_remote_kv_request("b", [1] + list(range(10, 21)), [30], opts)  # 12 prompt tokens: 3 full blocks
+    plan = engine.add_remote_kv_request(
+        "b", [1] + list(range(10, 21)), [30], opts
+    )  # 12 prompt tokens: 3 full blocks
     assert plan is not None and len(plan.block_ids) == 3
     assert engine.num_waiting_for_remote_kv == 1
     engine.remote_kv_arrived("b")
@@ -139,9 +170,11 @@ def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
 
 
 def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
-    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64))
+    engine = LLMEngine(
+        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64)
+    )
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request("x", [1, 2], SamplingOptions(), output_token_ids=[10 ** 9])
+        engine.add_request("x", [1, 2], SamplingOptions(), output_token_ids=[10**9])
     with pytest.raises(PromptNeverFitsError):
         engine.add_request("y", [1, 2], SamplingOptions(), output_token_ids=[5] * 40)
     with pytest.raises(PromptTooLongError):
@@ -151,10 +184,14 @@ def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
 
 def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model_dirs):
     from conftest import ImmediateEngineThread
+
     from tandem.engine.sequence import Phase
     from tandem.prefill.lease_keeper import LeaseEnd, LeaseKeeper
+
     keeper = LeaseKeeper(lease_seconds=60)
-    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), leases=keeper)
+    engine = LLMEngine(
+        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), leases=keeper
+    )
     keeper.attach(ImmediateEngineThread(engine))
     opts = SamplingOptions(max_tokens=8, ignore_eos=True)
 
@@ -173,13 +210,16 @@ def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model
     assert new.lease_id != old.lease_id
     assert not keeper.release(old.lease_id, LeaseEnd.RELEASED)  # the expired lease's late release
     assert keeper.num_leased_blocks == len(new.block_ids) > 0
-    assert keeper.release(new.lease_id, LeaseEnd.PULLED) and engine.block_manager.num_free_blocks == 16
+    assert (
+        keeper.release(new.lease_id, LeaseEnd.PULLED) and engine.block_manager.num_free_blocks == 16
+    )
     assert keeper.num_leases == 0
 
 
 def test_context_only_needs_a_lease_table(model_dirs):
     from tandem.common.exceptions import PreconditionError
     from tandem.engine.sequence import Phase
+
     engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16))
     with pytest.raises(PreconditionError, match="context_only"):
         engine.add_request("x", [1, 5, 6], SamplingOptions(), phase=Phase.CONTEXT_ONLY)

@@ -1,4 +1,5 @@
 """The servers' event loop choice (common/loop.py): asyncio's by default, uvloop only when asked."""
+
 import asyncio
 
 import pytest
@@ -25,5 +26,7 @@ def test_uvloop_runs_when_asked(monkeypatch):
 
 def test_an_unknown_loop_is_refused(monkeypatch):
     monkeypatch.setenv(loop.EVENT_LOOP_ENV, "trio")
-    with pytest.raises(ValueError, match="TANDEM_EVENT_LOOP must be 'uvloop' or 'asyncio', got 'trio'"):
+    with pytest.raises(
+        ValueError, match="TANDEM_EVENT_LOOP must be 'uvloop' or 'asyncio', got 'trio'"
+    ):
         loop.loop_name()

@@ -1,16 +1,17 @@
 """Workers dying under requests: the client sees one continuous stream (decode dies
 mid-stream: migrated) or a clean success (prefill dies: retried elsewhere)."""
+
 from __future__ import annotations
 
 import asyncio
 import signal
 
 import pytest
-
-from tandem.testing.cluster import LocalCluster
-from tandem.client import AsyncLLM, LLM, SamplingParams
 from test_disagg import worker_state
 from test_metrics import scrape, value
+
+from tandem.client import LLM, AsyncLLM, SamplingParams
+from tandem.testing.cluster import LocalCluster
 
 
 @pytest.fixture
@@ -18,17 +19,32 @@ def cluster(model_dirs):
     roles = ["prefill", "prefill", "decode", "decode", "both"]
     # prefill-1 computes prompts 16 tokens a step: long prompts stay on it long enough to be
     # caught there by a SIGKILL.
-    with LocalCluster(roles=roles, engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "512",
-                                                "--block-size", "8"],
-                      worker_args={"prefill-1": ["--max-num-batched-tokens", "16"]}) as c:
+    with LocalCluster(
+        roles=roles,
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "512",
+            "--block-size",
+            "8",
+        ],
+        worker_args={"prefill-1": ["--max-num-batched-tokens", "16"]},
+    ) as c:
         yield c
 
 
 # logprobs=0: cumulative_logprob is filled only when logprobs are asked for (as in TensorRT-LLM).
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=400, ignore_eos=True, logprobs=0),
-                                    SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7,
-                                                   logprobs=0)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=400, ignore_eos=True, logprobs=0),
+        SamplingParams(
+            max_tokens=400, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7, logprobs=0
+        ),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
     prompt = "a long story that outlives its decode worker"
     decodes = [s for s in cluster.workers if s.role == "decode"]
@@ -55,17 +71,25 @@ def test_decode_dying_mid_stream_is_invisible_to_the_client(cluster, params):
         finally:
             killer.cancel()
             llm.close()
+
     out, ids, text, killed = asyncio.run(go())
     assert killed is not None and killed.process.wait(5) == -signal.SIGKILL
-    with LLM(cluster.workers[-1].address, **cluster.worker_client_kwargs()) as reference:  # the aggregated worker, never touched
+    with LLM(
+        cluster.workers[-1].address, **cluster.worker_client_kwargs()
+    ) as reference:  # the aggregated worker, never touched
         expected = reference.generate(prompt, params, use_tqdm=False).outputs[0]
     assert ids == out.outputs[0].token_ids == expected.token_ids  # nothing lost, nothing repeated
     assert text == out.outputs[0].text == expected.text
     assert out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].cumulative_logprob == pytest.approx(expected.cumulative_logprob, rel=1e-4, abs=1e-3)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        expected.cumulative_logprob, rel=1e-4, abs=1e-3
+    )
     assert killed.address in out.metrics.served_by and len(out.metrics.served_by) >= 3
     # served_by: the prefill, the killed decode, then one worker per migration.
-    assert value(scrape(cluster.router), "tandem:router_migrations_total") == len(out.metrics.served_by) - 2
+    assert (
+        value(scrape(cluster.router), "tandem:router_migrations_total")
+        == len(out.metrics.served_by) - 2
+    )
 
 
 def test_requests_survive_a_dead_prefill(cluster):
@@ -82,12 +106,17 @@ def test_requests_survive_a_dead_prefill(cluster):
             in_flight = 0
             while not in_flight:
                 if all(t.done() for t in tasks):
-                    raise AssertionError("every request finished before the prefill could be killed")
-                in_flight = (await asyncio.to_thread(worker_state, victim.address)).num_active_requests
+                    raise AssertionError(
+                        "every request finished before the prefill could be killed"
+                    )
+                in_flight = (
+                    await asyncio.to_thread(worker_state, victim.address)
+                ).num_active_requests
             victim.process.send_signal(signal.SIGKILL)
             return in_flight, await asyncio.wait_for(asyncio.gather(*tasks), 60)
         finally:
             llm.close()
+
     in_flight, outs = asyncio.run(go())
     assert victim.process.wait(5) == -signal.SIGKILL and in_flight >= 1
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)

@@ -2,6 +2,7 @@
 them. RequestOutput.aborted() is a method, a streaming result iterates from sync and async
 code (__next__, __anext__), `async with AsyncLLM(...)`, setup_async() returns self;
 shutdown() closes the client only, and stopping the cluster is the admin shutdown_cluster()."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,17 +10,19 @@ import time
 
 import grpc
 import pytest
-
-from tandem.testing.cluster import LocalCluster
-from tandem.client import LLM, AsyncLLM, RequestError, RequestOutput, SamplingParams
 from test_disagg import worker_state
+
+from tandem.client import LLM, AsyncLLM, RequestError, RequestOutput, SamplingParams
+from tandem.testing.cluster import LocalCluster
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "64"]) as c:
+    with LocalCluster(
+        roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "64"]
+    ) as c:
         yield c
 
 
@@ -53,11 +56,15 @@ def test_aborted_is_a_method(llm):
 def test_sync_streaming_from_plain_code(cluster, llm):
     # TensorRT-LLM: GenerationResult.__iter__ / __next__ step a streaming result synchronously.
     ids, steps = [], 0
-    for out in llm.generate_async("stream me", SamplingParams(max_tokens=12, ignore_eos=True), streaming=True):
+    for out in llm.generate_async(
+        "stream me", SamplingParams(max_tokens=12, ignore_eos=True), streaming=True
+    ):
         steps += 1
         ids += out.outputs[0].token_ids_diff
     assert steps >= 2 and out.finished and ids == out.outputs[0].token_ids and len(ids) == 12
-    result = llm.generate_async("step by hand", SamplingParams(max_tokens=6, ignore_eos=True), streaming=True)
+    result = llm.generate_async(
+        "step by hand", SamplingParams(max_tokens=6, ignore_eos=True), streaming=True
+    )
     first = next(result)
     assert first is result and first.outputs[0].token_ids
     assert result.result().finished and len(result.outputs[0].token_ids) == 6
@@ -80,7 +87,9 @@ def test_anext_and_await(cluster):
         aio = await AsyncLLM(cluster.address)  # AsyncLLM.__await__ -> setup_async() -> self
         try:
             assert isinstance(aio, AsyncLLM)
-            result = aio.generate_async("anext", SamplingParams(max_tokens=5, ignore_eos=True), streaming=True)
+            result = aio.generate_async(
+                "anext", SamplingParams(max_tokens=5, ignore_eos=True), streaming=True
+            )
             first = await result.__anext__()
             second = await anext(result)
             assert first is second is result
@@ -89,10 +98,13 @@ def test_anext_and_await(cluster):
                     await result.__anext__()
                 except StopAsyncIteration:
                     break
-            awaited = await aio.generate_async("await", SamplingParams(max_tokens=4, ignore_eos=True))
+            awaited = await aio.generate_async(
+                "await", SamplingParams(max_tokens=4, ignore_eos=True)
+            )
             return result, awaited
         finally:
             aio.shutdown()
+
     streamed, awaited = asyncio.run(go())
     assert streamed.finished and len(streamed.outputs[0].token_ids) == 5
     assert awaited.finished and len(awaited.outputs[0].token_ids) == 4
@@ -108,6 +120,7 @@ def test_async_with_and_setup_async(cluster):
         with pytest.raises(RuntimeError, match="LLM is shutting down"):
             aio.generate_async("after", SamplingParams(max_tokens=3))
         return out
+
     assert len(asyncio.run(go()).outputs[0].token_ids) == 3
     aio = AsyncLLM(cluster.address)
     try:
@@ -134,8 +147,11 @@ def test_shutdown_closes_the_client_and_not_the_cluster(cluster):
 
 def test_shutdown_cluster_is_an_admin_call(model_dirs):
     token = "stop-it"
-    cluster = LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "16"],
-                           env={"TANDEM_ADMIN_TOKEN": token})
+    cluster = LocalCluster(
+        roles=["both"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "16"],
+        env={"TANDEM_ADMIN_TOKEN": token},
+    )
     with cluster:
         with LLM(cluster.address) as anonymous, pytest.raises(RequestError) as err:
             anonymous.shutdown_cluster()

@@ -2,6 +2,7 @@
 ValueError when the params are built, with TensorRT-LLM's checks and messages; what the
 server refuses raises a RequestError(RuntimeError) carrying the gRPC status, whichever way
 the result is read."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,18 +11,29 @@ import re
 import grpc
 import pytest
 
+from tandem.client import (
+    LLM,
+    AsyncLLM,
+    DisaggregatedParams,
+    GuidedDecodingParams,
+    InvalidRequestError,
+    RequestError,
+    SamplingParams,
+    UnsupportedRequestError,
+)
 from tandem.testing.cluster import LocalCluster
-from tandem.client import (LLM, AsyncLLM, DisaggregatedParams, GuidedDecodingParams, InvalidRequestError, RequestError,
-                           SamplingParams, UnsupportedRequestError)
 
 TOKEN = "fidelity-admin-token"
-BAD_PROMPT = [1, 10 ** 6]  # out of vocabulary: INVALID_ARGUMENT from the worker
+BAD_PROMPT = [1, 10**6]  # out of vocabulary: INVALID_ARGUMENT from the worker
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"],
-                      env={"TANDEM_ADMIN_TOKEN": TOKEN}) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"],
+        env={"TANDEM_ADMIN_TOKEN": TOKEN},
+    ) as c:
         yield c
 
 
@@ -33,16 +45,21 @@ def llm(cluster):
 
 # TensorRT-LLM: tensorrt_llm/sampling_params.py, SamplingParams._validate (run by __post_init__):
 # these checks, these messages, at construction.
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(top_p=1.5), "require 0 <= top_p <= 1, got top_p=1.5"),
-    (dict(top_p=-0.1), "require 0 <= top_p <= 1, got top_p=-0.1"),
-    (dict(top_k=-1), "require top_k >= 0, got top_k=-1"),
-    (dict(temperature=-0.5), "require temperature >= 0, got temperature=-0.5"),
-    (dict(n=3, best_of=2, temperature=1.0), "best_of (2) cannot be less than n (3)"),
-    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1, got 0"),
-    (dict(guided_decoding=GuidedDecodingParams(regex="a+", grammar="root ::= 'a'")),
-     "Only one guide can be used for a request, but got 2."),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_p=1.5), "require 0 <= top_p <= 1, got top_p=1.5"),
+        (dict(top_p=-0.1), "require 0 <= top_p <= 1, got top_p=-0.1"),
+        (dict(top_k=-1), "require top_k >= 0, got top_k=-1"),
+        (dict(temperature=-0.5), "require temperature >= 0, got temperature=-0.5"),
+        (dict(n=3, best_of=2, temperature=1.0), "best_of (2) cannot be less than n (3)"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be >= 1, got 0"),
+        (
+            dict(guided_decoding=GuidedDecodingParams(regex="a+", grammar="root ::= 'a'")),
+            "Only one guide can be used for a request, but got 2.",
+        ),
+    ],
+)
 def test_bad_sampling_values_raise_value_error_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         SamplingParams(**kwargs)
@@ -51,18 +68,35 @@ def test_bad_sampling_values_raise_value_error_at_construction(kwargs, message):
 # TensorRT-LLM: SamplingParams._validate refuses best_of > 1 when _greedy_decoding
 # (params_imply_greedy_decoding: nothing set, top_k=1, top_p=0 or temperature=0) unless the
 # environment has TLLM_ALLOW_N_GREEDY_DECODING; the refusal is at construction.
-@pytest.mark.parametrize("kwargs", [dict(n=2), dict(best_of=3), dict(n=2, temperature=0.0),
-                                    dict(n=2, top_k=1, temperature=0.8), dict(n=2, top_p=0.0, temperature=0.8)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(n=2),
+        dict(best_of=3),
+        dict(n=2, temperature=0.0),
+        dict(n=2, top_k=1, temperature=0.8),
+        dict(n=2, top_p=0.0, temperature=0.8),
+    ],
+)
 def test_greedy_with_several_returns_is_refused_at_construction(kwargs, monkeypatch):
     monkeypatch.delenv("TLLM_ALLOW_N_GREEDY_DECODING", raising=False)
-    with pytest.raises(ValueError, match="^Greedy decoding in the LLM API does not allow multiple returns"):
+    with pytest.raises(
+        ValueError, match="^Greedy decoding in the LLM API does not allow multiple returns"
+    ):
         SamplingParams(**kwargs)
     monkeypatch.setenv("TLLM_ALLOW_N_GREEDY_DECODING", "1")
     assert SamplingParams(**kwargs).best_of >= 2
 
 
-@pytest.mark.parametrize("kwargs", [dict(n=2, temperature=0.7), dict(n=2, top_k=5), dict(n=2, top_p=0.9),
-                                    dict(n=2, use_beam_search=True)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(n=2, temperature=0.7),
+        dict(n=2, top_k=5),
+        dict(n=2, top_p=0.9),
+        dict(n=2, use_beam_search=True),
+    ],
+)
 def test_sampling_or_beams_with_several_returns_are_accepted(kwargs):
     assert SamplingParams(**kwargs).best_of == 2  # __post_init__: best_of = best_of or n
 
@@ -81,7 +115,10 @@ def test_construction_normalizes_as_tensorrt_llm_does():
     # SamplingParams.__post_init__ / _validate: best_of defaults to n, logprobs=True means top-1;
     # the dataclass is keyword-only (dataclass(slots=True, kw_only=True)).
     assert SamplingParams(n=4, temperature=1.0).best_of == 4
-    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(logprobs=False).logprobs is None
+    assert (
+        SamplingParams(logprobs=True).logprobs == 1
+        and SamplingParams(logprobs=False).logprobs is None
+    )
     with pytest.raises(TypeError):
         SamplingParams(16)
 
@@ -90,8 +127,13 @@ def test_disaggregated_params_are_checked_at_construction():
     # TensorRT-LLM: tensorrt_llm/disaggregated_params.py, DisaggregatedParams.__post_init__
     # lower-cases request_type and refuses unknown ones with this message.
     assert DisaggregatedParams(request_type="Context_Only").request_type == "context_only"
-    with pytest.raises(ValueError, match=re.escape("Unknown request type: prefill_only. Must be context_only, "
-                                                   "generation_only or context_and_generation")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Unknown request type: prefill_only. Must be context_only, "
+            "generation_only or context_and_generation"
+        ),
+    ):
         DisaggregatedParams(request_type="prefill_only")
     with pytest.raises(NotImplementedError, match="multimodal_hashes"):
         DisaggregatedParams(multimodal_hashes=[[1] * 8])
@@ -103,7 +145,11 @@ def test_a_refused_generate_raises_request_error_with_its_status(llm):
     with pytest.raises(RequestError) as err:
         llm.generate(BAD_PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)
     error = err.value
-    assert isinstance(error, RuntimeError) and isinstance(error, InvalidRequestError) and isinstance(error, ValueError)
+    assert (
+        isinstance(error, RuntimeError)
+        and isinstance(error, InvalidRequestError)
+        and isinstance(error, ValueError)
+    )
     assert not isinstance(error, grpc.RpcError)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "out of vocabulary" in error.details and "out of vocabulary" in str(error)
@@ -121,6 +167,7 @@ def test_every_way_of_reading_a_refused_request_raises_it(cluster, llm):
                     pass
             with pytest.raises(InvalidRequestError):
                 await aio.generate_async(BAD_PROMPT, params, streaming=True).__anext__()
+
     asyncio.run(go())
     with pytest.raises(InvalidRequestError):
         llm.generate_async(BAD_PROMPT, params).result()
@@ -142,9 +189,12 @@ def test_other_calls_raise_request_error_too(cluster, llm):
     async def admin(token):
         async with AsyncLLM(cluster.address, auth_token=token) as aio:
             return await aio.collective_rpc("os.system", args=("true",))
+
     with pytest.raises(RequestError) as err:
         asyncio.run(admin(None))
-    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and not isinstance(err.value, ValueError)
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and not isinstance(
+        err.value, ValueError
+    )
     with pytest.raises(InvalidRequestError, match="not allowed"):
         asyncio.run(admin(TOKEN))
 

@@ -8,6 +8,7 @@ On the tiny random-weight Llama every output follows its guide whatever the weig
 model's JSON-schema outputs are checked in test_smollm2.py. Through the router's split the
 prefill samples the first token under the guide and the decode carries the grammar on from it.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,14 +21,23 @@ import pytest
 from tandem.client import GuidedDecodingParams, RequestError, SamplingParams
 
 PROMPTS = ["guide me", "a grammar decides", "structure please"]
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
-                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["answer", "score"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
 
 
 def _texts(tiny_llm, guide: GuidedDecodingParams, max_tokens: int = 32, **kwargs) -> list:
-    outs = tiny_llm.generate(PROMPTS, [SamplingParams(max_tokens=max_tokens, guided_decoding=guide, **kwargs)] * len(PROMPTS),
-                        use_tqdm=False)
+    outs = tiny_llm.generate(
+        PROMPTS,
+        [SamplingParams(max_tokens=max_tokens, guided_decoding=guide, **kwargs)] * len(PROMPTS),
+        use_tqdm=False,
+    )
     return [o.outputs[0] for o in outs]
 
 
@@ -40,8 +50,11 @@ def test_json_schema_and_json_object(tiny_llm):
         assert out.text.lstrip().startswith("{"), out.text
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), SCHEMA)
-    ended = [out for out in _texts(tiny_llm, GuidedDecodingParams(json_object=True), temperature=0.8, seed=1)
-             if out.finish_reason == "stop"]
+    ended = [
+        out
+        for out in _texts(tiny_llm, GuidedDecodingParams(json_object=True), temperature=0.8, seed=1)
+        if out.finish_reason == "stop"
+    ]
     assert ended, "some JSON value ends within the budget"
     for out in ended:
         json.loads(out.text)
@@ -52,18 +65,35 @@ def test_regex_and_ebnf_grammar(tiny_llm):
         assert re.fullmatch(r"(cat|dog)s? [0-9]{2}\.", out.text), out.text
     grammar = 'root ::= "(" item (", " item)* ")"\nitem ::= [a-c]+'
     for out in _texts(tiny_llm, GuidedDecodingParams(grammar=grammar), temperature=1.0, seed=2):
-        assert re.fullmatch(r"\([a-c]+(, [a-c]+)*\)", out.text) or out.finish_reason == "length", out.text
+        assert re.fullmatch(r"\([a-c]+(, [a-c]+)*\)", out.text) or out.finish_reason == "length", (
+            out.text
+        )
 
 
 def test_structural_tag(tiny_llm):
-    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<n>", "end": "</n>",
-                                                "content": {"type": "regex", "pattern": "[0-9]{3}"}}}
-    for out in _texts(tiny_llm, GuidedDecodingParams(structural_tag=json.dumps(tag)), temperature=0.8, seed=3):
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<n>",
+            "end": "</n>",
+            "content": {"type": "regex", "pattern": "[0-9]{3}"},
+        },
+    }
+    for out in _texts(
+        tiny_llm, GuidedDecodingParams(structural_tag=json.dumps(tag)), temperature=0.8, seed=3
+    ):
         assert re.fullmatch(r"<n>[0-9]{3}</n>", out.text), out.text
 
 
 def test_a_guide_that_does_not_compile_is_bad_input(tiny_llm):
     with pytest.raises(RequestError) as err:
-        tiny_llm.generate("x", SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="(")),
-                     use_tqdm=False)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "guided_decoding.regex" in err.value.details
+        tiny_llm.generate(
+            "x",
+            SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="(")),
+            use_tqdm=False,
+        )
+    assert (
+        err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        and "guided_decoding.regex" in err.value.details
+    )

@@ -1,6 +1,7 @@
 """Issue 9, group 4 (client side): logprobs as TensorRT-LLM presents them, one
 {token id: Logprob(logprob, rank)} per generated token, and cumulative_logprob only when
 logprobs were asked for."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import dataclasses
 import math
 
 import pytest
-
 from conftest import tiny_split_cluster
+
 from tandem.client import LLM, AsyncLLM, Logprob, SamplingParams
 from tandem.testing.cluster import client_kwargs_for
 
@@ -36,7 +37,9 @@ def test_logprob_is_tensorrt_llms_type():
 def test_no_logprobs_unless_asked(llm):
     # TensorRT-LLM: CompletionOutput.cumulative_logprob stays None and logprobs [] when the
     # response carries no log probs (GenerationResultBase._handle_sequence sets them only then).
-    out = llm.generate("plain", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False).outputs[0]
+    out = llm.generate(
+        "plain", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    ).outputs[0]
     assert out.cumulative_logprob is None and out.logprobs == [] and out.prompt_logprobs == []
 
 
@@ -45,11 +48,15 @@ def test_greedy_top_logprobs_are_ranked(llm, model_dirs, oracle):
     # {token: Logprob(logprob, rank=position + 1)}, most likely first.
     k = 3
     prompt = llm.tokenizer.encode("ranked logprobs")
-    out = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=k), use_tqdm=False).outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=k), use_tqdm=False
+    ).outputs[0]
     assert len(out.logprobs) == len(out.token_ids) == 6
     ref = oracle(model_dirs["llama"])
     with ref.torch.no_grad():
-        logits = ref.model(ref.torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+        logits = ref.model(ref.torch.tensor([prompt + out.token_ids[:-1]])).logits[
+            0, len(prompt) - 1 :
+        ]
     expected = ref.torch.log_softmax(logits.float(), dim=-1)
     for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert all(isinstance(v, Logprob) for v in entry.values())
@@ -61,8 +68,9 @@ def test_greedy_top_logprobs_are_ranked(llm, model_dirs, oracle):
         assert values == sorted(values, reverse=True)
         for t, v in entry.items():  # the model's own log-probabilities (transformers as the oracle)
             assert v.logprob == pytest.approx(expected[position, t].item(), abs=1e-3)
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)),
-                                                   abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)), abs=1e-4
+    )
 
 
 def _oracle_logprobs(oracle, model_dir, ids: list[int]):
@@ -83,12 +91,16 @@ def test_a_sampled_token_outside_the_top_k_has_its_vocabulary_rank(llm, model_di
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=8.0, seed=3, logprobs=1)
     prompt = llm.tokenizer.encode("hot sampling")
     out = llm.generate(prompt, params, use_tqdm=False).outputs[0]
-    expected = _oracle_logprobs(oracle, model_dirs["llama"], prompt + out.token_ids[:-1])[len(prompt) - 1:]
+    expected = _oracle_logprobs(oracle, model_dirs["llama"], prompt + out.token_ids[:-1])[
+        len(prompt) - 1 :
+    ]
     outside = 0
     for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         top = [t for t, v in entry.items() if v.rank == 1]
         assert len(top) == 1
-        assert entry[token].rank in _rank_range(expected[position], expected[position, token].item())
+        assert entry[token].rank in _rank_range(
+            expected[position], expected[position, token].item()
+        )
         if token != top[0]:
             outside += 1
             assert len(entry) == 2 and entry[token].rank > 1
@@ -108,7 +120,9 @@ def test_prompt_logprobs_are_the_context_logits_top_k(cluster, model_dirs, oracl
         prompt = client.tokenizer.encode("the prompt has logprobs too, position by position")
         params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k)
         first = client.generate(prompt, params, use_tqdm=False)
-        again = client.generate(prompt, params, use_tqdm=False)  # its blocks are cached now: still all of it
+        again = client.generate(
+            prompt, params, use_tqdm=False
+        )  # its blocks are cached now: still all of it
     expected = _oracle_logprobs(oracle, model_dirs["llama"], prompt)
     for result in (first, again):
         got = result.outputs[0].prompt_logprobs
@@ -125,9 +139,13 @@ def test_streamed_logprob_diffs_add_up(cluster):
     async def go():
         async with AsyncLLM(cluster.address) as aio:
             diffs = []
-            async for out in aio.generate_async("stream logprobs", SamplingParams(max_tokens=8, ignore_eos=True,
-                                                                                   logprobs=2), streaming=True):
+            async for out in aio.generate_async(
+                "stream logprobs",
+                SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2),
+                streaming=True,
+            ):
                 diffs += out.outputs[0].logprobs_diff
             return out, diffs
+
     out, diffs = asyncio.run(go())
     assert diffs == out.outputs[0].logprobs and len(diffs) == 8

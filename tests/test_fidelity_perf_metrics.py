@@ -7,6 +7,7 @@ token, one missed block and no reuse on a fresh one-block prompt, iter - first_i
 max_tokens - 1 and last_iter == iter. Here the times are wall-clock timedeltas since the Unix
 epoch, compared with the test's own clock around each request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,11 +18,11 @@ import time
 from datetime import timedelta
 
 import pytest
+from test_disagg import worker_state
 
 from tandem.client import AsyncLLM, SamplingParams
 from tandem.client.perf_metrics import RequestPerfMetrics
 from tandem.testing.cluster import LocalCluster, client_kwargs_for
-from test_disagg import worker_state
 
 BLOCK_SIZE = 8
 MAX_TOKENS = 6
@@ -33,15 +34,20 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, return_perf_metr
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["prefill", "decode", "both"],
-                      engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS]) as c:
+    with LocalCluster(
+        roles=["prefill", "decode", "both"],
+        engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS],
+    ) as c:
         c.add_router("router-whole", WHOLE_ROUTER_ARGS)
         yield c
 
 
 def _targets(cluster) -> dict[str, str]:
-    return {"split": cluster.address, "whole": cluster.service("router-whole").address,
-            "worker": cluster.workers[2].address}
+    return {
+        "split": cluster.address,
+        "whole": cluster.service("router-whole").address,
+        "worker": cluster.workers[2].address,
+    }
 
 
 _PROMPT_RNG = random.Random(43)
@@ -49,7 +55,18 @@ _PROMPT_RNG = random.Random(43)
 
 def _fresh_prompt() -> str:
     """A prompt no worker has cached yet (about 30 tokens: several full blocks)."""
-    words = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor", "iris", "juniper"]
+    words = [
+        "amber",
+        "basalt",
+        "cedar",
+        "delta",
+        "ember",
+        "fjord",
+        "granite",
+        "harbor",
+        "iris",
+        "juniper",
+    ]
     return " ".join(_PROMPT_RNG.choice(words) for _ in range(24))
 
 
@@ -61,7 +78,9 @@ async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams, streaming
     async for out in llm.generate_async(prompt, params, streaming=True):
         for seq in out.outputs:
             is_last = seq.finish_reason is not None
-            assert (seq.request_perf_metrics is not None) == (is_last and params.return_perf_metrics), seq
+            assert (seq.request_perf_metrics is not None) == (
+                is_last and params.return_perf_metrics
+            ), seq
     return out
 
 
@@ -79,7 +98,14 @@ def _run(target: str, prompt: str, params: SamplingParams = PARAMS, streaming: b
 
 def _check_times(perf: RequestPerfMetrics, before: timedelta, after: timedelta) -> None:
     t = perf.timing_metrics
-    assert before <= t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.last_token_time <= after, t
+    assert (
+        before
+        <= t.arrival_time
+        <= t.first_scheduled_time
+        <= t.first_token_time
+        <= t.last_token_time
+        <= after
+    ), t
 
 
 def _num_blocks(num_tokens: int) -> int:
@@ -104,16 +130,27 @@ def test_a_whole_request(cluster, path, streaming):
     perf = seq.request_perf_metrics
     _check_times(perf, before, after)
     t = perf.timing_metrics
-    assert t.kv_cache_size == 0 and t.kv_cache_transfer_start == t.kv_cache_transfer_end == timedelta(0)
+    assert (
+        t.kv_cache_size == 0
+        and t.kv_cache_transfer_start == t.kv_cache_transfer_end == timedelta(0)
+    )
     # One step computed the prompt and drew the first token, then one step per token.
-    assert perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 1
+    assert (
+        perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 1
+    )
     # A fresh prompt: every block allocated new, none found in the prefix cache.
     kv = perf.kv_cache_metrics
     blocks = _num_blocks(len(out.prompt_token_ids))
-    assert (kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_missed_blocks) == (blocks,) * 3
+    assert (kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_missed_blocks) == (
+        blocks,
+    ) * 3
     assert kv.num_reused_blocks == 0 and kv.kv_cache_hit_rate == 0.0
     spec = perf.speculative_decoding
-    assert (spec.acceptance_rate, spec.total_accepted_draft_tokens, spec.total_draft_tokens) == (0.0, 0, 0)
+    assert (spec.acceptance_rate, spec.total_accepted_draft_tokens, spec.total_draft_tokens) == (
+        0.0,
+        0,
+        0,
+    )
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
@@ -127,10 +164,17 @@ def test_a_split_request_combines_both_halves(cluster, streaming):
     _check_times(perf, before, after)
     t = perf.timing_metrics
     # The decode pulled the prompt's KV after the prefill drew the first token, before drawing its own.
-    assert t.first_token_time <= t.kv_cache_transfer_start <= t.kv_cache_transfer_end <= t.last_token_time
+    assert (
+        t.first_token_time
+        <= t.kv_cache_transfer_start
+        <= t.kv_cache_transfer_end
+        <= t.last_token_time
+    )
     assert t.kv_cache_size > 0 and t.kv_cache_size == out.metrics.kv_transfer_bytes
     # The decode's steps: the first one drew the second token.
-    assert perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 2
+    assert (
+        perf.iter == perf.last_iter and perf.last_iter - perf.first_iter == len(seq.token_ids) - 2
+    )
     # Both workers allocated the prompt's blocks; the prefill found none of them cached.
     kv = perf.kv_cache_metrics
     blocks = _num_blocks(len(out.prompt_token_ids))
@@ -151,8 +195,13 @@ def test_the_same_prompt_again_reuses_the_prefix_cache(cluster, path):
     assert kv_first.num_reused_blocks == 0
     assert 0 < kv.num_reused_blocks < blocks  # the prompt's last token is computed again
     assert kv.num_reused_blocks + kv.num_missed_blocks == blocks
-    assert kv.kv_cache_hit_rate == pytest.approx(kv.num_reused_blocks / blocks) and kv.kv_cache_hit_rate > 0
-    if path == "split":  # the decode's own allocation counts too; the pull says what it still needed
+    assert (
+        kv.kv_cache_hit_rate == pytest.approx(kv.num_reused_blocks / blocks)
+        and kv.kv_cache_hit_rate > 0
+    )
+    if (
+        path == "split"
+    ):  # the decode's own allocation counts too; the pull says what it still needed
         assert kv.num_total_allocated_blocks == 2 * blocks
         assert perf.timing_metrics.kv_cache_size == again.metrics.kv_transfer_bytes
 
@@ -160,8 +209,14 @@ def test_the_same_prompt_again_reuses_the_prefix_cache(cluster, path):
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
 @pytest.mark.parametrize("path", ["split", "worker"])
 def test_each_of_n_sequences_gets_its_own(cluster, path, streaming):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, return_perf_metrics=True, n=3, temperature=0.8,
-                            seed=5)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        return_perf_metrics=True,
+        n=3,
+        temperature=0.8,
+        seed=5,
+    )
     out, before, after = _run(_targets(cluster)[path], _fresh_prompt(), params, streaming)
     assert sorted(o.index for o in out.outputs) == [0, 1, 2]
     perfs = [o.request_perf_metrics for o in out.outputs]
@@ -172,11 +227,25 @@ def test_each_of_n_sequences_gets_its_own(cluster, path, streaming):
         # at the router; the decode's steps drew all but the first token.
         assert all(p.timing_metrics.kv_cache_size > 0 for p in perfs)
         assert len({p.timing_metrics.arrival_time for p in perfs}) == 1
-        assert len({(p.timing_metrics.kv_cache_transfer_start, p.timing_metrics.kv_cache_transfer_end)
-                    for p in perfs}) == 3
-        assert all(p.last_iter - p.first_iter == len(o.token_ids) - 2 for p, o in zip(perfs, out.outputs))
+        assert (
+            len(
+                {
+                    (
+                        p.timing_metrics.kv_cache_transfer_start,
+                        p.timing_metrics.kv_cache_transfer_end,
+                    )
+                    for p in perfs
+                }
+            )
+            == 3
+        )
+        assert all(
+            p.last_iter - p.first_iter == len(o.token_ids) - 2 for p, o in zip(perfs, out.outputs)
+        )
     else:  # one engine request per sequence, each drawing a token per step
-        assert all(p.last_iter - p.first_iter == len(o.token_ids) - 1 for p, o in zip(perfs, out.outputs))
+        assert all(
+            p.last_iter - p.first_iter == len(o.token_ids) - 1 for p, o in zip(perfs, out.outputs)
+        )
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole-output", "streamed"])
@@ -195,8 +264,10 @@ def test_beam_search_best_of_returns_it_on_each_beam(cluster, streaming):
 def two_decodes(model_dirs):
     """A prefill, two decode workers and an aggregated one; the router-whole router runs whole
     requests on a decode worker."""
-    with LocalCluster(roles=["prefill", "decode", "decode", "both"],
-                      engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS]) as c:
+    with LocalCluster(
+        roles=["prefill", "decode", "decode", "both"],
+        engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS],
+    ) as c:
         c.add_router("router-whole", WHOLE_ROUTER_ARGS)
         yield c
 
@@ -211,7 +282,9 @@ async def _stream_killing_its_decode(cluster, llm: AsyncLLM, params: SamplingPar
     async def kill_the_busy_decode():
         while True:
             for s in decodes:
-                if (await asyncio.to_thread(worker_state, s.address)).num_generated_tokens >= generated[s.address] + 10:
+                if (
+                    await asyncio.to_thread(worker_state, s.address)
+                ).num_generated_tokens >= generated[s.address] + 10:
                     killed_at.append(timedelta(seconds=time.time()))
                     s.process.send_signal(signal.SIGKILL)
                     await asyncio.to_thread(s.process.wait, 5)
@@ -221,7 +294,9 @@ async def _stream_killing_its_decode(cluster, llm: AsyncLLM, params: SamplingPar
     before = timedelta(seconds=time.time())
     killer = asyncio.create_task(kill_the_busy_decode())
     try:
-        out = await _collect(llm, "a long story that outlives its decode worker", params, streaming=True)
+        out = await _collect(
+            llm, "a long story that outlives its decode worker", params, streaming=True
+        )
         await asyncio.wait_for(killer, 5)
     finally:
         killer.cancel()
@@ -235,9 +310,14 @@ def test_a_migrated_stream_keeps_a_sane_record(two_decodes):
 
     async def go():
         # Both clients set up while every worker is alive (setup waits for them all).
-        async with AsyncLLM(two_decodes.address) as split, \
-                AsyncLLM(two_decodes.service("router-whole").address) as whole:
-            return [await _stream_killing_its_decode(two_decodes, llm, params) for llm in (split, whole)]
+        async with (
+            AsyncLLM(two_decodes.address) as split,
+            AsyncLLM(two_decodes.service("router-whole").address) as whole,
+        ):
+            return [
+                await _stream_killing_its_decode(two_decodes, llm, params) for llm in (split, whole)
+            ]
+
     for out, before, killed_at, after in asyncio.run(go()):
         seq = out.outputs[0]
         assert len(seq.token_ids) == 300 and len(out.metrics.served_by) >= 2
@@ -268,21 +348,31 @@ def test_a_stop_string_still_returns_them(cluster, path, streaming, stop_after):
         text = _run(target, prompt, dataclasses.replace(greedy, max_tokens=k))[0].outputs[0].text
         if text and longer.startswith(text) and not text.endswith("\ufffd"):
             break
-    stop = next((text[-n:] for n in range(1, len(text) + 1) if text.find(text[-n:]) == len(text) - n), "")
+    stop = next(
+        (text[-n:] for n in range(1, len(text) + 1) if text.find(text[-n:]) == len(text) - n), ""
+    )
     assert stop, (text, longer)
     # Room to run on past the stop string: a sequence the worker finished before the front's stop
     # reached it is aborted in the router, and its record is not waited for.
-    out, before, after = _run(target, prompt, dataclasses.replace(greedy, max_tokens=64, stop=[stop],
-                                                                   return_perf_metrics=True), streaming)
+    out, before, after = _run(
+        target,
+        prompt,
+        dataclasses.replace(greedy, max_tokens=64, stop=[stop], return_perf_metrics=True),
+        streaming,
+    )
     seq = out.outputs[0]
     assert seq.finish_reason == "stop" and seq.stop_reason == stop, seq
     assert seq.text + stop == text, (seq.text, stop, text)
     perf = seq.request_perf_metrics
     assert perf is not None, seq
     _check_times(perf, before, after)
-    assert perf.kv_cache_metrics.num_total_allocated_blocks >= _num_blocks(len(out.prompt_token_ids))
+    assert perf.kv_cache_metrics.num_total_allocated_blocks >= _num_blocks(
+        len(out.prompt_token_ids)
+    )
     assert perf.first_iter <= perf.last_iter == perf.iter
-    if path == "split":  # a stop in the first token ends the request at the prefill, before any pull
+    if (
+        path == "split"
+    ):  # a stop in the first token ends the request at the prefill, before any pull
         assert (perf.timing_metrics.kv_cache_size > 0) == (k > 1), (k, perf.timing_metrics)
 
 

@@ -10,6 +10,7 @@ oracle for the tokens.
 - embedding_bias: "the embedding bias tensor ... shape [vocab_size]", added to the logits.
 - exclude_input_from_output=False: "output tokens in Result should include the input tokens".
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,15 +35,22 @@ def _greedy(ref, ids: list[int], **kwargs) -> list[int]:
 def _transformers_greedy(ref, ids: list[int], **kwargs) -> list[int]:
     torch = ref.torch
     with torch.no_grad():
-        out = ref.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0, eos_token_id=None,
-                                 **kwargs)
-    return out[0, len(ids):].tolist()
+        out = ref.model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            pad_token_id=0,
+            eos_token_id=None,
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _generate(tiny_llm, prompt, **kwargs):
-    return tiny_llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs),
-                        use_tqdm=False).outputs[0]
+    return tiny_llm.generate(
+        prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs), use_tqdm=False
+    ).outputs[0]
 
 
 def test_bad_token_ids_and_bad_strings_are_never_generated(tiny_llm, model_dirs, oracle):
@@ -59,12 +67,21 @@ def test_bad_token_ids_and_bad_strings_are_never_generated(tiny_llm, model_dirs,
         ids = tiny_llm.tokenizer.encode(prompt)
         free = _greedy(ref, ids)
         # Two generated tokens whose text tokenizes back to them (the word is met as generated).
-        at = next((i for i in range(1, len(free) - 1) if tiny_llm.tokenizer.encode(
-            tiny_llm.tokenizer.decode(free[i:i + 2]), add_special_tokens=False) == free[i:i + 2]), None)
+        at = next(
+            (
+                i
+                for i in range(1, len(free) - 1)
+                if tiny_llm.tokenizer.encode(
+                    tiny_llm.tokenizer.decode(free[i : i + 2]), add_special_tokens=False
+                )
+                == free[i : i + 2]
+            ),
+            None,
+        )
         if at is None:
             continue
-        out = _generate(tiny_llm, ids, bad=tiny_llm.tokenizer.decode(free[at:at + 2]))
-        assert out.token_ids == _greedy(ref, ids, bad_words_ids=[free[at:at + 2]]) != free
+        out = _generate(tiny_llm, ids, bad=tiny_llm.tokenizer.decode(free[at : at + 2]))
+        assert out.token_ids == _greedy(ref, ids, bad_words_ids=[free[at : at + 2]]) != free
         break
     else:
         pytest.fail("no two generated tokens that tokenize back to themselves")
@@ -94,7 +111,9 @@ def test_embedding_bias_is_added_to_the_logits(tiny_llm, model_dirs, oracle):
     # A small bias: transformers with the same bias as a logits processor (SequenceBiasLogitsProcessor).
     bias = [((t * 37) % 11 - 5) * 0.3 for t in range(vocab)]
     out = _generate(tiny_llm, ids, embedding_bias=bias)
-    assert out.token_ids == _greedy(ref, ids, sequence_bias={(t,): b for t, b in enumerate(bias) if b})
+    assert out.token_ids == _greedy(
+        ref, ids, sequence_bias={(t,): b for t, b in enumerate(bias) if b}
+    )
     with pytest.raises(Exception, match="embedding_bias has 3 values"):
         _generate(tiny_llm, ids, embedding_bias=[0.0, 1.0, 2.0])
 
@@ -106,5 +125,8 @@ def test_exclude_input_from_output_false_returns_the_prompt_too(tiny_llm):
     prompt_ids = tiny_llm.tokenizer.encode(prompt)
     assert full.token_ids == prompt_ids + plain.token_ids
     assert full.text == tiny_llm.tokenizer.decode(prompt_ids + plain.token_ids)
-    assert len(full.logprobs) == len(full.token_ids) and full.logprobs[len(prompt_ids):] == plain.logprobs
+    assert (
+        len(full.logprobs) == len(full.token_ids)
+        and full.logprobs[len(prompt_ids) :] == plain.logprobs
+    )
     assert full.cumulative_logprob == pytest.approx(plain.cumulative_logprob)

@@ -8,12 +8,13 @@ TLLM_ALLOW_N_GREEDY_DECODING is set. end_id=-1 is accepted (no check there): no 
 equals it, so the sequence never ends by end id (TorchSampler._handle_stop_criteria compares
 new_token == py_end_id).
 """
+
 from __future__ import annotations
 
 import grpc
 import pytest
-
 from conftest import tiny_split_cluster
+
 from tandem.client import LLM, RequestError, SamplingParams
 from tandem.testing.cluster import client_kwargs_for
 
@@ -33,8 +34,13 @@ def llm(cluster):
 
 
 def _ids(llm, prompt, **kwargs) -> list[int]:
-    return llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, **kwargs),
-                        use_tqdm=False).outputs[0].token_ids
+    return (
+        llm.generate(
+            prompt, SamplingParams(max_tokens=12, ignore_eos=True, **kwargs), use_tqdm=False
+        )
+        .outputs[0]
+        .token_ids
+    )
 
 
 @pytest.mark.parametrize("knob", [dict(top_k=50), dict(top_p=0.95), dict(top_k=0)])
@@ -47,8 +53,15 @@ def test_top_k_or_top_p_without_temperature_samples_at_temperature_one(llm, knob
     assert differ >= len(PROMPTS) // 2, "sampling at temperature 1 is not greedy decoding"
 
 
-@pytest.mark.parametrize("knob", [dict(top_p=0.0, temperature=0.8), dict(top_k=1, temperature=0.8),
-                                  dict(temperature=0.0, top_k=40), dict(min_p=0.2)])
+@pytest.mark.parametrize(
+    "knob",
+    [
+        dict(top_p=0.0, temperature=0.8),
+        dict(top_k=1, temperature=0.8),
+        dict(temperature=0.0, top_k=40),
+        dict(min_p=0.2),
+    ],
+)
 def test_params_that_imply_greedy_decode_greedily(llm, knob):
     for i, prompt in enumerate(PROMPTS[:3]):
         assert _ids(llm, prompt, seed=i, **knob) == _ids(llm, prompt)
@@ -59,13 +72,18 @@ def test_greedy_with_several_returns_is_refused_by_the_server(cluster, monkeypat
     # request reaches the servers, which refuse it as TensorRT-LLM's _validate does.
     monkeypatch.setenv("TLLM_ALLOW_N_GREEDY_DECODING", "1")
     params = SamplingParams(max_tokens=4, n=2)
-    for target in (cluster.address, cluster.workers[2].address):  # the router's split, an aggregated worker
+    for target in (
+        cluster.address,
+        cluster.workers[2].address,
+    ):  # the router's split, an aggregated worker
         with LLM(target, **client_kwargs_for(target)) as client, pytest.raises(RequestError) as err:
             client.generate("two greedy", params, use_tqdm=False)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "Greedy decoding in the LLM API does not allow multiple returns" in err.value.details
     with LLM(cluster.address) as client:  # sampling with several returns is fine
-        out = client.generate("two samples", SamplingParams(max_tokens=4, n=2, top_k=20, seed=1), use_tqdm=False)
+        out = client.generate(
+            "two samples", SamplingParams(max_tokens=4, n=2, top_k=20, seed=1), use_tqdm=False
+        )
         assert len(out.outputs) == 2
 
 
@@ -73,9 +91,13 @@ def test_end_id_minus_one_never_ends_by_end_id(llm):
     prompt = PROMPTS[0]
     greedy = _ids(llm, prompt)
     end = greedy[3]
-    stopped = llm.generate(prompt, SamplingParams(max_tokens=12, end_id=end), use_tqdm=False).outputs[0]
-    assert stopped.token_ids == greedy[:greedy.index(end) + 1] and stopped.finish_reason == "stop"
-    unbounded = llm.generate(prompt, SamplingParams(max_tokens=12, end_id=-1), use_tqdm=False).outputs[0]
+    stopped = llm.generate(
+        prompt, SamplingParams(max_tokens=12, end_id=end), use_tqdm=False
+    ).outputs[0]
+    assert stopped.token_ids == greedy[: greedy.index(end) + 1] and stopped.finish_reason == "stop"
+    unbounded = llm.generate(
+        prompt, SamplingParams(max_tokens=12, end_id=-1), use_tqdm=False
+    ).outputs[0]
     assert unbounded.token_ids == greedy and unbounded.finish_reason == "length"
     with pytest.raises(RequestError) as err:
         llm.generate(prompt, SamplingParams(max_tokens=4, end_id=-2), use_tqdm=False)

@@ -1,6 +1,7 @@
 """Issue 9, group 6: get_stats and get_kv_cache_events as TensorRT-LLM returns them: its
 IterationStats keys, ints as ints (63-bit block hashes exact), and the async variants ending
 once nothing arrives within their timeout."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,33 +9,90 @@ import time
 
 import pytest
 
-from tandem.testing.cluster import LocalCluster
 from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.engine.block_manager import chain_hash
+from tandem.testing.cluster import LocalCluster
 
 BLOCK_SIZE = 4
 
 # TensorRT-LLM's JSON schema of its stats: cpp/tensorrt_llm/executor/jsonSerialization.cpp
 # (NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE of IterationStats, KvCacheStats, InflightBatchingStats).
 ITERATION_STATS_KEYS = {
-    "timestamp", "iter", "iterLatencyMS", "newActiveRequestsQueueLatencyMS", "numNewActiveRequests",
-    "numActiveRequests", "numQueuedRequests", "numCompletedRequests", "maxNumActiveRequests", "maxBatchSizeStatic",
-    "maxBatchSizeTunerRecommended", "maxBatchSizeRuntime", "maxNumTokensStatic", "maxNumTokensTunerRecommended",
-    "maxNumTokensRuntime", "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage", "kvCacheStats", "staticBatchingStats",
-    "inflightBatchingStats", "specDecodingStats"}
-KV_CACHE_STATS_KEYS = {"maxNumBlocks", "freeNumBlocks", "usedNumBlocks", "tokensPerBlock", "allocTotalBlocks",
-                       "allocNewBlocks", "reusedBlocks", "missedBlocks", "cacheHitRate"}
-INFLIGHT_BATCHING_KEYS = {"numScheduledRequests", "numContextRequests", "numGenRequests", "numPausedRequests",
-                          "numCtxTokens", "microBatchId", "avgNumDecodedTokensPerIter"}
-INT_KEYS = {"iter", "numNewActiveRequests", "numActiveRequests", "numQueuedRequests", "numCompletedRequests",
-            "maxNumActiveRequests", "maxBatchSizeStatic", "maxBatchSizeRuntime", "maxNumTokensStatic",
-            "maxNumTokensRuntime", "gpuMemUsage", "cpuMemUsage", "pinnedMemUsage"}
+    "timestamp",
+    "iter",
+    "iterLatencyMS",
+    "newActiveRequestsQueueLatencyMS",
+    "numNewActiveRequests",
+    "numActiveRequests",
+    "numQueuedRequests",
+    "numCompletedRequests",
+    "maxNumActiveRequests",
+    "maxBatchSizeStatic",
+    "maxBatchSizeTunerRecommended",
+    "maxBatchSizeRuntime",
+    "maxNumTokensStatic",
+    "maxNumTokensTunerRecommended",
+    "maxNumTokensRuntime",
+    "gpuMemUsage",
+    "cpuMemUsage",
+    "pinnedMemUsage",
+    "kvCacheStats",
+    "staticBatchingStats",
+    "inflightBatchingStats",
+    "specDecodingStats",
+}
+KV_CACHE_STATS_KEYS = {
+    "maxNumBlocks",
+    "freeNumBlocks",
+    "usedNumBlocks",
+    "tokensPerBlock",
+    "allocTotalBlocks",
+    "allocNewBlocks",
+    "reusedBlocks",
+    "missedBlocks",
+    "cacheHitRate",
+}
+INFLIGHT_BATCHING_KEYS = {
+    "numScheduledRequests",
+    "numContextRequests",
+    "numGenRequests",
+    "numPausedRequests",
+    "numCtxTokens",
+    "microBatchId",
+    "avgNumDecodedTokensPerIter",
+}
+INT_KEYS = {
+    "iter",
+    "numNewActiveRequests",
+    "numActiveRequests",
+    "numQueuedRequests",
+    "numCompletedRequests",
+    "maxNumActiveRequests",
+    "maxBatchSizeStatic",
+    "maxBatchSizeRuntime",
+    "maxNumTokensStatic",
+    "maxNumTokensRuntime",
+    "gpuMemUsage",
+    "cpuMemUsage",
+    "pinnedMemUsage",
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "64",
-                                                   "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8"]) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "64",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-num-seqs",
+            "8",
+        ],
+    ) as c:
         yield c
 
 
@@ -46,8 +104,11 @@ def llm(cluster):
 
 def test_iteration_stats_have_tensorrt_llms_keys_and_ints(cluster, llm):
     llm.get_stats(timeout=0.1)  # drop what came before
-    llm.generate([f"three requests {i}" for i in range(3)], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [f"three requests {i}" for i in range(3)],
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     stats = llm.get_stats(timeout=2)
     assert stats
     for s in stats:
@@ -59,8 +120,13 @@ def test_iteration_stats_have_tensorrt_llms_keys_and_ints(cluster, llm):
         assert all(type(v) is int for k, v in s["kvCacheStats"].items() if k != "cacheHitRate")
         assert isinstance(s["timestamp"], str) and s["staticBatchingStats"] is None
         assert s["maxNumActiveRequests"] == s["maxBatchSizeStatic"] == 8
-        assert s["kvCacheStats"]["maxNumBlocks"] == 64 and s["kvCacheStats"]["tokensPerBlock"] == BLOCK_SIZE
-        assert s["cpuMemUsage"] > 0 and s["gpuMemUsage"] == 0  # a CPU worker: its resident memory, no device
+        assert (
+            s["kvCacheStats"]["maxNumBlocks"] == 64
+            and s["kvCacheStats"]["tokensPerBlock"] == BLOCK_SIZE
+        )
+        assert (
+            s["cpuMemUsage"] > 0 and s["gpuMemUsage"] == 0
+        )  # a CPU worker: its resident memory, no device
     assert [s["iter"] for s in stats] == sorted(s["iter"] for s in stats)
     # Every request entered once and completed once.
     assert sum(s["numNewActiveRequests"] for s in stats) == 3
@@ -82,7 +148,7 @@ def test_kv_event_block_hashes_are_exact(llm):
             assert block["block_hash"] == chain_hash(data["parent_hash"], tokens, None)
             assert type(block["block_hash"]) is int
             hashes.append(block["block_hash"])
-    assert max(hashes) > 2 ** 53, "63-bit hashes: a double could not hold them"
+    assert max(hashes) > 2**53, "63-bit hashes: a double could not hold them"
 
 
 def test_async_stats_end_once_nothing_arrives(cluster):
@@ -95,7 +161,10 @@ def test_async_stats_end_once_nothing_arrives(cluster):
             stats = [s async for s in aio.get_stats_async(timeout=1.0)]
             events = [e async for e in aio.get_kv_cache_events_async(timeout=0.5)]
             return stats, events, time.monotonic() - started
+
     stats, events, elapsed = asyncio.run(go())
     assert elapsed < 10
-    assert len(stats) >= 3 and all(type(s["iter"]) is int for s in stats)  # one per step of the request
+    assert len(stats) >= 3 and all(
+        type(s["iter"]) is int for s in stats
+    )  # one per step of the request
     assert all(type(e["event_id"]) is int for e in events)

@@ -1,6 +1,7 @@
 """The one-row Triton GEMVs (kernels/gemv_triton.py) against their torch references (kernels/gemv.py),
 on the CPU through TRITON_INTERPRET, random inputs of several shapes; and the dispatcher's choice.
 test_gpu_engine.py runs them on a GPU inside the decode graphs; bench/gemv.py times them."""
+
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,13 @@ from tandem.kernels import gemv_triton  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (N, K, tile): even and ragged K, N not a multiple of BLOCK_N, the default tile and others
-CASES = [(64, 128, None), (37, 96, None), (130, 200, (4, 64, 4)), (9, 1024, (8, 256, 2)), (3, 50, (1, 32, 1))]
+CASES = [
+    (64, 128, None),
+    (37, 96, None),
+    (130, 200, (4, 64, 4)),
+    (9, 1024, (8, 256, 2)),
+    (3, 50, (1, 32, 1)),
+]
 
 
 def _tolerance(dtype):
@@ -34,11 +41,16 @@ def _tolerance(dtype):
 def test_gemv_matches_linear(N, K, tile, dtype):
     gen = torch.Generator().manual_seed(N * K)
     x = torch.randn(1, K, generator=gen).to(dtype)
-    weight = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype)
+    weight = (torch.randn(N, K, generator=gen) * K**-0.5).to(dtype)
     bias = torch.randn(N, generator=gen).to(dtype)
-    torch.testing.assert_close(gemv_triton.gemv(x, weight, tile=tile), reference.gemv(x, weight), **_tolerance(dtype))
-    torch.testing.assert_close(gemv_triton.gemv(x, weight, bias, tile=tile), reference.gemv(x, weight, bias),
-                               **_tolerance(dtype))
+    torch.testing.assert_close(
+        gemv_triton.gemv(x, weight, tile=tile), reference.gemv(x, weight), **_tolerance(dtype)
+    )
+    torch.testing.assert_close(
+        gemv_triton.gemv(x, weight, bias, tile=tile),
+        reference.gemv(x, weight, bias),
+        **_tolerance(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -46,8 +58,11 @@ def test_gemv_matches_linear(N, K, tile, dtype):
 def test_silu_mul_gemv_matches_swiglu_then_linear(N, K, tile, dtype):
     gen = torch.Generator().manual_seed(N + K)
     gate_up = (torch.randn(1, 2 * K, generator=gen) * 3).to(dtype)
-    weight = (torch.randn(N, K, generator=gen) * K ** -0.5).to(dtype)
-    got, want = gemv_triton.silu_mul_gemv(gate_up, weight, tile=tile), reference.silu_mul_gemv(gate_up, weight)
+    weight = (torch.randn(N, K, generator=gen) * K**-0.5).to(dtype)
+    got, want = (
+        gemv_triton.silu_mul_gemv(gate_up, weight, tile=tile),
+        reference.silu_mul_gemv(gate_up, weight),
+    )
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **_tolerance(dtype))
         return
@@ -63,19 +78,36 @@ def test_a_strided_weight_view_is_read_by_its_row_stride():
     full = torch.randn(48, 160, generator=gen)
     weight = full[:, 32:96]  # rows 160 apart, 64 wide
     x = torch.randn(1, 64, generator=gen)
-    torch.testing.assert_close(gemv_triton.gemv(x, weight), reference.gemv(x, weight), **_tolerance(torch.float32))
+    torch.testing.assert_close(
+        gemv_triton.gemv(x, weight), reference.gemv(x, weight), **_tolerance(torch.float32)
+    )
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: gemv_triton.gemv(torch.zeros(2, 8), torch.zeros(4, 8)), "one row"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 6)), "weight must be"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.bfloat16)), "share a float dtype"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(3)), "bias must be"),
-    (lambda: gemv_triton.silu_mul_gemv(torch.zeros(1, 7), torch.zeros(4, 3)), "gate | up"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 0), torch.zeros(4, 0)), "K >= 1"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(3, 64, 4)), "powers of two"),
-    (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(0, 64, 4)), "powers of two"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: gemv_triton.gemv(torch.zeros(2, 8), torch.zeros(4, 8)), "one row"),
+        (lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 6)), "weight must be"),
+        (
+            lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.bfloat16)),
+            "share a float dtype",
+        ),
+        (
+            lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(3)),
+            "bias must be",
+        ),
+        (lambda: gemv_triton.silu_mul_gemv(torch.zeros(1, 7), torch.zeros(4, 3)), "gate | up"),
+        (lambda: gemv_triton.gemv(torch.zeros(1, 0), torch.zeros(4, 0)), "K >= 1"),
+        (
+            lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(3, 64, 4)),
+            "powers of two",
+        ),
+        (
+            lambda: gemv_triton.gemv(torch.zeros(1, 8), torch.zeros(4, 8), tile=(0, 64, 4)),
+            "powers of two",
+        ),
+    ],
+)
 def test_bad_inputs_are_value_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -84,8 +116,14 @@ def test_bad_inputs_are_value_errors(call, message):
 def test_the_dispatcher_sends_one_row_to_the_gemv_and_more_to_cublas(monkeypatch):
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     calls = []
-    monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **k: calls.append("gemv") or reference.gemv(*a))
-    monkeypatch.setattr(gemv_triton, "silu_mul_gemv", lambda *a, **k: calls.append("silu") or reference.silu_mul_gemv(*a))
+    monkeypatch.setattr(
+        gemv_triton, "gemv", lambda *a, **k: calls.append("gemv") or reference.gemv(*a)
+    )
+    monkeypatch.setattr(
+        gemv_triton,
+        "silu_mul_gemv",
+        lambda *a, **k: calls.append("silu") or reference.silu_mul_gemv(*a),
+    )
     weight = torch.randn(16, 8)
     dispatch.linear(torch.randn(1, 8), weight)
     dispatch.silu_mul_linear(torch.randn(1, 16), weight)
@@ -107,6 +145,7 @@ def test_the_dispatcher_sends_one_row_to_the_gemv_and_more_to_cublas(monkeypatch
 def test_a_bad_gemv_setting_stops_an_engine_before_its_model_loads(monkeypatch, model_dirs):
     from tandem.engine.config import EngineConfig
     from tandem.engine.model_runner import ModelRunner
+
     monkeypatch.setenv("TANDEM_GEMV", "of")
     with pytest.raises(ValueError, match="TANDEM_GEMV='of'; expected on or off"):
         ModelRunner(EngineConfig(str(model_dirs["llama"]), device="cpu", num_blocks=16))

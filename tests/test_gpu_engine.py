@@ -6,6 +6,7 @@ Skipped without CUDA (CI has no GPU; the CPU runs the same code paths in test_mo
 test_sampler.py and test_fused_kernels.py). Run it in its own pytest process: the interpreter
 tests set TRITON_INTERPRET for the whole session.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,6 +18,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from conftest import run_to_completion  # noqa: E402
+
 from tandem.engine.config import EngineConfig  # noqa: E402
 from tandem.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.engine.sampler import Sampler  # noqa: E402
@@ -33,20 +35,29 @@ def _engine(model_dir, device="cuda", **kwargs) -> LLMEngine:
 
 def _hf_greedy(model_dir, prompts, max_new_tokens, eos) -> dict:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     out = {}
     for rid, ids in prompts.items():
         with torch.no_grad():
-            tokens = model.generate(torch.tensor([ids], device="cuda"), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
-                                    do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=eos)[0, len(ids):].tolist()
-        out[rid] = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+            tokens = model.generate(
+                torch.tensor([ids], device="cuda"),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=eos,
+            )[0, len(ids) :].tolist()
+        out[rid] = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
     return out
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 def test_graphs_and_gpu_sampling_match_eager_and_transformers(model_dirs, model):
     rng = random.Random(3)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(3, 40))] for i in range(11)}
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(3, 40))]
+        for i in range(11)
+    }
     greedy = {rid: SamplingOptions(max_tokens=24, eos_token_ids=(2,)) for rid in prompts}
     graphed = _engine(model_dirs[model])
     got = run_to_completion(graphed, prompts, greedy)
@@ -54,10 +65,14 @@ def test_graphs_and_gpu_sampling_match_eager_and_transformers(model_dirs, model)
     assert got == run_to_completion(_engine(model_dirs[model], enforce_eager=True), prompts, greedy)
     assert got == _hf_greedy(model_dirs[model], prompts, 24, eos=2)
     # Seeded sampling: the same tokens through graphs or eagerly, and on the CPU.
-    seeded = {rid: SamplingOptions(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
-              for i, rid in enumerate(prompts)}
+    seeded = {
+        rid: SamplingOptions(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
+        for i, rid in enumerate(prompts)
+    }
     on_gpu = run_to_completion(graphed, prompts, seeded)
-    assert on_gpu == run_to_completion(_engine(model_dirs[model], enforce_eager=True), prompts, seeded)
+    assert on_gpu == run_to_completion(
+        _engine(model_dirs[model], enforce_eager=True), prompts, seeded
+    )
     assert on_gpu == run_to_completion(_engine(model_dirs[model], device="cpu"), prompts, seeded)
 
 
@@ -77,18 +92,29 @@ def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
     streams must agree until a near-tie, where each side's token is in the other's top two (vLLM's
     check_logprobs_close), and most must agree to the end."""
     rng = random.Random(7)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(10, 60))] for i in range(12)}
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(10, 60))]
+        for i in range(12)
+    }
     options = SamplingOptions(max_tokens=32, ignore_eos=True, logprobs=2)
     kwargs = dict(dtype="bfloat16", num_blocks=24, max_num_batched_tokens=64)
     graphed = _engine(model_dirs["llama"], **kwargs)
     got = _outputs_with_logprobs(graphed, prompts, options)
-    want = _outputs_with_logprobs(_engine(model_dirs["llama"], enforce_eager=True, **kwargs), prompts, options)
+    want = _outputs_with_logprobs(
+        _engine(model_dirs["llama"], enforce_eager=True, **kwargs), prompts, options
+    )
     assert graphed.scheduler.num_preemptions > 0
     num_equal = 0
     for rid in prompts:
         for (token, top), (want_token, want_top) in zip(got[rid], want[rid]):
             if token != want_token:
-                assert token in want_top and want_token in top, (rid, token, want_token, top, want_top)
+                assert token in want_top and want_token in top, (
+                    rid,
+                    token,
+                    want_token,
+                    top,
+                    want_top,
+                )
                 break
         else:
             num_equal += 1
@@ -98,13 +124,23 @@ def test_bf16_graphs_match_eager_under_batching_pressure(model_dirs):
 def test_sampler_on_gpu_draws_what_the_cpu_draws():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(48, 5000, generator=gen) * 3
-    options = [SamplingOptions(temperature=0.5 + (i % 4) / 4, top_k=(0, 50)[i % 2], top_p=(1.0, 0.9)[i % 3 == 0],
-                               seed=100 + i, logprobs=(None, 5)[i % 2]) for i in range(48)]
+    options = [
+        SamplingOptions(
+            temperature=0.5 + (i % 4) / 4,
+            top_k=(0, 50)[i % 2],
+            top_p=(1.0, 0.9)[i % 3 == 0],
+            seed=100 + i,
+            logprobs=(None, 5)[i % 2],
+        )
+        for i in range(48)
+    ]
 
     def run(device):
         sampler = Sampler(vocab_size=5000, max_rows=48, device=device)
-        return sampler.sample(logits.to(device), options, list(range(48)), [[]] * 48, [[]] * 48,
-                              [frozenset()] * 48).to_host()
+        return sampler.sample(
+            logits.to(device), options, list(range(48)), [[]] * 48, [[]] * 48, [frozenset()] * 48
+        ).to_host()
+
     gpu, cpu = run("cuda"), run("cpu")
     assert gpu.token_ids == cpu.token_ids
     assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
@@ -117,6 +153,7 @@ def test_greedy_draw_matches_torch_on_the_8b_vocabulary():
     vocabulary, batch 1 to 256: the same ids (ties planted inside a chunk and across chunks), the
     log-probabilities and lse within float32 summation order."""
     from tandem.kernels import greedy, greedy_triton
+
     gen = torch.Generator("cuda").manual_seed(0)
     for rows in (1, 7, 256):
         logits = torch.randn(rows, 128256, generator=gen, device="cuda") * 4
@@ -135,19 +172,23 @@ def test_greedy_draw_matches_torch_on_the_8b_vocabulary():
 def _close_bf16(got, want):
     """Equal up to two bf16 rounding steps: a float32 sum in another order may round the statistic,
     and then the product with the weight, the other way."""
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -6)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-6)
 
 
 def test_fused_kernels_match_references_on_llama_8b_shapes():
     from tandem.kernels import fused_triton
+
     gen = torch.Generator("cuda").manual_seed(0)
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen, device="cuda") * std).bfloat16()
+
     for tokens in (1, 64, 2048):
         x, residual, weight = randn(tokens, 4096), randn(tokens, 4096, std=4.0), randn(4096)
-        for got, want in zip(fused_triton.add_rms_norm(x, residual, weight, 1e-5),
-                             fused.add_rms_norm(x, residual, weight, 1e-5)):
+        for got, want in zip(
+            fused_triton.add_rms_norm(x, residual, weight, 1e-5),
+            fused.add_rms_norm(x, residual, weight, 1e-5),
+        ):
             _close_bf16(got, want)
         _close_bf16(fused_triton.rms_norm(x, weight, 1e-5), fused.rms_norm(x, weight, 1e-5))
         gate_up = randn(tokens, 2 * 14336, std=2.0)
@@ -155,8 +196,11 @@ def test_fused_kernels_match_references_on_llama_8b_shapes():
         qkv = randn(tokens, (32 + 16) * 128)
         q, k, v = (t.view(tokens, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
         positions = torch.randint(0, 8192, (tokens,), generator=gen, device="cuda")
-        slots = torch.randperm(64 * 16, generator=gen, device="cuda")[:tokens] if tokens <= 1024 else \
-            torch.arange(tokens, device="cuda")
+        slots = (
+            torch.randperm(64 * 16, generator=gen, device="cuda")[:tokens]
+            if tokens <= 1024
+            else torch.arange(tokens, device="cuda")
+        )
         cache = randn(max(64, tokens // 16 + 1), 2, 2, 16, 8, 128)
         want_cache = cache.clone()
         inv_freq = 1.0 / (500000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
@@ -171,21 +215,24 @@ def test_gemvs_match_cublas_on_llama_8b_shapes():
     """One-row GEMVs (gemv_triton.py) on the 8B decode shapes: within bf16 output rounding of cuBLAS,
     and the SwiGLU-fused one within that of SwiGLU then cuBLAS."""
     from tandem.kernels import gemv, gemv_triton
+
     gen = torch.Generator("cuda").manual_seed(1)
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen, device="cuda") * std).bfloat16()
+
     for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-        x, weight = randn(1, K), randn(N, K, std=K ** -0.5)
+        x, weight = randn(1, K), randn(N, K, std=K**-0.5)
         _close_bf16(gemv_triton.gemv(x, weight), gemv.gemv(x, weight))
     # SmolLM2-135M's shapes (K not a multiple of the tile: the masked loads), with a bias, and fp16.
     for N, K in ((960, 576), (576, 1536), (49152, 576)):
-        x, weight, bias = randn(1, K), randn(N, K, std=K ** -0.5), randn(N)
+        x, weight, bias = randn(1, K), randn(N, K, std=K**-0.5), randn(N)
         _close_bf16(gemv_triton.gemv(x, weight, bias), gemv.gemv(x, weight, bias))
         x, weight = x.half(), weight.half()
-        torch.testing.assert_close(gemv_triton.gemv(x, weight).float(), gemv.gemv(x, weight).float(),
-                                   atol=1e-2, rtol=2 ** -9)
-    gate_up, down = randn(1, 2 * 14336, std=2.0), randn(4096, 14336, std=14336 ** -0.5)
+        torch.testing.assert_close(
+            gemv_triton.gemv(x, weight).float(), gemv.gemv(x, weight).float(), atol=1e-2, rtol=2**-9
+        )
+    gate_up, down = randn(1, 2 * 14336, std=2.0), randn(4096, 14336, std=14336**-0.5)
     _close_bf16(gemv_triton.silu_mul_gemv(gate_up, down), gemv.silu_mul_gemv(gate_up, down))
 
 
@@ -194,17 +241,24 @@ def test_graph_attention_splits_match_eager():
     lengths; it must agree with the eager choice on the same inputs."""
     from tandem.kernels import paged_attention as reference
     from tandem.kernels.paged_attention_triton import graph_num_splits, paged_attention_triton
+
     gen = torch.Generator().manual_seed(1)
     seq_lens = [1, 17, 300, 4097, 64]
-    tables = [list(range(sum(-(-s // 16) for s in seq_lens[:i]), sum(-(-s // 16) for s in seq_lens[:i + 1])))
-              for i in range(len(seq_lens))]
+    tables = [
+        list(
+            range(
+                sum(-(-s // 16) for s in seq_lens[:i]), sum(-(-s // 16) for s in seq_lens[: i + 1])
+            )
+        )
+        for i in range(len(seq_lens))
+    ]
     cache = torch.randn(sum(len(t) for t in tables), 2, 16, 8, 128, generator=gen).bfloat16().cuda()
     query = torch.randn(len(seq_lens), 32, 128, generator=gen).bfloat16().cuda()
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, 16, device="cuda")
-    want = reference.paged_attention(query.float(), cache.float(), meta, 128 ** -0.5)
+    want = reference.paged_attention(query.float(), cache.float(), meta, 128**-0.5)
     for splits in (None, graph_num_splits(len(seq_lens), 8, torch.device("cuda")), 3):
         meta.num_kv_splits = splits
-        got = paged_attention_triton(query, cache, meta, 128 ** -0.5)
+        got = paged_attention_triton(query, cache, meta, 128**-0.5)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -212,8 +266,11 @@ def test_engine_steps_from_another_thread(model_dirs):
     """Built on one thread and stepped on another (as a worker does): the step binds its device."""
     engine = _engine(model_dirs["llama"])
     box = {}
-    thread = threading.Thread(target=lambda: box.update(out=run_to_completion(engine, {"a": [1, 5, 6, 7]},
-                                                                      {"a": SamplingOptions(max_tokens=8)})))
+    thread = threading.Thread(
+        target=lambda: box.update(
+            out=run_to_completion(engine, {"a": [1, 5, 6, 7]}, {"a": SamplingOptions(max_tokens=8)})
+        )
+    )
     thread.start()
     thread.join()
     assert len(box["out"]["a"]) >= 1
@@ -223,15 +280,22 @@ def test_engine_steps_from_another_thread(model_dirs):
 def test_a_cuda1_engine_works_after_the_process_touched_cuda0(model_dirs):
     torch.zeros(1, device="cuda:0")
     box = {}
-    thread = threading.Thread(target=lambda: box.update(engine=_engine(model_dirs["llama"], device="cuda:1")))
+    thread = threading.Thread(
+        target=lambda: box.update(engine=_engine(model_dirs["llama"], device="cuda:1"))
+    )
     thread.start()
     thread.join()
     engine = box["engine"]
     assert engine.runner.kv_cache.device == torch.device("cuda", 1)
     torch.cuda.set_device(0)  # the stepping thread's current device is the wrong one
-    out = run_to_completion(engine, {"a": [1, 5, 6, 7]}, {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))})
-    ref = run_to_completion(_engine(model_dirs["llama"], device="cpu"), {"a": [1, 5, 6, 7]},
-                    {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))})
+    out = run_to_completion(
+        engine, {"a": [1, 5, 6, 7]}, {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))}
+    )
+    ref = run_to_completion(
+        _engine(model_dirs["llama"], device="cpu"),
+        {"a": [1, 5, 6, 7]},
+        {"a": SamplingOptions(max_tokens=8, eos_token_ids=(2,))},
+    )
     assert out == ref
 
 
@@ -244,13 +308,25 @@ def test_no_attention_variant_compiles_after_the_warm_up(model_dirs):
     """After precompile_kernels (the worker's warm-up), mixed batches of any shape launch only
     variants compiled already: a compile mid-serving stalled a burst for ~1 s."""
     from tandem.kernels import paged_attention_triton as kernel
+
     engine = _engine(model_dirs["llama"], max_num_seqs=16, max_num_batched_tokens=512)
     engine.runner.precompile_kernels()
     before = _num_compiled(kernel._attention_kernel), _num_compiled(kernel._merge_splits_kernel)
     rng = random.Random(5)
     for round_ in range(4):
-        prompts = {f"c{round_}-{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 200))]
-                   for i in range(rng.randrange(1, 16))}
-        run_to_completion(engine, prompts, {rid: SamplingOptions(max_tokens=rng.randrange(1, 30), ignore_eos=True)
-                                            for rid in prompts})
-    assert (_num_compiled(kernel._attention_kernel), _num_compiled(kernel._merge_splits_kernel)) == before
+        prompts = {
+            f"c{round_}-{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 200))]
+            for i in range(rng.randrange(1, 16))
+        }
+        run_to_completion(
+            engine,
+            prompts,
+            {
+                rid: SamplingOptions(max_tokens=rng.randrange(1, 30), ignore_eos=True)
+                for rid in prompts
+            },
+        )
+    assert (
+        _num_compiled(kernel._attention_kernel),
+        _num_compiled(kernel._merge_splits_kernel),
+    ) == before

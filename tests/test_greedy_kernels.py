@@ -2,6 +2,7 @@
 (kernels/greedy.py) on the CPU through TRITON_INTERPRET: random logits of several shapes, ties
 inside a chunk and across chunks, -inf lanes; and the sampler's choice of path.
 test_gpu_engine.py runs them on a GPU at the 8B vocabulary; bench/sampler.py times them."""
+
 from __future__ import annotations
 
 import importlib
@@ -31,8 +32,10 @@ def _check(logits: torch.Tensor, chunk: int) -> None:
 
 
 # (rows, vocab, chunk): one chunk, a ragged last chunk, a vocabulary smaller than a chunk, SmolLM2's
-@pytest.mark.parametrize("rows, vocab, chunk", [(1, 256, 256), (3, 1000, 128), (5, 77, 64), (2, 49152, 2048),
-                                                (17, 3000, 512)])
+@pytest.mark.parametrize(
+    "rows, vocab, chunk",
+    [(1, 256, 256), (3, 1000, 128), (5, 77, 64), (2, 49152, 2048), (17, 3000, 512)],
+)
 def test_greedy_draw_matches_torch(rows, vocab, chunk):
     gen = torch.Generator().manual_seed(rows * vocab + chunk)
     _check(torch.randn(rows, vocab, generator=gen) * 4, chunk)
@@ -48,7 +51,9 @@ def test_ties_go_to_the_first_index_inside_a_chunk_and_across_chunks():
     assert greedy_triton.greedy_draw(logits, chunk=128)[0].tolist() == [3, 130, 0, 998]
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's -inf - -inf in the interpreter: masked out
+@pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning"
+)  # numpy's -inf - -inf in the interpreter: masked out
 def test_minus_infinity_lanes_and_rows():
     logits = torch.randn(3, 600, generator=torch.Generator().manual_seed(2))
     logits[0, :512] = float("-inf")  # whole chunks of -inf: the max is in the last one
@@ -64,14 +69,17 @@ def test_a_strided_row_view_is_read_by_its_row_stride():
     _check(wide[:, 100:1100], 256)  # rows 1200 apart, 1000 wide
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8, dtype=torch.bfloat16)), "float32"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(8)), r"\[R, V\]"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(8, 2).t()), "contiguous"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(2, 0)), "1 <= V"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(1, 70000), chunk=1), "65535 chunks"),
-    (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8), chunk=100), "power of two"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8, dtype=torch.bfloat16)), "float32"),
+        (lambda: greedy_triton.greedy_draw(torch.zeros(8)), r"\[R, V\]"),
+        (lambda: greedy_triton.greedy_draw(torch.zeros(8, 2).t()), "contiguous"),
+        (lambda: greedy_triton.greedy_draw(torch.zeros(2, 0)), "1 <= V"),
+        (lambda: greedy_triton.greedy_draw(torch.zeros(1, 70000), chunk=1), "65535 chunks"),
+        (lambda: greedy_triton.greedy_draw(torch.zeros(2, 8), chunk=100), "power of two"),
+    ],
+)
 def test_bad_inputs_are_value_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -82,12 +90,17 @@ def test_the_sampler_takes_the_kernel_only_when_nothing_changed_the_logits(monke
     changes the logits first and keeps torch's argmax over them, with the raw model's logprobs."""
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     calls = []
-    monkeypatch.setattr(greedy_triton, "greedy_draw", lambda x: calls.append(x.shape) or reference.greedy_draw(x))
+    monkeypatch.setattr(
+        greedy_triton, "greedy_draw", lambda x: calls.append(x.shape) or reference.greedy_draw(x)
+    )
     vocab = 64
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
     sampler = Sampler(vocab, max_rows=4)
-    plain = [SamplingOptions(max_tokens=4), SamplingOptions(max_tokens=4, temperature=0.7, seed=5),
-             SamplingOptions(max_tokens=4)]
+    plain = [
+        SamplingOptions(max_tokens=4),
+        SamplingOptions(max_tokens=4, temperature=0.7, seed=5),
+        SamplingOptions(max_tokens=4),
+    ]
     result = sampler.sample(logits, plain, [0] * 3, [[]] * 3, [[]] * 3, [frozenset()] * 3).to_host()
     assert calls == [(3, vocab)]
     want_ids, want_logprobs, _ = reference.greedy_draw(logits)
@@ -97,13 +110,31 @@ def test_the_sampler_takes_the_kernel_only_when_nothing_changed_the_logits(monke
     assert result.logprobs[1] == pytest.approx(log_probs[1, result.token_ids[1]].item(), abs=1e-5)
     top = want_ids[0].item()
     banned = [frozenset({top}), frozenset(), frozenset()]
-    result = sampler.sample(logits, [SamplingOptions(max_tokens=4)] * 3, [0] * 3, [[]] * 3, [[]] * 3, banned).to_host()
+    result = sampler.sample(
+        logits, [SamplingOptions(max_tokens=4)] * 3, [0] * 3, [[]] * 3, [[]] * 3, banned
+    ).to_host()
     assert calls == [(3, vocab)]  # the banned id changed the logits: torch's path
-    assert result.token_ids[0] == logits[0].clone().index_fill_(0, torch.tensor([top]), float("-inf")).argmax().item()
+    assert (
+        result.token_ids[0]
+        == logits[0].clone().index_fill_(0, torch.tensor([top]), float("-inf")).argmax().item()
+    )
     assert result.logprobs[0] == pytest.approx(log_probs[0, result.token_ids[0]].item(), abs=1e-5)
-    penalized = [SamplingOptions(max_tokens=4, repetition_penalty=1.5)] + [SamplingOptions(max_tokens=4)] * 2
-    sampler.sample(logits, penalized, [0] * 3, [[top], [], []], [[top], [], []], [frozenset()] * 3).to_host()
-    allowed = torch.full((3, (vocab + 31) // 32), -1, dtype=torch.int32)  # a guide that allows every id
-    sampler.sample(logits, [SamplingOptions(max_tokens=4)] * 3, [0] * 3, [[]] * 3, [[]] * 3, [frozenset()] * 3,
-                   allowed).to_host()
+    penalized = [SamplingOptions(max_tokens=4, repetition_penalty=1.5)] + [
+        SamplingOptions(max_tokens=4)
+    ] * 2
+    sampler.sample(
+        logits, penalized, [0] * 3, [[top], [], []], [[top], [], []], [frozenset()] * 3
+    ).to_host()
+    allowed = torch.full(
+        (3, (vocab + 31) // 32), -1, dtype=torch.int32
+    )  # a guide that allows every id
+    sampler.sample(
+        logits,
+        [SamplingOptions(max_tokens=4)] * 3,
+        [0] * 3,
+        [[]] * 3,
+        [[]] * 3,
+        [frozenset()] * 3,
+        allowed,
+    ).to_host()
     assert calls == [(3, vocab)]  # a penalty and a guide keep torch's path too

@@ -1,4 +1,5 @@
 """Operating the router with the real grpcurl binary (reflection, health, a Generate call)."""
+
 from __future__ import annotations
 
 import json
@@ -8,17 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_all_blocks_free
-from tandem.testing.cluster import LocalCluster
+
 from tandem.client import LLM
+from tandem.testing.cluster import LocalCluster
 
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"]) as c:
+    with LocalCluster(
+        roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"]
+    ) as c:
         yield c
 
 
@@ -44,23 +47,38 @@ def test_list_shows_the_public_service_and_health(cluster):
 
 def test_describe_documents_the_rpcs(cluster):
     out = grpcurl(cluster.address, "describe", "tandem.v1.AsyncLLM")
-    for rpc in ("Generate", "Abort", "GetKvCacheCapacity", "PauseGeneration", "GetDataTransceiverState"):
+    for rpc in (
+        "Generate",
+        "Abort",
+        "GetKvCacheCapacity",
+        "PauseGeneration",
+        "GetDataTransceiverState",
+    ):
         assert f"rpc {rpc}" in out
     assert "SamplingParams" in grpcurl(cluster.address, "describe", "tandem.v1.SamplingParams")
 
 
 def test_health_check(cluster):
-    assert json.loads(grpcurl(cluster.address, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
+    assert (
+        json.loads(grpcurl(cluster.address, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
+    )
     worker = cluster.workers[0].address
     assert json.loads(grpcurl(worker, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
     assert "tandem.v1.Worker" in grpcurl(worker, "list").split()
 
 
 def test_generate_streams_json(cluster):
-    request = json.dumps({"prompt": {"text": "Hello from grpcurl"}, "streaming": True,
-                          "sampling_params": {"max_tokens": 5, "ignore_eos": True}})
+    request = json.dumps(
+        {
+            "prompt": {"text": "Hello from grpcurl"},
+            "streaming": True,
+            "sampling_params": {"max_tokens": 5, "ignore_eos": True},
+        }
+    )
     out = grpcurl(cluster.address, "tandem.v1.AsyncLLM/Generate", data=request)
-    messages = [json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
+    messages = [
+        json.loads(chunk) for chunk in out.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()
+    ]
     tokens = [t for m in messages for o in m.get("outputs", []) for t in o.get("token_ids", [])]
     assert len(tokens) == 5
     assert messages[-1]["finished"] is True

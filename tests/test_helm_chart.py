@@ -3,6 +3,7 @@
 Needs helm-python-sdk (Helm's Go SDK through ctypes: no helm binary), kubernetes-validate and pyyaml.
 TANDEM_UPDATE_GOLDEN=1 rewrites tests/golden/helm/*.yaml from the current chart.
 """
+
 from __future__ import annotations
 
 import base64
@@ -11,11 +12,10 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 # `make install` installs these; a missing one is a broken install, so the import fails loudly.
 import helm_python as helm
 import kubernetes_validate
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,28 +31,56 @@ VALUE_SETS = {
     "disaggregated": {
         "model": {"source": "pvc", "claimName": "models", "path": "Llama-3.1-8B-Instruct"},
         "engine": {"dtype": "bfloat16"},
-        "prefill": {"replicas": 2, "gpus": 2, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
-        "decode": {"replicas": 3, "kvCacheGb": 40, "tensorParallelSize": 2,
-                   "resources": {"limits": {"memory": "64Gi"}},
-                   "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "prefill": {
+            "replicas": 2,
+            "gpus": 2,
+            "resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
+        },
+        "decode": {
+            "replicas": 3,
+            "kvCacheGb": 40,
+            "tensorParallelSize": 2,
+            "resources": {"limits": {"memory": "64Gi"}},
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+        },
         "podDisruptionBudget": {"enabled": True},
         "adminToken": {"secretName": "tandem-admin"},
         "drain": {"seconds": 120, "routerPreStopSeconds": 10},
-        "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+        "networkPolicy": {
+            "enabled": True,
+            "routerFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+        },
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}
+        },
     },
     "aggregated": {
         "model": {"source": "hostPath", "hostPath": "/mnt/models", "path": "qwen3"},
-        "prefill": {"replicas": 0}, "decode": {"replicas": 0},
-        "both": {"replicas": 2, "numBlocks": 4096, "maxNumBatchedTokens": 1048576, "extraArgs": ["--seed", "7"]},
+        "prefill": {"replicas": 0},
+        "decode": {"replicas": 0},
+        "both": {
+            "replicas": 2,
+            "numBlocks": 4096,
+            "maxNumBatchedTokens": 1048576,
+            "extraArgs": ["--seed", "7"],
+        },
         "metrics": {"enabled": False},
     },
     "secured": {
-        "tls": {"enabled": True, "secretName": "tandem-tls", "routerClientAuth": "none", "serverName": "tandem.internal"},
+        "tls": {
+            "enabled": True,
+            "secretName": "tandem-tls",
+            "routerClientAuth": "none",
+            "serverName": "tandem.internal",
+        },
         "clusterToken": {"secretName": "tandem-cluster", "secretKey": "cluster-token"},
         "adminToken": {"secretName": "tandem-admin"},
-        "networkPolicy": {"extraWorkerIngress": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+        "networkPolicy": {
+            "extraWorkerIngress": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+        },
     },
 }
 # The token the chart generates is random: golden renders hold a placeholder.
@@ -74,7 +102,9 @@ def render(chart, values: dict) -> dict[str, str]:
 
 
 def objects(chart, values: dict) -> list[dict]:
-    return [doc for text in render(chart, values).values() for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc for text in render(chart, values).values() for doc in yaml.safe_load_all(text) if doc
+    ]
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -82,7 +112,12 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
 
 
 def containers(docs: list[dict]) -> list[dict]:
-    return [c for d in docs if d["kind"] in ("Deployment", "StatefulSet") for c in d["spec"]["template"]["spec"]["containers"]]
+    return [
+        c
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def flag(container: dict, name: str) -> str | None:
@@ -92,7 +127,13 @@ def flag(container: dict, name: str) -> str | None:
 
 @pytest.mark.parametrize("case", VALUE_SETS)
 def test_lint_is_clean(case):
-    report = helm.lint(CHART_DIR, VALUE_SETS[case], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}")
+    report = helm.lint(
+        CHART_DIR,
+        VALUE_SETS[case],
+        strict=True,
+        namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
+    )
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -114,9 +155,15 @@ def test_router_finds_exactly_the_worker_pods(chart, case):
     or TLS without a serverName), the rendered pods by name."""
     values = helm.Chart.merge_values(chart, VALUE_SETS[case])
     for discovery in ("dns", "static"):
-        overrides = dict(VALUE_SETS[case], router={**VALUE_SETS[case].get("router", {}), "discovery": discovery})
+        overrides = dict(
+            VALUE_SETS[case], router={**VALUE_SETS[case].get("router", {}), "discovery": discovery}
+        )
         docs = objects(chart, overrides)
-        headless = {s["metadata"]["name"]: s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"}
+        headless = {
+            s["metadata"]["name"]: s
+            for s in by_kind(docs, "Service")
+            if s["spec"].get("clusterIP") == "None"
+        }
         expected_pods, expected_services = [], []
         for sts in by_kind(docs, "StatefulSet"):
             role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -124,13 +171,19 @@ def test_router_finds_exactly_the_worker_pods(chart, case):
             svc = sts["spec"]["serviceName"]
             assert svc in headless and headless[svc]["spec"]["publishNotReadyAddresses"] is True
             port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
-            expected_pods += [f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:{port}"
-                              for i in range(sts["spec"]["replicas"])]
+            expected_pods += [
+                f"{sts['metadata']['name']}-{i}.{svc}.{NAMESPACE}.svc.cluster.local:{port}"
+                for i in range(sts["spec"]["replicas"])
+            ]
             expected_services.append(f"{role}={svc}.{NAMESPACE}.svc.cluster.local:{port}")
-        assert len(expected_pods) == sum(values[r]["replicas"] for r in ("prefill", "decode", "both"))
+        assert len(expected_pods) == sum(
+            values[r]["replicas"] for r in ("prefill", "decode", "both")
+        )
         (router,) = by_kind(docs, "Deployment")
         container = router["spec"]["template"]["spec"]["containers"][0]
-        by_dns = discovery == "dns" and (not values["tls"]["enabled"] or values["tls"]["serverName"])
+        by_dns = discovery == "dns" and (
+            not values["tls"]["enabled"] or values["tls"]["serverName"]
+        )
         if by_dns:
             assert flag(container, "workers") is None
             assert sorted(flag(container, "workers-dns").split(",")) == sorted(expected_services)
@@ -140,12 +193,23 @@ def test_router_finds_exactly_the_worker_pods(chart, case):
 
 
 def test_router_flags_follow_the_values(chart):
-    docs = objects(chart, {"router": {"routing": "prefill=kv,decode=least-load", "disaggMinUncachedTokens": 256,
-                                      "maxInFlight": 64, "streamInterval": 4}})
+    docs = objects(
+        chart,
+        {
+            "router": {
+                "routing": "prefill=kv,decode=least-load",
+                "disaggMinUncachedTokens": 256,
+                "maxInFlight": 64,
+                "streamInterval": 4,
+            }
+        },
+    )
     (router,) = by_kind(docs, "Deployment")
     container = router["spec"]["template"]["spec"]["containers"][0]
-    assert [flag(container, f) for f in ("routing", "disagg-min-uncached-tokens", "max-in-flight",
-                                         "stream-interval")] == ["prefill=kv,decode=least-load", "256", "64", "4"]
+    assert [
+        flag(container, f)
+        for f in ("routing", "disagg-min-uncached-tokens", "max-in-flight", "stream-interval")
+    ] == ["prefill=kv,decode=least-load", "256", "64", "4"]
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
@@ -165,7 +229,11 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(chart, case):
 
 
 def test_router_service_is_cluster_ip_on_50051(chart):
-    (svc,) = [s for s in by_kind(objects(chart, {}), "Service") if s["metadata"]["name"].endswith("-router")]
+    (svc,) = [
+        s
+        for s in by_kind(objects(chart, {}), "Service")
+        if s["metadata"]["name"].endswith("-router")
+    ]
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 50051
 
 
@@ -173,7 +241,10 @@ def test_workers_run_on_gpus_by_default(chart):
     by_role = {c["name"]: c for c in containers(objects(chart, {}))}
     for role in ("prefill", "decode"):
         assert flag(by_role[role], "device") == "cuda"
-        assert by_role[role]["resources"] == {"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}
+        assert by_role[role]["resources"] == {
+            "limits": {"nvidia.com/gpu": 1},
+            "requests": {"nvidia.com/gpu": 1},
+        }
     assert "resources" not in by_role["router"]
     (image,) = {c["image"] for c in by_role.values()}
     assert image == f"tandem:{chart_version()}-gpu"
@@ -181,20 +252,34 @@ def test_workers_run_on_gpus_by_default(chart):
 
 def test_gpu_requests_merge_with_resources(chart):
     by_role = {c["name"]: c for c in containers(objects(chart, VALUE_SETS["disaggregated"]))}
-    assert by_role["decode"]["resources"] == {"limits": {"nvidia.com/gpu": 2, "memory": "64Gi"},
-                                              "requests": {"nvidia.com/gpu": 2}}
-    assert by_role["prefill"]["resources"] == {"limits": {"nvidia.com/gpu": 2},
-                                               "requests": {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"}}
+    assert by_role["decode"]["resources"] == {
+        "limits": {"nvidia.com/gpu": 2, "memory": "64Gi"},
+        "requests": {"nvidia.com/gpu": 2},
+    }
+    assert by_role["prefill"]["resources"] == {
+        "limits": {"nvidia.com/gpu": 2},
+        "requests": {"nvidia.com/gpu": 2, "cpu": "4", "memory": "16Gi"},
+    }
 
 
 def test_tensor_parallel_size_per_role_sets_the_flag_and_the_gpu_request(chart):
     by_role = {c["name"]: c for c in containers(objects(chart, VALUE_SETS["disaggregated"]))}
-    assert flag(by_role["decode"], "tensor-parallel-size") == "2" and flag(by_role["decode"], "max-loras") == "0"
+    assert (
+        flag(by_role["decode"], "tensor-parallel-size") == "2"
+        and flag(by_role["decode"], "max-loras") == "0"
+    )
     assert "--tensor-parallel-size" not in " ".join(by_role["prefill"]["args"])
     # gpus 2 on a TP-1 prefill stays 2; the request is whichever is larger.
     assert by_role["prefill"]["resources"]["limits"]["nvidia.com/gpu"] == 2
-    cpu = {c["name"]: c for c in containers(objects(chart, {**CPU_VALUES, "decode": {
-        **CPU_VALUES.get("decode", {}), "tensorParallelSize": 2}}))}
+    cpu = {
+        c["name"]: c
+        for c in containers(
+            objects(
+                chart,
+                {**CPU_VALUES, "decode": {**CPU_VALUES.get("decode", {}), "tensorParallelSize": 2}},
+            )
+        )
+    }
     assert flag(cpu["decode"], "tensor-parallel-size") == "2"
     assert "nvidia.com/gpu" not in str(cpu["decode"].get("resources"))
     with pytest.raises(helm.HelmValuesError):
@@ -209,11 +294,15 @@ def test_cpu_values_request_no_gpu_and_use_the_cpu_image(chart):
         if c["name"] != "router":
             assert flag(c, "device") == "cpu"
     ports = [c["ports"][0]["containerPort"] for c in containers(docs)]
-    assert len(ports) == len(set(ports)), "the roles' ports differ, so the release fits one network namespace"
+    assert len(ports) == len(set(ports)), (
+        "the roles' ports differ, so the release fits one network namespace"
+    )
 
 
 def test_make_image_builds_the_tags_the_chart_runs():
-    spec = importlib.util.spec_from_file_location("tandem_image_build", ROOT / "deploy" / "image" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "tandem_image_build", ROOT / "deploy" / "image" / "build.py"
+    )
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     default_tag = build.default_tag
@@ -221,21 +310,30 @@ def test_make_image_builds_the_tags_the_chart_runs():
     assert default_tag("gpu") == f"tandem:{chart_version()}-gpu"
 
 
-@pytest.mark.parametrize("case, model_flag", [("default", "/opt/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-                                             ("disaggregated", "/models/Llama-3.1-8B-Instruct"),
-                                             ("aggregated", "/models/qwen3")])
+@pytest.mark.parametrize(
+    "case, model_flag",
+    [
+        ("default", "/opt/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ("disaggregated", "/models/Llama-3.1-8B-Instruct"),
+        ("aggregated", "/models/qwen3"),
+    ],
+)
 def test_model_source(chart, case, model_flag):
     docs = objects(chart, VALUE_SETS[case])
     for sts in by_kind(docs, "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         assert flag(pod["containers"][0], "model") == model_flag
-        assert any(v["name"] == "model" for v in pod["volumes"]) == model_flag.startswith("/models/")
+        assert any(v["name"] == "model" for v in pod["volumes"]) == model_flag.startswith(
+            "/models/"
+        )
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
 def test_drain_preStop_and_termination_grace_agree(chart, case):
     drain = helm.Chart.merge_values(chart, VALUE_SETS[case])["drain"]
-    for d in by_kind(objects(chart, VALUE_SETS[case]), "Deployment") + by_kind(objects(chart, VALUE_SETS[case]), "StatefulSet"):
+    for d in by_kind(objects(chart, VALUE_SETS[case]), "Deployment") + by_kind(
+        objects(chart, VALUE_SETS[case]), "StatefulSet"
+    ):
         pod = d["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         assert flag(container, "drain-seconds") == str(drain["seconds"])
@@ -244,36 +342,62 @@ def test_drain_preStop_and_termination_grace_agree(chart, case):
             assert pre_stop == {"exec": {"command": ["sleep", str(drain["routerPreStopSeconds"])]}}
             waited = drain["routerPreStopSeconds"]
         else:
-            assert pre_stop is None, "a worker's router sees NOT_SERVING itself: nothing to wait for"
+            assert pre_stop is None, (
+                "a worker's router sees NOT_SERVING itself: nothing to wait for"
+            )
             waited = 0
-        assert pod["terminationGracePeriodSeconds"] == waited + drain["seconds"] + drain["exitSeconds"]
+        assert (
+            pod["terminationGracePeriodSeconds"] == waited + drain["seconds"] + drain["exitSeconds"]
+        )
 
 
 def test_network_policies_are_on_by_default(chart):
     assert len(by_kind(objects(chart, {}), "NetworkPolicy")) == 2
-    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, VALUE_SETS["disaggregated"]), "NetworkPolicy")}
+    policies = {
+        p["metadata"]["name"]: p["spec"]
+        for p in by_kind(objects(chart, VALUE_SETS["disaggregated"]), "NetworkPolicy")
+    }
     router, workers = policies[f"{RELEASE}-tandem-router"], policies[f"{RELEASE}-tandem-workers"]
-    scrape = {"ports": [{"port": "metrics"}]}  # metrics.enabled: Prometheus, from anywhere (metricsFrom empty)
-    assert router["ingress"] == [{"ports": [{"port": "grpc"}],
-                                  "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}, scrape]
+    scrape = {
+        "ports": [{"port": "metrics"}]
+    }  # metrics.enabled: Prometheus, from anywhere (metricsFrom empty)
+    assert router["ingress"] == [
+        {
+            "ports": [{"port": "grpc"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+        },
+        scrape,
+    ]
     assert workers["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode", "both"]
-    assert workers["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert (
+        workers["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"]
+        == RELEASE
+    )
     assert workers["ingress"][1:] == [scrape]
     no_metrics = dict(VALUE_SETS["disaggregated"], metrics={"enabled": False})
-    policies = {p["metadata"]["name"]: p["spec"] for p in by_kind(objects(chart, no_metrics), "NetworkPolicy")}
+    policies = {
+        p["metadata"]["name"]: p["spec"]
+        for p in by_kind(objects(chart, no_metrics), "NetworkPolicy")
+    }
     assert all(len(p["ingress"]) == 1 for p in policies.values())
 
 
 def test_large_integers_render_as_integers(chart):
     (sts,) = by_kind(objects(chart, VALUE_SETS["aggregated"]), "StatefulSet")
-    assert flag(sts["spec"]["template"]["spec"]["containers"][0], "max-num-batched-tokens") == "1048576"
+    assert (
+        flag(sts["spec"]["template"]["spec"]["containers"][0], "max-num-batched-tokens")
+        == "1048576"
+    )
 
 
 def test_admin_token_comes_from_the_secret_in_every_process(chart):
     for c in containers(objects(chart, VALUE_SETS["disaggregated"])):
         (env,) = [e for e in c["env"] if e["name"] == "TANDEM_ADMIN_TOKEN"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "tandem-admin", "key": "token"}
-    assert all("TANDEM_ADMIN_TOKEN" not in str(c["env"]) for c in containers(objects(chart, VALUE_SETS["default"])))
+    assert all(
+        "TANDEM_ADMIN_TOKEN" not in str(c["env"])
+        for c in containers(objects(chart, VALUE_SETS["default"]))
+    )
 
 
 def test_every_process_gets_the_cluster_token(chart):
@@ -284,12 +408,18 @@ def test_every_process_gets_the_cluster_token(chart):
     assert len(base64.b64decode(secret["data"]["token"])) == 48
     for c in containers(docs):
         (env,) = [e for e in c["env"] if e["name"] == "TANDEM_CLUSTER_TOKEN"]
-        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+        assert env["valueFrom"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"],
+            "key": "token",
+        }
     named = objects(chart, VALUE_SETS["secured"])
     assert by_kind(named, "Secret") == []
     for c in containers(named):
         (env,) = [e for e in c["env"] if e["name"] == "TANDEM_CLUSTER_TOKEN"]
-        assert env["valueFrom"]["secretKeyRef"] == {"name": "tandem-cluster", "key": "cluster-token"}
+        assert env["valueFrom"]["secretKeyRef"] == {
+            "name": "tandem-cluster",
+            "key": "cluster-token",
+        }
 
 
 def test_tls_mounts_the_secret_and_passes_the_flags(chart):
@@ -301,27 +431,55 @@ def test_tls_mounts_the_secret_and_passes_the_flags(chart):
         (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
         assert volume["secret"]["secretName"] == "tandem-tls"
         (container,) = pod["containers"]
-        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in container["volumeMounts"]
-        assert [flag(container, f) for f in ("tls-cert", "tls-key", "tls-ca", "tls-server-name")] == [
-            "/etc/tandem/tls/tls.crt", "/etc/tandem/tls/tls.key", "/etc/tandem/tls/ca.crt", "tandem.internal"]
+        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        assert [
+            flag(container, f) for f in ("tls-cert", "tls-key", "tls-ca", "tls-server-name")
+        ] == [
+            "/etc/tandem/tls/tls.crt",
+            "/etc/tandem/tls/tls.key",
+            "/etc/tandem/tls/ca.crt",
+            "tandem.internal",
+        ]
         is_router = d["kind"] == "Deployment"
         assert flag(container, "tls-client-auth") == ("none" if is_router else None)
-    assert all(flag(c, "tls-cert") is None for c in containers(objects(chart, VALUE_SETS["default"])))
+    assert all(
+        flag(c, "tls-cert") is None for c in containers(objects(chart, VALUE_SETS["default"]))
+    )
 
 
 def test_network_policy_admits_only_the_release_to_the_workers(chart):
-    (policy,) = [p for p in by_kind(objects(chart, VALUE_SETS["secured"]), "NetworkPolicy")
-                 if p["metadata"]["name"] == f"{RELEASE}-tandem-workers"]
+    (policy,) = [
+        p
+        for p in by_kind(objects(chart, VALUE_SETS["secured"]), "NetworkPolicy")
+        if p["metadata"]["name"] == f"{RELEASE}-tandem-workers"
+    ]
     selector = policy["spec"]["podSelector"]
-    assert selector["matchExpressions"] == [{"key": "app.kubernetes.io/component", "operator": "In",
-                                             "values": ["prefill", "decode", "both"]}]
+    assert selector["matchExpressions"] == [
+        {
+            "key": "app.kubernetes.io/component",
+            "operator": "In",
+            "values": ["prefill", "decode", "both"],
+        }
+    ]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     rule, *scrape = policy["spec"]["ingress"]
-    assert scrape == [{"ports": [{"port": "metrics"}]}]  # Prometheus, from anywhere (metricsFrom empty)
+    assert scrape == [
+        {"ports": [{"port": "metrics"}]}
+    ]  # Prometheus, from anywhere (metricsFrom empty)
     assert "ports" not in rule  # gRPC and the UCX ports NIXL picks at run time
-    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tandem",
-                                                             "app.kubernetes.io/instance": RELEASE}}},
-                            {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    assert rule["from"] == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "tandem",
+                    "app.kubernetes.io/instance": RELEASE,
+                }
+            }
+        },
+        {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}},
+    ]
     assert by_kind(objects(chart, {"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
 
 
@@ -340,8 +498,11 @@ def test_long_names_are_truncated_to_dns_labels(chart):
         # the controller-revision-hash label is "<name>-<10 chars>" and must stay a 63-char label
         assert len(sts["metadata"]["name"]) <= 52
     router = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
-    assert all(len(label) <= 63 for name in flag(router, "workers-dns").split(",")
-               for label in name.split("=", 1)[1].rsplit(":", 1)[0].split("."))
+    assert all(
+        len(label) <= 63
+        for name in flag(router, "workers-dns").split(",")
+        for label in name.split("=", 1)[1].rsplit(":", 1)[0].split(".")
+    )
 
 
 def pod_templates(docs: list[dict]) -> list[dict]:
@@ -360,7 +521,10 @@ def test_every_pod_is_scraped_on_its_metrics_port(chart, case):
         (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"]
         assert port == values[role]["metricsPort"] and flag(container, "metrics-port") == str(port)
         assert template["metadata"]["annotations"] == {
-            "prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics",
+        }
     for svc in by_kind(docs, "Service"):
         (port,) = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
         assert port["targetPort"] == "metrics"
@@ -371,54 +535,73 @@ def test_metrics_off_is_no_port_no_annotation(chart):
     for template in pod_templates(docs):
         (container,) = template["spec"]["containers"]
         assert flag(container, "metrics-port") == "0"
-        assert "annotations" not in template["metadata"] and [p["name"] for p in container["ports"]] == ["grpc"]
-    assert all([p["name"] for p in svc["spec"]["ports"]] == ["grpc"] for svc in by_kind(docs, "Service"))
+        assert "annotations" not in template["metadata"] and [
+            p["name"] for p in container["ports"]
+        ] == ["grpc"]
+    assert all(
+        [p["name"] for p in svc["spec"]["ports"]] == ["grpc"] for svc in by_kind(docs, "Service")
+    )
     assert not by_kind(docs, "ServiceMonitor")
 
 
 def test_service_monitor_scrapes_every_service(chart):
-    assert not by_kind(objects(chart, {}), "ServiceMonitor")  # opt-in: it needs prometheus-operator's CRD
+    assert not by_kind(
+        objects(chart, {}), "ServiceMonitor"
+    )  # opt-in: it needs prometheus-operator's CRD
     docs = objects(chart, VALUE_SETS["disaggregated"])
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert spec["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
-    selected = [svc for svc in by_kind(docs, "Service")
-                if spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()]
-    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {"router", "prefill", "decode"}
+    assert spec["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
+    selected = [
+        svc
+        for svc in by_kind(docs, "Service")
+        if spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    ]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {
+        "router",
+        "prefill",
+        "decode",
+    }
     assert len(selected) == len(by_kind(docs, "Service"))
 
 
-@pytest.mark.parametrize("bad", [
-    {"prefill": {"replicas": -1}},
-    {"mixed": {"replicas": 1}},
-    {"decode": {"replica": 2}},
-    {"both": {"device": "tpu"}},
-    {"router": {"port": 70000}},
-    {"model": {"source": "pvc"}},
-    {"model": {"source": "s3"}},
-    {"model": {"source": "pvc", "claimName": "models", "path": "/abs"}},
-    {"model": {"path": "relative/in/the/image"}},
-    {"image": {"variant": "tpu"}},
-    {"drain": {"seconds": -1}},
-    {"drain": {"seconds": 1.5}},
-    {"terminationGracePeriodSeconds": 30},
-    {"engine": {"dtype": "int4"}},
-    {"router": {"metricsPort": 0}},
-    {"router": {"discovery": "consul"}},
-    {"router": {"routing": "prefill=fastest"}},
-    {"router": {"maxInFlight": 0}},
-    {"router": {"streamInterval": 0}},
-    {"router": {"streamInterval": 257}},
-    {"metrics": {"serviceMonitor": {"interval": "often"}}},
-    {"metrics": {"scrape": True}},
-    {"tls": {"enabled": True}},
-    {"tls": {"routerClientAuth": "optional"}},
-    {"probes": {"healthPort": 0}},
-    {"decode": {"cudaIpcGetZcopy": "yes please"}},
-], ids=lambda bad: repr(bad))
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prefill": {"replicas": -1}},
+        {"mixed": {"replicas": 1}},
+        {"decode": {"replica": 2}},
+        {"both": {"device": "tpu"}},
+        {"router": {"port": 70000}},
+        {"model": {"source": "pvc"}},
+        {"model": {"source": "s3"}},
+        {"model": {"source": "pvc", "claimName": "models", "path": "/abs"}},
+        {"model": {"path": "relative/in/the/image"}},
+        {"image": {"variant": "tpu"}},
+        {"drain": {"seconds": -1}},
+        {"drain": {"seconds": 1.5}},
+        {"terminationGracePeriodSeconds": 30},
+        {"engine": {"dtype": "int4"}},
+        {"router": {"metricsPort": 0}},
+        {"router": {"discovery": "consul"}},
+        {"router": {"routing": "prefill=fastest"}},
+        {"router": {"maxInFlight": 0}},
+        {"router": {"streamInterval": 0}},
+        {"router": {"streamInterval": 257}},
+        {"metrics": {"serviceMonitor": {"interval": "often"}}},
+        {"metrics": {"scrape": True}},
+        {"tls": {"enabled": True}},
+        {"tls": {"routerClientAuth": "optional"}},
+        {"probes": {"healthPort": 0}},
+        {"decode": {"cudaIpcGetZcopy": "yes please"}},
+    ],
+    ids=lambda bad: repr(bad),
+)
 def test_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmValuesError):
         render(chart, bad)
@@ -431,12 +614,20 @@ def _env(container: dict) -> dict[str, str]:
 def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart):
     """The worker turns UCX's CUDA IPC get path on itself (kvtransfer/ucx_env.py): the default
     render sets nothing, so that an `env` entry of the operator's still reaches it alone."""
+
     def worker_env(values):
-        return {c["name"]: _env(c) for c in containers(objects(chart, values)) if c["name"] != "router"}
+        return {
+            c["name"]: _env(c) for c in containers(objects(chart, values)) if c["name"] != "router"
+        }
+
     assert all("UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in env for env in worker_env({}).values())
-    overridden = worker_env({"prefill": {"cudaIpcGetZcopy": "auto"}, "decode": {"cudaIpcGetZcopy": "n"}})
-    assert {name: env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") for name, env in overridden.items()} == \
-        {"prefill": "auto", "decode": "n"}
+    overridden = worker_env(
+        {"prefill": {"cudaIpcGetZcopy": "auto"}, "decode": {"cudaIpcGetZcopy": "n"}}
+    )
+    assert {name: env.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") for name, env in overridden.items()} == {
+        "prefill": "auto",
+        "decode": "n",
+    }
 
 
 def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):
@@ -447,12 +638,17 @@ def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):
 @pytest.mark.parametrize("case", VALUE_SETS)
 def test_golden_render(chart, case):
     manifests = render(chart, VALUE_SETS[case])
-    text = "".join(f"# Source: {path}\n{manifests[path].strip()}\n" for path in sorted(manifests)
-                   if manifests[path].strip())
+    text = "".join(
+        f"# Source: {path}\n{manifests[path].strip()}\n"
+        for path in sorted(manifests)
+        if manifests[path].strip()
+    )
     text = RANDOM_TOKEN.sub(r'\1"<random>"', text)
     golden = GOLDEN_DIR / f"{case}.yaml"
     if os.environ.get("TANDEM_UPDATE_GOLDEN") == "1":
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(text)
     assert golden.is_file(), f"{golden} missing: run with TANDEM_UPDATE_GOLDEN=1"
-    assert text == golden.read_text(), f"{golden.name} differs from the render: review, then TANDEM_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), (
+        f"{golden.name} differs from the render: review, then TANDEM_UPDATE_GOLDEN=1"
+    )

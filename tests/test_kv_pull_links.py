@@ -1,6 +1,7 @@
 """KV handoff at device speed within one host (issue 41): the transceiver turns UCX's CUDA IPC get
 path on unless the operator chose, and a decode measures each prefill's pull rate (WorkerState,
 get_stats, /metrics) and warns once per peer when pulls within its host run under the floor."""
+
 from __future__ import annotations
 
 import logging
@@ -9,36 +10,47 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import assert_all_blocks_free
+from test_disagg import worker_state
+from test_metrics import scrape, value
+
 from tandem.client import LLM, SamplingParams
 from tandem.decode.pull_links import DEFAULT_DEVICE_FLOOR_GBPS, JUDGED_AFTER, PullFloor, PullLinks
 from tandem.kvtransfer.ucx_env import CUDA_IPC_GET_ZCOPY
 from tandem.testing.cluster import LocalCluster
-from test_disagg import worker_state
-from test_metrics import scrape, value
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _fresh_process(code: str, env_value: str | None) -> subprocess.CompletedProcess:
     """Runs code in a new interpreter, with the variable set to env_value or absent."""
     import os
+
     env = {k: v for k, v in os.environ.items() if k != CUDA_IPC_GET_ZCOPY}
     if env_value is not None:
         env[CUDA_IPC_GET_ZCOPY] = env_value
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("operator_value, expected", [(None, "y"), ("n", "n"), ("auto", "auto"), ("y", "y")])
+@pytest.mark.parametrize(
+    "operator_value, expected", [(None, "y"), ("n", "n"), ("auto", "auto"), ("y", "y")]
+)
 def test_device_pools_get_the_cuda_ipc_get_path_unless_the_operator_chose(operator_value, expected):
-    result = _fresh_process(f"""
+    result = _fresh_process(
+        f"""
         import os
         from tandem.kvtransfer.ucx_env import apply_defaults
         applied = apply_defaults("VRAM")
         print(",".join(f"{{k}}={{v}}" for k, v in applied.items()) or "-", os.environ.get({CUDA_IPC_GET_ZCOPY!r}))
-    """, operator_value)
+    """,
+        operator_value,
+    )
     assert result.returncode == 0, result.stderr
     applied, value_after = result.stdout.split()
     assert value_after == expected
@@ -47,26 +59,34 @@ def test_device_pools_get_the_cuda_ipc_get_path_unless_the_operator_chose(operat
 
 def test_a_host_memory_transceiver_sets_nothing_and_ucx_warns_of_nothing():
     """No cuda_ipc transport is loaded for a DRAM pool: the variable would be an unused one."""
-    result = _fresh_process(f"""
+    result = _fresh_process(
+        f"""
         import os, torch
         from tandem.kvtransfer import KvTransceiver
         with KvTransceiver("t", torch.zeros(4, 2, 2, 8, 2, 16), "hash", progress_thread=False):
             print(os.environ.get({CUDA_IPC_GET_ZCOPY!r}, "unset"))
-    """, None)
+    """,
+        None,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "unset"
     assert "unused environment variable" not in result.stderr
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="a device pool needs a CUDA GPU")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="a device pool needs a CUDA GPU"
+)
 @pytest.mark.parametrize("operator_value, expected", [(None, "y"), ("auto", "auto")])
 def test_a_device_transceiver_turns_the_cuda_ipc_get_path_on(operator_value, expected):
-    result = _fresh_process(f"""
+    result = _fresh_process(
+        f"""
         import os, torch
         from tandem.kvtransfer import KvTransceiver
         with KvTransceiver("t", torch.zeros(4, 2, 2, 8, 2, 16, device="cuda"), "hash", progress_thread=False):
             print(os.environ.get({CUDA_IPC_GET_ZCOPY!r}, "unset"))
-    """, operator_value)
+    """,
+        operator_value,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == expected
     assert "unused environment variable" not in result.stderr
@@ -83,22 +103,35 @@ def test_a_lane_whose_every_pull_is_slow_warns_once(caplog):
     for _ in range(3):
         links.observe("10.0.0.1:50052", True, True, 128 * MIB, 0.25)
     # Too small to say, another host, host-memory pools (no default floor): never judged.
-    for peer, same_host, device_pools, nbytes in (("10.0.0.3:50052", True, True, 1 * MIB),
-                                                  ("10.0.0.4:50052", False, True, 128 * MIB),
-                                                  ("10.0.0.5:50052", True, False, 128 * MIB)):
+    for peer, same_host, device_pools, nbytes in (
+        ("10.0.0.3:50052", True, True, 1 * MIB),
+        ("10.0.0.4:50052", False, True, 128 * MIB),
+        ("10.0.0.5:50052", True, False, 128 * MIB),
+    ):
         for _ in range(2 * JUDGED_AFTER):
             links.observe(peer, same_host, device_pools, nbytes, 0.25)
     links.observe("10.0.0.6:50052", True, True, 0, 0.0)  # an empty pull moves nothing: not a link
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
-    assert "10.0.0.1:50052" in warnings[0] and "0.54 GB/s at best" in warnings[0] and CUDA_IPC_GET_ZCOPY in warnings[0]
+    assert (
+        "10.0.0.1:50052" in warnings[0]
+        and "0.54 GB/s at best" in warnings[0]
+        and CUDA_IPC_GET_ZCOPY in warnings[0]
+    )
     by_peer = {link.peer: link for link in links.links()}
     assert set(by_peer) == {"10.0.0.1:50052", "10.0.0.3:50052", "10.0.0.4:50052", "10.0.0.5:50052"}
     slow = by_peer["10.0.0.1:50052"]
-    assert (slow.num_pulls, slow.num_bytes, slow.num_below_floor) == (JUDGED_AFTER + 2, (JUDGED_AFTER + 2) * 128 * MIB,
-                                                                      JUDGED_AFTER + 2)
+    assert (slow.num_pulls, slow.num_bytes, slow.num_below_floor) == (
+        JUDGED_AFTER + 2,
+        (JUDGED_AFTER + 2) * 128 * MIB,
+        JUDGED_AFTER + 2,
+    )
     assert slow.mean_gbps == pytest.approx(128 * MIB / 0.25 / 1e9) == slow.best_gbps
-    assert all(by_peer[p].num_judged == by_peer[p].num_below_floor == 0 for p in by_peer if p != "10.0.0.1:50052")
+    assert all(
+        by_peer[p].num_judged == by_peer[p].num_below_floor == 0
+        for p in by_peer
+        if p != "10.0.0.1:50052"
+    )
     assert len(observed) == JUDGED_AFTER + 2 + 6 * JUDGED_AFTER
 
 
@@ -119,7 +152,12 @@ def test_floor_settings_are_checked():
     assert PullFloor().gbps_for(device_pools=True) == DEFAULT_DEVICE_FLOOR_GBPS
     assert PullFloor().gbps_for(device_pools=False) == 0
     assert PullFloor(2.0).gbps_for(device_pools=False) == 2.0
-    for bad in (dict(gbps=-1.0), dict(gbps=float("nan")), dict(min_mib=0.0), dict(min_mib=float("inf"))):
+    for bad in (
+        dict(gbps=-1.0),
+        dict(gbps=float("nan")),
+        dict(min_mib=0.0),
+        dict(min_mib=float("inf")),
+    ):
         with pytest.raises(ValueError, match="kv_pull_floor"):
             PullFloor(**bad)
 
@@ -128,8 +166,11 @@ def test_floor_settings_are_checked():
 def slow_floor_cluster(model_dirs):
     """A split whose decode holds its (CPU) pulls to a floor no loopback path reaches."""
     engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args,
-                      worker_args={"decode-1": ["--kv-pull-floor-gbps", "1000", "--kv-pull-floor-mib", "0.001"]}) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=engine_args,
+        worker_args={"decode-1": ["--kv-pull-floor-gbps", "1000", "--kv-pull-floor-mib", "0.001"]},
+    ) as c:
         yield c
 
 
@@ -148,14 +189,21 @@ def test_pull_rates_reach_worker_state_stats_and_metrics_and_a_slow_lane_warns(s
     link = links[0]
     assert link.peer == prefill.address and link.same_host and not link.device_pools
     n = JUDGED_AFTER
-    assert (link.num_pulls, link.num_bytes, link.num_judged, link.num_below_floor) == (n, pulled, n, n)
+    assert (link.num_pulls, link.num_bytes, link.num_judged, link.num_below_floor) == (
+        n,
+        pulled,
+        n,
+        n,
+    )
     assert link.seconds > 0 and link.mean_gbps == pytest.approx(pulled / link.seconds / 1e9)
     assert 0 < link.last_gbps <= link.best_gbps < 1000
 
     samples = scrape(decode)
     assert value(samples, "tandem:kv_pull_bytes_total", peer=prefill.address) == pulled
     assert value(samples, "tandem:kv_pull_seconds_count", peer=prefill.address) == n
-    assert value(samples, "tandem:kv_pull_seconds_sum", peer=prefill.address) == pytest.approx(link.seconds)
+    assert value(samples, "tandem:kv_pull_seconds_sum", peer=prefill.address) == pytest.approx(
+        link.seconds
+    )
 
     with LLM(decode.address, **cluster.worker_client_kwargs()) as direct:
         stats = direct.get_stats(timeout=2)
@@ -164,7 +212,11 @@ def test_pull_rates_reach_worker_state_stats_and_metrics_and_a_slow_lane_warns(s
     log = decode.log_path.read_text(errors="replace")
     warnings = [line for line in log.splitlines() if "KV pulls from" in line]
     assert len(warnings) == 1, warnings
-    assert prefill.address in warnings[0] and "under the 1000.0 GB/s" in warnings[0] and "UCX_TLS" in warnings[0]
+    assert (
+        prefill.address in warnings[0]
+        and "under the 1000.0 GB/s" in warnings[0]
+        and "UCX_TLS" in warnings[0]
+    )
     # The prefill pulls nothing: no links, and no series.
     assert not worker_state(prefill.address).kv_pull_links
     assert value(scrape(prefill), "tandem:kv_pull_seconds_count") == 0

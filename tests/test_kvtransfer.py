@@ -72,7 +72,9 @@ def prefill_main(conn, deadline_s: float) -> None:
 @pytest.fixture(scope="module")
 def prefill():
     parent_conn, child_conn = mp.get_context("spawn").Pipe()
-    process = mp.get_context("spawn").Process(target=prefill_main, args=(child_conn, PEER_LIFETIME_S), daemon=True)
+    process = mp.get_context("spawn").Process(
+        target=prefill_main, args=(child_conn, PEER_LIFETIME_S), daemon=True
+    )
     process.start()
     child_conn.close()
     if not parent_conn.poll(30):
@@ -121,7 +123,9 @@ def random_segments(rng: random.Random, num_segments: int) -> tuple[list[int], l
         remote_start = rng.choice(remote_free[: PREFILL_NUM_BLOCKS - length])
         local_start = rng.randrange(0, DECODE_NUM_BLOCKS - length)
         local_range = set(range(local_start, local_start + length))
-        continues = remote_ids and remote_start == remote_ids[-1] + 1 and local_start == local_ids[-1] + 1
+        continues = (
+            remote_ids and remote_start == remote_ids[-1] + 1 and local_start == local_ids[-1] + 1
+        )
         if continues or not local_range <= local_free:
             continue
         remote_ids += range(remote_start, remote_start + length)
@@ -133,16 +137,18 @@ def random_segments(rng: random.Random, num_segments: int) -> tuple[list[int], l
 def assert_blocks_equal(local_pool, remote_ids, local_ids):
     expected = seeded_pool(PREFILL_NUM_BLOCKS, SEED)
     for remote_id, local_id in zip(remote_ids, local_ids):
-        assert torch.equal(local_pool[local_id].view(torch.uint8), expected[remote_id].view(torch.uint8)), (
-            f"local block {local_id} differs from remote block {remote_id}"
-        )
+        assert torch.equal(
+            local_pool[local_id].view(torch.uint8), expected[remote_id].view(torch.uint8)
+        ), f"local block {local_id} differs from remote block {remote_id}"
 
 
 def test_read_copies_runs_and_scattered_blocks_and_notifies(prefill, decode):
     conn, _ = prefill
     transceiver, pool = decode
     remote_ids, local_ids = random_segments(random.Random(SEED), num_segments=6)
-    assert any(b - a == 1 for a, b in zip(remote_ids, remote_ids[1:])), "want at least one multi-block run"
+    assert any(b - a == 1 for a, b in zip(remote_ids, remote_ids[1:])), (
+        "want at least one multi-block run"
+    )
 
     transfer = transceiver.read_blocks(PREFILL_NAME, remote_ids, local_ids, b"req-1:done")
     transfer.wait(WAIT_S)
@@ -170,7 +176,9 @@ def test_second_read_reuses_cached_peer(prefill):
     with KvTransceiver("test-decode-cache", pool, LAYOUT_HASH) as transceiver:
         loads = []
         load_remote = transceiver._agent.add_remote_agent
-        transceiver._agent.add_remote_agent = lambda metadata: loads.append(1) or load_remote(metadata)
+        transceiver._agent.add_remote_agent = lambda metadata: (
+            loads.append(1) or load_remote(metadata)
+        )
 
         first = transceiver.add_peer(state)
         assert transceiver.add_peer(state) is first
@@ -181,13 +189,18 @@ def test_second_read_reuses_cached_peer(prefill):
         assert len(loads) == 1
         assert transceiver.peer_names == (PREFILL_NAME,)
         assert_blocks_equal(pool, [0, 1, 9], [5, 6, 0])
-        assert sorted(wait_notifications(conn, 2)) == [("test-decode-cache", b"a"), ("test-decode-cache", b"b")]
+        assert sorted(wait_notifications(conn, 2)) == [
+            ("test-decode-cache", b"a"),
+            ("test-decode-cache", b"b"),
+        ]
 
 
 def test_layout_mismatch_is_typed_and_names_both_hashes(prefill, decode):
     _, state = prefill
     transceiver, _ = decode
-    foreign = dataclasses.replace(TransceiverState.from_bytes(state), agent_name="other", layout_hash="qwen/fp8")
+    foreign = dataclasses.replace(
+        TransceiverState.from_bytes(state), agent_name="other", layout_hash="qwen/fp8"
+    )
     with pytest.raises(LayoutMismatchError) as excinfo:
         transceiver.add_peer(foreign.to_bytes())
     assert "qwen/fp8" in str(excinfo.value) and LAYOUT_HASH in str(excinfo.value)
@@ -208,7 +221,9 @@ def test_malformed_state_raises_value_error(prefill, decode):
         b"XXXX" + state[4:],
         state[:4] + struct.pack("!H", 99) + state[6:],
         struct.pack("!4sHI", b"TKVS", 1, len(header)) + header + struct.pack("!I", 1) + b"m",
-        dataclasses.replace(parsed, agent_name="junk-peer", agent_metadata=b"not nixl metadata").to_bytes(),
+        dataclasses.replace(
+            parsed, agent_name="junk-peer", agent_metadata=b"not nixl metadata"
+        ).to_bytes(),
     ]
     for bad in bad_states:
         with pytest.raises(ValueError):
@@ -218,8 +233,14 @@ def test_malformed_state_raises_value_error(prefill, decode):
 
 def test_bad_block_ids_and_unknown_peer(decode):
     transceiver, _ = decode
-    for remote_ids, local_ids in [([PREFILL_NUM_BLOCKS], [0]), ([0], [DECODE_NUM_BLOCKS]), ([-1], [0]),
-                                  ([0, 1], [0]), ([0, 1], [3, 3]), ([True], [0])]:
+    for remote_ids, local_ids in [
+        ([PREFILL_NUM_BLOCKS], [0]),
+        ([0], [DECODE_NUM_BLOCKS]),
+        ([-1], [0]),
+        ([0, 1], [0]),
+        ([0, 1], [3, 3]),
+        ([True], [0]),
+    ]:
         with pytest.raises(ValueError):
             transceiver.read_blocks(PREFILL_NAME, remote_ids, local_ids, b"")
     with pytest.raises(UnknownPeerError):
@@ -231,8 +252,16 @@ def test_state_round_trip_and_close_is_idempotent():
     transceiver = KvTransceiver("test-standalone", pool, LAYOUT_HASH)
     state = TransceiverState.from_bytes(transceiver.get_state())
     assert state.to_bytes() == transceiver.get_state()
-    assert (state.agent_name, state.base_address, state.num_blocks) == ("test-standalone", pool.data_ptr(), 4)
-    assert (state.block_nbytes, state.memory_type, state.device_id) == (pool[0].numel() * 2, "DRAM", 0)
+    assert (state.agent_name, state.base_address, state.num_blocks) == (
+        "test-standalone",
+        pool.data_ptr(),
+        4,
+    )
+    assert (state.block_nbytes, state.memory_type, state.device_id) == (
+        pool[0].numel() * 2,
+        "DRAM",
+        0,
+    )
     transceiver.close()
     transceiver.close()
     with pytest.raises(TransceiverClosedError):
@@ -242,11 +271,22 @@ def test_state_round_trip_and_close_is_idempotent():
 
 
 def test_coalesce_runs_requires_both_sides_consecutive():
-    assert coalesce_runs([4, 5, 6, 9, 10, 11], [0, 1, 7, 8, 9, 2]) == [(4, 0, 2), (6, 7, 1), (9, 8, 2), (11, 2, 1)]
+    assert coalesce_runs([4, 5, 6, 9, 10, 11], [0, 1, 7, 8, 9, 2]) == [
+        (4, 0, 2),
+        (6, 7, 1),
+        (9, 8, 2),
+        (11, 2, 1),
+    ]
     assert coalesce_runs([], []) == []
 
 
 def test_split_runs_caps_descriptor_length():
     from tandem.kvtransfer.transceiver import split_runs
-    assert split_runs([(10, 0, 5), (3, 20, 2)], 2) == [(10, 0, 2), (12, 2, 2), (14, 4, 1), (3, 20, 2)]
+
+    assert split_runs([(10, 0, 5), (3, 20, 2)], 2) == [
+        (10, 0, 2),
+        (12, 2, 2),
+        (14, 4, 1),
+        (3, 20, 2),
+    ]
     assert split_runs([(10, 0, 5)], None) == [(10, 0, 5)]

@@ -1,6 +1,7 @@
 """Every way a prefill worker's KV lease can end, over real processes, and the one lease table
 empty afterwards: pulled by the decode, released by the router, expired, the decode falling
 back to computing the prompt, requests aborted before / during / after the pull, and paused."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,12 +9,12 @@ import random
 import time
 
 import pytest
+from test_disagg import worker_state
 
-from tandem.client import AsyncLLM, DisaggregatedParams, LLM, SamplingParams
+from tandem.client import LLM, AsyncLLM, DisaggregatedParams, SamplingParams
 from tandem.common.callers import SPLIT_METADATA
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from test_disagg import worker_state
 
 LEASE_SECONDS = 6.0
 CONTEXT_ONLY = DisaggregatedParams(request_type="context_only")
@@ -21,9 +22,19 @@ CONTEXT_ONLY = DisaggregatedParams(request_type="context_only")
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["prefill", "decode"],
-                      engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8",
-                                   "--kv-lease-seconds", str(LEASE_SECONDS)]) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "128",
+            "--block-size",
+            "8",
+            "--kv-lease-seconds",
+            str(LEASE_SECONDS),
+        ],
+    ) as c:
         yield c
 
 
@@ -47,7 +58,9 @@ def ended_by(cluster, before: dict[str, int], way: str, timeout: float = 5.0) ->
 def test_pulled(cluster):
     before = endings(cluster)
     with LLM(cluster.address) as llm:
-        out = llm.generate("pulled by the decode", SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        out = llm.generate(
+            "pulled by the decode", SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False
+        )
     assert len(out.outputs[0].token_ids) == 6
     assert ended_by(cluster, before, "pulled")
 
@@ -64,18 +77,24 @@ def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster)
         else:
             pytest.fail("no prompt among 40 starts with a printable token")
         before = endings(cluster)
-        out = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=[first.text]),
-                           use_tqdm=False).outputs[0]
+        out = llm.generate(
+            prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop=[first.text]), use_tqdm=False
+        ).outputs[0]
     # The stop string is the whole first token: trimmed from token_ids, as TensorRT-LLM does.
     assert out.finish_reason == "stop" and out.stop_reason == first.text and out.token_ids == []
     assert ended_by(cluster, before, "released")
-    assert worker_state(cluster.workers[1].address).num_prompt_tokens_computed == 0  # no decode phase ran
+    assert (
+        worker_state(cluster.workers[1].address).num_prompt_tokens_computed == 0
+    )  # no decode phase ran
 
 
 def test_expired_and_decode_fell_back(cluster):
     """A handoff nobody pulls expires; one presented with less than a second of lease left is not
     pulled: the decode computes the prompt itself and tells the prefill to free its copy."""
-    with LLM(cluster.address) as llm, LLM(cluster.workers[1].address, **cluster.worker_client_kwargs()) as decode:
+    with (
+        LLM(cluster.address) as llm,
+        LLM(cluster.workers[1].address, **cluster.worker_client_kwargs()) as decode,
+    ):
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         expected = llm.generate("fall back", params, use_tqdm=False).outputs[0].token_ids
         before = endings(cluster)
@@ -83,10 +102,20 @@ def test_expired_and_decode_fell_back(cluster):
         ctx = llm.generate("fall back", params, use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
         h = ctx.outputs[0].disaggregated_params
         expires_at = worker_pb2.KvHandoff.FromString(h.opaque_state).lease_expires_at
-        time.sleep(max(0.0, expires_at - time.time() - 0.5))  # inside the decode's margin, before the prefill frees
-        gen = decode.generate(ctx.prompt_token_ids, params, use_tqdm=False, disaggregated_params=DisaggregatedParams(
-            request_type="generation_only", first_gen_tokens=h.first_gen_tokens, ctx_request_id=h.ctx_request_id,
-            opaque_state=h.opaque_state))
+        time.sleep(
+            max(0.0, expires_at - time.time() - 0.5)
+        )  # inside the decode's margin, before the prefill frees
+        gen = decode.generate(
+            ctx.prompt_token_ids,
+            params,
+            use_tqdm=False,
+            disaggregated_params=DisaggregatedParams(
+                request_type="generation_only",
+                first_gen_tokens=h.first_gen_tokens,
+                ctx_request_id=h.ctx_request_id,
+                opaque_state=h.opaque_state,
+            ),
+        )
     assert gen.outputs[0].token_ids == expected  # the first token included, as TensorRT-LLM
     assert ended_by(cluster, before, "fallback")
     assert ended_by(cluster, before, "expired", timeout=LEASE_SECONDS + 3)
@@ -96,7 +125,9 @@ def test_aborted_before_during_and_after_the_pull(cluster):
     rng = random.Random(11)
 
     async def one(aio, i: int) -> str:
-        result = aio.generate_async(f"abort me {i}", SamplingParams(max_tokens=30, ignore_eos=True), streaming=True)
+        result = aio.generate_async(
+            f"abort me {i}", SamplingParams(max_tokens=30, ignore_eos=True), streaming=True
+        )
         abort_after = rng.choice([0, 0, 1, 2, 5])  # messages seen before the abort
         if abort_after == 0:
             await asyncio.sleep(rng.uniform(0, 0.05))
@@ -119,7 +150,9 @@ def test_aborted_before_during_and_after_the_pull(cluster):
     opened_before = state.num_leases_opened
     reasons = asyncio.run(storm())
     assert "cancelled" in reasons
-    state = wait_for(lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s, timeout=5)
+    state = wait_for(
+        lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s, timeout=5
+    )
     assert state, "leases still out seconds after their requests ended (long before they expire)"
     assert state.num_leases_opened > opened_before
 
@@ -135,14 +168,23 @@ def test_a_split_whose_reply_the_router_lost_is_released_by_its_disagg_request_i
     request.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
     request.disaggregated_params.disagg_request_id = 7_000_001
     with cluster.channel(prefill) as channel:
-        (reply,) = list(llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, metadata=((SPLIT_METADATA, "1"),),
-                                                                  timeout=30))
+        (reply,) = list(
+            llm_pb2_grpc.AsyncLLMStub(channel).Generate(
+                request, metadata=((SPLIT_METADATA, "1"),), timeout=30
+            )
+        )
         assert reply.outputs[0].disaggregated_params.opaque_state  # a lease is out
         before = endings(cluster)
         internal = worker_pb2_grpc.WorkerStub(channel)
-        other = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_002), timeout=10)
-        released = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10)
-        again = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10)
+        other = internal.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_002), timeout=10
+        )
+        released = internal.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10
+        )
+        again = internal.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_001), timeout=10
+        )
     assert (other.released, released.released, again.released) == (False, True, False)
     assert endings(cluster).get("released", 0) == before.get("released", 0) + 1
     assert worker_state(prefill).num_leases == 0
@@ -152,21 +194,35 @@ def test_a_client_handoff_is_not_released_by_its_disagg_request_id(cluster):
     """A client's own context_only request may carry any disagg_request_id (TensorRT-LLM's
     field): only the router's splits, whose ids the router draws, are released by it."""
     with LLM(cluster.address) as llm:
-        ctx = llm.generate("keep my handoff", SamplingParams(max_tokens=4), use_tqdm=False,
-                           disaggregated_params=DisaggregatedParams(request_type="context_only",
-                                                                    disagg_request_id=7_000_003))
+        ctx = llm.generate(
+            "keep my handoff",
+            SamplingParams(max_tokens=4),
+            use_tqdm=False,
+            disaggregated_params=DisaggregatedParams(
+                request_type="context_only", disagg_request_id=7_000_003
+            ),
+        )
     handoff = ctx.outputs[0].disaggregated_params
     with cluster.channel(cluster.workers[0].address) as channel:
         internal = worker_pb2_grpc.WorkerStub(channel)
-        by_disagg = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_003), timeout=10)
-        by_lease = internal.ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id), timeout=10)
+        by_disagg = internal.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(disagg_request_id=7_000_003), timeout=10
+        )
+        by_lease = internal.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id), timeout=10
+        )
     assert (by_disagg.released, by_lease.released) == (False, True)
 
 
 def test_paused(cluster):
     with LLM(cluster.address) as llm:
         before = endings(cluster)
-        llm.generate("pause me", SamplingParams(max_tokens=4), use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
+        llm.generate(
+            "pause me",
+            SamplingParams(max_tokens=4),
+            use_tqdm=False,
+            disaggregated_params=CONTEXT_ONLY,
+        )
         assert worker_state(cluster.workers[0].address).num_leases >= 1
 
         async def pause_and_resume():
@@ -176,17 +232,23 @@ def test_paused(cluster):
                 await aio.resume_generation()
             finally:
                 aio.close()
+
         asyncio.run(pause_and_resume())
     assert ended_by(cluster, before, "paused", timeout=1)
 
 
 def test_the_lease_table_is_empty_afterwards(cluster):
     """Runs last in this module: every lease any test opened has ended, and each one once."""
-    state = wait_for(lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s,
-                     timeout=LEASE_SECONDS + 3)
+    state = wait_for(
+        lambda: (s := worker_state(cluster.workers[0].address)).num_leases == 0 and s,
+        timeout=LEASE_SECONDS + 3,
+    )
     assert state and state.num_leased_blocks == 0
     assert sum(state.lease_endings.values()) == state.num_leases_opened
     assert {"pulled", "released", "expired", "fallback", "paused"} <= set(state.lease_endings)
     for worker in cluster.workers:
-        s = wait_for(lambda: (w := worker_state(worker.address)).num_free_blocks == w.num_total_blocks and w, 5)
+        s = wait_for(
+            lambda: (w := worker_state(worker.address)).num_free_blocks == w.num_total_blocks and w,
+            5,
+        )
         assert s and s.num_active_requests == 0, worker.address

@@ -1,5 +1,6 @@
 """Process lifecycle: health is NOT_SERVING until the model is loaded, SIGTERM stops
 gracefully, shutdown_cluster() stops the whole cluster, and the CLI streams a completion."""
+
 from __future__ import annotations
 
 import signal
@@ -10,14 +11,18 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.testing.cluster import LocalCluster, free_port
 from tandem.client import LLM
+from tandem.testing.cluster import LocalCluster, free_port
 
 
 def _health(address: str) -> str:
     with grpc.insecure_channel(address) as channel:
         try:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=1)
+                .status
+            )
             return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
         except grpc.RpcError as exc:
             return exc.code().name
@@ -25,9 +30,12 @@ def _health(address: str) -> str:
 
 def _generate_code(address: str) -> str:
     from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
+
     with grpc.insecure_channel(address) as channel:
-        request = llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(text="early"),
-                                          sampling_params=types_pb2.SamplingParams(max_tokens=1))
+        request = llm_pb2.GenerateRequest(
+            prompt=types_pb2.Prompt(text="early"),
+            sampling_params=types_pb2.SamplingParams(max_tokens=1),
+        )
         try:
             list(llm_pb2_grpc.AsyncLLMStub(channel).Generate(request, timeout=5))
             return "OK"
@@ -39,8 +47,23 @@ def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp
     port = free_port()
     address = f"127.0.0.1:{port}"
     log = open(tmp_path / "worker.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "both", "--port", str(port),
-                             "--model", str(model_dirs["llama"]), "--num-blocks", "16"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "both",
+            "--port",
+            str(port),
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "16",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         seen, early = [], set()
         deadline = time.monotonic() + 60
@@ -63,21 +86,56 @@ def test_worker_is_not_serving_until_loaded_and_stops_on_sigterm(model_dirs, tmp
 def test_a_worker_whose_model_cannot_load_exits_with_what_to_fix(model_dirs):
     """The error comes after the server started (the model loads behind NOT_SERVING): the worker
     says what to fix, exits 2, and stops its server on its loop (no finalizer noise after)."""
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "both", "--port", str(free_port()),
-                           "--model", str(model_dirs["llama"]), "--num-blocks", "16", "--max-model-len", "4096"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "both",
+            "--port",
+            str(free_port()),
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "16",
+            "--max-model-len",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "give --max-model-len 2048 or less" in proc.stderr, proc.stderr[-2000:]
     assert "listening on" in proc.stderr  # it did start serving first
-    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[
+        -2000:
+    ]
 
 
 def test_shutdown_stops_the_cluster_and_the_cli_streams(model_dirs):
-    cluster = LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"])
+    cluster = LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "32"],
+    )
     with cluster:
-        cli = subprocess.run([sys.executable, "-m", "tandem.cli.main", "generate", "--target", cluster.address,
-                              "--max-tokens", "6", "Hello from the command line"],
-                             capture_output=True, text=True, timeout=60)
+        cli = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli.main",
+                "generate",
+                "--target",
+                cluster.address,
+                "--max-tokens",
+                "6",
+                "Hello from the command line",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode == 0, cli.stderr
         assert "[length: 6 tokens]" in cli.stdout
         with LLM(cluster.address) as llm:

@@ -2,6 +2,7 @@
 clear status when it is over; malformed or non-finite input is INVALID_ARGUMENT, never UNKNOWN,
 INTERNAL or token 0 forever. Over real processes, at the router and at a worker called
 directly (both run the same text front)."""
+
 from __future__ import annotations
 
 import threading
@@ -9,9 +10,9 @@ import time
 
 import grpc
 import pytest
-
 from reliability import record
 from test_disagg import worker_state
+
 from tandem.testing.cluster import LocalCluster, channel_to
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2
 
@@ -25,12 +26,26 @@ TALLY = {"tried": 0, "handled": 0}
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks",
-                                                               "320", "--block-size", "8"]) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "320",
+            "--block-size",
+            "8",
+        ],
+    ) as c:
         yield c
-    record("over-limit, non-finite, malformed and mistyped requests (router and worker)", TALLY["tried"],
-           TALLY["handled"], TALLY["tried"] - TALLY["handled"], "pytest tests/test_limits.py",
-           "refused up front with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; no block or lease left behind")
+    record(
+        "over-limit, non-finite, malformed and mistyped requests (router and worker)",
+        TALLY["tried"],
+        TALLY["handled"],
+        TALLY["tried"] - TALLY["handled"],
+        "pytest tests/test_limits.py",
+        "refused up front with INVALID_ARGUMENT or RESOURCE_EXHAUSTED; no block or lease left behind",
+    )
 
 
 @pytest.fixture(scope="module", params=["router", "worker"])
@@ -53,9 +68,15 @@ def no_leaks(cluster):
 
 
 def request(prompt="a prompt", **params) -> llm_pb2.GenerateRequest:
-    kind = {"text": prompt} if isinstance(prompt, str) else {"token_ids": types_pb2.TokenIds(ids=prompt)}
+    kind = (
+        {"text": prompt}
+        if isinstance(prompt, str)
+        else {"token_ids": types_pb2.TokenIds(ids=prompt)}
+    )
     params.setdefault("max_tokens", 4)
-    return llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(**kind), sampling_params=types_pb2.SamplingParams(**params))
+    return llm_pb2.GenerateRequest(
+        prompt=types_pb2.Prompt(**kind), sampling_params=types_pb2.SamplingParams(**params)
+    )
 
 
 def generate(address: str, req, timeout: float = 30) -> list:
@@ -74,14 +95,18 @@ def refused(address: str, req, timeout: float = 30) -> grpc.RpcError:
     return err.value
 
 
-@pytest.mark.parametrize("params, flag", [
-    (dict(n=5000, temperature=1.0), "--max-n"),
-    (dict(n=2, best_of=129, temperature=1.0), "--max-n"),
-    (dict(stop=["x"] * 100_000), "--max-stop-strings"),
-    (dict(stop=["y" * 2000]), "--max-stop-string-bytes"),
-    (dict(stop_token_ids=list(range(5000))), "--max-stop-token-ids"),
-    (dict(logprobs=21), "--max-logprobs"),
-], ids=["n", "best_of", "stop_count", "stop_length", "stop_token_ids", "logprobs"])
+@pytest.mark.parametrize(
+    "params, flag",
+    [
+        (dict(n=5000, temperature=1.0), "--max-n"),
+        (dict(n=2, best_of=129, temperature=1.0), "--max-n"),
+        (dict(stop=["x"] * 100_000), "--max-stop-strings"),
+        (dict(stop=["y" * 2000]), "--max-stop-string-bytes"),
+        (dict(stop_token_ids=list(range(5000))), "--max-stop-token-ids"),
+        (dict(logprobs=21), "--max-logprobs"),
+    ],
+    ids=["n", "best_of", "stop_count", "stop_length", "stop_token_ids", "logprobs"],
+)
 def test_request_over_a_limit_is_refused_up_front(target, params, flag):
     err = refused(target, request(**params))
     assert err.code() == INVALID and flag in err.details(), err.details()
@@ -91,7 +116,9 @@ def test_request_over_a_limit_is_refused_up_front(target, params, flag):
 def test_n_5000_leaves_nothing_behind_and_n_at_the_limit_runs(cluster):
     err = refused(cluster.address, request(n=5000, temperature=1.0))
     assert err.code() == INVALID
-    out = generate(cluster.address, request(n=128, temperature=1.0, max_tokens=2, ignore_eos=True), timeout=120)
+    out = generate(
+        cluster.address, request(n=128, temperature=1.0, max_tokens=2, ignore_eos=True), timeout=120
+    )
     assert out[-1].finished and sorted(o.index for o in out[-1].outputs) == list(range(128))
     assert all(len(o.token_ids) == 2 for o in out[-1].outputs)
 
@@ -112,8 +139,11 @@ def test_a_long_prompt_under_the_limit_does_not_stall_other_streams(cluster):
     """Tokenizing a ~1 MB prompt takes seconds of CPU: it runs off the event loop and without
     the GIL, so a stream in flight keeps its pace."""
     gaps = []
-    steady = llm_pb2.GenerateRequest(prompt=types_pb2.Prompt(text="steady"), streaming=True,
-                                     sampling_params=types_pb2.SamplingParams(max_tokens=1900, ignore_eos=True))
+    steady = llm_pb2.GenerateRequest(
+        prompt=types_pb2.Prompt(text="steady"),
+        streaming=True,
+        sampling_params=types_pb2.SamplingParams(max_tokens=1900, ignore_eos=True),
+    )
     channel = grpc.insecure_channel(cluster.address)
     call = llm_pb2_grpc.AsyncLLMStub(channel).Generate(steady, timeout=120)
 
@@ -126,6 +156,7 @@ def test_a_long_prompt_under_the_limit_does_not_stall_other_streams(cluster):
                 last = now
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.CANCELLED
+
     thread = threading.Thread(target=stream)
     thread.start()
     while len(gaps) < 10:
@@ -145,9 +176,20 @@ def test_a_long_prompt_under_the_limit_does_not_stall_other_streams(cluster):
     assert max(gaps[num_before:]) < tokenize_s / 2, (max(gaps), tokenize_s)
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                                   "frequency_penalty"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ],
+)
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"]
+)
 def test_non_finite_sampling_values_are_invalid(target, field, value):
     err = refused(target, request(**{field: value}))
     assert err.code() == INVALID and field in err.details()
@@ -157,7 +199,7 @@ def test_a_prompt_over_the_context_is_invalid_and_max_tokens_ends_at_the_context
     err = refused(target, request([1] * CONTEXT_LEN))
     assert err.code() == INVALID and "context" in err.details()
     # max_tokens past the context is clipped to it, as TensorRT-LLM's PyTorch backend does.
-    out = generate(target, request([1] * (CONTEXT_LEN - 4), max_tokens=10 ** 9, ignore_eos=True))[-1]
+    out = generate(target, request([1] * (CONTEXT_LEN - 4), max_tokens=10**9, ignore_eos=True))[-1]
     assert out.finished and out.outputs[0].finish_reason == types_pb2.FINISH_REASON_LENGTH
     assert len(out.outputs[0].token_ids) == 4
 
@@ -170,9 +212,14 @@ def test_unknown_request_type_is_invalid_everywhere(cluster):
         assert err.code() == INVALID and "request_type 7" in err.details(), (address, err)
 
 
-@pytest.mark.parametrize("method, payload", [("/tandem.v1.AsyncLLM/Generate", b"\xff\xff\xff\xff"),
-                                             ("/tandem.v1.AsyncLLM/Abort", b"\x0a\xff"),
-                                             ("/tandem.v1.AsyncLLM/GetKvCacheCapacity", b"\x0a")])
+@pytest.mark.parametrize(
+    "method, payload",
+    [
+        ("/tandem.v1.AsyncLLM/Generate", b"\xff\xff\xff\xff"),
+        ("/tandem.v1.AsyncLLM/Abort", b"\x0a\xff"),
+        ("/tandem.v1.AsyncLLM/GetKvCacheCapacity", b"\x0a"),
+    ],
+)
 def test_malformed_protobuf_is_invalid_argument(cluster, method, payload):
     for address in [cluster.address] + [w.address for w in cluster.workers]:
         with channel_to(address) as channel:

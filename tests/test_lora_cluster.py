@@ -3,6 +3,7 @@ processes, the tiny Llama): split and aggregated serving give transformers + pef
 same prompt under two adapters shares no KV block; a decode worker that cannot load the adapter
 a handoff was computed with refuses it; the router sends an adapter's requests to the decode
 worker that holds it and reports who holds what."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,9 @@ import time
 
 import grpc
 import pytest
-
 from conftest import assert_all_blocks_free
 from lora_adapters import PeftOracle, write_adapter
+
 from tandem.client import LLM, DisaggregatedParams, LoRARequest, SamplingParams
 from tandem.client.errors import RequestError
 from tandem.testing.cluster import LocalCluster
@@ -21,20 +22,32 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(max_tokens=8)
-PROMPTS = [[1, 57, 12, 230, 9, 41, 77, 3, 150, 18, 66, 201, 5, 90, 33, 14, 120, 7],
-           [1, 300, 4, 44, 19, 270, 8, 61, 99, 102, 6]]
+PROMPTS = [
+    [1, 57, 12, 230, 9, 41, 77, 3, 150, 18, 66, 201, 5, 90, 33, 14, 120, 7],
+    [1, 300, 4, 44, 19, 270, 8, 61, 99, 102, 6],
+]
 
 
 @pytest.fixture(scope="module")
 def served(model_dirs, tmp_path_factory):
     model_dir = model_dirs["llama"]
     root = tmp_path_factory.mktemp("lora")
-    adapters = {i: LoRARequest(f"adapter-{i}", i, str(write_adapter(model_dir, root / f"a{i}", seed=i, rank=4 * i,
-                                                                  std=0.2)))
-                for i in (1, 2, 3)}
+    adapters = {
+        i: LoRARequest(
+            f"adapter-{i}",
+            i,
+            str(write_adapter(model_dir, root / f"a{i}", seed=i, rank=4 * i, std=0.2)),
+        )
+        for i in (1, 2, 3)
+    }
     engine_args = ["--model", str(model_dir), "--num-blocks", "96", "--block-size", str(BLOCK_SIZE)]
-    with LocalCluster(roles=["prefill", "decode", "decode", "both"], engine_args=engine_args) as cluster:
-        with LLM(cluster.address) as llm, LLM(cluster.workers[3].address, **cluster.worker_client_kwargs()) as aggregated:
+    with LocalCluster(
+        roles=["prefill", "decode", "decode", "both"], engine_args=engine_args
+    ) as cluster:
+        with (
+            LLM(cluster.address) as llm,
+            LLM(cluster.workers[3].address, **cluster.worker_client_kwargs()) as aggregated,
+        ):
             yield cluster, llm, aggregated, adapters, PeftOracle(model_dir), root
 
 
@@ -46,10 +59,14 @@ def test_split_and_aggregated_give_transformers_peft_tokens(served):
     split = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     local = aggregated.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     for (prompt, adapter), s, a in zip(jobs, split, local):
-        expected = oracle.greedy(prompt, GREEDY.max_tokens, None if adapter is None else adapter.lora_path)
+        expected = oracle.greedy(
+            prompt, GREEDY.max_tokens, None if adapter is None else adapter.lora_path
+        )
         assert s.outputs[0].token_ids == a.outputs[0].token_ids == expected, adapter
         assert len(s.metrics.served_by) == 2  # prefill, then a decode
-    assert len({tuple(r.outputs[0].token_ids) for r in split[:4]}) == 4  # each adapter changes the output
+    assert (
+        len({tuple(r.outputs[0].token_ids) for r in split[:4]}) == 4
+    )  # each adapter changes the output
     assert_all_blocks_free(llm)
 
 
@@ -67,7 +84,9 @@ def test_the_same_prompt_under_two_adapters_shares_no_kv_block(served):
         if event["data"]["type"] == "stored":
             for block in event["data"]["blocks"]:
                 hashes.setdefault(block["lora_id"], set()).add(block["block_hash"])
-    assert len(hashes[1]) >= len(prompt) // BLOCK_SIZE and len(hashes[2]) >= len(prompt) // BLOCK_SIZE
+    assert (
+        len(hashes[1]) >= len(prompt) // BLOCK_SIZE and len(hashes[2]) >= len(prompt) // BLOCK_SIZE
+    )
     assert not hashes[1] & hashes[2]
 
 
@@ -77,21 +96,36 @@ def cluster_model(cluster) -> str:
 
 def _context_only(cluster, llm_address: str, prompt, adapter):
     with LLM(llm_address, **cluster.worker_client_kwargs()) as prefill:
-        out = prefill.generate(prompt, GREEDY, lora_request=adapter, use_tqdm=False,
-                               disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        out = prefill.generate(
+            prompt,
+            GREEDY,
+            lora_request=adapter,
+            use_tqdm=False,
+            disaggregated_params=DisaggregatedParams(request_type="context_only"),
+        )
     return out.outputs[0].disaggregated_params
 
 
 def _generation_only(decode: LLM, prompt, handoff, adapter):
-    return decode.generate(prompt, GREEDY, lora_request=adapter, use_tqdm=False,
-                           disaggregated_params=DisaggregatedParams(
-                               request_type="generation_only", first_gen_tokens=handoff.first_gen_tokens,
-                               ctx_request_id=handoff.ctx_request_id, opaque_state=handoff.opaque_state))
+    return decode.generate(
+        prompt,
+        GREEDY,
+        lora_request=adapter,
+        use_tqdm=False,
+        disaggregated_params=DisaggregatedParams(
+            request_type="generation_only",
+            first_gen_tokens=handoff.first_gen_tokens,
+            ctx_request_id=handoff.ctx_request_id,
+            opaque_state=handoff.opaque_state,
+        ),
+    )
 
 
 def _release(cluster, handoff) -> None:
     with cluster.channel(cluster.workers[0].address) as channel:
-        worker_pb2_grpc.WorkerStub(channel).ReleaseKv(worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id))
+        worker_pb2_grpc.WorkerStub(channel).ReleaseKv(
+            worker_pb2.ReleaseKvRequest(ctx_request_id=handoff.ctx_request_id)
+        )
 
 
 def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
@@ -117,17 +151,27 @@ def test_a_decode_that_cannot_load_the_adapter_refuses_the_handoff(served):
         pulled = _generation_only(decode, prompt, good, adapters[3])
         whole = llm.generate(prompt, GREEDY, lora_request=adapters[3], use_tqdm=False)
         # A generation_only output starts with the handoff's first_gen_tokens.
-        assert pulled.outputs[0].token_ids[:len(good.first_gen_tokens)] == list(good.first_gen_tokens)
+        assert pulled.outputs[0].token_ids[: len(good.first_gen_tokens)] == list(
+            good.first_gen_tokens
+        )
         assert pulled.outputs[0].token_ids == whole.outputs[0].token_ids
     assert_all_blocks_free(llm)
 
 
 def test_the_router_prefers_the_decode_that_holds_the_adapter_and_reports_who_holds_what(served):
     cluster, llm, _, _, _, root = served
-    fresh = LoRARequest("fresh", 7, str(write_adapter(cluster_model(cluster), root / "fresh", seed=7, rank=4, std=0.2)))
+    fresh = LoRARequest(
+        "fresh",
+        7,
+        str(write_adapter(cluster_model(cluster), root / "fresh", seed=7, rank=4, std=0.2)),
+    )
     decodes = {cluster.workers[1].address, cluster.workers[2].address}
-    served_by = [llm.generate(PROMPTS[i % 2], GREEDY, lora_request=fresh, use_tqdm=False).metrics.served_by[-1]
-                 for i in range(4)]
+    served_by = [
+        llm.generate(PROMPTS[i % 2], GREEDY, lora_request=fresh, use_tqdm=False).metrics.served_by[
+            -1
+        ]
+        for i in range(4)
+    ]
     assert len(set(served_by)) == 1 and served_by[0] in decodes  # round-robin would alternate
     holder = served_by[0]
     deadline = time.monotonic() + 5
@@ -141,7 +185,13 @@ def test_the_router_prefers_the_decode_that_holds_the_adapter_and_reports_who_ho
         time.sleep(0.1)
     assert 7 in held[holder] and 7 in held[prefill]
     assert 7 not in held[(decodes - {holder}).pop()] and 7 not in held[cluster.workers[3].address]
-    entry = next(a for w in info.workers if w.worker_id == holder for a in w.lora_adapters if a.lora_int_id == 7)
+    entry = next(
+        a
+        for w in info.workers
+        if w.worker_id == holder
+        for a in w.lora_adapters
+        if a.lora_int_id == 7
+    )
     assert (entry.lora_name, entry.lora_path) == ("fresh", fresh.lora_path)
 
 

@@ -4,6 +4,7 @@ through TRITON_INTERPRET.
 
 triton is a test dependency: if it does not import, collection errors and the run fails.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -42,8 +43,10 @@ def make_case(name, dtype):
         slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen).tolist()
     bounds = tuple(int(b) for b in torch.tensor((0,) + widths).cumsum(0))
     x = torch.randn(num_tokens, k_cols, generator=gen).to(dtype)
-    a_pool = (torch.randn(num_slots, len(widths) * rank, k_cols, generator=gen) * k_cols ** -0.5).to(dtype)
-    b_pool = (torch.randn(num_slots, bounds[-1], rank, generator=gen) * rank ** -0.5).to(dtype)
+    a_pool = (torch.randn(num_slots, len(widths) * rank, k_cols, generator=gen) * k_cols**-0.5).to(
+        dtype
+    )
+    b_pool = (torch.randn(num_slots, bounds[-1], rank, generator=gen) * rank**-0.5).to(dtype)
     y = torch.randn(num_tokens, bounds[-1], generator=gen).to(dtype)
     return x, a_pool, b_pool, y, slots, bounds
 
@@ -72,10 +75,14 @@ def test_reference_equals_a_per_token_loop(name):
         if slot < 0:
             continue
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            low = x[t] @ a_pool[slot, s * rank:(s + 1) * rank].T
+            low = x[t] @ a_pool[slot, s * rank : (s + 1) * rank].T
             expected[t, lo:hi] += low @ b_pool[slot, lo:hi].T
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # the reference computes in float32
-    assert torch.equal(out[[t for t, s in enumerate(slots) if s < 0]], y[[t for t, s in enumerate(slots) if s < 0]])
+    torch.testing.assert_close(
+        out, expected, atol=1e-5, rtol=1e-5
+    )  # the reference computes in float32
+    assert torch.equal(
+        out[[t for t, s in enumerate(slots) if s < 0]], y[[t for t, s in enumerate(slots) if s < 0]]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

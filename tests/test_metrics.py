@@ -2,6 +2,7 @@
 a known workload: every count equals what was sent and what the clients got back, the histograms
 hold one observation per request, lease endings and KV bytes match what the workers report over
 gRPC, and failed calls count under their status code."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,11 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_disagg import worker_state
 
-from tandem.client import AsyncLLM, LLM, SamplingParams
+from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.common.metrics import ProcessMetrics
 from tandem.testing.cluster import LocalCluster, free_port
-from test_disagg import worker_state
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -28,9 +29,16 @@ def cluster(model_dirs):
 
 
 def scrape(service) -> Samples:
-    text = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    text = (
+        urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=10)
+        .read()
+        .decode()
+    )
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels) -> float:
@@ -78,6 +86,7 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     state_before = {w.role: worker_state(w.address) for w in (prefill, decode)}
     outputs = []
     with LLM(cluster.address) as llm:
+
         def run(prompt: str, **params):
             out = llm.generate(prompt, SamplingParams(ignore_eos=True, **params), use_tqdm=False)
             outputs.append(out)
@@ -93,42 +102,64 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
 
         async def streamed():
             async with AsyncLLM(cluster.address) as allm:
-                async for out in allm.generate_async("and one streamed", SamplingParams(max_tokens=6, ignore_eos=True),
-                                                     streaming=True):
+                async for out in allm.generate_async(
+                    "and one streamed",
+                    SamplingParams(max_tokens=6, ignore_eos=True),
+                    streaming=True,
+                ):
                     pass
                 return out
+
         outputs.append(asyncio.run(streamed()))
     # The stop token is generated (and counted) but not returned (TensorRT-LLM trims it from token_ids).
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) == stop_at
 
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_generated = [len(o.outputs[0].token_ids) for o in outputs]  # what the clients got
-    num_sampled = [n + (o.outputs[0].finish_reason == "stop") for o, n in zip(outputs, num_generated)]
-    handed_off = [o for o, n in zip(outputs, num_sampled) if n > 1]  # max_tokens=1 ended on the prefill
+    num_sampled = [
+        n + (o.outputs[0].finish_reason == "stop") for o, n in zip(outputs, num_generated)
+    ]
+    handed_off = [
+        o for o, n in zip(outputs, num_sampled) if n > 1
+    ]  # max_tokens=1 ended on the prefill
     reasons = collections.Counter(o.outputs[0].finish_reason for o in outputs)
     assert reasons == {"length": 4, "stop": 1}
 
     # Every context phase leases its KV (fidelity: the first token could be handed off); the
     # decode's confirm ends a pulled one, the one max_tokens=1 ended is withdrawn on the prefill.
-    assert wait_for(lambda: value(scrapes.now("prefill"), "tandem:kv_leases_active") == 0
-                    and scrapes.delta("prefill", "tandem:kv_lease_endings_total") == len(outputs))
+    assert wait_for(
+        lambda: (
+            value(scrapes.now("prefill"), "tandem:kv_leases_active") == 0
+            and scrapes.delta("prefill", "tandem:kv_lease_endings_total") == len(outputs)
+        )
+    )
 
     # The router: the client's view of every request.
     assert scrapes.delta("router", "tandem:prompt_tokens_total") == num_prompt
     assert scrapes.delta("router", "tandem:generation_tokens_total") == sum(num_generated)
     for reason, count in reasons.items():
-        assert scrapes.delta("router", "tandem:request_success_total", finished_reason=reason) == count
+        assert (
+            scrapes.delta("router", "tandem:request_success_total", finished_reason=reason) == count
+        )
     router_now = scrapes.now("router")
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
-                      "request_generation_tokens"):
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert scrapes.delta("router", f"tandem:{histogram}_count") == len(outputs), histogram
         count = value(router_now, f"tandem:{histogram}_count")
         assert value(router_now, f"tandem:{histogram}_bucket", le="+Inf") == count
-    assert scrapes.delta("router", "tandem:time_per_output_token_seconds_count") == sum(n >= 2 for n in num_generated)
+    assert scrapes.delta("router", "tandem:time_per_output_token_seconds_count") == sum(
+        n >= 2 for n in num_generated
+    )
     assert scrapes.delta("router", "tandem:request_prompt_tokens_sum") == num_prompt
     assert scrapes.delta("router", "tandem:request_generation_tokens_sum") == sum(num_generated)
     generate_ok = {"grpc_method": "Generate", "grpc_code": "OK"}
-    assert scrapes.delta("router", "tandem:grpc_server_handled_total", **generate_ok) == len(outputs)
+    assert scrapes.delta("router", "tandem:grpc_server_handled_total", **generate_ok) == len(
+        outputs
+    )
     e2e_sum = scrapes.delta("router", "tandem:e2e_request_latency_seconds_sum")
     ttft_sum = scrapes.delta("router", "tandem:time_to_first_token_seconds_sum")
     assert 0 < ttft_sum < e2e_sum
@@ -136,61 +167,101 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     # The prefill: every prompt, one token each, a handoff for each request that went on to the decode.
     assert scrapes.delta("prefill", "tandem:prompt_tokens_total") == num_prompt
     assert scrapes.delta("prefill", "tandem:generation_tokens_total") == len(outputs)
-    assert scrapes.delta("prefill", "tandem:request_success_total", finished_reason="handoff") == len(handed_off)
+    assert scrapes.delta(
+        "prefill", "tandem:request_success_total", finished_reason="handoff"
+    ) == len(handed_off)
     assert scrapes.delta("prefill", "tandem:request_success_total", finished_reason="length") == 1
     assert scrapes.delta("prefill", "tandem:kv_handoffs_total") == len(outputs)  # leases opened
-    assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="stopped") == 1  # max_tokens=1
-    assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="pulled") == len(handed_off)
+    assert (
+        scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="stopped") == 1
+    )  # max_tokens=1
+    assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way="pulled") == len(
+        handed_off
+    )
     # The decode's confirm ended each pulled lease: the router sent no ReleaseKv after it.
-    assert scrapes.delta("prefill", "tandem:grpc_server_handled_total", grpc_method="ReleaseKv") == 0
-    assert scrapes.delta("prefill", "tandem:grpc_server_handled_total", grpc_method="ConfirmLease") == len(handed_off)
+    assert (
+        scrapes.delta("prefill", "tandem:grpc_server_handled_total", grpc_method="ReleaseKv") == 0
+    )
+    assert scrapes.delta(
+        "prefill", "tandem:grpc_server_handled_total", grpc_method="ConfirmLease"
+    ) == len(handed_off)
     state_after = {w.role: worker_state(w.address) for w in (prefill, decode)}
     for way, count in state_after["prefill"].lease_endings.items():
-        assert scrapes.delta("prefill", "tandem:kv_lease_endings_total", way=way) == \
-            count - state_before["prefill"].lease_endings.get(way, 0), way
+        assert scrapes.delta(
+            "prefill", "tandem:kv_lease_endings_total", way=way
+        ) == count - state_before["prefill"].lease_endings.get(way, 0), way
     # The repeated prompt's blocks came from the prefill's prefix cache; the client sees how many.
     hits = scrapes.delta("prefill", "tandem:prefix_cache_hits_total")
     assert hits == sum(o.metrics.num_cached_prompt_tokens for o in outputs) > 0
     assert scrapes.delta("prefill", "tandem:prefix_cache_queries_total") == num_prompt
 
     # The decode: the rest of the tokens, and the KV it pulled, as it reports it over gRPC and to the clients.
-    assert scrapes.delta("decode", "tandem:prompt_tokens_total") == sum(len(o.prompt_token_ids) for o in handed_off)
+    assert scrapes.delta("decode", "tandem:prompt_tokens_total") == sum(
+        len(o.prompt_token_ids) for o in handed_off
+    )
     # A generation output starts with the context phase's first token (TensorRT-LLM's): the decode
     # returns it again, so it counts what its clients got, the first token included.
-    assert scrapes.delta("decode", "tandem:generation_tokens_total") == sum(len(o.outputs[0].token_ids)
-                                                                           for o in handed_off)
+    assert scrapes.delta("decode", "tandem:generation_tokens_total") == sum(
+        len(o.outputs[0].token_ids) for o in handed_off
+    )
     assert scrapes.delta("decode", "tandem:request_success_total", finished_reason="stop") == 1
     pulled = scrapes.delta("decode", "tandem:kv_transfer_bytes_total")
-    assert pulled == state_after["decode"].kv_bytes_received - state_before["decode"].kv_bytes_received
+    assert (
+        pulled == state_after["decode"].kv_bytes_received - state_before["decode"].kv_bytes_received
+    )
     assert pulled == sum(o.metrics.kv_transfer_bytes for o in outputs) > 0
     assert scrapes.delta("decode", "tandem:kv_transfer_seconds_count") == len(handed_off)
 
     for role in ("prefill", "decode"):
         now = scrapes.now(role)
-        assert value(now, "tandem:num_requests_running") == value(now, "tandem:num_requests_waiting") == 0
+        assert (
+            value(now, "tandem:num_requests_running")
+            == value(now, "tandem:num_requests_waiting")
+            == 0
+        )
         assert value(now, "tandem:kv_cache_usage_perc") == 0.0
         steps = scrapes.delta(role, "tandem:engine_steps_total")
         assert 0 < scrapes.delta(role, "tandem:engine_step_duration_seconds_count") <= steps
         assert scrapes.delta(role, "tandem:engine_step_batch_size_sum") >= scrapes.delta(
-            role, "tandem:engine_step_batch_size_count")
+            role, "tandem:engine_step_batch_size_count"
+        )
 
 
 def test_failed_calls_count_under_their_status_code(cluster):
     scrapes = Scrapes(cluster)
     with LLM(cluster.address) as llm:
         with pytest.raises(Exception, match="out of vocabulary"):
-            llm.generate({"prompt_token_ids": [10 ** 6]}, SamplingParams(max_tokens=2), use_tqdm=False)
+            llm.generate(
+                {"prompt_token_ids": [10**6]}, SamplingParams(max_tokens=2), use_tqdm=False
+            )
         with pytest.raises(Exception, match="encoder-only"):
             llm.encode("not an encoder")
     generate = {"grpc_method": "Generate", "grpc_service": "tandem.v1.AsyncLLM"}
     # The prefill refused the prompt; the router relayed its status.
     for role in ("router", "prefill"):
-        assert scrapes.delta(role, "tandem:grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **generate) == 1
-        assert scrapes.delta(role, "tandem:grpc_server_handled_total", grpc_code="OK", **generate) == 0
+        assert (
+            scrapes.delta(
+                role, "tandem:grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **generate
+            )
+            == 1
+        )
+        assert (
+            scrapes.delta(role, "tandem:grpc_server_handled_total", grpc_code="OK", **generate) == 0
+        )
         assert scrapes.delta(role, "tandem:e2e_request_latency_seconds_count") == 0
-    assert scrapes.delta("router", "tandem:grpc_server_handled_total", grpc_method="Encode",
-                         grpc_code="FAILED_PRECONDITION") == 1
-    assert scrapes.delta("router", "tandem:grpc_server_handled_total", grpc_code="INVALID_ARGUMENT") == 1
+    assert (
+        scrapes.delta(
+            "router",
+            "tandem:grpc_server_handled_total",
+            grpc_method="Encode",
+            grpc_code="FAILED_PRECONDITION",
+        )
+        == 1
+    )
+    assert (
+        scrapes.delta("router", "tandem:grpc_server_handled_total", grpc_code="INVALID_ARGUMENT")
+        == 1
+    )
 
 
 def test_an_aborted_request_counts_as_cancelled(cluster):
@@ -198,15 +269,25 @@ def test_an_aborted_request_counts_as_cancelled(cluster):
 
     async def abort_after_first_token():
         async with AsyncLLM(cluster.address) as llm:
-            result = llm.generate_async("abort me", SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True)
+            result = llm.generate_async(
+                "abort me", SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+            )
             async for out in result:
                 if out.outputs and out.outputs[0].token_ids:
                     result.abort()
             return out
+
     out = asyncio.run(abort_after_first_token())
     assert out.outputs[0].finish_reason == "cancelled" and len(out.outputs[0].token_ids) < 1500
-    assert wait_for(lambda: scrapes.delta("router", "tandem:request_success_total", finished_reason="cancelled") == 1)
-    assert scrapes.delta("router", "tandem:generation_tokens_total") == len(out.outputs[0].token_ids)
+    assert wait_for(
+        lambda: (
+            scrapes.delta("router", "tandem:request_success_total", finished_reason="cancelled")
+            == 1
+        )
+    )
+    assert scrapes.delta("router", "tandem:generation_tokens_total") == len(
+        out.outputs[0].token_ids
+    )
 
 
 def test_a_client_that_goes_away_counts_as_cancelled(cluster):
@@ -214,13 +295,17 @@ def test_a_client_that_goes_away_counts_as_cancelled(cluster):
 
     async def leave_after_first_token():
         async with AsyncLLM(cluster.address) as llm:
-            async for out in llm.generate_async("leave me", SamplingParams(max_tokens=1500, ignore_eos=True),
-                                                streaming=True):
+            async for out in llm.generate_async(
+                "leave me", SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+            ):
                 if out.outputs and out.outputs[0].token_ids:
                     return  # the channel closes under the stream
+
     asyncio.run(leave_after_first_token())
     generate = {"grpc_method": "Generate", "grpc_code": "CANCELLED"}
-    assert wait_for(lambda: scrapes.delta("router", "tandem:grpc_server_handled_total", **generate) == 1)
+    assert wait_for(
+        lambda: scrapes.delta("router", "tandem:grpc_server_handled_total", **generate) == 1
+    )
     assert scrapes.delta("router", "tandem:e2e_request_latency_seconds_count") == 0
 
 

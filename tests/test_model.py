@@ -1,4 +1,5 @@
 """The engine's model against transformers' implementation of the same tiny checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,9 @@ class PagedRunner:
 def checkpoint(request, tmp_path_factory):
     model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=1)
     model, config = load_model(model_dir)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     return model_dir, model, config, hf_model
 
 
@@ -96,7 +99,10 @@ def test_chunked_prefill_matches_full_sequence(checkpoint):
 
 def test_mixed_batch_of_prefill_chunk_and_decodes(checkpoint):
     _, model, config, hf_model = checkpoint
-    seqs = {seq_id: random_tokens(config, n, seed=10 + seq_id) for seq_id, n in enumerate([12, 9, 21, 15])}
+    seqs = {
+        seq_id: random_tokens(config, n, seed=10 + seq_id)
+        for seq_id, n in enumerate([12, 9, 21, 15])
+    }
     runner = PagedRunner(model, config, block_size=4)
     runner.step([(1, seqs[1][:-1]), (2, seqs[2][:-1]), (3, seqs[3][:6])])
     # One fresh prefill, two decodes and one continuing prefill chunk in a single step.
@@ -112,8 +118,12 @@ def test_mixed_batch_of_prefill_chunk_and_decodes(checkpoint):
 def test_greedy_generation_matches_transformers(checkpoint, block_size):
     model_dir, model, config, hf_model = checkpoint
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    prompts = ["Hello world", "The quick brown fox jumps over the lazy dog and keeps running",
-               "a", "def main(): return 42"]
+    prompts = [
+        "Hello world",
+        "The quick brown fox jumps over the lazy dog and keeps running",
+        "a",
+        "def main(): return 42",
+    ]
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
     max_new_tokens = 16
     runner = PagedRunner(model, config, block_size)
@@ -127,9 +137,13 @@ def test_greedy_generation_matches_transformers(checkpoint, block_size):
             g.append(token)
     for ids, ours in zip(prompt_ids, generated):
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                    max_new_tokens=max_new_tokens, do_sample=False)
-        theirs = out[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        theirs = out[0, len(ids) :].tolist()
         # transformers stops at EOS; the engine here does not, so compare up to there.
         assert ours[: len(theirs)] == theirs
         if len(theirs) < max_new_tokens:
@@ -140,13 +154,20 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     model_dir = write_tiny_checkpoint(tmp_path, "llama", seed=3)
     raw = json.loads((model_dir / "config.json").read_text())
     # A short original context makes the scaling change every frequency band within 64 tokens.
-    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    raw["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     raw["rope_theta"] = 500000.0
     (model_dir / "config.json").write_text(json.dumps(raw))
     model, config = load_model(model_dir)
     assert config.rope_scaling["rope_type"] == "llama3"
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     tokens = random_tokens(config, 80, seed=3)
     logits = PagedRunner(model, config, block_size=16).step([(0, tokens)])
     torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
@@ -167,8 +188,14 @@ def test_checkpoint_is_deterministic(tmp_path, model_type):
     second = write_tiny_checkpoint(tmp_path / "b", model_type)
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in second.iterdir())
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "generation_config.json"} <= set(names)
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    } <= set(names)
     for name in names:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
@@ -202,7 +229,9 @@ def test_unsupported_model_type_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig.from_dict(raw)
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
-        ModelConfig.from_dict({**raw, "hidden_size": 64, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_dict(
+            {**raw, "hidden_size": 64, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        )
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path):
@@ -212,7 +241,9 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     tensors = load_file(model_dir / "model.safetensors")
     tensors["model.layers.0.extra.weight"] = tensors.pop("model.layers.1.mlp.up_proj.weight")
     save_file(tensors, model_dir / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.0\.extra\.weight"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.layers\.0\.extra\.weight"
+    ):
         load_model(model_dir)
 
 
@@ -242,9 +273,14 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
     single, config = load_model(model_dir)
     tensors = load_file(model_dir / "model.safetensors")
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file_name, shard_names in shards.items():
-        save_file({n: tensors[n] for n in shard_names}, model_dir / file_name, metadata={"format": "pt"})
+        save_file(
+            {n: tensors[n] for n in shard_names}, model_dir / file_name, metadata={"format": "pt"}
+        )
     (model_dir / "model.safetensors").unlink()
     weight_map = {n: f for f, shard_names in shards.items() for n in shard_names}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

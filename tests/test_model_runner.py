@@ -1,13 +1,14 @@
 """The device side on the CPU: packed step inputs, the padded decode path the GPU replays as
 CUDA graphs (the same function runs here), and the thread's device binding."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
 from conftest import run_to_completion
+
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from tandem.engine.llm_engine import LLMEngine
@@ -26,31 +27,52 @@ def _seq(prompt, computed, block_table, outputs=()):
 
 
 def test_prepare_packs_a_mixed_step():
-    buffers = InputBuffers(max_num_tokens=32, max_num_seqs=4, max_blocks_per_seq=8, block_size=4,
-                           device=torch.device("cpu"))
+    buffers = InputBuffers(
+        max_num_tokens=32,
+        max_num_seqs=4,
+        max_blocks_per_seq=8,
+        block_size=4,
+        device=torch.device("cpu"),
+    )
     chunk = _seq(range(100, 110), computed=2, block_table=[7, 3, 5])  # tokens 2..7 of 10: no sample
     decode = _seq([1, 2, 3, 4, 5], computed=5, block_table=[6, 2], outputs=[42])  # position 5
     inputs = buffers.prepare(ScheduledBatch([chunk, decode], [6, 1]))
     assert inputs.input_ids.tolist() == [102, 103, 104, 105, 106, 107, 42]
     assert inputs.positions.tolist() == [2, 3, 4, 5, 6, 7, 5]
     assert inputs.meta.slot_mapping.tolist() == [30, 31, 12, 13, 14, 15, 9]
-    assert inputs.meta.query_start_loc.tolist() == [0, 6, 7] and inputs.meta.seq_lens.tolist() == [8, 6]
+    assert inputs.meta.query_start_loc.tolist() == [0, 6, 7] and inputs.meta.seq_lens.tolist() == [
+        8,
+        6,
+    ]
     assert inputs.meta.block_tables[:, :3].tolist() == [[7, 3, 5], [6, 2, 0]]
     assert inputs.sample_rows.tolist() == [6] and inputs.sample_indices == [1]
     assert inputs.meta.max_query_len == 6 and inputs.graph_size is None
 
 
 def test_prepare_pads_a_decode_step_to_its_graph():
-    buffers = InputBuffers(max_num_tokens=16, max_num_seqs=8, max_blocks_per_seq=4, block_size=4,
-                           device=torch.device("cpu"))
-    seqs = [_seq([1, 2, 3], computed=3, block_table=[5], outputs=[9]),
-            _seq([4, 5, 6, 7, 8], computed=5, block_table=[1, 6], outputs=[8])]
+    buffers = InputBuffers(
+        max_num_tokens=16,
+        max_num_seqs=8,
+        max_blocks_per_seq=4,
+        block_size=4,
+        device=torch.device("cpu"),
+    )
+    seqs = [
+        _seq([1, 2, 3], computed=3, block_table=[5], outputs=[9]),
+        _seq([4, 5, 6, 7, 8], computed=5, block_table=[1, 6], outputs=[8]),
+    ]
     inputs = buffers.prepare(ScheduledBatch(seqs, [1, 1]), graph_size=4)
     views, meta = buffers.graph_metadata(4, None, 64)
     # The step landed exactly where the graph of batch size 4 reads.
     assert views["input_ids"].tolist() == [9, 8, 0, 0] == inputs.input_ids.tolist()
     assert meta.slot_mapping.tolist() == [23, 25, -1, -1]  # padding stores no KV
-    assert meta.seq_lens.tolist() == [4, 6, 1, 1] and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.seq_lens.tolist() == [4, 6, 1, 1] and meta.query_start_loc.tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     assert inputs.sample_indices == [0, 1]
 
 
@@ -63,8 +85,15 @@ def test_capture_ladder():
 
 
 def _generate(model_dir, enforce_eager, prompts, options, max_num_seqs=8):
-    engine = LLMEngine(EngineConfig(str(model_dir), block_size=4, num_blocks=128, max_num_seqs=max_num_seqs,
-                                    enforce_eager=enforce_eager))
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dir),
+            block_size=4,
+            num_blocks=128,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+        )
+    )
     return run_to_completion(engine, prompts, options), engine
 
 
@@ -72,9 +101,16 @@ def _generate(model_dir, enforce_eager, prompts, options, max_num_seqs=8):
 def test_padded_decode_path_equals_eager(model_dirs, oracle, model):
     """5 sequences ride the batch-8 graph (3 padding rows); seeded sampled rows too."""
     rng = random.Random(5)
-    prompts = {f"r{i}": [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 20))] for i in range(5)}
-    options = {rid: SamplingOptions(max_tokens=10, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i)
-               for i, rid in enumerate(prompts)}
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 20))]
+        for i in range(5)
+    }
+    options = {
+        rid: SamplingOptions(
+            max_tokens=10, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i
+        )
+        for i, rid in enumerate(prompts)
+    }
     padded, engine = _generate(model_dirs[model], False, prompts, options)
     eager, _ = _generate(model_dirs[model], True, prompts, options)
     assert padded == eager
@@ -98,10 +134,19 @@ def test_bind_device_sets_the_thread_current_device(monkeypatch):
 
 
 def test_engine_flags_reach_the_config_and_tandem_up_passes_them_on(model_dirs):
-    from tandem.cli.main import _engine_config, _parser
     from tandem.cli.flags import engine_argv
-    args = _parser().parse_args(["serve", "both", "--model", str(model_dirs["llama"]), "--enforce-eager",
-                                 "--no-overlap-scheduling"])
+    from tandem.cli.main import _engine_config, _parser
+
+    args = _parser().parse_args(
+        [
+            "serve",
+            "both",
+            "--model",
+            str(model_dirs["llama"]),
+            "--enforce-eager",
+            "--no-overlap-scheduling",
+        ]
+    )
     config = _engine_config(args)
     assert config.enforce_eager and not config.overlap_scheduling
     assert _engine_config(_parser().parse_args(["serve", "both", *engine_argv(config)])) == config

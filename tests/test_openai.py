@@ -1,6 +1,7 @@
 """`tandem serve openai` as a real process in front of a real cluster, driven by the `openai`
 package: completions and chat completions, streaming and not, against the gRPC client's own
 results for the same requests; OpenAI-style errors; /v1/models, /health, /metrics."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,23 +11,41 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import wait_all_blocks_free
-from tandem.testing.cluster import LocalCluster, free_port
-from tandem.client import LLM, SamplingParams
 
-CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to Paris"}]
+from tandem.client import LLM, SamplingParams
+from tandem.testing.cluster import LocalCluster, free_port
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello to Paris"},
+]
 
 
 @pytest.fixture(scope="module")
 def front(model_dirs, tmp_path_factory):
     model_dir = model_dirs["llama"]
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dir), "--num-blocks", "300",
-                                                   "--block-size", "8"]) as cluster:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=["--model", str(model_dir), "--num-blocks", "300", "--block-size", "8"],
+    ) as cluster:
         port = free_port()
         log = open(tmp_path_factory.mktemp("openai") / "front.log", "w")
-        process = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "openai", "--target",
-                                    cluster.address, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli.main",
+                "serve",
+                "openai",
+                "--target",
+                cluster.address,
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
@@ -39,7 +58,9 @@ def front(model_dirs, tmp_path_factory):
                     pass
                 assert time.monotonic() < deadline, open(log.name).read()
                 time.sleep(0.1)
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+            client = openai.OpenAI(
+                base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60
+            )
             with LLM(cluster.address) as llm:
                 yield base, client, llm, model_dir.name
         finally:
@@ -49,7 +70,9 @@ def front(model_dirs, tmp_path_factory):
 
 
 def _greedy(llm, prompt, max_tokens, **kwargs):
-    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, **kwargs), use_tqdm=False).outputs[0]
+    return llm.generate(
+        prompt, SamplingParams(max_tokens=max_tokens, **kwargs), use_tqdm=False
+    ).outputs[0]
 
 
 def test_models_and_health(front):
@@ -61,45 +84,83 @@ def test_models_and_health(front):
 def test_completions_equal_the_grpc_client(front):
     _, client, llm, name = front
     want = _greedy(llm, "The quick brown fox", 12, ignore_eos=True)
-    got = client.completions.create(model=name, prompt="The quick brown fox", max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    got = client.completions.create(
+        model=name,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
-    assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(llm.tokenizer.encode("The quick brown fox"))
+    assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(
+        llm.tokenizer.encode("The quick brown fox")
+    )
     pieces, usage = [], None
-    for chunk in client.completions.create(model=name, prompt="The quick brown fox", max_tokens=12, temperature=0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(
+        model=name,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
         pieces += [c.text for c in chunk.choices]
         usage = chunk.usage or usage
     assert "".join(pieces) == want.text and usage.completion_tokens == 12
     # Two prompts (one as token ids) x n=2 seeded samples: four choices, indexed prompt-major.
     ids = llm.tokenizer.encode("Hello world")
-    got = client.completions.create(model=name, prompt=[ids, ids], max_tokens=6, n=2, temperature=0.8, seed=3,
-                                    logprobs=2)
+    got = client.completions.create(
+        model=name, prompt=[ids, ids], max_tokens=6, n=2, temperature=0.8, seed=3, logprobs=2
+    )
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     assert got.choices[0].text == got.choices[2].text and got.choices[1].text == got.choices[3].text
-    seeded = llm.generate(ids, SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=3), use_tqdm=False)
+    seeded = llm.generate(
+        ids, SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=3), use_tqdm=False
+    )
     assert [c.text for c in got.choices[:2]] == [o.text for o in seeded.outputs]
     lp = got.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(seeded.outputs[0].token_ids)
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(seeded.outputs[0].token_ids)
+    )
     # Keyed by token text: two ids that decode alike (partial UTF-8 bytes) share one key.
-    assert all(1 <= len(top) <= 2 and value <= 0 for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(
+        1 <= len(top) <= 2 and value <= 0 for top, value in zip(lp.top_logprobs, lp.token_logprobs)
+    )
 
 
 def test_chat_completions_render_the_template(front):
     _, client, llm, name = front
     prompt = llm.tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
     want = _greedy(llm, prompt, 10, add_special_tokens=False, ignore_eos=True)
-    got = client.chat.completions.create(model=name, messages=CONVERSATION, max_tokens=10, temperature=0,
-                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
-    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    got = client.chat.completions.create(
+        model=name,
+        messages=CONVERSATION,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    )
     assert got.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, add_special_tokens=False))
     content = got.choices[0].logprobs.content
     assert len(content) == 10 and all(len(c.top_logprobs) == 3 for c in content)
     assert "".join(c.token for c in content) == want.text
     roles, pieces, finish = [], [], None
-    for chunk in client.chat.completions.create(model=name, messages=CONVERSATION, max_tokens=10, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}):
+    for chunk in client.chat.completions.create(
+        model=name,
+        messages=CONVERSATION,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         for c in chunk.choices:
             roles += [c.delta.role] if c.delta.role else []
             pieces.append(c.delta.content or "")
@@ -110,15 +171,25 @@ def test_chat_completions_render_the_template(front):
 def test_stop_strings_end_the_text(front):
     _, client, llm, name = front
     full = _greedy(llm, "Once upon a time", 16, ignore_eos=True).text
-    stop = full[len(full) // 2:][:3]
-    got = client.completions.create(model=name, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
-    assert got.choices[0].text == full[:full.index(stop)] and got.choices[0].finish_reason == "stop"
+    stop = full[len(full) // 2 :][:3]
+    got = client.completions.create(
+        model=name,
+        prompt="Once upon a time",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
+    )
 
 
 def test_errors_are_openai_errors(front):
     base, client, _, name = front
-    with pytest.raises(openai.BadRequestError) as bad:  # the router's INVALID_ARGUMENT, its message kept
+    with pytest.raises(
+        openai.BadRequestError
+    ) as bad:  # the router's INVALID_ARGUMENT, its message kept
         client.completions.create(model=name, prompt=[10**6], max_tokens=4)
     assert bad.value.status_code == 400 and "vocab" in bad.value.message.lower()
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -127,7 +198,9 @@ def test_errors_are_openai_errors(front):
         client.chat.completions.create(model="gpt-4", messages=CONVERSATION)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=name, prompt="x", logit_bias={"5": 1.0})
-    reply = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 0})
+    reply = httpx.post(
+        f"{base}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 0}
+    )
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -135,22 +208,39 @@ def test_metrics_count_requests(front):
     base, client, _, name = front
     client.completions.create(model=name, prompt="count me", max_tokens=3, temperature=0)
     client.chat.completions.create(model=name, messages=CONVERSATION, max_tokens=2)
-    assert httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "x", "n": 0}).status_code == 400
+    assert (
+        httpx.post(
+            f"{base}/v1/completions", json={"model": name, "prompt": "x", "n": 0}
+        ).status_code
+        == 400
+    )
     text = httpx.get(f"{base}/metrics").text
-    ok = [line for line in text.splitlines()
-          if line.startswith('tandem_openai_requests_total{endpoint="/v1/completions",status="200"}')]
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith('tandem_openai_requests_total{endpoint="/v1/completions",status="200"}')
+    ]
     assert ok and float(ok[0].split()[-1]) >= 1
     assert 'tandem_openai_requests_total{endpoint="/v1/completions",status="400"}' in text
     assert 'tandem_openai_request_duration_seconds_count{endpoint="/v1/chat/completions"}' in text
-    generated = [line for line in text.splitlines()
-                 if line.startswith('tandem_openai_generation_tokens_total{endpoint="/v1/completions"}')]
+    generated = [
+        line
+        for line in text.splitlines()
+        if line.startswith('tandem_openai_generation_tokens_total{endpoint="/v1/completions"}')
+    ]
     assert generated and float(generated[0].split()[-1]) >= 3
 
 
 def test_leaving_a_stream_aborts_the_request(front):
     _, client, llm, name = front
-    stream = client.chat.completions.create(model=name, messages=CONVERSATION, max_tokens=1900, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=name,
+        messages=CONVERSATION,
+        max_tokens=1900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))
     stream.close()
     # 1,900 tokens take far longer than this: the blocks come back only because the request was aborted.

@@ -1,4 +1,5 @@
 """The torch reference paged attention against dense causal attention on random inputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,9 @@ def test_paged_matches_dense(block_size, num_heads, num_kv_heads, head_dim, shap
     gen = torch.Generator().manual_seed(block_size * 1000 + num_heads * 10 + head_dim)
     num_blocks = sum((s + block_size - 1) // block_size for _, s in shape) + 5
     num_layers = 2
-    kv_cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(
+        num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen
+    ).to(dtype)
     kv_layer = kv_cache[:, 1]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables, keys, values, queries = [], [], [], []
@@ -50,13 +53,15 @@ def test_paged_matches_dense(block_size, num_heads, num_kv_heads, head_dim, shap
         prefix = AttentionMetadata.build([seq_len], [seq_len], [table], block_size)
         store_kv(k, v, kv_layer, prefix.slot_mapping)
     meta = AttentionMetadata.build([q for q, _ in shape], [s for _, s in shape], tables, block_size)
-    new_k = torch.cat([k[s - q:] for (q, s), k in zip(shape, keys)])
-    new_v = torch.cat([v[s - q:] for (q, s), v in zip(shape, values)])
+    new_k = torch.cat([k[s - q :] for (q, s), k in zip(shape, keys)])
+    new_v = torch.cat([v[s - q :] for (q, s), v in zip(shape, values)])
     store_kv(new_k, new_v, kv_layer, meta.slot_mapping)
 
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_attention(torch.cat(queries), kv_layer, meta, scale)
-    expected = torch.cat([dense_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values)])
+    expected = torch.cat(
+        [dense_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values)]
+    )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 

@@ -2,6 +2,7 @@
 between its handoff and the decode's pull, a worker that hangs (SIGSTOP) under its streams,
 the only prefill down, a router restart: no request is lost, streams keep flowing, clients
 come back within a second. CI-sized under `make test`, full-size under `make reliability`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,10 +12,10 @@ import signal
 import time
 
 import pytest
-
 from reliability import lost, record, run_load, scaled
 from test_disagg import worker_state
 from test_metrics import scrape, value
+
 from tandem.client import AsyncLLM, SamplingParams
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -24,7 +25,14 @@ ROUTER_ARGS = ["--stream-progress-timeout", "1", "--health-timeout", "0.5"]
 
 
 def engine_args(model_dirs, num_blocks: int = 1024) -> list[str]:
-    return ["--model", str(model_dirs["llama"]), "--num-blocks", str(num_blocks), "--block-size", "8"]
+    return [
+        "--model",
+        str(model_dirs["llama"]),
+        "--num-blocks",
+        str(num_blocks),
+        "--block-size",
+        "8",
+    ]
 
 
 def random_prompts(n: int, seed: int, length: int = 40) -> list[list[int]]:
@@ -36,15 +44,26 @@ def wait_all_free(cluster, workers, timeout: float = 15.0) -> list:
     deadline = time.monotonic() + timeout
     while True:
         states = [worker_state(w.address) for w in workers]
-        if all(s.num_free_blocks == s.num_total_blocks and s.num_active_requests == 0 and s.num_leases == 0
-               for s in states) or time.monotonic() > deadline:
+        if (
+            all(
+                s.num_free_blocks == s.num_total_blocks
+                and s.num_active_requests == 0
+                and s.num_leases == 0
+                for s in states
+            )
+            or time.monotonic() > deadline
+        ):
             return states
         time.sleep(0.1)
 
 
 def assert_all_free(cluster, workers) -> None:
     for s in wait_all_free(cluster, workers):
-        assert s.num_free_blocks == s.num_total_blocks and s.num_active_requests == 0 and s.num_leases == 0, s
+        assert (
+            s.num_free_blocks == s.num_total_blocks
+            and s.num_active_requests == 0
+            and s.num_leases == 0
+        ), s
 
 
 def test_prefill_killed_between_handoff_and_pull_loses_nothing(model_dirs):
@@ -52,7 +71,9 @@ def test_prefill_killed_between_handoff_and_pull_loses_nothing(model_dirs):
     progress), then SIGKILL it: those requests are recomputed on the decode, the ones still in
     the prefill are rerun there, and every later one runs on the decode alone."""
     num_requests, max_tokens = scaled(48, 400), scaled(24, 48)
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=ROUTER_ARGS) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=ROUTER_ARGS
+    ) as c:
         prefill, decode = c.workers
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         started: set[int] = set()
@@ -62,11 +83,15 @@ def test_prefill_killed_between_handoff_and_pull_loses_nothing(model_dirs):
             nonlocal in_window
             while len(started) < num_requests // 4:
                 await asyncio.sleep(0.01)
-            for _ in range(20):  # until a handoff is caught between the prefill and the decode's READ
+            for _ in range(
+                20
+            ):  # until a handoff is caught between the prefill and the decode's READ
                 prefill.process.send_signal(signal.SIGSTOP)
                 deadline = time.monotonic() + 1.0
                 while time.monotonic() < deadline:
-                    in_window = (await asyncio.to_thread(worker_state, decode.address)).num_waiting_for_remote_kv
+                    in_window = (
+                        await asyncio.to_thread(worker_state, decode.address)
+                    ).num_waiting_for_remote_kv
                     if in_window:
                         break
                     await asyncio.sleep(0.01)
@@ -80,20 +105,33 @@ def test_prefill_killed_between_handoff_and_pull_loses_nothing(model_dirs):
             llm = AsyncLLM(c.address)
             try:
                 faulty = asyncio.create_task(fault())
-                outcomes = await asyncio.wait_for(run_load(llm, random_prompts(num_requests, 5), params, 16,
-                                                           on_started=started.add), 300)
+                outcomes = await asyncio.wait_for(
+                    run_load(
+                        llm, random_prompts(num_requests, 5), params, 16, on_started=started.add
+                    ),
+                    300,
+                )
                 await faulty
                 return outcomes
             finally:
                 llm.close()
+
         outcomes = asyncio.run(go())
         assert prefill.process.wait(5) == -signal.SIGKILL and in_window >= 1
         failed = lost(outcomes, max_tokens)
-        recomputed = [o for o in outcomes if o.served_by == [prefill.address, decode.address]
-                      and o.kv_transfer_bytes == 0]
-        record("prefill SIGKILL between handoff and pull, 1P+1D", len(outcomes), len(outcomes) - len(failed),
-               len(failed), "pytest tests/test_reliability_faults.py -k handoff_and_pull",
-               f"{len(recomputed)} recomputed on the decode after the pull failed")
+        recomputed = [
+            o
+            for o in outcomes
+            if o.served_by == [prefill.address, decode.address] and o.kv_transfer_bytes == 0
+        ]
+        record(
+            "prefill SIGKILL between handoff and pull, 1P+1D",
+            len(outcomes),
+            len(outcomes) - len(failed),
+            len(failed),
+            "pytest tests/test_reliability_faults.py -k handoff_and_pull",
+            f"{len(recomputed)} recomputed on the decode after the pull failed",
+        )
         assert not failed, failed[:3]
         assert recomputed  # the handoffs caught in the window were computed on the decode
         assert_all_free(c, [decode])
@@ -105,8 +143,11 @@ def test_streams_move_off_a_hung_decode(model_dirs):
     num_requests, max_tokens = scaled(16, 120), scaled(96, 200)
     prompts = random_prompts(4, 6) * (num_requests // 4)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    with LocalCluster(roles=["prefill", "decode", "decode"], engine_args=engine_args(model_dirs),
-                      router_args=ROUTER_ARGS) as c:
+    with LocalCluster(
+        roles=["prefill", "decode", "decode"],
+        engine_args=engine_args(model_dirs),
+        router_args=ROUTER_ARGS,
+    ) as c:
         decodes = c.workers[1:]
         channels = [c.channel(w.address) for w in decodes]
 
@@ -117,11 +158,16 @@ def test_streams_move_off_a_hung_decode(model_dirs):
                 stopped = []
 
                 def active(stub) -> int:
-                    return stub.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10).num_active_requests
+                    return stub.GetWorkerState(
+                        worker_pb2.WorkerStateRequest(), timeout=10
+                    ).num_active_requests
 
                 async def hang_a_busy_decode():
                     # one channel per decode, opened once: a poll costs a round trip, not a handshake
-                    stubs = [(w, worker_pb2_grpc.WorkerStub(channel)) for w, channel in zip(decodes, channels)]
+                    stubs = [
+                        (w, worker_pb2_grpc.WorkerStub(channel))
+                        for w, channel in zip(decodes, channels)
+                    ]
                     while True:
                         for w, stub in stubs:
                             if await asyncio.to_thread(active, stub) >= 2:
@@ -129,15 +175,21 @@ def test_streams_move_off_a_hung_decode(model_dirs):
                                 stopped.append((w, time.monotonic()))
                                 return
                         await asyncio.sleep(0.005)
+
                 hang = asyncio.create_task(hang_a_busy_decode())
                 outcomes = await asyncio.wait_for(run_load(llm, prompts, params, num_requests), 120)
-                if not hang.done():  # bounded: the load ended with no decode ever seen holding 2 streams
+                if (
+                    not hang.done()
+                ):  # bounded: the load ended with no decode ever seen holding 2 streams
                     hang.cancel()
-                    pytest.fail(f"the load of {num_requests} streams ended before a decode held 2 of them")
+                    pytest.fail(
+                        f"the load of {num_requests} streams ended before a decode held 2 of them"
+                    )
                 await hang
                 return expected, outcomes, stopped[0], time.monotonic()
             finally:
                 llm.close()
+
         try:
             expected, outcomes, (victim, stopped_at), ended_at = asyncio.run(go())
         finally:
@@ -146,9 +198,17 @@ def test_streams_move_off_a_hung_decode(model_dirs):
             for channel in channels:
                 channel.close()
         moved = [o for o in outcomes if victim.address in o.served_by[:-1]]
-        failed = lost(outcomes, max_tokens) + [o for i, o in enumerate(outcomes) if o.tokens != expected[i % 4]]
-        record("decode SIGSTOP under its streams, 1P+2D", len(outcomes), len(outcomes) - len(failed), len(failed),
-               "pytest tests/test_reliability_faults.py -k hung_decode", f"{len(moved)} streams moved off it")
+        failed = lost(outcomes, max_tokens) + [
+            o for i, o in enumerate(outcomes) if o.tokens != expected[i % 4]
+        ]
+        record(
+            "decode SIGSTOP under its streams, 1P+2D",
+            len(outcomes),
+            len(outcomes) - len(failed),
+            len(failed),
+            "pytest tests/test_reliability_faults.py -k hung_decode",
+            f"{len(moved)} streams moved off it",
+        )
         assert not failed, failed[:3]
         assert moved and ended_at - stopped_at < 30  # moved on, not stuck for the hang
         c.check_alive()
@@ -158,15 +218,20 @@ def test_streams_move_off_a_hung_decode(model_dirs):
 def test_with_the_only_prefill_hung_or_dead_requests_run_on_the_decode(model_dirs):
     num_requests, max_tokens = scaled(24, 200), 16
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=ROUTER_ARGS) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=ROUTER_ARGS
+    ) as c:
         prefill, decode = c.workers
 
         async def go(seed: int):
             llm = AsyncLLM(c.address)
             try:
-                return await asyncio.wait_for(run_load(llm, random_prompts(num_requests, seed), params, 8), 120)
+                return await asyncio.wait_for(
+                    run_load(llm, random_prompts(num_requests, seed), params, 8), 120
+                )
             finally:
                 llm.close()
+
         assert not lost(asyncio.run(go(1)), max_tokens)  # split as usual
         try:
             prefill.process.send_signal(signal.SIGSTOP)
@@ -177,8 +242,14 @@ def test_with_the_only_prefill_hung_or_dead_requests_run_on_the_decode(model_dir
         prefill.process.wait()
         dead = asyncio.run(go(3))
         failed = lost(hung, max_tokens) + lost(dead, max_tokens)
-        record("only prefill SIGSTOP, then SIGKILL, 1P+1D", 2 * num_requests, 2 * num_requests - len(failed),
-               len(failed), "pytest tests/test_reliability_faults.py -k only_prefill", "run on the decode worker")
+        record(
+            "only prefill SIGSTOP, then SIGKILL, 1P+1D",
+            2 * num_requests,
+            2 * num_requests - len(failed),
+            len(failed),
+            "pytest tests/test_reliability_faults.py -k only_prefill",
+            "run on the decode worker",
+        )
         assert not failed, failed[:3]
         assert all(o.served_by[-1] == decode.address for o in hung + dead)
         assert all(o.served_by == [decode.address] for o in dead)
@@ -191,8 +262,15 @@ def test_the_only_prefill_killed_between_health_polls_costs_no_request(model_dir
     requests run on the decode from the start, none lost, no block left behind."""
     max_tokens = 8
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    router_args = ["--health-interval", "5", "--health-timeout", "0.5"]  # no poll comes in the window
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=router_args) as c:
+    router_args = [
+        "--health-interval",
+        "5",
+        "--health-timeout",
+        "0.5",
+    ]  # no poll comes in the window
+    with LocalCluster(
+        roles=["prefill", "decode"], engine_args=engine_args(model_dirs), router_args=router_args
+    ) as c:
         prefill, decode = c.workers
 
         async def go():
@@ -205,6 +283,7 @@ def test_the_only_prefill_killed_between_health_polls_costs_no_request(model_dir
                 return split, after
             finally:
                 llm.close()
+
         split, after = asyncio.run(go())
         assert not lost(split + after, max_tokens), lost(split + after, max_tokens)[:3]
         assert all(o.served_by == [prefill.address, decode.address] for o in split)
@@ -215,6 +294,7 @@ def test_the_only_prefill_killed_between_health_polls_costs_no_request(model_dir
 
 def test_clients_reconnect_within_a_second_of_a_router_restart(model_dirs):
     with LocalCluster(roles=["both"], engine_args=engine_args(model_dirs, 64)) as c:
+
         async def go():
             llm = AsyncLLM(c.address)
             try:
@@ -241,9 +321,16 @@ def test_clients_reconnect_within_a_second_of_a_router_restart(model_dirs):
                         await asyncio.sleep(0.02)
             finally:
                 llm.close()
+
         failures, reconnect_s = asyncio.run(go())
-        record("router SIGKILL and restart (client reconnect)", 1, int(reconnect_s < 1.5), int(reconnect_s >= 1.5),
-               "pytest tests/test_reliability_faults.py -k reconnect", f"reconnected {reconnect_s:.2f} s after SERVING")
+        record(
+            "router SIGKILL and restart (client reconnect)",
+            1,
+            int(reconnect_s < 1.5),
+            int(reconnect_s >= 1.5),
+            "pytest tests/test_reliability_faults.py -k reconnect",
+            f"reconnected {reconnect_s:.2f} s after SERVING",
+        )
         assert failures == 40
         assert reconnect_s < 1.5, reconnect_s
 
@@ -252,10 +339,18 @@ TOKEN = "abort-admin-token"
 
 
 def test_only_the_caller_that_started_a_request_or_an_admin_may_abort_it(model_dirs):
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args(model_dirs, 256),
-                      env={"TANDEM_ADMIN_TOKEN": TOKEN}) as c:
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=engine_args(model_dirs, 256),
+        env={"TANDEM_ADMIN_TOKEN": TOKEN},
+    ) as c:
+
         async def go():
-            owner, stranger, admin = AsyncLLM(c.address), AsyncLLM(c.address), AsyncLLM(c.address, auth_token=TOKEN)
+            owner, stranger, admin = (
+                AsyncLLM(c.address),
+                AsyncLLM(c.address),
+                AsyncLLM(c.address, auth_token=TOKEN),
+            )
             params = SamplingParams(max_tokens=150, ignore_eos=True)
             try:
                 first = owner.generate_async("a long one", params, streaming=True)
@@ -266,7 +361,9 @@ def test_only_the_caller_that_started_a_request_or_an_admin_may_abort_it(model_d
                     await s.__anext__()
                 ids = [first.request_id, second.request_id, third.request_id]
                 assert not await stranger.abort(ids[0])  # as if unknown: another caller's request
-                direct = AsyncLLM(c.workers[1].address, **c.worker_client_kwargs())  # the decode, called directly, refuses too
+                direct = AsyncLLM(
+                    c.workers[1].address, **c.worker_client_kwargs()
+                )  # the decode, called directly, refuses too
                 try:
                     assert not await direct.abort(ids[0])
                 finally:
@@ -283,6 +380,7 @@ def test_only_the_caller_that_started_a_request_or_an_admin_may_abort_it(model_d
             finally:
                 for llm in (owner, stranger, admin):
                     llm.close()
+
         first, second, third = asyncio.run(go())
         assert first == ("length", 150)
         assert second[0] == third[0] == "cancelled"

@@ -2,6 +2,7 @@
 again (same role, same port, bounded restarts with back-off) while the rest keep serving: its
 streams move on, and the router uses the worker again once it is back. `--admin-token` guards
 the admin calls of the whole cluster."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from reliability import lost, record, run_load, scaled
+
 from tandem.client import AsyncLLM, RequestError, SamplingParams
 from tandem.testing.cluster import free_port
 
@@ -29,11 +30,34 @@ class Up:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
-        argv = [sys.executable, "-m", "tandem.cli.main", "up", "--model", str(model_dir), "--port", str(self.port),
-                "--num-blocks", "512", "--block-size", "8", "--admin-token", TOKEN, "--max-restarts", "1",
-                "--health-interval", "0.2", "--health-timeout", "0.5", "--stream-progress-timeout", "1"]
+        argv = [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--num-blocks",
+            "512",
+            "--block-size",
+            "8",
+            "--admin-token",
+            TOKEN,
+            "--max-restarts",
+            "1",
+            "--health-interval",
+            "0.2",
+            "--health-timeout",
+            "0.5",
+            "--stream-progress-timeout",
+            "1",
+        ]
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -41,7 +65,9 @@ class Up:
     def wait_for(self, text: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while text not in self.log():
-            assert self.process.poll() is None, f"tandem up exited ({self.process.returncode}):\n{self.log()}"
+            assert self.process.poll() is None, (
+                f"tandem up exited ({self.process.returncode}):\n{self.log()}"
+            )
             assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{self.log()}"
             time.sleep(0.1)
 
@@ -72,8 +98,12 @@ class Up:
 def serving(address: str) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=1)
+                .status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         except grpc.RpcError:
             return False
 
@@ -99,17 +129,33 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
             llm = AsyncLLM(up.address)
             try:
                 killer = asyncio.create_task(kill_decode_under_load())
-                outcomes = await asyncio.wait_for(run_load(llm, [f"stream {i}" for i in range(num_streams)], params,
-                                                           num_streams, on_started=started.add), 120)
+                outcomes = await asyncio.wait_for(
+                    run_load(
+                        llm,
+                        [f"stream {i}" for i in range(num_streams)],
+                        params,
+                        num_streams,
+                        on_started=started.add,
+                    ),
+                    120,
+                )
                 return outcomes, await asyncio.wait_for(killer, 1)
             finally:
                 llm.close()
+
         outcomes, killed_at = asyncio.run(load())
         failed = lost(outcomes, max_tokens)
-        moved = [o for o in outcomes if o.served_by == [prefill_address, decode_address, prefill_address]]
-        record("decode SIGKILL under `tandem up` (1P+1D), streams in flight", len(outcomes),
-               len(outcomes) - len(failed), len(failed), "pytest tests/test_reliability_up.py",
-               f"{len(moved)} streams moved to the prefill worker; the decode restarted on its port")
+        moved = [
+            o for o in outcomes if o.served_by == [prefill_address, decode_address, prefill_address]
+        ]
+        record(
+            "decode SIGKILL under `tandem up` (1P+1D), streams in flight",
+            len(outcomes),
+            len(outcomes) - len(failed),
+            len(failed),
+            "pytest tests/test_reliability_up.py",
+            f"{len(moved)} streams moved to the prefill worker; the decode restarted on its port",
+        )
         assert not failed, failed[:3]
         assert len(moved) >= num_streams // 2, [o.served_by for o in outcomes]
         assert all(o in moved or o.served_by == [prefill_address, decode_address] for o in outcomes)
@@ -127,18 +173,24 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
             llm = AsyncLLM(up.address)
             try:
                 while True:
-                    out = await llm.generate_async("after the restart", SamplingParams(max_tokens=4))
+                    out = await llm.generate_async(
+                        "after the restart", SamplingParams(max_tokens=4)
+                    )
                     if out.metrics.served_by == [prefill_address, decode_address]:
                         return time.monotonic()
                     assert time.monotonic() - killed_at < 90
                     await asyncio.sleep(0.1)
             finally:
                 llm.close()
+
         back_at = asyncio.run(until_split_again())
         assert back_at - serving_at < 3  # the router takes a worker back within a few health checks
 
         async def admin():
-            for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.PERMISSION_DENIED)):
+            for token, code in (
+                (None, grpc.StatusCode.UNAUTHENTICATED),
+                ("wrong", grpc.StatusCode.PERMISSION_DENIED),
+            ):
                 llm = AsyncLLM(up.address, auth_token=token)
                 try:
                     with pytest.raises(RequestError) as err:
@@ -152,6 +204,7 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
                 await llm.resume_generation()
             finally:
                 llm.close()
+
         asyncio.run(admin())
 
         # Past --max-restarts the worker is left down; the rest keep serving.
@@ -161,7 +214,10 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
             out = generate("with the decode left down", SamplingParams(max_tokens=4))
         # Until a health check sees the kill, the router may still hand off to the dead decode,
         # and the request then fails over to the prefill worker.
-        assert out.metrics.served_by in ([prefill_address], [prefill_address, decode_address, prefill_address])
+        assert out.metrics.served_by in (
+            [prefill_address],
+            [prefill_address, decode_address, prefill_address],
+        )
         assert len(out.outputs[0].token_ids) == 4
         assert not serving(decode_address)
         assert up.process.poll() is None
@@ -170,7 +226,9 @@ def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path
     assert code == 0, up.log()
     with pytest.raises(LookupError):
         up.worker("prefill")
-    print(f"decode SERVING again {serving_at - killed_at:.1f} s after the kill, used {back_at - serving_at:.2f} s later")
+    print(
+        f"decode SERVING again {serving_at - killed_at:.1f} s after the kill, used {back_at - serving_at:.2f} s later"
+    )
 
 
 class AsyncLLMSync:
@@ -178,6 +236,7 @@ class AsyncLLMSync:
 
     def __init__(self, address: str):
         from tandem.client import LLM
+
         self.llm = LLM(address)
 
     def __enter__(self):

@@ -1,6 +1,7 @@
 """Issue 11: workers found through DNS, added and dropped while traffic runs. On loopback the
 workers differ by port, so the router resolves its names from a hosts file with ports
 (--hosts-file) that the test rewrites; the default resolver, real DNS, is checked on localhost."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,14 @@ import time
 import pytest
 
 from tandem.client import LLM, SamplingParams
-from tandem.router.discovery import DnsDiscovery, DnsTarget, hosts_file_resolver, parse_dns_targets, resolve_dns
 from tandem.common.roles import Role
+from tandem.router.discovery import (
+    DnsDiscovery,
+    DnsTarget,
+    hosts_file_resolver,
+    parse_dns_targets,
+    resolve_dns,
+)
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc
 
@@ -25,7 +32,9 @@ def test_real_dns_resolves_localhost():
 
 def test_dns_targets_parse_and_refuse():
     assert parse_dns_targets(("prefill=tandem-prefill.ns.svc:50052", "w:1")) == [
-        DnsTarget("tandem-prefill.ns.svc", 50052, Role.PREFILL), DnsTarget("w", 1)]
+        DnsTarget("tandem-prefill.ns.svc", 50052, Role.PREFILL),
+        DnsTarget("w", 1),
+    ]
     for bad in ("prefill=host", "router=h:1", "h:0", ":5"):
         with pytest.raises(ValueError):
             parse_dns_targets((bad,))
@@ -43,6 +52,7 @@ def test_a_failed_resolution_keeps_the_last_answer(tmp_path):
         await discovery.refresh()
         hosts.write_text("w 127.0.0.1:2\n")
         await discovery.refresh()
+
     asyncio.run(main())
     assert seen == [{"127.0.0.1:1", "127.0.0.1:2"}, {"127.0.0.1:1", "127.0.0.1:2"}, {"127.0.0.1:2"}]
 
@@ -62,7 +72,9 @@ def _wait_for(predicate, timeout: float = 30.0):
 
 def test_workers_join_and_leave_through_dns_under_traffic(model_dirs, tmp_path):
     engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
-    with LocalCluster(roles=["prefill", "decode"], engine_args=engine_args, hosts_file=tmp_path / "hosts") as c:
+    with LocalCluster(
+        roles=["prefill", "decode"], engine_args=engine_args, hosts_file=tmp_path / "hosts"
+    ) as c:
         first_decode = c.workers[1]
         errors: list[BaseException] = []
         served: list[list[str]] = []
@@ -73,7 +85,11 @@ def test_workers_join_and_leave_through_dns_under_traffic(model_dirs, tmp_path):
                 i = 0
                 while not stop.is_set():
                     try:
-                        served.append(_served_by(llm, [1] + [(seed * 97 + i * 13 + k) % 240 + 4 for k in range(20)]))
+                        served.append(
+                            _served_by(
+                                llm, [1] + [(seed * 97 + i * 13 + k) % 240 + 4 for k in range(20)]
+                            )
+                        )
                     except BaseException as exc:  # noqa: BLE001 - the test fails on any
                         errors.append(exc)
                     i += 1
@@ -96,5 +112,7 @@ def test_workers_join_and_leave_through_dns_under_traffic(model_dirs, tmp_path):
                 t.join(60)
         assert errors == []
         with c.channel(c.address) as channel:
-            info = llm_pb2_grpc.AsyncLLMStub(channel).GetServerInfo(llm_pb2.GetServerInfoRequest(), timeout=10)
+            info = llm_pb2_grpc.AsyncLLMStub(channel).GetServerInfo(
+                llm_pb2.GetServerInfoRequest(), timeout=10
+            )
         assert {w.worker_id for w in info.workers} == {c.workers[0].address, second_decode.address}

@@ -4,6 +4,7 @@ stays pickable but for a round trip, even while its engine is too busy to answer
 and when the process behind the address is replaced (a restart, maybe in another role, or a
 hot swap that serves at once), the new one is not picked on the old one's word, and what the
 router knew of the old one's prefix cache and adapters goes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,13 @@ class BusyEngineWorker(worker_pb2_grpc.WorkerServicer):
     (an engine busy with a long prefill answers between steps). kv_blocks: the prefix cache its
     KV block feed reports (None: it has no feed)."""
 
-    def __init__(self, role=worker_pb2.ROLE_DECODE, num_quick: int = 1, instance_id: str | None = None,
-                 kv_blocks: list[int] | None = None):
+    def __init__(
+        self,
+        role=worker_pb2.ROLE_DECODE,
+        num_quick: int = 1,
+        instance_id: str | None = None,
+        kv_blocks: list[int] | None = None,
+    ):
         self.role = role
         self.num_quick = num_quick
         self.instance_id = instance_id or uuid.uuid4().hex
@@ -58,14 +64,20 @@ class BusyEngineWorker(worker_pb2_grpc.WorkerServicer):
 
     async def SubscribeKvBlocks(self, request, context):
         if self.kv_blocks is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake worker has no KV block feed")
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this fake worker has no KV block feed"
+            )
         yield worker_pb2.KvBlocksUpdate(snapshot=True, stored=self.kv_blocks, tokens_per_block=4)
         await asyncio.Event().wait()  # nothing changes after
 
 
 async def _follow_a_cut_watch() -> tuple[int, float, float]:
-    server = grpc.aio.server(options=[("grpc.max_connection_age_ms", CONNECTION_AGE_MS),
-                                      ("grpc.max_connection_age_grace_ms", 100)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_connection_age_ms", CONNECTION_AGE_MS),
+            ("grpc.max_connection_age_grace_ms", 100),
+        ]
+    )
     worker = BusyEngineWorker()
     health = CountingHealth(worker.instance_id)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -102,7 +114,9 @@ async def _follow_a_cut_watch() -> tuple[int, float, float]:
 
 def test_a_live_worker_whose_watch_stream_is_cut_stays_pickable():
     watches, longest_down_s, ready_share = asyncio.run(_follow_a_cut_watch())
-    assert watches >= 4, f"the fake server cut {watches - 1} Watch streams in {SAMPLE_S} s; expected >= 3"
+    assert watches >= 4, (
+        f"the fake server cut {watches - 1} Watch streams in {SAMPLE_S} s; expected >= 3"
+    )
     # Each cut costs one round trip on loopback, not the busy engine's state poll (> SAMPLE_S).
     assert longest_down_s < 0.25, f"not ready for {longest_down_s:.3f} s after a cut Watch stream"
     assert ready_share > 0.95, ready_share
@@ -111,8 +125,12 @@ def test_a_live_worker_whose_watch_stream_is_cut_stays_pickable():
 async def _worker_server(port: int, worker: BusyEngineWorker, serving: bool):
     server = grpc.aio.server()
     health = InstanceHealthServicer(worker.instance_id)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING if serving else
-                     health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(
+        "",
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -121,7 +139,9 @@ async def _worker_server(port: int, worker: BusyEngineWorker, serving: bool):
 
 
 async def _replace_the_process(old_stream_age_s: float) -> list[tuple[Role, bool]]:
-    old, _, port = await _worker_server(0, BusyEngineWorker(worker_pb2.ROLE_DECODE, num_quick=10), serving=True)
+    old, _, port = await _worker_server(
+        0, BusyEngineWorker(worker_pb2.ROLE_DECODE, num_quick=10), serving=True
+    )
     pool = WorkerPool((f"127.0.0.1:{port}",), health_interval_s=30.0, health_timeout_s=0.5)
     new = None
     try:
@@ -133,8 +153,9 @@ async def _replace_the_process(old_stream_age_s: float) -> list[tuple[Role, bool
         # The old process goes; a new one, another role and still loading, listens at once (its
         # state polls are slow, so only the Watch could make it pickable soon).
         stopping = asyncio.create_task(old.stop(None))
-        new, health, _ = await _worker_server(port, BusyEngineWorker(worker_pb2.ROLE_PREFILL, num_quick=0),
-                                              serving=False)
+        new, health, _ = await _worker_server(
+            port, BusyEngineWorker(worker_pb2.ROLE_PREFILL, num_quick=0), serving=False
+        )
         await stopping
         await asyncio.sleep(0.5)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)  # loaded
@@ -155,7 +176,9 @@ async def _replace_the_process(old_stream_age_s: float) -> list[tuple[Role, bool
 @pytest.mark.parametrize("old_stream_age_s", [0.0, 1.5])
 def test_a_new_process_on_the_address_is_not_picked_on_the_old_ones_role(old_stream_age_s):
     seen = asyncio.run(_replace_the_process(old_stream_age_s))
-    assert not any(ready for _, ready in seen), "the new process was picked before a state poll looked at it"
+    assert not any(ready for _, ready in seen), (
+        "the new process was picked before a state poll looked at it"
+    )
 
 
 class ReadinessLog(WorkerPool):
@@ -190,7 +213,9 @@ async def _hot_swap(same_instance: bool, sample_s: float) -> list[tuple[float, b
         # router's next connection reaches the new one. The same instance id stands for the same
         # process reached again.
         if same_instance:
-            new_worker = BusyEngineWorker(worker_pb2.ROLE_DECODE, num_quick=0, instance_id=old_worker.instance_id)
+            new_worker = BusyEngineWorker(
+                worker_pb2.ROLE_DECODE, num_quick=0, instance_id=old_worker.instance_id
+            )
         else:
             new_worker = BusyEngineWorker(worker_pb2.ROLE_PREFILL, num_quick=0)
         new, _, _ = await _worker_server(port, new_worker, serving=True)
@@ -207,24 +232,30 @@ async def _hot_swap(same_instance: bool, sample_s: float) -> list[tuple[float, b
             await new.stop(None)
 
 
-def _after_the_first_drop(changes: list[tuple[float, bool, Role]]) -> list[tuple[float, bool, Role]]:
+def _after_the_first_drop(
+    changes: list[tuple[float, bool, Role]],
+) -> list[tuple[float, bool, Role]]:
     drops = [i for i, (_, ready, _) in enumerate(changes) if not ready]
     assert drops, f"the router did not see the old process go: {changes}"
-    return changes[drops[0] + 1:]
+    return changes[drops[0] + 1 :]
 
 
 def test_a_hot_swapped_process_is_picked_on_the_reopened_watch_when_it_is_the_same_instance():
     changes = asyncio.run(_hot_swap(same_instance=True, sample_s=1.0))
     back = [(t, role) for t, ready, role in _after_the_first_drop(changes) if ready]
     # Its state polls wait on the busy engine (> the sample): only the Watch can make it ready.
-    assert back and back[0][0] < 0.5, f"the same instance, reached again, waited for a state poll: {changes}"
+    assert back and back[0][0] < 0.5, (
+        f"the same instance, reached again, waited for a state poll: {changes}"
+    )
     assert back[0][1] is Role.DECODE
 
 
 def test_a_hot_swapped_process_with_another_instance_id_is_not_picked_on_the_old_ones_role():
     # Past the new process's first state poll, which times out (5 s) on its busy engine.
     changes = asyncio.run(_hot_swap(same_instance=False, sample_s=6.0))
-    picked = [f"{t:.3f} s as {role.label}" for t, ready, role in _after_the_first_drop(changes) if ready]
+    picked = [
+        f"{t:.3f} s as {role.label}" for t, ready, role in _after_the_first_drop(changes) if ready
+    ]
     assert not picked, f"the new process was picked before a state poll looked at it: {picked}"
 
 
@@ -277,6 +308,7 @@ def test_a_watcher_still_open_hears_a_change_after_another_watcher_left():
     one leaves; the other still hears the drain's NOT_SERVING (grpcio-health-checking's own
     Watch dropped the shared condition with the first watcher to leave, and the other heard
     nothing more)."""
+
     async def run():
         server = grpc.aio.server()
         health = InstanceHealthServicer(uuid.uuid4().hex)
@@ -287,7 +319,10 @@ def test_a_watcher_still_open_hears_a_change_after_another_watcher_left():
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                staying, leaving = stub.Watch(health_pb2.HealthCheckRequest()), stub.Watch(health_pb2.HealthCheckRequest())
+                staying, leaving = (
+                    stub.Watch(health_pb2.HealthCheckRequest()),
+                    stub.Watch(health_pb2.HealthCheckRequest()),
+                )
                 first = [(await staying.read()).status, (await leaving.read()).status]
                 leaving.cancel()
                 await asyncio.sleep(0.2)  # its handler ends

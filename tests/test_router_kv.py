@@ -1,6 +1,7 @@
 """Issue 11: KV-aware routing and conditional disaggregation, with 2 prefill + 2 decode worker
 processes on the tiny model and three routers over them (kv, least-load, and kv with
 conditional disaggregation), all in the same run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-from tandem.client import AsyncLLM, LLM, SamplingParams
+from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.router.kv_index import KvIndex
 from tandem.router.policies import Placement
 from tandem.testing.cluster import LocalCluster, channel_to
@@ -27,11 +28,24 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "256", "--block-size", str(BLOCK_SIZE)]
-    with LocalCluster(roles=["prefill", "prefill", "decode", "decode"], engine_args=engine_args,
-                      router_args=["--routing", "kv"]) as c:
+    engine_args = [
+        "--model",
+        str(model_dirs["llama"]),
+        "--num-blocks",
+        "256",
+        "--block-size",
+        str(BLOCK_SIZE),
+    ]
+    with LocalCluster(
+        roles=["prefill", "prefill", "decode", "decode"],
+        engine_args=engine_args,
+        router_args=["--routing", "kv"],
+    ) as c:
         c.add_router("router-least-load", ["--routing", "least-load"])
-        c.add_router("router-conditional", ["--routing", "kv", "--disagg-min-uncached-tokens", str(MIN_UNCACHED)])
+        c.add_router(
+            "router-conditional",
+            ["--routing", "kv", "--disagg-min-uncached-tokens", str(MIN_UNCACHED)],
+        )
         c.add_router("router-busy", ["--max-in-flight", "1"])
         yield c
 
@@ -42,50 +56,68 @@ def _router(c: LocalCluster, name: str) -> str:
 
 def worker_state(address: str) -> worker_pb2.WorkerState:
     with channel_to(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+        return worker_pb2_grpc.WorkerStub(channel).GetWorkerState(
+            worker_pb2.WorkerStateRequest(), timeout=10
+        )
 
 
 def _workload(seed: int, num_systems: int, num_users: int) -> list[list[tuple[int, list[int]]]]:
     """rounds[user]: (system, prompt) in a random order (users do not arrive in lockstep); a
     prompt = a system prompt shared by its users + the user's own turn."""
     rng = random.Random(seed)
-    systems = [[1] + [rng.randrange(4, 250) for _ in range(SYSTEM_TOKENS - 1)] for _ in range(num_systems)]
+    systems = [
+        [1] + [rng.randrange(4, 250) for _ in range(SYSTEM_TOKENS - 1)] for _ in range(num_systems)
+    ]
     rounds = []
     for _ in range(num_users):
-        turns = [(i, system + [rng.randrange(4, 250) for _ in range(rng.randrange(6, 14))])
-                 for i, system in enumerate(systems)]
+        turns = [
+            (i, system + [rng.randrange(4, 250) for _ in range(rng.randrange(6, 14))])
+            for i, system in enumerate(systems)
+        ]
         rng.shuffle(turns)
         rounds.append(turns)
     return rounds
 
 
-def _run(address: str, rounds: list[list[tuple[int, list[int]]]]) -> tuple[float, list[float], list]:
+def _run(
+    address: str, rounds: list[list[tuple[int, list[int]]]]
+) -> tuple[float, list[float], list]:
     """Each round's prompts at once, rounds one after another: (prefix hit rate, TTFTs,
     [(system, output)])."""
+
     async def main():
         llm = await AsyncLLM(address)
         try:
             outs = []
             for prompts in rounds:
-                outs += await asyncio.gather(*(llm.generate_async(p, SamplingParams(max_tokens=4))
-                                               for _, p in prompts))
+                outs += await asyncio.gather(
+                    *(llm.generate_async(p, SamplingParams(max_tokens=4)) for _, p in prompts)
+                )
             return outs
         finally:
             llm.close()
+
     outs = asyncio.run(main())
     turns = [t for r in rounds for t in r]
     cached = sum(o.metrics.num_cached_prompt_tokens for o in outs)
-    return (cached / sum(len(p) for _, p in turns), [o.metrics.time_to_first_token_s for o in outs],
-            [(system, o) for (system, _), o in zip(turns, outs)])
+    return (
+        cached / sum(len(p) for _, p in turns),
+        [o.metrics.time_to_first_token_s for o in outs],
+        [(system, o) for (system, _), o in zip(turns, outs)],
+    )
 
 
 def test_shared_prefixes_land_where_their_kv_is(cluster):
     """The same workload shape (6 system prompts x 4 users, distinct tokens per router) through
     the kv router and the least-load router: kv reuses far more of the prompts' KV."""
-    least_load_rate, least_load_ttft, _ = _run(_router(cluster, "router-least-load"), _workload(1, 6, 4))
+    least_load_rate, least_load_ttft, _ = _run(
+        _router(cluster, "router-least-load"), _workload(1, 6, 4)
+    )
     kv_rate, kv_ttft, kv_outs = _run(cluster.address, _workload(2, 6, 4))
-    print(f"\nprefix hit rate: kv {kv_rate:.1%}, least-load {least_load_rate:.1%}; TTFT p50 kv "
-          f"{statistics.median(kv_ttft) * 1e3:.1f} ms, least-load {statistics.median(least_load_ttft) * 1e3:.1f} ms")
+    print(
+        f"\nprefix hit rate: kv {kv_rate:.1%}, least-load {least_load_rate:.1%}; TTFT p50 kv "
+        f"{statistics.median(kv_ttft) * 1e3:.1f} ms, least-load {statistics.median(least_load_ttft) * 1e3:.1f} ms"
+    )
     # kv: every user after a system prompt's first finds its 8 blocks cached (3 of 4 users).
     ideal = 3 / 4 * SYSTEM_TOKENS / (SYSTEM_TOKENS + 10)
     assert kv_rate >= 0.8 * ideal
@@ -106,28 +138,39 @@ def test_router_hashes_prompts_as_the_engine_does(cluster):
         llm.get_kv_cache_events(timeout=0.1)
         llm.generate(prompt, SamplingParams(max_tokens=1), cache_salt="tenant-a")
         events = llm.get_kv_cache_events(timeout=2)
-    stored = [b["block_hash"] for e in events if e["data"]["type"] == "stored" for b in e["data"]["blocks"]]
+    stored = [
+        b["block_hash"]
+        for e in events
+        if e["data"]["type"] == "stored"
+        for b in e["data"]["blocks"]
+    ]
     index = KvIndex()
     index.apply("w", worker_pb2.KvBlocksUpdate(tokens_per_block=BLOCK_SIZE))
     request = llm_pb2.GenerateRequest(cache_salt="tenant-a")
     request.prompt.token_ids.ids[:] = prompt
     hashes = Placement.of(request).hashes(index)
-    assert len(hashes) == len(prompt) // BLOCK_SIZE and hashes == stored[:len(hashes)]
+    assert len(hashes) == len(prompt) // BLOCK_SIZE and hashes == stored[: len(hashes)]
 
 
 def _metric(address: str, name: str, **labels: str) -> float:
     """The sum of a metric's samples that carry labels."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(w in line for w in wanted))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(w in line for w in wanted)
+    )
 
 
 def test_conditional_disaggregation(cluster):
     """Short uncached prompts run whole on a decode worker (no lease opened on any prefill),
     long ones are split; greedy tokens equal the always-split router's either way."""
     rng = random.Random(3)
-    short = [[1] + [rng.randrange(4, 250) for _ in range(rng.randrange(5, MIN_UNCACHED - 2))] for _ in range(4)]
+    short = [
+        [1] + [rng.randrange(4, 250) for _ in range(rng.randrange(5, MIN_UNCACHED - 2))]
+        for _ in range(4)
+    ]
     long = [[1] + [rng.randrange(4, 250) for _ in range(MIN_UNCACHED + 20)] for _ in range(4)]
     prefills = [w.address for w in cluster.workers if w.role == "prefill"]
     router = cluster.service("router-conditional")
@@ -149,10 +192,16 @@ def test_conditional_disaggregation(cluster):
         assert len(out.metrics.served_by) == 1 and out.metrics.served_by[0] not in prefills
     for out in long_outs:
         assert out.metrics.served_by[0] in prefills
-    assert [o.outputs[0].token_ids for o in short_outs + long_outs] == [o.outputs[0].token_ids for o in reference]
+    assert [o.outputs[0].token_ids for o in short_outs + long_outs] == [
+        o.outputs[0].token_ids for o in reference
+    ]
     decisions = "tandem:router_disagg_decisions_total"
-    assert _metric(router.metrics_address, decisions, decision="local", reason="short_uncached_prompt") == len(short)
-    assert _metric(router.metrics_address, decisions, decision="split", reason="long_uncached_prompt") == len(long)
+    assert _metric(
+        router.metrics_address, decisions, decision="local", reason="short_uncached_prompt"
+    ) == len(short)
+    assert _metric(
+        router.metrics_address, decisions, decision="split", reason="long_uncached_prompt"
+    ) == len(long)
 
 
 def test_full_router_refuses_with_a_retry_hint_and_deadlines_reach_the_workers(cluster):
@@ -219,5 +268,6 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
             async for _ in route.relay(worker, llm_pb2.GenerateRequest()):
                 pass
         await pool.close()
+
     asyncio.run(main())
     assert 29 < timeouts[0] <= 30 and timeouts[1] is None

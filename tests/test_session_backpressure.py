@@ -6,6 +6,7 @@ A real gRPC server on loopback writes a session's batches with the worker's Outp
 engine step of lone tokens at a time as fast as it can; the reader opens its channel as the
 router opens a worker's and reads one batch per few milliseconds, and, for comparison in the same
 run, with gRPC's default channel."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,9 +37,13 @@ async def _serve_steps(produced: list[int]):
         async def engine():
             for _ in range(NUM_STEPS):
                 for tag in range(NUM_REQUESTS):
-                    stream.push_token(tag, rng.randrange(1 << 17), -rng.random(), lambda error: None)
+                    stream.push_token(
+                        tag, rng.randrange(1 << 17), -rng.random(), lambda error: None
+                    )
                 produced[0] += 1
-                await asyncio.sleep(0)  # one step per turn of the loop: the writer runs between steps
+                await asyncio.sleep(
+                    0
+                )  # one step per turn of the loop: the writer runs between steps
             for tag in range(NUM_REQUESTS):
                 stream.end(tag)
             stream.finish()
@@ -51,17 +56,29 @@ async def _serve_steps(produced: list[int]):
             task.cancel()
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tandem.v1.Worker", {
-        "Session": grpc.stream_stream_rpc_method_handler(
-            session, request_deserializer=worker_pb2.SessionRequest.FromString,
-            response_serializer=worker_pb2.OutputBatch.SerializeToString)})])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "tandem.v1.Worker",
+                {
+                    "Session": grpc.stream_stream_rpc_method_handler(
+                        session,
+                        request_deserializer=worker_pb2.SessionRequest.FromString,
+                        response_serializer=worker_pb2.OutputBatch.SerializeToString,
+                    )
+                },
+            )
+        ]
+    )
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, f"127.0.0.1:{port}"
 
 
-async def _read_slowly(address: str, options, produced: list[int]) -> tuple[dict[int, int], int, int]:
+async def _read_slowly(
+    address: str, options, produced: list[int]
+) -> tuple[dict[int, int], int, int]:
     """(tokens per tag, batches, most steps the worker was ahead of this reader)."""
     channel = ClusterCredentials().open(address, options)
     call = worker_pb2_grpc.WorkerStub(channel).Session()
@@ -92,13 +109,17 @@ def test_a_slow_reader_gets_the_backlog_merged_not_buffered():
             await server.stop(None)
         return router, default
 
-    (tokens, num_batches, ahead), (default_tokens, default_batches, _) = asyncio.run(asyncio.wait_for(run(), 120))
+    (tokens, num_batches, ahead), (default_tokens, default_batches, _) = asyncio.run(
+        asyncio.wait_for(run(), 120)
+    )
     every = {tag: NUM_STEPS for tag in range(NUM_REQUESTS)}
     assert tokens == every and default_tokens == every, "every token arrives, in full"
     assert ahead > 20, "the worker ran ahead of the reader (or the test measured nothing)"
     # Held back, the worker merges the steps (27-37 batches here); with gRPC's default window they
     # waited unread in the reader's buffer, one or two a batch (1,100-2,000 batches here).
-    assert num_batches * 5 < default_batches, f"{num_batches} batches against {default_batches} with gRPC's window"
+    assert num_batches * 5 < default_batches, (
+        f"{num_batches} batches against {default_batches} with gRPC's window"
+    )
 
 
 def test_the_router_opens_its_worker_channels_with_the_read_ahead_bound():

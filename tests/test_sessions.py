@@ -4,6 +4,7 @@ stream, and their outputs come back on it, a batch per engine step for all of th
 Real worker and router processes on loopback; the tests open sessions the way the router does
 (the cluster's credentials, one connection per channel), and against the router's own session
 code with scripted calls where a real worker cannot be made to produce an interleaving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +13,13 @@ import time
 
 import grpc
 import pytest
+from test_disagg import worker_state
 
 from tandem.client import LLM, SamplingParams
-from tandem.router import inbox as inboxes, sessions
+from tandem.router import inbox as inboxes
+from tandem.router import sessions
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
-from test_disagg import worker_state
 
 NUM_REQUESTS, MAX_TOKENS = 12, 24
 SESSION = "/tandem.v1.Worker/Session"
@@ -26,21 +28,33 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
-                                                   "--block-size", "8"]) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+        ],
+    ) as c:
         yield c
 
 
 def _channel(cluster) -> grpc.aio.Channel:
     """A channel of its own connection (gRPC shares a connection between channels of equal arguments)."""
-    return grpc.aio.insecure_channel(cluster.workers[0].address,
-                                     options=[("grpc.use_local_subchannel_pool", 1)])
+    return grpc.aio.insecure_channel(
+        cluster.workers[0].address, options=[("grpc.use_local_subchannel_pool", 1)]
+    )
 
 
 def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
     rng = random.Random(i)
     request = llm_pb2.GenerateRequest(request_id=f"session-{i}", streaming=True)
-    request.prompt.token_ids.ids[:] = [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 30))]
+    request.prompt.token_ids.ids[:] = [1] + [
+        rng.randrange(4, 200) for _ in range(rng.randrange(3, 30))
+    ]
     request.sampling_params.max_tokens = max_tokens
     request.sampling_params.ignore_eos = True
     request.sampling_params.detokenize = False
@@ -48,7 +62,9 @@ def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
 
 
 def _submit(tag: int, request: llm_pb2.GenerateRequest, **fields) -> worker_pb2.SessionRequest:
-    return worker_pb2.SessionRequest(submits=[worker_pb2.SessionSubmit(tag=tag, request=request, **fields)])
+    return worker_pb2.SessionRequest(
+        submits=[worker_pb2.SessionSubmit(tag=tag, request=request, **fields)]
+    )
 
 
 def _entries(batch: worker_pb2.OutputBatch):
@@ -58,9 +74,21 @@ def _entries(batch: worker_pb2.OutputBatch):
         yield from zip(batch.tags, batch.outputs)
         return
     outputs = iter(batch.outputs)
-    for tag, token, cumulative in zip(batch.tags, batch.tokens, batch.cumulative_logprobs, strict=True):
-        yield tag, next(outputs) if token < 0 else types_pb2.RequestOutput(outputs=[types_pb2.CompletionOutput(
-            index=0, token_ids=[token], cumulative_logprob=cumulative)])
+    for tag, token, cumulative in zip(
+        batch.tags, batch.tokens, batch.cumulative_logprobs, strict=True
+    ):
+        yield (
+            tag,
+            next(outputs)
+            if token < 0
+            else types_pb2.RequestOutput(
+                outputs=[
+                    types_pb2.CompletionOutput(
+                        index=0, token_ids=[token], cumulative_logprob=cumulative
+                    )
+                ]
+            ),
+        )
     assert next(outputs, None) is None
 
 
@@ -109,19 +137,32 @@ async def _tokens_on_their_own_calls(cluster, requests) -> dict[str, list[int]]:
 
         async def one(request):
             return _tokens([msg async for msg in llm.Generate(request)])
-        return dict(zip((r.request_id for r in requests), await asyncio.gather(*map(one, requests))))
+
+        return dict(
+            zip((r.request_id for r in requests), await asyncio.gather(*map(one, requests)))
+        )
 
 
-def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster, no_leaked_worker_blocks):
+def test_requests_in_one_message_share_batches_and_get_their_own_tokens(
+    cluster, no_leaked_worker_blocks
+):
     requests = [_request(i) for i in range(NUM_REQUESTS)]
 
     async def run():
         expected = await _tokens_on_their_own_calls(cluster, requests)
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
-            await call.write(worker_pb2.SessionRequest(submits=[
-                worker_pb2.SessionSubmit(tag=tag, request=r) for tag, r in enumerate(requests, start=100)]))
-            outputs, ended, failed, batches = await _read_until_over(call, set(range(100, 100 + NUM_REQUESTS)))
+            await call.write(
+                worker_pb2.SessionRequest(
+                    submits=[
+                        worker_pb2.SessionSubmit(tag=tag, request=r)
+                        for tag, r in enumerate(requests, start=100)
+                    ]
+                )
+            )
+            outputs, ended, failed, batches = await _read_until_over(
+                call, set(range(100, 100 + NUM_REQUESTS))
+            )
             num_sessions = worker_state(cluster.workers[0].address).num_sessions
             call.cancel()
         return expected, outputs, failed, batches, num_sessions
@@ -129,7 +170,8 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster,
     expected, outputs, failed, batches, num_sessions = asyncio.run(run())
     assert not failed and num_sessions >= 1
     assert {tag - 100: _tokens(msgs) for tag, msgs in outputs.items()} == {
-        i: expected[r.request_id] for i, r in enumerate(requests)}
+        i: expected[r.request_id] for i, r in enumerate(requests)
+    }
     assert all(len(_tokens(msgs)) == MAX_TOKENS for msgs in outputs.values())
     num_outputs = sum(len(b.tags) for b in batches)
     # A step's outputs of every running request go in one message.
@@ -139,22 +181,32 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(cluster,
     assert num_lone == num_outputs - 2 * len(requests), (num_lone, num_outputs)
 
 
-def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(cluster, no_leaked_worker_blocks):
+def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(
+    cluster, no_leaked_worker_blocks
+):
     """Out of vocabulary, a negative or NaN timeout, a deadline that passes: each fails with the status
     and message its own call would get, after its outputs; the request beside them completes."""
+
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
             bad = _request(1)
-            bad.prompt.token_ids.ids.append(10 ** 6)
+            bad.prompt.token_ids.ids.append(10**6)
             slow = _request(2, max_tokens=1900)
             good = _request(3)
-            await call.write(worker_pb2.SessionRequest(submits=[
-                worker_pb2.SessionSubmit(tag=1, request=bad),
-                worker_pb2.SessionSubmit(tag=2, request=slow, timeout_s=0.3),
-                worker_pb2.SessionSubmit(tag=3, request=good),
-                worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1),
-                worker_pb2.SessionSubmit(tag=6, request=_request(6), timeout_s=float("nan"))]))
+            await call.write(
+                worker_pb2.SessionRequest(
+                    submits=[
+                        worker_pb2.SessionSubmit(tag=1, request=bad),
+                        worker_pb2.SessionSubmit(tag=2, request=slow, timeout_s=0.3),
+                        worker_pb2.SessionSubmit(tag=3, request=good),
+                        worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1),
+                        worker_pb2.SessionSubmit(
+                            tag=6, request=_request(6), timeout_s=float("nan")
+                        ),
+                    ]
+                )
+            )
             result = await _read_until_over(call, {1, 2, 3, 5, 6})
             call.cancel()
             return result
@@ -162,17 +214,26 @@ def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(clus
     outputs, ended, failed, _ = asyncio.run(run())
     assert ended == {3} and len(_tokens(outputs[3])) == MAX_TOKENS
     assert failed[1].code == INVALID and "out of vocabulary" in failed[1].details and not outputs[1]
-    assert failed[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "deadline" in failed[2].details
+    assert (
+        failed[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        and "deadline" in failed[2].details
+    )
     assert 0 < len(_tokens(outputs[2])) < 1900  # it ran until the deadline
     for tag in (5, 6):
-        assert failed[tag].code == INVALID and "timeout_s must be a number of seconds >= 0" in failed[tag].details
+        assert (
+            failed[tag].code == INVALID
+            and "timeout_s must be a number of seconds >= 0" in failed[tag].details
+        )
 
 
-def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, no_leaked_worker_blocks):
+def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(
+    cluster, no_leaked_worker_blocks
+):
     """A cancel (the router's relay is over) stops the request at once: nothing more comes for
     it and its blocks are freed. An Abort from the session's own connection ends a request with
     finish_reason cancelled; from another connection it aborts nothing. A request of n=2 (the
     worker's usual path, not the fast one) streams both sequences beside them."""
+
     async def run():
         async with _channel(cluster) as channel, _channel(cluster) as other:
             call = await _open(cluster, channel)
@@ -182,18 +243,30 @@ def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(cluster, n
             pair.sampling_params.n = 2
             pair.sampling_params.temperature = 0.8
             pair.sampling_params.seed = 5
-            await call.write(worker_pb2.SessionRequest(submits=[
-                worker_pb2.SessionSubmit(tag=1, request=_request(200, max_tokens=1900)),
-                worker_pb2.SessionSubmit(tag=2, request=_request(202, max_tokens=1900)),
-                worker_pb2.SessionSubmit(tag=3, request=pair)]))
+            await call.write(
+                worker_pb2.SessionRequest(
+                    submits=[
+                        worker_pb2.SessionSubmit(tag=1, request=_request(200, max_tokens=1900)),
+                        worker_pb2.SessionSubmit(tag=2, request=_request(202, max_tokens=1900)),
+                        worker_pb2.SessionSubmit(tag=3, request=pair),
+                    ]
+                )
+            )
             actions = {}
 
             async def act(batch, outputs):
                 if outputs[1] and outputs[2] and not actions:
-                    actions["stranger"] = (await stranger.Abort(llm_pb2.AbortRequest(request_id="session-200"))).aborted
-                    actions["owner"] = (await llm.Abort(llm_pb2.AbortRequest(request_id="session-200"))).aborted
-                    await call.write(worker_pb2.SessionRequest(cancels=[2, 77]))  # 77: never submitted
+                    actions["stranger"] = (
+                        await stranger.Abort(llm_pb2.AbortRequest(request_id="session-200"))
+                    ).aborted
+                    actions["owner"] = (
+                        await llm.Abort(llm_pb2.AbortRequest(request_id="session-200"))
+                    ).aborted
+                    await call.write(
+                        worker_pb2.SessionRequest(cancels=[2, 77])
+                    )  # 77: never submitted
                     actions["tokens of 2 at the cancel"] = len(_tokens(outputs[2]))
+
             outputs, ended, failed, _ = await _read_until_over(call, {1, 3}, act)
             await asyncio.sleep(0.3)
             state = worker_state(cluster.workers[0].address)
@@ -219,8 +292,14 @@ def test_closing_a_session_stops_its_requests(cluster, no_leaked_worker_blocks):
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
-            await call.write(worker_pb2.SessionRequest(submits=[
-                worker_pb2.SessionSubmit(tag=i, request=_request(300 + i, max_tokens=1900)) for i in range(4)]))
+            await call.write(
+                worker_pb2.SessionRequest(
+                    submits=[
+                        worker_pb2.SessionSubmit(tag=i, request=_request(300 + i, max_tokens=1900))
+                        for i in range(4)
+                    ]
+                )
+            )
             batch = await asyncio.wait_for(call.read(), 30)  # they run
             assert batch.tags
             call.cancel()
@@ -234,7 +313,9 @@ def test_closing_a_session_stops_its_requests(cluster, no_leaked_worker_blocks):
     assert asyncio.run(run()).num_active_requests == 0
 
 
-def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessions_end(cluster, no_leaked_worker_blocks):
+def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessions_end(
+    cluster, no_leaked_worker_blocks
+):
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
@@ -247,11 +328,16 @@ def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessi
     assert sum(len(b.tags) for b in batches) > 0 and [t for b in batches for t in b.ended] == [1]
 
 
-def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(cluster, no_leaked_worker_blocks):
+def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(
+    cluster, no_leaked_worker_blocks
+):
     async def run():
         async with _channel(cluster) as channel:
-            session = channel.stream_stream(SESSION, request_serializer=lambda raw: raw,
-                                            response_deserializer=worker_pb2.OutputBatch.FromString)
+            session = channel.stream_stream(
+                SESSION,
+                request_serializer=lambda raw: raw,
+                response_deserializer=worker_pb2.OutputBatch.FromString,
+            )
             call = session(metadata=cluster.credentials.metadata_for(SESSION, ()))
             await call.write(b"\xff\xff\xff")
             with pytest.raises(grpc.aio.AioRpcError) as ended:
@@ -259,12 +345,16 @@ def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_a
             return ended.value
 
     error = asyncio.run(run())
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid SessionRequest" in error.details()
+    assert (
+        error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "not a valid SessionRequest" in error.details()
+    )
 
 
 def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_worker_blocks):
     """Entries of two requests under one tag could not be told apart: a caller that does that is
     broken, and its session ends with every request on it."""
+
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
@@ -280,14 +370,20 @@ def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_w
         return ended.value
 
     error = asyncio.run(run())
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "tag 1 is already running" in error.details()
+    assert (
+        error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "tag 1 is already running" in error.details()
+    )
 
 
 def test_sessions_are_bounded(cluster):
     async def run():
         channels = [_channel(cluster) for _ in range(70)]
         try:
-            calls = [cluster.credentials.stub(worker_pb2_grpc.WorkerStub, ch).Session() for ch in channels]
+            calls = [
+                cluster.credentials.stub(worker_pb2_grpc.WorkerStub, ch).Session()
+                for ch in channels
+            ]
             codes = []
             for c in calls:
                 try:
@@ -319,6 +415,7 @@ def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_worker_
 
             async def one(request):
                 return _tokens([msg async for msg in router.Generate(request)])
+
             got = await asyncio.gather(*map(one, requests))
         return expected, dict(zip((r.request_id for r in requests), got))
 
@@ -332,9 +429,19 @@ def test_a_session_keeps_its_messages_under_the_workers_bound(model_dirs):
     many messages as fit under it, sends a request too large for any on a call of its own (which
     gRPC refuses, as it would a client's), and the session carries on."""
     bound = 2048  # ~1.4 KB a 700-token request: one a message
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
-                                                   "--block-size", "8"],
-                      worker_args={"both-1": ["--max-request-bytes", str(bound)]}) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+        ],
+        worker_args={"both-1": ["--max-request-bytes", str(bound)]},
+    ) as c:
+
         def prompt(i: int, n: int) -> list[int]:
             rng = random.Random(i)
             return [1] + [rng.randrange(200, 380) for _ in range(n)]
@@ -347,9 +454,14 @@ def test_a_session_keeps_its_messages_under_the_workers_bound(model_dirs):
             again = llm.generate(prompt(0, 700), params, use_tqdm=False)
         state = worker_state(c.workers[0].address)
         log = c.service("router").log_tail()
-    assert all(len(o.outputs[0].token_ids) == 4 for o in outs) and again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert (
+        all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        and again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    )
     assert "RESOURCE_EXHAUSTED" in str(too_large.value)
-    assert state.num_sessions == 1 and not [line for line in log.splitlines() if "session" in line and "ended" in line]
+    assert state.num_sessions == 1 and not [
+        line for line in log.splitlines() if "session" in line and "ended" in line
+    ]
 
 
 class _ScriptedCall:
@@ -385,7 +497,9 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
         requests = [_request(i) for i in range(6)]
         big = llm_pb2.GenerateRequest(request_id="big")
         big.prompt.token_ids.ids[:] = range(1000, 1700)
-        assert not session.submit(session.attach()[0], big, "client", False, None)  # a call of its own
+        assert not session.submit(
+            session.attach()[0], big, "client", False, None
+        )  # a call of its own
         for tag, request in zip(tags, requests):
             deadline = time.monotonic() + 2.5 if tag == tags[1] else None
             assert session.submit(tag, request, "client", tag == tags[0], deadline)
@@ -401,19 +515,35 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
     assert [s.tag for s in submits] == [tags[i] for i in (0, 1, 3, 4, 5)]
     assert all(m.ByteSize() <= 200 for m in written) and len(written) >= 3  # 50-80 bytes a submit
     # timeout_s: what is left of the deadline when the submit is written
-    assert submits[0].split and not submits[1].split and 2.4 < submits[1].timeout_s <= 2.5 and submits[0].timeout_s == 0
+    assert (
+        submits[0].split
+        and not submits[1].split
+        and 2.4 < submits[1].timeout_s <= 2.5
+        and submits[0].timeout_s == 0
+    )
     assert submits[0].client == "client" and submits[2].request == requests[3]
     assert [t for m in written for t in m.cancels] == [tags[3]]
 
 
 def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
     async def run():
-        failed = worker_pb2.SessionFailure(tag=1, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                           details="the pool is full", retry_pushback_ms=1500)
+        failed = worker_pb2.SessionFailure(
+            tag=1,
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            details="the pool is full",
+            retry_pushback_ms=1500,
+        )
         first = types_pb2.RequestOutput(request_id="r")
         first.outputs.add(index=0, token_ids=[7])
-        session = sessions.OpenSession(_ScriptedCall([worker_pb2.OutputBatch(tags=[1], outputs=[first]),
-                                                      worker_pb2.OutputBatch(failed=[failed])]), "s")
+        session = sessions.OpenSession(
+            _ScriptedCall(
+                [
+                    worker_pb2.OutputBatch(tags=[1], outputs=[first]),
+                    worker_pb2.OutputBatch(failed=[failed]),
+                ]
+            ),
+            "s",
+        )
         _, inbox = session.attach()
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -423,9 +553,14 @@ def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
         return got, error.value
 
     got, error = asyncio.run(run())
-    assert [list(m.outputs[0].token_ids) for m in got] == [[7]]  # its outputs first, then its status
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details() == "the pool is full"
+    assert [list(m.outputs[0].token_ids) for m in got] == [
+        [7]
+    ]  # its outputs first, then its status
+    assert (
+        error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.details() == "the pool is full"
+    )
     from tandem.common.errors import retry_pushback_ms
+
     assert retry_pushback_ms(error) == 1500
 
 
@@ -471,7 +606,10 @@ def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_t
     orphans, first, second, cancelled, late_attach = asyncio.run(run())
     assert [o.request_id for o in orphans] == ["late"]
     assert [o.request_id for o in first] == ["live"]
-    assert isinstance(second[0], inboxes.SessionBroken) and second[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert (
+        isinstance(second[0], inboxes.SessionBroken)
+        and second[0].code() == grpc.StatusCode.UNAVAILABLE
+    )
     assert cancelled and late_attach is None  # a failed stream takes no new relay
 
 
@@ -499,29 +637,47 @@ def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
 
     batches = [
         worker_pb2.OutputBatch(tags=[1, 2], outputs=[full("a", [5]), full("b", [6, 7])]),
-        worker_pb2.OutputBatch(tags=[2, 1, 1, 2], outputs=[full("a", [11], finished=True)],
-                               tokens=[8, 9, -1, 10], cumulative_logprobs=[-3.0, -2.0, 0.0, -4.0], ended=[1]),
+        worker_pb2.OutputBatch(
+            tags=[2, 1, 1, 2],
+            outputs=[full("a", [11], finished=True)],
+            tokens=[8, 9, -1, 10],
+            cumulative_logprobs=[-3.0, -2.0, 0.0, -4.0],
+            ended=[1],
+        ),
         worker_pb2.OutputBatch(tags=[2], outputs=[full("b", [12], finished=True)], ended=[2]),
     ]
     received = asyncio.run(run(batches))
     a, b = received[1], received[2]
     assert a[-1] is inboxes.ENDED and b[-1] is inboxes.ENDED
-    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob, m.finished)
-            for m in a[:-1]] == [("a", [5], -1.0, False), ("a", [9], -2.0, False), ("a", [11], -1.0, True)]
-    assert [(m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob)
-            for m in b[:-1]] == [("b", [6, 7], -2.0), ("b", [8], -3.0), ("b", [10], -4.0), ("b", [12], -1.0)]
+    assert [
+        (m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob, m.finished)
+        for m in a[:-1]
+    ] == [("a", [5], -1.0, False), ("a", [9], -2.0, False), ("a", [11], -1.0, True)]
+    assert [
+        (m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob)
+        for m in b[:-1]
+    ] == [("b", [6, 7], -2.0), ("b", [8], -3.0), ("b", [10], -4.0), ("b", [12], -1.0)]
     lone = types_pb2.RequestOutput(request_id="b")
     lone.outputs.add(index=0, token_ids=[8], cumulative_logprob=-3.0)
-    assert b[1].SerializeToString() == lone.SerializeToString()  # what the worker's full message would be
+    assert (
+        b[1].SerializeToString() == lone.SerializeToString()
+    )  # what the worker's full message would be
 
-    for bad in (dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, 3]),  # no logprobs
-                dict(tags=[1], outputs=[full("a", [5])], tokens=[4], cumulative_logprobs=[0]),  # an output too many
-                dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, -1], cumulative_logprobs=[0, 0]),
-                dict(tags=[1], outputs=[], tokens=[4, 5], cumulative_logprobs=[0, 0])):
+    for bad in (
+        dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, 3]),  # no logprobs
+        dict(
+            tags=[1], outputs=[full("a", [5])], tokens=[4], cumulative_logprobs=[0]
+        ),  # an output too many
+        dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, -1], cumulative_logprobs=[0, 0]),
+        dict(tags=[1], outputs=[], tokens=[4, 5], cumulative_logprobs=[0, 0]),
+    ):
         bad = [worker_pb2.OutputBatch(**bad)]
         received = asyncio.run(run(bad))
         failure = received[1][0]  # nothing of the batch was delivered
-        assert isinstance(failure, inboxes.SessionBroken) and failure.code() == grpc.StatusCode.UNAVAILABLE, failure
+        assert (
+            isinstance(failure, inboxes.SessionBroken)
+            and failure.code() == grpc.StatusCode.UNAVAILABLE
+        ), failure
         assert "INTERNAL" in failure.details() and "malformed output batch" in failure.details()
 
 
@@ -535,11 +691,17 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
         yield worker_pb2.OutputBatch(stream_id="ready")
 
     async def run():
-        server = GrpcServer("127.0.0.1", 0, ["tandem.v1.Worker"], readiness=Readiness(lambda: False, frozenset()))
-        handler = grpc.stream_stream_rpc_method_handler(never_called, worker_pb2.SessionRequest.FromString,
-                                                        worker_pb2.OutputBatch.SerializeToString)
-        server.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "tandem.v1.Worker", {"Session": handler})])
+        server = GrpcServer(
+            "127.0.0.1", 0, ["tandem.v1.Worker"], readiness=Readiness(lambda: False, frozenset())
+        )
+        handler = grpc.stream_stream_rpc_method_handler(
+            never_called,
+            worker_pb2.SessionRequest.FromString,
+            worker_pb2.OutputBatch.SerializeToString,
+        )
+        server.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("tandem.v1.Worker", {"Session": handler})]
+        )
         await server.start()
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:
@@ -551,17 +713,28 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
             await server.server.stop(0)
 
     error = asyncio.run(run())
-    assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading its model" in error.details()
+    assert (
+        error.code() == grpc.StatusCode.UNAVAILABLE and "still loading its model" in error.details()
+    )
 
 
-def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(cluster, no_leaked_worker_blocks):
+def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(
+    cluster, no_leaked_worker_blocks
+):
     """The task is cancelled before its first step: it holds no tag, no drain count, and the
     session ends once the caller stops writing (the tag can be used again meanwhile)."""
+
     async def run():
         async with _channel(cluster) as channel:
             call = await _open(cluster, channel)
-            await call.write(worker_pb2.SessionRequest(
-                submits=[worker_pb2.SessionSubmit(tag=1, request=_request(600, max_tokens=1900))], cancels=[1]))
+            await call.write(
+                worker_pb2.SessionRequest(
+                    submits=[
+                        worker_pb2.SessionSubmit(tag=1, request=_request(600, max_tokens=1900))
+                    ],
+                    cancels=[1],
+                )
+            )
             await call.write(_submit(1, _request(601)))  # not "already running"
             await call.done_writing()
             batches = await _read_to_the_end(call)
@@ -569,7 +742,9 @@ def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(cl
 
     batches, code, state = asyncio.run(run())
     assert code == grpc.StatusCode.OK and [t for b in batches for t in b.ended] == [1]
-    assert len(_tokens(m for b in batches for _, m in _entries(b))) == MAX_TOKENS  # the second tag-1 request
+    assert (
+        len(_tokens(m for b in batches for _, m in _entries(b))) == MAX_TOKENS
+    )  # the second tag-1 request
     assert state.num_active_requests == 0
 
 
@@ -594,6 +769,7 @@ def test_a_full_session_refuses_submits_that_may_go_elsewhere_and_bounds_each_me
     than the bound ends the session before any of them is started."""
     from tandem.common.drain import InFlightCalls
     from tandem.worker import sessions as worker_sessions
+
     monkeypatch.setattr(worker_sessions, "MAX_REQUESTS_PER_SESSION", 3)
 
     async def requests(messages):
@@ -619,22 +795,35 @@ def test_a_full_session_refuses_submits_that_may_go_elsewhere_and_bounds_each_me
         return recorder, failed, running, in_flight_count, in_flight.count, error
 
     submits = [worker_pb2.SessionSubmit(tag=t, request=_request(t)) for t in range(1, 6)]
-    recorder, failed, running, in_flight_during, in_flight_after, _ = asyncio.run(run(
-        [worker_pb2.SessionRequest(submits=submits[:3]), worker_pb2.SessionRequest(submits=submits[3:4]),
-         worker_pb2.SessionRequest(submits=submits[4:])]))
+    recorder, failed, running, in_flight_during, in_flight_after, _ = asyncio.run(
+        run(
+            [
+                worker_pb2.SessionRequest(submits=submits[:3]),
+                worker_pb2.SessionRequest(submits=submits[3:4]),
+                worker_pb2.SessionRequest(submits=submits[4:]),
+            ]
+        )
+    )
     assert running == [1, 2, 3] and in_flight_during == 3 and in_flight_after == 0
-    assert [(f.tag, f.refused, f.code) for f in failed] == [(4, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
-                                                           (5, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
+    assert [(f.tag, f.refused, f.code) for f in failed] == [
+        (4, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
+        (5, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
+    ]
     assert inboxes.failure_error(failed[0]).__class__ is inboxes.SessionRefused
-    assert recorder.counted.count(grpc.StatusCode.CANCELLED) == 3  # closing the session cancelled the three
+    assert (
+        recorder.counted.count(grpc.StatusCode.CANCELLED) == 3
+    )  # closing the session cancelled the three
 
-    recorder, failed, running, _, _, error = asyncio.run(run([worker_pb2.SessionRequest(submits=submits[:4])]))
+    recorder, failed, running, _, _, error = asyncio.run(
+        run([worker_pb2.SessionRequest(submits=submits[:4])])
+    )
     assert not recorder.started and not failed and "at most 3" in str(error)
 
 
 def test_cancels_and_submits_waiting_together_still_fit_the_workers_bound():
     """Cancels pile up while a write is slow (clients leaving); the next messages carry them and
     the waiting submits without going over the bound the worker told."""
+
     async def run():
         gate = asyncio.Event()
         call = _ScriptedCall([], gate)
@@ -664,5 +853,6 @@ def test_a_session_that_ends_under_a_request_moves_it_on_whatever_the_workers_he
 
     broken = inboxes.SessionBroken(grpc.StatusCode.RESOURCE_EXHAUSTED, "message over the limit")
     assert broken.code() == grpc.StatusCode.UNAVAILABLE and "RESOURCE_EXHAUSTED" in broken.details()
-    assert asyncio.run(worker_gone(None, broken))  # no health check asked: the request stopped there
-
+    assert asyncio.run(
+        worker_gone(None, broken)
+    )  # no health check asked: the request stopped there

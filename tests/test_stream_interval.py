@@ -1,5 +1,6 @@
 """--stream-interval N on the router: the same tokens, finish reasons and logprobs as interval 1,
 in about N times fewer messages (the first and the last at once), over real processes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,13 +17,24 @@ STREAM_INTERVAL = 4
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "256",
-                                                   "--block-size", "8"]) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+        ],
+    ) as c:
         c.add_router("router-interval", ["--stream-interval", str(STREAM_INTERVAL)])
         yield c
 
 
-def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_leaked_worker_blocks):
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(
+    cluster, no_leaked_worker_blocks
+):
     """--stream-interval 4: the first message at once, then at least 4 new tokens a message, the
     last at once; the tokens, finish reasons and cumulative logprobs are those of interval 1."""
     from tandem.client import AsyncLLM
@@ -33,7 +45,9 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_l
             steps = []  # per message: new tokens (all sequences), finished
             async for out in llm.generate_async(prompt, params, streaming=True):
                 steps.append((sum(len(o.token_ids_diff) for o in out.outputs), out.finished))
-            final = [(list(o.token_ids), o.finish_reason, o.cumulative_logprob) for o in out.outputs]
+            final = [
+                (list(o.token_ids), o.finish_reason, o.cumulative_logprob) for o in out.outputs
+            ]
             return steps, final
         finally:
             llm.close()
@@ -43,8 +57,13 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_l
         for seed, (max_tokens, n) in enumerate(((25, 1), (1, 1), (9, 2))):
             rng = random.Random(seed)
             prompt = [1] + [rng.randrange(4, 200) for _ in range(12)]
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, n=n,
-                                    **({"temperature": 0.9, "seed": 3} if n > 1 else {}))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+                n=n,
+                **({"temperature": 0.9, "seed": 3} if n > 1 else {}),
+            )
             every = await stream(cluster.address, prompt, params)
             grouped = await stream(cluster.service("router-interval").address, prompt, params)
             results.append((max_tokens, n, every, grouped))
@@ -55,7 +74,9 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(cluster, no_l
         assert sum(k for k, _ in steps) == sum(k for k, _ in every_steps) == max_tokens * n
         assert steps[0][0] >= 1  # the first token at once
         assert [finished for _, finished in steps] == [False] * (len(steps) - 1) + [True]
-        assert all(k >= STREAM_INTERVAL for k, _ in steps[1:-1]), steps  # between: at least the interval
+        assert all(k >= STREAM_INTERVAL for k, _ in steps[1:-1]), (
+            steps
+        )  # between: at least the interval
         assert len(steps) <= 2 + (max_tokens * n - 1) // STREAM_INTERVAL, steps
         if max_tokens * n > 2 * STREAM_INTERVAL:
             assert len(steps) < len(every_steps), (steps, every_steps)
@@ -85,21 +106,50 @@ def test_every_n_tokens_holds_tokens_until_the_interval_and_never_drops_them():
         return got
 
     ones = [msg([t]) for t in range(1, 8)] + [msg([8], finished=True)]
-    assert asyncio.run(collect(ones, 3)) == [([1], False), ([2, 3, 4], False), ([5, 6, 7], False), ([8], True)]
+    assert asyncio.run(collect(ones, 3)) == [
+        ([1], False),
+        ([2, 3, 4], False),
+        ([5, 6, 7], False),
+        ([8], True),
+    ]
     assert asyncio.run(collect(ones[:5] + [msg([6], finished=True)], 3)) == [
-        ([1], False), ([2, 3, 4], False), ([5, 6], True)]
-    assert asyncio.run(collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3)) == [([1], False), ([2, 3, 4, 5], False),
-                                                                              ([6], False)]
+        ([1], False),
+        ([2, 3, 4], False),
+        ([5, 6], True),
+    ]
+    assert asyncio.run(collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3)) == [
+        ([1], False),
+        ([2, 3, 4, 5], False),
+        ([6], False),
+    ]
     # A failure after held tokens: they go on first, then the error.
     assert asyncio.run(collect([msg([1]), msg([2]), msg([3]), RuntimeError("worker lost")], 3)) == [
-        ([1], False), ([2, 3], False), "worker lost"]
+        ([1], False),
+        ([2, 3], False),
+        "worker lost",
+    ]
 
 
 @pytest.mark.parametrize("value", ["0", "257", "-3"])
 def test_a_stream_interval_out_of_range_is_refused_with_what_to_give(value):
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "router", "--workers", "127.0.0.1:1",
-                           "--stream-interval", value], capture_output=True, text=True, timeout=60)
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "router",
+            "--workers",
+            "127.0.0.1:1",
+            "--stream-interval",
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr[-500:]
     assert f"stream_interval must be between 1 and 256, got {value}" in proc.stderr

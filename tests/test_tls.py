@@ -3,6 +3,7 @@ TLS and demand CA-signed client certificates from each other, a router whose pub
 clients only to trust the CA (or, in the second cluster, demands their certificates too), and
 everyone else refused: plaintext clients, clients without a certificate, certificates of
 another CA. grpcurl and `tandem generate` reach the TLS router as the README shows."""
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,15 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import assert_all_blocks_free
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_disagg import worker_state
+from tls_certs import make_authority
+
 from tandem.client import LLM, RequestError, SamplingParams
 from tandem.common.tls import TlsConfig
 from tandem.testing.cluster import LocalCluster, free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from test_disagg import worker_state
-from tls_certs import make_authority
 
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -38,16 +39,25 @@ pytestmark = pytest.mark.timeout(240)
 def pki(tmp_path_factory):
     directory = tmp_path_factory.mktemp("pki")
     ca, rogue = make_authority(directory, "tandem-test-ca"), make_authority(directory, "rogue-ca")
-    return {"ca": ca, "node": ca.issue(directory, "tandem-node"), "client": ca.issue(directory, "a-client"),
-            "rogue": rogue.issue(directory, "rogue-client")}
+    return {
+        "ca": ca,
+        "node": ca.issue(directory, "tandem-node"),
+        "client": ca.issue(directory, "a-client"),
+        "rogue": rogue.issue(directory, "rogue-client"),
+    }
 
 
 @pytest.fixture(scope="module")
 def split(pki, model_dirs):
     """1 prefill + 1 decode: mTLS between all processes; the router's public face is TLS only."""
-    tls = TlsConfig(str(pki["node"].cert), str(pki["node"].key), str(pki["ca"].cert), require_client_cert=False)
-    with LocalCluster(roles=["prefill", "decode"], engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS],
-                      tls=tls) as c:
+    tls = TlsConfig(
+        str(pki["node"].cert), str(pki["node"].key), str(pki["ca"].cert), require_client_cert=False
+    )
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS],
+        tls=tls,
+    ) as c:
         yield c
 
 
@@ -76,12 +86,24 @@ def test_plaintext_and_uncertified_clients_are_refused(split, pki):
         with LLM(target) as plain:
             assert _code(lambda: plain.get_kv_cache_capacity()) == grpc.StatusCode.UNAVAILABLE
     # Workers demand a CA-signed client certificate: none, or one of another CA, gets nowhere.
-    for kwargs in ({}, {"certificate_chain": str(pki["rogue"].cert), "private_key": str(pki["rogue"].key)}):
-        with LLM(prefill, root_certificates=str(pki["ca"].cert), cluster_token=split.cluster_token, **kwargs) as llm:
+    for kwargs in (
+        {},
+        {"certificate_chain": str(pki["rogue"].cert), "private_key": str(pki["rogue"].key)},
+    ):
+        with LLM(
+            prefill,
+            root_certificates=str(pki["ca"].cert),
+            cluster_token=split.cluster_token,
+            **kwargs,
+        ) as llm:
             assert _code(lambda: llm.get_kv_cache_capacity()) == grpc.StatusCode.UNAVAILABLE
     # A certificate of the cluster's CA without the cluster token: authenticated, not authorized.
-    with LLM(prefill, root_certificates=str(pki["ca"].cert), certificate_chain=str(pki["client"].cert),
-             private_key=str(pki["client"].key)) as llm:
+    with LLM(
+        prefill,
+        root_certificates=str(pki["ca"].cert),
+        certificate_chain=str(pki["client"].cert),
+        private_key=str(pki["client"].key),
+    ) as llm:
         assert _code(lambda: llm.get_kv_cache_capacity()) == grpc.StatusCode.UNAUTHENTICATED
     # The router's server certificate must chain to the CA the client trusts.
     with LLM(router, root_certificates=str(pki["rogue"].cert)) as llm:
@@ -98,23 +120,58 @@ def _grpcurl(*args: str, data: str | None = None) -> str:
 def test_grpcurl_with_tls(split, pki):
     ca = str(pki["ca"].cert)
     assert "tandem.v1.AsyncLLM" in _grpcurl("-cacert", ca, split.address, "list").split()
-    request = json.dumps({"prompt": {"text": "Hello over TLS"}, "sampling_params": {"max_tokens": 3, "ignore_eos": True}})
-    out = json.loads(_grpcurl("-cacert", ca, "-d", request, split.address, "tandem.v1.AsyncLLM/Generate"))
+    request = json.dumps(
+        {
+            "prompt": {"text": "Hello over TLS"},
+            "sampling_params": {"max_tokens": 3, "ignore_eos": True},
+        }
+    )
+    out = json.loads(
+        _grpcurl("-cacert", ca, "-d", request, split.address, "tandem.v1.AsyncLLM/Generate")
+    )
     assert len(out["outputs"][0]["token_ids"]) == 3
     # A worker, as an operator holding the cluster's certificate and token.
-    state = json.loads(_grpcurl("-cacert", ca, "-cert", str(pki["client"].cert), "-key", str(pki["client"].key),
-                                "-H", f"tandem-cluster-token: {split.cluster_token}",
-                                split.workers[1].address, "tandem.v1.Worker/GetWorkerState"))
+    state = json.loads(
+        _grpcurl(
+            "-cacert",
+            ca,
+            "-cert",
+            str(pki["client"].cert),
+            "-key",
+            str(pki["client"].key),
+            "-H",
+            f"tandem-cluster-token: {split.cluster_token}",
+            split.workers[1].address,
+            "tandem.v1.Worker/GetWorkerState",
+        )
+    )
     assert state["role"] == "ROLE_DECODE"
-    proc = subprocess.run([GRPCURL, "-plaintext", split.address, "list"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [GRPCURL, "-plaintext", split.address, "list"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode != 0
 
 
 def test_the_openai_front_reaches_a_tls_router(split, pki, tmp_path):
     port = free_port()
     log = open(tmp_path / "front.log", "w")
-    front = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "serve", "openai", "--target", split.address,
-                              "--port", str(port), "--tls-ca", str(pki["ca"].cert)], stdout=log, stderr=subprocess.STDOUT)
+    front = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "openai",
+            "--target",
+            split.address,
+            "--port",
+            str(port),
+            "--tls-ca",
+            str(pki["ca"].cert),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -127,8 +184,16 @@ def test_the_openai_front_reaches_a_tls_router(split, pki, tmp_path):
                 pass
             assert time.monotonic() < deadline, (tmp_path / "front.log").read_text()
             time.sleep(0.1)
-        reply = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "model": Path(split.engine_args[1]).name, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        reply = httpx.post(
+            f"{base}/v1/completions",
+            timeout=60,
+            json={
+                "model": Path(split.engine_args[1]).name,
+                "prompt": "Hello",
+                "max_tokens": 3,
+                "ignore_eos": True,
+            },
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 3
     finally:
@@ -141,36 +206,77 @@ def test_mtls_router_demands_client_certificates_and_tandem_generate_presents_on
     """A router that demands client certificates; a worker with a plaintext health-only port."""
     tls = TlsConfig(str(pki["node"].cert), str(pki["node"].key), str(pki["ca"].cert))
     health_port = free_port()
-    with LocalCluster(roles=["both"], engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS], tls=tls,
-                      worker_args={"both-1": ["--health-port", str(health_port)]}) as c:
+    with LocalCluster(
+        roles=["both"],
+        engine_args=["--model", str(model_dirs["llama"]), *ENGINE_ARGS],
+        tls=tls,
+        worker_args={"both-1": ["--health-port", str(health_port)]},
+    ) as c:
         # Probes that speak no TLS (the kubelet's) get plaintext health there, and nothing else.
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
-            check = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            check = health_pb2_grpc.HealthStub(plain).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
             assert check.status == health_pb2.HealthCheckResponse.SERVING
             with pytest.raises(grpc.RpcError) as err:
-                worker_pb2_grpc.WorkerStub(plain).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+                worker_pb2_grpc.WorkerStub(plain).GetWorkerState(
+                    worker_pb2.WorkerStateRequest(), timeout=10
+                )
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         with LLM(c.address, root_certificates=str(pki["ca"].cert)) as no_cert:
             assert _code(lambda: no_cert.get_kv_cache_capacity()) == grpc.StatusCode.UNAVAILABLE
-        argv = [sys.executable, "-m", "tandem.cli.main", "generate", "--target", c.address, "--max-tokens", "4",
-                "--tls-ca", str(pki["ca"].cert), "--tls-cert", str(pki["client"].cert), "--tls-key",
-                str(pki["client"].key), "Hello"]
+        argv = [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "generate",
+            "--target",
+            c.address,
+            "--max-tokens",
+            "4",
+            "--tls-ca",
+            str(pki["ca"].cert),
+            "--tls-cert",
+            str(pki["client"].cert),
+            "--tls-key",
+            str(pki["client"].key),
+            "Hello",
+        ]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert "[length: 4 tokens]" in proc.stdout
-        with LLM(c.address, root_certificates=pki["ca"].cert.read_bytes(),
-                 certificate_chain=pki["client"].cert.read_bytes(), private_key=pki["client"].key.read_bytes()) as llm:
+        with LLM(
+            c.address,
+            root_certificates=pki["ca"].cert.read_bytes(),
+            certificate_chain=pki["client"].cert.read_bytes(),
+            private_key=pki["client"].key.read_bytes(),
+        ) as llm:
             assert_all_blocks_free(llm)
-        with c.channel(c.workers[0].address) as channel:  # the cluster's own identity reaches the worker
-            state = worker_pb2_grpc.WorkerStub(channel).GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+        with c.channel(
+            c.workers[0].address
+        ) as channel:  # the cluster's own identity reaches the worker
+            state = worker_pb2_grpc.WorkerStub(channel).GetWorkerState(
+                worker_pb2.WorkerStateRequest(), timeout=10
+            )
         assert state.role == worker_pb2.ROLE_BOTH
 
 
 def test_tls_files_are_checked_at_start_with_a_message_that_names_the_flag(pki):
     node, rogue = pki["node"], pki["rogue"]
-    cases = [({"cert_file": "/nonexistent.crt", "key_file": str(node.key)}, "--tls-cert '/nonexistent.crt' cannot be read"),
-             ({"cert_file": str(node.cert), "key_file": str(rogue.key)}, "not a PEM certificate and its private key"),
-             ({"cert_file": str(node.cert), "key_file": str(node.key), "ca_file": str(node.key)}, "not a PEM CA bundle")]
+    cases = [
+        (
+            {"cert_file": "/nonexistent.crt", "key_file": str(node.key)},
+            "--tls-cert '/nonexistent.crt' cannot be read",
+        ),
+        (
+            {"cert_file": str(node.cert), "key_file": str(rogue.key)},
+            "not a PEM certificate and its private key",
+        ),
+        (
+            {"cert_file": str(node.cert), "key_file": str(node.key), "ca_file": str(node.key)},
+            "not a PEM CA bundle",
+        ),
+    ]
     for files, fragment in cases:
         with pytest.raises(ValueError) as err:
             TlsConfig(**files)
@@ -178,8 +284,22 @@ def test_tls_files_are_checked_at_start_with_a_message_that_names_the_flag(pki):
 
 
 def test_tandem_serve_refuses_a_ca_without_its_own_certificate(pki):
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli.main", "serve", "router", "--workers", "127.0.0.1:1",
-                           "--tls-ca", str(pki["ca"].cert)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "router",
+            "--workers",
+            "127.0.0.1:1",
+            "--tls-ca",
+            str(pki["ca"].cert),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--tls-ca needs --tls-cert and --tls-key" in proc.stderr
 
 
@@ -188,26 +308,59 @@ def test_tandem_up_hands_tls_and_the_cluster_token_to_its_children(pki, model_di
     demand the token, and no process shows the token on its command line."""
     token = "up-test-token-" + "z" * 20
     port = free_port()
-    argv = [sys.executable, "-m", "tandem.cli.main", "up", "--both", "1", "--port", str(port),
-            "--model", str(model_dirs["llama"]), "--num-blocks", "32", "--tls-cert", str(pki["node"].cert),
-            "--tls-key", str(pki["node"].key), "--tls-ca", str(pki["ca"].cert), "--tls-client-auth", "none",
-            "--metrics-port", str(free_port())]
+    argv = [
+        sys.executable,
+        "-m",
+        "tandem.cli.main",
+        "up",
+        "--both",
+        "1",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dirs["llama"]),
+        "--num-blocks",
+        "32",
+        "--tls-cert",
+        str(pki["node"].cert),
+        "--tls-key",
+        str(pki["node"].key),
+        "--tls-ca",
+        str(pki["ca"].cert),
+        "--tls-client-auth",
+        "none",
+        "--metrics-port",
+        str(free_port()),
+    ]
     # The SIGINT below stops it even when pytest runs as a background job, whose children inherit
     # SIGINT ignored (`tandem up` installs its own handler).
-    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=dict(os.environ, TANDEM_CLUSTER_TOKEN=token), start_new_session=True)
+    up = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, TANDEM_CLUSTER_TOKEN=token),
+        start_new_session=True,
+    )
     try:
         lines = []
         for line in up.stdout:
             lines.append(line)
             if "serving on" in line or "Traceback" in line:
                 break
-        assert "serving on" in lines[-1] and f"--tls-ca {pki['ca'].cert}" in lines[-1], "".join(lines)
+        assert "serving on" in lines[-1] and f"--tls-ca {pki['ca'].cert}" in lines[-1], "".join(
+            lines
+        )
         (worker,) = [line.split()[1] for line in lines if line.strip().startswith("both-1")]
         with LLM(f"127.0.0.1:{port}", root_certificates=str(pki["ca"].cert)) as llm:
-            assert len(llm.generate("up over TLS", PARAMS, use_tqdm=False).outputs[0].token_ids) == 6
-        operator = {"root_certificates": str(pki["ca"].cert), "certificate_chain": str(pki["client"].cert),
-                    "private_key": str(pki["client"].key)}
+            assert (
+                len(llm.generate("up over TLS", PARAMS, use_tqdm=False).outputs[0].token_ids) == 6
+            )
+        operator = {
+            "root_certificates": str(pki["ca"].cert),
+            "certificate_chain": str(pki["client"].cert),
+            "private_key": str(pki["client"].key),
+        }
         with LLM(worker, **operator) as llm:
             assert _code(lambda: llm.get_kv_cache_capacity()) == grpc.StatusCode.UNAUTHENTICATED
         with LLM(worker, cluster_token=token, **operator) as llm:

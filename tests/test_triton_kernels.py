@@ -2,6 +2,7 @@
 
 triton is a test dependency: if it does not import, collection errors and the run fails.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,10 +16,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402,F401  (a missing triton must fail this module, not skip it)
 
-from tandem.kernels import dispatch, paged_attention as reference  # noqa: E402
+from tandem.kernels import dispatch  # noqa: E402
+from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
-if "tandem.kernels.paged_attention_triton" in sys.modules:  # decorated earlier without the interpreter
+if (
+    "tandem.kernels.paged_attention_triton" in sys.modules
+):  # decorated earlier without the interpreter
     importlib.reload(sys.modules["tandem.kernels.paged_attention_triton"])
 from tandem.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton  # noqa: E402
 
@@ -37,13 +41,17 @@ def make_batch(block_size, num_heads, num_kv_heads, head_dim, shape, dtype, seed
     """A layer view of a 2-layer cache holding every sequence's KV, plus the step's queries and metadata."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(triton.cdiv(s, block_size) for _, s in shape) + 3
-    kv_cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+        dtype
+    )
     kv_layer = kv_cache[:, 1]
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free.pop() for _ in range(triton.cdiv(s, block_size))] for _, s in shape]
     for (_, seq_len), table in zip(shape, tables):
         full = AttentionMetadata.build([seq_len], [seq_len], [table], block_size)
-        key, value = (torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+        key, value = (
+            torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+        )
         reference.store_kv(key, value, kv_layer, full.slot_mapping)
     meta = AttentionMetadata.build([q for q, _ in shape], [s for _, s in shape], tables, block_size)
     query = torch.randn(int(meta.query_start_loc[-1]), num_heads, head_dim, generator=gen).to(dtype)
@@ -68,7 +76,9 @@ def test_attention_matches_reference(case, dtype):
     assert_matches_reference(*batch)
 
 
-@pytest.mark.parametrize("case,num_kv_splits", [("decode", 3), ("chunk_continuation", 2), ("mixed", 4)])
+@pytest.mark.parametrize(
+    "case,num_kv_splits", [("decode", 3), ("chunk_continuation", 2), ("mixed", 4)]
+)
 def test_split_kv_matches_reference(case, num_kv_splits):
     block_size, num_heads, num_kv_heads, head_dim, shape = CASES[case]
     # Longer contexts so that each split holds more than one 64-key tile.
@@ -82,19 +92,28 @@ def test_store_kv_matches_reference_on_strided_inputs():
     num_tokens, num_kv_heads, head_dim, block_size = 9, 2, 32, 4
     # key and value are column slices of one fused projection, as the model produces them.
     fused = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen)
-    key, value = (t.view(num_tokens, num_kv_heads, head_dim) for t in fused.split(num_kv_heads * head_dim, -1)[1:])
+    key, value = (
+        t.view(num_tokens, num_kv_heads, head_dim)
+        for t in fused.split(num_kv_heads * head_dim, -1)[1:]
+    )
     assert not key.is_contiguous()
     slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens]
     slots[[2, 5]] = -1
-    for key_dtype, cache_dtype in [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)]:
-        expected = torch.randn(6, 3, 2, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    for key_dtype, cache_dtype in [
+        (torch.float32,) * 2,
+        (torch.bfloat16,) * 2,
+        (torch.float32, torch.bfloat16),
+    ]:
+        expected = torch.randn(6, 3, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+            cache_dtype
+        )
         actual = expected.clone()
         reference.store_kv(key.to(key_dtype), value.to(key_dtype), expected[:, 2], slots)
         store_kv_triton(key.to(key_dtype), value.to(key_dtype), actual[:, 2], slots)
         if key_dtype == cache_dtype:
             assert torch.equal(actual, expected), cache_dtype
         else:  # the interpreter's float32 -> bf16 cast may round differently from torch's by an ulp
-            torch.testing.assert_close(actual, expected, atol=0, rtol=2 ** -7)
+            torch.testing.assert_close(actual, expected, atol=0, rtol=2**-7)
 
 
 def test_launchers_reject_bad_inputs():
@@ -108,8 +127,19 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(ValueError, match="kv_layer must be"):
         paged_attention_triton(query, kv_layer[:, 0], meta, 1.0)
     with pytest.raises(ValueError, match="meta.seq_lens dtype"):
-        paged_attention_triton(query, kv_layer, AttentionMetadata(
-            meta.slot_mapping, meta.query_start_loc, meta.seq_lens.long(), meta.block_tables, 3, 5), 1.0)
+        paged_attention_triton(
+            query,
+            kv_layer,
+            AttentionMetadata(
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens.long(),
+                meta.block_tables,
+                3,
+                5,
+            ),
+            1.0,
+        )
     with pytest.raises(ValueError, match="disagree on T"):
         store_kv_triton(query[:, :2], query[:2, :2], kv_layer, meta.slot_mapping)
 
@@ -121,7 +151,9 @@ def test_dispatch_env_override(monkeypatch):
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     assert dispatch.backend_for(torch.device("cpu")) == "triton"
     out = dispatch.paged_attention(query, kv_layer, meta, 0.5)
-    torch.testing.assert_close(out, reference.paged_attention(query, kv_layer, meta, 0.5), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        out, reference.paged_attention(query, kv_layer, meta, 0.5), atol=2e-5, rtol=2e-5
+    )
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "cuda")
     with pytest.raises(ValueError, match="TANDEM_ATTENTION_BACKEND"):
         dispatch.backend_for(torch.device("cpu"))
@@ -132,16 +164,22 @@ def test_default_splits_round_up_to_powers_of_two_with_empty_segments(monkeypatc
     """On a GPU the default split count is bucketed to a power of two (no JIT per batch shape);
     the segments that then lie past a sequence's context must drop out of the merge."""
     import tandem.kernels.paged_attention_triton as kernel_module
+
     monkeypatch.setattr(kernel_module, "_default_num_splits", lambda *args: wanted)
     block_size, num_heads, num_kv_heads, head_dim, shape = CASES["mixed"]
     shape = [(q, s + 150) for q, s in shape]
-    assert_matches_reference(*make_batch(block_size, num_heads, num_kv_heads, head_dim, shape, torch.float32, seed=9))
+    assert_matches_reference(
+        *make_batch(block_size, num_heads, num_kv_heads, head_dim, shape, torch.float32, seed=9)
+    )
 
 
 def test_precompile_launches_every_eager_variant():
     """The worker's warm-up launches each key-segment count with prefill and with decode tiles
     (on a GPU: compiles them), so no step compiles one in the middle of serving."""
     import tandem.kernels.paged_attention_triton as kernel_module
+
     kv_layer = torch.randn(4, 2, 8, 2, 32)
-    assert kernel_module.precompile_eager_variants(kv_layer, 4, torch.float32) == 2 * len(kernel_module.EAGER_NUM_SPLITS)
+    assert kernel_module.precompile_eager_variants(kv_layer, 4, torch.float32) == 2 * len(
+        kernel_module.EAGER_NUM_SPLITS
+    )
     assert kernel_module.EAGER_NUM_SPLITS[-1] == 32  # _default_num_splits' cap

@@ -4,6 +4,7 @@ A GGUF of a known checkpoint makes the converter testable in a second: convertin
 must give the original tensors (F32) and tokenizer, and transformers' GGUF loader is the
 oracle for quantized tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,23 @@ import numpy as np
 from safetensors.numpy import load_file
 
 _LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -32,8 +44,11 @@ def _gguf_name(hf_name: str) -> str:
 
 def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's rotary permutation of q/k rows (LlamaModel.permute in convert_hf_to_gguf.py)."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_tiny_gguf(model_dir: Path, out_path: Path, quantization: str = "F32") -> Path:
@@ -60,8 +75,12 @@ def write_tiny_gguf(model_dir: Path, out_path: Path, quantization: str = "F32") 
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab]
+    )
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    )
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])

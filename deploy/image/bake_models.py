@@ -8,6 +8,7 @@
 A model baked this way is served with `--model /opt/tandem/models/<name>`; the chart's
 `model.source: image` with `model.path` says the same.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,6 +42,7 @@ def default() -> None:
     """The converted directory is what a worker given the .gguf file looks up at start: baked, a
     pod with a read-only root filesystem never has to convert (write) anything."""
     from tandem.engine.checkpoints import DEFAULT_MODEL_PACKAGE, default_model_dir, tiny_model_dir
+
     print(f"bake_models.py: tiny test model at {tiny_model_dir()}")
     if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is not None:
         print(f"bake_models.py: default model converted at {default_model_dir()}")

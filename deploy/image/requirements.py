@@ -12,13 +12,15 @@ does not reinstall the others (BuildKit keys a COPY by content):
 
 Stdlib only (tomllib): it runs on the image's bare Python before anything is installed.
 """
+
 from __future__ import annotations
 
 import argparse
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 # Distributions the image installs from its own source tree, not from the index.
 LOCAL = {"tandem", "tandem-client"}
@@ -48,7 +50,9 @@ def groups(root: Path) -> dict[str, list[str]]:
     for requirement in server["dependencies"] + client["dependencies"] + build_requires:
         requirement = requirement.replace(" ", "")
         if ";" in requirement:
-            raise ValueError(f"environment markers are not supported in the image's requirements: {requirement!r}")
+            raise ValueError(
+                f"environment markers are not supported in the image's requirements: {requirement!r}"
+            )
         name = _name(requirement)
         if name in LOCAL or name in seen:
             continue
@@ -60,9 +64,15 @@ def groups(root: Path) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2], help="repository root")
-    parser.add_argument("--out", type=Path, required=True, help="directory for torch.txt, runtime.txt, nixl.txt")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--root", type=Path, default=Path(__file__).resolve().parents[2], help="repository root"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="directory for torch.txt, runtime.txt, nixl.txt"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for group, requirements in groups(args.root).items():

@@ -8,6 +8,7 @@ output length. Reports p50/p90/p99 TTFT, TPOT and end-to-end latency and the thr
 as a table, a JSON file (--result-json) and a PNG plot of latency against throughput (--plot).
 Only the client (tandem.client) talks to the cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from tandem.client import AsyncLLM, SamplingParams
 
@@ -29,19 +29,42 @@ _PERCENTILES = (50, 90, 99)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="the router (host:port)")
     sweep = p.add_mutually_exclusive_group()
-    sweep.add_argument("--max-concurrency", default=None, help="comma-separated concurrency levels (default 1,4,16)")
-    sweep.add_argument("--request-rate", default=None, help="comma-separated request rates per second; inf: all at once")
+    sweep.add_argument(
+        "--max-concurrency",
+        default=None,
+        help="comma-separated concurrency levels (default 1,4,16)",
+    )
+    sweep.add_argument(
+        "--request-rate",
+        default=None,
+        help="comma-separated request rates per second; inf: all at once",
+    )
     p.add_argument("--num-prompts", type=int, default=64, help="requests per sweep point")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens (mean)")
-    p.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)]; 0: every prompt the same length")
-    p.add_argument("--vocab-size", type=int, default=0, help="token ids to draw from (default: the served tokenizer's)")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)]; 0: every prompt the same length",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="token ids to draw from (default: the served tokenizer's)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-warmup", type=int, default=4, help="requests before the sweep, not measured")
+    p.add_argument(
+        "--num-warmup", type=int, default=4, help="requests before the sweep, not measured"
+    )
     p.add_argument("--auth-token", default=None)
     p.add_argument("--result-json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="write a PNG of latency against throughput here (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of latency against throughput here (needs matplotlib)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -51,10 +74,10 @@ class RequestResult:
     e2e_s: float = 0.0
     num_input_tokens: int = 0
     num_output_tokens: int = 0
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
-    def tpot_s(self) -> Optional[float]:
+    def tpot_s(self) -> float | None:
         """Time per output token after the first (None with a single token)."""
         if self.num_output_tokens < 2:
             return None
@@ -84,9 +107,14 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     num_in, num_out = sum(r.num_input_tokens for r in ok), sum(r.num_output_tokens for r in ok)
     errors = [r.error for r in results if r.error is not None]
     return {
-        "completed": len(ok), "failed": len(errors), "first_error": errors[0] if errors else None,
-        "duration_s": duration_s, "input_tokens": num_in, "output_tokens": num_out,
-        "request_throughput": len(ok) / duration_s, "output_throughput": num_out / duration_s,
+        "completed": len(ok),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "duration_s": duration_s,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": num_out / duration_s,
         "total_token_throughput": (num_in + num_out) / duration_s,
         "ttft_ms": _latency([r.ttft_s for r in ok]),
         "tpot_ms": _latency([r.tpot_s for r in ok if r.tpot_s is not None]),
@@ -100,7 +128,11 @@ class PromptSource:
     def __init__(self, seed: int, vocab_size: int, excluded: set[int], args):
         self.rng = random.Random(seed)
         self.vocab_size, self.excluded = vocab_size, excluded
-        self.input_len, self.output_len, self.range_ratio = args.input_len, args.output_len, args.range_ratio
+        self.input_len, self.output_len, self.range_ratio = (
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+        )
 
     def _length(self, mean: int) -> int:
         low, high = int(mean * (1 - self.range_ratio)), int(mean * (1 + self.range_ratio))
@@ -113,14 +145,21 @@ class PromptSource:
                 return t
 
     def take(self, n: int) -> list[tuple[list[int], int]]:
-        return [([self._token() for _ in range(self._length(self.input_len))], self._length(self.output_len))
-                for _ in range(n)]
+        return [
+            (
+                [self._token() for _ in range(self._length(self.input_len))],
+                self._length(self.output_len),
+            )
+            for _ in range(n)
+        ]
 
 
 def _vocab(llm: AsyncLLM, override: int) -> tuple[int, set[int]]:
     """Token ids to draw from and the special ones to leave out, from the served tokenizer."""
     tok = llm.tokenizer
-    excluded = set(tok.eos_token_ids) | ({tok.bos_token_id} if tok.bos_token_id is not None else set())
+    excluded = set(tok.eos_token_ids) | (
+        {tok.bos_token_id} if tok.bos_token_id is not None else set()
+    )
     raw = tok.files.get("tokenizer.json")
     if raw is None:
         if not override:
@@ -151,8 +190,14 @@ async def _one(llm: AsyncLLM, prompt: list[int], output_len: int) -> RequestResu
     return result
 
 
-async def run_point(llm: AsyncLLM, prompts: list[tuple[list[int], int]], concurrency: Optional[int],
-                    rate: Optional[float], rng: random.Random, bar) -> dict:
+async def run_point(
+    llm: AsyncLLM,
+    prompts: list[tuple[list[int], int]],
+    concurrency: int | None,
+    rate: float | None,
+    rng: random.Random,
+    bar,
+) -> dict:
     """One sweep point: all prompts under a concurrency cap and/or Poisson arrivals at rate per second."""
     limit = asyncio.Semaphore(concurrency) if concurrency else None
 
@@ -200,23 +245,41 @@ async def bench(args) -> dict:
         source = PromptSource(args.seed, vocab_size, excluded, args)
         arrivals = random.Random(args.seed + 1)
         if args.num_warmup:
-            await run_point(llm, source.take(args.num_warmup), args.num_warmup, None, arrivals, None)
+            await run_point(
+                llm, source.take(args.num_warmup), args.num_warmup, None, arrivals, None
+            )
         points = []
         for value in values:
             bar = _progress(args.num_prompts, f"{kind} {value:g}", args.no_progress)
             try:
-                summary = await run_point(llm, source.take(args.num_prompts),
-                                          value if kind == "max_concurrency" else None,
-                                          value if kind == "request_rate" else None, arrivals, bar)
+                summary = await run_point(
+                    llm,
+                    source.take(args.num_prompts),
+                    value if kind == "max_concurrency" else None,
+                    value if kind == "request_rate" else None,
+                    arrivals,
+                    bar,
+                )
             finally:
                 if bar is not None:
                     bar.close()
-            points.append({kind: value if math.isfinite(value) else "inf", **summary})  # JSON has no Infinity
+            points.append(
+                {kind: value if math.isfinite(value) else "inf", **summary}
+            )  # JSON has no Infinity
         info = llm.disaggregated_params
-        return {"target": args.target, "model": llm._server_info().model, "mode": info.get("mode"),
-                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sweep": kind, "num_prompts": args.num_prompts,
-                "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-                "seed": args.seed, "points": points}
+        return {
+            "target": args.target,
+            "model": llm._server_info().model,
+            "mode": info.get("mode"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "sweep": kind,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "range_ratio": args.range_ratio,
+            "seed": args.seed,
+            "points": points,
+        }
     finally:
         llm.shutdown()
 
@@ -227,38 +290,57 @@ def _label(value) -> str:
 
 def format_table(result: dict) -> str:
     kind = result["sweep"]
-    head = (f"{kind:>16} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
-            f"{'TTFT ms p50/p90/p99':>22} {'TPOT ms p50/p90/p99':>22} {'E2E ms p50/p90/p99':>24}")
+    head = (
+        f"{kind:>16} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+        f"{'TTFT ms p50/p90/p99':>22} {'TPOT ms p50/p90/p99':>22} {'E2E ms p50/p90/p99':>24}"
+    )
     lines = [head, "-" * len(head)]
     for p in result["points"]:
-        cols = [" / ".join(f"{p[m][f'p{q}']:.1f}" for q in _PERCENTILES) for m in ("ttft_ms", "tpot_ms", "e2e_ms")]
-        lines.append(f"{_label(p[kind]):>16} {p['completed']:>5} {p['failed']:>5} {p['request_throughput']:>8.2f} "
-                     f"{p['output_throughput']:>10.1f} {cols[0]:>22} {cols[1]:>22} {cols[2]:>24}")
+        cols = [
+            " / ".join(f"{p[m][f'p{q}']:.1f}" for q in _PERCENTILES)
+            for m in ("ttft_ms", "tpot_ms", "e2e_ms")
+        ]
+        lines.append(
+            f"{_label(p[kind]):>16} {p['completed']:>5} {p['failed']:>5} {p['request_throughput']:>8.2f} "
+            f"{p['output_throughput']:>10.1f} {cols[0]:>22} {cols[1]:>22} {cols[2]:>24}"
+        )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
     """Latency (p50 and p99) of TTFT, TPOT and E2E against output throughput, one point per sweep value."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     kind = result["sweep"]
     points = result["points"]
     x = [p["output_throughput"] for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (metric, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "End-to-end"))):
+    for ax, (metric, title) in zip(
+        axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "End-to-end"))
+    ):
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ax.plot(x, [p[metric][q] for p in points], style, label=q)
         for p, xv in zip(points, x):
-            ax.annotate(_label(p[kind]), (xv, p[metric]["p50"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                _label(p[kind]),
+                (xv, p[metric]["p50"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
         ax.set_title(f"{title} latency")
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel("ms")
         ax.grid(True, alpha=0.3)
         ax.legend()
     model = os.path.basename(result["model"].rstrip("/")) or result["model"]
-    fig.suptitle(f"tandem bench: {result['mode']} {model}, {kind.replace('_', ' ')} sweep "
-                 f"(points labelled), {result['input_len']} in / {result['output_len']} out tokens")
+    fig.suptitle(
+        f"tandem bench: {result['mode']} {model}, {kind.replace('_', ' ')} sweep "
+        f"(points labelled), {result['input_len']} in / {result['output_len']} out tokens"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -274,13 +356,19 @@ def main(args) -> int:
         plot(result, args.plot)
     failed = sum(p["failed"] for p in result["points"])
     if failed:
-        print(f"tandem bench: {failed} requests failed; first: "
-              f"{next(p['first_error'] for p in result['points'] if p['first_error'])}", file=sys.stderr)
+        print(
+            f"tandem bench: {failed} requests failed; first: "
+            f"{next(p['first_error'] for p in result['points'] if p['first_error'])}",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tandem bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -1,10 +1,12 @@
 """Command-line flags built from config dataclasses' field metadata (the one definition):
 EngineConfig's for every engine-running command, RequestLimits' for every server. `tandem serve`
 and `tandem up` parse them, and `tandem up` passes a config on to its processes."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 
 from tandem.common.limits import RequestLimits
@@ -25,10 +27,20 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
             action = "store_false" if f.default else "store_true"
             parser.add_argument(flag, dest=f.name, action=action, help=meta["help"])
         else:
-            base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
-            parser.add_argument(flag, dest=f.name, type=base, default=f.default,
-                                help=f"{meta['help']} (default: {f.default})",
-                                metavar=flag.lstrip("-").replace("-", "_").upper(), **meta["argparse"])
+            base = (
+                typing.get_args(kind)[0]
+                if typing.get_origin(kind) in (typing.Union, types.UnionType)
+                else kind
+            )
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=base,
+                default=f.default,
+                help=f"{meta['help']} (default: {f.default})",
+                metavar=flag.lstrip("-").replace("-", "_").upper(),
+                **meta["argparse"],
+            )
 
 
 def _argv(config) -> list[str]:

@@ -1,4 +1,5 @@
 """The `tandem` command: serve one service, bring a local cluster up, stream a completion."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,11 +9,15 @@ import os
 import sys
 
 from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, request_limits
-from tandem.cli.security_flags import (add_client_tls_flags, add_server_security_flags, add_tls_flags,
-                                       client_tls_kwargs, tls_config)
+from tandem.cli.security_flags import (
+    add_client_tls_flags,
+    add_server_security_flags,
+    add_tls_flags,
+    client_tls_kwargs,
+    tls_config,
+)
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
-
 
 # Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
 # router's and a worker's differ so that a router and a worker on one host both get theirs.
@@ -21,9 +26,13 @@ WORKER_METRICS_PORT = 9192
 
 
 def _add_metrics_port(parser: argparse.ArgumentParser, default: int) -> None:
-    parser.add_argument("--metrics-port", type=int, default=default,
-                        help=f"serve Prometheus metrics over HTTP on --host at this port, path /metrics "
-                             f"(default {default}; 0: none)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default,
+        help=f"serve Prometheus metrics over HTTP on --host at this port, path /metrics "
+        f"(default {default}; 0: none)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,59 +43,117 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
     serve_sub = serve.add_subparsers(dest="role", required=True)
     server_flags = argparse.ArgumentParser(add_help=False)  # every serve role's
-    server_flags.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
-                       help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work")
-    server_flags.add_argument("--keepalive-seconds", type=float, default=DEFAULT_KEEPALIVE_SECONDS,
-                       help="ping each peer with calls open this often; one unanswered as long closes its "
-                            "connection and ends its calls (a peer gone without closing it); 0: no pings, else >= 1")
+    server_flags.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_SECONDS,
+        help="on SIGTERM: health NOT_SERVING at once, then up to this long to finish in-flight work",
+    )
+    server_flags.add_argument(
+        "--keepalive-seconds",
+        type=float,
+        default=DEFAULT_KEEPALIVE_SECONDS,
+        help="ping each peer with calls open this often; one unanswered as long closes its "
+        "connection and ends its calls (a peer gone without closing it); 0: no pings, else >= 1",
+    )
     for role in ("prefill", "decode", "both"):
         p = serve_sub.add_parser(role, help=f"a {role} worker", parents=[server_flags])
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
-        p.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
-                       help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)")
-        p.add_argument("--nixl-progress-thread", action="store_true",
-                       help="run NIXL's UCX progress thread (lower transfer latency, one busy core)")
-        p.add_argument("--kv-pull-floor-gbps", type=float, default=None,
-                       help="a decode warns (once per prefill) when a KV pull from a prefill on its host runs under "
-                            "this many GB/s, a sign of a TCP lane (default: 5 between GPU pools, none between CPU "
-                            "pools; 0: never)")
-        p.add_argument("--kv-pull-floor-mib", type=float, default=None,
-                       help="only pulls of at least this many MiB count against --kv-pull-floor-gbps (smaller ones "
-                            "are mostly fixed cost; default: 8)")
+        p.add_argument(
+            "--admin-token",
+            default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+            help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)",
+        )
+        p.add_argument(
+            "--nixl-progress-thread",
+            action="store_true",
+            help="run NIXL's UCX progress thread (lower transfer latency, one busy core)",
+        )
+        p.add_argument(
+            "--kv-pull-floor-gbps",
+            type=float,
+            default=None,
+            help="a decode warns (once per prefill) when a KV pull from a prefill on its host runs under "
+            "this many GB/s, a sign of a TCP lane (default: 5 between GPU pools, none between CPU "
+            "pools; 0: never)",
+        )
+        p.add_argument(
+            "--kv-pull-floor-mib",
+            type=float,
+            default=None,
+            help="only pulls of at least this many MiB count against --kv-pull-floor-gbps (smaller ones "
+            "are mostly fixed cost; default: 8)",
+        )
         _add_metrics_port(p, WORKER_METRICS_PORT)
         add_server_security_flags(p)
         add_engine_flags(p)
         add_limit_flags(p)
-    router = serve_sub.add_parser("router", help="the router (the AsyncLLM endpoint clients use)", parents=[server_flags])
+    router = serve_sub.add_parser(
+        "router", help="the router (the AsyncLLM endpoint clients use)", parents=[server_flags]
+    )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
     router.add_argument("--workers", default="", help="comma-separated worker addresses host:port")
-    router.add_argument("--workers-dns", default="",
-                        help="comma-separated DNS names [ROLE=]HOST:PORT whose addresses are the workers (a "
-                             "Kubernetes headless service per role), re-resolved every --dns-interval seconds")
-    router.add_argument("--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions")
-    router.add_argument("--hosts-file", default=None,
-                        help="resolve --workers-dns names from this file of 'NAME HOST:PORT' lines instead of DNS")
-    router.add_argument("--routing", default="kv",
-                        help="pick policy per role: kv, least-load, round-robin or conversation; one for all "
-                             "roles or e.g. prefill=kv,decode=least-load (default: kv)")
-    router.add_argument("--kv-overlap-weight", type=float, default=1.0,
-                        help="kv policy: weight of the blocks to compute against the blocks running (Dynamo's "
-                             "overlap_score_weight)")
-    router.add_argument("--disagg-min-uncached-tokens", type=int, default=0,
-                        help="run a request whole on a decode worker when the uncached part of its prompt is "
-                             "shorter than this (0: always split when prefill workers exist)")
-    router.add_argument("--disagg-prefill-queue-tokens", type=int, default=0,
-                        help="run requests whole on decode workers while every prefill worker has this many "
-                             "prompt tokens queued (0: never)")
-    router.add_argument("--stream-interval", type=int, default=1,
-                        help="streamed tokens per message to a client (the first and the last go at once); "
-                             "more: fewer gRPC writes per token, each token later by up to that many - 1 steps")
-    router.add_argument("--max-in-flight", type=int, default=4096,
-                        help="Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint")
-    router.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
-                        help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)")
+    router.add_argument(
+        "--workers-dns",
+        default="",
+        help="comma-separated DNS names [ROLE=]HOST:PORT whose addresses are the workers (a "
+        "Kubernetes headless service per role), re-resolved every --dns-interval seconds",
+    )
+    router.add_argument(
+        "--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions"
+    )
+    router.add_argument(
+        "--hosts-file",
+        default=None,
+        help="resolve --workers-dns names from this file of 'NAME HOST:PORT' lines instead of DNS",
+    )
+    router.add_argument(
+        "--routing",
+        default="kv",
+        help="pick policy per role: kv, least-load, round-robin or conversation; one for all "
+        "roles or e.g. prefill=kv,decode=least-load (default: kv)",
+    )
+    router.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=1.0,
+        help="kv policy: weight of the blocks to compute against the blocks running (Dynamo's "
+        "overlap_score_weight)",
+    )
+    router.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        default=0,
+        help="run a request whole on a decode worker when the uncached part of its prompt is "
+        "shorter than this (0: always split when prefill workers exist)",
+    )
+    router.add_argument(
+        "--disagg-prefill-queue-tokens",
+        type=int,
+        default=0,
+        help="run requests whole on decode workers while every prefill worker has this many "
+        "prompt tokens queued (0: never)",
+    )
+    router.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streamed tokens per message to a client (the first and the last go at once); "
+        "more: fewer gRPC writes per token, each token later by up to that many - 1 steps",
+    )
+    router.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=4096,
+        help="Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint",
+    )
+    router.add_argument(
+        "--admin-token",
+        default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+        help="bearer token admin RPCs must carry, also sent to the workers (default: $TANDEM_ADMIN_TOKEN)",
+    )
     _add_metrics_port(router, ROUTER_METRICS_PORT)
     add_server_security_flags(router, public_face=True)
     add_router_flags(router)
@@ -95,31 +162,60 @@ def _parser() -> argparse.ArgumentParser:
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
     front.add_argument("--host", default="127.0.0.1")
     front.add_argument("--port", type=int, default=8000)
-    front.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    front.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the directory name)",
+    )
     add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--prefill", type=int, default=0,
-                    help="prefill workers (default: 1 prefill + 1 decode when no role count is given)")
+    up.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill workers (default: 1 prefill + 1 decode when no role count is given)",
+    )
     up.add_argument("--decode", type=int, default=0, help="decode workers")
     up.add_argument("--both", type=int, default=0, help="aggregated (prefill+decode) workers")
     for role in ("prefill", "decode", "both"):
-        up.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, metavar="N",
-                        help=f"ranks of each {role} worker (default: --tensor-parallel-size)")
-    up.add_argument("--demo", action="store_true", help="stream a demo completion once the cluster is ready")
-    up.add_argument("--metrics-port", type=int, default=ROUTER_METRICS_PORT,
-                    help="the router's Prometheus port (/metrics); each worker gets a free one, all printed; "
-                         "0: no metrics servers")
-    up.add_argument("--cluster-token", default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
-                    help="the cluster's shared secret (default: $TANDEM_CLUSTER_TOKEN, else a fresh random one)")
+        up.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"ranks of each {role} worker (default: --tensor-parallel-size)",
+        )
+    up.add_argument(
+        "--demo", action="store_true", help="stream a demo completion once the cluster is ready"
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=ROUTER_METRICS_PORT,
+        help="the router's Prometheus port (/metrics); each worker gets a free one, all printed; "
+        "0: no metrics servers",
+    )
+    up.add_argument(
+        "--cluster-token",
+        default=os.environ.get("TANDEM_CLUSTER_TOKEN"),
+        help="the cluster's shared secret (default: $TANDEM_CLUSTER_TOKEN, else a fresh random one)",
+    )
     add_tls_flags(up, public_face=True)
-    up.add_argument("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN"),
-                    help="bearer token admin RPCs must carry, on the router and every worker "
-                         "(default: $TANDEM_ADMIN_TOKEN; none: open)")
-    up.add_argument("--max-restarts", type=int, default=5,
-                    help="restarts of one process within 10 minutes before it is left down (default: 5)")
+    up.add_argument(
+        "--admin-token",
+        default=os.environ.get("TANDEM_ADMIN_TOKEN"),
+        help="bearer token admin RPCs must carry, on the router and every worker "
+        "(default: $TANDEM_ADMIN_TOKEN; none: open)",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one process within 10 minutes before it is left down (default: 5)",
+    )
     add_engine_flags(up)
     add_limit_flags(up)
     add_router_flags(up)
@@ -132,24 +228,48 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the chat template",
+    )
     add_client_tls_flags(gen)
 
     from tandem.cli.bench import add_arguments as add_bench_arguments
-    add_bench_arguments(sub.add_parser("bench", help="benchmark a running cluster (like vllm bench serve)"))
 
-    default = sub.add_parser("default-model", help="print the default model's directory (written on first use)")
-    default.add_argument("--tiny", action="store_true", help="the tiny random model of the fast tests instead")
+    add_bench_arguments(
+        sub.add_parser("bench", help="benchmark a running cluster (like vllm bench serve)")
+    )
+
+    default = sub.add_parser(
+        "default-model", help="print the default model's directory (written on first use)"
+    )
+    default.add_argument(
+        "--tiny", action="store_true", help="the tiny random model of the fast tests instead"
+    )
     return parser
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks of a worker")
-    parser.add_argument("--health-timeout", type=float, default=1.0,
-                        help="seconds a worker has to answer a health check before it counts as down")
-    parser.add_argument("--stream-progress-timeout", type=float, default=10.0,
-                        help="seconds a stream may go without a message before its worker is probed; a worker that "
-                             "does not answer the probe in --health-timeout is hung and its streams move on")
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        help="seconds between health checks of a worker",
+    )
+    parser.add_argument(
+        "--health-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a worker has to answer a health check before it counts as down",
+    )
+    parser.add_argument(
+        "--stream-progress-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a stream may go without a message before its worker is probed; a worker that "
+        "does not answer the probe in --health-timeout is hung and its streams move on",
+    )
 
 
 def _split(values: str) -> tuple[str, ...]:
@@ -158,86 +278,152 @@ def _split(values: str) -> tuple[str, ...]:
 
 def _engine_config(args):
     from tandem.engine.checkpoints import resolve_model
+
     return engine_config(args, resolve_model)
 
 
 def _serve(args) -> int:
     if args.role == "openai":
         from tandem.openai.app import serve_openai
-        serve_openai(args.target, args.host, args.port, args.served_model_name, tls=client_tls_kwargs(args))
+
+        serve_openai(
+            args.target, args.host, args.port, args.served_model_name, tls=client_tls_kwargs(args)
+        )
         return 0
     if args.role == "router":
         from tandem.router.app import serve_router
         from tandem.router.config import RouterConfig
-        config = RouterConfig(host=args.host, port=args.port, health_interval_s=args.health_interval,
-                              admin_token=args.admin_token, drain_seconds=args.drain_seconds,
-                              keepalive_seconds=args.keepalive_seconds,
-                              metrics_port=args.metrics_port,
-                              cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
-                              health_timeout_s=args.health_timeout, stream_progress_timeout_s=args.stream_progress_timeout,
-                              limits=request_limits(args),
-                              workers=_split(args.workers), workers_dns=_split(args.workers_dns),
-                              dns_interval_s=args.dns_interval, hosts_file=args.hosts_file, routing=args.routing,
-                              kv_overlap_weight=args.kv_overlap_weight,
-                              disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
-                              disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
-                              max_in_flight=args.max_in_flight, stream_interval=args.stream_interval)
+
+        config = RouterConfig(
+            host=args.host,
+            port=args.port,
+            health_interval_s=args.health_interval,
+            admin_token=args.admin_token,
+            drain_seconds=args.drain_seconds,
+            keepalive_seconds=args.keepalive_seconds,
+            metrics_port=args.metrics_port,
+            cluster_token=args.cluster_token,
+            tls=tls_config(args),
+            health_port=args.health_port,
+            health_timeout_s=args.health_timeout,
+            stream_progress_timeout_s=args.stream_progress_timeout,
+            limits=request_limits(args),
+            workers=_split(args.workers),
+            workers_dns=_split(args.workers_dns),
+            dns_interval_s=args.dns_interval,
+            hosts_file=args.hosts_file,
+            routing=args.routing,
+            kv_overlap_weight=args.kv_overlap_weight,
+            disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+            disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
+            max_in_flight=args.max_in_flight,
+            stream_interval=args.stream_interval,
+        )
         from tandem.common import loop
+
         loop.run(serve_router(config))
         return 0
     from tandem.common.roles import Role
-    from tandem.worker.app import serve_worker
     from tandem.decode.pull_links import DEFAULT_FLOOR_MIN_MIB, PullFloor
+    from tandem.worker.app import serve_worker
     from tandem.worker.config import WorkerConfig
-    config = WorkerConfig(role=Role.parse(args.role), engine=_engine_config(args), host=args.host, port=args.port,
-                          nixl_progress_thread=args.nixl_progress_thread, admin_token=args.admin_token,
-                          kv_pull_floor=PullFloor(args.kv_pull_floor_gbps, DEFAULT_FLOOR_MIN_MIB
-                                                  if args.kv_pull_floor_mib is None else args.kv_pull_floor_mib),
-                          drain_seconds=args.drain_seconds, keepalive_seconds=args.keepalive_seconds,
-                          metrics_port=args.metrics_port,
-                          cluster_token=args.cluster_token, tls=tls_config(args), health_port=args.health_port,
-                          limits=request_limits(args))
+
+    config = WorkerConfig(
+        role=Role.parse(args.role),
+        engine=_engine_config(args),
+        host=args.host,
+        port=args.port,
+        nixl_progress_thread=args.nixl_progress_thread,
+        admin_token=args.admin_token,
+        kv_pull_floor=PullFloor(
+            args.kv_pull_floor_gbps,
+            DEFAULT_FLOOR_MIN_MIB if args.kv_pull_floor_mib is None else args.kv_pull_floor_mib,
+        ),
+        drain_seconds=args.drain_seconds,
+        keepalive_seconds=args.keepalive_seconds,
+        metrics_port=args.metrics_port,
+        cluster_token=args.cluster_token,
+        tls=tls_config(args),
+        health_port=args.health_port,
+        limits=request_limits(args),
+    )
     asyncio.run(serve_worker(config))
     return 0
 
 
-def generate(target: str, prompt: str, max_tokens: int, temperature: float = 0.0, top_p=None, top_k=None,
-             seed=None, chat: bool = False, out=sys.stdout, tls: dict | None = None) -> None:
+def generate(
+    target: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p=None,
+    top_k=None,
+    seed=None,
+    chat: bool = False,
+    out=sys.stdout,
+    tls: dict | None = None,
+) -> None:
     """tls: LLM's TLS keyword arguments (root_certificates, certificate_chain, private_key, tls_server_name)."""
     from tandem.client import LLM, SamplingParams
+
     with LLM(target, **(tls or {})) as llm:
         if chat:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            prompt = llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
         # A rendered template holds its special tokens already (transformers tokenizes it without adding any).
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                add_special_tokens=not chat)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            add_special_tokens=not chat,
+        )
 
         async def stream():
             async for output in llm.generate_async(prompt, params, streaming=True):
                 out.write(output.outputs[0].text_diff)
                 out.flush()
-            out.write(f"\n[{output.outputs[0].finish_reason}: {len(output.outputs[0].token_ids)} tokens]\n")
+            out.write(
+                f"\n[{output.outputs[0].finish_reason}: {len(output.outputs[0].token_ids)} tokens]\n"
+            )
+
         asyncio.run(stream())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         if args.command == "serve":
             return _serve(args)
         if args.command == "up":
             from tandem.cli.up import up
+
             return up(args, _engine_config(args))
         if args.command == "generate":
-            generate(args.target, args.prompt, args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed,
-                     args.chat, tls=client_tls_kwargs(args))
+            generate(
+                args.target,
+                args.prompt,
+                args.max_tokens,
+                args.temperature,
+                args.top_p,
+                args.top_k,
+                args.seed,
+                args.chat,
+                tls=client_tls_kwargs(args),
+            )
             return 0
         if args.command == "bench":
             from tandem.cli.bench import main as bench
+
             return bench(args)
         if args.command == "default-model":
             from tandem.engine.checkpoints import default_model_dir, tiny_model_dir
+
             print(tiny_model_dir() if args.tiny else default_model_dir())
             return 0
     except (ValueError, ImportError) as exc:

@@ -1,5 +1,6 @@
 """`tandem up`: a local cluster in the foreground until Ctrl-C, its processes supervised
 (testing/supervisor.py): a worker that dies is started again and the rest keep serving."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ DEMO_PROMPT = "The quick brown fox"
 def _has_chat_template(model_dir: str) -> bool:
     config = Path(model_dir) / "tokenizer_config.json"
     return (Path(model_dir) / "chat_template.jinja").is_file() or (
-        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    )
 
 
 def role_worker_args(args, roles: list[str]) -> dict[str, list[str]]:
@@ -40,20 +42,40 @@ def up(args, engine) -> int:
     if not roles:
         roles = ["prefill", "decode"]
     if (args.prefill == 0) != (args.decode == 0):
-        print("tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr)
+        print(
+            "tandem: --prefill and --decode go together (both > 0) or not at all", file=sys.stderr
+        )
         return 2
     limits = limits_argv(request_limits(args))
-    router_args = ["--health-interval", str(args.health_interval), "--health-timeout", str(args.health_timeout),
-                   "--stream-progress-timeout", str(args.stream_progress_timeout), *limits]
+    router_args = [
+        "--health-interval",
+        str(args.health_interval),
+        "--health-timeout",
+        str(args.health_timeout),
+        "--stream-progress-timeout",
+        str(args.stream_progress_timeout),
+        *limits,
+    ]
     # Tokens reach the processes in their environment, not on their (world-readable) command line.
     env = {"TANDEM_ADMIN_TOKEN": args.admin_token} if args.admin_token else None
-    cluster = LocalCluster(roles=roles, engine_args=engine_argv(engine) + limits, host=args.host,
-                           router_port=args.port, router_args=router_args, env=env,
-                           metrics=args.metrics_port != 0, router_metrics_port=args.metrics_port,
-                           cluster_token=args.cluster_token, tls=tls_config(args),
-                           worker_args=role_worker_args(args, roles))
+    cluster = LocalCluster(
+        roles=roles,
+        engine_args=engine_argv(engine) + limits,
+        host=args.host,
+        router_port=args.port,
+        router_args=router_args,
+        env=env,
+        metrics=args.metrics_port != 0,
+        router_metrics_port=args.metrics_port,
+        cluster_token=args.cluster_token,
+        tls=tls_config(args),
+        worker_args=role_worker_args(args, roles),
+    )
     supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts))
-    print(f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})", flush=True)
+    print(
+        f"tandem: starting router on {args.host}:{args.port} with workers {roles} (model {engine.model_dir})",
+        flush=True,
+    )
     for name, extra in cluster.worker_args.items():
         print(f"  {name}: {' '.join(extra)}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -68,14 +90,23 @@ def up(args, engine) -> int:
             print(f"  {s.name:10s} {s.address}{metrics}", flush=True)
         if args.demo:
             from tandem.cli.main import generate
+
             chat = _has_chat_template(engine.model_dir)
             prompt = DEMO_QUESTION if chat else DEMO_PROMPT
-            print(f"tandem: demo {'chat answer to' if chat else 'completion of'} {prompt!r}:", flush=True)
-            generate(cluster.address, prompt, max_tokens=48, chat=chat, tls=cluster.client_tls_kwargs())
+            print(
+                f"tandem: demo {'chat answer to' if chat else 'completion of'} {prompt!r}:",
+                flush=True,
+            )
+            generate(
+                cluster.address, prompt, max_tokens=48, chat=chat, tls=cluster.client_tls_kwargs()
+            )
         chat_flag = " --chat" if _has_chat_template(engine.model_dir) else ""
         tls_flags = "".join(f" --{k} {v}" for k, v in cluster.client_tls_flags().items())
-        print(f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{tls_flags}"
-              f"{chat_flag} \"Hello\"`. Ctrl-C stops.", flush=True)
+        print(
+            f"tandem: serving on {cluster.address}; try `tandem generate --target {cluster.address}{tls_flags}"
+            f'{chat_flag} "Hello"`. Ctrl-C stops.',
+            flush=True,
+        )
         while not supervisor.router_gone:
             supervisor.poll()
             time.sleep(0.2)

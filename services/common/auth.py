@@ -15,6 +15,7 @@ With no admin token the cluster is in protected mode (as Redis is): admin calls 
 reads are accepted only from loopback peers, or from cluster peers (holding the cluster token)
 that relay a call they accepted. Health and reflection are always open.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +28,17 @@ import grpc
 
 from tandem.common.interceptors import wrap_handler
 
-ADMIN_METHODS = frozenset({
-    "PauseGeneration", "ResumeGeneration", "Release", "Resume", "UpdateWeights", "CollectiveRpc", "Shutdown",
-})
+ADMIN_METHODS = frozenset(
+    {
+        "PauseGeneration",
+        "ResumeGeneration",
+        "Release",
+        "Resume",
+        "UpdateWeights",
+        "CollectiveRpc",
+        "Shutdown",
+    }
+)
 # Reads that expose what a client must not see: KV events carry token ids (other tenants'
 # prompts), transceiver state carries NIXL agent metadata (the keys to the KV pool's memory).
 PRIVILEGED_READS = frozenset({"GetKvCacheEvents", "StreamKvCacheEvents", "GetDataTransceiverState"})
@@ -52,10 +61,14 @@ def check_token(token: str | None, flag: str, min_chars: int = 1) -> None:
     if token is None:
         return
     if len(token) < min_chars:
-        raise ValueError(f"{flag} must be at least {min_chars} characters; generate one with "
-                         "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+        raise ValueError(
+            f"{flag} must be at least {min_chars} characters; generate one with "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
     if not token.isascii() or not token.isprintable() or " " in token:
-        raise ValueError(f"{flag} must be printable ASCII without spaces (it is sent as gRPC metadata)")
+        raise ValueError(
+            f"{flag} must be printable ASCII without spaces (it is sent as gRPC metadata)"
+        )
 
 
 def derive_key(secret: str, purpose: str) -> bytes:
@@ -85,6 +98,7 @@ def is_loopback_peer(peer: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """ALLOW, a denial (code and message), or allowed only from a loopback peer."""
+
     code: grpc.StatusCode | None = None
     message: str = ""
     loopback_only: bool = False
@@ -109,28 +123,39 @@ class AccessPolicy:
             given = metadata.get(CLUSTER_TOKEN_KEY)
             if given is not None:
                 if not hmac.compare_digest(given.encode(), self.cluster_token.encode()):
-                    return Verdict(grpc.StatusCode.PERMISSION_DENIED, f"{name}: the cluster token is wrong")
+                    return Verdict(
+                        grpc.StatusCode.PERMISSION_DENIED, f"{name}: the cluster token is wrong"
+                    )
                 cluster_peer = True
             elif self.internal:
-                return Verdict(grpc.StatusCode.UNAUTHENTICATED,
-                               f"{name} on a worker is a cluster-internal call: only tandem processes holding the "
-                               f"cluster token may make it ('{CLUSTER_TOKEN_KEY}' metadata); clients call the router")
+                return Verdict(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{name} on a worker is a cluster-internal call: only tandem processes holding the "
+                    f"cluster token may make it ('{CLUSTER_TOKEN_KEY}' metadata); clients call the router",
+                )
         if name not in ADMIN_METHODS and (name not in PRIVILEGED_READS or cluster_peer):
             return ALLOW
         if self.admin_token:
             given = metadata.get(ADMIN_TOKEN_KEY)
             if given is None:
-                return Verdict(grpc.StatusCode.UNAUTHENTICATED,
-                               f"{name} is an admin call: send 'authorization: Bearer <token>' metadata")
+                return Verdict(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{name} is an admin call: send 'authorization: Bearer <token>' metadata",
+                )
             if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
-                return Verdict(grpc.StatusCode.PERMISSION_DENIED, f"{name}: the admin token is wrong")
+                return Verdict(
+                    grpc.StatusCode.PERMISSION_DENIED, f"{name}: the admin token is wrong"
+                )
             return ALLOW
         if cluster_peer:  # a tandem process relays an admin call it accepted itself
             return ALLOW
-        return Verdict(grpc.StatusCode.PERMISSION_DENIED,
-                       f"{name} is an admin call and this cluster has no admin token, so it is accepted only from "
-                       f"this host (protected mode): start every process with --admin-token (or "
-                       f"TANDEM_ADMIN_TOKEN) and send 'authorization: Bearer <token>'", loopback_only=True)
+        return Verdict(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{name} is an admin call and this cluster has no admin token, so it is accepted only from "
+            f"this host (protected mode): start every process with --admin-token (or "
+            f"TANDEM_ADMIN_TOKEN) and send 'authorization: Bearer <token>'",
+            loopback_only=True,
+        )
 
 
 def guarded(handler: grpc.RpcMethodHandler, verdict: Verdict) -> grpc.RpcMethodHandler:

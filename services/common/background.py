@@ -1,10 +1,11 @@
 """Fire-and-forget tasks that stay referenced until they end: the event loop keeps only weak
 references to tasks, so one nobody holds can be collected in the middle of its work."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Coroutine
+from collections.abc import Coroutine
 
 log = logging.getLogger("tandem.background")
 

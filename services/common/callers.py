@@ -6,6 +6,7 @@ A caller is its authenticated TLS identity when the connection has one, else its
 on behalf of its clients and names the client in CLIENT_METADATA; a worker trusts that name
 only as far as it trusts its callers (the cluster credential of the internal plane).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -24,7 +25,9 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
     identities = context.peer_identities()
     if identities:
         # Printable ASCII: the router passes it on as a metadata value.
-        return "tls:" + ",".join(i.decode("ascii", errors="replace").replace("\ufffd", "?") for i in identities)
+        return "tls:" + ",".join(
+            i.decode("ascii", errors="replace").replace("\ufffd", "?") for i in identities
+        )
     return context.peer()
 
 

@@ -1,14 +1,21 @@
 """Channels from one tandem process to another: TLS when the cluster has certificates, the
 cluster token on every call and the admin token on admin calls (added by the stubs, so no
 call site can forget them)."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from tandem.common.auth import ADMIN_METHODS, ADMIN_TOKEN_KEY, PRIVILEGED_READS, bearer_metadata, cluster_metadata
+from tandem.common.auth import (
+    ADMIN_METHODS,
+    ADMIN_TOKEN_KEY,
+    PRIVILEGED_READS,
+    bearer_metadata,
+    cluster_metadata,
+)
 from tandem.common.server import CHANNEL_OPTIONS
 from tandem.common.tls import TlsConfig
 
@@ -17,6 +24,7 @@ from tandem.common.tls import TlsConfig
 class ClusterCredentials:
     """What a tandem process presents to the others: its TLS identity, the cluster token, and
     the admin token for the admin calls it relays."""
+
     tls: TlsConfig | None = None
     cluster_token: str | None = None
     admin_token: str | None = None
@@ -52,7 +60,9 @@ class ClusterCredentials:
         metadata = tuple(metadata or ())
         extra = cluster_metadata(self.cluster_token)
         name = method.rsplit("/", 1)[-1]
-        if (name in ADMIN_METHODS or name in PRIVILEGED_READS) and all(k != ADMIN_TOKEN_KEY for k, _ in metadata):
+        if (name in ADMIN_METHODS or name in PRIVILEGED_READS) and all(
+            k != ADMIN_TOKEN_KEY for k, _ in metadata
+        ):
             extra += bearer_metadata(self.admin_token)
         return metadata + extra
 
@@ -66,20 +76,27 @@ class _TokenStub:
         method = getattr(self._stub, name)
         credentials = self._credentials
 
-        def call(*args, metadata=None, **kwargs):  # a request, or none for a stream of requests (Session)
+        def call(
+            *args, metadata=None, **kwargs
+        ):  # a request, or none for a stream of requests (Session)
             return method(*args, metadata=credentials.metadata_for(name, metadata), **kwargs)
 
         setattr(self, name, call)  # built once per method
         return call
 
 
-class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamStreamClientInterceptor):
+class _SyncTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, credentials: ClusterCredentials):
         self._credentials = credentials
 
     def _details(self, details):
-        return details._replace(metadata=self._credentials.metadata_for(details.method, details.metadata))
+        return details._replace(
+            metadata=self._credentials.metadata_for(details.method, details.metadata)
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)

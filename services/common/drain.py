@@ -5,6 +5,7 @@ router's health polls stop sending it work), keeps serving what it has, and exit
 nothing holds the drain or the drain window (`--drain-seconds`) is over. What holds it:
 tandem RPCs in flight (counted here) and whatever the process adds (a prefill's KV leases).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -30,7 +31,9 @@ class InFlightCalls:
     def __init__(self):
         self.count = 0
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
         if handler is None or not holds_drain(method):
             return handler
         if handler.unary_unary is not None:
@@ -43,8 +46,9 @@ class InFlightCalls:
                 finally:
                     self.count -= 1
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 
@@ -60,6 +64,7 @@ class InFlightCalls:
                     # rather than whenever the garbage collector finalizes it.
                     await stream.aclose()
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
         return handler  # tandem's streams are async generators; its one bidi stream (Session) is a subscription

@@ -2,6 +2,7 @@
 
 Kept free of torch so the router and the client side can import it.
 """
+
 from __future__ import annotations
 
 import grpc

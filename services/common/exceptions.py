@@ -1,5 +1,6 @@
 """Exception types every layer raises, free of grpc and torch: the engine raises them, and
 common.errors maps them onto gRPC statuses at the service edge."""
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ Those objects live as long as the process: after start-up they are frozen (gc.fr
 collections scan only what requests create (vLLM v1 and SGLang do the same). Pauses that are
 still long are logged, so a stalled burst of requests can be told apart from other stalls.
 """
+
 from __future__ import annotations
 
 import gc
@@ -24,15 +25,21 @@ def freeze_startup_heap(what: str) -> None:
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    log.info("%s: %d objects frozen out of garbage collection (a full collection took %.0f ms)", what,
-             gc.get_freeze_count(), (time.perf_counter() - started) * 1e3)
+    log.info(
+        "%s: %d objects frozen out of garbage collection (a full collection took %.0f ms)",
+        what,
+        gc.get_freeze_count(),
+        (time.perf_counter() - started) * 1e3,
+    )
 
 
 def unfreeze_heap() -> None:
     """Back in the collector's sight before the process exits: frozen objects are never collected,
     and extension modules that count their live objects at exit (nanobind's, in Triton) report
     every one still alive as a leak."""
-    gc.callbacks[:] = [c for c in gc.callbacks if not isinstance(c, PauseWatch)]  # pauses at exit hurt nobody
+    gc.callbacks[:] = [
+        c for c in gc.callbacks if not isinstance(c, PauseWatch)
+    ]  # pauses at exit hurt nobody
     gc.unfreeze()
     gc.collect()
 
@@ -51,8 +58,12 @@ class PauseWatch:
         pause = time.perf_counter() - self._started
         if pause >= LONG_PAUSE_S:
             self.num_long += 1
-            log.warning("garbage collection of generation %d paused the process %.0f ms (%d collected)",
-                        info.get("generation", -1), pause * 1e3, info.get("collected", 0))
+            log.warning(
+                "garbage collection of generation %d paused the process %.0f ms (%d collected)",
+                info.get("generation", -1),
+                pause * 1e3,
+                info.get("collected", 0),
+            )
 
 
 def watch_pauses() -> PauseWatch:

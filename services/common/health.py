@@ -9,6 +9,7 @@ condition, which upstream deletes when any one of them leaves, so a watcher stil
 hears a later change (a drain's NOT_SERVING never reaches a second router, or a router whose
 reopened stream started before the old one's handler ended). Here the condition goes only with
 its last watcher (kept for each watched name, a client could grow the map without bound)."""
+
 from __future__ import annotations
 
 import collections
@@ -40,8 +41,12 @@ class InstanceHealthServicer(health.aio.HealthServicer):
         try:
             async with condition:
                 while True:
-                    status = self._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                    if status != last_status:  # (changes in between may be skipped: the last one counts)
+                    status = self._server_status.get(
+                        service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                    )
+                    if (
+                        status != last_status
+                    ):  # (changes in between may be skipped: the last one counts)
                         await context.write(health_pb2.HealthCheckResponse(status=status))
                     last_status = status
                     await condition.wait()

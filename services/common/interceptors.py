@@ -1,6 +1,7 @@
 """Cross-cutting server concerns: exception -> status mapping, readiness, and the handler
 wrapping the others (auth, metrics, drain) share. server_calls.py applies them all as one
 grpc.aio interceptor."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,14 +43,17 @@ def tolerant_deserializer(deserializer):
             return deserializer(data)
         except Exception as exc:  # noqa: BLE001 - a client's bad bytes, answered by the handler
             return MalformedRequest(exc)
+
     return parse
 
 
 async def refuse_if_malformed(context: grpc.aio.ServicerContext, method: str, request) -> None:
     if not isinstance(request, MalformedRequest):
         return
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{method}: the request is not a valid protobuf message ({request.error})")
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{method}: the request is not a valid protobuf message ({request.error})",
+    )
 
 
 class Readiness:
@@ -60,35 +64,49 @@ class Readiness:
         self._exempt = exempt
 
     def lets_through(self, method: str) -> bool:
-        return self._is_ready() or method.rsplit("/", 1)[-1] in self._exempt or not method.startswith("/tandem.")
+        return (
+            self._is_ready()
+            or method.rsplit("/", 1)[-1] in self._exempt
+            or not method.startswith("/tandem.")
+        )
 
     @staticmethod
     def refuse(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
         """What answers a call that came too early, in handler's place."""
 
         async def unavailable_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly"
+            )
 
         async def unavailable_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model; retry shortly"
+            )
             yield  # pragma: no cover
 
         if handler is not None and handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(unavailable_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                unavailable_stream, handler.request_deserializer, handler.response_serializer
+            )
         if handler is not None and handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(unavailable_stream, handler.request_deserializer,
-                                                         handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(unavailable_unary, handler.request_deserializer if handler else None,
-                                                   handler.response_serializer if handler else None)
+            return grpc.stream_stream_rpc_method_handler(
+                unavailable_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            unavailable_unary,
+            handler.request_deserializer if handler else None,
+            handler.response_serializer if handler else None,
+        )
 
 
 async def _no_check(request, context) -> None:
     return None
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = False,
-                 check=_no_check) -> grpc.RpcMethodHandler | None:
+def wrap_handler(
+    handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = False, check=_no_check
+) -> grpc.RpcMethodHandler | None:
     """The handler with guard(context), an async context manager, around every call, for each kind
     of handler grpc.aio has: unary, streams of responses or requests or both, as generators or as
     writer-API coroutines (context.write, as health's Watch). Every kind is wrapped: the guard is
@@ -98,7 +116,11 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = 
     before the handler of a single request."""
     if handler is None:
         return None
-    deserializer = tolerant_deserializer(handler.request_deserializer) if tolerant else handler.request_deserializer
+    deserializer = (
+        tolerant_deserializer(handler.request_deserializer)
+        if tolerant
+        else handler.request_deserializer
+    )
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 
@@ -107,44 +129,56 @@ def wrap_handler(handler: grpc.RpcMethodHandler | None, guard, tolerant: bool = 
                 await check(request, context)
                 return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, deserializer, handler.response_serializer
+        )
     if handler.unary_stream is not None:
         inner_stream = handler.unary_stream
         if inspect.iscoroutinefunction(inner_stream):
+
             async def unary_stream(request, context):
                 async with guard(context):
                     await check(request, context)
                     await inner_stream(request, context)
         else:
+
             async def unary_stream(request, context):
                 async with guard(context):
                     await check(request, context)
                     async for item in inner_stream(request, context):
                         yield item
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, deserializer, handler.response_serializer
+        )
     # Streams of requests: check() looks at one request, so a stream's messages are the handler's
     # to check (the tolerant deserializer still hands it a MalformedRequest for bad bytes).
     if handler.stream_stream is not None:
         inner_bidi = handler.stream_stream
         if inspect.isasyncgenfunction(inner_bidi):
+
             async def stream_stream(requests, context):
                 async with guard(context):
                     async for item in inner_bidi(requests, context):
                         yield item
         else:
+
             async def stream_stream(requests, context):
                 async with guard(context):
                     await inner_bidi(requests, context)
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, deserializer, handler.response_serializer
+        )
     inner_client_stream = handler.stream_unary
 
     async def stream_unary(requests, context):
         async with guard(context):
             return await inner_client_stream(requests, context)
 
-    return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(
+        stream_unary, deserializer, handler.response_serializer
+    )
 
 
 def map_errors(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
@@ -164,4 +198,3 @@ def map_errors(method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMe
         await refuse_if_malformed(context, method, request)
 
     return wrap_handler(handler, mapped, tolerant=True, check=refuse_malformed)
-

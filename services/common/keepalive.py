@@ -1,5 +1,6 @@
 """Keepalive pings: how a tandem server finds out that a peer with calls open is gone although its
 connection was never closed."""
+
 from __future__ import annotations
 
 # A server pings each peer that has calls open this often, and closes the connection when a ping
@@ -23,11 +24,17 @@ def keepalive_options(seconds: float) -> list[tuple[str, int]]:
     if seconds == 0:
         return []
     ms = int(seconds * 1000)
-    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.ping_timeout_ms", ms)]
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", ms),
+    ]
 
 
 def check_keepalive(seconds: float) -> None:
     if not (seconds == 0 or MIN_KEEPALIVE_SECONDS <= seconds <= MAX_KEEPALIVE_SECONDS):
-        raise ValueError(f"keepalive_seconds must be 0 (no pings) or in [{MIN_KEEPALIVE_SECONDS:g}, "
-                         f"{MAX_KEEPALIVE_SECONDS:g}], got {seconds}")
+        raise ValueError(
+            f"keepalive_seconds must be 0 (no pings) or in [{MIN_KEEPALIVE_SECONDS:g}, "
+            f"{MAX_KEEPALIVE_SECONDS:g}], got {seconds}"
+        )

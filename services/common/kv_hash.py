@@ -2,6 +2,7 @@
 it and reports them in KV events) and the router (which hashes a request's prompt the same way
 to look it up in its KV index). Pure Python: the engine imports it without grpc, the router
 without torch."""
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,13 @@ def chain_hash(parent: int | None, token_ids, salt: str | None, lora: str | None
     return int.from_bytes(digest.digest(), "little") >> 1  # fits a signed int64 (protobuf, JSON)
 
 
-def prefix_hashes(token_ids, block_size: int, salt: str | None, lora: str | None = None,
-                  max_blocks: int | None = None) -> list[int]:
+def prefix_hashes(
+    token_ids,
+    block_size: int,
+    salt: str | None,
+    lora: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
     """The chain hashes of token_ids' full blocks, root first (at most max_blocks of them)."""
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
@@ -31,6 +37,6 @@ def prefix_hashes(token_ids, block_size: int, salt: str | None, lora: str | None
     hashes: list[int] = []
     parent = None
     for start in range(0, num_full * block_size, block_size):
-        parent = chain_hash(parent, token_ids[start:start + block_size], salt, lora)
+        parent = chain_hash(parent, token_ids[start : start + block_size], salt, lora)
         hashes.append(parent)
     return hashes

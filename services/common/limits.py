@@ -6,6 +6,7 @@ INVALID_ARGUMENT naming the flag that sets it. gRPC itself refuses a message ove
 max_request_bytes (RESOURCE_EXHAUSTED) before it is parsed. The lease bounds are the prefill
 worker's (prefill/lease_keeper.py): unclaimed KV handoffs may pin only part of its pool.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,23 +20,35 @@ ENGINE_MAX_LOGPROBS = 20
 
 def _flag(default, help: str, **argparse_kwargs):
     """A field that is also a flag of `tandem serve` and `tandem up` (cli/flags.py builds them)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": None, "argparse": argparse_kwargs})
+    return dataclasses.field(
+        default=default, metadata={"help": help, "flag": None, "argparse": argparse_kwargs}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
     max_request_bytes: int = _flag(16 << 20, "largest gRPC request a server accepts, in bytes")
-    max_prompt_bytes: int = _flag(1 << 20, "longest prompt text, in UTF-8 bytes (checked before tokenizing)")
-    max_prompt_tokens: int = _flag(0, "longest prompt in tokens (0: the model's context length less one)")
+    max_prompt_bytes: int = _flag(
+        1 << 20, "longest prompt text, in UTF-8 bytes (checked before tokenizing)"
+    )
+    max_prompt_tokens: int = _flag(
+        0, "longest prompt in tokens (0: the model's context length less one)"
+    )
     max_n: int = _flag(128, "most sequences one request may ask for (n and best_of)")
     max_stop_strings: int = _flag(64, "most stop strings per request")
     max_stop_string_bytes: int = _flag(1024, "longest stop string, in UTF-8 bytes")
     max_stop_token_ids: int = _flag(1024, "most stop_token_ids per request")
-    max_logprobs: int = _flag(ENGINE_MAX_LOGPROBS, "most top log-probabilities per token (logprobs)")
+    max_logprobs: int = _flag(
+        ENGINE_MAX_LOGPROBS, "most top log-probabilities per token (logprobs)"
+    )
     max_unclaimed_kv_fraction: float = _flag(
-        0.5, "prefill: share of the KV pool that context_only handoffs not yet pulled may pin, all clients together")
+        0.5,
+        "prefill: share of the KV pool that context_only handoffs not yet pulled may pin, all clients together",
+    )
     max_unclaimed_kv_fraction_per_client: float = _flag(
-        0.25, "prefill: share of the KV pool that one client's unpulled context_only handoffs may pin")
+        0.25,
+        "prefill: share of the KV pool that one client's unpulled context_only handoffs may pin",
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -45,10 +58,14 @@ class RequestLimits:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs > ENGINE_MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be <= {ENGINE_MAX_LOGPROBS} (the engine's own bound), "
-                             f"got {self.max_logprobs}")
+            raise ValueError(
+                f"max_logprobs must be <= {ENGINE_MAX_LOGPROBS} (the engine's own bound), "
+                f"got {self.max_logprobs}"
+            )
         if not 0 < self.max_unclaimed_kv_fraction_per_client <= self.max_unclaimed_kv_fraction <= 1:
-            raise ValueError("need 0 < max_unclaimed_kv_fraction_per_client <= max_unclaimed_kv_fraction <= 1")
+            raise ValueError(
+                "need 0 < max_unclaimed_kv_fraction_per_client <= max_unclaimed_kv_fraction <= 1"
+            )
 
 
 class LimitError(ValueError):
@@ -73,13 +90,27 @@ def check_request(request, limits: RequestLimits) -> None:
         if params.HasField(name) and getattr(params, name) > limits.max_n:
             raise _over(name, getattr(params, name), limits.max_n, "max_n")
     if len(params.stop) > limits.max_stop_strings:
-        raise _over("the number of stop strings", len(params.stop), limits.max_stop_strings, "max_stop_strings")
+        raise _over(
+            "the number of stop strings",
+            len(params.stop),
+            limits.max_stop_strings,
+            "max_stop_strings",
+        )
     longest = max((len(s.encode()) for s in params.stop), default=0)
     if longest > limits.max_stop_string_bytes:
-        raise _over("the longest stop string (bytes)", longest, limits.max_stop_string_bytes, "max_stop_string_bytes")
+        raise _over(
+            "the longest stop string (bytes)",
+            longest,
+            limits.max_stop_string_bytes,
+            "max_stop_string_bytes",
+        )
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
-        raise _over("the number of stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids,
-                    "max_stop_token_ids")
+        raise _over(
+            "the number of stop_token_ids",
+            len(params.stop_token_ids),
+            limits.max_stop_token_ids,
+            "max_stop_token_ids",
+        )
     for name in ("logprobs", "prompt_logprobs"):
         if params.HasField(name) and getattr(params, name) > limits.max_logprobs:
             raise _over(name, getattr(params, name), limits.max_logprobs, "max_logprobs")
@@ -95,22 +126,30 @@ def check_prompt_size(prompt, limits: RequestLimits) -> None:
     if num_bytes > limits.max_prompt_bytes // 4:
         num_bytes = len(prompt.text.encode())
     if num_bytes > limits.max_prompt_bytes:
-        raise _over("the prompt text (bytes)", num_bytes, limits.max_prompt_bytes, "max_prompt_bytes")
+        raise _over(
+            "the prompt text (bytes)", num_bytes, limits.max_prompt_bytes, "max_prompt_bytes"
+        )
 
 
 def check_prompt_tokens(num_tokens: int, limits: RequestLimits, max_model_len: int = 0) -> None:
     """The prompt that will run (after truncate_prompt_tokens), in tokens."""
     if limits.max_prompt_tokens and num_tokens > limits.max_prompt_tokens:
-        raise _over("the prompt (tokens)", num_tokens, limits.max_prompt_tokens, "max_prompt_tokens")
+        raise _over(
+            "the prompt (tokens)", num_tokens, limits.max_prompt_tokens, "max_prompt_tokens"
+        )
     if max_model_len and num_tokens >= max_model_len:
-        raise LimitError(f"the prompt has {num_tokens} tokens; the model's context is {max_model_len} tokens and at "
-                         f"least one must be left to generate")
+        raise LimitError(
+            f"the prompt has {num_tokens} tokens; the model's context is {max_model_len} tokens and at "
+            f"least one must be left to generate"
+        )
 
 
 def check_request_type(request_type: int) -> None:
     if request_type not in types_pb2.RequestType.values():
-        raise LimitError(f"disaggregated_params.request_type {request_type} is not a RequestType "
-                         f"({', '.join(types_pb2.RequestType.keys())})")
+        raise LimitError(
+            f"disaggregated_params.request_type {request_type} is not a RequestType "
+            f"({', '.join(types_pb2.RequestType.keys())})"
+        )
 
 
 def check_finite(params) -> None:

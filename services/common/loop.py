@@ -3,12 +3,14 @@ asks for it and it is installed. uvloop costs 10-20% less CPU per grpc.aio compl
 bench, but on the H200 serving bench a burst of 32 or 64 new streams through a uvloop router
 stalled 1.4-1.7 s before its first tokens in 2 of 6 bursts (none of 4 on asyncio's loop;
 bench/RESULTS.md), so it is not the default."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 log = logging.getLogger("tandem.loop")
 
@@ -37,6 +39,7 @@ def run(main: Awaitable[T]) -> T:
     log.debug("event loop: %s", name)
     if name == "uvloop":
         import uvloop
+
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(main)
     return asyncio.run(main)

@@ -7,31 +7,102 @@ its types and buckets; every series carries the process's role and worker id, th
 model name too (vLLM's model_name). The router's request metrics are the client's view
 (role="router"); a worker's are what it served (a prefill: the context phases it handed off).
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
-                               ProcessCollector, disable_created_metrics, start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from tandem.common.interceptors import wrap_handler
 from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 # vLLM's buckets (loggers.py), so dashboards built for vLLM read tandem's histograms alike.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # vLLM's build_1_2_5_buckets, up to a million tokens (the router does not know max_model_len).
-TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 
 # model_name, role, worker_id: on every LLM-level series.
 BASE_LABELS = ("model_name", "role", "worker_id")
@@ -64,8 +135,11 @@ class ProcessMetrics:
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         self.rpcs_handled = Counter(
-            "tandem:grpc_server_handled", "RPCs completed on this server, by method and gRPC status code",
-            ["role", "worker_id", "grpc_service", "grpc_method", "grpc_code"], registry=self.registry)
+            "tandem:grpc_server_handled",
+            "RPCs completed on this server, by method and gRPC status code",
+            ["role", "worker_id", "grpc_service", "grpc_method", "grpc_code"],
+            registry=self.registry,
+        )
         self.requests = RequestMetrics(self)
         self.rpc_counts = RpcCounts(self)
         self._http: tuple | None = None
@@ -86,8 +160,10 @@ class ProcessMetrics:
         try:
             self._http = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise OSError(f"cannot bind the metrics port {host}:{port} ({exc.strerror}); pass another "
-                          f"--metrics-port, or 0 for none") from exc
+            raise OSError(
+                f"cannot bind the metrics port {host}:{port} ({exc.strerror}); pass another "
+                f"--metrics-port, or 0 for none"
+            ) from exc
         return f"http://{host}:{port}/metrics"
 
     def close(self) -> None:
@@ -109,7 +185,9 @@ class RpcCounts:
         # (method, code, worker_id) -> its counter: labels() costs more than the increment.
         self._counters: dict[tuple[str, grpc.StatusCode, str], object] = {}
 
-    def count(self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
+    def count(
+        self, method: str, context: grpc.aio.ServicerContext, exc: BaseException | None
+    ) -> None:
         """One RPC of method ended, with exc (None: returned)."""
         self.count_code(method, status_code(context, exc))
 
@@ -120,7 +198,9 @@ class RpcCounts:
         counter = self._counters.get(key)
         if counter is None:
             service, _, name = method.lstrip("/").rpartition("/")
-            counter = self._counters[key] = m.rpcs_handled.labels(m.role, m.worker_id, service, name, code.name)
+            counter = self._counters[key] = m.rpcs_handled.labels(
+                m.role, m.worker_id, service, name, code.name
+            )
         counter.inc()
 
     @contextlib.asynccontextmanager
@@ -132,7 +212,9 @@ class RpcCounts:
             raise
         self.count(method, context, None)
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    def wrap(
+        self, method: str, handler: grpc.RpcMethodHandler | None
+    ) -> grpc.RpcMethodHandler | None:
         return wrap_handler(handler, lambda context: self._counting(method, context))
 
 
@@ -161,32 +243,69 @@ class RequestMetrics:
     def __init__(self, process: ProcessMetrics):
         self.process = process
         reg, base = process.registry, list(BASE_LABELS)
-        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              base, buckets=TTFT_BUCKETS, registry=reg)
-        self.tpot = Histogram("tandem:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds (after the first; one per request).",
-                              base, buckets=TPOT_BUCKETS, registry=reg)
-        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             base, buckets=E2E_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter("tandem:prompt_tokens", "Number of prompt tokens of the requests served.",
-                                     base, registry=reg)
-        self.generation_tokens = Counter("tandem:generation_tokens", "Number of generation tokens produced.",
-                                         base, registry=reg)
-        self.request_prompt_tokens = Histogram("tandem:request_prompt_tokens", "Number of prompt tokens per request.",
-                                               base, buckets=TOKEN_BUCKETS, registry=reg)
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            base,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "tandem:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (after the first; one per request).",
+            base,
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            base,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens",
+            "Number of prompt tokens of the requests served.",
+            base,
+            registry=reg,
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Number of generation tokens produced.", base, registry=reg
+        )
+        self.request_prompt_tokens = Histogram(
+            "tandem:request_prompt_tokens",
+            "Number of prompt tokens per request.",
+            base,
+            buckets=TOKEN_BUCKETS,
+            registry=reg,
+        )
         self.request_generation_tokens = Histogram(
-            "tandem:request_generation_tokens", "Number of generation tokens per request.", base,
-            buckets=TOKEN_BUCKETS, registry=reg)
+            "tandem:request_generation_tokens",
+            "Number of generation tokens per request.",
+            base,
+            buckets=TOKEN_BUCKETS,
+            registry=reg,
+        )
         self.request_success = Counter(
-            "tandem:request_success", "Count of finished sequences by finish reason (handoff: a context phase "
-            "whose KV went to a decode worker).", base + ["finished_reason"], registry=reg)
+            "tandem:request_success",
+            "Count of finished sequences by finish reason (handoff: a context phase "
+            "whose KV went to a decode worker).",
+            base + ["finished_reason"],
+            registry=reg,
+        )
 
-    def track(self) -> "RequestTracker":
+    def track(self) -> RequestTracker:
         """Starts the clock of one request (call it when the request arrives)."""
         return RequestTracker(self)
 
-    def record(self, tracker: "RequestTracker", num_prompt_tokens: int, num_tokens: dict[int, int],
-               reasons: dict[int, str]) -> None:
+    def record(
+        self,
+        tracker: RequestTracker,
+        num_prompt_tokens: int,
+        num_tokens: dict[int, int],
+        reasons: dict[int, str],
+    ) -> None:
         labels = self.process.labels
         end = time.monotonic()
         total = sum(num_tokens.values())
@@ -246,7 +365,9 @@ class RequestTracker:
                 self.saw(msg)
                 yield msg
 
-    async def delivered(self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int):
+    async def delivered(
+        self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int
+    ):
         async with closing(messages) as messages:
             async for msg in messages:
                 self.counted(msg, num_prompt_tokens)

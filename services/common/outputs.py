@@ -1,4 +1,5 @@
 """RequestOutput helpers shared by workers and the router (no torch)."""
+
 from __future__ import annotations
 
 from tandem.common.streams import closing

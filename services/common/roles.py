@@ -1,4 +1,5 @@
 """What a worker process does in the cluster: the Role of worker.proto, with its names and abilities."""
+
 from __future__ import annotations
 
 import enum
@@ -13,7 +14,7 @@ class Role(enum.IntEnum):
     BOTH = worker_pb2.ROLE_BOTH
 
     @classmethod
-    def parse(cls, name: str) -> "Role":
+    def parse(cls, name: str) -> Role:
         """prefill | decode | both, as the CLI and the chart spell them."""
         try:
             role = cls[name.upper()]

@@ -1,5 +1,6 @@
 """The grpc.aio server every tandem process runs: health, reflection, access control, error
 mapping, TLS when configured, and a graceful drain on SIGTERM/SIGINT (see drain.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import inspect
 import logging
 import signal
 import uuid
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,10 +47,20 @@ DrainCheck = Callable[[], "bool | Awaitable[bool]"]
 
 
 class GrpcServer:
-    def __init__(self, host: str, port: int, service_names: list[str], drain_seconds: float = DEFAULT_DRAIN_SECONDS,
-                 policy: AccessPolicy = AccessPolicy(), readiness: Readiness | None = None,
-                 metrics: ProcessMetrics | None = None, tls: TlsConfig | None = None, health_port: int | None = None,
-                 max_request_bytes: int = MAX_MESSAGE_BYTES, keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: list[str],
+        drain_seconds: float = DEFAULT_DRAIN_SECONDS,
+        policy: AccessPolicy = AccessPolicy(),
+        readiness: Readiness | None = None,
+        metrics: ProcessMetrics | None = None,
+        tls: TlsConfig | None = None,
+        health_port: int | None = None,
+        max_request_bytes: int = MAX_MESSAGE_BYTES,
+        keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS,
+    ):
         """tls: serve TLS (mTLS when it has a CA) instead of plaintext. health_port: also serve
         grpc.health.v1 alone in plaintext there, for probes that speak no TLS (Kubernetes')."""
         if drain_seconds < 0:
@@ -60,10 +71,15 @@ class GrpcServer:
         self._drain_checks: list[DrainCheck] = []
         # One interceptor for all of them (server_calls.py); the RPC counts are outermost: they see
         # the status every other concern answers with.
-        interceptors = [ServerCalls(policy, self.in_flight, readiness, metrics.rpc_counts if metrics else None)]
+        interceptors = [
+            ServerCalls(policy, self.in_flight, readiness, metrics.rpc_counts if metrics else None)
+        ]
         # A request over max_request_bytes is refused (RESOURCE_EXHAUSTED) before it is parsed.
-        options = dict(CHANNEL_OPTIONS, **{"grpc.max_receive_message_length": max_request_bytes},
-                       **dict(keepalive_options(keepalive_seconds)))
+        options = dict(
+            CHANNEL_OPTIONS,
+            **{"grpc.max_receive_message_length": max_request_bytes},
+            **dict(keepalive_options(keepalive_seconds)),
+        )
         self.server = grpc.aio.server(interceptors=interceptors, options=list(options.items()))
         # Names this process to health checkers (health.py) and in a worker's state: a process
         # runs one server, so one id per process life, a new one on each restart.
@@ -71,8 +87,10 @@ class GrpcServer:
         self.health = InstanceHealthServicer(self.instance_id)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server)
+            self.service_names
+            + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
         self.tls = tls
         self.port = _bind(self.server, host, port, tls)
         self.address = f"{host}:{self.port}"
@@ -91,12 +109,19 @@ class GrpcServer:
         if self.health_server is not None:
             await self.health_server.start()
         await self.set_serving(False)
-        log.info("listening on %s (%s)%s", self.address,
-                 "plaintext" if self.tls is None else "mTLS" if self.tls.is_mutual else "TLS",
-                 f", health on port {self.health_port}" if self.health_server is not None else "")
+        log.info(
+            "listening on %s (%s)%s",
+            self.address,
+            "plaintext" if self.tls is None else "mTLS" if self.tls.is_mutual else "TLS",
+            f", health on port {self.health_port}" if self.health_server is not None else "",
+        )
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in [""] + self.service_names:
             await self.health.set(name, status)
 
@@ -132,17 +157,29 @@ class GrpcServer:
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_seconds
-        log.info("draining %s: NOT_SERVING, up to %.1f s for in-flight work", self.address, self.drain_seconds)
+        log.info(
+            "draining %s: NOT_SERVING, up to %.1f s for in-flight work",
+            self.address,
+            self.drain_seconds,
+        )
         flushed = loop.time() + min(_WATCH_FLUSH_S, self.drain_seconds)
         drained = await self.is_drained()
-        while (not drained or loop.time() < flushed) and loop.time() < deadline and not self._force_stop.is_set():
+        while (
+            (not drained or loop.time() < flushed)
+            and loop.time() < deadline
+            and not self._force_stop.is_set()
+        ):
             await asyncio.sleep(_DRAIN_POLL_S)
             drained = await self.is_drained()
         if drained:
             log.info("stopping %s: drained", self.address)
         else:
-            log.warning("stopping %s: drain %s with %d call(s) in flight", self.address,
-                        "cut short" if self._force_stop.is_set() else "window over", self.in_flight.count)
+            log.warning(
+                "stopping %s: drain %s with %d call(s) in flight",
+                self.address,
+                "cut short" if self._force_stop.is_set() else "window over",
+                self.in_flight.count,
+            )
         await self.close()
 
     async def close(self) -> None:
@@ -155,8 +192,11 @@ class GrpcServer:
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
     address = f"{host}:{port}"
-    bound = server.add_insecure_port(address) if tls is None else server.add_secure_port(
-        address, tls.server_credentials())
+    bound = (
+        server.add_insecure_port(address)
+        if tls is None
+        else server.add_secure_port(address, tls.server_credentials())
+    )
     if bound == 0:
         raise OSError(f"cannot bind {address}")
     return bound

@@ -8,6 +8,7 @@ call (allowed, ready) gets one wrapper per method, built once, that counts, maps
 holds the drain in one generator; any other call (refused, not ready, a kind of handler the
 wrapper does not cover) gets the concerns' own wrappers, composed in the same order.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -16,13 +17,24 @@ import grpc
 
 from tandem.common.auth import ALLOW, AccessPolicy, guarded
 from tandem.common.drain import InFlightCalls, holds_drain
-from tandem.common.interceptors import Readiness, abort_for, map_errors, refuse_if_malformed, tolerant_deserializer
+from tandem.common.interceptors import (
+    Readiness,
+    abort_for,
+    map_errors,
+    refuse_if_malformed,
+    tolerant_deserializer,
+)
 from tandem.common.metrics import RpcCounts
 
 
 class ServerCalls(grpc.aio.ServerInterceptor):
-    def __init__(self, policy: AccessPolicy, in_flight: InFlightCalls, readiness: Readiness | None = None,
-                 rpc_counts: RpcCounts | None = None):
+    def __init__(
+        self,
+        policy: AccessPolicy,
+        in_flight: InFlightCalls,
+        readiness: Readiness | None = None,
+        rpc_counts: RpcCounts | None = None,
+    ):
         self.policy = policy
         self.in_flight = in_flight
         self.readiness = readiness
@@ -47,7 +59,9 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                 return wrapped
         return self._layered(method, handler, verdict, ready)
 
-    def _layered(self, method: str, handler: grpc.RpcMethodHandler, verdict, ready: bool) -> grpc.RpcMethodHandler:
+    def _layered(
+        self, method: str, handler: grpc.RpcMethodHandler, verdict, ready: bool
+    ) -> grpc.RpcMethodHandler:
         """The concerns' own wrappers, innermost first."""
         handler = map_errors(method, handler)
         if not ready:
@@ -57,7 +71,9 @@ class ServerCalls(grpc.aio.ServerInterceptor):
         handler = self.in_flight.wrap(method, handler)
         return self.rpc_counts.wrap(method, handler) if self.rpc_counts is not None else handler
 
-    def _one_wrapper(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler | None:
+    def _one_wrapper(
+        self, method: str, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler | None:
         """What _layered gives an allowed call of a ready server, as one wrapper; None for the
         kinds it does not cover (writer-API streams, client streams)."""
         in_flight = self.in_flight
@@ -88,7 +104,9 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                 count(method, context, None)
                 return reply
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             inner_stream = handler.unary_stream
 
@@ -118,7 +136,9 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                     raise
                 count(method, context, None)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, deserializer, handler.response_serializer
+            )
         return None
 
 

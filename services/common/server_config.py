@@ -1,5 +1,6 @@
 """What every tandem server process (router or worker) is configured with: where it listens, its
 tokens and TLS, its drain, metrics and health ports, and the bounds on what it accepts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +41,8 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
+            raise ValueError(
+                f"metrics_port must be in [0, 65535] (0: no metrics server), got {self.metrics_port}"
+            )
         check_token(self.admin_token, "--admin-token")
         check_token(self.cluster_token, "--cluster-token", MIN_CLUSTER_TOKEN_CHARS)

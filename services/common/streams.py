@@ -1,9 +1,11 @@
 """Several async streams read as one."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, TypeVar
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
@@ -16,7 +18,9 @@ def closing(stream):
     task and a wake-up of the loop (call_soon_threadsafe), one per layer of a request's stream,
     and its finally blocks (load accounting, the worker call's cleanup) run only then. Closed
     here, a whole chain of layers closes at once. Anything without aclose (a grpc call) passes."""
-    return contextlib.aclosing(stream) if hasattr(stream, "aclose") else contextlib.nullcontext(stream)
+    return (
+        contextlib.aclosing(stream) if hasattr(stream, "aclose") else contextlib.nullcontext(stream)
+    )
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

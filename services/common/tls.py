@@ -6,6 +6,7 @@ certificate signed by the CA (mTLS inside the cluster) and its channels present 
 certificate. The router's public face may drop the client-certificate demand
 (require_client_cert=False) so that clients need only trust the CA.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,14 +48,18 @@ class TlsConfig:
         try:
             context.load_cert_chain(self.cert_file, self.key_file)
         except ssl.SSLError as exc:
-            raise ValueError(f"--tls-cert {self.cert_file!r} and --tls-key {self.key_file!r} are not a PEM "
-                             f"certificate and its private key: {exc.reason or exc}") from None
+            raise ValueError(
+                f"--tls-cert {self.cert_file!r} and --tls-key {self.key_file!r} are not a PEM "
+                f"certificate and its private key: {exc.reason or exc}"
+            ) from None
         if self.ca_file is not None:
             _read(self.ca_file, "--tls-ca")
             try:
                 context.load_verify_locations(self.ca_file)
             except ssl.SSLError as exc:
-                raise ValueError(f"--tls-ca {self.ca_file!r} is not a PEM CA bundle: {exc.reason or exc}") from None
+                raise ValueError(
+                    f"--tls-ca {self.ca_file!r} is not a PEM CA bundle: {exc.reason or exc}"
+                ) from None
 
     @property
     def is_mutual(self) -> bool:
@@ -65,13 +70,16 @@ class TlsConfig:
         return grpc.ssl_server_credentials(
             [(_read(self.key_file, "--tls-key"), _read(self.cert_file, "--tls-cert"))],
             root_certificates=_read(self.ca_file, "--tls-ca") if self.ca_file else None,
-            require_client_auth=self.is_mutual)
+            require_client_auth=self.is_mutual,
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Verifies the server against the CA and presents this process's certificate."""
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file, "--tls-ca") if self.ca_file else None,
-            private_key=_read(self.key_file, "--tls-key"), certificate_chain=_read(self.cert_file, "--tls-cert"))
+            private_key=_read(self.key_file, "--tls-key"),
+            certificate_chain=_read(self.cert_file, "--tls-cert"),
+        )
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []

@@ -18,23 +18,24 @@ fails the confirm, and what was read is dropped, never cached: the prompt is com
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
 from tandem.common.errors import PreconditionError
+from tandem.decode.peers import PeerCache
+from tandem.decode.pull_links import PullLinks
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat
 from tandem.kvtransfer.poller import PendingRead, TransferPoller
-from tandem.decode.peers import PeerCache
-from tandem.decode.pull_links import PullLinks
 from tandem.v1 import types_pb2, worker_pb2
 
 log = logging.getLogger("tandem.decode")
@@ -50,18 +51,32 @@ def check_adapter(handoff: worker_pb2.KvHandoff, adapter) -> None:
     ours = adapter.fingerprint if adapter is not None else ""
     if handoff.lora_fingerprint == ours:
         return
-    computed = (f"LoRA adapter {theirs!r} (lora_int_id {handoff.lora_request.lora_int_id})" if theirs
-                else "the base model (no adapter)")
+    computed = (
+        f"LoRA adapter {theirs!r} (lora_int_id {handoff.lora_request.lora_int_id})"
+        if theirs
+        else "the base model (no adapter)"
+    )
     asked = adapter.describe() if adapter is not None else "no adapter"
     same_name = adapter is not None and theirs == adapter.name
-    raise PreconditionError(f"the KV handoff was computed with {computed}; this request runs with {asked}"
-                            + ("; the adapter's files differ between the prefill and this worker" if same_name else
-                               "; send generation_only with the context phase's lora_request"))
+    raise PreconditionError(
+        f"the KV handoff was computed with {computed}; this request runs with {asked}"
+        + (
+            "; the adapter's files differ between the prefill and this worker"
+            if same_name
+            else "; send generation_only with the context phase's lora_request"
+        )
+    )
 
 
 class GenerationPhase:
-    def __init__(self, poller: TransferPoller, peers: PeerCache, handoff_format: HandoffFormat, links: PullLinks,
-                 on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None):
+    def __init__(
+        self,
+        poller: TransferPoller,
+        peers: PeerCache,
+        handoff_format: HandoffFormat,
+        links: PullLinks,
+        on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None,
+    ):
         self.poller = poller
         self.peers = peers
         self.handoff_format = handoff_format
@@ -75,19 +90,28 @@ class GenerationPhase:
         # Pulls that failed and were computed here instead.
         self.num_recomputed = 0
 
-    def verify(self, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
-               cache_salt: str | None, adapter=None) -> worker_pb2.KvHandoff:
+    def verify(
+        self,
+        params: types_pb2.DisaggregatedParams,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        adapter=None,
+    ) -> worker_pb2.KvHandoff:
         """The request's handoff, or the error that refuses it (before anything is reserved).
         adapter: the request's LoRA adapter, loaded here already; the KV must have been computed with it."""
         if not params.first_gen_tokens:
-            raise ValueError("generation_only needs disaggregated_params.first_gen_tokens from the context phase")
+            raise ValueError(
+                "generation_only needs disaggregated_params.first_gen_tokens from the context phase"
+            )
         handoff = self.handoff_format.parse(params.opaque_state, prompt_token_ids, cache_salt)
         check_adapter(handoff, adapter)
         return handoff
 
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
-        if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV now
+        if (
+            request.finish_if_first_tokens_end()
+        ):  # nothing to generate: the prefill may free the KV now
             self._release_remote(handoff)
             return
         request.tasks.append(asyncio.create_task(self._run(request, handoff)))
@@ -102,9 +126,19 @@ class GenerationPhase:
             plan = None
             # A lease about to run out may be freed (and its blocks reused) while we read.
             if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
-                plan = await core.call(AddRequest(rid, request.prompt_token_ids, state.options, Phase.GENERATION_ONLY,
-                                                  request.priority, request.cache_salt, first, remote_kv=True,
-                                                  adapter=request.adapter))
+                plan = await core.call(
+                    AddRequest(
+                        rid,
+                        request.prompt_token_ids,
+                        state.options,
+                        Phase.GENERATION_ONLY,
+                        request.priority,
+                        request.cache_salt,
+                        first,
+                        remote_kv=True,
+                        adapter=request.adapter,
+                    )
+                )
             if plan is None:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.
@@ -116,12 +150,19 @@ class GenerationPhase:
             request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
             # No notification: the confirm below ends the lease.
-            pending = self.poller.read(agent, list(handoff.block_ids)[plan.num_cached_blocks:], plan.block_ids, b"",
-                                       PULL_TIMEOUT_S)
+            pending = self.poller.read(
+                agent,
+                list(handoff.block_ids)[plan.num_cached_blocks :],
+                plan.block_ids,
+                b"",
+                PULL_TIMEOUT_S,
+            )
             read = await pending.done
             nbytes = read.nbytes
             self.num_bytes_received += nbytes
-            self.links.observe(handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, read.seconds)
+            self.links.observe(
+                handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, read.seconds
+            )
             if not await self.peers.confirm_lease(handoff, pulled=True):
                 self.num_unconfirmed_handoffs += 1
                 self._recompute(request, handoff)
@@ -145,8 +186,12 @@ class GenerationPhase:
             if pending is not None:
                 await self.poller.settle(pending)
             core.abort(rid)
-            log.warning("KV pull for %s from %s failed (%s); computing the prompt here", rid, handoff.ctx_endpoint,
-                        exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            log.warning(
+                "KV pull for %s from %s failed (%s); computing the prompt here",
+                rid,
+                handoff.ctx_endpoint,
+                exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc,
+            )
             self.num_recomputed += 1
             self._release_remote(handoff)  # the lease is ours to end, whatever its prefill's state
             request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
@@ -158,8 +203,12 @@ class GenerationPhase:
     def _recompute(request, handoff: worker_pb2.KvHandoff) -> None:
         """The lease had ended before we confirmed it: drop what the READ brought (the abort frees
         the reserved blocks uncached) and compute the prompt here."""
-        log.warning("lease %d on %s had ended before the KV read from it was confirmed (a replayed or stale handoff):"
-                    " computing the prompt here instead", handoff.ctx_request_id, handoff.ctx_endpoint)
+        log.warning(
+            "lease %d on %s had ended before the KV read from it was confirmed (a replayed or stale handoff):"
+            " computing the prompt here instead",
+            handoff.ctx_request_id,
+            handoff.ctx_endpoint,
+        )
         request.core.abort(request.only_sequence.engine_id)
         request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
 

@@ -5,6 +5,7 @@ same channel, authenticated like every call between tandem processes, confirms l
 
 Endpoints come only from handoffs whose signature verified: a client cannot make us dial out.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,10 @@ class PeerCache:
         """The prefill's two services over one authenticated channel."""
         if endpoint not in self._channels:
             channel = self._channels[endpoint] = self.credentials.open(endpoint)
-            self._peer_stubs[endpoint] = (self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
-                                          self.credentials.stub(worker_pb2_grpc.WorkerStub, channel))
+            self._peer_stubs[endpoint] = (
+                self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+                self.credentials.stub(worker_pb2_grpc.WorkerStub, channel),
+            )
         return self._peer_stubs[endpoint]
 
     async def agent_for(self, handoff: worker_pb2.KvHandoff) -> str:
@@ -48,10 +51,17 @@ class PeerCache:
         async with self._lock:
             if self._agents.get(endpoint) != handoff.agent_name:
                 llm, _ = self._stubs(endpoint)
-                reply = await llm.GetDataTransceiverState(llm_pb2.GetDataTransceiverStateRequest(), timeout=10)
-                state = await self.poller.call(lambda transceiver: transceiver.add_peer(reply.state))
+                reply = await llm.GetDataTransceiverState(
+                    llm_pb2.GetDataTransceiverStateRequest(), timeout=10
+                )
+                state = await self.poller.call(
+                    lambda transceiver: transceiver.add_peer(reply.state)
+                )
                 local = self.poller.transceiver.local_state
-                self._lanes[endpoint] = (state.same_host(local), state.memory_type == local.memory_type == "VRAM")
+                self._lanes[endpoint] = (
+                    state.same_host(local),
+                    state.memory_type == local.memory_type == "VRAM",
+                )
                 self._agents[endpoint] = state.agent_name
         return self._agents[endpoint]
 
@@ -65,11 +75,19 @@ class PeerCache:
         try:
             _, worker = self._stubs(handoff.ctx_endpoint)
             reply = await worker.ConfirmLease(
-                worker_pb2.ConfirmLeaseRequest(ctx_request_id=handoff.ctx_request_id, pulled=pulled),
-                timeout=CONFIRM_TIMEOUT_S)
+                worker_pb2.ConfirmLeaseRequest(
+                    ctx_request_id=handoff.ctx_request_id, pulled=pulled
+                ),
+                timeout=CONFIRM_TIMEOUT_S,
+            )
         except grpc.aio.AioRpcError as exc:
-            log.info("ConfirmLease(%d) on %s: %s %s", handoff.ctx_request_id, handoff.ctx_endpoint, exc.code().name,
-                     exc.details())
+            log.info(
+                "ConfirmLease(%d) on %s: %s %s",
+                handoff.ctx_request_id,
+                handoff.ctx_endpoint,
+                exc.code().name,
+                exc.details(),
+            )
             return False
         return reply.confirmed
 

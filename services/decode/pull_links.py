@@ -13,13 +13,14 @@ under the floor, the decode logs one warning for the peer naming it, the rate an
 
 Lives on the worker (not the generation phase), so a released and resumed pool keeps the links.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.kvtransfer.ucx_env import CUDA_IPC_GET_ZCOPY
 
@@ -38,12 +39,15 @@ class PullFloor:
     """gbps: the rate under which a pull within one host warns. None: DEFAULT_DEVICE_FLOOR_GBPS
     between device pools and no floor between host-memory pools (CPU workers: tests, dev); a
     number: that floor for every pull within one host; 0: no warning."""
+
     gbps: float | None = None
     min_mib: float = DEFAULT_FLOOR_MIN_MIB
 
     def __post_init__(self):
         if self.gbps is not None and not (math.isfinite(self.gbps) and self.gbps >= 0):
-            raise ValueError(f"kv_pull_floor_gbps must be a finite number >= 0 (0: no warning), got {self.gbps}")
+            raise ValueError(
+                f"kv_pull_floor_gbps must be a finite number >= 0 (0: no warning), got {self.gbps}"
+            )
         if not (math.isfinite(self.min_mib) and self.min_mib > 0):
             raise ValueError(f"kv_pull_floor_mib must be a finite number > 0, got {self.min_mib}")
 
@@ -57,6 +61,7 @@ class PullFloor:
 @dataclasses.dataclass
 class PeerLink:
     """The pulls from one prefill worker (by its gRPC endpoint)."""
+
     peer: str
     same_host: bool
     device_pools: bool
@@ -76,19 +81,25 @@ class PeerLink:
 
 
 class PullLinks:
-    def __init__(self, floor: PullFloor, on_pull: Callable[[str, int, float], None] = lambda peer, b, s: None):
+    def __init__(
+        self, floor: PullFloor, on_pull: Callable[[str, int, float], None] = lambda peer, b, s: None
+    ):
         """on_pull(peer, bytes, seconds): each pull that moved bytes (the worker's metrics)."""
         self.floor = floor
         self.on_pull = on_pull
         self._links: dict[str, PeerLink] = {}
 
-    def observe(self, peer: str, same_host: bool, device_pools: bool, num_bytes: int, seconds: float) -> None:
+    def observe(
+        self, peer: str, same_host: bool, device_pools: bool, num_bytes: int, seconds: float
+    ) -> None:
         """One pull that landed: num_bytes in seconds of READ."""
         if num_bytes <= 0 or seconds <= 0:
             return
         link = self._links.get(peer)
         if link is None or (link.same_host, link.device_pools) != (same_host, device_pools):
-            link = self._links[peer] = PeerLink(peer, same_host, device_pools)  # a new process at the address
+            link = self._links[peer] = PeerLink(
+                peer, same_host, device_pools
+            )  # a new process at the address
         gbps = num_bytes / seconds / 1e9
         link.num_pulls += 1
         link.num_bytes += num_bytes
@@ -96,17 +107,25 @@ class PullLinks:
         link.last_gbps = gbps
         self.on_pull(peer, num_bytes, seconds)
         floor = self.floor.gbps_for(device_pools)
-        if not (same_host and floor and num_bytes >= self.floor.min_mib * 2 ** 20):
+        if not (same_host and floor and num_bytes >= self.floor.min_mib * 2**20):
             return
         link.num_judged += 1
         link.best_gbps = max(link.best_gbps, gbps)
         link.num_below_floor += gbps < floor
         if link.num_judged >= JUDGED_AFTER and link.best_gbps < floor and not link.warned:
             link.warned = True
-            log.warning("KV pulls from %s run at %.2f GB/s at best over %d pulls (the last: %.1f MiB in %.1f ms), "
-                        "under the %.1f GB/s that a healthy path between two %s pools of one host keeps: %s", peer,
-                        link.best_gbps, link.num_judged, num_bytes / 2 ** 20, seconds * 1e3, floor,
-                        "GPU" if device_pools else "host-memory", _likely_cause(device_pools))
+            log.warning(
+                "KV pulls from %s run at %.2f GB/s at best over %d pulls (the last: %.1f MiB in %.1f ms), "
+                "under the %.1f GB/s that a healthy path between two %s pools of one host keeps: %s",
+                peer,
+                link.best_gbps,
+                link.num_judged,
+                num_bytes / 2**20,
+                seconds * 1e3,
+                floor,
+                "GPU" if device_pools else "host-memory",
+                _likely_cause(device_pools),
+            )
 
     def links(self) -> list[PeerLink]:
         return [dataclasses.replace(link) for link in self._links.values()]
@@ -115,8 +134,12 @@ class PullLinks:
 def _likely_cause(device_pools: bool) -> str:
     if device_pools:
         setting = os.environ.get(CUDA_IPC_GET_ZCOPY, "unset")
-        return (f"the bytes likely go over a TCP lane instead of CUDA IPC; UCX's cuda_ipc get path is off without "
-                f"NVLink unless {CUDA_IPC_GET_ZCOPY}=y (here: {setting}; tandem sets y unless the operator set it). "
-                f"Check both workers' environment and UCX_TLS, or run UCX_LOG_LEVEL=info to see the lanes")
-    return ("the bytes likely go over a TCP lane instead of shared memory: check UCX_TLS (it needs sm or posix/cma) "
-            "in both workers' environment, or run UCX_LOG_LEVEL=info to see the lanes")
+        return (
+            f"the bytes likely go over a TCP lane instead of CUDA IPC; UCX's cuda_ipc get path is off without "
+            f"NVLink unless {CUDA_IPC_GET_ZCOPY}=y (here: {setting}; tandem sets y unless the operator set it). "
+            f"Check both workers' environment and UCX_TLS, or run UCX_LOG_LEVEL=info to see the lanes"
+        )
+    return (
+        "the bytes likely go over a TCP lane instead of shared memory: check UCX_TLS (it needs sm or posix/cma) "
+        "in both workers' environment, or run UCX_LOG_LEVEL=info to see the lanes"
+    )

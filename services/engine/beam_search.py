@@ -10,6 +10,7 @@ log-probabilities of its next token, and once every slot has them the group pick
 beams. A new beam forks its parent's KV: the parent's full blocks are shared (their reference
 count grows) and its last, partial block is copied into a block of its own.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ _NEG = -1.0e9  # transformers' "very large negative value"
 class BeamResult:
     """One returned beam: its generated tokens, the sum of their log-probabilities (the beam
     score before the length penalty) and why it ended."""
+
     token_ids: list[int]
     cumulative_logprob: float
     finish_reason: FinishReason
@@ -83,27 +85,45 @@ class BeamGroup:
         """Picks the next beams from every slot's candidates. Returns the new beams as (parent,
         token, accumulated score, slot that will hold it); done is set when the search ends."""
         gen_len = len(self.slots[0].output_token_ids) + 1  # generated tokens once this one is in
-        pool = [_Candidate(self.scores[s] + value, s, token, value,
-                           token in self.eos_ids or gen_len >= self.max_new_tokens)
-                for s in self.slots for value, token in self.candidates[s]]
+        pool = [
+            _Candidate(
+                self.scores[s] + value,
+                s,
+                token,
+                value,
+                token in self.eos_ids or gen_len >= self.max_new_tokens,
+            )
+            for s in self.slots
+            for value, token in self.candidates[s]
+        ]
         # A stable sort by score: slots in order, each slot's candidates most likely first.
         pool.sort(key=lambda c: -c.score)
-        pool = pool[:self.num_candidates]
+        pool = pool[: self.num_candidates]
         self.candidates.clear()
-        running = sorted(pool, key=lambda c: -(c.score + (_NEG if c.hits_stop else 0.0)))[:self.width]
+        running = sorted(pool, key=lambda c: -(c.score + (_NEG if c.hits_stop else 0.0)))[
+            : self.width
+        ]
         self._update_finished(pool, gen_len)
         lp = self.options.length_penalty
         running_top = running[0].score + (_NEG if running[0].hits_stop else 0.0)
-        best_len = (self.max_new_tokens if self.early_stopping == "never" and lp > 0.0 else gen_len)
-        best_possible = running_top / best_len ** lp
+        best_len = self.max_new_tokens if self.early_stopping == "never" and lp > 0.0 else gen_len
+        best_possible = running_top / best_len**lp
         all_finished = all(f.is_finished for f in self.finished)
         worst = min(f.score for f in self.finished) if all_finished else _NEG
         self.improvable = self.improvable and best_possible > worst
-        self.done = (not self.improvable or (all_finished and self.early_stopping is True)
-                     or all(c.hits_stop for c in pool))
-        return [(c.parent, c.token, c.score, slot) for c, slot in zip(running, self._slots_for(len(running)))]
+        self.done = (
+            not self.improvable
+            or (all_finished and self.early_stopping is True)
+            or all(c.hits_stop for c in pool)
+        )
+        return [
+            (c.parent, c.token, c.score, slot)
+            for c, slot in zip(running, self._slots_for(len(running)))
+        ]
 
-    def advance(self, new: list[tuple[Sequence, int, float, Sequence]], block_manager) -> list[tuple[int, int]]:
+    def advance(
+        self, new: list[tuple[Sequence, int, float, Sequence]], block_manager
+    ) -> list[tuple[int, int]]:
         """Puts the new beams in their slots: the first child of a parent takes over its blocks, the
         others fork them (full blocks shared, the partial one copied); a parent with no child gives
         its blocks back. Returns the block copies [(source, destination)] the device must make."""
@@ -115,16 +135,33 @@ class BeamGroup:
                 computed = parent.num_computed_tokens if table or not parent.block_table else 0
             else:
                 inherited.add(id(parent))
-                table, hashes, computed = parent.block_table, parent.block_hashes, parent.num_computed_tokens
-            contents.append((slot, parent.output_token_ids + [token], score,
-                             self.token_logprobs[parent] + [score - self.scores[parent]], table, hashes, computed))
+                table, hashes, computed = (
+                    parent.block_table,
+                    parent.block_hashes,
+                    parent.num_computed_tokens,
+                )
+            contents.append(
+                (
+                    slot,
+                    parent.output_token_ids + [token],
+                    score,
+                    self.token_logprobs[parent] + [score - self.scores[parent]],
+                    table,
+                    hashes,
+                    computed,
+                )
+            )
         for parent in self.scores:
             if id(parent) not in inherited:
                 block_manager.free(parent.block_table)
         self.scores, self.token_logprobs = {}, {}
         for slot, outputs, score, logprobs, table, hashes, computed in contents:
             slot.output_token_ids, slot.cumulative_logprob = outputs, score
-            slot.block_table, slot.block_hashes, slot.num_computed_tokens = list(table), list(hashes), computed
+            slot.block_table, slot.block_hashes, slot.num_computed_tokens = (
+                list(table),
+                list(hashes),
+                computed,
+            )
             slot.awaiting_beam = False
             self.scores[slot], self.token_logprobs[slot] = score, logprobs
         return copies
@@ -134,26 +171,39 @@ class BeamGroup:
         entries = list(self.finished)
         for rank, c in enumerate(pool):
             just_finished = c.hits_stop and rank < self.width
-            score = c.score / gen_len ** self.options.length_penalty
+            score = c.score / gen_len**self.options.length_penalty
             if full or not self.improvable or not just_finished:
                 score += _NEG
             result = None
             if just_finished:
                 parent_ids = c.parent.output_token_ids
                 reason = FinishReason.STOP if c.token in self.eos_ids else FinishReason.LENGTH
-                result = BeamResult(parent_ids + [c.token], c.score, reason,
-                                    self.token_logprobs[c.parent] + [c.logprob])
+                result = BeamResult(
+                    parent_ids + [c.token],
+                    c.score,
+                    reason,
+                    self.token_logprobs[c.parent] + [c.logprob],
+                )
             entries.append(_Finished(score, just_finished, result))
-        self.finished = sorted(entries, key=lambda f: -f.score)[:self.width]
+        self.finished = sorted(entries, key=lambda f: -f.score)[: self.width]
 
     def _slots_for(self, count: int) -> list[Sequence]:
         """The sequences that hold the next beams: the live slots, plus new ones after the first step."""
         while len(self.slots) < count:
             root = self.slots[0]
-            self.slots.append(Sequence(root.request_id, root.prompt_token_ids, root.options, priority=root.priority,
-                                       cache_salt=root.cache_salt, status=Status.RUNNING, beam=self))
+            self.slots.append(
+                Sequence(
+                    root.request_id,
+                    root.prompt_token_ids,
+                    root.options,
+                    priority=root.priority,
+                    cache_salt=root.cache_salt,
+                    status=Status.RUNNING,
+                    beam=self,
+                )
+            )
         return self.slots[:count]
 
     def results(self) -> list[BeamResult]:
         """The n best finished beams, best first (transformers' sequences[:num_return_sequences])."""
-        return [f.result for f in self.finished[:self.options.n] if f.result is not None]
+        return [f.result for f in self.finished[: self.options.n] if f.result is not None]

@@ -3,6 +3,7 @@
 Parameter names are the HF checkpoint's own, so loading is a name-for-name copy and
 a mismatch is reported in the checkpoint's vocabulary.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,9 +55,13 @@ class BertConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads ({self.num_heads})"
+            )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}")
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {sorted(_ACTIVATIONS)}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(_DTYPES)}")
 
@@ -69,26 +74,40 @@ class BertConfig:
         return _DTYPES[self.dtype]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "BertConfig":
+    def from_dict(cls, raw: dict) -> BertConfig:
         architectures = raw.get("architectures") or []
-        if raw.get("model_type") != "bert" or not any(a in ENCODER_ARCHITECTURES for a in architectures):
-            raise ValueError(f"not a BERT encoder: model_type {raw.get('model_type')!r}, architectures {architectures}; "
-                             f"supported: model_type 'bert' with {ENCODER_ARCHITECTURES}")
+        if raw.get("model_type") != "bert" or not any(
+            a in ENCODER_ARCHITECTURES for a in architectures
+        ):
+            raise ValueError(
+                f"not a BERT encoder: model_type {raw.get('model_type')!r}, architectures {architectures}; "
+                f"supported: model_type 'bert' with {ENCODER_ARCHITECTURES}"
+            )
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"unsupported position_embedding_type {raw['position_embedding_type']!r}; only 'absolute'")
+            raise ValueError(
+                f"unsupported position_embedding_type {raw['position_embedding_type']!r}; only 'absolute'"
+            )
         try:
-            return cls(vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-                       num_layers=int(raw["num_hidden_layers"]), num_heads=int(raw["num_attention_heads"]),
-                       intermediate_size=int(raw["intermediate_size"]), hidden_act=raw.get("hidden_act", "gelu"),
-                       max_position_embeddings=int(raw["max_position_embeddings"]),
-                       type_vocab_size=int(raw.get("type_vocab_size", 2)),
-                       layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)), pad_token_id=int(raw.get("pad_token_id") or 0),
-                       dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch."))
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=int(raw["num_attention_heads"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                hidden_act=raw.get("hidden_act", "gelu"),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                type_vocab_size=int(raw.get("type_vocab_size", 2)),
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                pad_token_id=int(raw.get("pad_token_id") or 0),
+                dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix(
+                    "torch."
+                ),
+            )
         except KeyError as exc:
             raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "BertConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> BertConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json in {model_dir}")
@@ -120,10 +139,16 @@ class _SelfAttention(nn.Module):
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+
         # attend: [batch, 1, 1, seq_len] bool, True where the key is a real token. Every row
         # has at least one real token, so no softmax row is all -inf.
-        out = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
-                                             attn_mask=attend, scale=1.0 / math.sqrt(self.head_dim))
+        out = F.scaled_dot_product_attention(
+            heads(self.query(x)),
+            heads(self.key(x)),
+            heads(self.value(x)),
+            attn_mask=attend,
+            scale=1.0 / math.sqrt(self.head_dim),
+        )
         return out.transpose(1, 2).reshape(batch, seq_len, hidden)
 
 
@@ -175,7 +200,11 @@ class _Embeddings(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + self.position_embeddings(positions)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(positions)
+        )
         return self.LayerNorm(x)
 
 
@@ -189,8 +218,12 @@ class BertEncoder(nn.Module):
         self.encoder = _Encoder(config)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids)
@@ -200,8 +233,9 @@ class BertEncoder(nn.Module):
         return x
 
 
-def load_bert(model_dir: str | Path, dtype: torch.dtype | None = None,
-              device: str | torch.device = "cpu") -> tuple[BertEncoder, BertConfig]:
+def load_bert(
+    model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> tuple[BertEncoder, BertConfig]:
     """Builds the encoder from config.json and *.safetensors; ValueError names missing / unexpected tensors."""
     model_dir = Path(model_dir)
     config = BertConfig.from_pretrained(model_dir)
@@ -215,15 +249,19 @@ def load_bert(model_dir: str | Path, dtype: torch.dtype | None = None,
     missing = sorted(shapes.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - shapes.keys() - set(_UNUSED_TENSORS))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {model_dir} does not match BertModel: "
-                         f"missing tensors {missing}, unexpected tensors {unexpected}")
+        raise ValueError(
+            f"checkpoint {model_dir} does not match BertModel: "
+            f"missing tensors {missing}, unexpected tensors {unexpected}"
+        )
     dtype = dtype or config.torch_dtype
     state = {}
     for name, shape in shapes.items():
         tensor = tensors[name]
         if tensor.shape != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} in {model_dir}, "
-                             f"config.json implies {tuple(shape)}")
+            raise ValueError(
+                f"tensor {name} has shape {tuple(tensor.shape)} in {model_dir}, "
+                f"config.json implies {tuple(shape)}"
+            )
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval(), config

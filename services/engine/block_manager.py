@@ -7,6 +7,7 @@ with equal weights. A freed block keeps
 its hash and stays findable until the allocator reuses it, least recently freed
 first; that is when it leaves the cache (a "removed" KV event).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,7 +34,9 @@ class BlockManager:
         self._block_hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}
         # KV events in TensorRT-LLM's schema, drained by the engine.
-        self.events: list[dict] = [{"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}]
+        self.events: list[dict] = [
+            {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}
+        ]
         self.num_cache_hits = 0  # blocks served from the cache
         self.num_new_blocks = 0  # blocks handed out fresh (their KV computed or pulled anew)
         # vLLM's prefix cache metrics, in tokens: looked up, and found cached.
@@ -77,8 +80,9 @@ class BlockManager:
                 self._free[b] = None
 
     # -- prefix cache --
-    def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int,
-                     lora: str | None = None) -> tuple[list[int], list[int]]:
+    def match_prefix(
+        self, token_ids: list[int], salt: str | None, max_tokens: int, lora: str | None = None
+    ) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of token_ids (at most max_tokens tokens) under
         this salt and adapter fingerprint: (block ids, their hashes)."""
         blocks: list[int] = []
@@ -88,7 +92,7 @@ class BlockManager:
         bs = self.block_size
         parent = None
         for start in range(0, (max_tokens // bs) * bs, bs):
-            h = chain_hash(parent, token_ids[start:start + bs], salt, lora)
+            h = chain_hash(parent, token_ids[start : start + bs], salt, lora)
             block = self._by_hash.get(h)
             if block is None:
                 break
@@ -101,7 +105,9 @@ class BlockManager:
         """Free-list blocks that taking cached_blocks plus num_new_blocks fresh ones consumes."""
         return sum(1 for b in cached_blocks if self._ref_counts[b] == 0) + num_new_blocks
 
-    def take_cached(self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int) -> None:
+    def take_cached(
+        self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int
+    ) -> None:
         """Gives seq the cached prefix blocks: their KV counts as computed. num_queried_tokens:
         how many of its tokens the lookup was for (the prefix cache's queries)."""
         for b in blocks:
@@ -145,10 +151,22 @@ class BlockManager:
                 self._by_hash[h] = block
                 self._block_hash[block] = h
                 # One event per block: its parent is exact even when a neighbour was cached already.
-                self.events.append({"type": "stored", "parent_hash": parent, "blocks": [{
-                    "type": "stored_block", "block_hash": h,
-                    "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
-                    "lora_id": seq.adapter.int_id if seq.adapter is not None else None, "cache_level": 0, "priority": DEFAULT_PRIORITY}]})
+                self.events.append(
+                    {
+                        "type": "stored",
+                        "parent_hash": parent,
+                        "blocks": [
+                            {
+                                "type": "stored_block",
+                                "block_hash": h,
+                                "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
+                                "lora_id": seq.adapter.int_id if seq.adapter is not None else None,
+                                "cache_level": 0,
+                                "priority": DEFAULT_PRIORITY,
+                            }
+                        ],
+                    }
+                )
             parent = h
 
     def _evict(self, block: int) -> None:
@@ -175,7 +193,9 @@ class BlockManager:
     # -- per-sequence helpers --
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra blocks seq needs so that num_new_tokens more tokens have KV slots."""
-        return max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        return max(
+            0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        )
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.allocate(self.blocks_needed(seq, num_new_tokens)))

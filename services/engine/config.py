@@ -1,4 +1,5 @@
 """The engine's one configuration object, validated at construction."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,38 +9,68 @@ from pathlib import Path
 def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
     """A field that is also a command-line flag of every engine-running command (tandem serve,
     tandem up): services/cli/flags.py builds the flags from this metadata, the one definition."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "argparse": argparse_kwargs})
+    return dataclasses.field(
+        default=default, metadata={"help": help, "flag": flag, "argparse": argparse_kwargs}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model_dir: str = _flag(None, "Hugging Face checkpoint directory or .gguf file "
-                                      "(default: SmolLM2-135M-Instruct)", flag="--model")
-    block_size: int = _flag(16, "tokens per KV block: the unit of allocation, prefix caching and transfer")
+    model_dir: str = _flag(
+        None,
+        "Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)",
+        flag="--model",
+    )
+    block_size: int = _flag(
+        16, "tokens per KV block: the unit of allocation, prefix caching and transfer"
+    )
     num_blocks: int = _flag(0, "KV blocks in the pool (0: size it from --kv-cache-gb)")
-    kv_cache_memory_gb: float = _flag(0.25, "memory for the KV pool when --num-blocks is 0", flag="--kv-cache-gb")
+    kv_cache_memory_gb: float = _flag(
+        0.25, "memory for the KV pool when --num-blocks is 0", flag="--kv-cache-gb"
+    )
     # Continuous batching limits: sequences per step and tokens per step (the chunked-prefill budget).
     max_num_seqs: int = _flag(64, "sequences per engine step")
     max_num_batched_tokens: int = _flag(2048, "token budget per step (chunked prefill)")
     max_model_len: int = _flag(0, "context length (0: the model's max_position_embeddings)")
-    dtype: str = _flag("auto", "weights and KV dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    dtype: str = _flag(
+        "auto", "weights and KV dtype", choices=["auto", "float32", "float16", "bfloat16"]
+    )
     device: str = _flag("cpu", "cpu, cuda or cuda:N")
     seed: int = _flag(0, "seed of unseeded sampling")
-    kv_lease_seconds: float = _flag(30.0, "prefill: seconds a handed-off KV stays pinned waiting for the decode side")
-    enable_prefix_caching: bool = _flag(True, "do not reuse the KV of prompt prefixes seen before",
-                                        flag="--no-prefix-caching")
-    enforce_eager: bool = _flag(False, "run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes")
-    max_loras: int = _flag(4, "LoRA adapters held on the device at once (the adapter pool's slots; a batch mixes "
-                              "at most this many; 0: refuse lora_request)")
-    max_lora_rank: int = _flag(16, "largest LoRA rank the adapter pool holds (lower ranks are zero-padded to it)")
-    tensor_parallel_size: int = _flag(1, "ranks (GPUs) the worker spans: one process each, the model's heads, "
-                                         "intermediate size and vocabulary split across them")
-    overlap_scheduling: bool = _flag(True, "read each step's tokens back before scheduling the next (no overlap of "
-                                           "host and device work)", flag="--no-overlap-scheduling")
+    kv_lease_seconds: float = _flag(
+        30.0, "prefill: seconds a handed-off KV stays pinned waiting for the decode side"
+    )
+    enable_prefix_caching: bool = _flag(
+        True, "do not reuse the KV of prompt prefixes seen before", flag="--no-prefix-caching"
+    )
+    enforce_eager: bool = _flag(
+        False, "run decode steps eagerly instead of replaying CUDA graphs of padded batch sizes"
+    )
+    max_loras: int = _flag(
+        4,
+        "LoRA adapters held on the device at once (the adapter pool's slots; a batch mixes "
+        "at most this many; 0: refuse lora_request)",
+    )
+    max_lora_rank: int = _flag(
+        16, "largest LoRA rank the adapter pool holds (lower ranks are zero-padded to it)"
+    )
+    tensor_parallel_size: int = _flag(
+        1,
+        "ranks (GPUs) the worker spans: one process each, the model's heads, "
+        "intermediate size and vocabulary split across them",
+    )
+    overlap_scheduling: bool = _flag(
+        True,
+        "read each step's tokens back before scheduling the next (no overlap of "
+        "host and device work)",
+        flag="--no-overlap-scheduling",
+    )
 
     def __post_init__(self):
         if not self.model_dir or not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(f"model_dir {self.model_dir!r} has no config.json: give a Hugging Face checkpoint directory")
+            raise ValueError(
+                f"model_dir {self.model_dir!r} has no config.json: give a Hugging Face checkpoint directory"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -50,13 +81,19 @@ class EngineConfig:
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
-                             f"{self.max_lora_rank}")
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.max_loras:
-            raise ValueError(f"LoRA adapters are not supported with tensor_parallel_size > 1 (the adapter pool "
-                             f"is not sharded): give --max-loras 0 with --tensor-parallel-size "
-                             f"{self.tensor_parallel_size}")
+            raise ValueError(
+                f"LoRA adapters are not supported with tensor_parallel_size > 1 (the adapter pool "
+                f"is not sharded): give --max-loras 0 with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}"
+            )
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )

@@ -8,12 +8,13 @@ buffers (step_inputs.py); a step then fills the buffers and replays one graph.
 Prefill and mixed steps stay eager. On the CPU there is nothing to capture: the same
 function runs directly, so CI runs the padded decode path the GPU replays.
 """
+
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,8 +31,13 @@ class DecodeGraphs:
     """forward(batch_size) -> logits [batch_size, vocab], computed from the persistent buffers.
     prepare_dummy(batch_size) fills those buffers with inputs that are safe to run (no KV stored)."""
 
-    def __init__(self, forward: Callable[[int], torch.Tensor], prepare_dummy: Callable[[int], None],
-                 max_batch_size: int, device: torch.device):
+    def __init__(
+        self,
+        forward: Callable[[int], torch.Tensor],
+        prepare_dummy: Callable[[int], None],
+        max_batch_size: int,
+        device: torch.device,
+    ):
         self.forward = forward
         self.prepare_dummy = prepare_dummy
         self.sizes = capture_sizes(max_batch_size)
@@ -64,14 +70,20 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the worker's other threads may touch CUDA (NIXL, the gRPC loop) meanwhile.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 self._logits[size] = self.forward(size)
             pool = graph.pool() if pool is None else pool
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.sizes),
-                 self.sizes, self.capture_seconds)
+        log.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            self.capture_seconds,
+        )
 
     def run(self, size: int) -> torch.Tensor:
         """Logits [size, vocab] of the step in the buffers."""

@@ -5,6 +5,7 @@ queue; one thread owns the LLMEngine, applies the commands between steps, runs t
 and hands each step's outputs back to the loop with call_soon_threadsafe. A slow client
 never stalls a step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,13 +14,25 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.messages import (AbortRequest, AddRequest, CheckIdle, EngineFailure, FreeBlocks, ReadCounters,
-                                    ReleaseMemory, RemoteKvArrived, ResumeMemory, StepOutput, SwapWeights,
-                                    WeightsChecksum)
+from tandem.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CheckIdle,
+    EngineFailure,
+    FreeBlocks,
+    ReadCounters,
+    ReleaseMemory,
+    RemoteKvArrived,
+    ResumeMemory,
+    StepOutput,
+    SwapWeights,
+    WeightsChecksum,
+)
 
 log = logging.getLogger("tandem.engine_core")
 
@@ -52,9 +65,14 @@ class JsonBuffer:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, stats_history: int = 1000,
-                 on_stats: Callable[[dict], None] | None = None,
-                 on_kv_events: Callable[[list[dict]], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        stats_history: int = 1000,
+        on_stats: Callable[[dict], None] | None = None,
+        on_kv_events: Callable[[list[dict]], None] | None = None,
+    ):
         self.engine = engine
         self.loop = loop
         # Called on the loop with each batch of KV events (the worker's KV block feed), as on_stats.
@@ -72,7 +90,8 @@ class EngineCore:
         # Seconds each request admitted since the last stats record waited in the command queue.
         self._new_request_waits: list[float] = []
         self._handlers = {
-            AddRequest: self._add, AbortRequest: lambda c: engine.abort_request(c.request_id),
+            AddRequest: self._add,
+            AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
             CheckIdle: lambda c: engine.require_idle(c.what),
@@ -143,7 +162,11 @@ class EngineCore:
 
     def _apply_commands(self, first_wait: float | None) -> None:
         try:
-            item = self._commands.get(timeout=first_wait) if first_wait else self._commands.get_nowait()
+            item = (
+                self._commands.get(timeout=first_wait)
+                if first_wait
+                else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -174,10 +197,25 @@ class EngineCore:
         e = self.engine
         self._new_request_waits.append(time.monotonic() - command.enqueued_at)
         if command.remote_kv:
-            return e.add_remote_kv_request(command.request_id, command.prompt_token_ids, command.output_token_ids,
-                                           command.options, command.priority, command.cache_salt, command.adapter)
-        e.add_request(command.request_id, command.prompt_token_ids, command.options, command.phase,
-                      command.priority, command.cache_salt, command.output_token_ids, command.adapter)
+            return e.add_remote_kv_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.output_token_ids,
+                command.options,
+                command.priority,
+                command.cache_salt,
+                command.adapter,
+            )
+        e.add_request(
+            command.request_id,
+            command.prompt_token_ids,
+            command.options,
+            command.phase,
+            command.priority,
+            command.cache_salt,
+            command.output_token_ids,
+            command.adapter,
+        )
         return None
 
     def _step(self) -> None:
@@ -226,7 +264,13 @@ class EngineCore:
             return
         events = []
         for data in self.engine.block_manager.drain_events():
-            events.append({"event_id": self._next_event_id, "data": data, "window_size": self.engine.max_model_len})
+            events.append(
+                {
+                    "event_id": self._next_event_id,
+                    "data": data,
+                    "window_size": self.engine.max_model_len,
+                }
+            )
             self._next_event_id += 1
         self.loop.call_soon_threadsafe(self._push_kv_events, events)
 

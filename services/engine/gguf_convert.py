@@ -7,6 +7,7 @@ the tokenizer, GetTokenizer, the KV layout hash, update_weights) then reads a pl
 checkpoint directory. Names and the Q/K un-permutation follow transformers' GGUF loader
 (integrations/ggml.py, modeling_gguf_pytorch_utils.py), which is the oracle in the tests.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,11 @@ from tandem.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
 # Bump when the conversion changes: cached directories of an older version are not reused.
 CONVERTER_VERSION = 1
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # GGUF `<arch>.<key>` -> config.json key.
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -37,12 +42,23 @@ _CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -51,7 +67,9 @@ def _reader(path: Path):
     try:
         from gguf import GGUFReader
     except ImportError as exc:
-        raise ValueError("loading a .gguf checkpoint needs the `gguf` package: pip install gguf") from exc
+        raise ValueError(
+            "loading a .gguf checkpoint needs the `gguf` package: pip install gguf"
+        ) from exc
     try:
         return GGUFReader(str(path))
     except (ValueError, OSError) as exc:
@@ -59,22 +77,40 @@ def _reader(path: Path):
 
 
 def _metadata(reader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.")
+    }
 
 
 def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}")
-    if meta.get(f"{arch}.rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF checkpoints with rope scaling (rope_freqs, rope.scaling.*) are not supported")
-    config: dict[str, Any] = {"architectures": [_ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
-                              "torch_dtype": "float32", "use_cache": True}
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    if (
+        meta.get(f"{arch}.rope.scaling.type") not in (None, "none")
+        or "rope_freqs.weight" in tensor_names
+    ):
+        raise ValueError(
+            "GGUF checkpoints with rope scaling (rope_freqs, rope.scaling.*) are not supported"
+        )
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
     for key, hf_key in _CONFIG_KEYS.items():
         if f"{arch}.{key}" in meta:
             config[hf_key] = meta[f"{arch}.{key}"]
     if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens): tandem serves text models only")
+        raise ValueError(
+            "the GGUF file has no tokenizer (tokenizer.ggml.tokens): tandem serves text models only"
+        )
     config.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
     # head_dim: llama.cpp's key_length when present, else the rotary dimension (transformers reads
     # rope.dimension_count for llama), else hidden_size / heads.
@@ -86,8 +122,11 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         config.update(attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+    for name, key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         if f"tokenizer.ggml.{key}" in meta:
             config[name] = meta[f"tokenizer.ggml.{key}"]
     return config
@@ -96,7 +135,9 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
 def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves each q/k head's two rotary halves; undo it."""
     half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def _hf_tensor_name(name: str) -> str:
@@ -112,6 +153,7 @@ def _hf_tensor_name(name: str) -> str:
 
 def hf_tensors(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     from gguf import dequantize
+
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = {}
     for tensor in reader.tensors:
@@ -133,7 +175,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     reader = _reader(Path(gguf_path))
     meta = _metadata(reader)
     config = hf_config(meta, {t.name for t in reader.tensors})
-    tokenizer_meta = {k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokenizer_meta = {
+        k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")
+    }
     tokenizer = build_tokenizer(tokenizer_meta)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,10 +186,18 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     tokenizer.save(str(out / "tokenizer.json"))
     tok_config = tokenizer_config(tokenizer_meta, config["max_position_embeddings"])
     _write_json(out / "tokenizer_config.json", tok_config)
-    _write_json(out / "special_tokens_map.json",
-                {k: v for k, v in tok_config.items() if k in ("bos_token", "eos_token", "unk_token", "pad_token")})
-    _write_json(out / "generation_config.json",
-                {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            k: v
+            for k, v in tok_config.items()
+            if k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        },
+    )
+    _write_json(
+        out / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
+    )
     return out
 
 

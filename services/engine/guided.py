@@ -6,6 +6,7 @@ accepts each drawn token.
 
 xgrammar is imported on first use: a worker without it serves every other request.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,18 +18,31 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as exc:  # pragma: no cover - the Makefile installs it
-        raise NotImplementedError("guided_decoding needs the xgrammar package on the worker") from exc
+        raise NotImplementedError(
+            "guided_decoding needs the xgrammar package on the worker"
+        ) from exc
     return xgrammar
 
 
 class GuideCompiler:
     """Compiles guides for one tokenizer (compiled grammars are cached by xgrammar)."""
 
-    def __init__(self, tokenizer_json: str, encoded_vocab: list[str], vocab_size: int, stop_token_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        encoded_vocab: list[str],
+        vocab_size: int,
+        stop_token_ids: list[int],
+    ):
         xgr = _xgrammar()
         metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
-        info = xgr.TokenizerInfo(encoded_vocab, vocab_type=metadata["vocab_type"], vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids), add_prefix_space=metadata["add_prefix_space"])
+        info = xgr.TokenizerInfo(
+            encoded_vocab,
+            vocab_type=metadata["vocab_type"],
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids),
+            add_prefix_space=metadata["add_prefix_space"],
+        )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
 
     def compile(self, kind: str, value):

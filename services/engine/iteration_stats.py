@@ -1,5 +1,6 @@
 """One engine iteration as TensorRT-LLM reports it: its IterationStats keys (the JSON schema of
 cpp/tensorrt_llm/executor/jsonSerialization.cpp), plus tandem's cachedBlocks."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,9 @@ def iteration_stats(engine: LLMEngine, outputs: list[StepOutput], queue_waits: l
         "timestamp": datetime.now().strftime("%m-%d-%Y %H:%M:%S.%f"),
         "iter": engine.counters.num_steps,
         "iterLatencyMS": engine.counters.last_step_seconds * 1e3,
-        "newActiveRequestsQueueLatencyMS": sum(queue_waits) / len(queue_waits) * 1e3 if queue_waits else 0.0,
+        "newActiveRequestsQueueLatencyMS": sum(queue_waits) / len(queue_waits) * 1e3
+        if queue_waits
+        else 0.0,
         "numNewActiveRequests": len(queue_waits),
         "numActiveRequests": engine.num_unfinished,
         "numQueuedRequests": len(engine.scheduler.waiting),
@@ -34,17 +37,25 @@ def iteration_stats(engine: LLMEngine, outputs: list[StepOutput], queue_waits: l
         "maxNumTokensRuntime": config.max_num_batched_tokens,
         **memory_usage(config.device),
         "kvCacheStats": {
-            "maxNumBlocks": bm.num_blocks, "freeNumBlocks": bm.num_free_blocks,
-            "usedNumBlocks": bm.num_blocks - bm.num_free_blocks, "tokensPerBlock": bm.block_size,
-            "allocTotalBlocks": bm.num_cache_hits + num_missed, "allocNewBlocks": num_missed,
-            "reusedBlocks": bm.num_cache_hits, "missedBlocks": num_missed,
+            "maxNumBlocks": bm.num_blocks,
+            "freeNumBlocks": bm.num_free_blocks,
+            "usedNumBlocks": bm.num_blocks - bm.num_free_blocks,
+            "tokensPerBlock": bm.block_size,
+            "allocTotalBlocks": bm.num_cache_hits + num_missed,
+            "allocNewBlocks": num_missed,
+            "reusedBlocks": bm.num_cache_hits,
+            "missedBlocks": num_missed,
             "cacheHitRate": bm.num_cache_hits / max(1, bm.num_cache_hits + num_missed),
             "cachedBlocks": bm.num_cached_blocks,
         },
         "staticBatchingStats": None,  # in-flight batching only
         # One token per generation request and step: no pipeline micro-batches, no speculative decoding.
-        "inflightBatchingStats": dict(engine.counters.last_batch, numPausedRequests=0, microBatchId=0,
-                                      avgNumDecodedTokensPerIter=1.0),
+        "inflightBatchingStats": dict(
+            engine.counters.last_batch,
+            numPausedRequests=0,
+            microBatchId=0,
+            avgNumDecodedTokensPerIter=1.0,
+        ),
         "specDecodingStats": None,
     }
 

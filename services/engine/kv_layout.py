@@ -1,4 +1,5 @@
 """What a worker's KV blocks look like, and the hash two workers compare before a handoff."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,11 +13,16 @@ def kv_layout(model_dir: str, config: ModelConfig, dtype_name: str, block_size: 
     """The fields that must agree for one worker's KV blocks to be usable by another. The model's
     config.json digest stands for "the same model": same shapes with other weights would be wrong KV."""
     config_digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
-    return {"model_config_sha256": config_digest, "model_type": config.model_type, "num_layers": config.num_layers,
-            "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "dtype": dtype_name,
-            "block_size": block_size}
+    return {
+        "model_config_sha256": config_digest,
+        "model_type": config.model_type,
+        "num_layers": config.num_layers,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "dtype": dtype_name,
+        "block_size": block_size,
+    }
 
 
 def layout_hash(layout: dict) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:32]
-

@@ -4,6 +4,7 @@ A follower's pool lives in memory rank 0 can map: on the CPU a file in /dev/shm 
 processes map (rank 0 unlinks it once mapped, so nothing outlives the processes); on a GPU the
 follower's allocation, exported as a CUDA IPC handle through the ranks' store (JSON, no pickle).
 """
+
 from __future__ import annotations
 
 import json

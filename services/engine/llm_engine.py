@@ -1,13 +1,14 @@
 """Requests in, per-step outputs out. Single-threaded: the worker's engine thread owns it."""
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import time
-
-import torch
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 
 from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
 from tandem.engine.beam_search import BeamGroup
@@ -48,6 +49,7 @@ class LeaseTable(Protocol):
 @dataclass
 class InFlightStep:
     """A step queued on the device: its batch, the sequences that draw a token, their draws."""
+
     batch: ScheduledBatch
     sampled: list[Sequence]
     draws: SampledBatch | None
@@ -81,9 +83,15 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.runner.lora_pool)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.runner.lora_pool,
+        )
         self.counters = EngineCounters()
         # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
         self.leases = leases
@@ -122,15 +130,19 @@ class LLMEngine:
         if num_prompt_tokens >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {num_prompt_tokens} tokens; the model's context is {self.max_model_len} "
-                f"tokens and at least one must be left to generate")
+                f"tokens and at least one must be left to generate"
+            )
         if self.block_manager.num_blocks_for(num_prompt_tokens + 1) > self.block_manager.num_blocks:
             raise PromptNeverFitsError(
                 f"the prompt needs {self.block_manager.num_blocks_for(num_prompt_tokens + 1)} KV blocks; "
-                f"the pool has {self.block_manager.num_blocks}")
+                f"the pool has {self.block_manager.num_blocks}"
+            )
         if vocab_ids:
             bad = [t for t in vocab_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError(f"token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
+                raise ValueError(
+                    f"token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}"
+                )
 
     def check_options(self, options: SamplingOptions) -> None:
         """Token ids in the options index the logits: out of range they would fail a whole step."""
@@ -142,68 +154,136 @@ class LLMEngine:
         if bad:
             raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
         if options.embedding_bias and len(options.embedding_bias) != vocab:
-            raise ValueError(f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}")
+            raise ValueError(
+                f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}"
+            )
         if self.config.tensor_parallel_size > 1:
             # Rank 0 alone reads prompt rows (a gathered LM head) and copies forked beams' KV.
-            asked = [name for name, on in (("prompt_logprobs", bool(options.prompt_logprobs)),
-                                           ("return_context_logits", options.return_context_logits),
-                                           ("use_beam_search", options.beam_width > 1)) if on]
+            asked = [
+                name
+                for name, on in (
+                    ("prompt_logprobs", bool(options.prompt_logprobs)),
+                    ("return_context_logits", options.return_context_logits),
+                    ("use_beam_search", options.beam_width > 1),
+                )
+                if on
+            ]
             if asked:
-                raise NotImplementedError(f"{', '.join(asked)} on a tensor-parallel worker is not supported yet; "
-                                          "send it to a worker with --tensor-parallel-size 1")
+                raise NotImplementedError(
+                    f"{', '.join(asked)} on a tensor-parallel worker is not supported yet; "
+                    "send it to a worker with --tensor-parallel-size 1"
+                )
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions, phase: Phase,
-                      priority: float, cache_salt: str | None, output_token_ids: list[int] | None,
-                      adapter: LoRAAdapter | None) -> Sequence:
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        phase: Phase,
+        priority: float,
+        cache_salt: str | None,
+        output_token_ids: list[int] | None,
+        adapter: LoRAAdapter | None,
+    ) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         output_token_ids = list(output_token_ids or ())
-        self.check_prompt(len(prompt_token_ids) + len(output_token_ids), list(prompt_token_ids) + output_token_ids)
+        self.check_prompt(
+            len(prompt_token_ids) + len(output_token_ids), list(prompt_token_ids) + output_token_ids
+        )
         self.check_options(options)
         if phase is Phase.CONTEXT_ONLY and self.leases is None:
-            raise PreconditionError("this engine keeps no KV leases (not a prefill worker): it cannot run "
-                                    "context_only requests")
+            raise PreconditionError(
+                "this engine keeps no KV leases (not a prefill worker): it cannot run "
+                "context_only requests"
+            )
         if adapter is not None and self.runner.lora_pool is None:
-            raise PreconditionError(f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}")
-        return Sequence(request_id, list(prompt_token_ids), options, phase=phase, priority=priority,
-                        cache_salt=cache_salt, output_token_ids=output_token_ids, adapter=adapter,
-                        perf=SequencePerf() if options.return_perf_metrics else None)
+            raise PreconditionError(
+                f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}"
+            )
+        return Sequence(
+            request_id,
+            list(prompt_token_ids),
+            options,
+            phase=phase,
+            priority=priority,
+            cache_salt=cache_salt,
+            output_token_ids=output_token_ids,
+            adapter=adapter,
+            perf=SequencePerf() if options.return_perf_metrics else None,
+        )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
-                    phase: Phase = Phase.CONTEXT_AND_GENERATION, priority: float = 0.5,
-                    cache_salt: str | None = None, output_token_ids: list[int] | None = None,
-                    adapter: LoRAAdapter | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        phase: Phase = Phase.CONTEXT_AND_GENERATION,
+        priority: float = 0.5,
+        cache_salt: str | None = None,
+        output_token_ids: list[int] | None = None,
+        adapter: LoRAAdapter | None = None,
+    ) -> Sequence:
         """output_token_ids: tokens already generated elsewhere (a handoff computed here instead of pulled).
         adapter: the request's LoRA adapter (lora_adapter.AdapterStore.load), or None for the base model."""
-        seq = self._new_sequence(request_id, prompt_token_ids, options, phase, priority, cache_salt, output_token_ids,
-                                 adapter)
+        seq = self._new_sequence(
+            request_id,
+            prompt_token_ids,
+            options,
+            phase,
+            priority,
+            cache_salt,
+            output_token_ids,
+            adapter,
+        )
         if options.beam_width > 1:
             if phase is not Phase.CONTEXT_AND_GENERATION or output_token_ids:
-                raise NotImplementedError("use_beam_search runs on an aggregated worker, from the prompt")
+                raise NotImplementedError(
+                    "use_beam_search runs on an aggregated worker, from the prompt"
+                )
             if adapter is not None:
-                raise NotImplementedError("use_beam_search with a lora_request is not supported yet: send one or "
-                                          "the other")
+                raise NotImplementedError(
+                    "use_beam_search with a lora_request is not supported yet: send one or "
+                    "the other"
+                )
             seq.beam = BeamGroup(seq, options.end_ids, self.max_model_len)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def add_remote_kv_request(self, request_id: str, prompt_token_ids: list[int], first_token_ids: list[int],
-                              options: SamplingOptions, priority: float = 0.5,
-                              cache_salt: str | None = None, adapter: LoRAAdapter | None = None) -> ImportPlan | None:
+    def add_remote_kv_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_ids: list[int],
+        options: SamplingOptions,
+        priority: float = 0.5,
+        cache_salt: str | None = None,
+        adapter: LoRAAdapter | None = None,
+    ) -> ImportPlan | None:
         """A generation_only sequence whose prompt KV comes from a prefill worker: allocates its blocks
         and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
         prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
         into which of ours. None when the pool cannot hold the prompt now (the caller then computes
         the prompt here instead)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, options, Phase.GENERATION_ONLY, priority, cache_salt,
-                                 first_token_ids, adapter)
+        seq = self._new_sequence(
+            request_id,
+            prompt_token_ids,
+            options,
+            Phase.GENERATION_ONLY,
+            priority,
+            cache_salt,
+            first_token_ids,
+            adapter,
+        )
         bm = self.block_manager
         if self._in_flight is not None:
             # Blocks freed while a step was in flight (an abort, a preemption) may still be written
             # by it; the KV pulled into them arrives outside the device's stream order.
             self.runner.synchronize()
-        cached, hashes = bm.match_prefix(seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens, seq.lora_fingerprint)
+        cached, hashes = bm.match_prefix(
+            seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens, seq.lora_fingerprint
+        )
         # Room for the first generated token's KV too: a parked sequence that still needed a block
         # could wait behind a preempted sequence that needs the same blocks, forever.
         num_blocks = bm.num_blocks_for(seq.num_prompt_tokens + 1)
@@ -216,7 +296,10 @@ class LLMEngine:
         seq.status = Status.WAITING_FOR_REMOTE_KV
         self._seqs[request_id] = seq
         num_prompt_blocks = bm.num_blocks_for(seq.num_prompt_tokens)
-        return ImportPlan(num_cached_blocks=len(cached), block_ids=seq.block_table[len(cached):num_prompt_blocks])
+        return ImportPlan(
+            num_cached_blocks=len(cached),
+            block_ids=seq.block_table[len(cached) : num_prompt_blocks],
+        )
 
     def remote_kv_arrived(self, request_id: str) -> None:
         """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding."""
@@ -250,8 +333,9 @@ class LLMEngine:
         weights in the current pool."""
         busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
         if busy:
-            raise PreconditionError(f"{busy} requests or KV handoffs are in flight; call pause_generation "
-                                    f"before {what}")
+            raise PreconditionError(
+                f"{busy} requests or KV handoffs are in flight; call pause_generation before {what}"
+            )
 
     def swap_weights(self, model, source: str) -> None:
         """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
@@ -283,7 +367,14 @@ class LLMEngine:
 
     @property
     def released_tags(self) -> list[str]:
-        return [t for t, gone in (("model", self.runner.model is None), ("kv_cache", self.runner.kv_cache is None)) if gone]
+        return [
+            t
+            for t, gone in (
+                ("model", self.runner.model is None),
+                ("kv_cache", self.runner.kv_cache is None),
+            )
+            if gone
+        ]
 
     def weights_checksum(self) -> str:
         if self.runner.model is None:
@@ -297,15 +388,26 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         bm, c, runner = self.block_manager, self.counters, self.runner
         return EngineSnapshot(
-            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, num_unfinished=self.num_unfinished,
+            num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_unfinished=self.num_unfinished,
             num_waiting_for_remote_kv=self.num_waiting_for_remote_kv,
-            num_prompt_tokens_computed=c.num_prompt_tokens_computed, num_generated_tokens=c.num_generated_tokens,
-            num_steps=c.num_steps, weight_bytes=runner.weight_bytes, kv_cache_bytes=runner.kv_cache_bytes,
-            weights_source=runner.weights_source, weights_version=runner.weights_version,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions, num_prefix_query_tokens=bm.num_prefix_query_tokens,
+            num_prompt_tokens_computed=c.num_prompt_tokens_computed,
+            num_generated_tokens=c.num_generated_tokens,
+            num_steps=c.num_steps,
+            weight_bytes=runner.weight_bytes,
+            kv_cache_bytes=runner.kv_cache_bytes,
+            weights_source=runner.weights_source,
+            weights_version=runner.weights_version,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_query_tokens=bm.num_prefix_query_tokens,
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            lora_adapters=tuple((a.name, a.int_id, a.path) for a in runner.lora_pool.resident) if runner.lora_pool else ())
+            lora_adapters=tuple((a.name, a.int_id, a.path) for a in runner.lora_pool.resident)
+            if runner.lora_pool
+            else (),
+        )
 
     # -- the step: schedule -> run -> postprocess --
     def step(self) -> list[StepOutput]:
@@ -316,10 +418,14 @@ class LLMEngine:
         late ids end has computed one row to throw away."""
         outputs: list[StepOutput] = []
         if self._in_flight is not None and self._in_flight.needs_ids:
-            outputs += self._postprocess(self._in_flight)  # penalties count the ids: read them first
+            outputs += self._postprocess(
+                self._in_flight
+            )  # penalties count the ids: read them first
             self._in_flight = None
         batch = self.scheduler.schedule()
-        self._current_batches = [batch] if self._in_flight is None else [batch, self._in_flight.batch]
+        self._current_batches = (
+            [batch] if self._in_flight is None else [batch, self._in_flight.batch]
+        )
         previous, self._in_flight = self._in_flight, self._launch(batch)
         if previous is not None:
             outputs += self._postprocess(previous)
@@ -354,7 +460,9 @@ class LLMEngine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             computed = seq.num_computed_tokens
             if computed < seq.num_prompt_tokens:
-                self.counters.num_prompt_tokens_computed += min(seq.num_prompt_tokens, computed + num_new) - computed
+                self.counters.num_prompt_tokens_computed += (
+                    min(seq.num_prompt_tokens, computed + num_new) - computed
+                )
             seq.num_computed_tokens = computed + num_new
         self.block_manager.register_computed_blocks(batch.seqs)
         for seq in sampled:
@@ -370,10 +478,13 @@ class LLMEngine:
             appended: list[Sequence] = []
             ranks = result.ranks or [None] * len(step.sampled)
             logits_rows = result.logits_rows
-            for k, (seq, token_id, logprob, top, rank) in enumerate(zip(step.sampled, result.token_ids, result.logprobs,
-                                                                        result.top_logprobs, ranks)):
+            for k, (seq, token_id, logprob, top, rank) in enumerate(
+                zip(step.sampled, result.token_ids, result.logprobs, result.top_logprobs, ranks)
+            ):
                 seq.num_pending_tokens -= 1
-                if seq.is_finished:  # aborted, or ended by its previous token, while this one was drawn
+                if (
+                    seq.is_finished
+                ):  # aborted, or ended by its previous token, while this one was drawn
                     continue
                 if seq.beam is not None:  # its candidates wait for the other beams'
                     seq.beam.record(seq, *result.beam_candidates[k])
@@ -384,18 +495,31 @@ class LLMEngine:
                     out.generation_logits = [logits_rows[k]]
                 outputs.append(out)
                 appended.append(seq)
-            self.block_manager.register_computed_blocks(appended)  # the blocks their tokens complete, now known
+            self.block_manager.register_computed_blocks(
+                appended
+            )  # the blocks their tokens complete, now known
             for group in beams.values():
                 root = self._seqs.get(group.request_id)
-                if root is not None and root.perf is not None:  # a beam step draws the request's next token
+                if (
+                    root is not None and root.perf is not None
+                ):  # a beam step draws the request's next token
                     root.perf.token_drawn(step.iteration)
-            outputs += [out for group in beams.values() if group.ready for out in self._beam_step(group)]
+            outputs += [
+                out for group in beams.values() if group.ready for out in self._beam_step(group)
+            ]
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None,
-                      ranks: dict[int, int] | None = None, iteration: int = 0) -> StepOutput:
+    def _append_token(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float,
+        top: dict[int, float] | None,
+        ranks: dict[int, int] | None = None,
+        iteration: int = 0,
+    ) -> StepOutput:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.perf is not None:
@@ -404,14 +528,20 @@ class LLMEngine:
         seq.output_logprobs.append(top)
         seq.cumulative_logprob += logprob
         self.counters.num_generated_tokens += 1
-        seq.finish_reason, seq.stop_token_id = natural_finish(seq.options, seq.num_prompt_tokens,
-                                                              seq.output_token_ids, self.max_model_len)
-        if seq.guide_matcher is not None and not seq.guide_matcher.accept_token(token_id) \
-                and seq.finish_reason is None:
+        seq.finish_reason, seq.stop_token_id = natural_finish(
+            seq.options, seq.num_prompt_tokens, seq.output_token_ids, self.max_model_len
+        )
+        if (
+            seq.guide_matcher is not None
+            and not seq.guide_matcher.accept_token(token_id)
+            and seq.finish_reason is None
+        ):
             seq.finish_reason = FinishReason.STOP  # nothing more can follow the guide
         bm = self.block_manager
         if seq.finish_reason is None and seq.num_tokens > bm.num_blocks * bm.block_size:
-            seq.finish_reason = FinishReason.LENGTH  # the whole KV pool cannot hold the next step's KV
+            seq.finish_reason = (
+                FinishReason.LENGTH
+            )  # the whole KV pool cannot hold the next step's KV
         # A context_only sequence ends here with its first token, whether or not that token ends it
         # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.
         lease = None
@@ -422,13 +552,26 @@ class LLMEngine:
         if finished:
             self._finish(seq)
         first = seq.num_output_tokens == 1
-        out = StepOutput(seq.request_id, [token_id], [top], seq.cumulative_logprob, finished,
-                         seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
-                         lease, [ranks], seq.prompt_logprobs if first and seq.options.prompt_logprobs else None)
+        out = StepOutput(
+            seq.request_id,
+            [token_id],
+            [top],
+            seq.cumulative_logprob,
+            finished,
+            seq.finish_reason,
+            seq.stop_token_id,
+            seq.num_prompt_tokens,
+            seq.num_cached_prompt_tokens,
+            lease,
+            [ranks],
+            seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
+        )
         if first and seq.context_logits:
             out.context_logits = torch.cat(seq.context_logits)
         if seq.perf is not None:  # on every output: a stop string or an abort may end it next
-            out.perf = dataclasses.replace(seq.perf)  # a copy: the loop reads it, this thread owns seq
+            out.perf = dataclasses.replace(
+                seq.perf
+            )  # a copy: the loop reads it, this thread owns seq
         return out
 
     def _beam_step(self, group: BeamGroup) -> list[StepOutput]:
@@ -437,12 +580,26 @@ class LLMEngine:
         new = group.step()
         if group.done:
             root = self._seqs.get(group.request_id)  # the slots share its id: gone once they finish
-            perf = dataclasses.replace(root.perf) if root is not None and root.perf is not None else None
+            perf = (
+                dataclasses.replace(root.perf)
+                if root is not None and root.perf is not None
+                else None
+            )
             for slot in group.slots:
                 self._finish(slot)
             self._seqs.pop(group.request_id, None)
-            return [StepOutput(group.request_id, [], [], 0.0, True, FinishReason.STOP, beams=group.results(),
-                               perf=perf)]
+            return [
+                StepOutput(
+                    group.request_id,
+                    [],
+                    [],
+                    0.0,
+                    True,
+                    FinishReason.STOP,
+                    beams=group.results(),
+                    perf=perf,
+                )
+            ]
         copies = group.advance(new, self.block_manager)
         for slot in group.slots:
             if slot not in self.scheduler.running and slot not in self.scheduler.waiting:

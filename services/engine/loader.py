@@ -1,4 +1,5 @@
 """Builds a CausalLM from an HF checkpoint directory (*.safetensors) and sizes its KV cache."""
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,9 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    model_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
     tp: TensorParallel = TensorParallel(),
 ) -> tuple[CausalLM, ModelConfig]:
     """tp: the rank whose share of the weights to keep (parallel.py); every rank reads the whole
@@ -77,21 +80,27 @@ def load_model(
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(wanted - tensors.keys())
     unexpected = sorted(
-        k for k in tensors.keys() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES))
+        k for k in tensors.keys() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES)
+    )
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {model_dir} does not match {config.model_type}: "
-            f"missing tensors {missing}, unexpected tensors {unexpected}")
+            f"missing tensors {missing}, unexpected tensors {unexpected}"
+        )
 
     shapes = dict((name, param.shape) for name, param in model.named_parameters())
     state = {}
     for name, parts in expected.items():
-        tensor = shard_parameter(name, torch.cat([tensors.pop(p) for p in parts]), config, tp.rank, tp.size)
+        tensor = shard_parameter(
+            name, torch.cat([tensors.pop(p) for p in parts]), config, tp.rank, tp.size
+        )
         if tensor.shape != shapes[name]:
             raise ValueError(
                 f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}"
-                + (f" (rank {tp.rank} of {tp.size})" if tp.is_parallel else "") + ", "
-                f"config.json implies {tuple(shapes[name])}")
+                + (f" (rank {tp.rank} of {tp.size})" if tp.is_parallel else "")
+                + ", "
+                f"config.json implies {tuple(shapes[name])}"
+            )
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers are still on the meta device; rebuild them for real.
@@ -100,8 +109,12 @@ def load_model(
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int,
-    dtype: torch.dtype | None = None, device: str | torch.device = "cpu", tp_size: int = 1,
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp_size: int = 1,
 ) -> torch.Tensor:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads / tp_size, head_dim], zeroed: a rank
     holds the KV of its own heads.
@@ -113,5 +126,14 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype or config.torch_dtype, device=device)
 
 
-def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads // tp_size, config.head_dim)
+def kv_cache_shape(
+    config: ModelConfig, num_blocks: int, block_size: int, tp_size: int = 1
+) -> tuple[int, ...]:
+    return (
+        num_blocks,
+        config.num_layers,
+        2,
+        block_size,
+        config.num_kv_heads // tp_size,
+        config.head_dim,
+    )

@@ -13,6 +13,7 @@ The bookkeeping (which adapter is in which slot, pins, recency) is the engine th
 like the block manager's; the copies run on the engine's stream, after any step already
 queued there, so a step in flight reads a slot's old adapter to the end.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,19 @@ log = logging.getLogger("tandem.lora")
 
 
 class LoRAPool:
-    def __init__(self, modules: dict[str, LoRAModule], num_layers: int, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        modules: dict[str, LoRAModule],
+        num_layers: int,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         if num_slots < 1 or max_rank < 1:
-            raise ValueError(f"a LoRA pool needs slots and a rank >= 1, got {num_slots} and {max_rank}")
+            raise ValueError(
+                f"a LoRA pool needs slots and a rank >= 1, got {num_slots} and {max_rank}"
+            )
         self.modules = modules
         self.num_layers = num_layers
         self.num_slots = num_slots
@@ -43,7 +53,9 @@ class LoRAPool:
         self._adapters: list[LoRAAdapter | None] = [None] * num_slots
         self._slot_of: dict[tuple[int, str], int] = {}  # LoRAAdapter.key -> slot
         self._pins = [0] * num_slots
-        self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unpinned slots, least recently used first
+        self._idle: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # resident, unpinned slots, least recently used first
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -53,7 +65,9 @@ class LoRAPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values()))
+        return sum(
+            t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values())
+        )
 
     @property
     def resident(self) -> list[LoRAAdapter]:
@@ -99,12 +113,28 @@ class LoRAPool:
 
     def _allocate(self) -> None:
         for kind, m in self.modules.items():
-            self.a[kind] = torch.zeros(self.num_layers, self.num_slots, m.num_slices * self.max_rank, m.in_features,
-                                       dtype=self.dtype, device=self.device)
-            self.b[kind] = torch.zeros(self.num_layers, self.num_slots, m.slice_bounds[-1], self.max_rank,
-                                       dtype=self.dtype, device=self.device)
-        log.info("allocated the LoRA pool: %d slots of rank %d, %.1f MB", self.num_slots, self.max_rank,
-                 self.nbytes / 1e6)
+            self.a[kind] = torch.zeros(
+                self.num_layers,
+                self.num_slots,
+                m.num_slices * self.max_rank,
+                m.in_features,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self.b[kind] = torch.zeros(
+                self.num_layers,
+                self.num_slots,
+                m.slice_bounds[-1],
+                self.max_rank,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        log.info(
+            "allocated the LoRA pool: %d slots of rank %d, %.1f MB",
+            self.num_slots,
+            self.max_rank,
+            self.nbytes / 1e6,
+        )
 
     def _install(self, adapter: LoRAAdapter, slot: int) -> None:
         if not self.is_allocated:
@@ -143,4 +173,6 @@ class LoRABatch:
     def apply(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, out] (the base projection of x [T, in]) += the LoRA of each token's adapter, in place."""
         buf = kernels.lora_shrink(x, self.pool.a[kind][layer], self.meta)
-        kernels.lora_expand(buf, self.pool.b[kind][layer], self.meta, y, self.pool.modules[kind].slice_bounds)
+        kernels.lora_expand(
+            buf, self.pool.b[kind][layer], self.meta, y, self.pool.modules[kind].slice_bounds
+        )

@@ -4,6 +4,7 @@ Plain dataclasses, one per message, as mini-sglang's message/backend.py keeps th
 gRPC side puts commands on EngineCore's queue; the engine thread applies them between
 steps in arrival order and answers the ones that have a reply.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,6 +26,7 @@ class AddRequest:
     reserves blocks for it and parks it as WAITING_FOR_REMOTE_KV; the reply is the ImportPlan
     (where to pull the KV into), or None when the pool cannot hold the prompt now.
     """
+
     request_id: str
     prompt_token_ids: list[int]
     options: SamplingOptions
@@ -42,18 +44,21 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     """Stop a sequence wherever it is (queued, running, waiting for its KV) and free its blocks."""
+
     request_id: str
 
 
 @dataclass(frozen=True)
 class RemoteKvArrived:
     """A WAITING_FOR_REMOTE_KV sequence's prompt KV has landed in its blocks: schedule it."""
+
     request_id: str
 
 
 @dataclass(frozen=True)
 class FreeBlocks:
     """Blocks handed out under a lease (a finished context phase) come back to the pool."""
+
     block_ids: list[int]
 
 
@@ -61,6 +66,7 @@ class FreeBlocks:
 @dataclass(frozen=True)
 class CheckIdle:
     """Raise PreconditionError naming `what` unless no request runs and no KV lease is out."""
+
     what: str
 
 
@@ -94,6 +100,7 @@ class WeightsChecksum:
 @dataclass
 class Lease:
     """KV blocks a finished context phase keeps for the decode side, until released or expired."""
+
     lease_id: int
     block_ids: list[int]
     expires_at: float
@@ -102,6 +109,7 @@ class Lease:
 @dataclass
 class StepOutput:
     """What one step produced for one sequence."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float] | None]
@@ -134,6 +142,7 @@ class StepOutput:
 class ImportPlan:
     """Where a generation_only request's KV goes: the first num_cached_blocks prompt blocks were
     found in our prefix cache; the prefill's remaining blocks are pulled into block_ids."""
+
     num_cached_blocks: int
     block_ids: list[int]
 
@@ -141,12 +150,14 @@ class ImportPlan:
 @dataclass
 class EngineFailure:
     """Delivered to a request's stream when the engine could not run it."""
+
     error: BaseException
 
 
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Counters of the engine at one point between steps."""
+
     num_total_blocks: int
     num_free_blocks: int
     num_unfinished: int

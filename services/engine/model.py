@@ -7,6 +7,7 @@ Under tensor parallelism (parallel.py) each rank builds the layers of its share:
 slice of the intermediate size and of the vocabulary; o_proj, down_proj and the embedding end in
 an all-reduce, the logits in an all-gather.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -58,16 +61,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to the context length, looked up per token by the KV-store kernel."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         # Computed where the model runs: cos/sin there round as transformers' per-step ones do.
         inv_freq = rope_inv_freq(config).to(device)
-        self.register_buffer("cos_sin", rope_cos_sin(inv_freq, config.max_position_embeddings,
-                                                     dtype or config.torch_dtype), persistent=False)
+        self.register_buffer(
+            "cos_sin",
+            rope_cos_sin(inv_freq, config.max_position_embeddings, dtype or config.torch_dtype),
+            persistent=False,
+        )
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
@@ -76,8 +89,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.has_o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -86,8 +101,13 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        meta: AttentionMetadata, kv_layer: torch.Tensor, lora=None,
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_layer: torch.Tensor,
+        lora=None,
     ) -> torch.Tensor:
         qkv = kernels.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
         if lora is not None:
@@ -111,7 +131,9 @@ def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: s
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
@@ -124,19 +146,25 @@ class MLP(nn.Module):
         if lora is None:
             down = kernels.silu_mul_linear(gate_up, self.down_proj.weight)
         else:  # the down adapters read the activation
-            down = _project(self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj")
+            down = _project(
+                self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj"
+            )
         return self.tp.all_reduce(down)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer_index, tp)
 
-    def forward(self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the MLP's output and the residual stream before it; the next layer's norm adds them
         (the residual adds ride in the norm kernels)."""
         if residual is None:
@@ -159,7 +187,9 @@ class CausalLM(nn.Module):
         self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.size)[0]
         vocab_rows = -(-config.vocab_size // tp.size)
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, index, tp) for index in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index, tp) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
@@ -169,19 +199,27 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, kv_cache: torch.Tensor, lora=None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        lora=None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]; writes the KV of all T tokens.
         lora: the step's LoRABatch, or None when no token uses an adapter."""
         if self.tp.is_parallel:
-            hidden = vocab_parallel_embedding(input_ids, self.embed_tokens.weight, self.vocab_start, self.tp)
+            hidden = vocab_parallel_embedding(
+                input_ids, self.embed_tokens.weight, self.vocab_start, self.tp
+            )
         else:
             hidden = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.rotary.cos_sin
         for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora)
+            hidden, residual = layer(
+                hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora
+            )
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
@@ -190,4 +228,6 @@ class CausalLM(nn.Module):
         if not self.tp.is_parallel:
             return kernels.linear(hidden, weight).float()
         # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
-        return self.tp.gather_last_dim(kernels.linear(hidden, weight))[:, :self.config.vocab_size].float()
+        return self.tp.gather_last_dim(kernels.linear(hidden, weight))[
+            :, : self.config.vocab_size
+        ].float()

@@ -1,4 +1,5 @@
 """Model hyperparameters read from a Hugging Face `config.json`."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,16 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
     if rope_type == "default":
         return float(theta), None
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    for key in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ):
         if key not in params:
             raise ValueError(f"llama3 rope scaling is missing {key!r}")
     params["rope_type"] = "llama3"
@@ -68,7 +75,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(_DTYPES)}")
 
@@ -82,22 +90,26 @@ class ModelConfig:
         return self.attention_bias and self.model_type != "qwen2"
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         expected_arch = SUPPORTED_ARCHITECTURES[model_type]
         architectures = raw.get("architectures") or [expected_arch]
         if expected_arch not in architectures:
             raise ValueError(
                 f"unsupported architectures {architectures!r} for model_type {model_type!r}; "
-                f"expected {expected_arch}")
+                f"expected {expected_arch}"
+            )
         hidden_size = int(_require(raw, "hidden_size"))
         num_heads = int(_require(raw, "num_attention_heads"))
         rope_theta, rope_scaling = _parse_rope(raw)
         eos = raw.get("eos_token_id")
-        eos_token_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        eos_token_ids = tuple(
+            int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        )
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if model_type == "qwen2":
             attention_bias = True  # hard-wired in Qwen2; its config has no flag for it
@@ -125,7 +137,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json in {model_dir}")

@@ -9,6 +9,7 @@ decode steps with adapters replay graphs too: a second set, captured with the Lo
 kernels on the first such step (a step without adapters keeps the plain graphs and
 pays nothing for LoRA).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,16 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.common.exceptions import PreconditionError
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
-from tandem.engine.kv_layout import kv_layout
 from tandem.engine.guided import allowed_bitmask, new_matcher
+from tandem.engine.kv_layout import kv_layout
 from tandem.engine.kv_share import allocate_shared
 from tandem.engine.loader import allocate_kv_cache, kv_cache_shape, load_model
 from tandem.engine.logits_masks import banned_ids
 from tandem.engine.lora_adapter import lora_modules
 from tandem.engine.lora_pool import LoRABatch, LoRAPool
-from tandem.common.exceptions import PreconditionError
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, check_divisible
 from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
@@ -42,9 +43,11 @@ log = logging.getLogger("tandem.model_runner")
 @dataclass
 class PromptRows:
     """What a step computed of a sequence's prompt positions for its prompt outputs."""
+
     num_positions: int
     logprobs: list[PositionLogprobs]  # top prompt_logprobs per position ([] when not asked)
     logits: torch.Tensor | None  # [positions, vocab] float32 on the host (return_context_logits)
+
 
 # The history and the banned ids of a row whose options need neither (most rows): shared, never
 # mutated, so a step builds nothing for them.
@@ -52,8 +55,19 @@ _NO_IDS: list[int] = []
 _NONE_BANNED: frozenset[int] = frozenset()
 
 # What must agree for new weights to replace the served ones.
-_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+_SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qk_norm",
+)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -69,12 +83,19 @@ def _check_context_length(model_config: ModelConfig, max_model_len: int) -> None
     long prompt mid-step (an IndexError, INTERNAL to its client)."""
     limit = model_config.max_position_embeddings
     if max_model_len > limit:
-        raise ValueError(f"max_model_len {max_model_len} is more than this model's max_position_embeddings "
-                         f"({limit}): give --max-model-len {limit} or less (0: the model's own)")
+        raise ValueError(
+            f"max_model_len {max_model_len} is more than this model's max_position_embeddings "
+            f"({limit}): give --max-model-len {limit} or less (0: the model's own)"
+        )
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, kv_share_path: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallel | None = None,
+        kv_share_path: str | None = None,
+    ):
         """tp: this process's rank when it is a follower (tp_follower.py); rank 0 passes None and
         starts the followers itself when config.tensor_parallel_size > 1. kv_share_path: a CPU
         follower's KV pool file, which rank 0 maps (kv_share.py)."""
@@ -83,7 +104,9 @@ class ModelRunner:
         self.followers: FollowerRanks | None = None
         # Rank 0's views of the followers' KV pools: its one NIXL agent registers them with its own.
         self.follower_pools: list[torch.Tensor] = []
-        if tp is None:  # what the model cannot do is refused here, before weights load or any rank starts
+        if (
+            tp is None
+        ):  # what the model cannot do is refused here, before weights load or any rank starts
             model_config = ModelConfig.from_pretrained(config.model_dir)
             _check_context_length(model_config, config.max_model_len)
             if config.tensor_parallel_size > 1:
@@ -98,30 +121,47 @@ class ModelRunner:
             raise
         if self.followers is not None:
             self.followers.wait_loaded()
-            self.follower_pools = self.followers.map_pools(tuple(self.kv_cache.shape), self.dtype, self.device)
+            self.follower_pools = self.followers.map_pools(
+                tuple(self.kv_cache.shape), self.dtype, self.device
+            )
 
     def _build(self, config: EngineConfig) -> None:
         self.device = _resolve_device(config.device)
         check_settings(self.device)
         self.bind_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model, self.model_config = load_model(config.model_dir, dtype=dtype, device=self.device, tp=self.tp)
+        self.model, self.model_config = load_model(
+            config.model_dir, dtype=dtype, device=self.device, tp=self.tp
+        )
         self.dtype = next(self.model.parameters()).dtype
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
         self.weights_version = 0
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.num_blocks = config.num_blocks or self._num_blocks_for_memory(config.kv_cache_memory_gb)
+        self.num_blocks = config.num_blocks or self._num_blocks_for_memory(
+            config.kv_cache_memory_gb
+        )
         self.kv_cache = self._allocate_kv_cache()
         max_num_seqs = config.max_num_seqs
         self.lora_pool = None
         if config.max_loras:
-            self.lora_pool = LoRAPool(lora_modules(self.model_config), self.model_config.num_layers, config.max_loras,
-                                      config.max_lora_rank, self.dtype, self.device)
-        self.inputs = InputBuffers(max(config.max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                   -(-self.max_model_len // self.block_size) + 1, self.block_size, self.device,
-                                   config.max_loras)
+            self.lora_pool = LoRAPool(
+                lora_modules(self.model_config),
+                self.model_config.num_layers,
+                config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
+        self.inputs = InputBuffers(
+            max(config.max_num_batched_tokens, max_num_seqs),
+            max_num_seqs,
+            -(-self.max_model_len // self.block_size) + 1,
+            self.block_size,
+            self.device,
+            config.max_loras,
+        )
         self.sampler = Sampler(self.model_config.vocab_size, max_num_seqs, self.device, config.seed)
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None
@@ -133,12 +173,20 @@ class ModelRunner:
         if config.enforce_eager:
             pass
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
-            log.warning("decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly")
+            log.warning(
+                "decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly"
+            )
         else:
-            self.graphs = DecodeGraphs(self._decode_logits, self.inputs.fill_dummy, max_num_seqs, self.device)
+            self.graphs = DecodeGraphs(
+                self._decode_logits, self.inputs.fill_dummy, max_num_seqs, self.device
+            )
             if self.lora_pool is not None:
-                self.lora_graphs = DecodeGraphs(lambda size: self._decode_logits(size, with_lora=True),
-                                                self.inputs.fill_dummy, max_num_seqs, self.device)
+                self.lora_graphs = DecodeGraphs(
+                    lambda size: self._decode_logits(size, with_lora=True),
+                    self.inputs.fill_dummy,
+                    max_num_seqs,
+                    self.device,
+                )
 
     def precompile_kernels(self) -> float:
         """Compiles the attention variants eager steps can launch (paged_attention_triton), so no
@@ -146,17 +194,28 @@ class ModelRunner:
         if self.device.type != "cuda" or backend_for(self.device) != "triton":
             return 0.0
         from tandem.kernels.paged_attention_triton import precompile_eager_variants
+
         started = time.perf_counter()
-        precompile_eager_variants(self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype)
+        precompile_eager_variants(
+            self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype
+        )
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
     def _allocate_kv_cache(self):
         if self.kv_share_path is not None:
-            shape = kv_cache_shape(self.model_config, self.num_blocks, self.block_size, self.tp.size)
+            shape = kv_cache_shape(
+                self.model_config, self.num_blocks, self.block_size, self.tp.size
+            )
             return allocate_shared(shape, self.dtype, self.kv_share_path)
-        return allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                                 self.tp.size)
+        return allocate_kv_cache(
+            self.model_config,
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.tp.size,
+        )
 
     @property
     def kv_pools(self) -> list[torch.Tensor]:
@@ -171,8 +230,10 @@ class ModelRunner:
     def require_single_rank(self, what: str) -> None:
         """Refuses what the follower ranks cannot follow yet (new weights, released memory)."""
         if self.tp.is_parallel:
-            raise PreconditionError(f"{what} is not supported with tensor_parallel_size={self.tp.size} "
-                                    f"(the follower ranks would keep the old weights and memory)")
+            raise PreconditionError(
+                f"{what} is not supported with tensor_parallel_size={self.tp.size} "
+                f"(the follower ranks would keep the old weights and memory)"
+            )
 
     def close(self) -> None:
         """Stops the follower ranks (rank 0 of a tensor-parallel engine); nothing to do otherwise."""
@@ -198,7 +259,9 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         if self.model is None:
             return 0
-        tensors = {t.data_ptr(): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        tensors = {
+            t.data_ptr(): t for t in list(self.model.parameters()) + list(self.model.buffers())
+        }
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @property
@@ -229,10 +292,15 @@ class ModelRunner:
         """Loads a checkpoint of this model's architecture (off the engine thread); swap_weights() installs it."""
         self.require_single_rank("update_weights")
         model, config = load_model(checkpoint_dir, dtype=self.dtype, device=self.device)
-        mismatch = [f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"
-                    for name in _SHAPE_FIELDS if getattr(config, name) != getattr(self.model_config, name)]
+        mismatch = [
+            f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"
+            for name in _SHAPE_FIELDS
+            if getattr(config, name) != getattr(self.model_config, name)
+        ]
         if mismatch:
-            raise ValueError(f"checkpoint {checkpoint_dir} does not fit the served model: " + "; ".join(mismatch))
+            raise ValueError(
+                f"checkpoint {checkpoint_dir} does not fit the served model: " + "; ".join(mismatch)
+            )
         return model
 
     def swap_weights(self, model, source: str) -> None:
@@ -253,7 +321,12 @@ class ModelRunner:
 
     @property
     def kv_layout(self) -> dict:
-        return kv_layout(self.config.model_dir, self.model_config, str(self.dtype).removeprefix("torch."), self.block_size)
+        return kv_layout(
+            self.config.model_dir,
+            self.model_config,
+            str(self.dtype).removeprefix("torch."),
+            self.block_size,
+        )
 
     @property
     def block_nbytes(self) -> int:
@@ -261,10 +334,19 @@ class ModelRunner:
 
     def _num_blocks_for_memory(self, gigabytes: float) -> int:
         mc = self.model_config
-        per_block = mc.num_layers * 2 * self.block_size * self.num_local_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_block = (
+            mc.num_layers
+            * 2
+            * self.block_size
+            * self.num_local_kv_heads
+            * mc.head_dim
+            * self.dtype.itemsize
+        )
         num_blocks = int(gigabytes * (1 << 30)) // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes")
+            raise ValueError(
+                f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes"
+            )
         return num_blocks
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -282,7 +364,10 @@ class ModelRunner:
         if self.graphs is None:
             return None
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens:
+            if (
+                num_new != 1
+                or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens
+            ):
                 return None
         return self.graphs.size_for(len(batch.seqs))
 
@@ -292,14 +377,24 @@ class ModelRunner:
         splits = None
         if self.device.type == "cuda":
             from tandem.kernels.paged_attention_triton import graph_num_splits
+
             splits = graph_num_splits(batch_size, self.num_local_kv_heads, self.device)
         views, meta = self.inputs.graph_metadata(batch_size, splits, self.max_model_len)
-        lora = LoRABatch(self.lora_pool, self.inputs.graph_lora_metadata(batch_size)) if with_lora else None
+        lora = (
+            LoRABatch(self.lora_pool, self.inputs.graph_lora_metadata(batch_size))
+            if with_lora
+            else None
+        )
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache, lora)
         return self.model.compute_logits(hidden)
 
-    def _prompt_rows(self, batch: ScheduledBatch, hidden: torch.Tensor | None, logits: torch.Tensor | None,
-                     seqs: list[Sequence]) -> dict[Sequence, PromptRows]:
+    def _prompt_rows(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor | None,
+        logits: torch.Tensor | None,
+        seqs: list[Sequence],
+    ) -> dict[Sequence, PromptRows]:
         """The prompt positions this step computes for sequences that asked for prompt_logprobs or
         context logits: the top prompt_logprobs of each position's next-token distribution
         (TensorRT-LLM's compute_logprobs over the context logits) and the raw rows. Rare, so read
@@ -311,28 +406,41 @@ class ModelRunner:
             if not seq.needs_prompt_rows:
                 continue
             start = seq.num_computed_tokens  # the step's first position (counted after execute)
-            positions = range(max(start, seq.num_prompt_rows), min(start + num_new, seq.num_prompt_tokens))
+            positions = range(
+                max(start, seq.num_prompt_rows), min(start + num_new, seq.num_prompt_tokens)
+            )
             if not positions:
                 continue
             if hidden is None:  # a decode graph: its one row per sequence is the sampled row
                 rows = logits[[seqs.index(seq)]]
             else:
-                rows = self.model.compute_logits(hidden[rows_start + positions.start - start:
-                                                        rows_start + positions.stop - start])
+                rows = self.model.compute_logits(
+                    hidden[
+                        rows_start + positions.start - start : rows_start + positions.stop - start
+                    ]
+                )
             k = seq.options.prompt_logprobs
-            found[seq] = PromptRows(len(positions), top_logprobs(rows, k) if k else [],
-                                    rows.float().cpu() if seq.options.return_context_logits else None)
+            found[seq] = PromptRows(
+                len(positions),
+                top_logprobs(rows, k) if k else [],
+                rows.float().cpu() if seq.options.return_context_logits else None,
+            )
         return found
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampledBatch | None,
-                                                      dict[Sequence, PromptRows]]:
+    def execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Sequence], SampledBatch | None, dict[Sequence, PromptRows]]:
         """Runs one step and queues the draws of the sequences whose last token it computed.
         Returns those sequences, their draws (still on the device: SampledBatch.to_host()) and the
         prompt outputs of the positions it computed for sequences that asked for them."""
         self.bind_device()
         graph_size = self._graph_size(batch)
-        graphs = self.lora_graphs if any(seq.lora_slot is not None for seq in batch.seqs) else self.graphs
+        graphs = (
+            self.lora_graphs
+            if any(seq.lora_slot is not None for seq in batch.seqs)
+            else self.graphs
+        )
         last_rows, last_tokens = self._last_draws or ({}, None)
         step = self.inputs.pack(batch, graph_size, last_rows)
         if self.followers is not None:
@@ -354,11 +462,22 @@ class ModelRunner:
             bitmask = allowed_bitmask([s.guide_matcher for s in seqs], self.model_config.vocab_size)
         options = [s.options for s in seqs]
         draws = self.sampler.sample(
-            logits, options, drawn,
-            [s.all_token_ids if o.repetition_penalty != 1.0 else _NO_IDS for s, o in zip(seqs, options)],
+            logits,
+            options,
+            drawn,
+            [
+                s.all_token_ids if o.repetition_penalty != 1.0 else _NO_IDS
+                for s, o in zip(seqs, options)
+            ],
             [s.output_token_ids for s in seqs],
-            [banned_ids(o, s.all_token_ids if o.needs_token_ids else _NO_IDS, n) if o.may_ban_tokens else _NONE_BANNED
-             for s, o, n in zip(seqs, options, drawn)], bitmask)
+            [
+                banned_ids(o, s.all_token_ids if o.needs_token_ids else _NO_IDS, n)
+                if o.may_ban_tokens
+                else _NONE_BANNED
+                for s, o, n in zip(seqs, options, drawn)
+            ],
+            bitmask,
+        )
         self.tp.broadcast(draws.token_ids)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
         return seqs, draws, prompt_logprobs
@@ -374,8 +493,9 @@ class ModelRunner:
         tokens = torch.empty(len(step.sample_indices), dtype=torch.int64, device=self.device)
         self._follower_tokens = self.tp.broadcast(tokens)
 
-    def _forward(self, step: PackedStep, graphs: DecodeGraphs | None, last_tokens: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(
+        self, step: PackedStep, graphs: DecodeGraphs | None, last_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's hidden states (None from a decode graph) and the logits of its sampled rows
         (None when no row samples: a prefill chunk)."""
         if step.graph_size is not None:
@@ -385,7 +505,7 @@ class ModelRunner:
             tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
             inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         if step.graph_size is not None:
-            return None, graphs.run(step.graph_size)[:len(step.sample_indices)]
+            return None, graphs.run(step.graph_size)[: len(step.sample_indices)]
         lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
         if not step.sample_indices:

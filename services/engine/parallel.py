@@ -9,6 +9,7 @@ the all-reduce fills, logits are all-gathered). Norms and rotary tables are repl
 Every cut here is a pure function of (tensor, rank, size) so the math is tested without processes.
 A TensorParallel of size 1 is the identity: no collective runs and no tensor is copied.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tandem.engine.model_config import ModelConfig
 class TensorParallel:
     """This process's place in the tensor-parallel group; group is the torch.distributed group of
     the model's collectives (NCCL on GPU, gloo on CPU), None at size 1."""
+
     rank: int = 0
     size: int = 1
     group: Any = None
@@ -67,8 +69,10 @@ def check_divisible(config: ModelConfig, size: int) -> None:
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name}={value}: each rank "
-                             f"must own a whole share (choose a tensor_parallel_size that divides {value})")
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide the model's {name}={value}: each rank "
+                f"must own a whole share (choose a tensor_parallel_size that divides {value})"
+            )
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -110,7 +114,7 @@ def shard_vocab(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     per_rank = -(-vocab // size)
     start, end = vocab_range(vocab, rank, size)
     out = tensor.new_zeros((per_rank,) + tuple(tensor.shape[1:]))
-    out[:end - start] = tensor[start:end]
+    out[: end - start] = tensor[start:end]
     return out
 
 
@@ -119,7 +123,9 @@ def shard_row_bias(bias: torch.Tensor, rank: int) -> torch.Tensor:
     return bias if rank == 0 else torch.zeros_like(bias)
 
 
-def shard_parameter(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
+def shard_parameter(
+    name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int
+) -> torch.Tensor:
     """Rank's share of the full engine parameter `name` (fused names, loader.py)."""
     if size == 1:
         return tensor
@@ -138,8 +144,9 @@ def shard_parameter(name: str, tensor: torch.Tensor, config: ModelConfig, rank: 
     return tensor  # norms: replicated
 
 
-def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
-                             tp: TensorParallel) -> torch.Tensor:
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallel
+) -> torch.Tensor:
     """Embeddings of input_ids from rank shards [per_rank, hidden]: each rank looks up the ids it
     owns (zeros for the others) and the all-reduce adds the one non-zero row per token."""
     if tp.size == 1:

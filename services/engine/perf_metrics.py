@@ -7,6 +7,7 @@ steady clock: a split request's times come from the router, the prefill and the 
 a wall clock compares across processes. Iterations are the engine's step counter (the step that
 launched the work, EngineCounters.iteration).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,9 @@ class SequencePerf:
         self.is_admitted = True
         self.num_total_allocated_blocks = num_prompt_blocks
         self.num_reused_blocks = num_reused_blocks
-        self.num_new_allocated_blocks = self.num_missed_blocks = num_prompt_blocks - num_reused_blocks
+        self.num_new_allocated_blocks = self.num_missed_blocks = (
+            num_prompt_blocks - num_reused_blocks
+        )
 
     def token_drawn(self, iteration: int) -> None:
         now = time.time()

@@ -4,6 +4,7 @@ modules.json lists the pipeline (Transformer -> Pooling -> [Normalize]); the Poo
 module's config.json picks the modes. A directory without modules.json is a plain HF
 checkpoint: sentence-transformers pools those by the mean, unnormalized, and so do we.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,12 @@ class PoolingConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
-            raise ValueError(f"pooling modes must be a non-empty subset of {MODES}, got {self.modes}")
+            raise ValueError(
+                f"pooling modes must be a non-empty subset of {MODES}, got {self.modes}"
+            )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "PoolingConfig":
+    def from_model_dir(cls, model_dir: str | Path) -> PoolingConfig:
         model_dir = Path(model_dir)
         modules_path = model_dir / "modules.json"
         if not modules_path.is_file():
@@ -44,8 +47,10 @@ class PoolingConfig:
                 normalize = True
             elif kind != "Transformer":
                 # A Dense or other head changes the embedding; serving without it would be silently wrong.
-                raise ValueError(f"{modules_path}: unsupported sentence-transformers module {module.get('type')!r}; "
-                                 "supported: Transformer, Pooling, Normalize")
+                raise ValueError(
+                    f"{modules_path}: unsupported sentence-transformers module {module.get('type')!r}; "
+                    "supported: Transformer, Pooling, Normalize"
+                )
         return cls(modes, normalize)
 
 
@@ -53,8 +58,11 @@ def _read_modes(path: Path) -> tuple[str, ...]:
     if not path.is_file():
         raise ValueError(f"pooling config {path} not found (named by modules.json)")
     raw = json.loads(path.read_text())
-    enabled = {key.removeprefix("pooling_mode_").removesuffix("_token").removesuffix("_tokens")
-               for key, on in raw.items() if key.startswith("pooling_mode_") and on}
+    enabled = {
+        key.removeprefix("pooling_mode_").removesuffix("_token").removesuffix("_tokens")
+        for key, on in raw.items()
+        if key.startswith("pooling_mode_") and on
+    }
     unsupported = sorted(enabled - set(MODES))
     if unsupported:
         raise ValueError(f"{path}: unsupported pooling modes {unsupported}; supported: {MODES}")
@@ -70,7 +78,9 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, config: PoolingConf
         if mode == "cls":
             parts.append(hidden[:, 0])
         elif mode == "max":
-            parts.append(hidden.masked_fill(mask == 0, torch.finfo(hidden.dtype).min).max(dim=1).values)
+            parts.append(
+                hidden.masked_fill(mask == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+            )
         elif mode == "mean":
             parts.append((hidden * mask).sum(dim=1) / num_tokens)
         else:  # mean_sqrt_len

@@ -11,6 +11,7 @@ vocab id) computed with integer tensor ops, so its draw depends on nothing else:
 on the batch, not on the device, not on where the request's earlier tokens were
 drawn (a KV handoff or a migration continues the same stream).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,11 +62,13 @@ def hashed_exponential(keys: torch.Tensor, weyl: torch.Tensor) -> torch.Tensor:
     h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
     h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
     h = h ^ (h >> 16)
-    uniform = ((h >> 8).float() + 0.5) * 2.0 ** -24  # 24 bits, strictly inside (0, 1)
+    uniform = ((h >> 8).float() + 0.5) * 2.0**-24  # 24 bits, strictly inside (0, 1)
     return -torch.log(uniform)
 
 
-def _truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _truncation_mask(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """True where a token is cut by top-k, top-p or min-p (each row its own values)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
@@ -84,26 +87,36 @@ PositionLogprobs = tuple[dict[int, float], dict[int, int]]
 def top_logprobs(logits: torch.Tensor, k: int) -> list[PositionLogprobs]:
     """The k most likely tokens of each row's distribution, ranked 1..k (read back to the host)."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return [(dict(zip(i, v)), {t: r + 1 for r, t in enumerate(i)}) for i, v in zip(ids.tolist(), values.tolist())]
+    return [
+        (dict(zip(i, v)), {t: r + 1 for r, t in enumerate(i)})
+        for i, v in zip(ids.tolist(), values.tolist())
+    ]
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).to(device, non_blocking=True)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).to(
+        device, non_blocking=True
+    )
 
 
 @dataclass
 class SampledBatch:
     """One step's draws, still on the device; to_host() waits for them."""
+
     token_ids: torch.Tensor  # int64 [R]
     logprobs: torch.Tensor  # float32 [R]
     options: list[SamplingOptions]
     num_top: int  # columns of the top-logprob block (0: no row asked)
-    host: "_HostBuffers"
+    host: _HostBuffers
     ready: torch.cuda.Event | None = None
     has_ranks: bool = False  # some row asked for logprobs: the sampled tokens' ranks came back
-    beam_block: tuple[torch.Tensor, torch.Tensor] | None = None  # [R, K] values and ids of beam rows
-    logits_block: torch.Tensor | None = None  # raw rows of the rows with return_generation_logits (host)
+    beam_block: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # [R, K] values and ids of beam rows
+    )
+    logits_block: torch.Tensor | None = (
+        None  # raw rows of the rows with return_generation_logits (host)
+    )
 
     def to_host(self) -> SampleResult:
         if self.ready is not None:
@@ -116,8 +129,16 @@ class SampledBatch:
         if self.has_ranks:  # some row asked for logprobs
             values = ids = None
             if self.num_top:
-                values = self.host.top_values[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
-                ids = self.host.top_ids[:num_rows * self.num_top].view(num_rows, self.num_top).tolist()
+                values = (
+                    self.host.top_values[: num_rows * self.num_top]
+                    .view(num_rows, self.num_top)
+                    .tolist()
+                )
+                ids = (
+                    self.host.top_ids[: num_rows * self.num_top]
+                    .view(num_rows, self.num_top)
+                    .tolist()
+                )
             sampled_ranks = self.host.ranks[:num_rows].tolist()
             for row, opt in enumerate(self.options):
                 if opt.logprobs is None:
@@ -125,15 +146,19 @@ class SampledBatch:
                 entry = {token_ids[row]: logprobs[row]}
                 rank = {token_ids[row]: sampled_ranks[row]}
                 if opt.logprobs:
-                    entry.update(zip(ids[row][:opt.logprobs], values[row][:opt.logprobs]))
-                    rank.update((t, i + 1) for i, t in enumerate(ids[row][:opt.logprobs]))
+                    entry.update(zip(ids[row][: opt.logprobs], values[row][: opt.logprobs]))
+                    rank.update((t, i + 1) for i, t in enumerate(ids[row][: opt.logprobs]))
                 top[row] = entry
                 ranks[row] = rank
         candidates: list = []
         if self.beam_block is not None:
             values, ids = (t.tolist() for t in self.beam_block)
-            candidates = [(values[row][:opt.num_beam_candidates], ids[row][:opt.num_beam_candidates])
-                          if opt.beam_width > 1 else None for row, opt in enumerate(self.options)]
+            candidates = [
+                (values[row][: opt.num_beam_candidates], ids[row][: opt.num_beam_candidates])
+                if opt.beam_width > 1
+                else None
+                for row, opt in enumerate(self.options)
+            ]
         rows: list = []
         if self.logits_block is not None:
             wanted = iter(self.logits_block)
@@ -150,6 +175,7 @@ class _HostBuffers:
     def __init__(self, max_rows: int, max_top: int, pin: bool):
         def empty(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
         self.params = empty(len(self.PARAMS), max_rows, dtype=torch.float32)
         self.keys = empty(max_rows, dtype=torch.long)
         self.token_ids = empty(max_rows, dtype=torch.long)
@@ -163,12 +189,16 @@ class _HostBuffers:
 class Sampler:
     MAX_TOP_LOGPROBS = 20  # SamplingOptions bounds logprobs to [0, 20]
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device | str = "cpu", seed: int = 0):
+    def __init__(
+        self, vocab_size: int, max_rows: int, device: torch.device | str = "cpu", seed: int = 0
+    ):
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self._generator = torch.Generator(self.device).manual_seed(seed)
-        self._weyl = (torch.arange(vocab_size, dtype=torch.long, device=self.device) * 0x9E3779B9) & _MASK32
+        self._weyl = (
+            torch.arange(vocab_size, dtype=torch.long, device=self.device) * 0x9E3779B9
+        ) & _MASK32
         pin = self.device.type == "cuda"
         # Two sets used in turn: a step's copies may still be queued while the next one is filled.
         self._host = [_HostBuffers(max_rows, self.MAX_TOP_LOGPROBS, pin) for _ in range(2)]
@@ -178,9 +208,16 @@ class Sampler:
         # id(options.embedding_bias) -> (the values, kept alive so the id stays theirs; on the device)
         self._biases: dict[int, tuple[tuple[float, ...], torch.Tensor]] = {}
 
-    def sample(self, logits: torch.Tensor, options: list[SamplingOptions], token_indices: list[int],
-               histories: list[list[int]], outputs: list[list[int]],
-               blocked: list[frozenset[int]], allowed: torch.Tensor | None = None) -> SampledBatch:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        options: list[SamplingOptions],
+        token_indices: list[int],
+        histories: list[list[int]],
+        outputs: list[list[int]],
+        blocked: list[frozenset[int]],
+        allowed: torch.Tensor | None = None,
+    ) -> SampledBatch:
         """logits [R, V] of R sequences. token_indices: which output token each row draws (its
         seeded noise); histories: prompt + output ids of rows with a repetition penalty (else []);
         outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet;
@@ -195,19 +232,27 @@ class Sampler:
         # that ask for anything beyond a draw are found in one pass; only they are looked at again.
         extras = [row for row, o in enumerate(options) if not o.wants_only_draws]
         penalized = [row for row in extras if options[row].has_penalties]
-        blocked_pairs = [(row, t) for row, ids in enumerate(blocked) for t in ids] if any(blocked) else []
+        blocked_pairs = (
+            [(row, t) for row, ids in enumerate(blocked) for t in ids] if any(blocked) else []
+        )
         biased = [row for row in extras if options[row].embedding_bias]
         logits = raw.clone() if penalized or blocked_pairs or biased else raw
         if allowed is not None:
-            logits = logits.masked_fill(~unpack_bitmask(allowed.to(self.device, non_blocking=True), self.vocab_size),
-                                        float("-inf"))
+            logits = logits.masked_fill(
+                ~unpack_bitmask(allowed.to(self.device, non_blocking=True), self.vocab_size),
+                float("-inf"),
+            )
         if biased:
-            logits[biased] += torch.stack([self._bias(options[row].embedding_bias) for row in biased])
+            logits[biased] += torch.stack(
+                [self._bias(options[row].embedding_bias) for row in biased]
+            )
         if penalized:
             self._apply_penalties(logits, penalized, options, histories, outputs)
         if blocked_pairs:
             rows, ids = zip(*blocked_pairs)
-            logits[torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)] = float("-inf")
+            logits[
+                torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
+            ] = float("-inf")
         # Reported log-probabilities are the raw model's (before penalties, blocking and guides).
         if logits is raw:  # nothing changed the logits: one pass finds the argmax and the lse
             chosen, token_logprobs, lse = kernels.greedy_draw(raw)
@@ -217,23 +262,29 @@ class Sampler:
         is_greedy = all(o.is_greedy for o in options)
         if not is_greedy:
             chosen = self._draw(logits, chosen, options, token_indices, host)
-        if logits is not raw or not is_greedy:  # chosen is not raw's argmax: its logprob is gathered
+        if (
+            logits is not raw or not is_greedy
+        ):  # chosen is not raw's argmax: its logprob is gathered
             token_logprobs = raw.gather(1, chosen[:, None]).squeeze(1) - lse
         host.token_ids[:num_rows].copy_(chosen, non_blocking=True)
         host.logprobs[:num_rows].copy_(token_logprobs, non_blocking=True)
         num_top = max((options[row].logprobs or 0 for row in extras), default=0)
         if num_top:
             values, ids = (raw - lse[:, None]).topk(num_top, dim=-1)
-            host.top_values[:values.numel()].view_as(values).copy_(values, non_blocking=True)
-            host.top_ids[:ids.numel()].view_as(ids).copy_(ids, non_blocking=True)
+            host.top_values[: values.numel()].view_as(values).copy_(values, non_blocking=True)
+            host.top_ids[: ids.numel()].view_as(ids).copy_(ids, non_blocking=True)
         has_ranks = any(options[row].logprobs is not None for row in extras)
         if has_ranks:  # 1 + the tokens the model finds strictly more likely, counted on the device
             sampled_raw = raw.gather(1, chosen[:, None])
             host.ranks[:num_rows].copy_((raw > sampled_raw).sum(dim=-1) + 1, non_blocking=True)
         beam_block = None
-        num_candidates = max((options[row].num_beam_candidates for row in extras if options[row].beam_width > 1),
-                             default=0)
-        if num_candidates:  # log_softmax, then the processors' masks and bias (transformers' beam search)
+        num_candidates = max(
+            (options[row].num_beam_candidates for row in extras if options[row].beam_width > 1),
+            default=0,
+        )
+        if (
+            num_candidates
+        ):  # log_softmax, then the processors' masks and bias (transformers' beam search)
             values, ids = (logits - lse[:, None]).topk(num_candidates, dim=-1)
             beam_block = (values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
         logits_block = None
@@ -244,8 +295,17 @@ class Sampler:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return SampledBatch(chosen, token_logprobs, list(options), num_top, host, ready, has_ranks, beam_block,
-                            logits_block)
+        return SampledBatch(
+            chosen,
+            token_logprobs,
+            list(options),
+            num_top,
+            host,
+            ready,
+            has_ranks,
+            beam_block,
+            logits_block,
+        )
 
     def _bias(self, values: tuple[float, ...]) -> torch.Tensor:
         """A request's embedding bias on the device, built once per request (its options object
@@ -257,27 +317,45 @@ class Sampler:
             self._biases[key] = (values, torch.tensor(values, dtype=torch.float32).to(self.device))
         return self._biases[key][1]
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[int], options: list[SamplingOptions],
-                         histories: list[list[int]], outputs: list[list[int]]) -> None:
+    def _apply_penalties(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        options: list[SamplingOptions],
+        histories: list[list[int]],
+        outputs: list[list[int]],
+    ) -> None:
         vocab = self.vocab_size
         index = torch.tensor(rows, device=self.device)
         sub = logits[index]
         # One spare column takes the padding, so ragged rows scatter without masks.
         seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=self.device)
         seen.scatter_(1, _padded([histories[r] for r in rows], vocab, self.device), True)
-        repetition = torch.tensor([options[r].repetition_penalty for r in rows], device=self.device)[:, None]
+        repetition = torch.tensor(
+            [options[r].repetition_penalty for r in rows], device=self.device
+        )[:, None]
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen[:, :vocab], penalized, sub)
         counts = torch.zeros(len(rows), vocab + 1, device=self.device)
         out_ids = _padded([outputs[r] for r in rows], vocab, self.device)
         counts.scatter_add_(1, out_ids, torch.ones(out_ids.shape, device=self.device))
         counts = counts[:, :vocab]
-        presence = torch.tensor([options[r].presence_penalty for r in rows], device=self.device)[:, None]
-        frequency = torch.tensor([options[r].frequency_penalty for r in rows], device=self.device)[:, None]
+        presence = torch.tensor([options[r].presence_penalty for r in rows], device=self.device)[
+            :, None
+        ]
+        frequency = torch.tensor([options[r].frequency_penalty for r in rows], device=self.device)[
+            :, None
+        ]
         logits[index] = sub - presence * (counts > 0) - frequency * counts
 
-    def _draw(self, logits: torch.Tensor, greedy_choice: torch.Tensor, options: list[SamplingOptions],
-              token_indices: list[int], host: _HostBuffers) -> torch.Tensor:
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        greedy_choice: torch.Tensor,
+        options: list[SamplingOptions],
+        token_indices: list[int],
+        host: _HostBuffers,
+    ) -> torch.Tensor:
         """Random rows draw by the exponential race; greedy rows keep greedy_choice. All rows go
         through the same ops (greedy ones at temperature 1, then discarded): no per-step index tensors."""
         num_rows = len(options)
@@ -302,11 +380,17 @@ class Sampler:
         if any(o.top_k or o.top_p < 1.0 for o in options):
             probs = probs.masked_fill(_truncation_mask(probs, top_k.long(), top_p, min_p), 0.0)
         elif any(o.min_p for o in options):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs.masked_fill(
+                probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0
+            )
         if len(seeded) == sum(not o.is_greedy for o in options):
             noise = hashed_exponential(self._keys[:num_rows], self._weyl)
         else:
             noise = torch.empty_like(probs).exponential_(generator=self._generator)
             if seeded:
-                noise = torch.where(is_seeded[:, None] > 0, hashed_exponential(self._keys[:num_rows], self._weyl), noise)
+                noise = torch.where(
+                    is_seeded[:, None] > 0,
+                    hashed_exponential(self._keys[:num_rows], self._weyl),
+                    noise,
+                )
         return torch.where(is_greedy, greedy_choice, (probs / noise).argmax(dim=-1))

@@ -1,4 +1,5 @@
 """Validated per-request sampling options, the engine's view of SamplingParams."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,7 +53,9 @@ class SamplingOptions:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -76,7 +79,9 @@ class SamplingOptions:
         if any(not w for w in self.bad_words):
             raise ValueError("bad words must not be empty")
         if self.beam_width < 1 or (self.beam_width > 1 and self.n > self.beam_width):
-            raise ValueError(f"beam search returns at most its {self.beam_width} beams, got n={self.n}")
+            raise ValueError(
+                f"beam search returns at most its {self.beam_width} beams, got n={self.n}"
+            )
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
 
@@ -90,19 +95,33 @@ class SamplingOptions:
     def needs_token_ids(self) -> bool:
         """Its next draw depends on the ids drawn so far (not only on how many): an overlapped
         step must read them back first."""
-        return (self.has_penalties or self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
-                or self.guide is not None or self.beam_width > 1)
+        return (
+            self.has_penalties
+            or self.no_repeat_ngram_size > 0
+            or any(len(w) > 1 for w in self.bad_words)
+            or self.guide is not None
+            or self.beam_width > 1
+        )
 
     @cached_property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @cached_property
     def wants_only_draws(self) -> bool:
         """The sampler owes it nothing but the drawn id and its log-probability: no penalty, bias,
         top log-probabilities, beam candidates or logits rows (most requests)."""
-        return not (self.has_penalties or self.embedding_bias or self.logprobs is not None or self.beam_width > 1
-                    or self.return_generation_logits)
+        return not (
+            self.has_penalties
+            or self.embedding_bias
+            or self.logprobs is not None
+            or self.beam_width > 1
+            or self.return_generation_logits
+        )
 
     @cached_property
     def wants_prompt_rows(self) -> bool:

@@ -9,6 +9,7 @@ A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned whi
 runs; when every slot is pinned by other adapters it waits, and the sequences behind
 it that fit go ahead.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,8 +46,13 @@ def _order(seq: Sequence) -> tuple[float, int]:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lora_pool: LoRAPool | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lora_pool: LoRAPool | None = None,
+    ):
         self.block_manager = block_manager
         self.lora_pool = lora_pool
         self.max_num_seqs = max_num_seqs
@@ -101,8 +107,11 @@ class Scheduler:
                 break
             # Preempted while making room for a higher-priority one, ending with its tokens in flight,
             # or a beam whose next token waits for the other beams.
-            if (self.num_preemptions != num_preemptions and seq not in self.running) \
-                    or seq.finishes_when_pending_lands or seq.awaiting_beam:
+            if (
+                (self.num_preemptions != num_preemptions and seq not in self.running)
+                or seq.finishes_when_pending_lands
+                or seq.awaiting_beam
+            ):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new):
@@ -112,11 +121,15 @@ class Scheduler:
             budget -= num_new
         self.waiting.sort(key=_order)
         candidates = [s for s in self.waiting if not s.awaiting_beam]
-        num_active = self.num_active if candidates else 0  # a pass over running: only when someone waits
+        num_active = (
+            self.num_active if candidates else 0
+        )  # a pass over running: only when someone waits
         for seq in candidates:
             if budget <= 0 or num_active >= self.max_num_seqs:
                 break
-            if seq.num_pending_tokens:  # preempted with a draw in flight: its tokens are not all known yet
+            if (
+                seq.num_pending_tokens
+            ):  # preempted with a draw in flight: its tokens are not all known yet
                 break
             num_new = self._admit(seq, budget)
             if num_new is None:
@@ -148,10 +161,14 @@ class Scheduler:
         # At least the last token is computed: its logits are what the step samples from. Prompt
         # logprobs and context logits need every prompt position's logits: nothing comes from the cache then.
         max_cached = 0 if seq.needs_prompt_rows else seq.num_tokens - 1
-        cached, hashes = bm.match_prefix(seq.all_token_ids, seq.cache_salt, max_cached, seq.lora_fingerprint)
+        cached, hashes = bm.match_prefix(
+            seq.all_token_ids, seq.cache_salt, max_cached, seq.lora_fingerprint
+        )
         num_cached = len(cached) * bm.block_size
         num_new = min(seq.num_tokens - num_cached, budget)
-        if not bm.can_allocate(bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))):
+        if not bm.can_allocate(
+            bm.num_free_needed(cached, bm.num_blocks_for(num_cached + num_new) - len(cached))
+        ):
             return None
         if not self._acquire_adapter(seq):
             return _NO_ADAPTER_SLOT

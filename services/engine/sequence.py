@@ -1,4 +1,5 @@
 """The state unit of the engine: one sequence being generated."""
+
 from __future__ import annotations
 
 import enum
@@ -11,6 +12,7 @@ from tandem.engine.sampling_options import SamplingOptions
 
 class Phase(enum.Enum):
     """Which part of the request lifecycle this engine runs (DisaggregatedParams.request_type)."""
+
     CONTEXT_AND_GENERATION = 0
     CONTEXT_ONLY = 1
     GENERATION_ONLY = 2
@@ -32,8 +34,12 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
 
 
-def natural_finish(options: SamplingOptions, num_prompt_tokens: int, output_token_ids: list[int],
-                   max_model_len: int) -> tuple[FinishReason | None, int | None]:
+def natural_finish(
+    options: SamplingOptions,
+    num_prompt_tokens: int,
+    output_token_ids: list[int],
+    max_model_len: int,
+) -> tuple[FinishReason | None, int | None]:
     """How a sequence whose output so far is output_token_ids ends after its last token, by its own
     options: (STOP, the end id) once min_tokens are out, (LENGTH, None) at max_tokens or the model's
     context length, else (None, None)."""
@@ -106,8 +112,8 @@ class Sequence:
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def needs_prompt_rows(self) -> bool:
@@ -141,4 +147,5 @@ class Sequence:
         another step for it would only compute a row to throw away."""
         return self.num_pending_tokens > 0 and (
             self.phase is Phase.CONTEXT_ONLY
-            or self.num_output_tokens + self.num_pending_tokens >= self.options.max_tokens)
+            or self.num_output_tokens + self.num_pending_tokens >= self.options.max_tokens
+        )

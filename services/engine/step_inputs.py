@@ -13,6 +13,7 @@ reads exactly where a step of B rows was written.
 Host buffers come in two sets used in turn: filling step N+1's never overwrites the
 bytes of step N's copy, which may still be queued on the stream.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,17 +27,47 @@ from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.lora import LoRAMetadata
 
 # What a decode graph reads comes first: its offsets depend on the batch size alone.
-_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "sample_rows",
-           "lora_order", "lora_starts", "pending_rows", "pending_sources", "table_entries", "table_places")
+_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "seq_lens",
+    "sample_rows",
+    "lora_order",
+    "lora_starts",
+    "pending_rows",
+    "pending_sources",
+    "table_entries",
+    "table_places",
+)
 
 
-def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
-                  num_table_entries: int = 0, num_lora_slots: int = 0) -> dict[str, tuple[int, int]]:
+def packed_layout(
+    num_tokens: int,
+    num_seqs: int,
+    num_samples: int,
+    num_pending: int = 0,
+    num_table_entries: int = 0,
+    num_lora_slots: int = 0,
+) -> dict[str, tuple[int, int]]:
     """field -> (offset, length) in the packed int32 region of a step with these counts
     (num_lora_slots: the adapter pool's slots, 0 without LoRA)."""
     lora_order, lora_starts = (num_tokens, num_lora_slots + 1) if num_lora_slots else (0, 0)
-    lengths = (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_samples, lora_order, lora_starts,
-               num_pending, num_pending, num_table_entries, num_table_entries)
+    lengths = (
+        num_tokens,
+        num_tokens,
+        num_tokens,
+        num_seqs + 1,
+        num_seqs,
+        num_samples,
+        lora_order,
+        lora_starts,
+        num_pending,
+        num_pending,
+        num_table_entries,
+        num_table_entries,
+    )
     layout, offset = {}, 0
     for name, length in zip(_FIELDS, lengths):
         layout[name] = (offset, length)
@@ -46,7 +77,10 @@ def packed_layout(num_tokens: int, num_seqs: int, num_samples: int, num_pending:
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
     positions = np.arange(start, end)
-    return np.asarray(table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+    return (
+        np.asarray(table, dtype=np.int64)[positions // block_size] * block_size
+        + positions % block_size
+    )
 
 
 @dataclass
@@ -69,8 +103,11 @@ class StepInputs:
 class PackedStep:
     """A step's inputs on the host, as one int32 region plus the counts that lay it out
     (packed_layout's arguments): what rank 0 sends its tensor-parallel followers each step."""
+
     host: torch.Tensor  # int32 [used]
-    counts: tuple[int, int, int, int, int]  # num_tokens, num_rows, num_samples, num_pending, num_table_entries
+    counts: tuple[
+        int, int, int, int, int
+    ]  # num_tokens, num_rows, num_samples, num_pending, num_table_entries
     max_query_len: int
     max_seq_len: int
     starts: list[int]  # query_start_loc, padding rows included
@@ -81,18 +118,36 @@ class PackedStep:
 
 
 class InputBuffers:
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, num_lora_slots: int = 0):
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        num_lora_slots: int = 0,
+    ):
         self.num_lora_slots = num_lora_slots
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
-        size = sum(length for _, length in packed_layout(max_num_tokens, max_num_seqs, max_num_seqs, max_num_seqs,
-                                                         max_num_seqs * max_blocks_per_seq, num_lora_slots).values())
+        size = sum(
+            length
+            for _, length in packed_layout(
+                max_num_tokens,
+                max_num_seqs,
+                max_num_seqs,
+                max_num_seqs,
+                max_num_seqs * max_blocks_per_seq,
+                num_lora_slots,
+            ).values()
+        )
         self.packed = torch.zeros(size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(
+            max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
@@ -103,18 +158,36 @@ class InputBuffers:
         self._turn ^= 1
         return host
 
-    def views(self, num_tokens: int, num_seqs: int, num_samples: int, num_pending: int = 0,
-              num_table_entries: int = 0) -> dict[str, torch.Tensor]:
+    def views(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_samples: int,
+        num_pending: int = 0,
+        num_table_entries: int = 0,
+    ) -> dict[str, torch.Tensor]:
         """The packed region's fields for a step with these counts (packed_layout's arguments)."""
-        layout = packed_layout(num_tokens, num_seqs, num_samples, num_pending, num_table_entries, self.num_lora_slots)
-        return {name: self.packed[offset:offset + length] for name, (offset, length) in layout.items()}
+        layout = packed_layout(
+            num_tokens, num_seqs, num_samples, num_pending, num_table_entries, self.num_lora_slots
+        )
+        return {
+            name: self.packed[offset : offset + length] for name, (offset, length) in layout.items()
+        }
 
-    def graph_metadata(self, batch_size: int, num_kv_splits: int | None, max_seq_len: int) -> tuple[dict, AttentionMetadata]:
+    def graph_metadata(
+        self, batch_size: int, num_kv_splits: int | None, max_seq_len: int
+    ) -> tuple[dict, AttentionMetadata]:
         """The views and metadata a decode graph of batch_size rows is captured with."""
         views = self.views(batch_size, batch_size, batch_size)
-        meta = AttentionMetadata(slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
-                                 seq_lens=views["seq_lens"], block_tables=self.block_tables[:batch_size],
-                                 max_query_len=1, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+        meta = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=self.block_tables[:batch_size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            num_kv_splits=num_kv_splits,
+        )
         return views, meta
 
     def graph_lora_metadata(self, batch_size: int) -> LoRAMetadata:
@@ -136,13 +209,21 @@ class InputBuffers:
             views["lora_order"].copy_(torch.arange(batch_size, dtype=torch.int32))
             views["lora_starts"].zero_()
 
-    def prepare(self, batch: ScheduledBatch, graph_size: int | None = None,
-                pending_sources: dict | None = None) -> StepInputs:
+    def prepare(
+        self,
+        batch: ScheduledBatch,
+        graph_size: int | None = None,
+        pending_sources: dict | None = None,
+    ) -> StepInputs:
         """Copies the batch's inputs to the device (pack() then upload())."""
         return self.upload(self.pack(batch, graph_size, pending_sources))
 
-    def pack(self, batch: ScheduledBatch, graph_size: int | None = None,
-             pending_sources: dict | None = None) -> PackedStep:
+    def pack(
+        self,
+        batch: ScheduledBatch,
+        graph_size: int | None = None,
+        pending_sources: dict | None = None,
+    ) -> PackedStep:
         """Fills a host buffer with the batch's inputs. With graph_size (a decode batch: one new token
         per sequence, all sampling), rows past the batch are padding: they store no KV and attend
         to one key of block 0, and their logits are ignored. A sequence whose next token is still
@@ -171,7 +252,9 @@ class InputBuffers:
             if end > num_known:
                 source = pending_sources.get(seq)
                 if num_new != 1 or end != num_known + 1 or source is None:
-                    raise RuntimeError(f"{seq.request_id}: only the one token the previous step drew can be in flight")
+                    raise RuntimeError(
+                        f"{seq.request_id}: only the one token the previous step drew can be in flight"
+                    )
                 pending_rows.append(row)
                 sources.append(source)
                 input_ids.append(0)
@@ -197,22 +280,30 @@ class InputBuffers:
         num_rows = graph_size or num_seqs
         num_tokens = graph_size or starts[-1]
         if num_tokens > self.max_num_tokens or num_rows > self.max_num_seqs:
-            raise ValueError(f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
-                             f"({self.max_num_tokens} / {self.max_num_seqs})")
+            raise ValueError(
+                f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
+                f"({self.max_num_tokens} / {self.max_num_seqs})"
+            )
         num_samples = graph_size or len(sample_rows)
         has_lora = max(seq_slots) >= 0
         if has_lora and not self.num_lora_slots:
             raise ValueError("a sequence has a LoRA slot but the input buffers have no LoRA fields")
         width = max(table_lengths)
         if width > self.max_blocks_per_seq:
-            raise ValueError(f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}")
+            raise ValueError(
+                f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}"
+            )
 
         lengths = np.asarray(table_lengths, dtype=np.int64)
         num_entries = int(lengths.sum())
         # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table.
         row_starts = np.cumsum(lengths) - lengths
-        places = np.arange(num_entries) + np.repeat(np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, lengths)
-        layout = packed_layout(num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots)
+        places = np.arange(num_entries) + np.repeat(
+            np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, lengths
+        )
+        layout = packed_layout(
+            num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots
+        )
         buf = host.numpy()
         num_real = starts[-1]
         if graph_size:
@@ -223,32 +314,73 @@ class InputBuffers:
             starts += range(num_real + 1, num_real + pad + 1)
             seq_lens += [1] * pad  # one key (block 0, position 0): finite, ignored
             sample_rows = list(range(graph_size))
-        fields = [("input_ids", input_ids), ("positions", positions), ("slot_mapping", slots),
-                  ("query_start_loc", starts), ("seq_lens", seq_lens), ("sample_rows", sample_rows),
-                  ("pending_rows", pending_rows), ("pending_sources", sources),
-                  ("table_entries", list(itertools.chain.from_iterable(tables))), ("table_places", places)]
+        fields = [
+            ("input_ids", input_ids),
+            ("positions", positions),
+            ("slot_mapping", slots),
+            ("query_start_loc", starts),
+            ("seq_lens", seq_lens),
+            ("sample_rows", sample_rows),
+            ("pending_rows", pending_rows),
+            ("pending_sources", sources),
+            ("table_entries", list(itertools.chain.from_iterable(tables))),
+            ("table_places", places),
+        ]
         if self.num_lora_slots:  # padding rows use no adapter
             token_slots = np.repeat(np.asarray(seq_slots, dtype=np.int64), batch.num_new_tokens)
-            token_slots = np.concatenate([token_slots, np.full(num_tokens - num_real, -1, dtype=np.int64)])
-            fields += zip(("lora_order", "lora_starts"), LoRAMetadata.host_arrays(token_slots, self.num_lora_slots))
+            token_slots = np.concatenate(
+                [token_slots, np.full(num_tokens - num_real, -1, dtype=np.int64)]
+            )
+            fields += zip(
+                ("lora_order", "lora_starts"),
+                LoRAMetadata.host_arrays(token_slots, self.num_lora_slots),
+            )
         for name, values in fields:
             offset, length = layout[name]
-            buf[offset:offset + length] = values
+            buf[offset : offset + length] = values
         used = sum(length for _, length in layout.values())
         counts = (num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
-        return PackedStep(host[:used], counts, max(batch.num_new_tokens), max(seq_lens), starts, seq_lens,
-                          sample_indices, graph_size, has_lora)
+        return PackedStep(
+            host[:used],
+            counts,
+            max(batch.num_new_tokens),
+            max(seq_lens),
+            starts,
+            seq_lens,
+            sample_indices,
+            graph_size,
+            has_lora,
+        )
 
     def upload(self, step: PackedStep) -> StepInputs:
         """Moves a packed step to the device: one asynchronous copy and one block-table scatter."""
-        self.packed[:step.host.numel()].copy_(step.host, non_blocking=True)
+        self.packed[: step.host.numel()].copy_(step.host, non_blocking=True)
         views = self.views(*step.counts)
         # Entries past a table's length (and padding rows) keep older block ids: never read, always valid.
-        self.block_tables.view(-1).index_copy_(0, views["table_places"].long(), views["table_entries"])
+        self.block_tables.view(-1).index_copy_(
+            0, views["table_places"].long(), views["table_entries"]
+        )
         meta = AttentionMetadata(
-            slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"], seq_lens=views["seq_lens"],
-            block_tables=self.block_tables[:step.counts[1]], max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len, _host_query_start_loc=step.starts, _host_seq_lens=step.seq_lens)
-        lora_meta = LoRAMetadata(views["lora_order"], views["lora_starts"]) if step.has_lora else None
-        return StepInputs(views["input_ids"], views["positions"], meta, views["sample_rows"], step.sample_indices,
-                          step.graph_size, views["pending_rows"], views["pending_sources"], lora_meta)
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=self.block_tables[: step.counts[1]],
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            _host_query_start_loc=step.starts,
+            _host_seq_lens=step.seq_lens,
+        )
+        lora_meta = (
+            LoRAMetadata(views["lora_order"], views["lora_starts"]) if step.has_lora else None
+        )
+        return StepInputs(
+            views["input_ids"],
+            views["positions"],
+            meta,
+            views["sample_rows"],
+            step.sample_indices,
+            step.graph_size,
+            views["pending_rows"],
+            views["pending_sources"],
+            lora_meta,
+        )

@@ -4,6 +4,7 @@ The merges are learned here in plain Python rather than with `tokenizers`' train
 the trainer keeps counts in hash maps and may break ties differently between runs,
 and the checkpoint files must be byte-identical every time.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -76,6 +77,7 @@ def build_tiny_tokenizer(num_merges: int = 252) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer

@@ -10,6 +10,7 @@ pickle. The pipe is also the followers' lifeline: when rank 0 exits, however it 
 kernel closes the pipe and a follower reading the next plan sees EOF and exits; a follower
 blocked elsewhere (in a collective) notices its parent is gone from a watcher thread.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,16 @@ _COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def encode_step(step: PackedStep) -> bytes:
-    header = _HEADER.pack(STEP, *step.counts, step.graph_size or 0, step.max_query_len, step.max_seq_len,
-                          int(step.has_lora), len(step.sample_indices), step.host.numel())
+    header = _HEADER.pack(
+        STEP,
+        *step.counts,
+        step.graph_size or 0,
+        step.max_query_len,
+        step.max_seq_len,
+        int(step.has_lora),
+        len(step.sample_indices),
+        step.host.numel(),
+    )
     return header + step.host.numpy().tobytes()
 
 
@@ -63,9 +72,17 @@ def decode_step(fields: tuple[int, ...], payload: bytes, host: torch.Tensor) -> 
     layout = packed_layout(*counts)
     starts_at, num_starts = layout["query_start_loc"]
     lens_at, num_lens = layout["seq_lens"]
-    return PackedStep(host, tuple(counts), max_query_len, max_seq_len,
-                      host[starts_at:starts_at + num_starts].tolist(), host[lens_at:lens_at + num_lens].tolist(),
-                      list(range(num_sampled)), graph_size or None, bool(has_lora))
+    return PackedStep(
+        host,
+        tuple(counts),
+        max_query_len,
+        max_seq_len,
+        host[starts_at : starts_at + num_starts].tolist(),
+        host[lens_at : lens_at + num_lens].tolist(),
+        list(range(num_sampled)),
+        graph_size or None,
+        bool(has_lora),
+    )
 
 
 def header_size() -> int:
@@ -102,7 +119,9 @@ def join_group(store: dist.TCPStore, rank: int, size: int, device: str) -> Tenso
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        backend_for(device), store=store, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT
+    )
     return TensorParallel(rank, size, dist.group.WORLD)
 
 
@@ -111,32 +130,60 @@ class FollowerRanks:
 
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
+            raise RuntimeError(
+                "a tensor-parallel engine already runs in this process (one per process)"
+            )
         size = config.tensor_parallel_size
         if config.device.startswith("cuda") and torch.cuda.device_count() < size + int(
-                config.device.partition(":")[2] or 0):
-            raise ValueError(f"tensor_parallel_size={size} on {config.device} needs GPUs {config.device} to "
-                             f"+{size - 1}; this host has {torch.cuda.device_count()}")
+            config.device.partition(":")[2] or 0
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={size} on {config.device} needs GPUs {config.device} to "
+                f"+{size - 1}; this host has {torch.cuda.device_count()}"
+            )
         self.size = size
         self._closing = False
         port = _free_port()
-        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=_STARTUP_TIMEOUT_S),
+        )
         config_json = json.dumps(dataclasses.asdict(config))
         # Where CPU followers put their KV pools for rank 0 to map (kv_share.py).
         self.share_prefix = f"/dev/shm/tandem-kv-{os.getpid()}-{port}"
         self.processes = [
-            subprocess.Popen([sys.executable, "-m", "tandem.engine.tp_follower", "--rank", str(rank),
-                              "--port", str(port), "--config", config_json, "--kv-share", self.share_prefix],
-                             stdin=subprocess.PIPE, env=distributed_env())
-            for rank in range(1, size)]
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.engine.tp_follower",
+                    "--rank",
+                    str(rank),
+                    "--port",
+                    str(port),
+                    "--config",
+                    config_json,
+                    "--kv-share",
+                    self.share_prefix,
+                ],
+                stdin=subprocess.PIPE,
+                env=distributed_env(),
+            )
+            for rank in range(1, size)
+        ]
         try:
             self._wait_for("joined")
             self.tp = join_group(self.store, 0, size, rank_device(config.device, 0))
         except BaseException:
             self.close()
             raise
-        self._monitor = threading.Thread(target=self._watch_followers, name="tp-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch_followers, name="tp-monitor", daemon=True
+        )
         self._monitor.start()
 
     def _wait_for(self, stage: str) -> None:
@@ -147,21 +194,33 @@ class FollowerRanks:
                 if self.store.check([f"{stage}/{rank}"]):
                     break
                 if process.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {process.returncode} "
-                                       f"before it {stage} (see its log above)")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited with code {process.returncode} "
+                        f"before it {stage} (see its log above)"
+                    )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} has not {stage} after {_STARTUP_TIMEOUT_S} s")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} has not {stage} after {_STARTUP_TIMEOUT_S} s"
+                    )
                 time.sleep(0.05)
 
     def wait_loaded(self) -> None:
         """Returns once every follower holds its weights and KV pool (after rank 0 built its own)."""
         self._wait_for("loaded")
 
-    def map_pools(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    def map_pools(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]:
         """Rank 0's views of the followers' KV pools (after wait_loaded), rank 1 first."""
         if device.type == "cuda":
-            return [import_cuda(self.store.get(f"kv/{rank}").decode(), shape, dtype) for rank in range(1, self.size)]
-        return [map_shared(shape, dtype, shared_file(self.share_prefix, rank)) for rank in range(1, self.size)]
+            return [
+                import_cuda(self.store.get(f"kv/{rank}").decode(), shape, dtype)
+                for rank in range(1, self.size)
+            ]
+        return [
+            map_shared(shape, dtype, shared_file(self.share_prefix, rank))
+            for rank in range(1, self.size)
+        ]
 
     def _watch_followers(self) -> None:
         """A rank that dies leaves the others waiting in a collective forever: end the worker too
@@ -169,8 +228,11 @@ class FollowerRanks:
         while not self._closing:
             for rank, process in enumerate(self.processes, start=1):
                 if process.poll() is not None and not self._closing:
-                    log.critical("tensor-parallel rank %d exited (code %s); the worker cannot go on without it",
-                                 rank, process.returncode)
+                    log.critical(
+                        "tensor-parallel rank %d exited (code %s); the worker cannot go on without it",
+                        rank,
+                        process.returncode,
+                    )
                     os._exit(70)
             time.sleep(0.2)
 
@@ -179,7 +241,7 @@ class FollowerRanks:
             fd = process.stdin.fileno()
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
 
     def send_step(self, step: PackedStep) -> None:
         self.send(encode_step(step))

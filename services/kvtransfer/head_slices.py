@@ -9,6 +9,7 @@ it moves as one descriptor per block and row: num_layers * 2 * block_size per bl
 That is the price of keeping the TP-1 layout (and its kernels) unchanged; a heads-outer layout
 would make it one descriptor per block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 @dataclass(frozen=True)
 class PoolGeometry:
     """What both sides agree on (the layout hash covers it) plus each side's TP size."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
@@ -29,7 +31,14 @@ class PoolGeometry:
         return self.num_kv_heads // tp_size
 
     def block_nbytes(self, tp_size: int) -> int:
-        return self.num_layers * 2 * self.block_size * self.heads_per_rank(tp_size) * self.head_dim * self.itemsize
+        return (
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.heads_per_rank(tp_size)
+            * self.head_dim
+            * self.itemsize
+        )
 
 
 def coalesce_runs(remote_block_ids, local_block_ids) -> list[tuple[int, int, int]]:
@@ -49,27 +58,46 @@ def coalesce_runs(remote_block_ids, local_block_ids) -> list[tuple[int, int, int
     return runs
 
 
-def split_runs(runs: list[tuple[int, int, int]], max_blocks: int | None) -> list[tuple[int, int, int]]:
+def split_runs(
+    runs: list[tuple[int, int, int]], max_blocks: int | None
+) -> list[tuple[int, int, int]]:
     """Cuts runs longer than max_blocks: several descriptors let the backend move them in parallel."""
     if not max_blocks:
         return runs
     out = []
     for remote_start, local_start, count in runs:
         for offset in range(0, count, max_blocks):
-            out.append((remote_start + offset, local_start + offset, min(max_blocks, count - offset)))
+            out.append(
+                (remote_start + offset, local_start + offset, min(max_blocks, count - offset))
+            )
     return out
 
 
-def read_plan(remote_block_ids: list[int], local_block_ids: list[int], geometry: PoolGeometry, remote_tp: int,
-              local_tp: int, max_run_blocks: int | None = None) -> np.ndarray:
+def read_plan(
+    remote_block_ids: list[int],
+    local_block_ids: list[int],
+    geometry: PoolGeometry,
+    remote_tp: int,
+    local_tp: int,
+    max_run_blocks: int | None = None,
+) -> np.ndarray:
     """Rows of (remote_rank, remote_byte_offset, local_rank, local_byte_offset, nbytes), offsets
     from the start of each rank's pool, that together copy the blocks' KV of every head."""
     if remote_tp == local_tp:
         block_nbytes = geometry.block_nbytes(local_tp)
         runs = split_runs(coalesce_runs(remote_block_ids, local_block_ids), max_run_blocks)
-        return np.array([(rank, r * block_nbytes, rank, l * block_nbytes, n * block_nbytes)
-                         for rank in range(local_tp) for r, l, n in runs], dtype=np.int64).reshape(-1, 5)
-    remote_heads, local_heads = geometry.heads_per_rank(remote_tp), geometry.heads_per_rank(local_tp)
+        return np.array(
+            [
+                (rank, remote * block_nbytes, rank, local * block_nbytes, n * block_nbytes)
+                for rank in range(local_tp)
+                for remote, local, n in runs
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 5)
+    remote_heads, local_heads = (
+        geometry.heads_per_rank(remote_tp),
+        geometry.heads_per_rank(local_tp),
+    )
     row_bytes = geometry.head_dim * geometry.itemsize  # one head of one token
     num_rows = geometry.num_layers * 2 * geometry.block_size
     rows = np.arange(num_rows, dtype=np.int64)
@@ -84,10 +112,16 @@ def read_plan(remote_block_ids: list[int], local_block_ids: list[int], geometry:
             if start >= end:
                 continue
             # [blocks, rows] grids of byte offsets, block-major.
-            remote = (remote_blocks[:, None] * geometry.block_nbytes(remote_tp)
-                      + rows[None, :] * remote_heads * row_bytes + (start - remote_rank * remote_heads) * row_bytes)
-            local = (local_blocks[:, None] * geometry.block_nbytes(local_tp)
-                     + rows[None, :] * local_heads * row_bytes + (start - owned_start) * row_bytes)
+            remote = (
+                remote_blocks[:, None] * geometry.block_nbytes(remote_tp)
+                + rows[None, :] * remote_heads * row_bytes
+                + (start - remote_rank * remote_heads) * row_bytes
+            )
+            local = (
+                local_blocks[:, None] * geometry.block_nbytes(local_tp)
+                + rows[None, :] * local_heads * row_bytes
+                + (start - owned_start) * row_bytes
+            )
             piece = np.empty((remote.size, 5), dtype=np.int64)
             piece[:, 0], piece[:, 1] = remote_rank, remote.ravel()
             piece[:, 2], piece[:, 3] = local_rank, local.ravel()

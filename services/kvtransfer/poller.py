@@ -6,6 +6,7 @@ asyncio side asks for (add a peer, post a READ, send a notification), polls the 
 flight and the notifications that arrive, and resolves asyncio futures on the loop. The gRPC
 event loop never sleeps-and-polls.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tandem.kvtransfer.errors import TransferError, TransferTimeoutError
 from tandem.kvtransfer.transceiver import KvTransceiver
@@ -34,6 +36,7 @@ _IDLE_POLL_S = 2e-2
 class ReadDone:
     """What a finished READ moved, and how long it ran: from its posting to the poll that found it
     done (the poller polls every 20 us while READs run)."""
+
     nbytes: int
     seconds: float
 
@@ -42,6 +45,7 @@ class ReadDone:
 class PendingRead:
     """A READ posted by the poller. done resolves to its ReadDone (or a TransferError);
     settled resolves once NIXL holds nothing of it any more, so its blocks may be reused."""
+
     done: asyncio.Future
     settled: asyncio.Future
     deadline: float
@@ -50,9 +54,13 @@ class PendingRead:
 
 
 class TransferPoller:
-    def __init__(self, transceiver: KvTransceiver, loop: asyncio.AbstractEventLoop,
-                 on_notification: Callable[[str, bytes], None] | None = None,
-                 on_tick: Callable[[float], bool] | None = None):
+    def __init__(
+        self,
+        transceiver: KvTransceiver,
+        loop: asyncio.AbstractEventLoop,
+        on_notification: Callable[[str, bytes], None] | None = None,
+        on_tick: Callable[[float], bool] | None = None,
+    ):
         """on_notification(peer, message) runs on the poller thread for each notification;
         on_tick(now) runs every round and says whether peers may be reading our blocks now
         (then the poller polls tightly, which their READs need to progress)."""
@@ -81,19 +89,30 @@ class TransferPoller:
         self._calls.put((fn, future))
         return future
 
-    def read(self, peer_name: str, remote_block_ids: list[int], local_block_ids: list[int], notify: bytes,
-             timeout_s: float) -> PendingRead:
+    def read(
+        self,
+        peer_name: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        notify: bytes,
+        timeout_s: float,
+    ) -> PendingRead:
         """Posts a READ of the peer's blocks into ours; the peer gets notify once it has landed."""
-        pending = PendingRead(self.loop.create_future(), self.loop.create_future(), time.monotonic() + timeout_s)
+        pending = PendingRead(
+            self.loop.create_future(), self.loop.create_future(), time.monotonic() + timeout_s
+        )
 
         def post(transceiver: KvTransceiver) -> None:
-            pending.transfer = transceiver.read_blocks(peer_name, remote_block_ids, local_block_ids, notify)
+            pending.transfer = transceiver.read_blocks(
+                peer_name, remote_block_ids, local_block_ids, notify
+            )
             self._reads.append(pending)
 
         def failed(future: asyncio.Future) -> None:
             if future.exception() is not None:  # nothing was posted: nothing to settle
                 _resolve(pending.done, exc=future.exception())
                 _resolve(pending.settled, True)
+
         self.call(post).add_done_callback(failed)
         return pending
 
@@ -162,9 +181,13 @@ class TransferPoller:
                 continue
             if pending.abandon or now > pending.deadline:
                 pending.transfer.abort()
-                self._finish(pending, TransferTimeoutError(
-                    f"KV READ from {pending.transfer.peer_name!r} ({pending.transfer.nbytes} bytes) "
-                    f"did not finish in time"))
+                self._finish(
+                    pending,
+                    TransferTimeoutError(
+                        f"KV READ from {pending.transfer.peer_name!r} ({pending.transfer.nbytes} bytes) "
+                        f"did not finish in time"
+                    ),
+                )
                 continue
             still.append(pending)
         self._reads = still
@@ -172,7 +195,9 @@ class TransferPoller:
     def _finish(self, pending: PendingRead, error: BaseException | None) -> None:
         if error is None:
             transfer = pending.transfer
-            self.loop.call_soon_threadsafe(_resolve, pending.done, ReadDone(transfer.nbytes, transfer.seconds))
+            self.loop.call_soon_threadsafe(
+                _resolve, pending.done, ReadDone(transfer.nbytes, transfer.seconds)
+            )
         else:
             self.loop.call_soon_threadsafe(_resolve, pending.done, None, error)
         self.loop.call_soon_threadsafe(_resolve, pending.settled, True)

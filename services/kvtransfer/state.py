@@ -61,9 +61,15 @@ class TransceiverState:
         if not self.rank_pools:
             object.__setattr__(self, "rank_pools", ((self.base_address, self.device_id),))
         pools = tuple(tuple(pool) for pool in self.rank_pools)
-        if any(len(pool) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool)
-               or pool[0] == 0 for pool in pools):
-            raise ValueError(f"rank_pools must be (base_address > 0, device_id >= 0) pairs, got {self.rank_pools!r}")
+        if any(
+            len(pool) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pool)
+            or pool[0] == 0
+            for pool in pools
+        ):
+            raise ValueError(
+                f"rank_pools must be (base_address > 0, device_id >= 0) pairs, got {self.rank_pools!r}"
+            )
         object.__setattr__(self, "rank_pools", pools)
         if not self.agent_name:
             raise ValueError("agent_name must be non-empty")
@@ -131,7 +137,9 @@ class TransceiverState:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"transceiver state header is not valid JSON: {exc}") from None
         if not isinstance(header, dict) or set(header) != set(_HEADER_FIELDS):
-            raise ValueError(f"transceiver state header must have exactly the keys {sorted(_HEADER_FIELDS)}")
+            raise ValueError(
+                f"transceiver state header must have exactly the keys {sorted(_HEADER_FIELDS)}"
+            )
         for name, kind in _HEADER_FIELDS.items():
             # bool is an int subclass in Python; a JSON true is never a valid count.
             if not isinstance(header[name], kind) or isinstance(header[name], bool):

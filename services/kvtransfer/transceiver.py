@@ -20,7 +20,7 @@ Not thread-safe: one owner thread (the worker's engine thread) drives it.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -46,8 +46,15 @@ KV_CACHE_NDIM = 6
 class KvTransceiver:
     """Owns one NIXL agent and the registration of one KV pool."""
 
-    def __init__(self, agent_name: str, kv_cache: torch.Tensor | list[torch.Tensor], layout_hash: str, *,
-                 progress_thread: bool = True, max_descriptor_bytes: int | None = None):
+    def __init__(
+        self,
+        agent_name: str,
+        kv_cache: torch.Tensor | list[torch.Tensor],
+        layout_hash: str,
+        *,
+        progress_thread: bool = True,
+        max_descriptor_bytes: int | None = None,
+    ):
         """`progress_thread`: NIXL's own UCX progress thread. With it, a READ completes
         whatever the peer is doing; without it, UCX progresses only inside
         Transfer.done() and poll_notifications(), and a READ completes only once the
@@ -62,11 +69,19 @@ class KvTransceiver:
             raise ValueError("layout_hash must be a non-empty string")
         pools = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
         for pool in pools:
-            if not isinstance(pool, torch.Tensor) or pool.dim() != KV_CACHE_NDIM or pool.shape != pools[0].shape:
-                raise ValueError("kv_cache must be a tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, "
-                                 "head_dim], or one such tensor of one shape per tensor-parallel rank")
+            if (
+                not isinstance(pool, torch.Tensor)
+                or pool.dim() != KV_CACHE_NDIM
+                or pool.shape != pools[0].shape
+            ):
+                raise ValueError(
+                    "kv_cache must be a tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                    "head_dim], or one such tensor of one shape per tensor-parallel rank"
+                )
             if not pool.is_contiguous() or pool.numel() == 0:
-                raise ValueError("kv_cache must be contiguous and non-empty: blocks are addressed by byte offset")
+                raise ValueError(
+                    "kv_cache must be contiguous and non-empty: blocks are addressed by byte offset"
+                )
         kv_cache = pools[0]
         if kv_cache.device.type == "cpu":
             memory_type, device_id = "DRAM", 0
@@ -77,8 +92,9 @@ class KvTransceiver:
 
         self._pools = pools  # keeps the registered storage alive
         num_blocks, num_layers, _, block_size, heads_per_rank, head_dim = kv_cache.shape
-        self._geometry = PoolGeometry(num_layers, block_size, heads_per_rank * len(pools), head_dim,
-                                      kv_cache.element_size())
+        self._geometry = PoolGeometry(
+            num_layers, block_size, heads_per_rank * len(pools), head_dim, kv_cache.element_size()
+        )
         self._layout_hash = layout_hash
         self._peers: dict[str, TransceiverState] = {}
         self._in_flight: set[Transfer] = set()
@@ -91,7 +107,9 @@ class KvTransceiver:
         try:
             self._registration = self._agent.register_memory(pools)
         except NIXL_ERRORS as exc:
-            raise KvTransferError(f"registering the KV pool ({memory_type}) with NIXL failed: {exc}") from exc
+            raise KvTransferError(
+                f"registering the KV pool ({memory_type}) with NIXL failed: {exc}"
+            ) from exc
         # Metadata is taken after registration so that it carries the pool's keys.
         self._local = TransceiverState(
             agent_name=agent_name,
@@ -108,7 +126,9 @@ class KvTransceiver:
         self._state_bytes = self._local.to_bytes()
         if max_descriptor_bytes is not None and max_descriptor_bytes <= 0:
             raise ValueError(f"max_descriptor_bytes must be > 0, got {max_descriptor_bytes}")
-        self._max_run_blocks = max(1, max_descriptor_bytes // self.block_nbytes) if max_descriptor_bytes else None
+        self._max_run_blocks = (
+            max(1, max_descriptor_bytes // self.block_nbytes) if max_descriptor_bytes else None
+        )
 
     @property
     def agent_name(self) -> str:
@@ -154,8 +174,10 @@ class KvTransceiver:
                 f"hash misses a KV dimension"
             )
         if self._geometry.num_kv_heads % remote.tp_size:
-            raise ValueError(f"peer {remote.agent_name!r} splits {self._geometry.num_kv_heads} KV heads over "
-                             f"{remote.tp_size} ranks")
+            raise ValueError(
+                f"peer {remote.agent_name!r} splits {self._geometry.num_kv_heads} KV heads over "
+                f"{remote.tp_size} ranks"
+            )
         if remote.agent_name == self.agent_name:
             raise ValueError(f"peer name {remote.agent_name!r} is our own agent name")
         cached = self._peers.get(remote.agent_name)
@@ -167,12 +189,16 @@ class KvTransceiver:
         try:
             loaded_name = agent.add_remote_agent(remote.agent_metadata)
         except NIXL_ERRORS as exc:
-            raise ValueError(f"NIXL rejected the metadata of peer {remote.agent_name!r}: {exc}") from exc
+            raise ValueError(
+                f"NIXL rejected the metadata of peer {remote.agent_name!r}: {exc}"
+            ) from exc
         # The binding returns the name as bytes.
         loaded_name = loaded_name.decode() if isinstance(loaded_name, bytes) else loaded_name
         if loaded_name != remote.agent_name:
             agent.remove_remote_agent(loaded_name)
-            raise ValueError(f"state names agent {remote.agent_name!r} but its metadata is agent {loaded_name!r}")
+            raise ValueError(
+                f"state names agent {remote.agent_name!r} but its metadata is agent {loaded_name!r}"
+            )
         self._peers[remote.agent_name] = remote
         return remote
 
@@ -185,7 +211,9 @@ class KvTransceiver:
         # A finished but never polled read still sits in _in_flight; polling settles it.
         num_running = sum(1 for t in running if not settled(t))
         if num_running:
-            raise KvTransferError(f"peer {name!r} has {num_running} transfers in flight; wait or abort them first")
+            raise KvTransferError(
+                f"peer {name!r} has {num_running} transfers in flight; wait or abort them first"
+            )
         del self._peers[name]
         agent.remove_remote_agent(name)
         return True
@@ -200,7 +228,9 @@ class KvTransceiver:
         agent = self._require_open()
         peer = self._peers.get(peer_name)
         if peer is None:
-            raise UnknownPeerError(f"peer {peer_name!r} was not added (known: {sorted(self._peers)})")
+            raise UnknownPeerError(
+                f"peer {peer_name!r} was not added (known: {sorted(self._peers)})"
+            )
         if not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes, got {type(notify).__name__}")
         if len(remote_block_ids) != len(local_block_ids):
@@ -216,14 +246,34 @@ class KvTransceiver:
                 agent.send_notif(peer_name, notify)
             return Transfer.completed(peer_name)
 
-        plan = read_plan(remote_block_ids, local_block_ids, self._geometry, peer.tp_size, self.tp_size,
-                         self._max_run_blocks)
-        remote_pools, local_pools = np.array(peer.rank_pools, dtype=np.uint64), np.array(self._local.rank_pools,
-                                                                                         dtype=np.uint64)
-        remote_descs = np.stack([remote_pools[plan[:, 0], 0] + plan[:, 1].astype(np.uint64),
-                                 plan[:, 4].astype(np.uint64), remote_pools[plan[:, 0], 1]], axis=1)
-        local_descs = np.stack([local_pools[plan[:, 2], 0] + plan[:, 3].astype(np.uint64),
-                                plan[:, 4].astype(np.uint64), local_pools[plan[:, 2], 1]], axis=1)
+        plan = read_plan(
+            remote_block_ids,
+            local_block_ids,
+            self._geometry,
+            peer.tp_size,
+            self.tp_size,
+            self._max_run_blocks,
+        )
+        remote_pools, local_pools = (
+            np.array(peer.rank_pools, dtype=np.uint64),
+            np.array(self._local.rank_pools, dtype=np.uint64),
+        )
+        remote_descs = np.stack(
+            [
+                remote_pools[plan[:, 0], 0] + plan[:, 1].astype(np.uint64),
+                plan[:, 4].astype(np.uint64),
+                remote_pools[plan[:, 0], 1],
+            ],
+            axis=1,
+        )
+        local_descs = np.stack(
+            [
+                local_pools[plan[:, 2], 0] + plan[:, 3].astype(np.uint64),
+                plan[:, 4].astype(np.uint64),
+                local_pools[plan[:, 2], 1],
+            ],
+            axis=1,
+        )
         num_bytes = int(plan[:, 4].sum())
         try:
             handle = agent.initialize_xfer(
@@ -235,9 +285,7 @@ class KvTransceiver:
             )
         except NIXL_ERRORS as exc:
             raise TransferError(f"preparing READ from peer {peer_name!r} failed: {exc}") from exc
-        transfer = Transfer(
-            agent, handle, peer_name, len(plan), num_bytes, self._in_flight.discard
-        )
+        transfer = Transfer(agent, handle, peer_name, len(plan), num_bytes, self._in_flight.discard)
         self._in_flight.add(transfer)
         try:
             status = agent.transfer(handle)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_xfer_handle
@@ -112,4 +112,3 @@ def settled(transfer: Transfer) -> bool:
         return transfer.done()
     except TransferError:
         return True
-

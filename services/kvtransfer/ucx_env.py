@@ -9,6 +9,7 @@ An operator's value stands, whatever it is (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`
 choice back). Host-memory pools get nothing: no cuda_ipc transport is loaded for them, and UCX
 would warn of an unused variable.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,15 @@ def apply_defaults(memory_type: str) -> dict[str, str]:
     applied = {}
     for name, value in DEVICE_POOL_DEFAULTS.items():
         if name in os.environ:
-            log.info("%s=%s (set by the operator; tandem's default is %s)", name, os.environ[name], value)
+            log.info(
+                "%s=%s (set by the operator; tandem's default is %s)", name, os.environ[name], value
+            )
             continue
         os.environ[name] = applied[name] = value
     if applied:
-        log.info("KV transfer within a host over CUDA IPC: %s (set the variable to override, e.g. =auto for UCX's "
-                 "own choice)", " ".join(f"{name}={value}" for name, value in applied.items()))
+        log.info(
+            "KV transfer within a host over CUDA IPC: %s (set the variable to override, e.g. =auto for UCX's "
+            "own choice)",
+            " ".join(f"{name}={value}" for name, value in applied.items()),
+        )
     return applied

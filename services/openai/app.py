@@ -1,12 +1,13 @@
 """The FastAPI app: OpenAI's routes, each a thin translation onto the router's AsyncLLM."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator, Optional
 
 import grpc
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from tandem.openai.streams import MergedStream, Snapshot
 class Front:
     """What the routes share: the router client, the served model's name, the metrics."""
 
-    def __init__(self, target: str, served_model_name: Optional[str], tls: Optional[dict] = None):
+    def __init__(self, target: str, served_model_name: str | None, tls: dict | None = None):
         """tls: LLM's TLS keyword arguments for a TLS router (root_certificates, certificate_chain,
         private_key, tls_server_name)."""
         self.target = target
@@ -52,10 +53,14 @@ class Front:
     async def check_model(self, model: str) -> str:
         name = await self.model_name()
         if model != name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{name}`", "model")
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist; this server serves `{name}`", "model"
+            )
         return name
 
-    def observe(self, endpoint: str, started: float, prompt_tokens: int, completion_tokens: int) -> None:
+    def observe(
+        self, endpoint: str, started: float, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         self.metrics.latency.labels(endpoint).observe(time.monotonic() - started)
         self.metrics.prompt_tokens.labels(endpoint).inc(prompt_tokens)
         self.metrics.generation_tokens.labels(endpoint).inc(completion_tokens)
@@ -65,8 +70,9 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _event_stream(front: Front, endpoint: str, stream: MergedStream, started: float, chunks,
-                        usage_chunk) -> AsyncIterator[str]:
+async def _event_stream(
+    front: Front, endpoint: str, stream: MergedStream, started: float, chunks, usage_chunk
+) -> AsyncIterator[str]:
     """SSE framing, metrics and errors around a route's own chunk builder."""
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
@@ -84,7 +90,9 @@ async def _event_stream(front: Front, endpoint: str, stream: MergedStream, start
             yield _sse(usage_chunk(r.usage(sum(prompt_tokens.values()), completion_tokens)))
     except Exception as exc:  # noqa: BLE001 - the response has started: the error goes in the stream
         err = from_exception(exc)
-        yield _sse({"error": {"message": err.message, "type": "internal_error", "code": err.status}})
+        yield _sse(
+            {"error": {"message": err.message, "type": "internal_error", "code": err.status}}
+        )
     yield _sse("[DONE]")
     front.observe(endpoint, started, sum(prompt_tokens.values()), completion_tokens)
 
@@ -102,7 +110,9 @@ async def completions(front: Front, request: CompletionRequest):
     started, endpoint = time.monotonic(), "/v1/completions"
     model = await front.check_model(request.model)
     tokenizer = await front.tokenizer()
-    params = r.sampling_params(request, request.max_tokens, request.logprobs, add_special_tokens=True)
+    params = r.sampling_params(
+        request, request.max_tokens, request.logprobs, add_special_tokens=True
+    )
     response_id, created = r.new_id("cmpl"), r.now()
     outs = await _generate(front, request.prompts, params, request.stream)
 
@@ -119,23 +129,52 @@ async def completions(front: Front, request: CompletionRequest):
             for d in snapshot.deltas:
                 key = (snapshot.request, d.index)
                 if d.text or d.finish_reason or d.token_ids:
-                    choices.append({"index": snapshot.request * request.n + d.index, "text": d.text,
-                                    "logprobs": logprobs(d.token_ids, d.logprobs, offsets.get(key, 0)),
-                                    "finish_reason": r.FINISH_REASONS[d.finish_reason]})
+                    choices.append(
+                        {
+                            "index": snapshot.request * request.n + d.index,
+                            "text": d.text,
+                            "logprobs": logprobs(d.token_ids, d.logprobs, offsets.get(key, 0)),
+                            "finish_reason": r.FINISH_REASONS[d.finish_reason],
+                        }
+                    )
                 offsets[key] = offsets.get(key, 0) + len(d.text)
-            return [r.envelope("text_completion", response_id, model, created, choices)] if choices else []
+            return (
+                [r.envelope("text_completion", response_id, model, created, choices)]
+                if choices
+                else []
+            )
+
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        usage_chunk = (lambda u: r.envelope("text_completion", response_id, model, created, [], usage=u)) \
-            if include_usage else None
-        return StreamingResponse(_event_stream(front, endpoint, outs, started, chunks, usage_chunk),
-                                 media_type="text/event-stream")
-    choices = [{"index": i * request.n + o.index, "text": o.text, "logprobs": logprobs(o.token_ids, o.logprobs, 0),
-                "finish_reason": r.FINISH_REASONS[o.finish_reason]} for i, out in enumerate(outs) for o in out.outputs]
+        usage_chunk = (
+            (lambda u: r.envelope("text_completion", response_id, model, created, [], usage=u))
+            if include_usage
+            else None
+        )
+        return StreamingResponse(
+            _event_stream(front, endpoint, outs, started, chunks, usage_chunk),
+            media_type="text/event-stream",
+        )
+    choices = [
+        {
+            "index": i * request.n + o.index,
+            "text": o.text,
+            "logprobs": logprobs(o.token_ids, o.logprobs, 0),
+            "finish_reason": r.FINISH_REASONS[o.finish_reason],
+        }
+        for i, out in enumerate(outs)
+        for o in out.outputs
+    ]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
     completion_tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
     front.observe(endpoint, started, prompt_tokens, completion_tokens)
-    return r.envelope("text_completion", response_id, model, created, choices,
-                      usage=r.usage(prompt_tokens, completion_tokens))
+    return r.envelope(
+        "text_completion",
+        response_id,
+        model,
+        created,
+        choices,
+        usage=r.usage(prompt_tokens, completion_tokens),
+    )
 
 
 async def chat_completions(front: Front, request: ChatCompletionRequest):
@@ -144,25 +183,38 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
     tokenizer = await front.tokenizer()
     try:
         prompt = tokenizer.apply_chat_template(
-            [m.for_template() for m in request.messages], tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-            continue_final_message=request.continue_final_message)
+            [m.for_template() for m in request.messages],
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt
+            and not request.continue_final_message,
+            continue_final_message=request.continue_final_message,
+        )
     except ImportError as exc:
         raise OpenAIError(500, str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and ours: the request's fault
         raise OpenAIError(400, f"cannot apply the chat template: {exc}") from exc
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     # The rendered template holds its special tokens (transformers tokenizes it without adding any).
-    params = r.sampling_params(request, request.max_new_tokens, num_logprobs, add_special_tokens=False)
+    params = r.sampling_params(
+        request, request.max_new_tokens, num_logprobs, add_special_tokens=False
+    )
     response_id, created = r.new_id("chatcmpl"), r.now()
     outs = await _generate(front, [prompt], params, request.stream)
 
     def logprobs(token_ids, entries):
-        return r.chat_logprobs(tokenizer, token_ids, entries, num_logprobs) if num_logprobs is not None else None
+        return (
+            r.chat_logprobs(tokenizer, token_ids, entries, num_logprobs)
+            if num_logprobs is not None
+            else None
+        )
 
     if request.stream:
+
         def chunk(choices, **extra):
-            return r.envelope("chat.completion.chunk", response_id, model, created, choices, **extra)
+            return r.envelope(
+                "chat.completion.chunk", response_id, model, created, choices, **extra
+            )
+
         started_roles: set[int] = set()
 
         def chunks(snapshot: Snapshot):
@@ -170,25 +222,59 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
             for d in snapshot.deltas:
                 if d.index not in started_roles:
                     started_roles.add(d.index)
-                    out.append(chunk([{"index": d.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
+                    out.append(
+                        chunk(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if d.text or d.finish_reason or d.token_ids:
-                    out.append(chunk([{"index": d.index, "delta": {"content": d.text} if d.text else {},
-                                       "logprobs": logprobs(d.token_ids, d.logprobs),
-                                       "finish_reason": r.FINISH_REASONS[d.finish_reason]}]))
+                    out.append(
+                        chunk(
+                            [
+                                {
+                                    "index": d.index,
+                                    "delta": {"content": d.text} if d.text else {},
+                                    "logprobs": logprobs(d.token_ids, d.logprobs),
+                                    "finish_reason": r.FINISH_REASONS[d.finish_reason],
+                                }
+                            ]
+                        )
+                    )
             return out
+
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         usage_chunk = (lambda u: chunk([], usage=u)) if include_usage else None
-        return StreamingResponse(_event_stream(front, endpoint, outs, started, chunks, usage_chunk),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _event_stream(front, endpoint, outs, started, chunks, usage_chunk),
+            media_type="text/event-stream",
+        )
     out = outs[0]
-    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                "logprobs": logprobs(o.token_ids, o.logprobs), "finish_reason": r.FINISH_REASONS[o.finish_reason]}
-               for o in out.outputs]
+    choices = [
+        {
+            "index": o.index,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": logprobs(o.token_ids, o.logprobs),
+            "finish_reason": r.FINISH_REASONS[o.finish_reason],
+        }
+        for o in out.outputs
+    ]
     completion_tokens = sum(len(o.token_ids) for o in out.outputs)
     front.observe(endpoint, started, len(out.prompt_token_ids), completion_tokens)
-    return r.envelope("chat.completion", response_id, model, created, choices,
-                      usage=r.usage(len(out.prompt_token_ids), completion_tokens))
+    return r.envelope(
+        "chat.completion",
+        response_id,
+        model,
+        created,
+        choices,
+        usage=r.usage(len(out.prompt_token_ids), completion_tokens),
+    )
 
 
 @contextlib.contextmanager
@@ -202,8 +288,11 @@ def _as_openai_errors():
         raise from_exception(exc) from exc
 
 
-def build_app(target: str, served_model_name: Optional[str] = None, tls: Optional[dict] = None) -> FastAPI:
+def build_app(
+    target: str, served_model_name: str | None = None, tls: dict | None = None
+) -> FastAPI:
     """The app for a router at `target` (host:port); tls as Front takes it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.front = Front(target, served_model_name, tls)
@@ -217,7 +306,9 @@ def build_app(target: str, served_model_name: Optional[str] = None, tls: Optiona
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
         response = await call_next(request)
-        request.app.state.front.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        request.app.state.front.metrics.requests.labels(
+            request.url.path, str(response.status_code)
+        ).inc()
         return response
 
     @app.exception_handler(OpenAIError)
@@ -227,7 +318,9 @@ def build_app(target: str, served_model_name: Optional[str] = None, tls: Optiona
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request, exc: RequestValidationError):
         # OpenAI answers 400 (not FastAPI's 422) with what was wrong.
-        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        ]
         first = exc.errors()[0]["loc"] if exc.errors() else ()
         return error_response(400, "; ".join(problems), ".".join(str(p) for p in first[1:]) or None)
 
@@ -245,16 +338,28 @@ def build_app(target: str, served_model_name: Optional[str] = None, tls: Optiona
     async def models(request: Request):
         front: Front = request.app.state.front
         info = await front.info()
-        return {"object": "list", "data": [{"id": await front.model_name(), "object": "model",
-                                            "created": front.started, "owned_by": "tandem", "root": info.model,
-                                            "max_model_len": info.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": await front.model_name(),
+                    "object": "model",
+                    "created": front.started,
+                    "owned_by": "tandem",
+                    "root": info.model,
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health(request: Request):
         """200 when the router reports SERVING (its workers are up), 503 otherwise."""
         async with _router_channel(request.app.state.front) as channel:
             try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
             except grpc.RpcError as exc:
                 return error_response(503, f"router unreachable: {exc.code().name}")
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
@@ -263,22 +368,36 @@ def build_app(target: str, served_model_name: Optional[str] = None, tls: Optiona
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        return Response(generate_latest(request.app.state.front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            generate_latest(request.app.state.front.metrics.registry),
+            media_type=CONTENT_TYPE_LATEST,
+        )
 
     return app
 
 
 def _router_channel(front: Front) -> grpc.aio.Channel:
     tls = front.tls
-    credentials = channel_credentials(None, tls.get("root_certificates"), tls.get("certificate_chain"),
-                                      tls.get("private_key"))
+    credentials = channel_credentials(
+        None, tls.get("root_certificates"), tls.get("certificate_chain"), tls.get("private_key")
+    )
     if credentials is None:
         return grpc.aio.insecure_channel(front.target)
-    options = [("grpc.ssl_target_name_override", tls["tls_server_name"])] if tls.get("tls_server_name") else []
+    options = (
+        [("grpc.ssl_target_name_override", tls["tls_server_name"])]
+        if tls.get("tls_server_name")
+        else []
+    )
     return grpc.aio.secure_channel(front.target, credentials, options=options)
 
 
-def serve_openai(target: str, host: str, port: int, served_model_name: Optional[str] = None,
-                 tls: Optional[dict] = None) -> None:
+def serve_openai(
+    target: str,
+    host: str,
+    port: int,
+    served_model_name: str | None = None,
+    tls: dict | None = None,
+) -> None:
     import uvicorn
+
     uvicorn.run(build_app(target, served_model_name, tls), host=host, port=port, log_level="info")

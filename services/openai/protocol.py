@@ -4,9 +4,10 @@ Fields OpenAI defines that tandem cannot honour are accepted at their defaults a
 with a message naming them when set (`_refuse`). A few vLLM extensions that map directly onto
 tandem's SamplingParams (top_k, min_p, repetition_penalty, ...) are accepted too.
 """
+
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,23 +21,23 @@ class _SamplingFields(BaseModel):
 
     model: str
     n: int = Field(1, ge=1, le=16)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # vLLM extensions.
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    min_tokens: Optional[int] = None
-    repetition_penalty: Optional[float] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -50,12 +51,12 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _refuse_completion_fields(self):
@@ -70,7 +71,7 @@ class CompletionRequest(_SamplingFields):
         return self
 
     @property
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self) -> list[str | list[int]]:
         """The prompts, one per entry: a string, a list of strings, token ids or lists of token ids."""
         if isinstance(self.prompt, str) or all(isinstance(t, int) for t in self.prompt):
             return [self.prompt]
@@ -81,7 +82,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string (text parts joined)."""
@@ -89,20 +90,22 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             kinds = {part.get("type") for part in self.content}
             if kinds - {"text"}:
-                raise ValueError(f"only text content parts are supported, got {sorted(k for k in kinds if k)}")
+                raise ValueError(
+                    f"only text content parts are supported, got {sorted(k for k in kinds if k)}"
+                )
             message["content"] = "".join(part.get("text", "") for part in self.content)
         return message
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none"], None] = None
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -115,5 +118,5 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     @property
-    def max_new_tokens(self) -> Optional[int]:
+    def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

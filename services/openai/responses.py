@@ -1,9 +1,10 @@
 """OpenAI request fields -> tandem SamplingParams, and tandem outputs -> OpenAI response bodies."""
+
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from tandem.client import SamplingParams
 from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -12,31 +13,59 @@ from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", None: None}
 
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: Optional[int],
-                    num_logprobs: Optional[int], add_special_tokens: bool) -> SamplingParams:
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    num_logprobs: int | None,
+    add_special_tokens: bool,
+) -> SamplingParams:
     # OpenAI's default temperature is 1 (sampling); tandem's own default is greedy.
     temperature = 1.0 if request.temperature is None else request.temperature
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=request.top_p, top_k=request.top_k,
-        min_p=request.min_p, min_tokens=request.min_tokens, seed=request.seed, n=request.n, stop=request.stop,
-        stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos, repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        logprobs=num_logprobs, skip_special_tokens=request.skip_special_tokens,
-        add_special_tokens=add_special_tokens)
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        min_tokens=request.min_tokens,
+        seed=request.seed,
+        n=request.n,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos,
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logprobs=num_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        add_special_tokens=add_special_tokens,
+    )
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def envelope(object_name: str, response_id: str, model: str, created: int, choices: list[dict], **extra) -> dict:
-    return {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices, **extra}
+def envelope(
+    object_name: str, response_id: str, model: str, created: int, choices: list[dict], **extra
+) -> dict:
+    return {
+        "id": response_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def now() -> int:
@@ -52,27 +81,43 @@ def _top(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:
     return sorted(((t, _value(v)) for t, v in entry.items()), key=lambda item: -item[1])[:k]
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, Any]], k: int,
-                        text_offset: int) -> dict:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], entries: list[dict[int, Any]], k: int, text_offset: int
+) -> dict:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         text = tokenizer.decode([token_id], skip_special_tokens=False)
         tokens.append(text)
         token_logprobs.append(_value(entry[token_id]) if token_id in entry else None)
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in _top(entry, k)} if k else None)
+        tops.append(
+            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in _top(entry, k)}
+            if k
+            else None
+        )
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, Any]], k: int) -> dict:
     """The chat format: one entry per token with its bytes and its top alternatives."""
-    def item(token_id: int, logprob: Optional[float]) -> dict:
+
+    def item(token_id: int, logprob: float | None) -> dict:
         text = tokenizer.decode([token_id], skip_special_tokens=False)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
     content = []
     for token_id, entry in zip(token_ids, entries):
-        content.append({**item(token_id, _value(entry[token_id]) if token_id in entry else None),
-                        "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]})
+        content.append(
+            {
+                **item(token_id, _value(entry[token_id]) if token_id in entry else None),
+                "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)],
+            }
+        )
     return {"content": content}

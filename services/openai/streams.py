@@ -5,11 +5,13 @@ into a Snapshot before anything else runs. Several requests (one per prompt) str
 through a queue; the first update of each is awaited before the HTTP response starts, so a
 request the router refuses becomes an HTTP error rather than a broken event stream.
 """
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Any]]
-    finish_reason: Optional[str]
+    finish_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,20 @@ class Snapshot:
 
 async def snapshots(request: int, result) -> AsyncIterator[Snapshot]:
     async for out in result:
-        yield Snapshot(request, [Delta(o.index, o.text_diff, list(o.token_ids_diff), list(o.logprobs_diff),
-                                       o.finish_reason) for o in out.outputs], list(out.prompt_token_ids))
+        yield Snapshot(
+            request,
+            [
+                Delta(
+                    o.index,
+                    o.text_diff,
+                    list(o.token_ids_diff),
+                    list(o.logprobs_diff),
+                    o.finish_reason,
+                )
+                for o in out.outputs
+            ],
+            list(out.prompt_token_ids),
+        )
 
 
 class MergedStream:

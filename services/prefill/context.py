@@ -1,6 +1,7 @@
 """The context phase (context_only): run the prompt, sample the first token, and hand the KV
 off: the blocks stay under a lease (lease_keeper.py) and the caller gets a signed handoff
 naming them (kvtransfer/handoff.py), which a decode worker presents to pull them."""
+
 from __future__ import annotations
 
 from tandem.engine.messages import StepOutput
@@ -11,7 +12,9 @@ from tandem.v1 import types_pb2
 
 
 class ContextPhase:
-    def __init__(self, keeper: LeaseKeeper, handoff_format: HandoffFormat, endpoint: str, agent_name: str):
+    def __init__(
+        self, keeper: LeaseKeeper, handoff_format: HandoffFormat, endpoint: str, agent_name: str
+    ):
         self.keeper = keeper
         self.handoff_format = handoff_format
         self.endpoint = endpoint
@@ -32,11 +35,21 @@ class ContextPhase:
     def _handoff_params(self, request, out: StepOutput) -> types_pb2.DisaggregatedParams:
         lease = out.lease
         params = types_pb2.DisaggregatedParams(
-            request_type=types_pb2.REQUEST_TYPE_CONTEXT_ONLY, first_gen_tokens=out.new_token_ids,
-            ctx_request_id=lease.lease_id, ctx_endpoint=self.endpoint,
-            opaque_state=self.handoff_format.build(self.endpoint, self.agent_name, lease.lease_id, lease.block_ids,
-                                                   lease.expires_at, request.prompt_token_ids, request.cache_salt,
-                                                   request.adapter))
+            request_type=types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
+            first_gen_tokens=out.new_token_ids,
+            ctx_request_id=lease.lease_id,
+            ctx_endpoint=self.endpoint,
+            opaque_state=self.handoff_format.build(
+                self.endpoint,
+                self.agent_name,
+                lease.lease_id,
+                lease.block_ids,
+                lease.expires_at,
+                request.prompt_token_ids,
+                request.cache_salt,
+                request.adapter,
+            ),
+        )
         if request.disagg_in.HasField("disagg_request_id"):
             params.disagg_request_id = request.disagg_in.disagg_request_id
         return params

@@ -18,6 +18,7 @@ own splits are not counted (their handoffs go straight to a decode worker).
 Thread-safe: leases open on the engine thread, notifications and expiry arrive on the KV
 poller thread, RPCs on the event loop.
 """
+
 from __future__ import annotations
 
 import enum
@@ -41,26 +42,31 @@ EXPIRY_GRACE_S = 1.0
 
 
 class LeaseEnd(enum.Enum):
-    PULLED = "pulled"            # the decode's READ landed and it confirmed the lease (ConfirmLease)
-    FALLBACK = "fallback"        # the decode computes the prompt itself (ConfirmLease, not pulled)
-    RELEASED = "released"        # ReleaseKv (the router, once the request is over)
+    PULLED = "pulled"  # the decode's READ landed and it confirmed the lease (ConfirmLease)
+    FALLBACK = "fallback"  # the decode computes the prompt itself (ConfirmLease, not pulled)
+    RELEASED = "released"  # ReleaseKv (the router, once the request is over)
     UNDELIVERED = "undelivered"  # the handoff never reached whoever asked for it
-    STOPPED = "stopped"          # a stop string ended the request on its first token
-    PAUSED = "paused"            # pause_generation
-    EXPIRED = "expired"          # nobody released it in time (the decode side died or never came)
+    STOPPED = "stopped"  # a stop string ended the request on its first token
+    PAUSED = "paused"  # pause_generation
+    EXPIRED = "expired"  # nobody released it in time (the decode side died or never came)
 
 
 @dataclass
 class Claim:
     """Blocks a client's handoff pins (or will, once its context phase ends)."""
+
     client: str
     num_blocks: int
     expires_at: float = float("inf")
 
 
 class LeaseKeeper:
-    def __init__(self, lease_seconds: float, max_unclaimed_fraction: float = 1.0,
-                 max_unclaimed_fraction_per_client: float = 1.0):
+    def __init__(
+        self,
+        lease_seconds: float,
+        max_unclaimed_fraction: float = 1.0,
+        max_unclaimed_fraction_per_client: float = 1.0,
+    ):
         self.lease_seconds = lease_seconds
         self.max_unclaimed_fraction = max_unclaimed_fraction
         self.max_unclaimed_fraction_per_client = max_unclaimed_fraction_per_client
@@ -104,12 +110,16 @@ class LeaseKeeper:
                 self._admitted[request_id] = Claim(client, num_blocks)
                 self._held[client] += num_blocks
                 return
-            expiries = [c.expires_at for c in self._claimed.values() if not mine or c.client == client]
+            expiries = [
+                c.expires_at for c in self._claimed.values() if not mine or c.client == client
+            ]
             self.num_refused += 1
         retry_after = min(expiries, default=time.time() + 1.0) + EXPIRY_GRACE_S - time.time()
-        raise RetryLaterError(f"context_only handoffs not yet pulled would pin more than {limit} of the "
-                              f"{bm.num_blocks} KV blocks ({who} share): pull or release them first",
-                              max(0.1, min(retry_after, self.lease_seconds + EXPIRY_GRACE_S)))
+        raise RetryLaterError(
+            f"context_only handoffs not yet pulled would pin more than {limit} of the "
+            f"{bm.num_blocks} KV blocks ({who} share): pull or release them first",
+            max(0.1, min(retry_after, self.lease_seconds + EXPIRY_GRACE_S)),
+        )
 
     def expect_split(self, request_id: str, disagg_request_id: int) -> None:
         """A context phase of the router's own split: its lease is also released by disagg_request_id."""
@@ -190,7 +200,9 @@ class LeaseKeeper:
     def expire(self, now: float) -> bool:
         """Ends the leases past their time; returns whether any lease is still out."""
         with self._lock:
-            expired = [i for i, lease in self._leases.items() if lease.expires_at + EXPIRY_GRACE_S <= now]
+            expired = [
+                i for i, lease in self._leases.items() if lease.expires_at + EXPIRY_GRACE_S <= now
+            ]
         for lease_id in expired:
             self.release(lease_id, LeaseEnd.EXPIRED)
         return bool(self._leases)

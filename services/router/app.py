@@ -1,15 +1,21 @@
 """Runs the router process."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 
 from tandem.common.auth import AccessPolicy
-from tandem.common.gc_pauses import freeze_startup_heap, unfreeze_heap, watch_pauses
 from tandem.common.channels import ClusterCredentials
+from tandem.common.gc_pauses import freeze_startup_heap, unfreeze_heap, watch_pauses
 from tandem.common.server import GrpcServer
 from tandem.router.config import RouterConfig
-from tandem.router.discovery import DnsDiscovery, hosts_file_resolver, parse_dns_targets, resolve_dns
+from tandem.router.discovery import (
+    DnsDiscovery,
+    hosts_file_resolver,
+    parse_dns_targets,
+    resolve_dns,
+)
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import ConditionalDisagg
 from tandem.router.servicer import RouterServicer
@@ -31,7 +37,11 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
                 await servicer.load_tokenizer(ready[0])
             except Exception as exc:  # noqa: BLE001 - tried again next round
                 log.warning("loading the tokenizer from %s failed: %s", ready[0].address, exc)
-        now = servicer.front is not None and any(w.can_prefill for w in ready) and any(w.can_decode for w in ready)
+        now = (
+            servicer.front is not None
+            and any(w.can_prefill for w in ready)
+            and any(w.can_decode for w in ready)
+        )
         if now and not frozen:
             freeze_startup_heap("router")
             frozen = True
@@ -44,16 +54,30 @@ async def _track_readiness(server: GrpcServer, pool: WorkerPool, servicer: Route
 async def serve_router(config: RouterConfig) -> None:
     watch_pauses()
     metrics = RouterMetrics()
-    server = GrpcServer(config.host, config.port, [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
-                        drain_seconds=config.drain_seconds, metrics=metrics,
-                        keepalive_seconds=config.keepalive_seconds,
-                        policy=AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token),
-                        tls=config.tls, health_port=config.health_port,
-                        max_request_bytes=config.limits.max_request_bytes)
+    server = GrpcServer(
+        config.host,
+        config.port,
+        [llm_pb2.DESCRIPTOR.services_by_name["AsyncLLM"].full_name],
+        drain_seconds=config.drain_seconds,
+        metrics=metrics,
+        keepalive_seconds=config.keepalive_seconds,
+        policy=AccessPolicy(admin_token=config.admin_token, cluster_token=config.cluster_token),
+        tls=config.tls,
+        health_port=config.health_port,
+        max_request_bytes=config.limits.max_request_bytes,
+    )
     credentials = ClusterCredentials(config.tls, config.cluster_token, config.admin_token)
-    pool = WorkerPool(config.workers, config.health_interval_s, credentials, health_timeout_s=config.health_timeout_s,
-                      routing=config.policies, kv_overlap_weight=config.kv_overlap_weight,
-                      disagg=ConditionalDisagg(config.disagg_min_uncached_tokens, config.disagg_prefill_queue_tokens))
+    pool = WorkerPool(
+        config.workers,
+        config.health_interval_s,
+        credentials,
+        health_timeout_s=config.health_timeout_s,
+        routing=config.policies,
+        kv_overlap_weight=config.kv_overlap_weight,
+        disagg=ConditionalDisagg(
+            config.disagg_min_uncached_tokens, config.disagg_prefill_queue_tokens
+        ),
+    )
     servicer = RouterServicer(pool, server.address, server.request_stop, config, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)
     metrics_url = metrics.serve_http(config.host, config.metrics_port)
@@ -65,10 +89,16 @@ async def serve_router(config: RouterConfig) -> None:
     tasks = [asyncio.create_task(_track_readiness(server, pool, servicer))]
     if config.workers_dns:
         resolver = hosts_file_resolver(config.hosts_file) if config.hosts_file else resolve_dns
-        discovery = DnsDiscovery(parse_dns_targets(config.workers_dns), pool.set_addresses, config.dns_interval_s,
-                                 resolver)
+        discovery = DnsDiscovery(
+            parse_dns_targets(config.workers_dns),
+            pool.set_addresses,
+            config.dns_interval_s,
+            resolver,
+        )
         tasks.append(asyncio.create_task(discovery.run()))
-    log.info("router on %s, workers %s", server.address, ", ".join(config.workers + config.workers_dns))
+    log.info(
+        "router on %s, workers %s", server.address, ", ".join(config.workers + config.workers_dns)
+    )
     try:
         await server.wait_for_stop()
     finally:

@@ -1,4 +1,5 @@
 """The router's configuration."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,6 @@ from tandem.common.roles import Role
 from tandem.common.server_config import ServerConfig
 from tandem.router.discovery import parse_dns_targets
 from tandem.router.policies import Policy, parse_routing
-
 
 # Past this the "stream" is a few messages per request: use a non-streaming Generate instead.
 MAX_STREAM_INTERVAL = 256
@@ -48,8 +48,10 @@ class RouterConfig(ServerConfig):
     def __post_init__(self):
         super().__post_init__()
         if not self.workers and not self.workers_dns:
-            raise ValueError("the router needs worker addresses (--workers host:port,...) or DNS names "
-                             "(--workers-dns prefill=host:port,...)")
+            raise ValueError(
+                "the router needs worker addresses (--workers host:port,...) or DNS names "
+                "(--workers-dns prefill=host:port,...)"
+            )
         for address in self.workers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -63,7 +65,9 @@ class RouterConfig(ServerConfig):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
-            raise ValueError(f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}, got {self.stream_interval}")
+            raise ValueError(
+                f"stream_interval must be between 1 and {MAX_STREAM_INTERVAL}, got {self.stream_interval}"
+            )
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if len(set(self.workers)) != len(self.workers):

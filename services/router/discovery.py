@@ -3,14 +3,15 @@ few seconds (--workers-dns: a Kubernetes headless service per role answers with 
 ready pod, so `kubectl scale` adds and drops workers with no re-render). The resolver is
 pluggable: real DNS by default (getaddrinfo), or a hosts file with ports (tests on loopback,
 where workers differ by port, not by address)."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from tandem.common.roles import Role
 
@@ -77,8 +78,13 @@ class DnsDiscovery:
     A name that fails to resolve keeps its last answer (a DNS hiccup drops no worker); one that
     resolves to nothing (scaled to zero) has no workers."""
 
-    def __init__(self, targets: list[DnsTarget], set_addresses: Callable[[set[str]], None],
-                 interval_s: float = 5.0, resolver: Resolver = resolve_dns):
+    def __init__(
+        self,
+        targets: list[DnsTarget],
+        set_addresses: Callable[[set[str]], None],
+        interval_s: float = 5.0,
+        resolver: Resolver = resolve_dns,
+    ):
         self.targets = targets
         self.set_addresses = set_addresses
         self.interval_s = interval_s
@@ -90,8 +96,12 @@ class DnsDiscovery:
             try:
                 self._last[target] = await self.resolver(target.host, target.port)
             except (OSError, UnicodeError) as exc:
-                log.warning("resolving %s failed (%s); keeping its %d workers", target, exc,
-                            len(self._last.get(target, [])))
+                log.warning(
+                    "resolving %s failed (%s); keeping its %d workers",
+                    target,
+                    exc,
+                    len(self._last.get(target, [])),
+                )
         addresses = {a for found in self._last.values() for a in found}
         self.set_addresses(addresses)
         return addresses

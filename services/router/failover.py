@@ -8,6 +8,7 @@ streamed so far as its first_gen_tokens and no KV (the new worker recomputes it)
 client sees one continuous stream, no token lost or repeated; sampling continues exactly
 because a seeded request's randomness depends only on (seed, token index).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,9 @@ async def worker_gone(worker: WorkerHandle, exc: BaseException, timeout_s: float
     released): only a worker that no longer answers its health check is gone (or one whose
     stream stalled while it did not answer, or whose session with the router ended under the
     request: the request stopped there)."""
-    if isinstance(exc, (WorkerStalledError, SessionBroken)):  # gone for the request, whatever its health
+    if isinstance(
+        exc, (WorkerStalledError, SessionBroken)
+    ):  # gone for the request, whatever its health
         return True
     if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False
@@ -58,7 +61,9 @@ def pick_or_none(route: Route, roles: tuple[Role, ...], exclude: set[str]) -> Wo
         return None
 
 
-async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tuple[WorkerHandle, llm_pb2.RequestOutput] | None:
+async def context_with_retry(
+    route: Route, ctx: llm_pb2.GenerateRequest
+) -> tuple[WorkerHandle, llm_pb2.RequestOutput] | None:
     """Runs the context phase; a prefill that dies or hangs is replaced while others remain.
     Returns the prefill and its one (non-streamed) reply, or None when no prefill is left to
     run it (the caller runs the request on one worker instead)."""
@@ -77,9 +82,16 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
             return prefill, out
         except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
             if not await worker_gone(prefill, exc, route.pool.health_timeout_s):
-                _release_lost_handoff(route, prefill, ctx)  # the reply may have come on its own after all
+                _release_lost_handoff(
+                    route, prefill, ctx
+                )  # the reply may have come on its own after all
                 raise
-            log.warning("prefill %s failed (%s); retrying %s elsewhere", prefill.address, _code(exc), ctx.request_id)
+            log.warning(
+                "prefill %s failed (%s); retrying %s elsewhere",
+                prefill.address,
+                _code(exc),
+                ctx.request_id,
+            )
             route.pool.mark_down(prefill)
             tried.add(prefill.address)
             route.metrics.prefill_retried()
@@ -94,17 +106,25 @@ async def context_with_retry(route: Route, ctx: llm_pb2.GenerateRequest) -> tupl
 
 
 def _hands_off(out: types_pb2.RequestOutput | None) -> bool:
-    return out is not None and bool(out.outputs) and bool(out.outputs[0].disaggregated_params.opaque_state)
+    return (
+        out is not None
+        and bool(out.outputs)
+        and bool(out.outputs[0].disaggregated_params.opaque_state)
+    )
 
 
-def _release_lost_handoff(route: Route, prefill: WorkerHandle, ctx: llm_pb2.GenerateRequest) -> None:
+def _release_lost_handoff(
+    route: Route, prefill: WorkerHandle, ctx: llm_pb2.GenerateRequest
+) -> None:
     """The context call was cancelled before its reply was read: the prefill may have finished
     and sent a handoff that nobody will present. Its lease goes by the split's disagg_request_id
     (the request is aborted there if it still runs); without this it would wait for its expiry."""
     spawn(release_lease(route.pool, prefill, 0, ctx.disaggregated_params.disagg_request_id))
 
 
-def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so_far: list[int]) -> llm_pb2.GenerateRequest:
+def resume_request(
+    request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so_far: list[int]
+) -> llm_pb2.GenerateRequest:
     """generation_only without a handoff: the worker recomputes the KV of prompt + tokens_so_far."""
     resumed = llm_pb2.GenerateRequest()
     resumed.CopyFrom(request)
@@ -118,6 +138,7 @@ def resume_request(request: llm_pb2.GenerateRequest, prompt_token_ids, tokens_so
 @dataclass
 class Progress:
     """What a single-sequence stream has produced so far: all a migration needs to carry it on."""
+
     prompt_token_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     # cumulative_logprob of `tokens` that no current worker sampled (the context phase's first
@@ -129,8 +150,13 @@ class Progress:
     num_migrations: int = 0
 
 
-async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, worker: WorkerHandle,
-                                roles: tuple[Role, ...], progress: Progress):
+async def stream_with_migration(
+    route: Route,
+    request: llm_pb2.GenerateRequest,
+    worker: WorkerHandle,
+    roles: tuple[Role, ...],
+    progress: Progress,
+):
     """Relays a single-sequence stream; if its worker dies or hangs, continues it on another
     one of roles."""
     current, tried = request, set()
@@ -155,13 +181,20 @@ async def stream_with_migration(route: Route, request: llm_pb2.GenerateRequest, 
                     yield msg
             return
         except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
-            if attempt == MAX_MIGRATIONS or not await worker_gone(worker, exc, route.pool.health_timeout_s):
+            if attempt == MAX_MIGRATIONS or not await worker_gone(
+                worker, exc, route.pool.health_timeout_s
+            ):
                 raise
             if route.cancelled:  # aborted while its worker died: nothing to carry on
                 yield cancelled_output(request.request_id)
                 return
-            log.warning("worker %s failed under %s (%s) after %d tokens; migrating", worker.address,
-                        request.request_id, _code(exc), len(progress.tokens))
+            log.warning(
+                "worker %s failed under %s (%s) after %d tokens; migrating",
+                worker.address,
+                request.request_id,
+                _code(exc),
+                len(progress.tokens),
+            )
             route.pool.mark_down(worker)
             tried.add(worker.address)
             route.metrics.migrated()

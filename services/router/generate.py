@@ -2,11 +2,12 @@
 on one worker, or split (context_only on a prefill worker, then generation_only on a decode
 worker), or, for n > 1 over a split, as n single-sequence splits. A split whose prefill (or
 decode) side has no ready worker left runs on one worker of another role instead."""
+
 from __future__ import annotations
 
 import random
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from tandem.common.background import spawn
 from tandem.common.outputs import cancelled_output
@@ -26,7 +27,9 @@ GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 _NORMAL_ENDS = (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
 
 
-def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[types_pb2.RequestOutput]:
+def stream(
+    route: Route, request: llm_pb2.GenerateRequest
+) -> AsyncIterator[types_pb2.RequestOutput]:
     """The messages of request, which asks the workers for streamed token ids. The worker of a
     relayed call is picked here, at once; the stream is the relay itself (no layer of its own, but
     for requests that ask for perf metrics: every layer costs each relayed message a generator hop)."""
@@ -36,10 +39,20 @@ def stream(route: Route, request: llm_pb2.GenerateRequest) -> AsyncIterator[type
         messages = route.relay(pool.pick(Role.PREFILL, placement=placement), request)
     elif request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY:
         # A handoff needs a decode worker's transceiver; a resume without one runs anywhere.
-        roles = (Role.DECODE,) if request.disaggregated_params.opaque_state else (Role.DECODE, Role.BOTH)
+        roles = (
+            (Role.DECODE,)
+            if request.disaggregated_params.opaque_state
+            else (Role.DECODE, Role.BOTH)
+        )
         messages = route.relay(pool.pick_any_of(roles, placement=placement), request)
-    elif pool.can_disaggregate and not request.sampling_params.use_beam_search:  # beams: aggregated only
-        messages = split_n(route, request) if request.sampling_params.n > 1 else disaggregated(route, request)
+    elif (
+        pool.can_disaggregate and not request.sampling_params.use_beam_search
+    ):  # beams: aggregated only
+        messages = (
+            split_n(route, request)
+            if request.sampling_params.n > 1
+            else disaggregated(route, request)
+        )
     elif request.sampling_params.n > 1:
         messages = route.relay(pool.pick_any_of(LOCAL_ROLES, placement=placement), request)
     else:
@@ -57,7 +70,9 @@ async def _stamped(messages: AsyncIterator[types_pb2.RequestOutput], arrival_tim
             yield msg
 
 
-async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES):
+async def local(
+    route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Role, ...] = LOCAL_ROLES
+):
     """One sequence on one worker of roles (preferably an aggregated one); it moves to any worker
     that can run it whole if its worker dies."""
     worker = route.pool.pick_any_of(roles, placement=route.placement)
@@ -65,7 +80,9 @@ async def local(route: Route, request: llm_pb2.GenerateRequest, roles: tuple[Rol
     # The start as the router saw it: the perf metrics of a stream a migration recomputed.
     wants_perf = request.sampling_params.return_perf_metrics
     sent_time, first_token_time = time.time() if wants_perf else 0.0, 0.0
-    async with closing(failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress)) as messages:
+    async with closing(
+        failover.stream_with_migration(route, request, worker, LOCAL_ROLES, progress)
+    ) as messages:
         async for msg in messages:
             if wants_perf:
                 if not first_token_time and any(out.token_ids for out in msg.outputs):
@@ -103,7 +120,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill, ctx_out = context
     handoff = types_pb2.DisaggregatedParams()
     handoff.CopyFrom(ctx_out.outputs[0].disaggregated_params)
-    handoff.ClearField("first_gen_log_probs")  # the first token's logprob stays in Progress.logprob_base
+    handoff.ClearField(
+        "first_gen_log_probs"
+    )  # the first token's logprob stays in Progress.logprob_base
     ctx_out.ClearField("disaggregated_params")
     for out in ctx_out.outputs:  # router-internal; the caller did not ask for a split
         out.ClearField("disaggregated_params")
@@ -121,7 +140,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
     prefill_perf = types_pb2.PerfMetrics()
     if wants_perf:
         prefill_perf.CopyFrom(ctx_out.outputs[0].perf_metrics)
-        ctx_out.outputs[0].ClearField("perf_metrics")  # so do perf metrics: the decode's, combined with these
+        ctx_out.outputs[0].ClearField(
+            "perf_metrics"
+        )  # so do perf metrics: the decode's, combined with these
 
     def client_metrics(metrics: types_pb2.RequestMetrics) -> None:
         """The client's view: the whole request as the router saw it; the prompt was computed
@@ -146,8 +167,11 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
                 last.outputs[0].perf_metrics.CopyFrom(prefill_perf)
             yield last
             return
-        progress = Progress(list(ctx_out.prompt_token_ids), list(handoff.first_gen_tokens),
-                            ctx_out.outputs[0].cumulative_logprob)
+        progress = Progress(
+            list(ctx_out.prompt_token_ids),
+            list(handoff.first_gen_tokens),
+            ctx_out.outputs[0].cumulative_logprob,
+        )
         decode = failover.pick_or_none(route, (Role.DECODE,), set())
         if decode is not None:
             gen = llm_pb2.GenerateRequest()
@@ -158,7 +182,9 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         else:  # no decode worker is left: another worker recomputes the prompt and carries on
             decode = route.pool.pick_any_of(LOCAL_ROLES, placement=route.placement)
             gen = failover.resume_request(request, progress.prompt_token_ids, progress.tokens)
-        async with closing(failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress)) as messages:
+        async with closing(
+            failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress)
+        ) as messages:
             async for msg in messages:
                 msg.ClearField("prompt")
                 del msg.prompt_token_ids[:]
@@ -168,8 +194,12 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
                             perf_metrics.combine_split(prefill_perf, out.perf_metrics)
                 if msg.finished:
                     client_metrics(msg.metrics)
-                    decode_ended_lease = (gen.disaggregated_params.opaque_state != b"" and not progress.num_migrations
-                                          and bool(msg.outputs) and msg.outputs[0].finish_reason in _NORMAL_ENDS)
+                    decode_ended_lease = (
+                        gen.disaggregated_params.opaque_state != b""
+                        and not progress.num_migrations
+                        and bool(msg.outputs)
+                        and msg.outputs[0].finish_reason in _NORMAL_ENDS
+                    )
                 yield msg
     finally:
         if not decode_ended_lease:
@@ -192,7 +222,9 @@ async def split_n(route: Route, request: llm_pb2.GenerateRequest):
         route.children.append(route.child(sub.request_id))
         subs.append(sub)
     first = True
-    async with closing(merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)])) as items:
+    async with closing(
+        merge([disaggregated(child, sub) for child, sub in zip(route.children, subs)])
+    ) as items:
         async for index, item in items:
             item.request_id = request.request_id
             item.finished = False

@@ -7,6 +7,7 @@ cache by the SubscribeKvBlocks feed into the router's KV index.
 Each worker process has an instance id (common/health.py): a state poll records it with the
 role, and the health answers carry it, so the router tells the process it knows from another
 one that took the address over (a restart, a hot swap) before it trusts what it knew."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,9 @@ async def poll_forever(pool: WorkerPool, w: WorkerHandle) -> None:
 async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
     checked_instance = ""
     try:
-        call = w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=pool.health_timeout_s)
+        call = w.health.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=pool.health_timeout_s
+        )
         resp = await call
         checked_instance = instance_id_of(await call.initial_metadata())
         ready = resp.status == SERVING
@@ -53,8 +56,12 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
         ready = False
         refused = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         if refused and not w.refused:
-            log.error("worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
-                      w.address, exc.code().name, exc.details())
+            log.error(
+                "worker %s refuses the router (%s: %s): give the router the cluster's --cluster-token",
+                w.address,
+                exc.code().name,
+                exc.details(),
+            )
         w.refused = refused
     if ready:
         try:
@@ -75,7 +82,12 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
 
 def set_ready(pool: WorkerPool, w: WorkerHandle, ready: bool) -> None:
     if ready != w.ready:
-        log.info("worker %s (%s) is %s", w.address, w.role.label or "?", "ready" if ready else "not ready")
+        log.info(
+            "worker %s (%s) is %s",
+            w.address,
+            w.role.label or "?",
+            "ready" if ready else "not ready",
+        )
         w.ready = ready
         pool.notify()
 
@@ -95,7 +107,9 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
     swap over SO_REUSEPORT), names another instance; it is ready once a poll has looked at it.
     A worker without Watch is left to the polls."""
     loop = asyncio.get_running_loop()
-    is_reopen = False  # the last stream answered, lived >= WATCH_REOPEN_MIN_S and ended: reopened at once
+    is_reopen = (
+        False  # the last stream answered, lived >= WATCH_REOPEN_MIN_S and ended: reopened at once
+    )
     while True:
         opened_at = loop.time()
         answered = False
@@ -110,9 +124,13 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
                         if instance_id == w.instance_id:
                             set_ready(pool, w, True)
                         else:
-                            log.info("worker %s answers as another process (instance %s, was %s): "
-                                     "ready once a state poll has looked at it", w.address,
-                                     instance_id or "?", w.instance_id or "?")
+                            log.info(
+                                "worker %s answers as another process (instance %s, was %s): "
+                                "ready once a state poll has looked at it",
+                                w.address,
+                                instance_id or "?",
+                                w.instance_id or "?",
+                            )
                     w.poll_now.set()
                 else:
                     set_ready(pool, w, False)
@@ -121,7 +139,11 @@ async def watch_health(pool: WorkerPool, w: WorkerHandle) -> None:
                 is_reopen = False
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.info("worker %s has no health Watch; polling it every %.1f s", w.address, pool.health_interval_s)
+                log.info(
+                    "worker %s has no health Watch; polling it every %.1f s",
+                    w.address,
+                    pool.health_interval_s,
+                )
                 return
         finally:
             call.cancel()
@@ -148,7 +170,10 @@ async def follow_kv_blocks(pool: WorkerPool, w: WorkerHandle) -> None:
                 index.apply(w.address, update)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
-                log.warning("worker %s has no KV block feed: KV-aware routing sees no cache there", w.address)
+                log.warning(
+                    "worker %s has no KV block feed: KV-aware routing sees no cache there",
+                    w.address,
+                )
                 return
             log.info("KV block feed of %s ended (%s); resubscribing", w.address, exc.code().name)
         finally:

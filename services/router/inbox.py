@@ -1,6 +1,7 @@
 """A request's outputs in the router as its session's reader hands them over (sessions.py), and
 the stream the relay reads from them: the messages, the end, or the error its own Generate call
 would have given."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,9 @@ CUT = object()
 MAX_PENDING_OUTPUTS = 64
 
 
-def stream_failure(code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0) -> grpc.aio.AioRpcError:
+def stream_failure(
+    code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0
+) -> grpc.aio.AioRpcError:
     """What a request that failed on its session raises: the error its own call would have."""
     trailing = ((RETRY_PUSHBACK_METADATA, str(retry_pushback_ms)),) if retry_pushback_ms else ()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
@@ -33,8 +36,12 @@ class SessionBroken(grpc.aio.AioRpcError):
     (router/failover.py). UNAVAILABLE to a client when no worker is left to move it to."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                         f"the session with the worker ended ({code.name}: {details})")
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            f"the session with the worker ended ({code.name}: {details})",
+        )
 
 
 class SessionRefused(grpc.aio.AioRpcError):
@@ -54,6 +61,7 @@ def failure_error(failure: worker_pb2.SessionFailure) -> grpc.aio.AioRpcError:
 
 class Inbox:
     """A request's outputs as the session reader hands them over; the relay takes all there are at once."""
+
     __slots__ = ("items", "request_id", "_waiter")
 
     def __init__(self):
@@ -65,15 +73,25 @@ class Inbox:
 
     def put_token(self, token_id: int, cumulative_logprob: float) -> None:
         """A lone token (OutputBatch.tokens): the message the worker would have sent for it."""
-        self.put(types_pb2.RequestOutput(request_id=self.request_id, outputs=[types_pb2.CompletionOutput(
-            index=0, token_ids=[token_id], cumulative_logprob=cumulative_logprob)]))
+        self.put(
+            types_pb2.RequestOutput(
+                request_id=self.request_id,
+                outputs=[
+                    types_pb2.CompletionOutput(
+                        index=0, token_ids=[token_id], cumulative_logprob=cumulative_logprob
+                    )
+                ],
+            )
+        )
 
     def put(self, item) -> None:
         if not self.request_id and item.__class__ is types_pb2.RequestOutput:
             self.request_id = item.request_id
         items = self.items
         items.append(item)
-        if len(items) >= MAX_PENDING_OUTPUTS and all(i.__class__ is types_pb2.RequestOutput for i in items):
+        if len(items) >= MAX_PENDING_OUTPUTS and all(
+            i.__class__ is types_pb2.RequestOutput for i in items
+        ):
             # A client that lags holds one merged message here, not one per engine step.
             one = merge_outputs(list(items))
             items.clear()

@@ -7,6 +7,7 @@ sharing a prefix lands together before the first one's KV events arrive.
 A request's overlap with a worker is the number of leading blocks of its prompt the worker
 holds: a chain hash names the whole prefix up to its block, so the walk stops at the first
 block a worker lacks."""
+
 from __future__ import annotations
 
 import time
@@ -123,7 +124,9 @@ class KvIndex:
         expires = time.monotonic() + self.prediction_ttl_s
         for h in hashes:
             if h not in blocks.cached:
-                blocks.predicted.pop(h, None)  # re-inserted last: insertion order stays expiry order
+                blocks.predicted.pop(
+                    h, None
+                )  # re-inserted last: insertion order stays expiry order
                 blocks.predicted[h] = expires
         now = time.monotonic()
         while blocks.predicted:

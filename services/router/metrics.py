@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: the client's view of each request (tandem.common.metrics,
 role="router"), failover (migrations, prefill retries), and its view of the workers."""
+
 from __future__ import annotations
 
 from prometheus_client import Counter
@@ -13,15 +14,33 @@ class RouterMetrics(ProcessMetrics):
     def __init__(self):
         super().__init__("router")
         reg, base = self.registry, list(BASE_LABELS)
-        self.migrations = Counter("tandem:router_migrations", "Requests moved to another worker after theirs died "
-                                  "mid-stream.", base, registry=reg)
-        self.prefill_retries = Counter("tandem:router_prefill_retries", "Context phases retried on another prefill "
-                                       "worker after theirs died.", base, registry=reg)
-        self.busy_refusals = Counter("tandem:router_busy_refusals", "Generate calls refused RESOURCE_EXHAUSTED "
-                                     "(with a retry hint) because --max-in-flight were running.", base, registry=reg)
-        self.disagg_decisions = Counter("tandem:router_disagg_decisions", "Requests that could be split: split "
-                                        "(prefill worker, then decode worker) or run whole on a decode worker "
-                                        "(local), and why.", base + ["decision", "reason"], registry=reg)
+        self.migrations = Counter(
+            "tandem:router_migrations",
+            "Requests moved to another worker after theirs died mid-stream.",
+            base,
+            registry=reg,
+        )
+        self.prefill_retries = Counter(
+            "tandem:router_prefill_retries",
+            "Context phases retried on another prefill worker after theirs died.",
+            base,
+            registry=reg,
+        )
+        self.busy_refusals = Counter(
+            "tandem:router_busy_refusals",
+            "Generate calls refused RESOURCE_EXHAUSTED "
+            "(with a retry hint) because --max-in-flight were running.",
+            base,
+            registry=reg,
+        )
+        self.disagg_decisions = Counter(
+            "tandem:router_disagg_decisions",
+            "Requests that could be split: split "
+            "(prefill worker, then decode worker) or run whole on a decode worker "
+            "(local), and why.",
+            base + ["decision", "reason"],
+            registry=reg,
+        )
 
     def disagg_decided(self, split: bool, reason: str) -> None:
         self.disagg_decisions.labels(*self.labels, "split" if split else "local", reason).inc()
@@ -47,10 +66,18 @@ class _RouterCollector(Collector):
 
     def collect(self):
         labels = list(self.metrics.labels)
-        yield one_sample(GaugeMetricFamily, "tandem:router_requests_in_flight",
-                         "Generate calls the router is serving now.", labels, len(self.servicer.routes))
-        workers = GaugeMetricFamily("tandem:router_worker_ready", "1 while the router sees the worker ready.",
-                                    labels=BASE_LABELS + ("worker", "worker_role"))
+        yield one_sample(
+            GaugeMetricFamily,
+            "tandem:router_requests_in_flight",
+            "Generate calls the router is serving now.",
+            labels,
+            len(self.servicer.routes),
+        )
+        workers = GaugeMetricFamily(
+            "tandem:router_worker_ready",
+            "1 while the router sees the worker ready.",
+            labels=BASE_LABELS + ("worker", "worker_role"),
+        )
         for w in list(self.servicer.pool.workers):
             workers.add_metric(labels + [w.address, w.role.label], 1 if w.ready else 0)
         yield workers

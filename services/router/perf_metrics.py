@@ -1,6 +1,7 @@
 """The router's part in a sequence's PerfMetrics (TensorRT-LLM's RequestPerfMetrics, asked for with
 SamplingParams.return_perf_metrics): the workers record them, the router gives them its own
 arrival time and makes one record of a split's two halves (types.proto, PerfMetrics)."""
+
 from __future__ import annotations
 
 from tandem.v1 import types_pb2
@@ -28,7 +29,9 @@ def combine_split(context: types_pb2.PerfMetrics, generation: types_pb2.PerfMetr
     kv.kv_cache_hit_rate = context_kv.kv_cache_hit_rate
 
 
-def start_from_router(msg: types_pb2.RequestOutput, sent_time: float, first_token_time: float) -> None:
+def start_from_router(
+    msg: types_pb2.RequestOutput, sent_time: float, first_token_time: float
+) -> None:
     """A stream a migration moved after its first token: the worker that finished it recomputed the
     tokens so far, and the record of the start went down with the worker that had it; the router's
     own view stands in (when it sent the request, when the first token reached it)."""

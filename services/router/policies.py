@@ -2,6 +2,7 @@
 (prefix overlap against load, as Dynamo's KV router), or conversation affinity. One policy per
 role (--routing prefill=kv,decode=least-load); SchedulingParams.attention_dp_rank, where a
 request sets it, names the worker itself."""
+
 from __future__ import annotations
 
 import enum
@@ -48,8 +49,10 @@ def parse_routing(spec: str) -> dict[Role, Policy]:
             role = Role.parse(role_name.strip())
             policy = Policy(policy_name.strip())
         except ValueError:
-            raise ValueError(f"routing {part!r} is not ROLE=POLICY with ROLE prefill, decode or both and POLICY "
-                             f"one of {names}") from None
+            raise ValueError(
+                f"routing {part!r} is not ROLE=POLICY with ROLE prefill, decode or both and POLICY "
+                f"one of {names}"
+            ) from None
         routing[role] = policy
     return routing
 
@@ -58,6 +61,7 @@ def parse_routing(spec: str) -> dict[Role, Policy]:
 class Placement:
     """What the pick policies know of one request: its prompt for the KV index, its adapter, its
     conversation, its scheduling hint. Made once per request; the prompt's hashes once too."""
+
     token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     adapter_id: int | None = None
@@ -69,17 +73,25 @@ class Placement:
     overlap: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, request: llm_pb2.GenerateRequest) -> "Placement":
+    def of(cls, request: llm_pb2.GenerateRequest) -> Placement:
         prompt = request.prompt
         kind = prompt.WhichOneof("kind")
-        ids = (list(prompt.token_ids.ids) if kind == "token_ids"
-               else list(prompt.preprocessed.prompt_token_ids) if kind == "preprocessed" else [])
+        ids = (
+            list(prompt.token_ids.ids)
+            if kind == "token_ids"
+            else list(prompt.preprocessed.prompt_token_ids)
+            if kind == "preprocessed"
+            else []
+        )
         scheduling = request.scheduling_params
-        return cls(ids, request.cache_salt if request.HasField("cache_salt") else None,
-                   request.lora_request.lora_int_id if request.lora_request.lora_name else None,
-                   request.conversation_params.conversation_id,
-                   scheduling.attention_dp_rank if scheduling.HasField("attention_dp_rank") else None,
-                   scheduling.attention_dp_relax)
+        return cls(
+            ids,
+            request.cache_salt if request.HasField("cache_salt") else None,
+            request.lora_request.lora_int_id if request.lora_request.lora_name else None,
+            request.conversation_params.conversation_id,
+            scheduling.attention_dp_rank if scheduling.HasField("attention_dp_rank") else None,
+            scheduling.attention_dp_relax,
+        )
 
     def hashes(self, index: KvIndex) -> list[int]:
         if self._hashes is None or not self._hashes and index.block_size:
@@ -100,8 +112,13 @@ NO_PLACEMENT = Placement()
 class Picker:
     """Chooses one of a role's candidates by that role's policy."""
 
-    def __init__(self, routing: dict[Role, Policy], index: KvIndex, overlap_weight: float = 1.0,
-                 default: Policy = Policy.KV):
+    def __init__(
+        self,
+        routing: dict[Role, Policy],
+        index: KvIndex,
+        overlap_weight: float = 1.0,
+        default: Policy = Policy.KV,
+    ):
         self.routing = routing
         self.default = default
         self.index = index
@@ -115,8 +132,9 @@ class Picker:
     def policy(self, role: Role | None) -> Policy:
         return self.routing.get(role, self.default) if role is not None else Policy.LEAST_LOAD
 
-    def choose(self, role: Role | None, candidates: list[WorkerHandle], placement: Placement,
-               now: float) -> WorkerHandle:
+    def choose(
+        self, role: Role | None, candidates: list[WorkerHandle], placement: Placement, now: float
+    ) -> WorkerHandle:
         # Rotated so that ties go round robin and min() stays stable.
         start = next(self._rr.setdefault(role, itertools.count())) % len(candidates)
         candidates = candidates[start:] + candidates[:start]
@@ -143,15 +161,19 @@ class Picker:
             return ranked[placement.dp_rank]
         if placement.dp_relax:
             return None
-        raise ValueError(f"scheduling_params.attention_dp_rank {placement.dp_rank} is not a ready worker's rank "
-                         f"(0..{len(ranked) - 1}); set attention_dp_relax to let the router choose")
+        raise ValueError(
+            f"scheduling_params.attention_dp_rank {placement.dp_rank} is not a ready worker's rank "
+            f"(0..{len(ranked) - 1}); set attention_dp_relax to let the router choose"
+        )
 
     @staticmethod
     def _load(w: WorkerHandle, placement: Placement, now: float) -> int:
         miss = placement.adapter_id is not None and not w.holds(placement.adapter_id, now)
         return w.in_flight + (ADAPTER_MISS_COST if miss else 0)
 
-    def _by_kv(self, candidates: list[WorkerHandle], placement: Placement, now: float) -> WorkerHandle:
+    def _by_kv(
+        self, candidates: list[WorkerHandle], placement: Placement, now: float
+    ) -> WorkerHandle:
         """Dynamo's cost: overlap_weight * prefill blocks (the prompt's uncached blocks plus the
         prefill work queued there) + decode blocks (the KV of the requests decoding there; a
         prefill-only worker decodes nothing: its load is the prefill work alone)."""
@@ -163,7 +185,9 @@ class Picker:
 
         def cost(w: WorkerHandle) -> float:
             uncached = num_blocks - overlap[w.address]
-            queued = -(-w.queued_prefill_tokens // block_size) if block_size else w.queued_prefill_tokens
+            queued = (
+                -(-w.queued_prefill_tokens // block_size) if block_size else w.queued_prefill_tokens
+            )
             decode = w.active_blocks + w.in_flight if w.can_decode else 0
             if w.num_free_blocks is not None and uncached > w.num_free_blocks:
                 decode += uncached  # it would preempt (or wait) to find room
@@ -176,8 +200,9 @@ class Picker:
         index.predict(chosen.address, hashes)
         return chosen
 
-    def _by_conversation(self, role: Role | None, candidates: list[WorkerHandle], placement: Placement,
-                         now: float) -> WorkerHandle:
+    def _by_conversation(
+        self, role: Role | None, candidates: list[WorkerHandle], placement: Placement, now: float
+    ) -> WorkerHandle:
         """The worker the conversation last ran on (its KV is there), while it is a candidate."""
         key = (placement.conversation_id, role)
         address = self._conversations.get(key)
@@ -196,19 +221,27 @@ class ConditionalDisagg:
     """Whether a request the router could split runs split or whole on a decode worker, as
     TensorRT-LLM's disaggregated router decides: a short uncached prompt is cheaper to compute
     where it decodes than to hand off, and a saturated prefill pool would only make it wait."""
+
     # Split only when the uncached part of the prompt (on the best decode worker) is this long.
     min_uncached_tokens: int = 0
     # Run whole while every prefill worker has this many prompt tokens queued (0: never).
     prefill_queue_tokens: int = 0
 
-    def decide(self, placement: Placement, index: KvIndex, prefills: list[WorkerHandle],
-               decodes: list[WorkerHandle]) -> tuple[bool, str]:
+    def decide(
+        self,
+        placement: Placement,
+        index: KvIndex,
+        prefills: list[WorkerHandle],
+        decodes: list[WorkerHandle],
+    ) -> tuple[bool, str]:
         """(split, reason)."""
         if self.min_uncached_tokens:
             overlap = index.overlaps(placement.hashes(index), [w.address for w in decodes])
             cached = max(overlap.values(), default=0) * (index.block_size or 0)
             if len(placement.token_ids) - cached < self.min_uncached_tokens:
                 return False, "short_uncached_prompt"
-        if self.prefill_queue_tokens and all(w.queued_prefill_tokens >= self.prefill_queue_tokens for w in prefills):
+        if self.prefill_queue_tokens and all(
+            w.queued_prefill_tokens >= self.prefill_queue_tokens for w in prefills
+        ):
             return False, "prefill_saturated"
         return True, "long_uncached_prompt" if self.min_uncached_tokens else "always_split"

@@ -1,13 +1,14 @@
 """One client request as the router carries it: the worker it runs on now (Abort follows it from
 the prefill to the decode worker, and to the worker a migration moves it to), the workers it
 went through, and the calls that stop it."""
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -15,8 +16,8 @@ from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.streams import closing
-from tandem.router.metrics import RouterMetrics
 from tandem.router.inbox import SessionRefused, streamed_outputs
+from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -29,14 +30,25 @@ class WorkerStalledError(RpcError):
     (UNAVAILABLE, when no other worker can carry the request on)."""
 
     def __init__(self, worker: WorkerHandle):
-        super().__init__(grpc.StatusCode.UNAVAILABLE, f"worker {worker.address} stopped producing and does not answer")
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            f"worker {worker.address} stopped producing and does not answer",
+        )
         self.worker = worker
 
 
 class Route:
-    def __init__(self, pool: WorkerPool, request_id: str, metrics: RouterMetrics, client: str = "",
-                 progress_timeout_s: float = 10.0, placement: Placement | None = None,
-                 deadline: float | None = None, arrival_time: float | None = None):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        request_id: str,
+        metrics: RouterMetrics,
+        client: str = "",
+        progress_timeout_s: float = 10.0,
+        placement: Placement | None = None,
+        deadline: float | None = None,
+        arrival_time: float | None = None,
+    ):
         self.pool = pool
         # When the request reached the router (time.time(): the perf metrics' clock).
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -61,11 +73,21 @@ class Route:
         # n > 1 over a prefill/decode split: one child route per sequence.
         self.children: list[Route] = []
 
-    def child(self, request_id: str) -> "Route":
-        return Route(self.pool, request_id, self.metrics, self.client, self.progress_timeout_s,
-                     dataclasses.replace(self.placement, overlap={}), self.deadline, self.arrival_time)
+    def child(self, request_id: str) -> Route:
+        return Route(
+            self.pool,
+            request_id,
+            self.metrics,
+            self.client,
+            self.progress_timeout_s,
+            dataclasses.replace(self.placement, overlap={}),
+            self.deadline,
+            self.arrival_time,
+        )
 
-    async def relay(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False):
+    async def relay(
+        self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False
+    ):
         """The worker's messages for request, counted in its in-flight load while they flow.
         split: the context_only half of a request the router splits itself. Raises
         WorkerStalledError when the worker hangs under the stream."""
@@ -84,7 +106,9 @@ class Route:
             for attempt in range(2):
                 started = False
                 try:
-                    async with closing(self._relay_once(worker, request, split, attempt == 0)) as messages:
+                    async with closing(
+                        self._relay_once(worker, request, split, attempt == 0)
+                    ) as messages:
                         async for msg in messages:
                             started = True
                             if prefill_tokens:
@@ -101,8 +125,13 @@ class Route:
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
 
-    async def _relay_once(self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool,
-                          use_session: bool = True):
+    async def _relay_once(
+        self,
+        worker: WorkerHandle,
+        request: llm_pb2.GenerateRequest,
+        split: bool,
+        use_session: bool = True,
+    ):
         """The request's messages from worker: on the worker's session when it has one and the
         request fits a session message (and use_session), else on a Generate call of its own."""
         attached = await worker.session.attach(self.pool.health_timeout_s) if use_session else None
@@ -120,7 +149,9 @@ class Route:
                 session.detach(tag)
                 attached = None
         if attached is None:
-            metadata = ((CLIENT_METADATA, self.client),) + (((SPLIT_METADATA, "1"),) if split else ())
+            metadata = ((CLIENT_METADATA, self.client),) + (
+                ((SPLIT_METADATA, "1"),) if split else ()
+            )
             timeout = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
             call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
             self.cut = call.cancel
@@ -165,8 +196,12 @@ class Route:
             if await self.pool.is_responsive(worker, self.progress_timeout_s):
                 self._last_message_at = time.monotonic()
                 continue
-            log.warning("worker %s stopped producing for %s (%.1f s) and does not answer; moving the request on",
-                        worker.address, self.request_id, time.monotonic() - self._last_message_at)
+            log.warning(
+                "worker %s stopped producing for %s (%.1f s) and does not answer; moving the request on",
+                worker.address,
+                self.request_id,
+                time.monotonic() - self._last_message_at,
+            )
             self.pool.mark_down(worker)
             self.cut()
             return True
@@ -179,9 +214,13 @@ class Route:
         if self.worker is None:
             return
         try:
-            reply = await self.worker.llm.Abort(llm_pb2.AbortRequest(request_id=self.request_id), timeout=5)
+            reply = await self.worker.llm.Abort(
+                llm_pb2.AbortRequest(request_id=self.request_id), timeout=5
+            )
             aborted = reply.aborted
-        except grpc.aio.AioRpcError:  # the worker is gone (a migration may be under way): cancel our side
+        except (
+            grpc.aio.AioRpcError
+        ):  # the worker is gone (a migration may be under way): cancel our side
             aborted = False
         if not aborted and self.cut is not None:
             self.cut()
@@ -199,23 +238,37 @@ class Route:
             return
         try:
             reply = await self.worker.internal.StopSequences(
-                worker_pb2.StopSequencesRequest(request_id=self.request_id, indices=[index]), timeout=5)
+                worker_pb2.StopSequencesRequest(request_id=self.request_id, indices=[index]),
+                timeout=5,
+            )
         except grpc.aio.AioRpcError as exc:
             # The sequence carries on where it is; the text front drops what it still produces.
-            log.info("StopSequences(%s) on %s: %s", self.request_id, self.worker.address, exc.code())
+            log.info(
+                "StopSequences(%s) on %s: %s", self.request_id, self.worker.address, exc.code()
+            )
             return
-        if not reply.found:  # between workers (the context phase is over), or done: end the route here
+        if (
+            not reply.found
+        ):  # between workers (the context phase is over), or done: end the route here
             await self.abort()
 
 
-async def release_lease(pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int,
-                        disagg_request_id: int = 0) -> None:
+async def release_lease(
+    pool: WorkerPool, prefill: WorkerHandle, ctx_request_id: int, disagg_request_id: int = 0
+) -> None:
     """Best effort, for a split whose decode phase did not end the lease (aborted, stopped, failed,
     migrated, or never started). disagg_request_id instead of ctx_request_id: the lease of the
     router's own split of that id (its reply was lost)."""
-    request = worker_pb2.ReleaseKvRequest(ctx_request_id=ctx_request_id, disagg_request_id=disagg_request_id)
+    request = worker_pb2.ReleaseKvRequest(
+        ctx_request_id=ctx_request_id, disagg_request_id=disagg_request_id
+    )
     try:
         await prefill.internal.ReleaseKv(request, timeout=5, metadata=pool.admin_metadata)
     except grpc.aio.AioRpcError as exc:
-        log.info("ReleaseKv(%d/%d) on %s: %s (the lease expires anyway)", ctx_request_id, disagg_request_id,
-                 prefill.address, exc.code())
+        log.info(
+            "ReleaseKv(%d/%d) on %s: %s (the lease expires anyway)",
+            ctx_request_id,
+            disagg_request_id,
+            prefill.address,
+            exc.code(),
+        )

@@ -1,4 +1,5 @@
 """tandem.v1.AsyncLLM on the router: routes generation, fans admin calls out to workers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,15 +16,14 @@ from tandem.common.outputs import every_n_tokens
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
 from tandem.router import generate
-from tandem.router.metrics import RouterMetrics
 from tandem.router.config import RouterConfig
+from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
 from tandem.router.route import Route
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
-
 
 # Seconds a client refused for --max-in-flight is told to wait before it retries.
 RETRY_AFTER_BUSY_S = 0.5
@@ -37,7 +37,14 @@ def _deadline(context) -> float | None:
 
 
 class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
-    def __init__(self, pool: WorkerPool, address: str, request_stop, config: RouterConfig, metrics: RouterMetrics):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        address: str,
+        request_stop,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+    ):
         self.pool = pool
         self.config = config
         self.metrics = metrics
@@ -64,7 +71,9 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     def _text(self) -> TextFront:
         if self.front is None:
-            raise unavailable("the router has no tokenizer yet (no worker has been ready); retry shortly")
+            raise unavailable(
+                "the router has no tokenizer yet (no worker has been ready); retry shortly"
+            )
         return self.front
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
@@ -73,25 +82,38 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             # Refused before any work (tokenizing included): the caller retries after a moment,
             # and the router's memory stays bounded by max_in_flight requests.
             self.metrics.refused_busy()
-            raise RetryLaterError(f"the router serves {len(self.routes)} requests (--max-in-flight "
-                                  f"{self.config.max_in_flight})", RETRY_AFTER_BUSY_S)
+            raise RetryLaterError(
+                f"the router serves {len(self.routes)} requests (--max-in-flight "
+                f"{self.config.max_in_flight})",
+                RETRY_AFTER_BUSY_S,
+            )
         tracker = self.metrics.requests.track()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         elif request.request_id in self.routes:
-            raise ValueError(f"request id {request.request_id!r} is already running; ids must be unique")
+            raise ValueError(
+                f"request id {request.request_id!r} is already running; ids must be unique"
+            )
         text_request = await self._text().prepare(request)
         engine_request = text_request.engine_request
-        route = self.routes[request.request_id] = Route(self.pool, request.request_id, self.metrics, caller_of(context),
-                                                        self.config.stream_progress_timeout_s,
-                                                        Placement.of(engine_request), _deadline(context),
-                                                        arrival_time)
+        route = self.routes[request.request_id] = Route(
+            self.pool,
+            request.request_id,
+            self.metrics,
+            caller_of(context),
+            self.config.stream_progress_timeout_s,
+            Placement.of(engine_request),
+            _deadline(context),
+            arrival_time,
+        )
         try:
             produced = tracker.produced(generate.stream(route, engine_request))
             messages = TextFront.respond(text_request, produced, route.stop)
             if text_request.streaming and self.config.stream_interval > 1:
                 messages = every_n_tokens(messages, self.config.stream_interval)
-            async with closing(tracker.delivered(messages, len(text_request.prompt_token_ids))) as delivered:
+            async with closing(
+                tracker.delivered(messages, len(text_request.prompt_token_ids))
+            ) as delivered:
                 async for msg in delivered:
                     yield msg
         finally:
@@ -122,7 +144,9 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Detokenize(self, request, context):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return llm_pb2.DetokenizeResponse(text=self._text().detokenize(list(request.token_ids), skip))
+        return llm_pb2.DetokenizeResponse(
+            text=self._text().detokenize(list(request.token_ids), skip)
+        )
 
     async def GetTokenizer(self, request, context):
         self._text()
@@ -147,15 +171,22 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             raise unavailable("no ready decode-capable worker")
         caps = await asyncio.gather(*(w.llm.GetKvCacheCapacity(request) for w in workers))
         return llm_pb2.KvCacheCapacity(
-            max_num_blocks=sum(c.max_num_blocks for c in caps), tokens_per_block=caps[0].tokens_per_block,
-            max_num_tokens=sum(c.max_num_tokens for c in caps), num_free_blocks=sum(c.num_free_blocks for c in caps))
+            max_num_blocks=sum(c.max_num_blocks for c in caps),
+            tokens_per_block=caps[0].tokens_per_block,
+            max_num_tokens=sum(c.max_num_tokens for c in caps),
+            num_free_blocks=sum(c.num_free_blocks for c in caps),
+        )
 
-    async def _fan_out(self, method: str, request, workers: list[WorkerHandle] | None = None) -> list:
+    async def _fan_out(
+        self, method: str, request, workers: list[WorkerHandle] | None = None
+    ) -> list:
         workers = self.pool.ready_workers if workers is None else workers
         if not workers:
             raise unavailable("no ready worker")
         metadata = self.pool.admin_metadata if method in ADMIN_METHODS else ()
-        return await asyncio.gather(*(getattr(w.llm, method)(request, metadata=metadata) for w in workers))
+        return await asyncio.gather(
+            *(getattr(w.llm, method)(request, metadata=metadata) for w in workers)
+        )
 
     async def _admin(self, method: str, request) -> llm_pb2.AdminResponse:
         replies = await self._fan_out(method, request)
@@ -169,7 +200,9 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Release(self, request, context):
         if self.routes:  # a request between its prefill and decode workers would lose its KV
-            raise PreconditionError(f"{len(self.routes)} requests are in flight; call pause_generation before release")
+            raise PreconditionError(
+                f"{len(self.routes)} requests are in flight; call pause_generation before release"
+            )
         undo = llm_pb2.MemoryTagsRequest(tags=request.tags)
         return await self._all_or_nothing("Release", request, lambda w: ("Resume", undo))
 
@@ -178,11 +211,21 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def UpdateWeights(self, request, context):
         if self.routes:
-            raise PreconditionError(f"{len(self.routes)} requests are in flight; call pause_generation before update_weights")
-        states = {w.address: await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
-                  for w in self.pool.ready_workers}
-        return await self._all_or_nothing("UpdateWeights", request, lambda w: (
-            "UpdateWeights", llm_pb2.UpdateWeightsRequest(checkpoint_path=states[w.address].weights_source)))
+            raise PreconditionError(
+                f"{len(self.routes)} requests are in flight; call pause_generation before update_weights"
+            )
+        states = {
+            w.address: await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+            for w in self.pool.ready_workers
+        }
+        return await self._all_or_nothing(
+            "UpdateWeights",
+            request,
+            lambda w: (
+                "UpdateWeights",
+                llm_pb2.UpdateWeightsRequest(checkpoint_path=states[w.address].weights_source),
+            ),
+        )
 
     async def _all_or_nothing(self, method: str, request, undo) -> llm_pb2.AdminResponse:
         """Runs an admin call on every worker; if any refuses, undoes it on those that applied it,
@@ -191,8 +234,10 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         if not workers:
             raise unavailable("no ready worker")
         metadata = self.pool.admin_metadata
-        replies = await asyncio.gather(*(getattr(w.llm, method)(request, metadata=metadata) for w in workers),
-                                       return_exceptions=True)
+        replies = await asyncio.gather(
+            *(getattr(w.llm, method)(request, metadata=metadata) for w in workers),
+            return_exceptions=True,
+        )
         failures = [r for r in replies if isinstance(r, BaseException)]
         if failures:
             applied = [w for w, r in zip(workers, replies) if not isinstance(r, BaseException)]
@@ -208,9 +253,13 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         ranks = list(request.target_ranks) or list(range(len(workers)))
         bad = [r for r in ranks if not 0 <= r < len(workers)]
         if bad:
-            raise ValueError(f"target_ranks {bad} out of range: there are {len(workers)} workers (ranks 0..{len(workers) - 1})")
+            raise ValueError(
+                f"target_ranks {bad} out of range: there are {len(workers)} workers (ranks 0..{len(workers) - 1})"
+            )
         if request.HasField("unique_reply_rank") and request.unique_reply_rank not in ranks:
-            raise ValueError(f"unique_reply_rank {request.unique_reply_rank} is not among the target ranks {ranks}")
+            raise ValueError(
+                f"unique_reply_rank {request.unique_reply_rank} is not among the target ranks {ranks}"
+            )
         targets = [workers[r] for r in ranks]
         not_ready = [w.address for w in targets if not w.ready]
         if not_ready:
@@ -249,8 +298,10 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def Setup(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 60.0
         if not await self.pool.wait_ready(timeout):
-            raise unavailable(f"workers not ready after {timeout} s: "
-                              + ", ".join(w.address for w in self.pool.workers if not w.ready))
+            raise unavailable(
+                f"workers not ready after {timeout} s: "
+                + ", ".join(w.address for w in self.pool.workers if not w.ready)
+            )
         if self.front is None:
             await self.load_tokenizer(self.pool.ready_workers[0])
         return await self.GetServerInfo(llm_pb2.GetServerInfoRequest(), context)
@@ -261,12 +312,16 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         except RpcError:
             reply = llm_pb2.AdminResponse()
         self.request_stop()
-        return llm_pb2.AdminResponse(detail=list(reply.detail) + [f"router {self.address}: stopping"])
+        return llm_pb2.AdminResponse(
+            detail=list(reply.detail) + [f"router {self.address}: stopping"]
+        )
 
     async def GetServerInfo(self, request, context):
         info = llm_pb2.ServerInfo(llm_id=self.llm_id, role="router")
         for w in self.pool.workers:
-            info.workers.add(worker_id=w.address, role=w.role.label, ready=w.ready, lora_adapters=w.lora_adapters)
+            info.workers.add(
+                worker_id=w.address, role=w.role.label, ready=w.ready, lora_adapters=w.lora_adapters
+            )
         ready = self.pool.ready_workers
         if ready:
             worker_info = await ready[0].llm.GetServerInfo(request)
@@ -274,12 +329,30 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             info.max_model_len = worker_info.max_model_len
             info.encode_only = worker_info.encode_only
             info.collective_rpc_methods.extend(worker_info.collective_rpc_methods)
-            info.startup_metrics.update({f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()})
+            info.startup_metrics.update(
+                {f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()}
+            )
         roles = {w.role for w in self.pool.workers}
-        info.disaggregated_params.update({
-            "mode": "disaggregated" if Role.PREFILL in roles and Role.DECODE in roles else "aggregated",
-            "prefill_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_prefill]),
-            "decode_workers": struct_pb2.ListValue(values=[struct_pb2.Value(string_value=w.address) for w in self.pool.workers if w.can_decode]),
-        })
+        info.disaggregated_params.update(
+            {
+                "mode": "disaggregated"
+                if Role.PREFILL in roles and Role.DECODE in roles
+                else "aggregated",
+                "prefill_workers": struct_pb2.ListValue(
+                    values=[
+                        struct_pb2.Value(string_value=w.address)
+                        for w in self.pool.workers
+                        if w.can_prefill
+                    ]
+                ),
+                "decode_workers": struct_pb2.ListValue(
+                    values=[
+                        struct_pb2.Value(string_value=w.address)
+                        for w in self.pool.workers
+                        if w.can_decode
+                    ]
+                ),
+            }
+        )
         info.startup_metrics.update({"router_uptime_s": time.time() - self.started_at})
         return info

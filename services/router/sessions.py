@@ -5,12 +5,13 @@ and each request's end or error status). Route.relay reads a request's outputs f
 (inbox.py) its tag names here; a request too large for a session message, or a worker without
 sessions, gets a Generate call of its own.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -39,8 +40,14 @@ class OpenSession:
     """One Session call: the requests it carries, by tag, the messages waiting to be written, and
     the reader and writer tasks."""
 
-    def __init__(self, call, stream_id: str, on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_requests: int = DEFAULT_MAX_REQUESTS):
+    def __init__(
+        self,
+        call,
+        stream_id: str,
+        on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+    ):
         self.call = call
         self.stream_id = stream_id
         # Called with an output whose relay is over (a cancelled or failed request's stragglers).
@@ -69,14 +76,25 @@ class OpenSession:
         inbox = self.inboxes[self._next_tag] = Inbox()
         return self._next_tag, inbox
 
-    def submit(self, tag: int, request: llm_pb2.GenerateRequest, client: str, split: bool,
-               deadline: float | None) -> bool:
+    def submit(
+        self,
+        tag: int,
+        request: llm_pb2.GenerateRequest,
+        client: str,
+        split: bool,
+        deadline: float | None,
+    ) -> bool:
         """Queues the request of tag for the worker; False (nothing queued) when it is too large
         for a session message: it needs a call of its own. deadline: time.monotonic(), or None."""
         # timeout_s is set when the submit is written (what is left of the deadline then); a
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
-        submit = worker_pb2.SessionSubmit(tag=tag, request=request, client=client, split=split,
-                                          timeout_s=1.0 if deadline is not None else 0.0)
+        submit = worker_pb2.SessionSubmit(
+            tag=tag,
+            request=request,
+            client=client,
+            split=split,
+            timeout_s=1.0 if deadline is not None else 0.0,
+        )
         size = submit.ByteSize() + _ENTRY_OVERHEAD
         if size + _CANCELS_HEADER > self.max_message_bytes:
             return False
@@ -174,17 +192,24 @@ class OpenSession:
     def _deliver_mixed(self, batch: worker_pb2.OutputBatch) -> None:
         """A batch with lone tokens: entry i is batch.tokens[i], or the next full output where that is -1."""
         tags, tokens = batch.tags, batch.tokens
-        if len(tokens) != len(tags) or len(batch.cumulative_logprobs) != len(tags) \
-                or sum(1 for t in tokens if t < 0) != len(batch.outputs):
-            raise ValueError(f"malformed output batch: {len(tags)} tags, {len(tokens)} tokens, "
-                             f"{len(batch.cumulative_logprobs)} logprobs, {len(batch.outputs)} outputs")
+        if (
+            len(tokens) != len(tags)
+            or len(batch.cumulative_logprobs) != len(tags)
+            or sum(1 for t in tokens if t < 0) != len(batch.outputs)
+        ):
+            raise ValueError(
+                f"malformed output batch: {len(tags)} tags, {len(tokens)} tokens, "
+                f"{len(batch.cumulative_logprobs)} logprobs, {len(batch.outputs)} outputs"
+            )
         inboxes = self.inboxes
         outputs = iter(batch.outputs)
         for tag, token, cumulative in zip(tags, tokens, batch.cumulative_logprobs):
             inbox = inboxes.get(tag)
             if token < 0:
                 self._deliver(inbox, next(outputs))
-            elif inbox is not None:  # a lone token whose relay is over is nobody's (it holds no handoff)
+            elif (
+                inbox is not None
+            ):  # a lone token whose relay is over is nobody's (it holds no handoff)
                 inbox.put_token(token, cumulative)
 
     def close(self) -> None:
@@ -196,8 +221,12 @@ class OpenSession:
 class WorkerSession:
     """One worker's session, opened on first use and again after it broke."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str,
-                 on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None):
+    def __init__(
+        self,
+        stub: worker_pb2_grpc.WorkerStub,
+        address: str,
+        on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
+    ):
         self._stub = stub
         self._address = address
         self._on_orphan = on_orphan
@@ -238,10 +267,18 @@ class WorkerSession:
             call.cancel()
             # A worker without Session (an older version) is asked again only now and then: it
             # may have been upgraded in place meanwhile.
-            unsupported = isinstance(exc, grpc.aio.AioRpcError) and exc.code() is grpc.StatusCode.UNIMPLEMENTED
-            self._retry_at = asyncio.get_running_loop().time() + (RETRY_UNSUPPORTED_S if unsupported else RETRY_OPEN_S)
-            log.info("no session with %s (%s); its requests get calls of their own", self._address,
-                     exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout")
+            unsupported = (
+                isinstance(exc, grpc.aio.AioRpcError)
+                and exc.code() is grpc.StatusCode.UNIMPLEMENTED
+            )
+            self._retry_at = asyncio.get_running_loop().time() + (
+                RETRY_UNSUPPORTED_S if unsupported else RETRY_OPEN_S
+            )
+            log.info(
+                "no session with %s (%s); its requests get calls of their own",
+                self._address,
+                exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout",
+            )
             return None
         except BaseException:  # cancelled while it opened: the call goes with it
             call.cancel()
@@ -251,8 +288,13 @@ class WorkerSession:
             self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
             return None
         max_bytes = min(MAX_MESSAGE_BYTES, first.max_request_bytes or MAX_MESSAGE_BYTES)
-        self._session = OpenSession(call, first.stream_id, self._on_orphan, max_bytes,
-                                    first.max_requests or DEFAULT_MAX_REQUESTS)
+        self._session = OpenSession(
+            call,
+            first.stream_id,
+            self._on_orphan,
+            max_bytes,
+            first.max_requests or DEFAULT_MAX_REQUESTS,
+        )
         return self._session
 
     def close(self) -> None:

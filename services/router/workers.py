@@ -1,6 +1,7 @@
 """The router's view of its workers: channels, roles, readiness, load, the LoRA adapters they
 hold, and the pick (by each role's policy, policies.py). Workers come and go while the router
 runs (discovery.py); each has its own watch tasks (health.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,14 +12,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.auth import bearer_metadata
-from tandem.common.channels import ClusterCredentials
 from tandem.common.background import spawn
+from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
 from tandem.router import health
 from tandem.router.kv_index import KvIndex
+from tandem.router.policies import (
+    ADAPTER_MISS_COST,
+    NO_PLACEMENT,
+    ConditionalDisagg,
+    Picker,
+    Placement,
+    Policy,
+)
 from tandem.router.sessions import WorkerSession
-from tandem.router.policies import ADAPTER_MISS_COST, NO_PLACEMENT, ConditionalDisagg, Picker, Placement, Policy
 from tandem.v1 import llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 __all__ = ["ADAPTER_MISS_COST", "LOCAL_ROLES", "WorkerHandle", "WorkerPool"]
@@ -80,8 +88,10 @@ class WorkerHandle:
             self.kv_feed.cancel()
 
     def holds(self, adapter_id: int, now: float) -> bool:
-        return (any(a.lora_int_id == adapter_id for a in self.lora_adapters)
-                or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S)
+        return (
+            any(a.lora_int_id == adapter_id for a in self.lora_adapters)
+            or now - self.lora_picked.get(adapter_id, float("-inf")) < PICKED_ADAPTER_MEMORY_S
+        )
 
     @property
     def can_prefill(self) -> bool:
@@ -98,10 +108,16 @@ LOCAL_ROLES = (Role.BOTH, Role.DECODE, Role.PREFILL)
 
 
 class WorkerPool:
-    def __init__(self, addresses: tuple[str, ...], health_interval_s: float,
-                 credentials: ClusterCredentials = ClusterCredentials(), health_timeout_s: float = 1.0,
-                 routing: dict[Role, Policy] | None = None, kv_overlap_weight: float = 1.0,
-                 disagg: ConditionalDisagg = ConditionalDisagg()):
+    def __init__(
+        self,
+        addresses: tuple[str, ...],
+        health_interval_s: float,
+        credentials: ClusterCredentials = ClusterCredentials(),
+        health_timeout_s: float = 1.0,
+        routing: dict[Role, Policy] | None = None,
+        kv_overlap_weight: float = 1.0,
+        disagg: ConditionalDisagg = ConditionalDisagg(),
+    ):
         """credentials: the router's TLS identity and tokens; its channels present them on every call."""
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -121,23 +137,42 @@ class WorkerPool:
     def _open(self, address: str) -> WorkerHandle:
         channel = self.credentials.open(address, WORKER_CHANNEL_OPTIONS)
         internal = self.credentials.stub(worker_pb2_grpc.WorkerStub, channel)
-        session = WorkerSession(internal, address, lambda output: self._release_orphaned_handoff(internal, address, output))
-        return WorkerHandle(address, channel, self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel), internal,
-                            health_pb2_grpc.HealthStub(channel), session=session)
+        session = WorkerSession(
+            internal,
+            address,
+            lambda output: self._release_orphaned_handoff(internal, address, output),
+        )
+        return WorkerHandle(
+            address,
+            channel,
+            self.credentials.stub(llm_pb2_grpc.AsyncLLMStub, channel),
+            internal,
+            health_pb2_grpc.HealthStub(channel),
+            session=session,
+        )
 
-    def _release_orphaned_handoff(self, internal, address: str, output: types_pb2.RequestOutput) -> None:
+    def _release_orphaned_handoff(
+        self, internal, address: str, output: types_pb2.RequestOutput
+    ) -> None:
         """An output came on a stream after its relay ended (its call was cancelled or failed just
         as the worker answered): a handoff in it reaches nobody, so its lease goes now, not at expiry."""
         for comp in output.outputs:
             if comp.disaggregated_params.opaque_state:
-                request = worker_pb2.ReleaseKvRequest(ctx_request_id=comp.disaggregated_params.ctx_request_id)
+                request = worker_pb2.ReleaseKvRequest(
+                    ctx_request_id=comp.disaggregated_params.ctx_request_id
+                )
                 spawn(self._release(internal, address, request))
 
     async def _release(self, internal, address: str, request: worker_pb2.ReleaseKvRequest) -> None:
         try:
             await internal.ReleaseKv(request, timeout=5, metadata=self.admin_metadata)
         except grpc.aio.AioRpcError as exc:
-            log.info("ReleaseKv(%d) on %s: %s (the lease expires anyway)", request.ctx_request_id, address, exc.code())
+            log.info(
+                "ReleaseKv(%d) on %s: %s (the lease expires anyway)",
+                request.ctx_request_id,
+                address,
+                exc.code(),
+            )
 
     def start(self) -> None:
         self._started = True
@@ -146,7 +181,10 @@ class WorkerPool:
 
     def _start_watching(self, w: WorkerHandle) -> None:
         # Tasks per worker: a hung worker's slow answers delay nobody else's.
-        w.tasks = [asyncio.create_task(health.poll_forever(self, w)), asyncio.create_task(health.watch_health(self, w))]
+        w.tasks = [
+            asyncio.create_task(health.poll_forever(self, w)),
+            asyncio.create_task(health.watch_health(self, w)),
+        ]
         w.kv_feed = asyncio.create_task(health.follow_kv_blocks(self, w))
 
     def meet_new_process(self, w: WorkerHandle, instance_id: str) -> None:
@@ -156,9 +194,15 @@ class WorkerPool:
         sent to the old one are not loaded in the new one; and the old one's prefix cache leaves
         the KV index: the feed starts over (it may still read the old process's stream, on a
         connection that outlives the swap) and the new subscription's snapshot fills it again."""
-        if w.instance_id or w.role is not Role.UNKNOWN:  # an earlier poll answered: there is something to drop
-            log.info("worker %s is another process now (instance %s, was %s)", w.address, instance_id or "?",
-                     w.instance_id or "?")
+        if (
+            w.instance_id or w.role is not Role.UNKNOWN
+        ):  # an earlier poll answered: there is something to drop
+            log.info(
+                "worker %s is another process now (instance %s, was %s)",
+                w.address,
+                instance_id or "?",
+                w.instance_id or "?",
+            )
             w.lora_picked.clear()
             self.kv_index.forget(w.address)
             if w.kv_feed is not None:
@@ -177,8 +221,12 @@ class WorkerPool:
             if self._started:
                 self._start_watching(w)
         for w in [w for w in self.workers if w.address not in addresses]:
-            log.info("worker %s (%s) left discovery; %d requests still on it", w.address, w.role.label or "?",
-                     w.in_flight)
+            log.info(
+                "worker %s (%s) left discovery; %d requests still on it",
+                w.address,
+                w.role.label or "?",
+                w.in_flight,
+            )
             self.workers.remove(w)
             w.ready = False
             self.kv_index.forget(w.address)
@@ -220,32 +268,50 @@ class WorkerPool:
     def can_disaggregate(self) -> bool:
         """Whether a ready prefill-only and a ready decode-only worker exist."""
         ready = self.ready_workers
-        return any(w.role is Role.PREFILL for w in ready) and any(w.role is Role.DECODE for w in ready)
+        return any(w.role is Role.PREFILL for w in ready) and any(
+            w.role is Role.DECODE for w in ready
+        )
 
     def should_split(self, placement: Placement) -> tuple[bool, str]:
         """Conditional disaggregation for a request that can be split: (split, reason)."""
         ready = self.ready_workers
-        return self.disagg.decide(placement, self.kv_index, [w for w in ready if w.role is Role.PREFILL],
-                                  [w for w in ready if w.role is Role.DECODE])
+        return self.disagg.decide(
+            placement,
+            self.kv_index,
+            [w for w in ready if w.role is Role.PREFILL],
+            [w for w in ready if w.role is Role.DECODE],
+        )
 
     def by_address(self, address: str) -> WorkerHandle:
         for w in self.workers:
             if w.address == address:
                 return w
-        raise ValueError(f"unknown worker {address!r}; workers are {[w.address for w in self.workers]}")
+        raise ValueError(
+            f"unknown worker {address!r}; workers are {[w.address for w in self.workers]}"
+        )
 
     def mark_down(self, worker: WorkerHandle) -> None:
         """A call failed as if the worker were gone: stop picking it until its health check passes."""
         worker.ready = False
 
-    def pick(self, need: Role | None, exclude: set[str] | frozenset[str] = frozenset(),
-             adapter_id: int | None = None, placement: Placement | None = None) -> WorkerHandle:
+    def pick(
+        self,
+        need: Role | None,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        adapter_id: int | None = None,
+        placement: Placement | None = None,
+    ) -> WorkerHandle:
         """The ready worker of role `need` (None: any role) by that role's policy (policies.py);
         adapter_id: the request's LoRA adapter when no placement carries it."""
         return self.pick_any_of((need,), exclude, adapter_id, placement)
 
-    def pick_any_of(self, needs: tuple[Role | None, ...], exclude: set[str] | frozenset[str] = frozenset(),
-                    adapter_id: int | None = None, placement: Placement | None = None) -> WorkerHandle:
+    def pick_any_of(
+        self,
+        needs: tuple[Role | None, ...],
+        exclude: set[str] | frozenset[str] = frozenset(),
+        adapter_id: int | None = None,
+        placement: Placement | None = None,
+    ) -> WorkerHandle:
         """pick() for the first of needs that has a candidate."""
         if placement is None:
             placement = Placement(adapter_id=adapter_id) if adapter_id is not None else NO_PLACEMENT
@@ -260,21 +326,33 @@ class WorkerPool:
                     chosen.lora_picked[placement.adapter_id] = now
                 return chosen
         wanted = "/".join(n.label if n is not None else "any" for n in needs)
-        raise unavailable(f"no ready worker can serve {wanted} requests (workers: "
-                          + ", ".join(f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
-                                      for w in self.workers) + ")")
+        raise unavailable(
+            f"no ready worker can serve {wanted} requests (workers: "
+            + ", ".join(
+                f"{w.address}={w.role.label or '?'}{'' if w.ready else ' not ready'}"
+                for w in self.workers
+            )
+            + ")"
+        )
 
     async def is_responsive(self, w: WorkerHandle, engine_timeout_s: float) -> bool:
         """Whether the worker's event loop answers within the health timeout (a SIGSTOPped worker
         does not) and its engine thread within engine_timeout_s (GetWorkerState reads the
         engine's counters between two steps: a wedged engine does not answer, a busy one does)."""
         try:
-            await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s)
-            await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=engine_timeout_s)
+            await w.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.health_timeout_s
+            )
+            await w.internal.GetWorkerState(
+                worker_pb2.WorkerStateRequest(), timeout=engine_timeout_s
+            )
             return True
         except grpc.aio.AioRpcError as exc:
             # A worker that answers at all (paused, refusing) is not hung.
-            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            return exc.code() not in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+            )
 
     async def wait_ready(self, timeout: float) -> bool:
         """Waits until every worker is ready; False on timeout."""

@@ -4,6 +4,7 @@ Every cluster has a cluster token (given, from TANDEM_CLUSTER_TOKEN, or a fresh 
 which its children get through their environment; with a TlsConfig every process serves TLS
 (mTLS when it has a CA) and presents the certificate to the others.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ from tandem.common.channels import ClusterCredentials
 from tandem.common.tls import TlsConfig
 
 # Address -> the running cluster that serves it (channel_to).
-_RUNNING: dict[str, "LocalCluster"] = {}
+_RUNNING: dict[str, LocalCluster] = {}
 
 
 # Ports are picked below the kernel's ephemeral range (net.ipv4.ip_local_port_range), from
@@ -88,6 +89,7 @@ class Service:
 @dataclass
 class LocalCluster:
     """Router + workers on loopback. roles: worker roles in start order, e.g. ["both"] or ["prefill", "decode"]."""
+
     roles: list[str]
     engine_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
@@ -114,8 +116,11 @@ class LocalCluster:
 
     def __post_init__(self):
         if self.cluster_token is None:
-            self.cluster_token = ((self.env or {}).get("TANDEM_CLUSTER_TOKEN") or os.environ.get("TANDEM_CLUSTER_TOKEN")
-                                  or secrets.token_urlsafe(32))
+            self.cluster_token = (
+                (self.env or {}).get("TANDEM_CLUSTER_TOKEN")
+                or os.environ.get("TANDEM_CLUSTER_TOKEN")
+                or secrets.token_urlsafe(32)
+            )
 
     @property
     def credentials(self) -> ClusterCredentials:
@@ -139,8 +144,12 @@ class LocalCluster:
 
     def client_tls_flags(self) -> dict:
         """The `tandem generate` flags of client_tls_kwargs."""
-        names = {"root_certificates": "tls-ca", "certificate_chain": "tls-cert", "private_key": "tls-key",
-                 "tls_server_name": "tls-server-name"}
+        names = {
+            "root_certificates": "tls-ca",
+            "certificate_chain": "tls-cert",
+            "private_key": "tls-key",
+            "tls_server_name": "tls-server-name",
+        }
         return {names[k]: v for k, v in self.client_tls_kwargs().items() if v}
 
     def worker_client_kwargs(self) -> dict:
@@ -149,8 +158,12 @@ class LocalCluster:
         tls = self.tls
         kwargs = {"cluster_token": self.cluster_token or None}
         if tls is not None:
-            kwargs.update(root_certificates=tls.ca_file, certificate_chain=tls.cert_file, private_key=tls.key_file,
-                          tls_server_name=tls.server_name)
+            kwargs.update(
+                root_certificates=tls.ca_file,
+                certificate_chain=tls.cert_file,
+                private_key=tls.key_file,
+                tls_server_name=tls.server_name,
+            )
         return kwargs
 
     @property
@@ -165,7 +178,7 @@ class LocalCluster:
     def address(self) -> str:
         return self.router.address
 
-    def start(self, timeout: float = 120.0) -> "LocalCluster":
+    def start(self, timeout: float = 120.0) -> LocalCluster:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="tandem-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for role in self.roles:
@@ -189,11 +202,30 @@ class LocalCluster:
         name = f"{role}-{sum(s.role == role for s in self.services) + 1}"
         port = free_port(self.host)
         metrics_port = free_port(self.host) if self.metrics else 0
-        argv = [sys.executable, "-m", "tandem.cli.main", "serve", role, "--host", self.host, "--port", str(port),
-                "--metrics-port", str(metrics_port), *(self.tls.argv() if self.tls else []), *self.engine_args,
-                *self.worker_args.get(name, [])]
-        return Service(name, role, f"{self.host}:{port}", argv, self.log_dir / f"{name}.log",
-                       self._metrics_address(metrics_port))
+        argv = [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            role,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            *(self.tls.argv() if self.tls else []),
+            *self.engine_args,
+            *self.worker_args.get(name, []),
+        ]
+        return Service(
+            name,
+            role,
+            f"{self.host}:{port}",
+            argv,
+            self.log_dir / f"{name}.log",
+            self._metrics_address(metrics_port),
+        )
 
     def _router_service(self, name: str, port: int, args: list[str]) -> Service:
         port = port or free_port(self.host)
@@ -204,15 +236,41 @@ class LocalCluster:
             tls_argv = tls_argv + ["--tls-client-auth", "none"]
         if self.hosts_file is not None:
             roles = sorted({s.role for s in self.workers})
-            discovery = ["--workers-dns", ",".join(f"{r}={self.dns_name(r)}:1" for r in roles),
-                         "--hosts-file", str(self.hosts_file), "--dns-interval", "0.3"]
+            discovery = [
+                "--workers-dns",
+                ",".join(f"{r}={self.dns_name(r)}:1" for r in roles),
+                "--hosts-file",
+                str(self.hosts_file),
+                "--dns-interval",
+                "0.3",
+            ]
         else:
             discovery = ["--workers", ",".join(s.address for s in self.workers)]
-        return Service(name, "router", f"{self.host}:{port}",
-                       [sys.executable, "-m", "tandem.cli.main", "serve", "router", "--host", self.host,
-                        "--port", str(port), *discovery, "--health-interval", "0.2",
-                        "--metrics-port", str(metrics_port), *tls_argv, *args],
-                       self.log_dir / f"{name}.log", self._metrics_address(metrics_port))
+        return Service(
+            name,
+            "router",
+            f"{self.host}:{port}",
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli.main",
+                "serve",
+                "router",
+                "--host",
+                self.host,
+                "--port",
+                str(port),
+                *discovery,
+                "--health-interval",
+                "0.2",
+                "--metrics-port",
+                str(metrics_port),
+                *tls_argv,
+                *args,
+            ],
+            self.log_dir / f"{name}.log",
+            self._metrics_address(metrics_port),
+        )
 
     @staticmethod
     def dns_name(role: str) -> str:
@@ -222,7 +280,9 @@ class LocalCluster:
     def write_hosts_file(self, exclude: tuple[str, ...] = ()) -> None:
         """Lists every worker but those at the addresses in exclude under its role's name; the
         router sees the change at its next resolution. Written whole, then renamed into place."""
-        lines = [f"{self.dns_name(s.role)} {s.address}" for s in self.workers if s.address not in exclude]
+        lines = [
+            f"{self.dns_name(s.role)} {s.address}" for s in self.workers if s.address not in exclude
+        ]
         partial = self.hosts_file.with_suffix(".partial")
         partial.write_text("\n".join(lines) + "\n")
         partial.replace(self.hosts_file)
@@ -246,7 +306,10 @@ class LocalCluster:
         self.wait_serving([service.address], timeout)
         with self.channel(service.address) as channel:
             from tandem.v1 import llm_pb2, llm_pb2_grpc
-            llm_pb2_grpc.AsyncLLMStub(channel).Setup(llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+
+            llm_pb2_grpc.AsyncLLMStub(channel).Setup(
+                llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5
+            )
         return service
 
     def _metrics_address(self, port: int) -> str | None:
@@ -258,8 +321,9 @@ class LocalCluster:
         if self.cluster_token:
             env["TANDEM_CLUSTER_TOKEN"] = self.cluster_token
         with open(service.log_path, log_mode) as log:
-            service.process = subprocess.Popen(service.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True)
+            service.process = subprocess.Popen(
+                service.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def service(self, name: str) -> Service:
         for s in self.services:
@@ -283,24 +347,34 @@ class LocalCluster:
                 while True:
                     self.check_alive()
                     try:
-                        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        if (
+                            stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                            == health_pb2.HealthCheckResponse.SERVING
+                        ):
                             break
                     except grpc.RpcError:
                         pass
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{address} not SERVING after {timeout} s\n{self._tails()}")
+                        raise TimeoutError(
+                            f"{address} not SERVING after {timeout} s\n{self._tails()}"
+                        )
                     time.sleep(0.1)
 
     def wait_router_setup(self, timeout: float) -> None:
         """Setup returns once the router itself has seen every worker ready (its health polls lag)."""
         from tandem.v1 import llm_pb2, llm_pb2_grpc
+
         with self.channel(self.router.address) as channel:
-            llm_pb2_grpc.AsyncLLMStub(channel).Setup(llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+            llm_pb2_grpc.AsyncLLMStub(channel).Setup(
+                llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5
+            )
 
     def check_alive(self) -> None:
         for s in self.services:
             if s.process is not None and s.process.poll() is not None:
-                raise RuntimeError(f"{s.name} exited with code {s.process.returncode}\n{s.log_tail()}")
+                raise RuntimeError(
+                    f"{s.name} exited with code {s.process.returncode}\n{s.log_tail()}"
+                )
 
     def _tails(self) -> str:
         return "\n".join(f"--- {s.name} ({s.log_path})\n{s.log_tail()}" for s in self.services)

@@ -7,12 +7,13 @@ the dead worker's streams on elsewhere (router/failover.py) and takes the worker
 its health check passes. The router itself is restarted the same way; clients reconnect.
 A router that exits cleanly (Shutdown) ends the cluster.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tandem.testing.cluster import LocalCluster, Service
 
@@ -25,7 +26,11 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
 
     def __post_init__(self):
-        if self.max_restarts < 0 or self.window_s <= 0 or not 0 < self.first_backoff_s <= self.max_backoff_s:
+        if (
+            self.max_restarts < 0
+            or self.window_s <= 0
+            or not 0 < self.first_backoff_s <= self.max_backoff_s
+        ):
             raise ValueError(f"bad restart policy {self}")
 
 
@@ -37,8 +42,12 @@ class _Watch:
 
 
 class Supervisor:
-    def __init__(self, cluster: LocalCluster, policy: RestartPolicy = RestartPolicy(),
-                 say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        policy: RestartPolicy = RestartPolicy(),
+        say: Callable[[str], None] = print,
+    ):
         self.cluster = cluster
         self.policy = policy
         self.say = say
@@ -66,7 +75,9 @@ class Supervisor:
                 watch.restarts.append(now)
                 self.num_restarts += 1
                 self.cluster.restart(service)
-                self.say(f"tandem: restarted {service.name} on {service.address} (pid {service.process.pid})")
+                self.say(
+                    f"tandem: restarted {service.name} on {service.address} (pid {service.process.pid})"
+                )
 
     def _watch(self, service: Service) -> _Watch:
         return self._watches.setdefault(service.name, _Watch())
@@ -77,10 +88,16 @@ class Supervisor:
         code = service.process.returncode
         if len(watch.restarts) >= self.policy.max_restarts:
             watch.given_up = True
-            self.say(f"tandem: {service.name} on {service.address} exited ({code}) after {len(watch.restarts)} "
-                     f"restarts in {self.policy.window_s:.0f} s; leaving it down (log: {service.log_path})")
+            self.say(
+                f"tandem: {service.name} on {service.address} exited ({code}) after {len(watch.restarts)} "
+                f"restarts in {self.policy.window_s:.0f} s; leaving it down (log: {service.log_path})"
+            )
             return
-        backoff = min(self.policy.max_backoff_s, self.policy.first_backoff_s * 2 ** len(watch.restarts))
+        backoff = min(
+            self.policy.max_backoff_s, self.policy.first_backoff_s * 2 ** len(watch.restarts)
+        )
         watch.due_at = now + backoff
-        self.say(f"tandem: {service.name} on {service.address} exited ({code}); restarting it in {backoff:.1f} s "
-                 f"(log: {service.log_path})")
+        self.say(
+            f"tandem: {service.name} on {service.address} exited ({code}); restarting it in {backoff:.1f} s "
+            f"(log: {service.log_path})"
+        )

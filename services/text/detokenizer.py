@@ -1,4 +1,5 @@
 """Incremental detokenization with stop strings, one per generated sequence."""
+
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
@@ -16,8 +17,13 @@ class IncrementalDetokenizer:
     start of one is held back until it cannot.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -65,7 +71,7 @@ class IncrementalDetokenizer:
             self._check_stop()
         hold = 0 if final or self.stop_string is not None else self._hold
         end = max(self._emitted, len(self.text) - hold)
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
 
@@ -79,7 +85,9 @@ class IncrementalDetokenizer:
         if best is not None:
             at, s = best
             self.stop_string = s
-            self.num_kept_tokens = len(self.token_ids) if self.include_stop else self._num_tokens_before(at)
+            self.num_kept_tokens = (
+                len(self.token_ids) if self.include_stop else self._num_tokens_before(at)
+            )
             self.text = self.text[: at + len(s) if self.include_stop else at]
             self._emitted = min(self._emitted, len(self.text))
 

@@ -4,13 +4,19 @@ Behind it, producers see token ids only: the request they get has its prompt as 
 stop strings and detokenize off, and always streams, so that a stop string can stop the
 producer early; a client that did not ask to stream gets one merged message at the end.
 """
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
-from tandem.common.limits import RequestLimits, check_prompt_size, check_prompt_tokens, check_request
+from tandem.common.limits import (
+    RequestLimits,
+    check_prompt_size,
+    check_prompt_tokens,
+    check_request,
+)
 from tandem.common.outputs import merge_outputs
 from tandem.common.streams import closing
 from tandem.text.processor import StopCallback, TextOptions, TextProcessor
@@ -28,6 +34,7 @@ def _opt(msg, name: str, default):
 @dataclass
 class TextRequest:
     """What the front made of a client's GenerateRequest."""
+
     engine_request: llm_pb2.GenerateRequest
     processor: TextProcessor
     streaming: bool
@@ -37,20 +44,26 @@ class TextRequest:
         return list(self.engine_request.prompt.token_ids.ids)
 
 
-async def _merged(messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
+async def _merged(
+    messages: AsyncIterator[types_pb2.RequestOutput],
+) -> AsyncIterator[types_pb2.RequestOutput]:
     async with closing(messages) as messages:
         merged = merge_outputs([msg async for msg in messages])
     yield merged
 
 
 class TextFront:
-    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits | None = None, max_model_len: int = 0):
+    def __init__(
+        self, tokenizer: Tokenizer, limits: RequestLimits | None = None, max_model_len: int = 0
+    ):
         """max_model_len: the served model's context, when known here (0: the worker checks it)."""
         self.tokenizer = tokenizer
         self.limits = limits or RequestLimits()
         self.max_model_len = max_model_len
 
-    async def encode_prompt(self, prompt: types_pb2.Prompt, add_special_tokens: bool) -> tuple[list[int], str | None]:
+    async def encode_prompt(
+        self, prompt: types_pb2.Prompt, add_special_tokens: bool
+    ) -> tuple[list[int], str | None]:
         """(token ids, prompt text or None); a prompt over the limits is refused before it is tokenized."""
         check_prompt_size(prompt, self.limits)
         kind = prompt.WhichOneof("kind")
@@ -58,23 +71,31 @@ class TextFront:
             if not prompt.text:
                 raise ValueError("the prompt is empty: give text or token ids")
             if len(prompt.text) > _INLINE_TOKENIZE_CHARS:
-                return await asyncio.to_thread(self.tokenizer.encode_long, prompt.text, add_special_tokens), prompt.text
+                return await asyncio.to_thread(
+                    self.tokenizer.encode_long, prompt.text, add_special_tokens
+                ), prompt.text
             return self.tokenizer.encode(prompt.text, add_special_tokens), prompt.text
         if kind == "token_ids":
             return list(prompt.token_ids.ids), None
         if kind == "preprocessed":
             p = prompt.preprocessed
             return list(p.prompt_token_ids), (p.prompt if p.HasField("prompt") else None)
-        raise ValueError("the prompt is empty: set prompt.text, prompt.token_ids or prompt.preprocessed")
+        raise ValueError(
+            "the prompt is empty: set prompt.text, prompt.token_ids or prompt.preprocessed"
+        )
 
     async def prepare(self, request: llm_pb2.GenerateRequest) -> TextRequest:
         params = request.sampling_params
         check_request(request, self.limits)
-        ids, text = await self.encode_prompt(request.prompt, _opt(params, "add_special_tokens", True))
+        ids, text = await self.encode_prompt(
+            request.prompt, _opt(params, "add_special_tokens", True)
+        )
         if params.HasField("truncate_prompt_tokens"):
             if params.truncate_prompt_tokens <= 0:
-                raise ValueError(f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}")
-            ids = ids[-params.truncate_prompt_tokens:]
+                raise ValueError(
+                    f"truncate_prompt_tokens must be > 0, got {params.truncate_prompt_tokens}"
+                )
+            ids = ids[-params.truncate_prompt_tokens :]
         check_prompt_tokens(len(ids), self.limits, self.max_model_len)
         detokenize = _opt(params, "detokenize", True)
         stop = tuple(params.stop) if detokenize else ()
@@ -82,9 +103,14 @@ class TextFront:
             raise ValueError("stop strings must not be empty")
         # exclude_input_from_output=False: the prompt heads each sequence's token_ids (and text).
         prefix = tuple(ids) if not _opt(params, "exclude_input_from_output", True) else ()
-        options = TextOptions(detokenize=detokenize, skip_special_tokens=_opt(params, "skip_special_tokens", True),
-                              stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
-                              strip_logprobs=bool(stop) and not params.HasField("logprobs"), prefix_token_ids=prefix)
+        options = TextOptions(
+            detokenize=detokenize,
+            skip_special_tokens=_opt(params, "skip_special_tokens", True),
+            stop=stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            strip_logprobs=bool(stop) and not params.HasField("logprobs"),
+            prefix_token_ids=prefix,
+        )
         engine_request = llm_pb2.GenerateRequest()
         engine_request.CopyFrom(request)
         engine_request.prompt.token_ids.ids[:] = ids
@@ -98,12 +124,17 @@ class TextFront:
             engine_params.logprobs = 0
         # A generation_only output starts with the context phase's tokens: its text is detokenized
         # from them on, as an aggregated run's is.
-        processor = TextProcessor(self.tokenizer, options, text, num_sequences=max(1, _opt(params, "n", 1)))
+        processor = TextProcessor(
+            self.tokenizer, options, text, num_sequences=max(1, _opt(params, "n", 1))
+        )
         return TextRequest(engine_request, processor, request.streaming)
 
     @staticmethod
-    def respond(text_request: TextRequest, messages: AsyncIterator[types_pb2.RequestOutput],
-                on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+    def respond(
+        text_request: TextRequest,
+        messages: AsyncIterator[types_pb2.RequestOutput],
+        on_stop: StopCallback,
+    ) -> AsyncIterator[types_pb2.RequestOutput]:
         """The client's messages: the producer's, with text; merged into one unless streaming."""
         processed = text_request.processor.run(messages, on_stop)
         return processed if text_request.streaming else _merged(processed)

@@ -5,10 +5,11 @@ the process facing the client (the router, or a worker called directly) runs it 
 whatever produces the token ids (one worker, a prefill/decode split, a migration), so no
 text state ever crosses a handoff or a migration.
 """
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
 
 from tandem.common.streams import closing
 from tandem.text.detokenizer import IncrementalDetokenizer
@@ -23,6 +24,7 @@ StopCallback = Callable[[int, "types_pb2.DisaggregatedParams | None"], Awaitable
 @dataclass(frozen=True)
 class TextOptions:
     """What of a request's SamplingParams the text layer applies."""
+
     detokenize: bool = True
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = ()
@@ -37,7 +39,9 @@ class TextOptions:
 class _Sequence:
     def __init__(self, detokenizer: IncrementalDetokenizer | None):
         self.detokenizer = detokenizer
-        self.stopped = False  # ended here by a stop string; the producer's later outputs are dropped
+        self.stopped = (
+            False  # ended here by a stop string; the producer's later outputs are dropped
+        )
         self.finished = False
         # With stop strings (not kept in the output), tokens whose text is held back are held back
         # too, with their logprobs: a stop string takes its tokens out of token_ids.
@@ -48,8 +52,13 @@ class _Sequence:
 
 
 class TextProcessor:
-    def __init__(self, tokenizer: Tokenizer, options: TextOptions, prompt_text: str | None = None,
-                 num_sequences: int = 1):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        options: TextOptions,
+        prompt_text: str | None = None,
+        num_sequences: int = 1,
+    ):
         self.tokenizer = tokenizer
         self.options = options
         self.prompt_text = prompt_text
@@ -61,19 +70,30 @@ class TextProcessor:
     def _sequence(self, index: int) -> _Sequence:
         if index not in self._sequences:
             o = self.options
-            detok = (IncrementalDetokenizer(self.tokenizer, o.skip_special_tokens, o.stop, o.include_stop_str_in_output)
-                     if o.detokenize else None)
+            detok = (
+                IncrementalDetokenizer(
+                    self.tokenizer, o.skip_special_tokens, o.stop, o.include_stop_str_in_output
+                )
+                if o.detokenize
+                else None
+            )
             self._sequences[index] = _Sequence(detok)
         return self._sequences[index]
 
-    def run(self, messages: AsyncIterator[types_pb2.RequestOutput],
-            on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+    def run(
+        self, messages: AsyncIterator[types_pb2.RequestOutput], on_stop: StopCallback
+    ) -> AsyncIterator[types_pb2.RequestOutput]:
         """Adds text to each message. When stop strings end every sequence, the message that says
         so waits for the producer's own last message (its metrics), into which it is merged."""
-        return self._passthrough(messages) if self.is_passthrough else self._with_text(messages, on_stop)
+        return (
+            self._passthrough(messages)
+            if self.is_passthrough
+            else self._with_text(messages, on_stop)
+        )
 
-    async def _with_text(self, messages: AsyncIterator[types_pb2.RequestOutput],
-                         on_stop: StopCallback) -> AsyncIterator[types_pb2.RequestOutput]:
+    async def _with_text(
+        self, messages: AsyncIterator[types_pb2.RequestOutput], on_stop: StopCallback
+    ) -> AsyncIterator[types_pb2.RequestOutput]:
         held: types_pb2.RequestOutput | None = None
         async with closing(messages) as messages:
             async for msg in messages:
@@ -105,7 +125,9 @@ class TextProcessor:
         o = self.options
         return not o.detokenize and not o.prefix_token_ids and not o.strip_logprobs
 
-    async def _passthrough(self, messages: AsyncIterator[types_pb2.RequestOutput]) -> AsyncIterator[types_pb2.RequestOutput]:
+    async def _passthrough(
+        self, messages: AsyncIterator[types_pb2.RequestOutput]
+    ) -> AsyncIterator[types_pb2.RequestOutput]:
         async with closing(messages) as messages:
             async for msg in messages:
                 self.pass_through(msg)
@@ -124,7 +146,9 @@ class TextProcessor:
         finished = sum(1 for s in self._sequences.values() if s.finished)
         return finished >= self.num_sequences
 
-    def _apply(self, msg: types_pb2.RequestOutput) -> list[tuple[int, types_pb2.DisaggregatedParams | None]]:
+    def _apply(
+        self, msg: types_pb2.RequestOutput
+    ) -> list[tuple[int, types_pb2.DisaggregatedParams | None]]:
         if self._first and self.prompt_text is not None:
             msg.prompt = self.prompt_text
         self._first = False
@@ -134,7 +158,9 @@ class TextProcessor:
             state = self._sequence(comp.index)
             if state.stopped:  # tokens that raced with the stop string are dropped
                 if comp.HasField("perf_metrics"):  # the producer's record of the stopped sequence
-                    kept.append(types_pb2.CompletionOutput(index=comp.index, perf_metrics=comp.perf_metrics))
+                    kept.append(
+                        types_pb2.CompletionOutput(index=comp.index, perf_metrics=comp.perf_metrics)
+                    )
                 continue
             kept.append(comp)
             if self._apply_completion(comp, state):
@@ -142,7 +168,9 @@ class TextProcessor:
                 if comp.HasField("disaggregated_params"):
                     handoff = types_pb2.DisaggregatedParams()
                     handoff.CopyFrom(comp.disaggregated_params)
-                    comp.ClearField("disaggregated_params")  # a stop in the first token: nothing to hand off
+                    comp.ClearField(
+                        "disaggregated_params"
+                    )  # a stop in the first token: nothing to hand off
                 stops.append((comp.index, handoff))
             elif comp.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
                 state.finished = True

@@ -1,4 +1,5 @@
 """The served model's tokenizer (the `tokenizers` library over tokenizer.json)."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,22 @@ from pathlib import Path
 from tokenizers import Tokenizer as HfTokenizer
 
 # Files GetTokenizer ships so a client (or the router) can rebuild the same tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 class Tokenizer:
     def __init__(self, files: dict[str, bytes], name: str = ""):
         """files: the TOKENIZER_FILES present (at least tokenizer.json), by name."""
         if "tokenizer.json" not in files:
-            raise ValueError(f"{name or 'the model'} has no tokenizer.json; tandem needs a fast (tokenizers) tokenizer")
+            raise ValueError(
+                f"{name or 'the model'} has no tokenizer.json; tandem needs a fast (tokenizers) tokenizer"
+            )
         self.name = name
         self._files = dict(files)
         self.backend = HfTokenizer.from_str(files["tokenizer.json"].decode())
@@ -26,9 +34,13 @@ class Tokenizer:
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         model_dir = Path(model_dir)
-        files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+        files = {
+            name: (model_dir / name).read_bytes()
+            for name in TOKENIZER_FILES
+            if (model_dir / name).is_file()
+        }
         return cls(files, str(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

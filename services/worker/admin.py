@@ -3,6 +3,7 @@
 Each call either applies whole or not at all: validation and loading happen before
 anything changes, and the swap itself runs on the engine thread between steps.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,13 @@ from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import RpcError, unavailable
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.messages import CheckIdle, ReleaseMemory, ResumeMemory, SwapWeights, WeightsChecksum
+from tandem.engine.messages import (
+    CheckIdle,
+    ReleaseMemory,
+    ResumeMemory,
+    SwapWeights,
+    WeightsChecksum,
+)
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
@@ -50,7 +57,9 @@ def check_tags(tags) -> list[str]:
     tags = list(tags)
     unknown = sorted(set(tags) - set(LLMEngine.MEMORY_TAGS))
     if not tags or unknown:
-        raise ValueError(f"tags must be a non-empty subset of {list(LLMEngine.MEMORY_TAGS)}; got {tags}")
+        raise ValueError(
+            f"tags must be a non-empty subset of {list(LLMEngine.MEMORY_TAGS)}; got {tags}"
+        )
     return tags
 
 
@@ -82,16 +91,24 @@ async def resume(rt: WorkerRuntime, tags) -> str:
 async def update_weights(rt: WorkerRuntime, request) -> str:
     source = request.WhichOneof("source")
     if source == "ipc_handles":
-        raise RpcError(grpc.StatusCode.UNIMPLEMENTED,
-                       "update_weights with CUDA IPC handles is not supported: TensorRT-LLM's handle format is "
-                       "pickled, which tandem never accepts across processes; pass checkpoint_path instead")
+        raise RpcError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "update_weights with CUDA IPC handles is not supported: TensorRT-LLM's handle format is "
+            "pickled, which tandem never accepts across processes; pass checkpoint_path instead",
+        )
     if source != "checkpoint_path" or not request.checkpoint_path:
-        raise ValueError("update_weights needs checkpoint_path (a directory with config.json and *.safetensors)")
+        raise ValueError(
+            "update_weights needs checkpoint_path (a directory with config.json and *.safetensors)"
+        )
     path = request.checkpoint_path
     if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker")
+        raise ValueError(
+            f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker"
+        )
     if "model" in rt.engine.released_tags:
-        raise unavailable("the model weights are released; call resume(['model']) before update_weights")
+        raise unavailable(
+            "the model weights are released; call resume(['model']) before update_weights"
+        )
     await rt.core.call(CheckIdle("update_weights"))  # fail before a slow load
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
     await rt.core.call(SwapWeights(model, path))
@@ -100,9 +117,13 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
 
 
-async def collective_rpc(rt: WorkerRuntime, method: str, args: list, kwargs: dict) -> struct_pb2.Value:
+async def collective_rpc(
+    rt: WorkerRuntime, method: str, args: list, kwargs: dict
+) -> struct_pb2.Value:
     if method not in COLLECTIVE_RPC_METHODS:
-        raise ValueError(f"collective_rpc method {method!r} is not allowed; allowed: {list(COLLECTIVE_RPC_METHODS)}")
+        raise ValueError(
+            f"collective_rpc method {method!r} is not allowed; allowed: {list(COLLECTIVE_RPC_METHODS)}"
+        )
     if args or kwargs:
         raise ValueError(f"collective_rpc method {method!r} takes no arguments")
     if method == "get_worker_state":

@@ -1,4 +1,5 @@
 """A worker process's configuration."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,4 +29,5 @@ class WorkerConfig(ServerConfig):
                 f"a {self.role.label} worker needs the cluster token (--cluster-token or TANDEM_CLUSTER_TOKEN): it signs "
                 "and verifies KV handoffs and authenticates the calls between tandem processes. Give the router and "
                 "every worker the same one (`tandem up` and the Helm chart generate it), e.g. "
-                "`export TANDEM_CLUSTER_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`")
+                "`export TANDEM_CLUSTER_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')`"
+            )

@@ -1,7 +1,8 @@
 """Proto messages <-> the engine's types. Validation errors are ValueErrors (INVALID_ARGUMENT)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.common.sampling import check_several_returns, implies_greedy
 from tandem.engine.sampling_options import SamplingOptions
@@ -12,8 +13,11 @@ def _opt(msg, name: str, default):
     return getattr(msg, name) if msg.HasField(name) else default
 
 
-def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int, ...],
-                     encode: Callable[[str], list[int]] | None = None) -> SamplingOptions:
+def sampling_options(
+    params: types_pb2.SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    encode: Callable[[str], list[int]] | None = None,
+) -> SamplingOptions:
     """SamplingParams -> SamplingOptions as TensorRT-LLM reads them: greedy when the params imply it
     (no temperature, top_k or top_p; top_k=1; top_p=0; temperature=0), else sampling at the given
     temperature or 1. end_id=-1 is no end id (the model's EOS does not stop the sequence). encode
@@ -24,8 +28,10 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
     check_several_returns(params)
     beam_search = params.use_beam_search
     if best_of is not None and best_of != n and not beam_search:
-        raise NotImplementedError("best_of different from n is not supported yet without use_beam_search; "
-                                  "leave best_of unset")
+        raise NotImplementedError(
+            "best_of different from n is not supported yet without use_beam_search; "
+            "leave best_of unset"
+        )
     if beam_search:
         _check_beam_search(params)
     greedy = implies_greedy(params) or beam_search  # beams are searched, not sampled
@@ -68,18 +74,32 @@ def sampling_options(params: types_pb2.SamplingParams, eos_token_ids: tuple[int,
 def _check_beam_search(params: types_pb2.SamplingParams) -> None:
     """What TensorRT-LLM's TorchSampler.validate_request refuses with beam search, and what tandem's
     beam search does not do (it searches from the logits as transformers' num_beams does)."""
-    if any(params.HasField(name) and getattr(params, name) != default for name, default in
-           (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))):
-        raise ValueError("beam search does not support repetition, presence, or frequency penalties")
+    if any(
+        params.HasField(name) and getattr(params, name) != default
+        for name, default in (
+            ("repetition_penalty", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+        )
+    ):
+        raise ValueError(
+            "beam search does not support repetition, presence, or frequency penalties"
+        )
     if params.HasField("logprobs") and params.logprobs > 0:
-        raise ValueError("beam search only supports returning the sampled logprob per token (logprobs=0)")
+        raise ValueError(
+            "beam search only supports returning the sampled logprob per token (logprobs=0)"
+        )
     if params.return_generation_logits:
-        raise NotImplementedError("return_generation_logits with use_beam_search is not supported yet")
+        raise NotImplementedError(
+            "return_generation_logits with use_beam_search is not supported yet"
+        )
     if params.HasField("guided_decoding") and params.guided_decoding.WhichOneof("guide"):
         raise NotImplementedError("guided_decoding with use_beam_search is not supported yet")
     if params.HasField("beam_search_diversity_rate") or len(params.beam_width_array):
-        raise NotImplementedError("SamplingParams.beam_search_diversity_rate / beam_width_array are not supported "
-                                  "yet; leave them at their defaults")
+        raise NotImplementedError(
+            "SamplingParams.beam_search_diversity_rate / beam_width_array are not supported "
+            "yet; leave them at their defaults"
+        )
 
 
 def _bad_words(params: types_pb2.SamplingParams, encode) -> tuple[tuple[int, ...], ...]:
@@ -94,23 +114,42 @@ def _bad_words(params: types_pb2.SamplingParams, encode) -> tuple[tuple[int, ...
 
 def check_unsupported(request) -> None:
     """Fields whose feature this build does not have fail loudly instead of being ignored."""
-    if request.HasField("prompt_adapter_request") and request.prompt_adapter_request.prompt_adapter_name:
-        raise NotImplementedError("prompt adapters (prompt_adapter_request: prompt tuning's virtual tokens) are not "
-                                  "supported; adapt the model with a LoRA adapter (lora_request) instead")
+    if (
+        request.HasField("prompt_adapter_request")
+        and request.prompt_adapter_request.prompt_adapter_name
+    ):
+        raise NotImplementedError(
+            "prompt adapters (prompt_adapter_request: prompt tuning's virtual tokens) are not "
+            "supported; adapt the model with a LoRA adapter (lora_request) instead"
+        )
     if request.HasField("priority") and not 0.0 <= request.priority <= 1.0:
         raise ValueError(f"priority must be in [0, 1], got {request.priority}")
     for name in _UNIMPLEMENTED_SAMPLING_FIELDS:
         if _is_set(request.sampling_params, name):
-            raise NotImplementedError(f"SamplingParams.{name} is not supported yet; leave it at its default")
+            raise NotImplementedError(
+                f"SamplingParams.{name} is not supported yet; leave it at its default"
+            )
 
 
 # TensorRT-LLM SamplingParams fields this build does not implement yet (see types.proto): refused
 # when set, never ignored. A bool is "set" when it differs from its default.
 _UNIMPLEMENTED_SAMPLING_FIELDS = (
-    "top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate", "beam_width_array",
-    "return_encoder_output", "additional_model_outputs", "lookahead_config")
-_BOOL_DEFAULTS = {"use_beam_search": False, "return_context_logits": False, "return_generation_logits": False,
-                  "exclude_input_from_output": True, "return_encoder_output": False}
+    "top_p_min",
+    "top_p_reset_ids",
+    "top_p_decay",
+    "beam_search_diversity_rate",
+    "beam_width_array",
+    "return_encoder_output",
+    "additional_model_outputs",
+    "lookahead_config",
+)
+_BOOL_DEFAULTS = {
+    "use_beam_search": False,
+    "return_context_logits": False,
+    "return_generation_logits": False,
+    "exclude_input_from_output": True,
+    "return_encoder_output": False,
+}
 
 
 def _is_set(params: types_pb2.SamplingParams, name: str) -> bool:
@@ -119,4 +158,3 @@ def _is_set(params: types_pb2.SamplingParams, name: str) -> bool:
     if not params.HasField(name):
         return False
     return name not in _BOOL_DEFAULTS or getattr(params, name) != _BOOL_DEFAULTS[name]
-

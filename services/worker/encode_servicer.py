@@ -4,6 +4,7 @@ The seed raises RuntimeError for generation-side calls when encode_only=True; he
 FAILED_PRECONDITION with a message naming the model, so a client can tell a wrong cluster
 from a bad request.
 """
+
 from __future__ import annotations
 
 from tandem.common.errors import PreconditionError
@@ -12,8 +13,10 @@ from tandem.worker.servicer import WorkerLLMServicer
 
 class EncodeOnlyLLMServicer(WorkerLLMServicer):
     def _refuse(self, method: str) -> PreconditionError:
-        return PreconditionError(f"{method} is not available: this worker serves the encode-only model "
-                                 f"{self.rt.config.engine.model_dir}; use Encode, or serve a generative model")
+        return PreconditionError(
+            f"{method} is not available: this worker serves the encode-only model "
+            f"{self.rt.config.engine.model_dir}; use Encode, or serve a generative model"
+        )
 
     async def Encode(self, request, context):
         return await self.rt.encoder.encode(request)

@@ -4,6 +4,7 @@ Each Encode call is one padded batch. The forward pass runs on one dedicated thr
 (never on the event loop); one thread because concurrent forwards would only fight
 over the same cores or GPU, while the loop keeps answering other RPCs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ MODEL_KWARGS = ("token_type_ids",)
 @dataclass(frozen=True)
 class EncodeBatch:
     """One Encode call, validated: what the encoder thread runs."""
+
     token_ids: list[list[int]]
     token_type_ids: list[list[int]] | None
     return_raw: bool
@@ -35,23 +37,33 @@ def _tensor(t: torch.Tensor) -> llm_pb2.Tensor:
     return llm_pb2.Tensor(shape=list(t.shape), values=t.reshape(-1).tolist())
 
 
-def _token_type_ids(model_kwargs: dict, token_ids: list[list[int]], type_vocab_size: int) -> list[list[int]] | None:
+def _token_type_ids(
+    model_kwargs: dict, token_ids: list[list[int]], type_vocab_size: int
+) -> list[list[int]] | None:
     unknown = sorted(set(model_kwargs) - set(MODEL_KWARGS))
     if unknown:
-        raise ValueError(f"unsupported model_kwargs {unknown}; this encoder accepts {list(MODEL_KWARGS)}")
+        raise ValueError(
+            f"unsupported model_kwargs {unknown}; this encoder accepts {list(MODEL_KWARGS)}"
+        )
     if "token_type_ids" not in model_kwargs:
         return None
     raw = model_kwargs["token_type_ids"]
     if isinstance(raw, list) and len(token_ids) == 1 and raw and not isinstance(raw[0], list):
         raw = [raw]  # one input may give its ids flat
-    if not isinstance(raw, list) or len(raw) != len(token_ids) or not all(isinstance(r, list) for r in raw):
+    if (
+        not isinstance(raw, list)
+        or len(raw) != len(token_ids)
+        or not all(isinstance(r, list) for r in raw)
+    ):
         raise ValueError(f"token_type_ids must be a list of {len(token_ids)} lists, one per input")
     out = []
     for i, (types, ids) in enumerate(zip(raw, token_ids)):
         if len(types) != len(ids):
             raise ValueError(f"token_type_ids[{i}] has {len(types)} entries for {len(ids)} tokens")
         # JSON numbers arrive as floats (google.protobuf.Struct); only whole values in range are ids.
-        if not all(isinstance(t, (int, float)) and t == int(t) and 0 <= t < type_vocab_size for t in types):
+        if not all(
+            isinstance(t, (int, float)) and t == int(t) and 0 <= t < type_vocab_size for t in types
+        ):
             raise ValueError(f"token_type_ids[{i}] must be integers in [0, {type_vocab_size})")
         out.append([int(t) for t in types])
     return out
@@ -68,7 +80,9 @@ class EncoderRuntime:
         # A shorter max_model_len caps inputs; nothing longer than the position table can run.
         limit = self.config.max_position_embeddings
         self.max_model_len = min(engine_config.max_model_len or limit, limit)
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-encoder")
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tandem-encoder"
+        )
         self.num_requests = 0
         self.num_tokens = 0
 
@@ -88,9 +102,13 @@ class EncoderRuntime:
             raise ValueError("an input has no tokens")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token ids out of vocabulary [0, {self.config.vocab_size}): {bad[:8]}")
+            raise ValueError(
+                f"token ids out of vocabulary [0, {self.config.vocab_size}): {bad[:8]}"
+            )
         if len(ids) > self.max_model_len:
-            raise ValueError(f"an input has {len(ids)} tokens; this encoder takes at most {self.max_model_len}")
+            raise ValueError(
+                f"an input has {len(ids)} tokens; this encoder takes at most {self.max_model_len}"
+            )
         return ids
 
     def prepare(self, request: llm_pb2.EncodeRequest) -> EncodeBatch:
@@ -98,9 +116,16 @@ class EncoderRuntime:
             raise ValueError("inputs is empty: give at least one text or token-id list")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = [self.token_ids(p, add_special) for p in request.inputs]
-        kwargs = json_format.MessageToDict(request.model_kwargs) if request.HasField("model_kwargs") else {}
-        return EncodeBatch(token_ids, _token_type_ids(kwargs, token_ids, self.config.type_vocab_size),
-                           request.return_raw_logits)
+        kwargs = (
+            json_format.MessageToDict(request.model_kwargs)
+            if request.HasField("model_kwargs")
+            else {}
+        )
+        return EncodeBatch(
+            token_ids,
+            _token_type_ids(kwargs, token_ids, self.config.type_vocab_size),
+            request.return_raw_logits,
+        )
 
     def run(self, batch: EncodeBatch) -> llm_pb2.EncodeResponse:
         """The forward pass and the answer; runs on the encoder thread."""
@@ -110,10 +135,10 @@ class EncoderRuntime:
         token_types = torch.zeros_like(input_ids)
         mask = torch.zeros_like(input_ids)
         for i, ids in enumerate(batch.token_ids):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            mask[i, :len(ids)] = 1
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
             if batch.token_type_ids is not None:
-                token_types[i, :len(ids)] = torch.tensor(batch.token_type_ids[i])
+                token_types[i, : len(ids)] = torch.tensor(batch.token_type_ids[i])
         input_ids, token_types, mask = (t.to(self.device) for t in (input_ids, token_types, mask))
         hidden = self.model(input_ids, mask, token_types)
         # Padding rows are zeroed so the raw batch does not depend on what the pad positions computed.
@@ -123,9 +148,16 @@ class EncoderRuntime:
         if batch.return_raw:
             return llm_pb2.EncodeResponse(raw=_tensor(hidden))
         pooled = pool(hidden, mask.cpu(), self.pooling)
-        return llm_pb2.EncodeResponse(outputs=[
-            llm_pb2.EncoderOutput(prompt_token_ids=ids, logits=_tensor(hidden[i, :len(ids)]), pooled=_tensor(pooled[i]))
-            for i, ids in enumerate(batch.token_ids)])
+        return llm_pb2.EncodeResponse(
+            outputs=[
+                llm_pb2.EncoderOutput(
+                    prompt_token_ids=ids,
+                    logits=_tensor(hidden[i, : len(ids)]),
+                    pooled=_tensor(pooled[i]),
+                )
+                for i, ids in enumerate(batch.token_ids)
+            ]
+        )
 
     async def encode(self, request: llm_pb2.EncodeRequest) -> llm_pb2.EncodeResponse:
         batch = self.prepare(request)

@@ -1,5 +1,6 @@
 """A request's guided_decoding compiled for the engine (off the event loop and off the engine
 thread: a JSON schema compiles in tens of milliseconds, the tokenizer's tables once per worker)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +33,10 @@ class Guides:
                 encoded = [""] * (max(vocab.values()) + 1)
                 for token, index in vocab.items():
                     encoded[index] = token
-                self._compiler = GuideCompiler(backend.to_str(), encoded, self.rt.engine.model_config.vocab_size,
-                                               list(self.rt.eos_token_ids))
+                self._compiler = GuideCompiler(
+                    backend.to_str(),
+                    encoded,
+                    self.rt.engine.model_config.vocab_size,
+                    list(self.rt.eos_token_ids),
+                )
         return self._compiler.compile(kind, value)

@@ -3,10 +3,11 @@ block hashes in the prefix cache, kept on the loop from the engine's KV events, 
 change set per subscriber. A subscriber's pending changes are coalesced (a block stored then
 removed before it read them is one removal), and a subscriber that lags by more than
 max_pending blocks gets a fresh snapshot instead: the feed never buffers without bound."""
+
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.v1 import worker_pb2
 
@@ -22,8 +23,12 @@ class _Subscription:
 
 
 class KvBlockFeed:
-    def __init__(self, tokens_per_block: int, fingerprint_of: Callable[[int], str | None] = lambda _: None,
-                 max_pending: int = 65536):
+    def __init__(
+        self,
+        tokens_per_block: int,
+        fingerprint_of: Callable[[int], str | None] = lambda _: None,
+        max_pending: int = 65536,
+    ):
         self.tokens_per_block = tokens_per_block
         self.max_pending = max_pending
         self._fingerprint_of = fingerprint_of

@@ -5,6 +5,7 @@ Nothing here runs on the engine thread. Its per-step record (the iteration stats
 the loop anyway) is observed on the loop; gauges and lease counts are read when Prometheus
 scrapes, the engine's through a ReadCounters command answered between two steps.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,11 +23,42 @@ from tandem.prefill.lease_keeper import LeaseEnd
 
 log = logging.getLogger("tandem.worker.metrics")
 
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # vLLM's vllm:iteration_tokens_total buckets.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+KV_TRANSFER_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 # How long a scrape waits for the engine thread to answer between two steps.
 SNAPSHOT_TIMEOUT_S = 2.0
 
@@ -35,28 +67,54 @@ class WorkerMetrics(ProcessMetrics):
     def __init__(self, role: Role, model_dir: str):
         super().__init__(role.label, Path(model_dir).name)
         reg, base = self.registry, list(BASE_LABELS)
-        self.step_seconds = Histogram("tandem:engine_step_duration_seconds",
-                                      "Engine steps: seconds from launch to the sampled tokens on the host.", base,
-                                      buckets=STEP_BUCKETS, registry=reg)
-        self.step_batch_size = Histogram("tandem:engine_step_batch_size", "Engine steps: sequences in the batch.",
-                                         base, buckets=BATCH_BUCKETS, registry=reg)
-        self.iteration_tokens = Histogram("tandem:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", base,
-                                          buckets=ITERATION_TOKEN_BUCKETS, registry=reg)
-        self.kv_transfer_bytes = Counter("tandem:kv_transfer_bytes", "Bytes of KV pulled from prefill workers.",
-                                         base, registry=reg)
-        self.kv_transfer_seconds = Histogram("tandem:kv_transfer_seconds",
-                                             "KV pulls from prefill workers: seconds from the request's reservation "
-                                             "to its blocks landing.", base, buckets=KV_TRANSFER_BUCKETS,
-                                             registry=reg)
+        self.step_seconds = Histogram(
+            "tandem:engine_step_duration_seconds",
+            "Engine steps: seconds from launch to the sampled tokens on the host.",
+            base,
+            buckets=STEP_BUCKETS,
+            registry=reg,
+        )
+        self.step_batch_size = Histogram(
+            "tandem:engine_step_batch_size",
+            "Engine steps: sequences in the batch.",
+            base,
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
+        self.iteration_tokens = Histogram(
+            "tandem:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            base,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.kv_transfer_bytes = Counter(
+            "tandem:kv_transfer_bytes",
+            "Bytes of KV pulled from prefill workers.",
+            base,
+            registry=reg,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "tandem:kv_transfer_seconds",
+            "KV pulls from prefill workers: seconds from the request's reservation "
+            "to its blocks landing.",
+            base,
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=reg,
+        )
         # Per prefill peer: the READ alone, so that its rate is the lane's (kv_transfer_seconds above
         # also holds the wait for the peer's state and the lease's confirm).
         peer = base + ["peer"]
-        self.kv_pull_seconds = Histogram("tandem:kv_pull_seconds", "KV pulls by prefill peer: seconds of the NIXL "
-                                         "READ (bytes in tandem:kv_pull_bytes).", peer, buckets=KV_TRANSFER_BUCKETS,
-                                         registry=reg)
-        self.kv_pull_bytes = Counter("tandem:kv_pull_bytes", "KV pulls by prefill peer: bytes read.", peer,
-                                     registry=reg)
+        self.kv_pull_seconds = Histogram(
+            "tandem:kv_pull_seconds",
+            "KV pulls by prefill peer: seconds of the NIXL READ (bytes in tandem:kv_pull_bytes).",
+            peer,
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=reg,
+        )
+        self.kv_pull_bytes = Counter(
+            "tandem:kv_pull_bytes", "KV pulls by prefill peer: bytes read.", peer, registry=reg
+        )
         self._last_step = 0
 
     def watch(self, runtime) -> None:
@@ -73,13 +131,14 @@ class WorkerMetrics(ProcessMetrics):
         labels = self.labels
         self.step_seconds.labels(*labels).observe(stats["iterLatencyMS"] / 1e3)
         self.step_batch_size.labels(*labels).observe(batch.get("numScheduledRequests", 0))
-        self.iteration_tokens.labels(*labels).observe(batch.get("numCtxTokens", 0) + batch.get("numGenRequests", 0))
+        self.iteration_tokens.labels(*labels).observe(
+            batch.get("numCtxTokens", 0) + batch.get("numGenRequests", 0)
+        )
 
     def observe_kv_pull(self, num_bytes: int, seconds: float) -> None:
         labels = self.labels
         self.kv_transfer_bytes.labels(*labels).inc(num_bytes)
         self.kv_transfer_seconds.labels(*labels).observe(seconds)
-
 
     def observe_peer_pull(self, peer: str, num_bytes: int, seconds: float) -> None:
         labels = (*self.labels, peer)
@@ -100,42 +159,88 @@ class _WorkerCollector(Collector):
         keeper = self.runtime.leases
         if keeper is None:
             return
-        yield one_sample(CounterMetricFamily, "tandem:kv_handoffs", "Context phases handed off: KV leases opened.",
-                         labels, keeper.num_opened)
+        yield one_sample(
+            CounterMetricFamily,
+            "tandem:kv_handoffs",
+            "Context phases handed off: KV leases opened.",
+            labels,
+            keeper.num_opened,
+        )
         endings = CounterMetricFamily(
-            "tandem:kv_lease_endings", "KV leases ended, by way: pulled, fallback (the decode computed the prompt), "
-            "released (ReleaseKv), undelivered, stopped, paused, expired.", labels=BASE_LABELS + ("way",))
+            "tandem:kv_lease_endings",
+            "KV leases ended, by way: pulled, fallback (the decode computed the prompt), "
+            "released (ReleaseKv), undelivered, stopped, paused, expired.",
+            labels=BASE_LABELS + ("way",),
+        )
         counts = dict(keeper.endings)
         for way in LeaseEnd:
             endings.add_metric(labels + [way.value], counts.get(way.value, 0))
         yield endings
-        yield one_sample(GaugeMetricFamily, "tandem:kv_leases_active", "KV leases open now.", labels,
-                         keeper.num_leases)
-        yield one_sample(GaugeMetricFamily, "tandem:kv_leased_blocks", "KV blocks held by open leases.", labels,
-                         keeper.num_leased_blocks)
+        yield one_sample(
+            GaugeMetricFamily,
+            "tandem:kv_leases_active",
+            "KV leases open now.",
+            labels,
+            keeper.num_leases,
+        )
+        yield one_sample(
+            GaugeMetricFamily,
+            "tandem:kv_leased_blocks",
+            "KV blocks held by open leases.",
+            labels,
+            keeper.num_leased_blocks,
+        )
 
     def _engine(self, labels: list[str]):
         core = self.runtime.core
         if core is None:  # loading, or an encoder-only model
             return
         try:
-            snap = asyncio.run_coroutine_threadsafe(core.call(ReadCounters()), core.loop).result(SNAPSHOT_TIMEOUT_S)
+            snap = asyncio.run_coroutine_threadsafe(core.call(ReadCounters()), core.loop).result(
+                SNAPSHOT_TIMEOUT_S
+            )
         except Exception as exc:  # noqa: BLE001 - a scrape must answer: without the engine's numbers then
             log.warning("engine counters unavailable for a scrape: %r", exc)
             return
         usage = 1 - snap.num_free_blocks / snap.num_total_blocks if snap.num_total_blocks else 0.0
         for family_type, name, doc, value in (
-            (GaugeMetricFamily, "tandem:num_requests_running", "Number of requests in model execution batches.",
-             snap.num_running),
-            (GaugeMetricFamily, "tandem:num_requests_waiting", "Number of requests waiting to be processed (queued, "
-             "or waiting for their KV from a prefill worker).", snap.num_waiting + snap.num_waiting_for_remote_kv),
-            (GaugeMetricFamily, "tandem:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
-            (CounterMetricFamily, "tandem:prefix_cache_queries",
-             "Prefix cache queries, in terms of number of queried tokens.", snap.num_prefix_query_tokens),
-            (CounterMetricFamily, "tandem:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             snap.num_prefix_hit_tokens),
-            (CounterMetricFamily, "tandem:num_preemptions", "Cumulative number of preemption from the engine.",
-             snap.num_preemptions),
+            (
+                GaugeMetricFamily,
+                "tandem:num_requests_running",
+                "Number of requests in model execution batches.",
+                snap.num_running,
+            ),
+            (
+                GaugeMetricFamily,
+                "tandem:num_requests_waiting",
+                "Number of requests waiting to be processed (queued, "
+                "or waiting for their KV from a prefill worker).",
+                snap.num_waiting + snap.num_waiting_for_remote_kv,
+            ),
+            (
+                GaugeMetricFamily,
+                "tandem:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                usage,
+            ),
+            (
+                CounterMetricFamily,
+                "tandem:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                snap.num_prefix_query_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "tandem:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                snap.num_prefix_hit_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "tandem:num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                snap.num_preemptions,
+            ),
             (CounterMetricFamily, "tandem:engine_steps", "Engine steps run.", snap.num_steps),
         ):
             yield one_sample(family_type, name, doc, labels, value)

@@ -12,6 +12,7 @@ waits once, for the request's end.
 Only single-sequence streaming requests whose text layer is a passthrough take it (what the
 router sends); the rest keep the usual path.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,15 +26,21 @@ from tandem.worker.request import WorkerRequest
 
 def takes_fast_path(text_request: TextRequest) -> bool:
     params = text_request.engine_request.sampling_params
-    return (text_request.streaming and text_request.processor.is_passthrough and params.n <= 1
-            and not params.use_beam_search)
+    return (
+        text_request.streaming
+        and text_request.processor.is_passthrough
+        and params.n <= 1
+        and not params.use_beam_search
+    )
 
 
 class OutputSink:
     """Stands where a request's queue stands (the engine core calls put_nowait with each of its
     outputs, the request puts its own CANCELLED and failures): builds each message at once."""
 
-    def __init__(self, text_request: TextRequest, tracker: RequestTracker, stream: OutputStream, tag: int):
+    def __init__(
+        self, text_request: TextRequest, tracker: RequestTracker, stream: OutputStream, tag: int
+    ):
         self.request: WorkerRequest | None = None
         self.text_request = text_request
         self.tracker = tracker
@@ -54,7 +61,11 @@ class OutputSink:
         request.stream = self
         # Its decode steps' outputs can go as lone tokens (OutputStream.push_token): one
         # sequence, no logprobs, so a step's message is its one token and nothing else.
-        self._lone_tokens = request.options.logprobs is None and not request.beam_search and len(request.sequences) == 1
+        self._lone_tokens = (
+            request.options.logprobs is None
+            and not request.beam_search
+            and len(request.sequences) == 1
+        )
         self._state = next(iter(request.sequences.values()))
 
     async def wait(self) -> None:
@@ -68,12 +79,24 @@ class OutputSink:
     def put_nowait(self, item) -> None:
         if self._finished or self.done.done():
             # After the end (an output that raced with an abort): its lease is nobody's.
-            if isinstance(item, StepOutput) and item.lease is not None and self.request.withdraw is not None:
+            if (
+                isinstance(item, StepOutput)
+                and item.lease is not None
+                and self.request.withdraw is not None
+            ):
                 self.request.withdraw(item.lease.lease_id)
             return
-        if (self._lone_tokens and item.__class__ is StepOutput and not item.finished and item.lease is None
-                and item.perf is None and item.generation_logits is None and len(item.new_token_ids) == 1
-                and not self._first and self.tracker.first_token_at is not None):
+        if (
+            self._lone_tokens
+            and item.__class__ is StepOutput
+            and not item.finished
+            and item.lease is None
+            and item.perf is None
+            and item.generation_logits is None
+            and len(item.new_token_ids) == 1
+            and not self._first
+            and self.tracker.first_token_at is not None
+        ):
             self._push_token(item)
             return
         request = self.request
@@ -101,8 +124,12 @@ class OutputSink:
         if item.num_cached_prompt_tokens > metrics.num_cached_prompt_tokens:
             metrics.num_cached_prompt_tokens = item.num_cached_prompt_tokens
         try:
-            self.stream.push_token(self.tag, item.new_token_ids[0], request.first_cumulative + item.cumulative_logprob,
-                                   self._token_written)
+            self.stream.push_token(
+                self.tag,
+                item.new_token_ids[0],
+                request.first_cumulative + item.cumulative_logprob,
+                self._token_written,
+            )
         except BaseException as exc:  # noqa: BLE001 - the stream is closed: the request ends with its status
             self._finished = True
             self._error = exc
@@ -130,6 +157,7 @@ class OutputSink:
                 self._end(None)
             elif self._error is not None and not self._num_unwritten:
                 self._end(self._error)
+
         return written
 
     def _end(self, error: BaseException | None) -> None:

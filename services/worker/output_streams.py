@@ -7,11 +7,12 @@ Each request's end goes in the batch after its last output: its tag in `ended`, 
 own call would have ended with an error status, the status in `failed`. So the caller has every
 output of a request once it sees the request's end.
 """
+
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -47,8 +48,12 @@ class OutputStream:
         self._wake = asyncio.Event()
         self._error: RpcError | None = None
 
-    def push(self, tag: int, msg: types_pb2.RequestOutput,
-             on_written: Callable[[BaseException | None], None] | None = None) -> None:
+    def push(
+        self,
+        tag: int,
+        msg: types_pb2.RequestOutput,
+        on_written: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
         """Puts msg in the next batch. A finished msg is the request's last: its end goes in the
         same batch. on_written(None) runs once that batch is written, on_written(error) if the
         stream closes first."""
@@ -64,8 +69,13 @@ class OutputStream:
             self._callbacks.append(on_written)
         self._wake.set()
 
-    def push_token(self, tag: int, token_id: int, cumulative_logprob: float,
-                   on_written: Callable[[BaseException | None], None]) -> None:
+    def push_token(
+        self,
+        tag: int,
+        token_id: int,
+        cumulative_logprob: float,
+        on_written: Callable[[BaseException | None], None],
+    ) -> None:
         """push of a message that holds one token of sequence 0 and nothing else (not the
         request's last), sent as two numbers instead of a RequestOutput (OutputBatch.tokens)."""
         if self._error is not None:
@@ -77,13 +87,26 @@ class OutputStream:
         self._callbacks.append(on_written)
         self._wake.set()
 
-    def fail(self, tag: int, code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0,
-             refused: bool = False) -> None:
+    def fail(
+        self,
+        tag: int,
+        code: grpc.StatusCode,
+        details: str,
+        retry_pushback_ms: int = 0,
+        refused: bool = False,
+    ) -> None:
         """The request of tag ended with an error status (after whatever it pushed before);
         refused: it never started (the caller may send it again elsewhere)."""
         if self._error is None:
-            self._failed.append(worker_pb2.SessionFailure(tag=tag, code=code.value[0], details=details,
-                                                          retry_pushback_ms=retry_pushback_ms, refused=refused))
+            self._failed.append(
+                worker_pb2.SessionFailure(
+                    tag=tag,
+                    code=code.value[0],
+                    details=details,
+                    retry_pushback_ms=retry_pushback_ms,
+                    refused=refused,
+                )
+            )
             self._wake.set()
 
     def finish(self) -> None:
@@ -107,8 +130,11 @@ class OutputStream:
     async def batches(self):
         """The Session call's messages: the stream id, then a batch whenever outputs are pending,
         until the stream closes (or finishes)."""
-        yield worker_pb2.OutputBatch(stream_id=self.stream_id, max_request_bytes=self.max_request_bytes,
-                                     max_requests=self.max_requests)
+        yield worker_pb2.OutputBatch(
+            stream_id=self.stream_id,
+            max_request_bytes=self.max_request_bytes,
+            max_requests=self.max_requests,
+        )
         try:
             while True:
                 await self._wake.wait()
@@ -119,8 +145,9 @@ class OutputStream:
                     if self._finishing:
                         return
                     continue
-                batch = worker_pb2.OutputBatch(tags=self._tags, outputs=self._outputs, ended=self._ended,
-                                               failed=self._failed)
+                batch = worker_pb2.OutputBatch(
+                    tags=self._tags, outputs=self._outputs, ended=self._ended, failed=self._failed
+                )
                 if self._num_tokens:
                     batch.tokens.extend(self._tokens)
                     batch.cumulative_logprobs.extend(self._cumulative)

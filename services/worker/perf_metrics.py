@@ -1,17 +1,25 @@
 """A sequence's PerfMetrics message (TensorRT-LLM's RequestPerfMetrics) from what the engine
 recorded (engine/perf_metrics.SequencePerf) and what the worker saw of the request: its arrival
 and, on a decode worker, the KV pull."""
+
 from __future__ import annotations
 
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.v1 import types_pb2
 
 
-def perf_metrics(perf: SequencePerf, arrival_time: float, kv_transfer_start: float, kv_transfer_end: float,
-                 kv_transfer_bytes: int) -> types_pb2.PerfMetrics:
+def perf_metrics(
+    perf: SequencePerf,
+    arrival_time: float,
+    kv_transfer_start: float,
+    kv_transfer_end: float,
+    kv_transfer_bytes: int,
+) -> types_pb2.PerfMetrics:
     """Wall-clock seconds throughout; the transfer fields stay 0 when no KV was pulled. The
     speculative-decoding counters stay 0: tandem has no speculative decoding."""
-    msg = types_pb2.PerfMetrics(first_iter=perf.first_iter, last_iter=perf.last_iter, iter=perf.last_iter)
+    msg = types_pb2.PerfMetrics(
+        first_iter=perf.first_iter, last_iter=perf.last_iter, iter=perf.last_iter
+    )
     timing = msg.timing_metrics
     timing.arrival_time = arrival_time
     timing.first_scheduled_time = perf.first_scheduled_time

@@ -6,9 +6,10 @@
 | generation_only + KV    | refused      | generation (pull)| refused |
 | generation_only, no KV  | local (recompute the prompt and the tokens so far: a migration) |
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -48,26 +49,38 @@ class PhasePicker:
         self.context: ContextPhase | None = None
         self.generation: GenerationPhase | None = None
 
-    def pick(self, phase: Phase, params: types_pb2.DisaggregatedParams, prompt_token_ids: list[int],
-             cache_salt: str | None, adapter=None) -> Callable:
+    def pick(
+        self,
+        phase: Phase,
+        params: types_pb2.DisaggregatedParams,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        adapter=None,
+    ) -> Callable:
         """The function that starts a WorkerRequest of this phase here, or the error refusing it."""
         if phase is Phase.CONTEXT_ONLY:
             if self.context is None:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"this {self.role.label} worker cannot run context_only requests; send them to a "
-                               f"prefill worker")
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this {self.role.label} worker cannot run context_only requests; send them to a "
+                    f"prefill worker",
+                )
             return self.context.start
         if phase is Phase.GENERATION_ONLY and not params.opaque_state:
             if not params.first_gen_tokens:
-                raise ValueError("generation_only needs disaggregated_params.first_gen_tokens (and the context "
-                                 "phase's opaque_state, or none to recompute the KV here)")
+                raise ValueError(
+                    "generation_only needs disaggregated_params.first_gen_tokens (and the context "
+                    "phase's opaque_state, or none to recompute the KV here)"
+                )
             return LocalPhase.start
         if phase is Phase.GENERATION_ONLY:
             generation = self.generation
             if generation is None:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"this {self.role.label} worker cannot run generation_only requests; send them to a "
-                               f"decode worker")
+                raise RpcError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this {self.role.label} worker cannot run generation_only requests; send them to a "
+                    f"decode worker",
+                )
             handoff = generation.verify(params, prompt_token_ids, cache_salt, adapter)
             return lambda request: generation.start(request, handoff)
         return LocalPhase.start

@@ -4,20 +4,21 @@ RequestOutput messages of token ids (text is the front's job: tandem.text).
 Which lifecycle the request runs is the phase's business (worker/local.py, prefill/context.py,
 decode/generation.py); this class only carries the sequences' state and builds messages.
 """
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
-from tandem.worker.perf_metrics import perf_metrics
 from tandem.v1 import types_pb2
+from tandem.worker.perf_metrics import perf_metrics
 
 FINISH_REASONS = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,
@@ -30,6 +31,7 @@ FINISH_REASONS = {
 def _entry_logprob(entry: types_pb2.TokenLogprobs, token: int) -> float | None:
     return entry.logprobs[token] if token in entry.logprobs else None
 
+
 # Put on a request's stream by Abort / PauseGeneration.
 CANCELLED = object()
 
@@ -37,6 +39,7 @@ CANCELLED = object()
 @dataclasses.dataclass(frozen=True)
 class SequenceStopped:
     """Put on a request's stream when the front stops one of its sequences (a stop string)."""
+
     engine_id: str
 
 
@@ -68,21 +71,38 @@ class RequestMetricsState:
 
 
 class WorkerRequest:
-    def __init__(self, core: EngineCore, request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
-                 phase: Phase, priority: float, cache_salt: str | None,
-                 disaggregated_params: types_pb2.DisaggregatedParams | None = None, adapter=None):
+    def __init__(
+        self,
+        core: EngineCore,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options: SamplingOptions,
+        phase: Phase,
+        priority: float,
+        cache_salt: str | None,
+        disaggregated_params: types_pb2.DisaggregatedParams | None = None,
+        adapter=None,
+    ):
         if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
-            raise NotImplementedError("n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker")
+            raise NotImplementedError(
+                "n > 1 is not supported with disaggregated serving yet; use n=1 or an aggregated worker"
+            )
         self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
         # A generation_only output starts with the tokens the context phase sampled (TensorRT-LLM's
         # generation output holds the first token too), with their logprobs when the handoff has them.
-        self.first_tokens: list[int] = list(self.disagg_in.first_gen_tokens) if phase is Phase.GENERATION_ONLY else []
-        self.first_logprobs = list(self.disagg_in.first_gen_log_probs)[:len(self.first_tokens)]
+        self.first_tokens: list[int] = (
+            list(self.disagg_in.first_gen_tokens) if phase is Phase.GENERATION_ONLY else []
+        )
+        self.first_logprobs = list(self.disagg_in.first_gen_log_probs)[: len(self.first_tokens)]
         known = [_entry_logprob(e, t) for e, t in zip(self.first_logprobs, self.first_tokens)]
-        self.first_cumulative = sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
+        self.first_cumulative = (
+            sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
+        )
         if phase is Phase.GENERATION_ONLY:
             # The context phase had the prompt.
-            options = dataclasses.replace(options, prompt_logprobs=None, return_context_logits=False)
+            options = dataclasses.replace(
+                options, prompt_logprobs=None, return_context_logits=False
+            )
         self.core = core
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -108,10 +128,14 @@ class WorkerRequest:
         self.on_close: list[Callable[[], None]] = []
         self.sequences: dict[str, SequenceState] = {}
         self.beam_search = options.beam_width > 1
-        if self.beam_search:  # one engine request searches the beams; its output holds the n returned
+        if (
+            self.beam_search
+        ):  # one engine request searches the beams; its output holds the n returned
             if phase is not Phase.CONTEXT_AND_GENERATION:
-                raise NotImplementedError("use_beam_search runs on an aggregated worker (it is not split over "
-                                          "prefill and decode yet)")
+                raise NotImplementedError(
+                    "use_beam_search runs on an aggregated worker (it is not split over "
+                    "prefill and decode yet)"
+                )
             self.sequences[request_id] = SequenceState(0, request_id, options)
         # The prompt's logprobs (prompt_logprobs), from the first sequence that has them, sent once.
         self.prompt_logprobs_sent = False
@@ -120,7 +144,11 @@ class WorkerRequest:
         self.pending_context_logits: list[types_pb2.LogitsRow] = []
         for i in range(0 if self.beam_search else options.n):
             engine_id = request_id if options.n == 1 else f"{request_id}#{i}"
-            opts = options if options.seed is None or i == 0 else dataclasses.replace(options, seed=options.seed + i)
+            opts = (
+                options
+                if options.seed is None or i == 0
+                else dataclasses.replace(options, seed=options.seed + i)
+            )
             self.sequences[engine_id] = SequenceState(i, engine_id, dataclasses.replace(opts, n=1))
 
     @property
@@ -136,8 +164,12 @@ class WorkerRequest:
         """generation_only: when the context phase's tokens already end the sequence (max_tokens=1,
         EOS, a stop token), it ends here with them and nothing runs. Returns whether it did."""
         state = self.only_sequence
-        reason, stop_token = natural_finish(state.options, len(self.prompt_token_ids), self.first_tokens,
-                                            self.core.engine.max_model_len)
+        reason, stop_token = natural_finish(
+            state.options,
+            len(self.prompt_token_ids),
+            self.first_tokens,
+            self.core.engine.max_model_len,
+        )
         if reason is None:
             return False
         self.stream.put_nowait(StepOutput(state.engine_id, [], [], 0.0, True, reason, stop_token))
@@ -146,10 +178,19 @@ class WorkerRequest:
     def submit(self, phase: Phase, output_token_ids: list[int] | None = None) -> None:
         """Queues every sequence in the engine."""
         for state in self.sequences.values():
-            self.core.add_request(AddRequest(
-                state.engine_id, self.prompt_token_ids, state.options, phase=phase, priority=self.priority,
-                cache_salt=self.cache_salt, output_token_ids=list(output_token_ids or []), adapter=self.adapter),
-                self.stream)
+            self.core.add_request(
+                AddRequest(
+                    state.engine_id,
+                    self.prompt_token_ids,
+                    state.options,
+                    phase=phase,
+                    priority=self.priority,
+                    cache_salt=self.cache_salt,
+                    output_token_ids=list(output_token_ids or []),
+                    adapter=self.adapter,
+                ),
+                self.stream,
+            )
 
     def fail(self, exc: BaseException) -> None:
         """Ends the request with exc's status (its engine side is aborted by the caller)."""
@@ -230,9 +271,15 @@ class WorkerRequest:
                     self._cancel(by_seq, state)
                 continue
             self._apply(by_seq, item)
-        msg = types_pb2.RequestOutput(request_id=self.request_id, finished=self.is_finished,
-                                      outputs=sorted(by_seq.values(), key=lambda o: o.index))
-        handoff = next((o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")), None)
+        msg = types_pb2.RequestOutput(
+            request_id=self.request_id,
+            finished=self.is_finished,
+            outputs=sorted(by_seq.values(), key=lambda o: o.index),
+        )
+        handoff = next(
+            (o.disaggregated_params for o in msg.outputs if o.HasField("disaggregated_params")),
+            None,
+        )
         if handoff is not None:
             msg.disaggregated_params.CopyFrom(handoff)
         if self.pending_context_logits:
@@ -274,7 +321,8 @@ class WorkerRequest:
                 comp.cumulative_logprob = self.first_cumulative
                 if self.options.logprobs is not None and self.first_tokens:
                     entries = self.first_logprobs + [types_pb2.TokenLogprobs()] * (
-                        len(self.first_tokens) - len(self.first_logprobs))
+                        len(self.first_tokens) - len(self.first_logprobs)
+                    )
                     comp.logprobs.extend(entries)
         return by_seq[state.engine_id]
 
@@ -286,7 +334,9 @@ class WorkerRequest:
             return
         if self.metrics.first_token_at is None:
             self.metrics.first_token_at = time.monotonic()
-        self.metrics.num_cached_prompt_tokens = max(self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens)
+        self.metrics.num_cached_prompt_tokens = max(
+            self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens
+        )
         if out.beams is not None:
             self._apply_beams(by_seq, state, out.beams, out.perf)
             return
@@ -297,18 +347,31 @@ class WorkerRequest:
         comp.token_ids.extend(out.new_token_ids)
         comp.cumulative_logprob = self.first_cumulative + out.cumulative_logprob
         ranks = out.new_ranks or [None] * len(out.new_logprobs)
-        new_logprobs = [types_pb2.TokenLogprobs(logprobs=e or {}, ranks=r or {}) for e, r in zip(out.new_logprobs, ranks)]
+        new_logprobs = [
+            types_pb2.TokenLogprobs(logprobs=e or {}, ranks=r or {})
+            for e, r in zip(out.new_logprobs, ranks)
+        ]
         if out.generation_logits:
-            comp.generation_logits.extend(types_pb2.LogitsRow(values=row.tolist()) for row in out.generation_logits)
+            comp.generation_logits.extend(
+                types_pb2.LogitsRow(values=row.tolist()) for row in out.generation_logits
+            )
         if out.context_logits is not None and not self.context_logits_sent:
             self.context_logits_sent = True
-            self.pending_context_logits = [types_pb2.LogitsRow(values=row) for row in out.context_logits.tolist()]
+            self.pending_context_logits = [
+                types_pb2.LogitsRow(values=row) for row in out.context_logits.tolist()
+            ]
         if out.prompt_logprobs is not None and not self.prompt_logprobs_sent:
             self.prompt_logprobs_sent = True
-            self.pending_prompt_logprobs = [types_pb2.TokenLogprobs(logprobs=v, ranks=r) for v, r in out.prompt_logprobs]
+            self.pending_prompt_logprobs = [
+                types_pb2.TokenLogprobs(logprobs=v, ranks=r) for v, r in out.prompt_logprobs
+            ]
         if self.options.logprobs is not None:
             comp.logprobs.extend(new_logprobs)
-        if out.lease is not None and self.disagg_in.finish_in_context and out.finish_reason is not None:
+        if (
+            out.lease is not None
+            and self.disagg_in.finish_in_context
+            and out.finish_reason is not None
+        ):
             # The router's split: a request its first token ends is over here, no handoff.
             self.withdraw(out.lease.lease_id, stopped=True)
             out.lease = None
@@ -332,24 +395,36 @@ class WorkerRequest:
                 comp.stop_token_id = out.stop_token_id
                 if not state.options.include_stop_str_in_output and comp.token_ids:
                     del comp.token_ids[-1]
-                    del comp.logprobs[len(comp.token_ids):]
+                    del comp.logprobs[len(comp.token_ids) :]
 
     def _perf_metrics(self, perf: SequencePerf) -> types_pb2.PerfMetrics:
         m = self.metrics
-        return perf_metrics(perf, m.arrival_time, m.kv_transfer_start, m.kv_transfer_end, m.kv_transfer_bytes)
+        return perf_metrics(
+            perf, m.arrival_time, m.kv_transfer_start, m.kv_transfer_end, m.kv_transfer_bytes
+        )
 
-    def _apply_beams(self, by_seq: dict, state: SequenceState, beams: list, perf: SequencePerf | None = None) -> None:
+    def _apply_beams(
+        self, by_seq: dict, state: SequenceState, beams: list, perf: SequencePerf | None = None
+    ) -> None:
         """The finished beam search: one CompletionOutput per returned beam, best first (TensorRT-LLM
         returns the beams together, executor/result.py, _handle_sequence with use_beam_search)."""
         state.finished = True
         for index, beam in enumerate(beams):
             comp = by_seq[f"{state.engine_id}#beam{index}"] = types_pb2.CompletionOutput(
-                index=index, token_ids=beam.token_ids, cumulative_logprob=beam.cumulative_logprob,
-                finish_reason=FINISH_REASONS[beam.finish_reason])
-            if beam.finish_reason is FinishReason.STOP and beam.token_ids[-1] not in state.options.eos_ids():
+                index=index,
+                token_ids=beam.token_ids,
+                cumulative_logprob=beam.cumulative_logprob,
+                finish_reason=FINISH_REASONS[beam.finish_reason],
+            )
+            if (
+                beam.finish_reason is FinishReason.STOP
+                and beam.token_ids[-1] not in state.options.eos_ids()
+            ):
                 comp.stop_token_id = beam.token_ids[-1]
             if self.options.logprobs is not None:
-                comp.logprobs.extend(types_pb2.TokenLogprobs(logprobs={t: v}) for t, v in
-                                     zip(beam.token_ids, beam.token_logprobs))
+                comp.logprobs.extend(
+                    types_pb2.TokenLogprobs(logprobs={t: v})
+                    for t, v in zip(beam.token_ids, beam.token_logprobs)
+                )
             if perf is not None:  # one engine request searched them all
                 comp.perf_metrics.CopyFrom(self._perf_metrics(perf))

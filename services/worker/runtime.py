@@ -1,5 +1,6 @@
 """Everything a worker's servicers share: the engine thread, the text front, the phases of its
 role, the KV transceiver and its poller, readiness and counters."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,18 +29,20 @@ from tandem.prefill.context import ContextPhase
 from tandem.prefill.lease_keeper import LeaseKeeper
 from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
+from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 from tandem.worker.admin import COLLECTIVE_RPC_METHODS
 from tandem.worker.config import WorkerConfig
 from tandem.worker.kv_feed import KvBlockFeed
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
-from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
 log = logging.getLogger("tandem.worker")
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event, metrics: WorkerMetrics):
+    def __init__(
+        self, config: WorkerConfig, server: GrpcServer, ready: asyncio.Event, metrics: WorkerMetrics
+    ):
         self.config = config
         self.metrics = metrics
         self.role = config.role
@@ -61,8 +64,15 @@ class WorkerRuntime:
         self.phases = PhasePicker(config.role)
         # The one lease table of a prefill worker.
         limits = config.limits
-        self.leases = LeaseKeeper(config.engine.kv_lease_seconds, limits.max_unclaimed_kv_fraction,
-                                  limits.max_unclaimed_kv_fraction_per_client) if config.role.hands_off else None
+        self.leases = (
+            LeaseKeeper(
+                config.engine.kv_lease_seconds,
+                limits.max_unclaimed_kv_fraction,
+                limits.max_unclaimed_kv_fraction_per_client,
+            )
+            if config.role.hands_off
+            else None
+        )
         self.transceiver: KvTransceiver | None = None
         self.poller: TransferPoller | None = None
         self._peers: PeerCache | None = None
@@ -91,48 +101,76 @@ class WorkerRuntime:
         self.front = TextFront(self.tokenizer, self.config.limits, self.engine.max_model_len)
         loaded = time.perf_counter()
         mc = self.engine.model_config
-        self.eos_token_ids = tuple(dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids()))
+        self.eos_token_ids = tuple(
+            dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids())
+        )
         engine_config = self.config.engine
         if engine_config.max_loras:
             # Twice the device slots on the host: an adapter evicted from the device comes back without a read.
-            self.adapters = AdapterStore(mc, engine_config.max_lora_rank, self.engine.runner.dtype,
-                                         capacity=2 * engine_config.max_loras)
+            self.adapters = AdapterStore(
+                mc,
+                engine_config.max_lora_rank,
+                self.engine.runner.dtype,
+                capacity=2 * engine_config.max_loras,
+            )
         self.bos_token_id = mc.bos_token_id
         await asyncio.to_thread(self._warm_up)
-        self.kv_feed = KvBlockFeed(self.engine.block_manager.block_size,
-                                   lambda int_id: self.adapters.fingerprint(int_id) if self.adapters else None)
-        self.core = EngineCore(self.engine, asyncio.get_running_loop(), on_stats=self.metrics.observe_step,
-                               on_kv_events=self.kv_feed.observe)
+        self.kv_feed = KvBlockFeed(
+            self.engine.block_manager.block_size,
+            lambda int_id: self.adapters.fingerprint(int_id) if self.adapters else None,
+        )
+        self.core = EngineCore(
+            self.engine,
+            asyncio.get_running_loop(),
+            on_stats=self.metrics.observe_step,
+            on_kv_events=self.kv_feed.observe,
+        )
         if self.leases is not None:
             self.leases.attach(self.core)
-        self.handoff_format = (HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
-                               if self.signing_key else None)
+        self.handoff_format = (
+            HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
+            if self.signing_key
+            else None
+        )
         if self.role.has_transceiver:
             await asyncio.to_thread(self.start_transceiver)
         self.core.start()
-        self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
-                                "total_s": time.perf_counter() - started}
+        self.startup_metrics = {
+            "model_load_s": loaded - started,
+            "warmup_s": time.perf_counter() - loaded,
+            "total_s": time.perf_counter() - started,
+        }
         self.ready.set()
 
     async def _load_encoder(self, started: float) -> None:
         from tandem.worker.encoder import EncoderRuntime
+
         if self.role is not Role.BOTH:
-            raise ValueError(f"{self.config.engine.model_dir} is an encoder-only model: serve it in the both role "
-                             f"(there is no prefill/decode split to make), not {self.role.label}")
+            raise ValueError(
+                f"{self.config.engine.model_dir} is an encoder-only model: serve it in the both role "
+                f"(there is no prefill/decode split to make), not {self.role.label}"
+            )
         self.encoder = await asyncio.to_thread(EncoderRuntime, self.config.engine)
         self.tokenizer = self.encoder.tokenizer
         self.front = TextFront(self.tokenizer, self.config.limits)
         loaded = time.perf_counter()
         await asyncio.to_thread(self.encoder.warm_up)
-        self.startup_metrics = {"model_load_s": loaded - started, "warmup_s": time.perf_counter() - loaded,
-                                "total_s": time.perf_counter() - started}
+        self.startup_metrics = {
+            "model_load_s": loaded - started,
+            "warmup_s": time.perf_counter() - loaded,
+            "total_s": time.perf_counter() - started,
+        }
         self.ready.set()
 
     @property
     def signing_key(self) -> bytes | None:
         """Handoffs are signed with a key derived from the cluster token (which a prefill or decode
         worker cannot run without): an aggregated worker without one hands nothing off."""
-        return derive_key(self.config.cluster_token, "KV handoff signing") if self.config.cluster_token else None
+        return (
+            derive_key(self.config.cluster_token, "KV handoff signing")
+            if self.config.cluster_token
+            else None
+        )
 
     @property
     def kv_layout_hash(self) -> str:
@@ -143,21 +181,39 @@ class WorkerRuntime:
         A new agent name each time, so peers that cached the old one (before a release of the
         pool) fetch the new state."""
         self._transceiver_generation += 1
-        agent_name = f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
-        self.transceiver = KvTransceiver(agent_name, self.engine.runner.kv_pools, self.kv_layout_hash,
-                                         progress_thread=self.config.nixl_progress_thread)
+        agent_name = (
+            f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
+        )
+        self.transceiver = KvTransceiver(
+            agent_name,
+            self.engine.runner.kv_pools,
+            self.kv_layout_hash,
+            progress_thread=self.config.nixl_progress_thread,
+        )
         keeper = self.leases
-        self.poller = TransferPoller(self.transceiver, self.core.loop,
-                                     on_notification=keeper.on_notification if keeper else None,
-                                     on_tick=keeper.expire if keeper else None)
+        self.poller = TransferPoller(
+            self.transceiver,
+            self.core.loop,
+            on_notification=keeper.on_notification if keeper else None,
+            on_tick=keeper.expire if keeper else None,
+        )
         self.poller.start()
         if self.role is Role.PREFILL:
-            self.phases.context = ContextPhase(keeper, self.handoff_format, self.worker_id, agent_name)
+            self.phases.context = ContextPhase(
+                keeper, self.handoff_format, self.worker_id, agent_name
+            )
         else:
             cfg = self.config
-            self._peers = PeerCache(self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token))
-            self.phases.generation = GenerationPhase(self.poller, self._peers, self.handoff_format, self.pull_links,
-                                                     on_pulled=self.metrics.observe_kv_pull)
+            self._peers = PeerCache(
+                self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token)
+            )
+            self.phases.generation = GenerationPhase(
+                self.poller,
+                self._peers,
+                self.handoff_format,
+                self.pull_links,
+                on_pulled=self.metrics.observe_kv_pull,
+            )
 
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
@@ -179,12 +235,19 @@ class WorkerRuntime:
         seconds = engine.runner.precompile_kernels()
         if seconds:
             log.info("attention kernel variants compiled in %.1f s", seconds)
-        engine.add_request("warmup", [min(1, engine.model_config.vocab_size - 1)] * 4,
-                           SamplingOptions(max_tokens=2, ignore_eos=True))
+        engine.add_request(
+            "warmup",
+            [min(1, engine.model_config.vocab_size - 1)] * 4,
+            SamplingOptions(max_tokens=2, ignore_eos=True),
+        )
         while engine.num_unfinished:
             engine.step()
-        engine.counters.num_steps = engine.counters.num_prompt_tokens_computed = engine.counters.num_generated_tokens = 0
-        engine.block_manager.num_prefix_query_tokens = engine.block_manager.num_prefix_hit_tokens = 0
+        engine.counters.num_steps = engine.counters.num_prompt_tokens_computed = (
+            engine.counters.num_generated_tokens
+        ) = 0
+        engine.block_manager.num_prefix_query_tokens = (
+            engine.block_manager.num_prefix_hit_tokens
+        ) = 0
 
     def request_stop(self) -> None:
         self.server.request_stop()
@@ -205,7 +268,9 @@ class WorkerRuntime:
             raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
         released = self.engine.released_tags
         if released:
-            raise unavailable(f"memory {released} is released (Release); call Resume({released}) first")
+            raise unavailable(
+                f"memory {released} is released (Release); call Resume({released}) first"
+            )
 
     async def require_idle(self, what: str) -> None:
         """Refuses `what` while requests run or KV handoffs wait (checked on the engine thread)."""
@@ -213,8 +278,12 @@ class WorkerRuntime:
 
     def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
         bm = self.engine.block_manager
-        return llm_pb2.KvCacheCapacity(max_num_blocks=bm.num_blocks, tokens_per_block=bm.block_size,
-                                       max_num_tokens=bm.num_blocks * bm.block_size, num_free_blocks=bm.num_free_blocks)
+        return llm_pb2.KvCacheCapacity(
+            max_num_blocks=bm.num_blocks,
+            tokens_per_block=bm.block_size,
+            max_num_tokens=bm.num_blocks * bm.block_size,
+            num_free_blocks=bm.num_free_blocks,
+        )
 
     async def load_adapter(self, request: llm_pb2.GenerateRequest) -> LoRAAdapter | None:
         """The LoRA adapter a request names, read from the worker's disk on first use (off the loop).
@@ -224,17 +293,25 @@ class WorkerRuntime:
             return None
         lora = request.lora_request
         if lora.lora_ckpt_source not in ("", "hf"):
-            raise NotImplementedError(f"lora_ckpt_source {lora.lora_ckpt_source!r} is not supported; tandem loads "
-                                      f"PEFT (\"hf\") adapter directories")
+            raise NotImplementedError(
+                f"lora_ckpt_source {lora.lora_ckpt_source!r} is not supported; tandem loads "
+                f'PEFT ("hf") adapter directories'
+            )
         if self.adapters is None:
-            raise PreconditionError(f"this worker serves no LoRA adapters (--max-loras 0); cannot run adapter "
-                                    f"{lora.lora_name!r}")
+            raise PreconditionError(
+                f"this worker serves no LoRA adapters (--max-loras 0); cannot run adapter "
+                f"{lora.lora_name!r}"
+            )
         try:
-            return await asyncio.to_thread(self.adapters.load, lora.lora_name, lora.lora_int_id, lora.lora_path)
+            return await asyncio.to_thread(
+                self.adapters.load, lora.lora_name, lora.lora_int_id, lora.lora_path
+            )
         except AdapterNotFoundError as exc:
             if request.disaggregated_params.opaque_state:
-                raise PreconditionError(f"this {self.role.label} worker cannot take the KV handoff: it was computed "
-                                        f"with a LoRA adapter this worker cannot load: {exc}") from None
+                raise PreconditionError(
+                    f"this {self.role.label} worker cannot take the KV handoff: it was computed "
+                    f"with a LoRA adapter this worker cannot load: {exc}"
+                ) from None
             raise
 
     async def lora_adapters(self) -> list[types_pb2.LoRARequest]:
@@ -242,14 +319,25 @@ class WorkerRuntime:
         if self.core is None:
             return []
         snap = await self.core.call(ReadCounters())
-        return [types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
-                for name, int_id, path in snap.lora_adapters]
+        return [
+            types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+            for name, int_id, path in snap.lora_adapters
+        ]
 
     async def server_info(self) -> llm_pb2.ServerInfo:
-        info = llm_pb2.ServerInfo(llm_id=self.llm_id, model=os.path.abspath(self.config.engine.model_dir),
-                                  role=self.role.label, max_model_len=self.engine.max_model_len if self.engine else 0)
-        info.disaggregated_params.update({"role": self.role.label, "kv_layout_hash": self.kv_layout_hash,
-                                          "transceiver": self.transceiver.agent_name if self.transceiver else ""})
+        info = llm_pb2.ServerInfo(
+            llm_id=self.llm_id,
+            model=os.path.abspath(self.config.engine.model_dir),
+            role=self.role.label,
+            max_model_len=self.engine.max_model_len if self.engine else 0,
+        )
+        info.disaggregated_params.update(
+            {
+                "role": self.role.label,
+                "kv_layout_hash": self.kv_layout_hash,
+                "transceiver": self.transceiver.agent_name if self.transceiver else "",
+            }
+        )
         info.startup_metrics.update(self.startup_metrics)
         info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
         if self.encoder is not None:
@@ -264,42 +352,76 @@ class WorkerRuntime:
 
     async def worker_state(self) -> worker_pb2.WorkerState:
         if self.encoder is not None:  # no KV cache; the router only needs the role and the instance
-            return worker_pb2.WorkerState(role=self.role, paused=self.paused, instance_id=self.server.instance_id)
+            return worker_pb2.WorkerState(
+                role=self.role, paused=self.paused, instance_id=self.server.instance_id
+            )
         snap = await self.core.call(ReadCounters())
         keeper, generation = self.leases, self.phases.generation
         return worker_pb2.WorkerState(
-            role=self.role, instance_id=self.server.instance_id, kv_layout_hash=self.kv_layout_hash,
-            num_total_blocks=snap.num_total_blocks, num_free_blocks=snap.num_free_blocks,
+            role=self.role,
+            instance_id=self.server.instance_id,
+            kv_layout_hash=self.kv_layout_hash,
+            num_total_blocks=snap.num_total_blocks,
+            num_free_blocks=snap.num_free_blocks,
             num_active_requests=snap.num_unfinished + snap.num_waiting_for_remote_kv,
             num_prompt_tokens_computed=snap.num_prompt_tokens_computed,
-            num_generated_tokens=snap.num_generated_tokens, num_steps=snap.num_steps,
-            num_leased_blocks=keeper.num_leased_blocks if keeper else 0, paused=self.paused,
-            kv_bytes_received=self.num_bytes_received, weight_bytes=snap.weight_bytes,
-            kv_cache_bytes=snap.kv_cache_bytes, weights_source=snap.weights_source,
-            weights_version=snap.weights_version, num_leases=keeper.num_leases if keeper else 0,
+            num_generated_tokens=snap.num_generated_tokens,
+            num_steps=snap.num_steps,
+            num_leased_blocks=keeper.num_leased_blocks if keeper else 0,
+            paused=self.paused,
+            kv_bytes_received=self.num_bytes_received,
+            weight_bytes=snap.weight_bytes,
+            kv_cache_bytes=snap.kv_cache_bytes,
+            weights_source=snap.weights_source,
+            weights_version=snap.weights_version,
+            num_leases=keeper.num_leases if keeper else 0,
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
             num_leases_opened=keeper.num_opened if keeper else 0,
-            lora_adapters=[types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
-                           for name, int_id, path in snap.lora_adapters],
+            lora_adapters=[
+                types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
+                for name, int_id, path in snap.lora_adapters
+            ],
             num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0,
-            num_unconfirmed_handoffs=self._num_unconfirmed_handoffs + (generation.num_unconfirmed_handoffs
-                                                                       if generation else 0),
-            kv_pull_links=[worker_pb2.KvPullLink(
-                peer=link.peer, same_host=link.same_host, device_pools=link.device_pools, num_pulls=link.num_pulls,
-                num_bytes=link.num_bytes, seconds=link.seconds, last_gbps=link.last_gbps, mean_gbps=link.mean_gbps,
-                num_below_floor=link.num_below_floor, best_gbps=link.best_gbps, num_judged=link.num_judged)
-                for link in self.pull_links.links()])
+            num_unconfirmed_handoffs=self._num_unconfirmed_handoffs
+            + (generation.num_unconfirmed_handoffs if generation else 0),
+            kv_pull_links=[
+                worker_pb2.KvPullLink(
+                    peer=link.peer,
+                    same_host=link.same_host,
+                    device_pools=link.device_pools,
+                    num_pulls=link.num_pulls,
+                    num_bytes=link.num_bytes,
+                    seconds=link.seconds,
+                    last_gbps=link.last_gbps,
+                    mean_gbps=link.mean_gbps,
+                    num_below_floor=link.num_below_floor,
+                    best_gbps=link.best_gbps,
+                    num_judged=link.num_judged,
+                )
+                for link in self.pull_links.links()
+            ],
+        )
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first."""
         records = await self.core.iteration_stats.drain(timeout)
         # A decode's pulls per prefill so far (cumulative, as kvCacheStats' counters are).
-        pulls = {link.peer: {"numPulls": link.num_pulls, "numBytes": link.num_bytes, "seconds": link.seconds,
-                             "lastGBps": link.last_gbps, "meanGBps": link.mean_gbps, "sameHost": link.same_host,
-                             "devicePools": link.device_pools, "numBelowFloor": link.num_below_floor,
-                             "bestGBps": link.best_gbps, "numJudged": link.num_judged}
-                 for link in self.pull_links.links()}
+        pulls = {
+            link.peer: {
+                "numPulls": link.num_pulls,
+                "numBytes": link.num_bytes,
+                "seconds": link.seconds,
+                "lastGBps": link.last_gbps,
+                "meanGBps": link.mean_gbps,
+                "sameHost": link.same_host,
+                "devicePools": link.device_pools,
+                "numBelowFloor": link.num_below_floor,
+                "bestGBps": link.best_gbps,
+                "numJudged": link.num_judged,
+            }
+            for link in self.pull_links.links()
+        }
         extra = {"kvPullStats": pulls} if pulls else {}
         return [dict(s, worker_id=self.worker_id, **extra) for s in records]
 
@@ -326,4 +448,3 @@ class WorkerRuntime:
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
         return self.transceiver.get_state() if self.transceiver is not None else b""
-

@@ -1,4 +1,5 @@
 """The AsyncLLM and Worker services of one worker process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abor
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
+from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
@@ -22,7 +24,6 @@ from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
 from tandem.worker.sessions import Sessions
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 
 def _json(d: dict) -> str:
@@ -37,18 +38,26 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
         self.guides = Guides(runtime)
-        self.sessions = Sessions(self.run_submitted, runtime.server.in_flight, runtime.metrics.rpc_counts.count_code,
-                                 runtime.config.limits.max_request_bytes)
+        self.sessions = Sessions(
+            self.run_submitted,
+            runtime.server.in_flight,
+            runtime.metrics.rpc_counts.count_code,
+            runtime.config.limits.max_request_bytes,
+        )
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         tracker, text_request, adapter, guide = await self._prepare(request)
         client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
-        with self._running(text_request.engine_request, caller_of(context), client, adapter, guide) as worker_request:
+        with self._running(
+            text_request.engine_request, caller_of(context), client, adapter, guide
+        ) as worker_request:
             async for msg in self._messages(text_request, tracker, worker_request):
                 yield msg
                 worker_request.delivered()
 
-    async def run_submitted(self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str) -> None:
+    async def run_submitted(
+        self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str
+    ) -> None:
         """A Generate that came on a session (sessions.py), run as its call would run: its outputs
         go on the session's stream under its tag, then its end; what it raises is its status."""
         tracker, text_request, adapter, guide = await self._prepare(submit.request)
@@ -59,7 +68,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             with self._running(text_request.engine_request, owner, client, adapter, guide, sink):
                 await sink.wait()  # each output went out as the engine handed it over
             return
-        with self._running(text_request.engine_request, owner, client, adapter, guide) as worker_request:
+        with self._running(
+            text_request.engine_request, owner, client, adapter, guide
+        ) as worker_request:
             ended = False
             async for msg in self._messages(text_request, tracker, worker_request):
                 ended = msg.finished
@@ -71,7 +82,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
         """A running request's messages as its caller gets them (the usual path: text front and metrics)."""
-        messages = TextFront.respond(text_request, tracker.produced(worker_request.outputs()), worker_request.stop)
+        messages = TextFront.respond(
+            text_request, tracker.produced(worker_request.outputs()), worker_request.stop
+        )
         return tracker.delivered(messages, len(worker_request.prompt_token_ids))
 
     async def _prepare(self, request: llm_pb2.GenerateRequest):
@@ -87,8 +100,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return tracker, text_request, adapter, guide
 
     @contextlib.contextmanager
-    def _running(self, request: llm_pb2.GenerateRequest, owner: str, client: str | None, adapter=None, guide=None,
-                 sink: OutputSink | None = None):
+    def _running(
+        self,
+        request: llm_pb2.GenerateRequest,
+        owner: str,
+        client: str | None,
+        adapter=None,
+        guide=None,
+        sink: OutputSink | None = None,
+    ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
         worker_request = self._start(request, owner, client, adapter, guide, sink)
@@ -99,13 +119,22 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
 
-    def _start(self, request: llm_pb2.GenerateRequest, owner: str, client: str | None, adapter=None, guide=None,
-               sink: OutputSink | None = None) -> WorkerRequest:
+    def _start(
+        self,
+        request: llm_pb2.GenerateRequest,
+        owner: str,
+        client: str | None,
+        adapter=None,
+        guide=None,
+        sink: OutputSink | None = None,
+    ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
         (None: the router's own split); sink: what takes its outputs instead of its queue (output_sink.py)."""
         engine = self.rt.engine
-        options = sampling_options(request.sampling_params, self.rt.eos_token_ids, self._encode_plain)
+        options = sampling_options(
+            request.sampling_params, self.rt.eos_token_ids, self._encode_plain
+        )
         if guide is not None:
             options = dataclasses.replace(options, guide=guide)
         prompt_ids = list(request.prompt.token_ids.ids)
@@ -115,14 +144,24 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
         if request.disaggregated_params.request_type not in REQUEST_PHASES:
-            raise ValueError(f"disaggregated_params.request_type {request.disaggregated_params.request_type} is not "
-                             f"a RequestType")
+            raise ValueError(
+                f"disaggregated_params.request_type {request.disaggregated_params.request_type} is not "
+                f"a RequestType"
+            )
         phase = REQUEST_PHASES[request.disaggregated_params.request_type]
         salt = request.cache_salt if request.HasField("cache_salt") else None
         start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt, adapter)
-        worker_request = WorkerRequest(self.rt.core, request_id, prompt_ids, options, phase,
-                                       request.priority if request.HasField("priority") else 0.5, salt,
-                                       request.disaggregated_params, adapter)
+        worker_request = WorkerRequest(
+            self.rt.core,
+            request_id,
+            prompt_ids,
+            options,
+            phase,
+            request.priority if request.HasField("priority") else 0.5,
+            salt,
+            request.disaggregated_params,
+            adapter,
+        )
         worker_request.owner = owner
         worker_request.client = client
         if sink is not None:
@@ -135,7 +174,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Abort(self, request, context):
         worker_request = self.requests.get(request.request_id)
-        if worker_request is None or not may_abort(context, worker_request.owner, self.rt.config.admin_token):
+        if worker_request is None or not may_abort(
+            context, worker_request.owner, self.rt.config.admin_token
+        ):
             return llm_pb2.AbortResponse(aborted=False)
         worker_request.cancel()
         return llm_pb2.AbortResponse(aborted=True)
@@ -151,7 +192,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
         ids, text = await self.rt.front.encode_prompt(request.prompt, add_special)
         self.rt.engine.check_prompt(len(ids), ids)
-        out = types_pb2.PreprocessedInputs(prompt_token_ids=ids, disaggregated_params=request.disaggregated_params)
+        out = types_pb2.PreprocessedInputs(
+            prompt_token_ids=ids, disaggregated_params=request.disaggregated_params
+        )
         if text is not None:
             out.prompt = text
         if request.HasField("sampling_params"):
@@ -163,7 +206,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Detokenize(self, request, context):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return llm_pb2.DetokenizeResponse(text=self.rt.front.detokenize(list(request.token_ids), skip))
+        return llm_pb2.DetokenizeResponse(
+            text=self.rt.front.detokenize(list(request.token_ids), skip)
+        )
 
     async def GetKvCacheCapacity(self, request, context):
         return self.rt.kv_capacity()
@@ -172,8 +217,11 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self.rt.server_info()
 
     async def GetTokenizer(self, request, context):
-        return llm_pb2.TokenizerFiles(files=self.rt.tokenizer.files(), eos_token_ids=self.rt.eos_token_ids,
-                                      **({"bos_token_id": self.rt.bos_token_id} if self.rt.bos_token_id is not None else {}))
+        return llm_pb2.TokenizerFiles(
+            files=self.rt.tokenizer.files(),
+            eos_token_ids=self.rt.eos_token_ids,
+            **({"bos_token_id": self.rt.bos_token_id} if self.rt.bos_token_id is not None else {}),
+        )
 
     async def Setup(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 60.0
@@ -203,14 +251,18 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         await self.rt.drain()
         if self.rt.leases is not None:
             self.rt.leases.release_all(LeaseEnd.PAUSED)
-        return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"])
+        return llm_pb2.AdminResponse(
+            detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"]
+        )
 
     async def ResumeGeneration(self, request, context):
         self.rt.paused = False
         return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: resumed"])
 
     async def GetDataTransceiverState(self, request, context):
-        return llm_pb2.GetDataTransceiverStateResponse(state=self.rt.transceiver_state(), worker_id=self.rt.worker_id)
+        return llm_pb2.GetDataTransceiverStateResponse(
+            state=self.rt.transceiver_state(), worker_id=self.rt.worker_id
+        )
 
     async def GetKvCacheEvents(self, request, context):
         timeout = request.timeout if request.HasField("timeout") else 2.0
@@ -223,12 +275,18 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Encode(self, request, context):
         # The seed's encode raises RuntimeError unless encode_only; the encode-only servicer overrides this.
-        raise PreconditionError(f"Encode needs an encoder-only model (e.g. BertModel); this worker serves the "
-                                f"generative model {self.rt.config.engine.model_dir}")
+        raise PreconditionError(
+            f"Encode needs an encoder-only model (e.g. BertModel); this worker serves the "
+            f"generative model {self.rt.config.engine.model_dir}"
+        )
 
     async def CollectiveRpc(self, request, context):
-        value = await admin.collective_rpc(self.rt, request.method, json_format.MessageToDict(request.args) or [],
-                                           json_format.MessageToDict(request.kwargs) or {})
+        value = await admin.collective_rpc(
+            self.rt,
+            request.method,
+            json_format.MessageToDict(request.args) or [],
+            json_format.MessageToDict(request.kwargs) or {},
+        )
         return llm_pb2.CollectiveRpcResponse(results=[value])
 
     async def Release(self, request, context):
@@ -256,11 +314,20 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         if keeper is None:
             return worker_pb2.ReleaseKvResponse(released=False)
         if request.ctx_request_id or not request.disagg_request_id:
-            return worker_pb2.ReleaseKvResponse(released=keeper.release(request.ctx_request_id, LeaseEnd.RELEASED))
-        for worker_request in list(self.llm.requests.values()):  # still running: it ends without a handoff
-            if worker_request.client is None and worker_request.disagg_in.disagg_request_id == request.disagg_request_id:
+            return worker_pb2.ReleaseKvResponse(
+                released=keeper.release(request.ctx_request_id, LeaseEnd.RELEASED)
+            )
+        for worker_request in list(
+            self.llm.requests.values()
+        ):  # still running: it ends without a handoff
+            if (
+                worker_request.client is None
+                and worker_request.disagg_in.disagg_request_id == request.disagg_request_id
+            ):
                 worker_request.cancel()
-        return worker_pb2.ReleaseKvResponse(released=keeper.release_split(request.disagg_request_id, LeaseEnd.RELEASED))
+        return worker_pb2.ReleaseKvResponse(
+            released=keeper.release_split(request.disagg_request_id, LeaseEnd.RELEASED)
+        )
 
     async def ConfirmLease(self, request, context):
         keeper = self.rt.leases

@@ -15,20 +15,21 @@ exception maps to (common/errors.status_for), sent after the request's last outp
 session's caller owns its requests (Abort); only a caller that may call Worker RPCs at all can
 open one (the cluster credential, common/auth.py).
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from tandem.common.drain import InFlightCalls
 from tandem.common.errors import RpcError, invalid, retry_pushback_ms, status_for
 from tandem.common.interceptors import MalformedRequest
-from tandem.worker.output_streams import OutputStream
 from tandem.v1 import worker_pb2
+from tandem.worker.output_streams import OutputStream
 
 log = logging.getLogger("tandem.worker.sessions")
 
@@ -49,8 +50,14 @@ CountStatus = Callable[[str, grpc.StatusCode], None]
 class Session:
     """One Session call: the requests it runs, by tag, and the stream their outputs go on."""
 
-    def __init__(self, owner: str, run: RunSubmitted, in_flight: InFlightCalls, count: CountStatus,
-                 max_request_bytes: int):
+    def __init__(
+        self,
+        owner: str,
+        run: RunSubmitted,
+        in_flight: InFlightCalls,
+        count: CountStatus,
+        max_request_bytes: int,
+    ):
         self.owner = owner
         self.stream = OutputStream(max_request_bytes, MAX_REQUESTS_PER_SESSION)
         self._run = run
@@ -65,10 +72,15 @@ class Session:
             if isinstance(message, MalformedRequest):
                 raise invalid(f"Session: a message is not a valid SessionRequest ({message.error})")
             # Bounded before any work: a message's entries are handled in one turn of the loop.
-            if len(message.submits) > MAX_REQUESTS_PER_SESSION or len(message.cancels) > MAX_CANCELS_PER_MESSAGE:
-                raise invalid(f"Session: a message carries {len(message.submits)} submits and "
-                              f"{len(message.cancels)} cancels (at most {MAX_REQUESTS_PER_SESSION} and "
-                              f"{MAX_CANCELS_PER_MESSAGE})")
+            if (
+                len(message.submits) > MAX_REQUESTS_PER_SESSION
+                or len(message.cancels) > MAX_CANCELS_PER_MESSAGE
+            ):
+                raise invalid(
+                    f"Session: a message carries {len(message.submits)} submits and "
+                    f"{len(message.cancels)} cancels (at most {MAX_REQUESTS_PER_SESSION} and "
+                    f"{MAX_CANCELS_PER_MESSAGE})"
+                )
             for submit in message.submits:
                 self._start(submit)
             for tag in message.cancels:
@@ -84,14 +96,27 @@ class Session:
         if tag in self.tasks:
             # Its entries could not be told from the running request's: the caller is broken, and
             # the session ends (INVALID_ARGUMENT) with every request on it.
-            raise invalid(f"Session: tag {tag} is already running on this session; tags must be unique")
+            raise invalid(
+                f"Session: tag {tag} is already running on this session; tags must be unique"
+            )
         if len(self.tasks) >= MAX_REQUESTS_PER_SESSION:
             # Nothing ran: the caller may send it again, on a call of its own (the router does).
-            self._refuse(tag, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"{len(self.tasks)} requests run on this session (at most "
-                                       f"{MAX_REQUESTS_PER_SESSION}); wait for some to end"), refused=True)
+            self._refuse(
+                tag,
+                RpcError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{len(self.tasks)} requests run on this session (at most "
+                    f"{MAX_REQUESTS_PER_SESSION}); wait for some to end",
+                ),
+                refused=True,
+            )
         elif not math.isfinite(submit.timeout_s) or submit.timeout_s < 0:
-            self._refuse(tag, invalid(f"timeout_s must be a number of seconds >= 0 (0: none), got {submit.timeout_s}"))
+            self._refuse(
+                tag,
+                invalid(
+                    f"timeout_s must be a number of seconds >= 0 (0: none), got {submit.timeout_s}"
+                ),
+            )
         else:
             self._in_flight.count += 1
             task = self.tasks[tag] = asyncio.create_task(self._serve(submit))
@@ -109,7 +134,9 @@ class Session:
             del self.tasks[tag]
         if task.cancelled():
             code = grpc.StatusCode.CANCELLED
-        elif task.exception() is not None:  # not an Exception (those are statuses): the process is going down
+        elif (
+            task.exception() is not None
+        ):  # not an Exception (those are statuses): the process is going down
             code = grpc.StatusCode.UNKNOWN
         else:
             code = task.result()
@@ -126,8 +153,10 @@ class Session:
             return grpc.StatusCode.CANCELLED  # the caller cancelled it, or the session ended
         except Exception as exc:  # noqa: BLE001 - every failure becomes the request's status
             if isinstance(exc, TimeoutError) and deadline.expired():
-                exc = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"the request's deadline passed ({submit.timeout_s:g} s after it reached the worker)")
+                exc = RpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the request's deadline passed ({submit.timeout_s:g} s after it reached the worker)",
+                )
             code, details = status_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("a session request failed", exc_info=exc)
@@ -145,8 +174,14 @@ class Session:
 class Sessions:
     """The worker's open sessions."""
 
-    def __init__(self, run: RunSubmitted, in_flight: InFlightCalls, count: CountStatus, max_request_bytes: int,
-                 max_sessions: int = MAX_SESSIONS):
+    def __init__(
+        self,
+        run: RunSubmitted,
+        in_flight: InFlightCalls,
+        count: CountStatus,
+        max_request_bytes: int,
+        max_sessions: int = MAX_SESSIONS,
+    ):
         """max_request_bytes: the server's bound on one message (the caller keeps its messages under it)."""
         self._run = run
         self.max_request_bytes = max_request_bytes
@@ -164,9 +199,11 @@ class Sessions:
         leaves. With the call's context, the session closes as soon as the call ends (a generator
         suspended in a write is finalized only later)."""
         if len(self._open) >= self.max_sessions:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{len(self._open)} sessions are open on this worker (at most {self.max_sessions}); "
-                           f"close one first")
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._open)} sessions are open on this worker (at most {self.max_sessions}); "
+                f"close one first",
+            )
         session = Session(owner, self._run, self._in_flight, self._count, self.max_request_bytes)
         self._open[session.stream.stream_id] = session
         if context is not None:
@@ -177,6 +214,7 @@ class Sessions:
             """A broken caller (a bad message, a tag twice): the stream ends; its error is the call's status."""
             if not task.cancelled() and task.exception() is not None:
                 session.stream.close()
+
         reader.add_done_callback(read_failed)
         try:
             async for batch in session.stream.batches():

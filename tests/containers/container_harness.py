@@ -5,6 +5,7 @@ without Docker may skip them for a targeted run with TANDEM_SKIP_CONTAINER_TESTS
 clears that variable, so CI always runs them. Nothing here talks to a registry: Ryuk (the reaper
 image testcontainers would pull) is off, and every container is removed by the test that made it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +13,10 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 os.environ["TESTCONTAINERS_RYUK_DISABLED"] = "true"
 
@@ -27,22 +28,34 @@ ROOT = Path(__file__).resolve().parents[2]
 SKIP_VARIABLE = "TANDEM_SKIP_CONTAINER_TESTS"
 BUILD_TIMEOUT_S = 1500
 # What the Dockerfile copies (Dockerfile.dockerignore): a change to any of these is a new test image.
-IMAGE_INPUTS = ("client", "services", "kernels", "pyproject.toml", "deploy/image", "deploy/helm/Dockerfile",
-                "deploy/helm/Dockerfile.dockerignore")
+IMAGE_INPUTS = (
+    "client",
+    "services",
+    "kernels",
+    "pyproject.toml",
+    "deploy/image",
+    "deploy/helm/Dockerfile",
+    "deploy/helm/Dockerfile.dockerignore",
+)
 CONTAINER_PREFIX = f"tandem-test-{os.getpid()}"
 
 
 def docker_client() -> docker.DockerClient:
     """The Docker daemon, or a failed (not skipped) test unless the developer opted out explicitly."""
     if os.environ.get(SKIP_VARIABLE) == "1":
-        pytest.skip(f"{SKIP_VARIABLE}=1: container tests skipped on request (make test and CI always run them)")
+        pytest.skip(
+            f"{SKIP_VARIABLE}=1: container tests skipped on request (make test and CI always run them)"
+        )
     try:
         client = docker.from_env(timeout=120)
         client.ping()
     except docker.errors.DockerException as exc:
-        pytest.fail(f"the container tests need a Docker daemon ({exc}). Install and start one: "
-                    f"deploy/image/host_deps.sh (as root: installs docker.io, mmdebstrap and iptables, starts dockerd) -- or, for a targeted run "
-                    f"on a machine without Docker, set {SKIP_VARIABLE}=1", pytrace=False)
+        pytest.fail(
+            f"the container tests need a Docker daemon ({exc}). Install and start one: "
+            f"deploy/image/host_deps.sh (as root: installs docker.io, mmdebstrap and iptables, starts dockerd) -- or, for a targeted run "
+            f"on a machine without Docker, set {SKIP_VARIABLE}=1",
+            pytrace=False,
+        )
     return client
 
 
@@ -57,7 +70,9 @@ def image_content_hash() -> str:
         path = ROOT / top
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for file in files:
-            if "__pycache__" in file.parts or any(part.endswith(".egg-info") for part in file.parts):
+            if "__pycache__" in file.parts or any(
+                part.endswith(".egg-info") for part in file.parts
+            ):
                 continue
             digest.update(str(file.relative_to(ROOT)).encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
@@ -81,8 +96,20 @@ def _build_cpu_image() -> str:
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.run([sys.executable, str(ROOT / "deploy" / "image" / "build.py"), "--variant", "cpu",
-                               "--tag", tag], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "deploy" / "image" / "build.py"),
+                "--variant",
+                "cpu",
+                "--tag",
+                tag,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=BUILD_TIMEOUT_S,
+        )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         pytest.fail(f"building the image failed (full log: {log}):\n{tail}", pytrace=False)
@@ -93,7 +120,9 @@ def _build_cpu_image() -> str:
 def health_status(address: str, timeout: float = 1.0) -> str:
     with grpc.insecure_channel(address) as channel:
         try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
             return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         except grpc.RpcError as exc:
             return exc.code().name

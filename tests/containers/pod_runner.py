@@ -8,6 +8,7 @@ translation (a Service port must equal its target port), PVC/hostPath/configMap 
 Probes are polled from inside the namespace as kubelet does; termination runs the preStop hook,
 sends SIGTERM and waits terminationGracePeriodSeconds before a SIGKILL.
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 
 import docker
 import requests
-
 from container_harness import CONTAINER_PREFIX, logs, remove
 
 PROBE_SCRIPT = r"""
@@ -52,11 +52,14 @@ class Pod:
 @dataclass
 class Release:
     """The pods and DNS names of a rendered release (a list of manifests)."""
+
     pods: list[Pod] = field(default_factory=list)
     dns_names: set[str] = field(default_factory=set)
 
     @classmethod
-    def from_manifests(cls, docs: list[dict], namespace: str, cluster_domain: str = "cluster.local") -> "Release":
+    def from_manifests(
+        cls, docs: list[dict], namespace: str, cluster_domain: str = "cluster.local"
+    ) -> Release:
         release = cls()
         suffixes = ("", f".{namespace}", f".{namespace}.svc", f".{namespace}.svc.{cluster_domain}")
         workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
@@ -70,7 +73,9 @@ class Release:
                 pod = Pod(f"{name}-{i}", spec["template"]["spec"])
                 release.pods.append(pod)
                 if workload["kind"] == "StatefulSet":
-                    release.dns_names.add(f"{pod.name}.{spec['serviceName']}.{namespace}.svc.{cluster_domain}")
+                    release.dns_names.add(
+                        f"{pod.name}.{spec['serviceName']}.{namespace}.svc.{cluster_domain}"
+                    )
         return release
 
 
@@ -80,23 +85,33 @@ def _check_ports_map_one_to_one(svc: dict, workloads: list[dict]) -> None:
         template = workload["spec"]["template"]
         if not selector.items() <= template["metadata"]["labels"].items():
             continue
-        named = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        named = {
+            p["name"]: p["containerPort"]
+            for c in template["spec"]["containers"]
+            for p in c.get("ports", [])
+        }
         for port in svc["spec"]["ports"]:
             target = named.get(port["targetPort"], port["targetPort"])
             if port["port"] != target:
-                raise ValueError(f"Service {svc['metadata']['name']} maps {port['port']} to {target}: one network "
-                                 "namespace has no kube-proxy to translate ports")
+                raise ValueError(
+                    f"Service {svc['metadata']['name']} maps {port['port']} to {target}: one network "
+                    "namespace has no kube-proxy to translate ports"
+                )
 
 
 def _tmpfs_options(volume: dict, read_only: bool) -> str:
     empty_dir = volume.get("emptyDir")
     if empty_dir is None:
-        raise ValueError(f"volume {volume['name']}: only emptyDir volumes run here, got {sorted(volume)}")
+        raise ValueError(
+            f"volume {volume['name']}: only emptyDir volumes run here, got {sorted(volume)}"
+        )
     options = ["ro"] if read_only else []
     if empty_dir.get("sizeLimit"):
         match = re.fullmatch(r"(\d+)([KMGT])i?", str(empty_dir["sizeLimit"]))
         if not match:
-            raise ValueError(f"volume {volume['name']}: cannot read sizeLimit {empty_dir['sizeLimit']!r}")
+            raise ValueError(
+                f"volume {volume['name']}: cannot read sizeLimit {empty_dir['sizeLimit']!r}"
+            )
         options.append(f"size={match.group(1)}{match.group(2)}")
     return ",".join(options)
 
@@ -128,40 +143,73 @@ def docker_run_kwargs(pod: Pod, network_of: str, secrets: dict[str, dict[str, st
     """The docker run of a pod's one container, inside the namespace of container `network_of`."""
     spec, container = pod.spec, pod.main
     pod_sc, sc = spec.get("securityContext", {}), container.get("securityContext", {})
-    uid, gid = sc.get("runAsUser", pod_sc.get("runAsUser")), sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+    uid, gid = (
+        sc.get("runAsUser", pod_sc.get("runAsUser")),
+        sc.get("runAsGroup", pod_sc.get("runAsGroup")),
+    )
     if sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) and not uid:
         raise ValueError(f"{pod.name}: runAsNonRoot without runAsUser is not checked here")
-    if (sc.get("seccompProfile") or pod_sc.get("seccompProfile", {})).get("type", "RuntimeDefault") != "RuntimeDefault":
-        raise ValueError(f"{pod.name}: only the RuntimeDefault seccomp profile (Docker's default) runs here")
+    if (sc.get("seccompProfile") or pod_sc.get("seccompProfile", {})).get(
+        "type", "RuntimeDefault"
+    ) != "RuntimeDefault":
+        raise ValueError(
+            f"{pod.name}: only the RuntimeDefault seccomp profile (Docker's default) runs here"
+        )
     if "nvidia.com/gpu" in json.dumps(container.get("resources", {})):
         raise ValueError(f"{pod.name}: asks for GPUs; render the CPU values to run it here")
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    tmpfs = {m["mountPath"]: _tmpfs_options(volumes[m["name"]], m.get("readOnly", False))
-             for m in container.get("volumeMounts", [])}
+    tmpfs = {
+        m["mountPath"]: _tmpfs_options(volumes[m["name"]], m.get("readOnly", False))
+        for m in container.get("volumeMounts", [])
+    }
     caps = sc.get("capabilities", {})
     return dict(
-        image=container["image"], entrypoint=container.get("command"), command=container.get("args"),
-        environment=_environment(container, secrets), user=f"{uid}:{gid}" if uid else None,
+        image=container["image"],
+        entrypoint=container.get("command"),
+        command=container.get("args"),
+        environment=_environment(container, secrets),
+        user=f"{uid}:{gid}" if uid else None,
         group_add=[str(pod_sc["fsGroup"])] if "fsGroup" in pod_sc else None,
-        read_only=bool(sc.get("readOnlyRootFilesystem")), cap_drop=caps.get("drop"), cap_add=caps.get("add"),
+        read_only=bool(sc.get("readOnlyRootFilesystem")),
+        cap_drop=caps.get("drop"),
+        cap_add=caps.get("add"),
         security_opt=["no-new-privileges"] if sc.get("allowPrivilegeEscalation") is False else None,
-        tmpfs=tmpfs, network_mode=f"container:{network_of}", name=f"{CONTAINER_PREFIX}-{pod.name}", detach=True)
+        tmpfs=tmpfs,
+        network_mode=f"container:{network_of}",
+        name=f"{CONTAINER_PREFIX}-{pod.name}",
+        detach=True,
+    )
 
 
 class PodRunner:
     """Starts, probes and terminates a Release's pods; `with` removes every container it made."""
 
-    def __init__(self, client: docker.DockerClient, image: str, release: Release, secrets: dict[str, dict[str, str]]):
+    def __init__(
+        self,
+        client: docker.DockerClient,
+        image: str,
+        release: Release,
+        secrets: dict[str, dict[str, str]],
+    ):
         self.client, self.image, self.release, self.secrets = client, image, release, secrets
         self.holder = None
 
-    def __enter__(self) -> "PodRunner":
+    def __enter__(self) -> PodRunner:
         self.holder = self.client.containers.run(
-            self.image, entrypoint=["sleep", "infinity"], network_mode="none", read_only=True, detach=True,
+            self.image,
+            entrypoint=["sleep", "infinity"],
+            network_mode="none",
+            read_only=True,
+            detach=True,
             extra_hosts={name: "127.0.0.1" for name in sorted(self.release.dns_names)},
-            name=f"{CONTAINER_PREFIX}-netns", user="10001:10001", cap_drop=["ALL"])
+            name=f"{CONTAINER_PREFIX}-netns",
+            user="10001:10001",
+            cap_drop=["ALL"],
+        )
         for pod in self.release.pods:
-            pod.container = self.client.containers.run(**docker_run_kwargs(pod, self.holder.id, self.secrets))
+            pod.container = self.client.containers.run(
+                **docker_run_kwargs(pod, self.holder.id, self.secrets)
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -175,13 +223,21 @@ class PodRunner:
         """A command inside the pods' network namespace (as a client pod in the cluster would run it)."""
         result = self.holder.exec_run(argv)
         if result.exit_code != 0:
-            raise RuntimeError(f"{argv[:3]} failed ({result.exit_code}): {result.output.decode(errors='replace')}")
+            raise RuntimeError(
+                f"{argv[:3]} failed ({result.exit_code}): {result.output.decode(errors='replace')}"
+            )
         return result.output.decode()
 
     def probe(self, probe: dict) -> bool:
         grpc_probe = probe["grpc"]
-        argv = ["python3", "-c", PROBE_SCRIPT, str(grpc_probe["port"]), grpc_probe.get("service", ""),
-                str(probe.get("timeoutSeconds", 1))]
+        argv = [
+            "python3",
+            "-c",
+            PROBE_SCRIPT,
+            str(grpc_probe["port"]),
+            grpc_probe.get("service", ""),
+            str(probe.get("timeoutSeconds", 1)),
+        ]
         return self.holder.exec_run(argv).output.decode().strip() == "SERVING"
 
     def wait_ready(self, timeout: float) -> None:
@@ -193,7 +249,11 @@ class PodRunner:
         def run_probes(pod: Pod) -> None:
             startup, readiness = pod.main["startupProbe"], pod.main["readinessProbe"]
             for _ in range(startup.get("failureThreshold", 3)):
-                time.sleep(startup.get("initialDelaySeconds", 0) if _ == 0 else startup.get("periodSeconds", 10))
+                time.sleep(
+                    startup.get("initialDelaySeconds", 0)
+                    if _ == 0
+                    else startup.get("periodSeconds", 10)
+                )
                 if self.exited(pod) or time.monotonic() - started > timeout:
                     break
                 if self.probe(startup):
@@ -225,7 +285,9 @@ class PodRunner:
             pod.container.exec_run(hook["command"])
         pod.container.kill(signal="SIGTERM")
         try:
-            code = pod.container.wait(timeout=max(1.0, grace - (time.monotonic() - started)))["StatusCode"]
+            code = pod.container.wait(timeout=max(1.0, grace - (time.monotonic() - started)))[
+                "StatusCode"
+            ]
         except requests.exceptions.RequestException:  # the grace is over: kubelet kills
             pod.container.kill()
             code = pod.container.wait(timeout=30)["StatusCode"]

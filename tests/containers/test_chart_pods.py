@@ -3,6 +3,7 @@ exact command, args, env, securityContext and volumes under Docker in one networ
 the Services' DNS names resolved there (pod_runner.py), wait for the gRPC startup probes as kubelet
 would, serve a request through the router Service's name, then delete the pods as kubelet would
 (preStop, SIGTERM, termination grace) with a stream in flight on the decode pod."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import time
 import helm_python as helm
 import pytest
 import yaml
-
 from container_harness import ROOT, cpu_image, docker_client, logs
 from pod_runner import PodRunner, Release, rendered_secrets
 
@@ -46,9 +46,11 @@ def _render(image: str) -> list[dict]:
     values = yaml.safe_load((CHART_DIR / "values-cpu.yaml").read_text())
     # The chart's model (SmolLM2) is the product's; the tiny model baked beside it keeps this fast,
     # and transformers is its oracle.
-    values |= {"image": {**values["image"], "repository": repository, "tag": tag},
-               "adminToken": {"secretName": "tandem-admin", "secretKey": "token"},
-               "model": {"source": "image", "path": "/opt/tandem/models/tiny-llama-v2"}}
+    values |= {
+        "image": {**values["image"], "repository": repository, "tag": tag},
+        "adminToken": {"secretName": "tandem-admin", "secretKey": "token"},
+        "model": {"source": "image", "path": "/opt/tandem/models/tiny-llama-v2"},
+    }
     with helm.Chart.load(CHART_DIR) as chart:
         manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
     return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
@@ -59,8 +61,12 @@ def _by_component(release: Release) -> dict:
 
 
 def _router_target(docs: list[dict]) -> str:
-    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-router")]
-    return f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    (svc,) = [
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-router")
+    ]
+    return (
+        f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    )
 
 
 def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracle, model_dirs):
@@ -77,13 +83,18 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
         print("[chart-pods] ready after", {p.name: round(p.ready_after_s, 1) for p in release.pods})
 
         prompt = [1, 31, 7, 77, 5, 250]
-        served = json.loads(runner.exec(["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "16", "0"])
-                            .splitlines()[-1])
+        served = json.loads(
+            runner.exec(
+                ["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "16", "0"]
+            ).splitlines()[-1]
+        )
         assert served["token_ids"] == oracle(model_dirs["llama"]).greedy(prompt, 16)
 
         # Delete the decode pod while it streams: the stream ends whole, the process exits 0 in its grace.
         stream = runner.holder.client.api.exec_create(
-            runner.holder.id, ["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "300", "1"])
+            runner.holder.id,
+            ["python3", "-c", CLIENT_SCRIPT, target, json.dumps(prompt), "300", "1"],
+        )
         lines: list[str] = []  # the script's complete JSON lines, as they arrive
         first_tokens = threading.Event()
 
@@ -105,11 +116,17 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
         assert code == 0, decode_log[-3000:]
         assert took_s < pods["decode"].spec["terminationGracePeriodSeconds"]
         final = json.loads(lines[-1])
-        assert len(final["token_ids"]) == 300 and final["finish_reason"] == "FINISH_REASON_LENGTH", lines[-3:]
-        assert streamed_before_sigterm is not None and streamed_before_sigterm < 300, "SIGTERM came mid-stream"
+        assert (
+            len(final["token_ids"]) == 300 and final["finish_reason"] == "FINISH_REASON_LENGTH"
+        ), lines[-3:]
+        assert streamed_before_sigterm is not None and streamed_before_sigterm < 300, (
+            "SIGTERM came mid-stream"
+        )
         assert "drained" in decode_log
-        print(f"[chart-pods] decode deleted mid-stream (at {streamed_before_sigterm}/300 tokens): exit 0 "
-              f"after {took_s:.1f} s")
+        print(
+            f"[chart-pods] decode deleted mid-stream (at {streamed_before_sigterm}/300 tokens): exit 0 "
+            f"after {took_s:.1f} s"
+        )
 
         for name in ("router", "prefill"):
             code, took_s = runner.terminate(pods[name])

@@ -6,6 +6,7 @@ RequestError that also carries the gRPC status: `err.code` (grpc.StatusCode) and
 `err.details` (the server's message). Bad input is also a ValueError, a feature this
 build lacks also a NotImplementedError, so code written for either catches it.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -48,8 +49,13 @@ def from_rpc_error(exc: grpc.RpcError) -> RequestError:
     """The RequestError for a failed gRPC call (grpc.aio.AioRpcError or a sync grpc.Call)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    pushback = dict(exc.trailing_metadata() or ()).get("grpc-retry-pushback-ms") \
-        if hasattr(exc, "trailing_metadata") else None
-    error = _BY_CODE.get(code, RequestError)(code, details, int(pushback) / 1000 if pushback else None)
+    pushback = (
+        dict(exc.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+        if hasattr(exc, "trailing_metadata")
+        else None
+    )
+    error = _BY_CODE.get(code, RequestError)(
+        code, details, int(pushback) / 1000 if pushback else None
+    )
     error.__cause__ = exc
     return error

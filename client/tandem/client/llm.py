@@ -1,17 +1,27 @@
 """LLM and AsyncLLM: the seed's API over tandem's gRPC service."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from collections.abc import AsyncIterator
+from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
 from tandem.client.credentials import Pem, channel_credentials
-from tandem.client.params import (ConversationParams, DisaggregatedParams, KvCacheRetentionConfig, LoRARequest,
-                                  PreprocessedInputs, PromptAdapterRequest, SamplingParams, SchedulingParams,
-                                  prompt_to_proto)
+from tandem.client.params import (
+    ConversationParams,
+    DisaggregatedParams,
+    KvCacheRetentionConfig,
+    LoRARequest,
+    PreprocessedInputs,
+    PromptAdapterRequest,
+    SamplingParams,
+    SchedulingParams,
+    prompt_to_proto,
+)
 from tandem.client.results import RequestOutput
 from tandem.client.tokenizer import RemoteTokenizer
 from tandem.client.transport import Transport, iterate_stream
@@ -39,27 +49,49 @@ class LLM:
     in the server's certificate instead of the host in target. cluster_token: only for operators
     calling a worker directly (clients call the router)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: Optional[str] = None, credentials=None,
-                 root_certificates: Optional[Pem] = None, certificate_chain: Optional[Pem] = None,
-                 private_key: Optional[Pem] = None, tls_server_name: Optional[str] = None,
-                 cluster_token: Optional[str] = None, default_timeout: Optional[float] = None, **kwargs: Any):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        auth_token: str | None = None,
+        credentials=None,
+        root_certificates: Pem | None = None,
+        certificate_chain: Pem | None = None,
+        private_key: Pem | None = None,
+        tls_server_name: str | None = None,
+        cluster_token: str | None = None,
+        default_timeout: float | None = None,
+        **kwargs: Any,
+    ):
         if kwargs:
-            raise TypeError(f"unexpected arguments {sorted(kwargs)}: model and engine options are server-side "
-                            "(tandem serve ... flags or the Helm chart values)")
+            raise TypeError(
+                f"unexpected arguments {sorted(kwargs)}: model and engine options are server-side "
+                "(tandem serve ... flags or the Helm chart values)"
+            )
         self.target = target
         self._transport = Transport(
-            target, auth_token=auth_token, cluster_token=cluster_token, server_name=tls_server_name,
-            credentials=channel_credentials(credentials, root_certificates, certificate_chain, private_key))
+            target,
+            auth_token=auth_token,
+            cluster_token=cluster_token,
+            server_name=tls_server_name,
+            credentials=channel_credentials(
+                credentials, root_certificates, certificate_chain, private_key
+            ),
+        )
         self._timeout = default_timeout
-        self._info: Optional[llm_pb2.ServerInfo] = None
-        self._tokenizer: Optional[RemoteTokenizer] = None
+        self._info: llm_pb2.ServerInfo | None = None
+        self._tokenizer: RemoteTokenizer | None = None
 
     # -- helpers --
-    def _call(self, method: str, request, timeout: Optional[float] = None):
-        return self._transport.run_sync(self._transport.unary(method, request, timeout or self._timeout))
+    def _call(self, method: str, request, timeout: float | None = None):
+        return self._transport.run_sync(
+            self._transport.unary(method, request, timeout or self._timeout)
+        )
 
-    async def _acall(self, method: str, request, timeout: Optional[float] = None):
-        return await self._transport.run_async(self._transport.unary(method, request, timeout or self._timeout))
+    async def _acall(self, method: str, request, timeout: float | None = None):
+        return await self._transport.run_async(
+            self._transport.unary(method, request, timeout or self._timeout)
+        )
 
     def _server_info(self) -> llm_pb2.ServerInfo:
         if self._info is None:
@@ -67,27 +99,43 @@ class LLM:
         return self._info
 
     # -- generation --
-    def generate_async(self, inputs, sampling_params: Optional[SamplingParams] = None,
-                       lora_request: Optional[LoRARequest] = None,
-                       prompt_adapter_request: Optional[PromptAdapterRequest] = None, streaming: bool = False,
-                       kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None,
-                       disaggregated_params: Optional[DisaggregatedParams] = None,
-                       trace_headers: Optional[dict[str, str]] = None,
-                       scheduling_params: Optional[SchedulingParams] = None,
-                       conversation_params: Optional[ConversationParams] = None,
-                       cache_salt: Optional[str] = None, priority: float = 0.5,
-                       request_id: Optional[str] = None) -> RequestOutput:
+    def generate_async(
+        self,
+        inputs,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        prompt_adapter_request: PromptAdapterRequest | None = None,
+        streaming: bool = False,
+        kv_cache_retention_config: KvCacheRetentionConfig | None = None,
+        disaggregated_params: DisaggregatedParams | None = None,
+        trace_headers: dict[str, str] | None = None,
+        scheduling_params: SchedulingParams | None = None,
+        conversation_params: ConversationParams | None = None,
+        cache_salt: str | None = None,
+        priority: float = 0.5,
+        request_id: str | None = None,
+    ) -> RequestOutput:
         """Submits one prompt; returns a RequestOutput to await, iterate (streaming) or abort()."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}")
-        request = llm_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt_to_proto(inputs),
-                                          streaming=streaming, priority=priority)
+            raise TypeError(
+                f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}"
+            )
+        request = llm_pb2.GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt_to_proto(inputs),
+            streaming=streaming,
+            priority=priority,
+        )
         if sampling_params is not None:
             request.sampling_params.CopyFrom(sampling_params.to_proto())
-        for field, value in (("lora_request", lora_request), ("prompt_adapter_request", prompt_adapter_request),
-                             ("kv_cache_retention_config", kv_cache_retention_config),
-                             ("disaggregated_params", disaggregated_params), ("scheduling_params", scheduling_params),
-                             ("conversation_params", conversation_params)):
+        for field, value in (
+            ("lora_request", lora_request),
+            ("prompt_adapter_request", prompt_adapter_request),
+            ("kv_cache_retention_config", kv_cache_retention_config),
+            ("disaggregated_params", disaggregated_params),
+            ("scheduling_params", scheduling_params),
+            ("conversation_params", conversation_params),
+        ):
             if value is not None:
                 getattr(request, field).CopyFrom(value.to_proto())
         if trace_headers:
@@ -96,25 +144,48 @@ class LLM:
             request.cache_salt = cache_salt
         return RequestOutput(self._transport, request, streaming)
 
-    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True, lora_request=None,
-                 prompt_adapter_request=None, kv_cache_retention_config=None, disaggregated_params=None,
-                 scheduling_params=None, conversation_params=None, cache_salt=None, priority=0.5):
+    def generate(
+        self,
+        inputs,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        prompt_adapter_request=None,
+        kv_cache_retention_config=None,
+        disaggregated_params=None,
+        scheduling_params=None,
+        conversation_params=None,
+        cache_salt=None,
+        priority=0.5,
+    ):
         """Runs one prompt or a batch concurrently and blocks until all are done."""
         single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
-            isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs))
+            isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs)
+        )
         batch = [inputs] if single else list(inputs)
         n = len(batch)
-        per = {name: _broadcast(value, n, name) for name, value in (
-            ("sampling_params", sampling_params), ("lora_request", lora_request),
-            ("prompt_adapter_request", prompt_adapter_request),
-            ("kv_cache_retention_config", kv_cache_retention_config),
-            ("disaggregated_params", disaggregated_params), ("scheduling_params", scheduling_params),
-            ("conversation_params", conversation_params), ("cache_salt", cache_salt), ("priority", priority))}
-        futures = [self.generate_async(p, **{k: v[i] for k, v in per.items()}) for i, p in enumerate(batch)]
+        per = {
+            name: _broadcast(value, n, name)
+            for name, value in (
+                ("sampling_params", sampling_params),
+                ("lora_request", lora_request),
+                ("prompt_adapter_request", prompt_adapter_request),
+                ("kv_cache_retention_config", kv_cache_retention_config),
+                ("disaggregated_params", disaggregated_params),
+                ("scheduling_params", scheduling_params),
+                ("conversation_params", conversation_params),
+                ("cache_salt", cache_salt),
+                ("priority", priority),
+            )
+        }
+        futures = [
+            self.generate_async(p, **{k: v[i] for k, v in per.items()}) for i, p in enumerate(batch)
+        ]
         bar = None
         if use_tqdm:
             try:
                 from tqdm import tqdm
+
                 bar = tqdm(total=n, desc="Processed requests", dynamic_ncols=True)
             except ImportError:
                 bar = None
@@ -130,8 +201,12 @@ class LLM:
         return results[0] if single else results
 
     # -- model I/O helpers --
-    def preprocess(self, inputs, sampling_params: Optional[SamplingParams] = None,
-                   disaggregated_params: Optional[DisaggregatedParams] = None) -> PreprocessedInputs:
+    def preprocess(
+        self,
+        inputs,
+        sampling_params: SamplingParams | None = None,
+        disaggregated_params: DisaggregatedParams | None = None,
+    ) -> PreprocessedInputs:
         request = llm_pb2.PreprocessRequest(prompt=prompt_to_proto(inputs))
         if sampling_params is not None:
             request.sampling_params.CopyFrom(sampling_params.to_proto())
@@ -139,57 +214,80 @@ class LLM:
             request.disaggregated_params.CopyFrom(disaggregated_params.to_proto())
         out = self._call("Preprocess", request)
         return PreprocessedInputs(
-            prompt_token_ids=list(out.prompt_token_ids), prompt=out.prompt if out.HasField("prompt") else None,
+            prompt_token_ids=list(out.prompt_token_ids),
+            prompt=out.prompt if out.HasField("prompt") else None,
             sampling_params=out.sampling_params if out.HasField("sampling_params") else None,
             disaggregated_params=DisaggregatedParams.from_proto(out.disaggregated_params)
-            if out.HasField("disaggregated_params") else None)
+            if out.HasField("disaggregated_params")
+            else None,
+        )
 
-    def encode(self, inputs, add_special_tokens: bool = True, batch_indexed_model_output: bool = True,
-               copy_logits_to_host: bool = True, return_raw_logits: bool = False, **model_kwargs: Any):
+    def encode(
+        self,
+        inputs,
+        add_special_tokens: bool = True,
+        batch_indexed_model_output: bool = True,
+        copy_logits_to_host: bool = True,
+        return_raw_logits: bool = False,
+        **model_kwargs: Any,
+    ):
         """Token embeddings and pooled (sentence) embeddings from an encoder-only model, as nested lists
         (the client has no torch). One EncoderOutput for one input, a list for a batch; the raw
         [batch, max_len, dim] output (padding rows zero) with return_raw_logits. model_kwargs:
         token_type_ids, one list per input. Outputs are always copied to the host and indexed
         by input, so batch_indexed_model_output and copy_logits_to_host change nothing here."""
         single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
-            isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, int) for t in inputs))
+            isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, int) for t in inputs)
+        )
         batch = [inputs] if single else list(inputs)
-        request = llm_pb2.EncodeRequest(inputs=[prompt_to_proto(p) for p in batch],
-                                        add_special_tokens=add_special_tokens, return_raw_logits=return_raw_logits)
+        request = llm_pb2.EncodeRequest(
+            inputs=[prompt_to_proto(p) for p in batch],
+            add_special_tokens=add_special_tokens,
+            return_raw_logits=return_raw_logits,
+        )
         if model_kwargs:
             # Arrays and tensors (numpy, torch) travel as their nested lists.
             plain = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in model_kwargs.items()}
             request.model_kwargs.update(json.loads(json.dumps(plain)))
         from tandem.client.encode import decode_encode_response
+
         return decode_encode_response(self._call("Encode", request), single, return_raw_logits)
 
     # -- runtime introspection --
     def get_data_transceiver_state(self, worker_id: str = "") -> bytes:
-        return self._call("GetDataTransceiverState", llm_pb2.GetDataTransceiverStateRequest(worker_id=worker_id)).state
+        return self._call(
+            "GetDataTransceiverState", llm_pb2.GetDataTransceiverStateRequest(worker_id=worker_id)
+        ).state
 
     def get_kv_cache_capacity(self, worker_id: str = "") -> dict:
-        cap = self._call("GetKvCacheCapacity", llm_pb2.GetKvCacheCapacityRequest(worker_id=worker_id))
-        return {"maxNumBlocks": cap.max_num_blocks, "tokensPerBlock": cap.tokens_per_block,
-                "maxNumTokens": cap.max_num_tokens, "numFreeBlocks": cap.num_free_blocks}
+        cap = self._call(
+            "GetKvCacheCapacity", llm_pb2.GetKvCacheCapacityRequest(worker_id=worker_id)
+        )
+        return {
+            "maxNumBlocks": cap.max_num_blocks,
+            "tokensPerBlock": cap.tokens_per_block,
+            "maxNumTokens": cap.max_num_tokens,
+            "numFreeBlocks": cap.num_free_blocks,
+        }
 
-    def get_kv_cache_events(self, timeout: Optional[float] = 2) -> list[dict]:
+    def get_kv_cache_events(self, timeout: float | None = 2) -> list[dict]:
         request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
         return _to_dicts(self._call("GetKvCacheEvents", request, timeout=(timeout or 2) + 30))
 
-    def get_kv_cache_events_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+    def get_kv_cache_events_async(self, timeout: float | None = 2) -> AsyncIterator[dict]:
         """KV events as they happen; the iteration ends once none arrives for timeout seconds
         (None: never), as tensorrt_llm's IterationResult does."""
         return self._json_stream("StreamKvCacheEvents", timeout)
 
-    def get_stats(self, timeout: Optional[float] = 2) -> list[dict]:
+    def get_stats(self, timeout: float | None = 2) -> list[dict]:
         request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
         return _to_dicts(self._call("GetStats", request, timeout=(timeout or 2) + 30))
 
-    def get_stats_async(self, timeout: Optional[float] = 2) -> AsyncIterator[dict]:
+    def get_stats_async(self, timeout: float | None = 2) -> AsyncIterator[dict]:
         """Iteration stats as they happen; ends like get_kv_cache_events_async."""
         return self._json_stream("StreamStats", timeout)
 
-    async def _json_stream(self, method: str, timeout: Optional[float]):
+    async def _json_stream(self, method: str, timeout: float | None):
         request = llm_pb2.EventsRequest(timeout=timeout if timeout is not None else 2)
         items = iterate_stream(self._transport, method, request)
         try:
@@ -219,7 +317,7 @@ class LLM:
             return {}
 
     @property
-    def tokenizer(self) -> Optional[RemoteTokenizer]:
+    def tokenizer(self) -> RemoteTokenizer | None:
         if self._tokenizer is None:
             files = self._call("GetTokenizer", llm_pb2.GetTokenizerRequest())
             self._tokenizer = RemoteTokenizer(self, files)
@@ -250,11 +348,20 @@ class LLM:
 class AsyncLLM(LLM):
     """tensorrt_llm.llmapi.AsyncLLM over gRPC: `llm = await AsyncLLM("host:port")`."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, placement_groups=None, placement_bundle_indices=None,
-                 per_worker_gpu_share=None, **kwargs: Any):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        placement_groups=None,
+        placement_bundle_indices=None,
+        per_worker_gpu_share=None,
+        **kwargs: Any,
+    ):
         if placement_groups or placement_bundle_indices or per_worker_gpu_share:
-            raise ValueError("placement_groups / placement_bundle_indices / per_worker_gpu_share are Ray placement "
-                             "options; tandem places workers with its Helm chart (deploy/helm)")
+            raise ValueError(
+                "placement_groups / placement_bundle_indices / per_worker_gpu_share are Ray placement "
+                "options; tandem places workers with its Helm chart (deploy/helm)"
+            )
         super().__init__(target, **kwargs)
 
     def __await__(self):
@@ -263,24 +370,31 @@ class AsyncLLM(LLM):
     def __enter__(self):
         raise RuntimeError("Please use 'async with AsyncLLM' instead")  # as tensorrt_llm's AsyncLLM
 
-    async def __aenter__(self) -> "AsyncLLM":
+    async def __aenter__(self) -> AsyncLLM:
         return await self.setup_async()
 
     async def __aexit__(self, *exc) -> bool:
         self.shutdown()
         return False
 
-    async def setup_async(self, timeout: float = 60.0) -> "AsyncLLM":
+    async def setup_async(self, timeout: float = 60.0) -> AsyncLLM:
         """Waits until the cluster is ready; returns self."""
-        self._info = await self._acall("Setup", llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5)
+        self._info = await self._acall(
+            "Setup", llm_pb2.SetupRequest(timeout=timeout), timeout=timeout + 5
+        )
         return self
 
     async def abort(self, request_id: str) -> bool:
         return (await self._acall("Abort", llm_pb2.AbortRequest(request_id=request_id))).aborted
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None,
-                             unique_reply_rank: Optional[int] = None,
-                             target_ranks: Union[int, list[int], None] = None) -> list[Any]:
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        unique_reply_rank: int | None = None,
+        target_ranks: int | list[int] | None = None,
+    ) -> list[Any]:
         request = llm_pb2.CollectiveRpcRequest(method=method)
         request.args.extend(json.loads(json.dumps(list(args))))
         if kwargs:
@@ -288,9 +402,14 @@ class AsyncLLM(LLM):
         if unique_reply_rank is not None:
             request.unique_reply_rank = unique_reply_rank
         if target_ranks is not None:
-            request.target_ranks.extend([target_ranks] if isinstance(target_ranks, int) else target_ranks)
+            request.target_ranks.extend(
+                [target_ranks] if isinstance(target_ranks, int) else target_ranks
+            )
         reply = await self._acall("CollectiveRpc", request)
-        return [json_format.MessageToDict(struct_pb2.Struct(fields={"v": v}))["v"] for v in reply.results]
+        return [
+            json_format.MessageToDict(struct_pb2.Struct(fields={"v": v}))["v"]
+            for v in reply.results
+        ]
 
     async def pause_generation(self) -> None:
         await self._acall("PauseGeneration", llm_pb2.AdminRequest())
@@ -304,8 +423,11 @@ class AsyncLLM(LLM):
     async def resume(self, tags: list[str]) -> None:
         await self._acall("Resume", llm_pb2.MemoryTagsRequest(tags=tags))
 
-    async def update_weights(self, weights: Union[dict[str, str], str]) -> None:
+    async def update_weights(self, weights: dict[str, str] | str) -> None:
         """weights: device UUID -> IPC handle map (TRT-LLM format), or a checkpoint directory path."""
-        request = (llm_pb2.UpdateWeightsRequest(checkpoint_path=weights) if isinstance(weights, str)
-                   else llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights)))
+        request = (
+            llm_pb2.UpdateWeightsRequest(checkpoint_path=weights)
+            if isinstance(weights, str)
+            else llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights))
+        )
         await self._acall("UpdateWeights", request)

@@ -1,15 +1,27 @@
 """The seed's parameter types (tensorrt_llm names) and their protobuf form."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypedDict, Union
+from typing import Any, TypedDict
 
 from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
 from tandem.v1 import types_pb2
 
-__all__ = ["SamplingParams", "GuidedDecodingParams", "DisaggregatedParams", "SchedulingParams", "ConversationParams",
-           "LoRARequest", "PromptAdapterRequest", "KvCacheRetentionConfig", "PreprocessedInputs", "TextPrompt",
-           "TokensPrompt", "prompt_to_proto"]
+__all__ = [
+    "SamplingParams",
+    "GuidedDecodingParams",
+    "DisaggregatedParams",
+    "SchedulingParams",
+    "ConversationParams",
+    "LoRARequest",
+    "PromptAdapterRequest",
+    "KvCacheRetentionConfig",
+    "PreprocessedInputs",
+    "TextPrompt",
+    "TokensPrompt",
+    "prompt_to_proto",
+]
 
 
 class TextPrompt(TypedDict, total=False):
@@ -20,9 +32,11 @@ class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
 
 
-_REQUEST_TYPES = {"context_and_generation": types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
-                  "context_only": types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
-                  "generation_only": types_pb2.REQUEST_TYPE_GENERATION_ONLY}
+_REQUEST_TYPES = {
+    "context_and_generation": types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
+    "context_only": types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
+    "generation_only": types_pb2.REQUEST_TYPE_GENERATION_ONLY,
+}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,28 +45,33 @@ class DisaggregatedParams:
     disagg_request_id ties the two halves together (newer TensorRT-LLM has it too); ctx_endpoint
     is tandem's: the context worker that holds the KV, set by the router. The multimodal
     (encoder-prefill) fields are refused: tandem serves text-only models."""
-    request_type: Optional[str] = None  # "context_only" | "generation_only" | "context_and_generation"
-    first_gen_tokens: Optional[list[int]] = None
-    ctx_request_id: Optional[int] = None
-    opaque_state: Optional[bytes] = None
-    draft_tokens: Optional[list[int]] = None
-    multimodal_embedding_handles: Optional[list[dict[str, Any]]] = None
-    multimodal_hashes: Optional[list[list[int]]] = None
-    disagg_request_id: Optional[int] = None
-    ctx_endpoint: Optional[str] = None
+
+    request_type: str | None = None  # "context_only" | "generation_only" | "context_and_generation"
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | None = None
+    opaque_state: bytes | None = None
+    draft_tokens: list[int] | None = None
+    multimodal_embedding_handles: list[dict[str, Any]] | None = None
+    multimodal_hashes: list[list[int]] | None = None
+    disagg_request_id: int | None = None
+    ctx_endpoint: str | None = None
     # One {token id: Logprob} per first_gen_token (newer TensorRT-LLM's first_gen_log_probs), when
     # the context request asked for logprobs: the generation_only output reports them.
-    first_gen_log_probs: Optional[list[dict[int, Any]]] = None
+    first_gen_log_probs: list[dict[int, Any]] | None = None
 
     def __post_init__(self):
         if self.request_type is not None:
             self.request_type = self.request_type.lower()
             if self.request_type not in _REQUEST_TYPES:
-                raise ValueError(f"Unknown request type: {self.request_type}. Must be context_only, "
-                                 "generation_only or context_and_generation")
+                raise ValueError(
+                    f"Unknown request type: {self.request_type}. Must be context_only, "
+                    "generation_only or context_and_generation"
+                )
         for name in ("multimodal_embedding_handles", "multimodal_hashes"):
             if getattr(self, name) is not None:
-                raise NotImplementedError(f"DisaggregatedParams.{name}: tandem serves text-only models")
+                raise NotImplementedError(
+                    f"DisaggregatedParams.{name}: tandem serves text-only models"
+                )
 
     def to_proto(self) -> types_pb2.DisaggregatedParams:
         msg = types_pb2.DisaggregatedParams()
@@ -75,24 +94,31 @@ class DisaggregatedParams:
         return msg
 
     @classmethod
-    def from_proto(cls, msg: types_pb2.DisaggregatedParams) -> "DisaggregatedParams":
+    def from_proto(cls, msg: types_pb2.DisaggregatedParams) -> DisaggregatedParams:
         from tandem.client.outputs import Logprob  # outputs imports this module
+
         names = {v: k for k, v in _REQUEST_TYPES.items()}
-        first_logprobs = [{t: Logprob(v, e.ranks[t] if t in e.ranks else None) for t, v in e.logprobs.items()}
-                          for e in msg.first_gen_log_probs] or None
-        return cls(request_type=names[msg.request_type], first_gen_tokens=list(msg.first_gen_tokens),
-                   first_gen_log_probs=first_logprobs,
-                   ctx_request_id=msg.ctx_request_id if msg.HasField("ctx_request_id") else None,
-                   opaque_state=msg.opaque_state or None, draft_tokens=list(msg.draft_tokens) or None,
-                   disagg_request_id=msg.disagg_request_id if msg.HasField("disagg_request_id") else None,
-                   ctx_endpoint=msg.ctx_endpoint or None)
+        first_logprobs = [
+            {t: Logprob(v, e.ranks[t] if t in e.ranks else None) for t, v in e.logprobs.items()}
+            for e in msg.first_gen_log_probs
+        ] or None
+        return cls(
+            request_type=names[msg.request_type],
+            first_gen_tokens=list(msg.first_gen_tokens),
+            first_gen_log_probs=first_logprobs,
+            ctx_request_id=msg.ctx_request_id if msg.HasField("ctx_request_id") else None,
+            opaque_state=msg.opaque_state or None,
+            draft_tokens=list(msg.draft_tokens) or None,
+            disagg_request_id=msg.disagg_request_id if msg.HasField("disagg_request_id") else None,
+            ctx_endpoint=msg.ctx_endpoint or None,
+        )
 
 
 @dataclass
 class SchedulingParams:
-    attention_dp_rank: Optional[int] = None
+    attention_dp_rank: int | None = None
     attention_dp_relax: bool = False
-    agent_hierarchy: Optional[str] = None
+    agent_hierarchy: str | None = None
 
     def to_proto(self) -> types_pb2.SchedulingParams:
         return types_pb2.SchedulingParams(**{k: v for k, v in vars(self).items() if v is not None})
@@ -101,10 +127,12 @@ class SchedulingParams:
 @dataclass
 class ConversationParams:
     conversation_id: str = ""
-    turn: Optional[int] = None
+    turn: int | None = None
 
     def to_proto(self) -> types_pb2.ConversationParams:
-        return types_pb2.ConversationParams(**{k: v for k, v in vars(self).items() if v is not None})
+        return types_pb2.ConversationParams(
+            **{k: v for k, v in vars(self).items() if v is not None}
+        )
 
 
 @dataclass
@@ -112,6 +140,7 @@ class LoRARequest:
     """A LoRA adapter for a request (tensorrt_llm.executor.request.LoRARequest). lora_path is a PEFT
     directory on the workers' disk, so unlike TensorRT-LLM the client does not check that it exists:
     the worker does, and refuses the request when it cannot load it."""
+
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
@@ -119,7 +148,9 @@ class LoRARequest:
 
     def __post_init__(self):
         if self.lora_ckpt_source not in ("hf", "nemo"):
-            raise ValueError(f"lora_ckpt_source must be 'hf' or 'nemo', got '{self.lora_ckpt_source}'")
+            raise ValueError(
+                f"lora_ckpt_source must be 'hf' or 'nemo', got '{self.lora_ckpt_source}'"
+            )
 
     @property
     def adapter_id(self) -> int:
@@ -138,8 +169,12 @@ class LoRARequest:
         return self.lora_ckpt_source
 
     def to_proto(self) -> types_pb2.LoRARequest:
-        return types_pb2.LoRARequest(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=self.lora_path,
-                                     lora_ckpt_source=self.lora_ckpt_source)
+        return types_pb2.LoRARequest(
+            lora_name=self.lora_name,
+            lora_int_id=self.lora_int_id,
+            lora_path=self.lora_path,
+            lora_ckpt_source=self.lora_ckpt_source,
+        )
 
 
 @dataclass
@@ -156,12 +191,15 @@ class PromptAdapterRequest:
 @dataclass
 class KvCacheRetentionConfig:
     """token_range_retention_configs: list of (token_start, token_end | None, priority, duration_seconds | None)."""
+
     token_range_retention_configs: list[tuple] = field(default_factory=list)
     decode_retention_priority: int = 35
-    decode_duration_seconds: Optional[float] = None
+    decode_duration_seconds: float | None = None
 
     def to_proto(self) -> types_pb2.KvCacheRetentionConfig:
-        msg = types_pb2.KvCacheRetentionConfig(decode_retention_priority=self.decode_retention_priority)
+        msg = types_pb2.KvCacheRetentionConfig(
+            decode_retention_priority=self.decode_retention_priority
+        )
         if self.decode_duration_seconds is not None:
             msg.decode_duration_seconds = self.decode_duration_seconds
         for start, end, priority, duration in self.token_range_retention_configs:
@@ -176,10 +214,11 @@ class KvCacheRetentionConfig:
 @dataclass
 class PreprocessedInputs:
     """What preprocess() returns; generate_async accepts it and skips tokenization."""
+
     prompt_token_ids: list[int]
-    prompt: Optional[str] = None
-    sampling_params: Optional[types_pb2.SamplingParams] = None
-    disaggregated_params: Optional[DisaggregatedParams] = None
+    prompt: str | None = None
+    sampling_params: types_pb2.SamplingParams | None = None
+    disaggregated_params: DisaggregatedParams | None = None
 
     def to_proto(self) -> types_pb2.PreprocessedInputs:
         msg = types_pb2.PreprocessedInputs(prompt_token_ids=self.prompt_token_ids)
@@ -192,7 +231,7 @@ class PreprocessedInputs:
         return msg
 
 
-PromptInputs = Union[str, list[int], TextPrompt, TokensPrompt, PreprocessedInputs]
+PromptInputs = str | list[int] | TextPrompt | TokensPrompt | PreprocessedInputs
 
 
 def prompt_to_proto(inputs: Any) -> types_pb2.Prompt:
@@ -203,11 +242,15 @@ def prompt_to_proto(inputs: Any) -> types_pb2.Prompt:
         return types_pb2.Prompt(preprocessed=inputs.to_proto())
     if isinstance(inputs, dict):
         if "prompt_token_ids" in inputs:
-            return types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=list(inputs["prompt_token_ids"])))
+            return types_pb2.Prompt(
+                token_ids=types_pb2.TokenIds(ids=list(inputs["prompt_token_ids"]))
+            )
         if "prompt" in inputs:
             return types_pb2.Prompt(text=inputs["prompt"])
         raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     if isinstance(inputs, (list, tuple)) and all(isinstance(t, int) for t in inputs):
         return types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=list(inputs)))
-    raise TypeError(f"unsupported prompt type {type(inputs).__name__}: give str, list[int], TextPrompt, "
-                    "TokensPrompt or PreprocessedInputs")
+    raise TypeError(
+        f"unsupported prompt type {type(inputs).__name__}: give str, list[int], TextPrompt, "
+        "TokensPrompt or PreprocessedInputs"
+    )

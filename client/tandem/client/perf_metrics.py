@@ -4,11 +4,11 @@ attributes and their types, filled from the server's PerfMetrics (SamplingParams
 TensorRT-LLM's times are datetime.timedelta since its steady clock's epoch; tandem's are
 timedelta since the Unix epoch (a wall clock: a split request's times come from the router, the
 prefill and the decode), so differences and total_seconds() read the same way."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
 
 from tandem.v1 import types_pb2
 
@@ -16,6 +16,7 @@ from tandem.v1 import types_pb2
 @dataclass(slots=True)
 class TimingMetrics:
     """A zero time (timedelta(0)) is one that did not happen: no KV pull, for the transfer's."""
+
     arrival_time: timedelta = timedelta(0)
     first_scheduled_time: timedelta = timedelta(0)
     first_token_time: timedelta = timedelta(0)
@@ -37,6 +38,7 @@ class KvCacheMetrics:
 @dataclass(slots=True)
 class SpeculativeDecodingMetrics:
     """Always zeros: tandem has no speculative decoding."""
+
     acceptance_rate: float = 0.0
     total_accepted_draft_tokens: int = 0
     total_draft_tokens: int = 0
@@ -46,25 +48,39 @@ class SpeculativeDecodingMetrics:
 class RequestPerfMetrics:
     timing_metrics: TimingMetrics = field(default_factory=TimingMetrics)
     kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
-    speculative_decoding: SpeculativeDecodingMetrics = field(default_factory=SpeculativeDecodingMetrics)
+    speculative_decoding: SpeculativeDecodingMetrics = field(
+        default_factory=SpeculativeDecodingMetrics
+    )
     # Engine steps (counted from 1); None where none was recorded, as TensorRT-LLM's Optional[int].
-    first_iter: Optional[int] = None
-    last_iter: Optional[int] = None
-    iter: Optional[int] = None
+    first_iter: int | None = None
+    last_iter: int | None = None
+    iter: int | None = None
 
     @classmethod
-    def from_proto(cls, msg: types_pb2.PerfMetrics) -> "RequestPerfMetrics":
+    def from_proto(cls, msg: types_pb2.PerfMetrics) -> RequestPerfMetrics:
         t, kv, spec = msg.timing_metrics, msg.kv_cache_metrics, msg.speculative_decoding
-        timing = TimingMetrics(arrival_time=timedelta(seconds=t.arrival_time),
-                               first_scheduled_time=timedelta(seconds=t.first_scheduled_time),
-                               first_token_time=timedelta(seconds=t.first_token_time),
-                               last_token_time=timedelta(seconds=t.last_token_time),
-                               kv_cache_transfer_start=timedelta(seconds=t.kv_cache_transfer_start),
-                               kv_cache_transfer_end=timedelta(seconds=t.kv_cache_transfer_end),
-                               kv_cache_size=t.kv_cache_size)
-        return cls(timing,
-                   KvCacheMetrics(kv.num_total_allocated_blocks, kv.num_new_allocated_blocks, kv.num_reused_blocks,
-                                  kv.num_missed_blocks, kv.kv_cache_hit_rate),
-                   SpeculativeDecodingMetrics(spec.acceptance_rate, spec.total_accepted_draft_tokens,
-                                              spec.total_draft_tokens),
-                   msg.first_iter or None, msg.last_iter or None, msg.iter or None)
+        timing = TimingMetrics(
+            arrival_time=timedelta(seconds=t.arrival_time),
+            first_scheduled_time=timedelta(seconds=t.first_scheduled_time),
+            first_token_time=timedelta(seconds=t.first_token_time),
+            last_token_time=timedelta(seconds=t.last_token_time),
+            kv_cache_transfer_start=timedelta(seconds=t.kv_cache_transfer_start),
+            kv_cache_transfer_end=timedelta(seconds=t.kv_cache_transfer_end),
+            kv_cache_size=t.kv_cache_size,
+        )
+        return cls(
+            timing,
+            KvCacheMetrics(
+                kv.num_total_allocated_blocks,
+                kv.num_new_allocated_blocks,
+                kv.num_reused_blocks,
+                kv.num_missed_blocks,
+                kv.kv_cache_hit_rate,
+            ),
+            SpeculativeDecodingMetrics(
+                spec.acceptance_rate, spec.total_accepted_draft_tokens, spec.total_draft_tokens
+            ),
+            msg.first_iter or None,
+            msg.last_iter or None,
+            msg.iter or None,
+        )

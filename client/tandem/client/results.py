@@ -1,12 +1,12 @@
 """RequestOutput as generate_async returns it, with tensorrt_llm's GenerationResult API
 (tensorrt_llm/executor/result.py): awaitable, iterable (sync and async) when streaming,
 result() / aresult(), abort() and aborted()."""
+
 from __future__ import annotations
 
 import asyncio
 import collections
 import threading
-from typing import Optional
 
 from tandem.client.errors import RequestError
 from tandem.client.outputs import CompletionOutput, RequestOutputState
@@ -18,23 +18,28 @@ _END = object()
 class RequestOutput(RequestOutputState):
     def __init__(self, transport, request: llm_pb2.GenerateRequest, streaming: bool):
         params = request.sampling_params
-        super().__init__(request.request_id, request.prompt.text if request.prompt.HasField("text") else None,
-                         params.logprobs if params.HasField("logprobs") else None,
-                         params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
+        super().__init__(
+            request.request_id,
+            request.prompt.text if request.prompt.HasField("text") else None,
+            params.logprobs if params.HasField("logprobs") else None,
+            params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+        )
         self._transport = transport
         self.streaming = streaming
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition()
         try:
-            self._loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
-            self._event: Optional[asyncio.Event] = asyncio.Event()
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._event: asyncio.Event | None = asyncio.Event()
         except RuntimeError:
             self._loop, self._event = None, None
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._done = False
         self._aborted = False
         self._aborted_locally = False
-        self._cancel = transport.stream_to("Generate", request, self._push, lambda exc: self._push((_END, exc)))
+        self._cancel = transport.stream_to(
+            "Generate", request, self._push, lambda exc: self._push((_END, exc))
+        )
 
     # -- delivery (transport thread) --
     def _push(self, item) -> None:
@@ -49,7 +54,9 @@ class RequestOutput(RequestOutputState):
         if isinstance(item, tuple) and item and item[0] is _END:
             self._done = True
             exc = item[1]
-            if self._aborted_locally and (exc is None or isinstance(exc, (asyncio.CancelledError, RequestError))):
+            if self._aborted_locally and (
+                exc is None or isinstance(exc, (asyncio.CancelledError, RequestError))
+            ):
                 self._finish_cancelled()
             elif exc is not None and not isinstance(exc, asyncio.CancelledError):
                 self._error = exc
@@ -67,7 +74,7 @@ class RequestOutput(RequestOutputState):
             out.finish_reason = out.finish_reason or "cancelled"
         self.finished = True
 
-    def _next_sync(self, timeout: Optional[float] = None):
+    def _next_sync(self, timeout: float | None = None):
         with self._cv:
             if not self._cv.wait_for(lambda: self._items, timeout):
                 raise TimeoutError(f"request {self.request_id} produced nothing in {timeout} s")
@@ -101,7 +108,7 @@ class RequestOutput(RequestOutputState):
                 self._cancel()
             raise
 
-    async def __anext__(self) -> "RequestOutput":
+    async def __anext__(self) -> RequestOutput:
         """The next streamed state of this request; StopAsyncIteration once it has finished."""
         if self._done:
             if self._error is not None:
@@ -129,7 +136,7 @@ class RequestOutput(RequestOutputState):
                 self._cancel()
             raise
 
-    def __next__(self) -> "RequestOutput":
+    def __next__(self) -> RequestOutput:
         if self._done:
             if self._error is not None:
                 raise self._error
@@ -138,7 +145,7 @@ class RequestOutput(RequestOutputState):
             return self
         raise StopIteration
 
-    async def aresult(self) -> "RequestOutput":
+    async def aresult(self) -> RequestOutput:
         async for _ in self:
             pass
         return self
@@ -146,7 +153,7 @@ class RequestOutput(RequestOutputState):
     def __await__(self):
         return self.aresult().__await__()
 
-    def result(self, timeout: Optional[float] = None) -> "RequestOutput":
+    def result(self, timeout: float | None = None) -> RequestOutput:
         while not self._done:
             self._take(self._next_sync(timeout))
         if self._error is not None:
@@ -156,13 +163,16 @@ class RequestOutput(RequestOutputState):
     def abort(self) -> None:
         """Aborts the request on the server; the output then finishes with finish_reason 'cancelled'."""
         self._aborted = True
-        future = self._transport.submit(self._transport.unary("Abort", llm_pb2.AbortRequest(request_id=self.request_id)))
+        future = self._transport.submit(
+            self._transport.unary("Abort", llm_pb2.AbortRequest(request_id=self.request_id))
+        )
 
         def after_abort(f):
             # A request the server does not know (not registered yet, or finished) is cancelled locally.
             if f.cancelled() or f.exception() is not None or not f.result().aborted:
                 self._aborted_locally = True
                 self._cancel()
+
         future.add_done_callback(after_abort)
 
     def aborted(self) -> bool:

@@ -6,12 +6,13 @@ What a tandem server cannot receive (Python callables) is refused here, when the
 built; every other field travels, and the server refuses with UNIMPLEMENTED, naming the
 field, what it does not implement yet (see types.proto).
 """
+
 from __future__ import annotations
 
 import json as _json
 import os
 from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Union
+from typing import Any
 
 from tandem.v1 import types_pb2
 
@@ -19,11 +20,12 @@ from tandem.v1 import types_pb2
 @dataclass(slots=True, kw_only=True)
 class GuidedDecodingParams:
     """At most one guide. json: a schema as JSON text, a dict, or a pydantic model (class or instance)."""
-    json: Optional[Union[str, dict, Any]] = None
-    regex: Optional[str] = None
-    grammar: Optional[str] = None
+
+    json: str | dict | Any | None = None
+    regex: str | None = None
+    grammar: str | None = None
     json_object: bool = False
-    structural_tag: Optional[str] = None
+    structural_tag: str | None = None
 
     def _validate(self) -> None:
         num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
@@ -47,8 +49,15 @@ class GuidedDecodingParams:
         return types_pb2.GuidedDecodingParams()
 
 
-_REPEATED = {"bad", "bad_token_ids", "stop", "stop_token_ids", "embedding_bias", "beam_width_array",
-             "additional_model_outputs"}
+_REPEATED = {
+    "bad",
+    "bad_token_ids",
+    "stop",
+    "stop_token_ids",
+    "embedding_bias",
+    "beam_width_array",
+    "additional_model_outputs",
+}
 # Cannot travel to a server (Python objects); refused when set.
 _LOCAL_ONLY = {"logits_processor", "apply_batched_logits_processor"}
 
@@ -61,57 +70,58 @@ class SamplingParams:
     the client has no torch); logits_processor and apply_batched_logits_processor are
     refused (a callable cannot reach the server); return_prompt_token_ids is tandem's own.
     """
-    end_id: Optional[int] = None
-    pad_id: Optional[int] = None
+
+    end_id: int | None = None
+    pad_id: int | None = None
     max_tokens: int = 32
-    bad: Optional[Union[str, List[str]]] = None
-    bad_token_ids: Optional[List[int]] = None
-    stop: Optional[Union[str, List[str]]] = None
-    stop_token_ids: Optional[List[int]] = None
+    bad: str | list[str] | None = None
+    bad_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
 
-    embedding_bias: Optional[List[float]] = None
-    logits_processor: Optional[Any] = None
+    embedding_bias: list[float] | None = None
+    logits_processor: Any | None = None
     apply_batched_logits_processor: bool = False
 
     n: int = 1
-    best_of: Optional[int] = None
+    best_of: int | None = None
     use_beam_search: bool = False
 
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    top_p_min: Optional[float] = None
-    top_p_reset_ids: Optional[int] = None
-    top_p_decay: Optional[float] = None
-    seed: Optional[int] = None
-    temperature: Optional[float] = None
-    min_tokens: Optional[int] = None
-    beam_search_diversity_rate: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    length_penalty: Optional[float] = None
-    early_stopping: Optional[int] = None
-    no_repeat_ngram_size: Optional[int] = None
-    min_p: Optional[float] = None
-    beam_width_array: Optional[List[int]] = None
+    top_k: int | None = None
+    top_p: float | None = None
+    top_p_min: float | None = None
+    top_p_reset_ids: int | None = None
+    top_p_decay: float | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    min_tokens: int | None = None
+    beam_search_diversity_rate: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    length_penalty: float | None = None
+    early_stopping: int | None = None
+    no_repeat_ngram_size: int | None = None
+    min_p: float | None = None
+    beam_width_array: list[int] | None = None
 
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     return_context_logits: bool = False
     return_generation_logits: bool = False
     exclude_input_from_output: bool = True
     return_encoder_output: bool = False
     return_perf_metrics: bool = False
-    additional_model_outputs: Optional[List[str]] = None
+    additional_model_outputs: list[str] | None = None
 
-    lookahead_config: Optional[Any] = None
-    guided_decoding: Optional[GuidedDecodingParams] = None
+    lookahead_config: Any | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     ignore_eos: bool = False
     detokenize: bool = True
     add_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_prompt_token_ids: bool = True
@@ -122,12 +132,18 @@ class SamplingParams:
         self.best_of = self.best_of or self.n
         if self.embedding_bias is not None:
             bias = self.embedding_bias
-            self.embedding_bias = [float(v) for v in (bias.tolist() if hasattr(bias, "tolist") else bias)]
+            self.embedding_bias = [
+                float(v) for v in (bias.tolist() if hasattr(bias, "tolist") else bias)
+            ]
         if self.logits_processor is not None:
-            raise NotImplementedError("logits_processor: a Python callable cannot be sent to a tandem server")
+            raise NotImplementedError(
+                "logits_processor: a Python callable cannot be sent to a tandem server"
+            )
         if self.apply_batched_logits_processor:
-            raise NotImplementedError("apply_batched_logits_processor: a tandem server runs no client-side "
-                                      "batched logits processor")
+            raise NotImplementedError(
+                "apply_batched_logits_processor: a tandem server runs no client-side "
+                "batched logits processor"
+            )
         self._validate()
 
     def _validate(self) -> None:
@@ -140,13 +156,20 @@ class SamplingParams:
             raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
         if self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
-        if self.best_of > 1 and self._greedy_decoding and not os.environ.get("TLLM_ALLOW_N_GREEDY_DECODING"):
+        if (
+            self.best_of > 1
+            and self._greedy_decoding
+            and not os.environ.get("TLLM_ALLOW_N_GREEDY_DECODING")
+        ):
             raise ValueError(
                 f"Greedy decoding in the LLM API does not allow multiple returns. Please set to best_of=1, "
                 f"got best_of={self.best_of}. Please set to best_of=1 or set an environment variable "
-                f"TLLM_ALLOW_N_GREEDY_DECODING=1 to allow best_of > 1 under the greedy decoding.")
+                f"TLLM_ALLOW_N_GREEDY_DECODING=1 to allow best_of > 1 under the greedy decoding."
+            )
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+            raise ValueError(
+                f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
+            )
         if self.guided_decoding is not None:
             self.guided_decoding._validate()
         # As in TensorRT-LLM, logprobs=True asks for the top-1 and False for none.
@@ -154,15 +177,21 @@ class SamplingParams:
         self.prompt_logprobs = _count(self.prompt_logprobs)
 
     @staticmethod
-    def params_imply_greedy_decoding(*, temperature: Optional[float], top_p: Optional[float],
-                                     top_k: Optional[int]) -> bool:
-        return (temperature is None and top_p is None and top_k is None) or top_k == 1 or top_p == 0.0 \
+    def params_imply_greedy_decoding(
+        *, temperature: float | None, top_p: float | None, top_k: int | None
+    ) -> bool:
+        return (
+            (temperature is None and top_p is None and top_k is None)
+            or top_k == 1
+            or top_p == 0.0
             or temperature == 0
+        )
 
     @property
     def _greedy_decoding(self) -> bool:
         return not self.use_beam_search and self.params_imply_greedy_decoding(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
 
     def to_proto(self) -> types_pb2.SamplingParams:
         msg = types_pb2.SamplingParams()
@@ -183,7 +212,7 @@ class SamplingParams:
         return msg
 
 
-def _count(value) -> Optional[int]:
+def _count(value) -> int | None:
     if value is None or value is False:
         return None
     return int(value)

@@ -4,11 +4,12 @@ It offers what TensorRT-LLM's tokenizer wrapper (tensorrt_llm/tokenizer/tokenize
 TransformersTokenizer) offers: encode/decode, special tokens and their ids, the vocabulary,
 convert_ids_to_tokens, batch_decode and apply_chat_template with the model's template.
 """
+
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Optional, Union
+from typing import Any
 
 from tandem.client.chat_template import render_chat_template
 from tandem.v1 import llm_pb2, types_pb2
@@ -24,10 +25,13 @@ class RemoteTokenizer:
         self._llm = llm
         self.files: dict[str, bytes] = dict(files.files)
         self.eos_token_ids: list[int] = list(files.eos_token_ids)
-        self.bos_token_id: Optional[int] = files.bos_token_id if files.HasField("bos_token_id") else None
+        self.bos_token_id: int | None = (
+            files.bos_token_id if files.HasField("bos_token_id") else None
+        )
         self._local = None
         try:
             from tokenizers import Tokenizer
+
             if "tokenizer.json" in self.files:
                 self._local = Tokenizer.from_str(self.files["tokenizer.json"].decode())
                 # As on the server: no fixed-length padding or silent truncation from tokenizer.json.
@@ -74,13 +78,13 @@ class RemoteTokenizer:
     def __len__(self) -> int:
         return len(self.get_vocab())
 
-    def convert_ids_to_tokens(self, ids: Union[int, list[int]], skip_special_tokens: bool = False):
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):
         if isinstance(ids, int):
             return self._id_to_token.get(ids)
         special = set(self.all_special_ids) if skip_special_tokens else set()
         return [self._id_to_token.get(i) for i in ids if i not in special]
 
-    def convert_tokens_to_ids(self, tokens: Union[str, list[str]]):
+    def convert_tokens_to_ids(self, tokens: str | list[str]):
         vocab = self.get_vocab()
         unk = self.unk_token_id
         if isinstance(tokens, str):
@@ -88,7 +92,7 @@ class RemoteTokenizer:
         return [vocab.get(t, unk) for t in tokens]
 
     # -- special tokens --
-    def _special_token(self, name: str) -> Optional[str]:
+    def _special_token(self, name: str) -> str | None:
         token = self.config.get(name) or self._json("special_tokens_map.json").get(name)
         return token.get("content") if isinstance(token, dict) else token
 
@@ -98,15 +102,15 @@ class RemoteTokenizer:
     pad_token = property(lambda self: self._special_token("pad_token"))
 
     @property
-    def eos_token_id(self) -> Optional[int]:
+    def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
-    def pad_token_id(self) -> Optional[int]:
+    def pad_token_id(self) -> int | None:
         return self.get_vocab().get(self.pad_token) if self.pad_token else None
 
     @property
-    def unk_token_id(self) -> Optional[int]:
+    def unk_token_id(self) -> int | None:
         return self.get_vocab().get(self.unk_token) if self.unk_token else None
 
     @property
@@ -116,7 +120,9 @@ class RemoteTokenizer:
     @property
     def all_special_tokens(self) -> list[str]:
         named = list(self.special_tokens_map.values())
-        return named + [t for t, spec in self._added.items() if spec.get("special") and t not in named]
+        return named + [
+            t for t, spec in self._added.items() if spec.get("special") and t not in named
+        ]
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -140,18 +146,24 @@ class RemoteTokenizer:
         if self._local is not None:
             return self._local.encode(text, add_special_tokens=add_special_tokens).ids
         params = types_pb2.SamplingParams(add_special_tokens=add_special_tokens)
-        out = self._llm._call("Preprocess", llm_pb2.PreprocessRequest(prompt=types_pb2.Prompt(text=text),
-                                                                      sampling_params=params))
+        out = self._llm._call(
+            "Preprocess",
+            llm_pb2.PreprocessRequest(prompt=types_pb2.Prompt(text=text), sampling_params=params),
+        )
         return list(out.prompt_token_ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._local is not None:
             return self._local.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        out = self._llm._call("Detokenize", llm_pb2.DetokenizeRequest(token_ids=token_ids,
-                                                                      skip_special_tokens=skip_special_tokens))
+        out = self._llm._call(
+            "Detokenize",
+            llm_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens),
+        )
         return out.text
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    def batch_decode(
+        self, sequences: list[list[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
@@ -159,16 +171,20 @@ class RemoteTokenizer:
 
     # -- chat --
     @property
-    def chat_template(self) -> Optional[Union[str, dict[str, str]]]:
+    def chat_template(self) -> str | dict[str, str] | None:
         # Recent transformers save the template beside tokenizer_config.json rather than in it.
         if "chat_template.jinja" in self.files:
             return self.files["chat_template.jinja"].decode()
         template = self.config.get("chat_template")
-        if isinstance(template, list):  # transformers also writes named templates as [{name, template}]
+        if isinstance(
+            template, list
+        ):  # transformers also writes named templates as [{name, template}]
             return {t["name"]: t["template"] for t in template}
         return template
 
-    def get_chat_template(self, chat_template: Optional[str] = None, tools: Optional[list[dict]] = None) -> str:
+    def get_chat_template(
+        self, chat_template: str | None = None, tools: list[dict] | None = None
+    ) -> str:
         """The template to render: the argument, else the model's (by name when it has several)."""
         templates = self.chat_template
         if isinstance(templates, dict):
@@ -177,25 +193,42 @@ class RemoteTokenizer:
             if chat_template is None:
                 name = "tool_use" if tools is not None and "tool_use" in templates else "default"
                 if name not in templates:
-                    raise ValueError(f"the model has several chat templates and none is named 'default': pass one "
-                                     f"of {sorted(templates)} as chat_template")
+                    raise ValueError(
+                        f"the model has several chat templates and none is named 'default': pass one "
+                        f"of {sorted(templates)} as chat_template"
+                    )
                 return templates[name]
         if chat_template is not None:
             return chat_template
         if not templates:
-            raise ValueError(f"the model {self.name_or_path!r} has no chat template: pass chat_template=")
+            raise ValueError(
+                f"the model {self.name_or_path!r} has no chat template: pass chat_template="
+            )
         return templates
 
-    def apply_chat_template(self, conversation, tools: Optional[list[dict]] = None,
-                            documents: Optional[list[dict]] = None, chat_template: Optional[str] = None,
-                            add_generation_prompt: bool = False, continue_final_message: Union[bool, str] = False,
-                            tokenize: bool = False, return_dict: bool = False, **kwargs: Any):
+    def apply_chat_template(
+        self,
+        conversation,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = False,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ):
         """Renders the conversation with the model's chat template as transformers does; token ids
         (encoded without adding special tokens, as transformers does) when tokenize=True."""
         rendered = render_chat_template(
-            self.get_chat_template(chat_template, tools), conversation, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, documents=documents,
-            **{**self.special_tokens_map, **kwargs})
+            self.get_chat_template(chat_template, tools),
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            **{**self.special_tokens_map, **kwargs},
+        )
         if not tokenize:
             return rendered
         texts = rendered if isinstance(rendered, list) else [rendered]

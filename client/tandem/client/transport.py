@@ -1,12 +1,14 @@
 """The client's gRPC side: one background event loop thread owns the grpc.aio channel,
 so the sync API (LLM) and the async API (AsyncLLM) share one implementation and an
 AsyncLLM can be used from any event loop."""
+
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -30,13 +32,21 @@ _CHANNEL_OPTIONS = [
 
 
 class Transport:
-    def __init__(self, target: str, auth_token: Optional[str] = None, credentials: Optional[grpc.ChannelCredentials] = None,
-                 cluster_token: Optional[str] = None, server_name: Optional[str] = None):
+    def __init__(
+        self,
+        target: str,
+        auth_token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        cluster_token: str | None = None,
+        server_name: str | None = None,
+    ):
         self.target = target
         self.metadata = call_metadata(auth_token, cluster_token)
         self._server_name = server_name
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tandem-client", daemon=True
+        )
         self._thread.start()
         self._credentials = credentials
         self._closed = False
@@ -56,10 +66,12 @@ class Transport:
         if self._closed:
             coro.close()
             # tensorrt_llm's generate_async says the same after shutdown().
-            raise RuntimeError(f"LLM is shutting down: this client of {self.target} was closed (shutdown() or close())")
+            raise RuntimeError(
+                f"LLM is shutting down: this client of {self.target} was closed (shutdown() or close())"
+            )
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def run_sync(self, coro: Awaitable, timeout: Optional[float] = None) -> Any:
+    def run_sync(self, coro: Awaitable, timeout: float | None = None) -> Any:
         if _in_loop_thread(self._loop):
             raise RuntimeError("a blocking tandem call was made from the client's own loop thread")
         return self.submit(coro).result(timeout)
@@ -67,15 +79,23 @@ class Transport:
     async def run_async(self, coro: Awaitable) -> Any:
         return await asyncio.wrap_future(self.submit(coro))
 
-    async def unary(self, method: str, request, timeout: Optional[float] = None):
+    async def unary(self, method: str, request, timeout: float | None = None):
         """Calls a unary RPC; a coroutine to run on the transport loop (the call must be made there).
         A refused call raises RequestError (tandem.client.errors) with its status."""
         try:
-            return await getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
+            return await getattr(self.stub, method)(
+                request, metadata=self.metadata, timeout=timeout
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def stream_to(self, method: str, request, on_item: Callable[[Any], None], on_done: Callable[[Optional[BaseException]], None]):
+    def stream_to(
+        self,
+        method: str,
+        request,
+        on_item: Callable[[Any], None],
+        on_done: Callable[[BaseException | None], None],
+    ):
         """Starts a server-streaming call on the transport loop; returns a cancel function."""
         call_holder: dict = {}
 
@@ -100,8 +120,10 @@ class Transport:
                 call = call_holder.get("call")
                 if call is not None:
                     call.cancel()
+
             self._loop.call_soon_threadsafe(_cancel)
             future.cancel()
+
         return cancel
 
     def close(self) -> None:
@@ -128,9 +150,11 @@ async def iterate_stream(transport: Transport, method: str, request) -> AsyncIte
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
     cancel = transport.stream_to(
-        method, request,
+        method,
+        request,
         on_item=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-        on_done=lambda exc: loop.call_soon_threadsafe(queue.put_nowait, (done, exc)))
+        on_done=lambda exc: loop.call_soon_threadsafe(queue.put_nowait, (done, exc)),
+    )
     try:
         while True:
             item = await queue.get()
