@@ -4,6 +4,7 @@ get_stats, /metrics) and warns once per peer when pulls within its host run unde
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -15,7 +16,13 @@ from test_disagg import worker_state
 from test_metrics import scrape, value
 
 from tandem.client import LLM, SamplingParams
-from tandem.decode.pull_links import DEFAULT_DEVICE_FLOOR_GBPS, JUDGED_AFTER, PullFloor, PullLinks
+from tandem.decode.pull_links import (
+    DEFAULT_DEVICE_FLOOR_GBPS,
+    JUDGED_AFTER,
+    MAX_LINKS,
+    PullFloor,
+    PullLinks,
+)
 from tandem.kvtransfer.ucx_env import CUDA_IPC_GET_ZCOPY
 from tandem.testing.cluster import LocalCluster
 
@@ -47,6 +54,8 @@ def test_device_pools_get_the_cuda_ipc_get_path_unless_the_operator_chose(operat
         import os
         from tandem.kvtransfer.ucx_env import apply_defaults
         applied = apply_defaults("VRAM")
+        again = apply_defaults("VRAM")  # a second transceiver (the pool released and resumed)
+        assert again == {{}}, again
         print(",".join(f"{{k}}={{v}}" for k, v in applied.items()) or "-", os.environ.get({CUDA_IPC_GET_ZCOPY!r}))
     """,
         operator_value,
@@ -92,16 +101,88 @@ def test_a_device_transceiver_turns_the_cuda_ipc_get_path_on(operator_value, exp
     assert "unused environment variable" not in result.stderr
 
 
+def test_the_setting_is_applied_before_nixl_creates_the_agent(monkeypatch):
+    """UCX reads its environment when NIXL creates the agent's context: the order is the point."""
+    import torch
+
+    from tandem.kvtransfer import transceiver as transceiver_module
+
+    calls = []
+    real_apply, real_agent = transceiver_module.apply_ucx_defaults, transceiver_module.nixl_agent
+    monkeypatch.setattr(
+        transceiver_module,
+        "apply_ucx_defaults",
+        lambda memory_type: calls.append(f"apply {memory_type}") or real_apply(memory_type),
+    )
+    monkeypatch.setattr(
+        transceiver_module,
+        "nixl_agent",
+        lambda *args, **kwargs: calls.append("agent") or real_agent(*args, **kwargs),
+    )
+    with transceiver_module.KvTransceiver(
+        "order", torch.zeros(4, 2, 2, 8, 2, 16), "hash", progress_thread=False
+    ):
+        pass
+    assert calls == ["apply DRAM", "agent"]
+
+
+def test_a_prefill_under_a_new_agent_starts_a_new_link_and_old_links_go():
+    forgotten = []
+    links = PullLinks(PullFloor(), on_forget=forgotten.append)
+    for _ in range(JUDGED_AFTER):
+        links.observe("10.0.0.1:50052", "agent-1", True, True, 128 * MIB, 0.25)
+    links.observe("10.0.0.1:50052", "agent-2", True, True, 128 * MIB, 0.0015)  # restarted there
+    (link,) = links.links()
+    assert (link.agent, link.num_pulls, link.num_judged, link.num_below_floor) == (
+        "agent-2",
+        1,
+        1,
+        0,
+    )
+    for i in range(MAX_LINKS):
+        links.observe(f"10.0.1.{i}:50052", "agent", False, True, MIB, 0.01)
+    assert len(links.links()) == MAX_LINKS and forgotten == ["10.0.0.1:50052"]
+    links.observe("10.0.1.0:50052", "agent", False, True, MIB, 0.01)  # pulled again: kept
+    links.observe("10.0.2.0:50052", "agent", False, True, MIB, 0.01)
+    assert forgotten == ["10.0.0.1:50052", "10.0.1.1:50052"]
+
+
+def test_transceiver_state_reads_version_2_and_bounds_the_host_id():
+    from tandem.kvtransfer import TransceiverState
+    from tandem.kvtransfer.state import _LENGTH, _PREFIX, MAGIC
+
+    state = TransceiverState("a", b"meta", 4096, 64, 8, "DRAM", 0, "hash", host_id="boot-1")
+    assert TransceiverState.from_bytes(state.to_bytes()) == state
+    header = json.dumps(
+        {
+            "agent_name": "a",
+            "base_address": 4096,
+            "block_nbytes": 64,
+            "num_blocks": 8,
+            "memory_type": "DRAM",
+            "device_id": 0,
+            "layout_hash": "hash",
+            "rank_pools": [[4096, 0]],
+        }
+    ).encode()
+    v2 = _PREFIX.pack(MAGIC, 2, len(header)) + header + _LENGTH.pack(4) + b"meta"
+    old = TransceiverState.from_bytes(v2)
+    assert old.host_id == "" and not old.same_host(state) and not state.same_host(old)
+    for bad in ("x" * 254, "boot\n1", "boöt"):
+        with pytest.raises(ValueError, match="host_id"):
+            TransceiverState("a", b"meta", 4096, 64, 8, "DRAM", 0, "hash", host_id=bad)
+
+
 def test_a_lane_whose_every_pull_is_slow_warns_once(caplog):
     observed = []
     links = PullLinks(PullFloor(), on_pull=lambda peer, b, s: observed.append((peer, b)))
     caplog.set_level(logging.WARNING, "tandem.decode.pull_links")
     # Device pools on one host: 128 MiB in 250 ms is 0.54 GB/s, a TCP lane; judged after JUDGED_AFTER pulls.
     for _ in range(JUDGED_AFTER - 1):
-        links.observe("10.0.0.1:50052", True, True, 128 * MIB, 0.25)
+        links.observe("10.0.0.1:50052", "agent-1", True, True, 128 * MIB, 0.25)
     assert not caplog.records
     for _ in range(3):
-        links.observe("10.0.0.1:50052", True, True, 128 * MIB, 0.25)
+        links.observe("10.0.0.1:50052", "agent-1", True, True, 128 * MIB, 0.25)
     # Too small to say, another host, host-memory pools (no default floor): never judged.
     for peer, same_host, device_pools, nbytes in (
         ("10.0.0.3:50052", True, True, 1 * MIB),
@@ -109,8 +190,10 @@ def test_a_lane_whose_every_pull_is_slow_warns_once(caplog):
         ("10.0.0.5:50052", True, False, 128 * MIB),
     ):
         for _ in range(2 * JUDGED_AFTER):
-            links.observe(peer, same_host, device_pools, nbytes, 0.25)
-    links.observe("10.0.0.6:50052", True, True, 0, 0.0)  # an empty pull moves nothing: not a link
+            links.observe(peer, "agent", same_host, device_pools, nbytes, 0.25)
+    links.observe(
+        "10.0.0.6:50052", "agent", True, True, 0, 0.0
+    )  # an empty pull moves nothing: not a link
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert (
@@ -140,9 +223,9 @@ def test_a_healthy_lane_slowed_by_load_does_not_warn(caplog):
     shows the lane is not a TCP one."""
     links = PullLinks(PullFloor())
     caplog.set_level(logging.WARNING, "tandem.decode.pull_links")
-    links.observe("10.0.0.2:50052", True, True, 128 * MIB, 0.0015)  # 89 GB/s
+    links.observe("10.0.0.2:50052", "agent", True, True, 128 * MIB, 0.0015)  # 89 GB/s
     for _ in range(4 * JUDGED_AFTER):
-        links.observe("10.0.0.2:50052", True, True, 16 * MIB, 0.02)  # 0.84 GB/s
+        links.observe("10.0.0.2:50052", "agent", True, True, 16 * MIB, 0.02)  # 0.84 GB/s
     link = links.links()[0]
     assert not caplog.records
     assert link.num_below_floor == 4 * JUDGED_AFTER and link.best_gbps > DEFAULT_DEVICE_FLOOR_GBPS

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import grpc
 
 from tandem.common.errors import PreconditionError
-from tandem.decode.peers import PeerCache
+from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.messages import AddRequest, RemoteKvArrived
 from tandem.engine.sequence import Phase
@@ -109,9 +109,7 @@ class GenerationPhase:
 
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
-        if (
-            request.finish_if_first_tokens_end()
-        ):  # nothing to generate: the prefill may free the KV now
+        if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
             self._release_remote(handoff)
             return
         request.tasks.append(asyncio.create_task(self._run(request, handoff)))
@@ -163,9 +161,9 @@ class GenerationPhase:
             self.links.observe(
                 handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, read.seconds
             )
-            if not await self.peers.confirm_lease(handoff, pulled=True):
-                self.num_unconfirmed_handoffs += 1
-                self._recompute(request, handoff)
+            answer = await self.peers.confirm_lease(handoff, pulled=True)
+            if answer is not LeaseAnswer.CONFIRMED:
+                self._recompute(request, handoff, answer)
                 return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
@@ -199,16 +197,27 @@ class GenerationPhase:
             core.abort(rid)
             request.fail(exc)
 
-    @staticmethod
-    def _recompute(request, handoff: worker_pb2.KvHandoff) -> None:
-        """The lease had ended before we confirmed it: drop what the READ brought (the abort frees
-        the reserved blocks uncached) and compute the prompt here."""
-        log.warning(
-            "lease %d on %s had ended before the KV read from it was confirmed (a replayed or stale handoff):"
-            " computing the prompt here instead",
-            handoff.ctx_request_id,
-            handoff.ctx_endpoint,
-        )
+    def _recompute(self, request, handoff: worker_pb2.KvHandoff, answer: LeaseAnswer) -> None:
+        """The READ landed but its lease was not confirmed: drop what it brought (the abort frees
+        the reserved blocks uncached) and compute the prompt here. A lease that had ended was a
+        replayed or stale handoff; one whose prefill did not answer may still be live: end it."""
+        if answer is LeaseAnswer.ENDED:
+            self.num_unconfirmed_handoffs += 1
+            log.warning(
+                "lease %d on %s had ended before the KV read from it was confirmed (a replayed or "
+                "stale handoff): computing the prompt here instead",
+                handoff.ctx_request_id,
+                handoff.ctx_endpoint,
+            )
+        else:
+            self.num_recomputed += 1
+            log.warning(
+                "lease %d on %s could not be confirmed (its prefill did not answer): computing the "
+                "prompt here instead",
+                handoff.ctx_request_id,
+                handoff.ctx_endpoint,
+            )
+            self._release_remote(handoff)
         request.core.abort(request.only_sequence.engine_id)
         request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
 
@@ -216,6 +225,6 @@ class GenerationPhase:
         """Tells the prefill to free the handoff's blocks without reading them (best effort: the
         lease expires anyway). Detached from the request, which may finish, and cancel its
         tasks, before the prefill answers."""
-        task = asyncio.ensure_future(self.peers.confirm_lease(handoff, pulled=False))
+        task = asyncio.ensure_future(self.peers.end_lease(handoff))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)

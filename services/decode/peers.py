@@ -9,6 +9,7 @@ Endpoints come only from handoffs whose signature verified: a client cannot make
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 
 import grpc
@@ -20,6 +21,18 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 log = logging.getLogger("tandem.decode.peers")
 
 CONFIRM_TIMEOUT_S = 5.0
+# A lease the decode ends without reading it (ConfirmLease(pulled=false)) is tried this many
+# times while its prefill does not answer, backing off: the router relies on the decode to end it.
+END_LEASE_ATTEMPTS = 3
+END_LEASE_BACKOFF_S = 0.5
+
+
+class LeaseAnswer(enum.Enum):
+    """What ConfirmLease said of a handoff's lease."""
+
+    CONFIRMED = "confirmed"  # live until now, ended by this call: the KV read is the handoff's
+    ENDED = "ended"  # it had ended already (a replayed or stale handoff)
+    UNREACHABLE = "unreachable"  # no answer (an error status): the lease may still be live
 
 
 class PeerCache:
@@ -27,8 +40,9 @@ class PeerCache:
         self.poller = poller
         self.credentials = credentials
         self._agents: dict[str, str] = {}  # prefill endpoint -> its agent's name
-        # prefill endpoint -> (within this host, device pools on both sides): the pull's lane.
-        self._lanes: dict[str, tuple[bool, bool]] = {}
+        # prefill endpoint -> (agent name, within this host, device pools on both sides): the
+        # pull's lane, a new one when the prefill comes back under a new agent.
+        self._lanes: dict[str, tuple[str, bool, bool]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_stubs: dict[str, tuple] = {}
         self._lock = asyncio.Lock()
@@ -59,19 +73,20 @@ class PeerCache:
                 )
                 local = self.poller.transceiver.local_state
                 self._lanes[endpoint] = (
+                    state.agent_name,
                     state.same_host(local),
                     state.memory_type == local.memory_type == "VRAM",
                 )
                 self._agents[endpoint] = state.agent_name
         return self._agents[endpoint]
 
-    def lane(self, endpoint: str) -> tuple[bool, bool]:
-        """(within this host, device pools on both sides) of a prefill agent_for() has loaded."""
+    def lane(self, endpoint: str) -> tuple[str, bool, bool]:
+        """(agent name, within this host, device pools on both sides) of a prefill agent_for()
+        has loaded."""
         return self._lanes[endpoint]
 
-    async def confirm_lease(self, handoff: worker_pb2.KvHandoff, pulled: bool) -> bool:
-        """Ends the handoff's lease on its prefill; whether it was still live (see Worker/ConfirmLease).
-        A prefill that cannot answer confirms nothing."""
+    async def confirm_lease(self, handoff: worker_pb2.KvHandoff, pulled: bool) -> LeaseAnswer:
+        """Ends the handoff's lease on its prefill (see Worker/ConfirmLease), once."""
         try:
             _, worker = self._stubs(handoff.ctx_endpoint)
             reply = await worker.ConfirmLease(
@@ -88,8 +103,23 @@ class PeerCache:
                 exc.code().name,
                 exc.details(),
             )
-            return False
-        return reply.confirmed
+            return LeaseAnswer.UNREACHABLE
+        return LeaseAnswer.CONFIRMED if reply.confirmed else LeaseAnswer.ENDED
+
+    async def end_lease(self, handoff: worker_pb2.KvHandoff) -> None:
+        """Ends the handoff's lease without reading it, trying again while its prefill does not
+        answer (after the last try the lease ends by expiring, or died with its prefill)."""
+        for attempt in range(END_LEASE_ATTEMPTS):
+            if await self.confirm_lease(handoff, pulled=False) is not LeaseAnswer.UNREACHABLE:
+                return
+            if attempt + 1 < END_LEASE_ATTEMPTS:
+                await asyncio.sleep(END_LEASE_BACKOFF_S * 2**attempt)
+        log.warning(
+            "could not end lease %d on %s (no answer after %d tries); it ends when it expires",
+            handoff.ctx_request_id,
+            handoff.ctx_endpoint,
+            END_LEASE_ATTEMPTS,
+        )
 
     async def close(self) -> None:
         for channel in self._channels.values():

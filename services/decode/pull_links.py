@@ -32,6 +32,23 @@ DEFAULT_DEVICE_FLOOR_GBPS = 5.0
 DEFAULT_FLOOR_MIN_MIB = 8.0
 # Pulls of at least min_mib a lane is judged on: all of them under the floor, it warns.
 JUDGED_AFTER = 8
+# Prefills a decode keeps links (and metric series) for; the one pulled from longest ago goes
+# first (pods come back at new addresses).
+MAX_LINKS = 64
+# What a link reports (WorkerState.kv_pull_links, get_stats' kvPullStats): KvPullLink's fields.
+REPORTED = (
+    "peer",
+    "same_host",
+    "device_pools",
+    "num_pulls",
+    "num_bytes",
+    "seconds",
+    "last_gbps",
+    "mean_gbps",
+    "num_judged",
+    "best_gbps",
+    "num_below_floor",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +77,10 @@ class PullFloor:
 
 @dataclasses.dataclass
 class PeerLink:
-    """The pulls from one prefill worker (by its gRPC endpoint)."""
+    """The pulls from one prefill worker (by its gRPC endpoint) since it came under its agent."""
 
     peer: str
+    agent: str
     same_host: bool
     device_pools: bool
     num_pulls: int = 0
@@ -79,27 +97,44 @@ class PeerLink:
     def mean_gbps(self) -> float:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def report(self) -> dict:
+        return {name: getattr(self, name) for name in REPORTED}
+
 
 class PullLinks:
     def __init__(
-        self, floor: PullFloor, on_pull: Callable[[str, int, float], None] = lambda peer, b, s: None
+        self,
+        floor: PullFloor,
+        on_pull: Callable[[str, int, float], None] = lambda peer, b, s: None,
+        on_forget: Callable[[str], None] = lambda peer: None,
     ):
-        """on_pull(peer, bytes, seconds): each pull that moved bytes (the worker's metrics)."""
+        """on_pull(peer, bytes, seconds): each pull that moved bytes; on_forget(peer): a link
+        dropped (MAX_LINKS): the worker's metrics."""
         self.floor = floor
         self.on_pull = on_pull
-        self._links: dict[str, PeerLink] = {}
+        self.on_forget = on_forget
+        self._links: dict[str, PeerLink] = {}  # least recently pulled from first
 
     def observe(
-        self, peer: str, same_host: bool, device_pools: bool, num_bytes: int, seconds: float
+        self,
+        peer: str,
+        agent: str,
+        same_host: bool,
+        device_pools: bool,
+        num_bytes: int,
+        seconds: float,
     ) -> None:
-        """One pull that landed: num_bytes in seconds of READ."""
+        """One pull that landed from peer's agent: num_bytes in seconds of READ."""
         if num_bytes <= 0 or seconds <= 0:
             return
-        link = self._links.get(peer)
-        if link is None or (link.same_host, link.device_pools) != (same_host, device_pools):
-            link = self._links[peer] = PeerLink(
-                peer, same_host, device_pools
-            )  # a new process at the address
+        link = self._links.pop(peer, None)
+        if link is None or link.agent != agent:  # a new process (or pool) at the address
+            link = PeerLink(peer, agent, same_host, device_pools)
+        self._links[peer] = link
+        if len(self._links) > MAX_LINKS:
+            forgotten = next(iter(self._links))
+            del self._links[forgotten]
+            self.on_forget(forgotten)
         gbps = num_bytes / seconds / 1e9
         link.num_pulls += 1
         link.num_bytes += num_bytes

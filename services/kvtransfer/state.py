@@ -20,8 +20,12 @@ from pathlib import Path
 
 MAGIC = b"TKVS"
 # 2: rank_pools, every tensor-parallel rank's pool (one agent registers them all).
-# 3: host_id, so that a reader knows a pull that stays within one host.
+# 3: host_id, so that a reader knows a pull that stays within one host. A version-2 state (a
+# peer not upgraded yet) still reads, with no host id: a rolling upgrade keeps its pulls.
 FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+# A host id is a boot id (36 characters) or a host name (at most 253).
+MAX_HOST_ID_CHARS = 253
 MEMORY_TYPES = ("DRAM", "VRAM")
 
 _PREFIX = struct.Struct("!4sHI")
@@ -38,6 +42,9 @@ _HEADER_FIELDS = {
     "rank_pools": list,
     "host_id": str,
 }
+
+
+_V2_HEADER_FIELDS = {name: kind for name, kind in _HEADER_FIELDS.items() if name != "host_id"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,13 @@ class TransceiverState:
             )
         if self.device_id < 0:
             raise ValueError(f"device_id must be >= 0, got {self.device_id}")
+        if len(self.host_id) > MAX_HOST_ID_CHARS or not (
+            self.host_id.isascii() and self.host_id.isprintable()
+        ):
+            raise ValueError(
+                f"host_id must be at most {MAX_HOST_ID_CHARS} printable ASCII characters, got "
+                f"{self.host_id[:40]!r}"
+            )
 
     @property
     def tp_size(self) -> int:
@@ -116,9 +130,10 @@ class TransceiverState:
         magic, version, header_len = _PREFIX.unpack_from(data, 0)
         if magic != MAGIC:
             raise ValueError(f"not a transceiver state: bad magic {magic!r}")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"transceiver state format version {version} is not supported (expected {FORMAT_VERSION})"
+                f"transceiver state format version {version} is not supported (expected one of "
+                f"{READABLE_VERSIONS})"
             )
         offset = _PREFIX.size
         header_bytes = data[offset : offset + header_len]
@@ -136,11 +151,12 @@ class TransceiverState:
             header = json.loads(header_bytes)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"transceiver state header is not valid JSON: {exc}") from None
-        if not isinstance(header, dict) or set(header) != set(_HEADER_FIELDS):
+        fields = _HEADER_FIELDS if version == FORMAT_VERSION else _V2_HEADER_FIELDS
+        if not isinstance(header, dict) or set(header) != set(fields):
             raise ValueError(
-                f"transceiver state header must have exactly the keys {sorted(_HEADER_FIELDS)}"
+                f"transceiver state version {version} header must have exactly the keys {sorted(fields)}"
             )
-        for name, kind in _HEADER_FIELDS.items():
+        for name, kind in fields.items():
             # bool is an int subclass in Python; a JSON true is never a valid count.
             if not isinstance(header[name], kind) or isinstance(header[name], bool):
                 raise ValueError(f"transceiver state field {name!r} must be {kind.__name__}")

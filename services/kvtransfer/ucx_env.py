@@ -20,6 +20,8 @@ log = logging.getLogger("tandem.kvtransfer.ucx")
 CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 # What tandem sets for device pools, unless the operator set the variable.
 DEVICE_POOL_DEFAULTS = {CUDA_IPC_GET_ZCOPY: "y"}
+# What this process set (a second transceiver, after a released and resumed pool, finds it set).
+_applied: dict[str, str] = {}
 
 
 def apply_defaults(memory_type: str) -> dict[str, str]:
@@ -30,12 +32,14 @@ def apply_defaults(memory_type: str) -> dict[str, str]:
         return {}
     applied = {}
     for name, value in DEVICE_POOL_DEFAULTS.items():
+        if name in _applied and _applied[name] == os.environ.get(name):
+            continue  # ours, from an earlier transceiver of this process
         if name in os.environ:
             log.info(
                 "%s=%s (set by the operator; tandem's default is %s)", name, os.environ[name], value
             )
             continue
-        os.environ[name] = applied[name] = value
+        os.environ[name] = applied[name] = _applied[name] = value
     if applied:
         log.info(
             "KV transfer within a host over CUDA IPC: %s (set the variable to override, e.g. =auto for UCX's "

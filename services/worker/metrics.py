@@ -145,6 +145,15 @@ class WorkerMetrics(ProcessMetrics):
         self.kv_pull_seconds.labels(*labels).observe(seconds)
         self.kv_pull_bytes.labels(*labels).inc(num_bytes)
 
+    def forget_peer(self, peer: str) -> None:
+        """The decode no longer keeps peer's link: its series go too."""
+        labels = (*self.labels, peer)
+        for family in (self.kv_pull_seconds, self.kv_pull_bytes):
+            try:
+                family.remove(*labels)
+            except KeyError:
+                pass
+
 
 class _WorkerCollector(Collector):
     """Gauges and counters the worker already keeps, read at scrape time (the HTTP thread)."""

@@ -77,7 +77,9 @@ class WorkerRuntime:
         self.poller: TransferPoller | None = None
         self._peers: PeerCache | None = None
         # A decode's pull rate per prefill; it outlives a released and resumed pool.
-        self.pull_links = PullLinks(config.kv_pull_floor, on_pull=metrics.observe_peer_pull)
+        self.pull_links = PullLinks(
+            config.kv_pull_floor, on_pull=metrics.observe_peer_pull, on_forget=metrics.forget_peer
+        )
         self._transceiver_generation = 0
         self._num_bytes_received = 0
         self._num_unconfirmed_handoffs = 0
@@ -386,44 +388,27 @@ class WorkerRuntime:
             num_unconfirmed_handoffs=self._num_unconfirmed_handoffs
             + (generation.num_unconfirmed_handoffs if generation else 0),
             kv_pull_links=[
-                worker_pb2.KvPullLink(
-                    peer=link.peer,
-                    same_host=link.same_host,
-                    device_pools=link.device_pools,
-                    num_pulls=link.num_pulls,
-                    num_bytes=link.num_bytes,
-                    seconds=link.seconds,
-                    last_gbps=link.last_gbps,
-                    mean_gbps=link.mean_gbps,
-                    num_below_floor=link.num_below_floor,
-                    best_gbps=link.best_gbps,
-                    num_judged=link.num_judged,
-                )
-                for link in self.pull_links.links()
+                worker_pb2.KvPullLink(**link.report()) for link in self.pull_links.links()
             ],
         )
 
     async def drain_stats(self, timeout: float | None) -> list[dict]:
-        """Iteration stats since the last call, waiting up to timeout seconds for the first."""
-        records = await self.core.iteration_stats.drain(timeout)
-        # A decode's pulls per prefill so far (cumulative, as kvCacheStats' counters are).
-        pulls = {
-            link.peer: {
-                "numPulls": link.num_pulls,
-                "numBytes": link.num_bytes,
-                "seconds": link.seconds,
-                "lastGBps": link.last_gbps,
-                "meanGBps": link.mean_gbps,
-                "sameHost": link.same_host,
-                "devicePools": link.device_pools,
-                "numBelowFloor": link.num_below_floor,
-                "bestGBps": link.best_gbps,
-                "numJudged": link.num_judged,
+        """Iteration stats since the last call, waiting up to timeout seconds for the first. A
+        decode's last record also carries its pulls per prefill so far (kvPullStats, cumulative:
+        KvPullLink's fields, named as its JSON names them)."""
+        records = [
+            dict(s, worker_id=self.worker_id)
+            for s in await self.core.iteration_stats.drain(timeout)
+        ]
+        links = self.pull_links.links()
+        if records and links:
+            records[-1]["kvPullStats"] = {
+                link.peer: {
+                    _camel(name): value for name, value in link.report().items() if name != "peer"
+                }
+                for link in links
             }
-            for link in self.pull_links.links()
-        }
-        extra = {"kvPullStats": pulls} if pulls else {}
-        return [dict(s, worker_id=self.worker_id, **extra) for s in records]
+        return records
 
     async def drain_kv_events(self, timeout: float | None) -> list[dict]:
         return [dict(e, worker_id=self.worker_id) for e in await self.core.kv_events.drain(timeout)]
@@ -448,3 +433,8 @@ class WorkerRuntime:
     def transceiver_state(self) -> bytes:
         # An aggregated worker has no transceiver; the seed returns empty bytes then.
         return self.transceiver.get_state() if self.transceiver is not None else b""
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
