@@ -233,36 +233,39 @@ def test_full_router_refuses_with_a_retry_hint_and_deadlines_reach_the_workers(c
 
 
 def test_route_gives_worker_calls_what_is_left_of_the_deadline():
-    """The worker's Generate carries the client's remaining time (a recording stub in place of
-    a worker's channel: the timeout is what is under test, not the worker)."""
+    """The request goes on the worker's session with the client's deadline, whose remaining time
+    the session writes in the submit (test_sessions: timeout_s); a recording session in place of
+    a worker's: the deadline is what is under test, not the worker."""
+    from tandem.router.inbox import ENDED, Inbox
     from tandem.router.metrics import RouterMetrics
     from tandem.router.route import Route
     from tandem.router.workers import WorkerPool
 
-    class Call:
-        def __init__(self, timeout):
-            self.timeout = timeout
+    deadlines = []
 
-        def __aiter__(self):
-            return self
+    class Session:
+        def submit(self, tag, request, client, split, deadline):
+            deadlines.append(deadline)
 
-        async def __anext__(self):
-            raise StopAsyncIteration
-
-        def cancel(self):
+        def detach(self, tag):
             pass
 
-    timeouts = []
+        def cut(self, tag, inbox):
+            pass
 
-    class Stub:
-        def Generate(self, request, metadata=(), timeout=None):
-            timeouts.append(timeout)
-            return Call(timeout)
+    class WorkerSession:
+        async def attach(self, timeout):
+            inbox = Inbox()
+            inbox.put(ENDED)
+            return Session(), 1, inbox
+
+        def close(self):
+            pass
 
     async def main():
         pool = WorkerPool(("127.0.0.1:1",), health_interval_s=1.0)
         worker = pool.workers[0]
-        worker.llm = Stub()
+        worker.session = WorkerSession()
         for deadline in (time.monotonic() + 30, None):
             route = Route(pool, "r", RouterMetrics(), deadline=deadline)
             async for _ in route.relay(worker, llm_pb2.GenerateRequest()):
@@ -270,4 +273,4 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
         await pool.close()
 
     asyncio.run(main())
-    assert 29 < timeouts[0] <= 30 and timeouts[1] is None
+    assert 29 < deadlines[0] - time.monotonic() <= 30 and deadlines[1] is None

@@ -16,6 +16,7 @@ import pytest
 from test_disagg import worker_state
 
 from tandem.client import LLM, SamplingParams
+from tandem.common.errors import RpcError
 from tandem.router import inbox as inboxes
 from tandem.router import sessions
 from tandem.testing.cluster import LocalCluster
@@ -278,8 +279,9 @@ def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(
     assert ended == {1, 3} and not failed
     last = outputs[1][-1]
     assert last.finished and last.outputs[0].finish_reason == types_pb2.FINISH_REASON_CANCELLED
-    # Entries of 2 written before the worker read the cancel can follow it; a few steps at most.
-    assert len(_tokens(outputs[2])) < actions["tokens of 2 at the cancel"] + 20 < 1900
+    # Entries of 2 written before the worker read the cancel can follow it: a few steps (a
+    # loaded 2-core machine has shown 20 and more), far from its 1900.
+    assert len(_tokens(outputs[2])) < actions["tokens of 2 at the cancel"] + 100 < 1900
     tokens = {0: [], 1: []}
     for out in outputs[3]:
         for comp in out.outputs:
@@ -426,8 +428,8 @@ def test_the_router_sends_its_requests_on_one_session(cluster, no_leaked_worker_
 
 def test_a_session_keeps_its_messages_under_the_workers_bound(model_dirs):
     """A worker whose --max-request-bytes is small: the router writes a burst of requests in as
-    many messages as fit under it, sends a request too large for any on a call of its own (which
-    gRPC refuses, as it would a client's), and the session carries on."""
+    many messages as fit under it, refuses a request larger than the worker takes
+    (RESOURCE_EXHAUSTED, as gRPC refuses such a call), and the session carries on."""
     bound = 2048  # ~1.4 KB a 700-token request: one a message
     with LocalCluster(
         roles=["both"],
@@ -497,12 +499,14 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
         requests = [_request(i) for i in range(6)]
         big = llm_pb2.GenerateRequest(request_id="big")
         big.prompt.token_ids.ids[:] = range(1000, 1700)
-        assert not session.submit(
-            session.attach()[0], big, "client", False, None
-        )  # a call of its own
+        big_tag = session.attach()[0]
+        with pytest.raises(RpcError, match="the worker takes at most 200") as too_large:
+            session.submit(big_tag, big, "client", False, None)
+        assert too_large.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        session.detach(big_tag)
         for tag, request in zip(tags, requests):
             deadline = time.monotonic() + 2.5 if tag == tags[1] else None
-            assert session.submit(tag, request, "client", tag == tags[0], deadline)
+            session.submit(tag, request, "client", tag == tags[0], deadline)
         session.cancel(tags[2])  # never sent: dropped, no cancel goes out
         await asyncio.sleep(0.01)
         session.cancel(tags[3])  # sent already: a cancel goes out
@@ -523,6 +527,48 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
     )
     assert submits[0].client == "client" and submits[2].request == requests[3]
     assert [t for m in written for t in m.cancels] == [tags[3]]
+
+
+def test_a_submit_too_large_to_share_a_message_goes_alone_within_the_workers_bound():
+    async def run():
+        gate = asyncio.Event()
+        call = _ScriptedCall([], gate)
+        session = sessions.OpenSession(call, "s", max_message_bytes=200, max_request_bytes=4096)
+        small, big, after = (session.attach()[0] for _ in range(3))
+        request = llm_pb2.GenerateRequest(request_id="big")
+        request.prompt.token_ids.ids[:] = range(1000, 1700)  # ~1.4 KB
+        session.submit(small, _request(1), "client", False, None)
+        session.submit(big, request, "client", False, None)
+        session.submit(after, _request(2), "client", False, None)
+        await asyncio.sleep(0.01)
+        session.close()
+        return call.written, (small, big, after)
+
+    written, tags = asyncio.run(run())
+    assert [[s.tag for s in m.submits] for m in written] == [[tags[0]], [tags[1]], [tags[2]]]
+    assert written[1].ByteSize() > 200 and written[1].submits[0].request.request_id == "big"
+
+
+def test_a_request_waits_for_room_on_a_full_session():
+    """The router never passes the session's bound (a refused submit would fail its request):
+    a request past it waits until one of the session's requests leaves."""
+
+    async def run():
+        gate = asyncio.Event()
+        session = sessions.OpenSession(_ScriptedCall([], gate), "s", max_requests=2)
+        first, _ = session.attach()
+        session.attach()
+        assert session.attach() is None
+        waiting = asyncio.create_task(session.wait_for_room())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        session.detach(first)
+        await asyncio.wait_for(waiting, 1)
+        third = session.attach()
+        session.close()
+        return third
+
+    assert asyncio.run(run()) is not None
 
 
 def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
@@ -763,10 +809,11 @@ class _Recorder:
         await asyncio.sleep(30)
 
 
-def test_a_full_session_refuses_submits_that_may_go_elsewhere_and_bounds_each_message(monkeypatch):
-    """Past the session's bound a submit is refused (nothing ran: SessionFailure.refused, which the
-    router reads as SessionRefused and sends on a call of its own); a message with more submits
-    than the bound ends the session before any of them is started."""
+def test_a_full_session_refuses_submits_and_bounds_each_message(monkeypatch):
+    """Past the session's bound a submit is refused (nothing ran: SessionFailure.refused, which a
+    caller may send again once a request ended; the router waits for that instead, see
+    test_a_request_waits_for_room_on_a_full_session); a message with more submits than the bound
+    ends the session before any of them is started."""
     from tandem.common.drain import InFlightCalls
     from tandem.worker import sessions as worker_sessions
 
@@ -809,7 +856,11 @@ def test_a_full_session_refuses_submits_that_may_go_elsewhere_and_bounds_each_me
         (4, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
         (5, True, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]),
     ]
-    assert inboxes.failure_error(failed[0]).__class__ is inboxes.SessionRefused
+    error = inboxes.failure_error(failed[0])
+    assert (
+        error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "wait for some to end" in error.details()
+    )
     assert (
         recorder.counted.count(grpc.StatusCode.CANCELLED) == 3
     )  # closing the session cancelled the three
@@ -836,7 +887,7 @@ def test_cancels_and_submits_waiting_together_still_fit_the_workers_bound():
         tag, _inbox = session.attach()
         big = _request(9)
         big.prompt.token_ids.ids[:] = range(200, 800)
-        assert session.submit(tag, big, "client", False, None)
+        session.submit(tag, big, "client", False, None)
         for _ in range(20):
             await asyncio.sleep(0)
         session.close()

@@ -44,18 +44,11 @@ class SessionBroken(grpc.aio.AioRpcError):
         )
 
 
-class SessionRefused(grpc.aio.AioRpcError):
-    """The worker refused a request before it started (its session ran its most requests):
-    nothing of it ran, and the router sends it again on a call of its own."""
-
-
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def failure_error(failure: worker_pb2.SessionFailure) -> grpc.aio.AioRpcError:
     code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
-    if failure.refused:
-        return SessionRefused(code, grpc.aio.Metadata(), grpc.aio.Metadata(), failure.details)
     return stream_failure(code, failure.details, failure.retry_pushback_ms)
 
 

@@ -12,11 +12,10 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.common.callers import CLIENT_METADATA, SPLIT_METADATA
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.common.streams import closing
-from tandem.router.inbox import SessionRefused, streamed_outputs
+from tandem.router.inbox import streamed_outputs
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
@@ -103,59 +102,33 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         try:
-            for attempt in range(2):
-                started = False
-                try:
-                    async with closing(
-                        self._relay_once(worker, request, split, attempt == 0)
-                    ) as messages:
-                        async for msg in messages:
-                            started = True
-                            if prefill_tokens:
-                                worker.queued_prefill_tokens -= prefill_tokens
-                                prefill_tokens = 0
-                            yield msg
-                    return
-                except SessionRefused:
-                    # The worker's session was full: nothing ran there; once more, on a call of its own.
-                    if attempt or started:
-                        raise
+            async with closing(self._relay_once(worker, request, split)) as messages:
+                async for msg in messages:
+                    if prefill_tokens:
+                        worker.queued_prefill_tokens -= prefill_tokens
+                        prefill_tokens = 0
+                    yield msg
         finally:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
 
     async def _relay_once(
-        self,
-        worker: WorkerHandle,
-        request: llm_pb2.GenerateRequest,
-        split: bool,
-        use_session: bool = True,
+        self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool
     ):
-        """The request's messages from worker: on the worker's session when it has one and the
-        request fits a session message (and use_session), else on a Generate call of its own."""
-        attached = await worker.session.attach(self.pool.health_timeout_s) if use_session else None
+        """The request's messages from worker, on the worker's session."""
+        session, tag, inbox = await worker.session.attach(self.pool.health_timeout_s)
         if self.cancelled:  # aborted while the session opened: nothing was sent
-            if attached is not None:
-                attached[0].detach(attached[1])
+            session.detach(tag)
             yield cancelled_output(request.request_id)
             return
-        if attached is not None:
-            session, tag, inbox = attached
-            if session.submit(tag, request, self.client, split, self.deadline):
-                self.cut = lambda: session.cut(tag, inbox)
-                messages = streamed_outputs(inbox)
-            else:
-                session.detach(tag)
-                attached = None
-        if attached is None:
-            metadata = ((CLIENT_METADATA, self.client),) + (
-                ((SPLIT_METADATA, "1"),) if split else ()
-            )
-            timeout = None if self.deadline is None else max(1e-3, self.deadline - time.monotonic())
-            call = worker.llm.Generate(request, metadata=metadata, timeout=timeout)
-            self.cut = call.cancel
-            messages = call
+        try:
+            session.submit(tag, request, self.client, split, self.deadline)
+        except BaseException:
+            session.detach(tag)
+            raise
+        self.cut = lambda: session.cut(tag, inbox)
+        messages = streamed_outputs(inbox)
         self._last_message_at = time.monotonic()
         watchdog = asyncio.create_task(self._watch(worker))
         # The worker ended the request (its last message, or an error status): nothing to stop there.
@@ -181,7 +154,7 @@ class Route:
                 # A request whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.
                 self.cut()
-            elif attached is not None:
+            else:
                 session.detach(tag)
             self.cut = None
 

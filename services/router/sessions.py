@@ -2,8 +2,9 @@
 worker carries every Generate the router runs there, in (SessionRequest: submits and cancels,
 batched while the stream is busy) and out (OutputBatch: their outputs, a batch per engine step,
 and each request's end or error status). Route.relay reads a request's outputs from the inbox
-(inbox.py) its tag names here; a request too large for a session message, or a worker without
-sessions, gets a Generate call of its own.
+(inbox.py) its tag names here. It is the one way the router's requests reach a worker: a request
+waits for a session that is full, goes alone in a message when it is too large to share one, and
+fails as its own call would (RESOURCE_EXHAUSTED) when it is larger than the worker takes.
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error
+from tandem.common.errors import RpcError
+from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error, stream_failure
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.sessions")
 
-# Seconds after a failed open before the next try (meanwhile requests get calls of their own),
-# and after a worker answered that it has no Session.
-RETRY_OPEN_S = 1.0
-RETRY_UNSUPPORTED_S = 60.0
-# Largest SessionRequest the router writes (and largest request it submits on a session),
-# within what the worker accepts: a bigger request gets a call of its own, whose cost is small
-# beside its prompt's.
+# Largest SessionRequest the router fills with several submits (within what the worker
+# accepts): a larger submit goes alone in a message, up to the worker's bound.
 MAX_MESSAGE_BYTES = 64 << 10
-# A submit's bytes in a SessionRequest beyond its own: the field's tag and length (< 64 KiB).
-_ENTRY_OVERHEAD = 4
+# A submit's bytes in a SessionRequest beyond its own: the field's tag and its length's varint.
+_ENTRY_OVERHEAD = 6
 # A cancel's most bytes in a SessionRequest (a packed 64-bit varint), and the packed field's header.
 _CANCEL_BYTES, _CANCELS_HEADER = 10, 4
 # Requests a session runs at once, when the worker does not say (worker/sessions.py's bound).
@@ -47,13 +44,19 @@ class OpenSession:
         on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_requests: int = DEFAULT_MAX_REQUESTS,
+        max_request_bytes: int = 0,
     ):
+        """max_message_bytes: what the router fills with several entries; max_request_bytes: the
+        worker's bound on one message (a larger submit cannot be sent; 0: max_message_bytes)."""
         self.call = call
         self.stream_id = stream_id
         # Called with an output whose relay is over (a cancelled or failed request's stragglers).
         self.on_orphan = on_orphan
         self.max_message_bytes = max_message_bytes
+        self.max_request_bytes = max(max_request_bytes, max_message_bytes)
         self.max_requests = max_requests
+        # Set whenever a request leaves (or the session fails): a caller waiting for room looks again.
+        self._room = asyncio.Event()
         self.inboxes: dict[int, Inbox] = {}
         self.failure: tuple[grpc.StatusCode, str] | None = None
         self._next_tag = 0
@@ -69,7 +72,7 @@ class OpenSession:
     def attach(self) -> tuple[int, Inbox] | None:
         """A tag and its inbox; None once the session has failed (its failure was sent to the
         inboxes it had: a new one would never hear of it) or runs the most requests the worker
-        takes on it."""
+        takes on it (wait_for_room, then try again)."""
         if self.failure is not None or len(self.inboxes) >= self.max_requests:
             return None
         self._next_tag += 1
@@ -83,9 +86,10 @@ class OpenSession:
         client: str,
         split: bool,
         deadline: float | None,
-    ) -> bool:
-        """Queues the request of tag for the worker; False (nothing queued) when it is too large
-        for a session message: it needs a call of its own. deadline: time.monotonic(), or None."""
+    ) -> None:
+        """Queues the request of tag for the worker; RESOURCE_EXHAUSTED (nothing queued), as its
+        own call would get, when it is larger than the worker takes in a message. deadline:
+        time.monotonic(), or None."""
         # timeout_s is set when the submit is written (what is left of the deadline then); a
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(
@@ -96,11 +100,20 @@ class OpenSession:
             timeout_s=1.0 if deadline is not None else 0.0,
         )
         size = submit.ByteSize() + _ENTRY_OVERHEAD
-        if size + _CANCELS_HEADER > self.max_message_bytes:
-            return False
+        if size > self.max_request_bytes:
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request is {size} bytes; the worker takes at most {self.max_request_bytes} "
+                f"(its --max-request-bytes): send a shorter prompt",
+            )
         self._submits[tag] = (submit, size, deadline)
         self._wake.set()
-        return True
+
+    async def wait_for_room(self) -> None:
+        """Until a request leaves the session (or it fails)."""
+        self._room.clear()
+        if self.failure is None and len(self.inboxes) >= self.max_requests:
+            await self._room.wait()
 
     def cut(self, tag: int, inbox: Inbox) -> None:
         """Ends the relay of tag here at once (its reader gets CancelledError) and stops the request on the worker."""
@@ -109,13 +122,14 @@ class OpenSession:
 
     def cancel(self, tag: int) -> None:
         """Stops the request of tag on the worker (unless it was never sent) and forgets it here."""
-        self.inboxes.pop(tag, None)
+        self.detach(tag)
         if self._submits.pop(tag, None) is None and self.failure is None:
             self._cancels.append(tag)
             self._wake.set()
 
     def detach(self, tag: int) -> None:
-        self.inboxes.pop(tag, None)
+        if self.inboxes.pop(tag, None) is not None:
+            self._room.set()
 
     async def _write(self) -> None:
         """Writes what is waiting, as few messages as fit: a burst of requests costs one write."""
@@ -130,8 +144,8 @@ class OpenSession:
             log.info("session %s: writing stopped (%s)", self.stream_id, exc)
 
     def _next_message(self) -> worker_pb2.SessionRequest:
-        """What is waiting, as much as fits under the worker's bound: cancels first, then submits
-        in order (each fits alone: submit() checked it)."""
+        """What is waiting, as much as fits in max_message_bytes: cancels first, then submits in
+        order; a submit larger than that goes alone (submit() checked the worker's bound)."""
         room = self.max_message_bytes - _CANCELS_HEADER
         num_cancels = min(len(self._cancels), room // _CANCEL_BYTES)
         message = worker_pb2.SessionRequest(cancels=self._cancels[:num_cancels])
@@ -139,7 +153,8 @@ class OpenSession:
         room -= num_cancels * _CANCEL_BYTES
         now = time.monotonic()
         for tag, (submit, size, deadline) in list(self._submits.items()):
-            if size > room:
+            alone = not message.cancels and not message.submits
+            if size > room and not alone:
                 break
             if deadline is not None:  # what is left of it now, not when the request was queued
                 submit.timeout_s = max(1e-3, deadline - now)
@@ -177,6 +192,7 @@ class OpenSession:
             failure = (grpc.StatusCode.INTERNAL, f"the session broke: {exc}")
         finally:
             self.failure = failure
+            self._room.set()
             self._writer.cancel()
             self.call.cancel()  # the worker's side ends too, whatever ended ours
             log.info("session %s ended: %s %s", self.stream_id, failure[0].name, failure[1])
@@ -232,68 +248,58 @@ class WorkerSession:
         self._on_orphan = on_orphan
         self._session: OpenSession | None = None
         self._opening: asyncio.Task | None = None
-        # After a failed open, requests get calls of their own until then (loop time).
-        self._retry_at = 0.0
 
-    async def attach(self, timeout: float) -> tuple[OpenSession, int, Inbox] | None:
-        """(session, tag, inbox) for one request, or None when the worker's session cannot be had
-        (the request then gets a call of its own, as any caller's)."""
-        session = self._session
-        if session is None or session.failure is not None:
-            if asyncio.get_running_loop().time() < self._retry_at:
-                return None
-            if self._opening is None:
-                self._opening = asyncio.create_task(self._open(timeout))
-            session = await asyncio.shield(self._opening)
-            if session is None:
-                return None
-        attached = session.attach()
-        if attached is None:  # it failed meanwhile, or is full: this request gets a call of its own
-            return None
-        tag, inbox = attached
-        return session, tag, inbox
+    async def attach(self, timeout: float) -> tuple[OpenSession, int, Inbox]:
+        """(session, tag, inbox) for one request: on the open session, or one opened now (within
+        timeout), waiting while it runs the most requests the worker takes. A worker whose
+        session cannot be opened fails the request UNAVAILABLE, as a call to it would."""
+        while True:
+            session = self._session
+            if session is None or session.failure is not None:
+                if self._opening is None:
+                    self._opening = asyncio.create_task(self._open(timeout))
+                session = await asyncio.shield(self._opening)
+            attached = session.attach()
+            if attached is not None:
+                return (session, *attached)
+            await session.wait_for_room()  # full (or it failed meanwhile: another opens)
 
-    async def _open(self, timeout: float) -> OpenSession | None:
+    async def _open(self, timeout: float) -> OpenSession:
         try:
             return await self._open_call(timeout)
         finally:
             self._opening = None  # done, whoever still waits for it
 
-    async def _open_call(self, timeout: float) -> OpenSession | None:
+    async def _open_call(self, timeout: float) -> OpenSession:
         call = self._stub.Session()
         try:
             first = await asyncio.wait_for(call.read(), timeout)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             call.cancel()
-            # A worker without Session (an older version) is asked again only now and then: it
-            # may have been upgraded in place meanwhile.
-            unsupported = (
-                isinstance(exc, grpc.aio.AioRpcError)
-                and exc.code() is grpc.StatusCode.UNIMPLEMENTED
-            )
-            self._retry_at = asyncio.get_running_loop().time() + (
-                RETRY_UNSUPPORTED_S if unsupported else RETRY_OPEN_S
-            )
-            log.info(
-                "no session with %s (%s); its requests get calls of their own",
-                self._address,
-                exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout",
-            )
-            return None
+            if isinstance(exc, grpc.aio.AioRpcError):
+                code, why = exc.code(), f"{exc.code().name}: {exc.details()}"
+            else:
+                code, why = grpc.StatusCode.UNAVAILABLE, f"no answer in {timeout:g} s"
+            log.info("no session with %s (%s)", self._address, why)
+            if code is not grpc.StatusCode.UNAVAILABLE:
+                code, why = grpc.StatusCode.UNAVAILABLE, f"{why} (a worker that serves no Session?)"
+            raise stream_failure(code, f"no session with worker {self._address}: {why}") from None
         except BaseException:  # cancelled while it opened: the call goes with it
             call.cancel()
             raise
         if first is grpc.aio.EOF or not first.stream_id:
             call.cancel()
-            self._retry_at = asyncio.get_running_loop().time() + RETRY_OPEN_S
-            return None
-        max_bytes = min(MAX_MESSAGE_BYTES, first.max_request_bytes or MAX_MESSAGE_BYTES)
+            raise stream_failure(
+                grpc.StatusCode.UNAVAILABLE, f"worker {self._address} closed its session at once"
+            )
+        worker_bound = first.max_request_bytes or MAX_MESSAGE_BYTES
         self._session = OpenSession(
             call,
             first.stream_id,
             self._on_orphan,
-            max_bytes,
+            min(MAX_MESSAGE_BYTES, worker_bound),
             first.max_requests or DEFAULT_MAX_REQUESTS,
+            worker_bound,
         )
         return self._session
 

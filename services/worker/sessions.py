@@ -36,7 +36,7 @@ log = logging.getLogger("tandem.worker.sessions")
 # Sessions one worker serves at once (one per router is the usual number).
 MAX_SESSIONS = 64
 # Requests one session may run at once (told in its first message); past it a submit is refused
-# (RESOURCE_EXHAUSTED, SessionFailure.refused: the router sends it on a call of its own instead).
+# (RESOURCE_EXHAUSTED, SessionFailure.refused; the router waits for room instead of passing it).
 MAX_REQUESTS_PER_SESSION = 4096
 # Cancels one message may carry (the router's, under 64 KiB, carry fewer than 7,000).
 MAX_CANCELS_PER_MESSAGE = 65536
@@ -100,7 +100,7 @@ class Session:
                 f"Session: tag {tag} is already running on this session; tags must be unique"
             )
         if len(self.tasks) >= MAX_REQUESTS_PER_SESSION:
-            # Nothing ran: the caller may send it again, on a call of its own (the router does).
+            # Nothing ran: the caller may send it again once a request of the session has ended.
             self._refuse(
                 tag,
                 RpcError(
