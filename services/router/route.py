@@ -21,6 +21,10 @@ from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
 
+# How long a request waits for its worker's session to open (once per worker, and again after
+# it broke) before it fails UNAVAILABLE: a dead worker refuses at once, a hung one is waited for.
+SESSION_OPEN_TIMEOUT_S = 5.0
+
 log = logging.getLogger("tandem.router.route")
 
 
@@ -117,7 +121,9 @@ class Route:
         self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool
     ):
         """The request's messages from worker, on the worker's session."""
-        session, tag, inbox = await worker.session.attach(self.pool.health_timeout_s)
+        session, tag, inbox = await worker.session.attach(
+            max(self.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
+        )
         if self.cancelled:  # aborted while the session opened: nothing was sent
             session.detach(tag)
             yield cancelled_output(request.request_id)
