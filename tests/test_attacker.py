@@ -234,6 +234,9 @@ def test_a_replayed_handoff_is_recomputed_never_cached(cluster):
         replayed = _generation_only(attacker, prompt_ids, handoff)
         after = worker_state(decode)
         assert after.num_unconfirmed_handoffs == before.num_unconfirmed_handoffs + 1
+        assert after.kv_handoff_outcomes["recomputed:unconfirmed"] == (
+            before.kv_handoff_outcomes.get("recomputed:unconfirmed", 0) + 1
+        )
         assert (
             after.kv_bytes_received > before.kv_bytes_received
         )  # it did read, and dropped what it read

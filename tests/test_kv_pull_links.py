@@ -303,3 +303,23 @@ def test_pull_rates_reach_worker_state_stats_and_metrics_and_a_slow_lane_warns(s
     # The prefill pulls nothing: no links, and no series.
     assert not worker_state(prefill.address).kv_pull_links
     assert value(scrape(prefill), "tandem:kv_pull_seconds_count") == 0
+
+
+def test_handoff_outcomes_count_each_way_and_log_each_recompute(caplog):
+    from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
+
+    seen = []
+    outcomes = HandoffOutcomes(
+        "10.0.0.9:50053", lambda outcome, reason: seen.append((outcome, reason))
+    )
+    caplog.set_level(logging.WARNING, "tandem.decode.outcomes")
+    outcomes.record(Outcome.PULLED, "r1", "10.0.0.1:50052")
+    outcomes.record(Outcome.RECOMPUTED, "r2", "10.0.0.1:50052", Reason.NO_ROOM)
+    outcomes.record(Outcome.RECOMPUTED, "r3", "10.0.0.2:50052", Reason.NO_ROOM)
+    outcomes.record(Outcome.RELEASED, "r4", "10.0.0.1:50052")
+    assert outcomes.counts() == {"pulled": 1, "recomputed:no_room": 2, "released": 1}
+    assert outcomes.count(Outcome.RECOMPUTED) == 2 and outcomes.count(Outcome.PULLED) == 1
+    assert seen[1] == ("recomputed", "no_room") and seen[0] == ("pulled", "")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "request r3" in lines[1] and "10.0.0.2:50052" in lines[1]
+    assert "(no_room); decode 10.0.0.9:50053 computes" in lines[1]

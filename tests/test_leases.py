@@ -98,6 +98,7 @@ def test_expired_and_decode_fell_back(cluster):
         params = SamplingParams(max_tokens=5, ignore_eos=True)
         expected = llm.generate("fall back", params, use_tqdm=False).outputs[0].token_ids
         before = endings(cluster)
+        outcomes_before = worker_state(cluster.workers[1].address).kv_handoff_outcomes
         llm.generate("nobody pulls this", params, use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
         ctx = llm.generate("fall back", params, use_tqdm=False, disaggregated_params=CONTEXT_ONLY)
         h = ctx.outputs[0].disaggregated_params
@@ -118,6 +119,15 @@ def test_expired_and_decode_fell_back(cluster):
         )
     assert gen.outputs[0].token_ids == expected  # the first token included, as TensorRT-LLM
     assert ended_by(cluster, before, "fallback")
+    # The decode counts why it computed the prompt itself (and logs it).
+    outcomes = worker_state(cluster.workers[1].address).kv_handoff_outcomes
+    assert (
+        outcomes["recomputed:lease_expiring"]
+        == outcomes_before.get("recomputed:lease_expiring", 0) + 1
+    )
+    assert f"(lease_expiring); decode {cluster.workers[1].address} computes" in cluster.workers[
+        1
+    ].log_path.read_text(errors="replace")
     assert ended_by(cluster, before, "expired", timeout=LEASE_SECONDS + 3)
 
 

@@ -207,6 +207,15 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     )
     assert pulled == sum(o.metrics.kv_transfer_bytes for o in outputs) > 0
     assert scrapes.delta("decode", "tandem:kv_transfer_seconds_count") == len(handed_off)
+    # Each handoff that reached the decode was pulled: none was computed again, silently or not.
+    assert scrapes.delta("decode", "tandem:kv_handoffs_total", outcome="pulled") == len(handed_off)
+    assert scrapes.delta("decode", "tandem:kv_handoffs_total") == len(handed_off)
+    outcomes_before = state_before["decode"].kv_handoff_outcomes
+    assert {
+        k: v - outcomes_before.get(k, 0)
+        for k, v in state_after["decode"].kv_handoff_outcomes.items()
+        if v != outcomes_before.get(k, 0)
+    } == {"pulled": len(handed_off)}
 
     for role in ("prefill", "decode"):
         now = scrapes.now(role)

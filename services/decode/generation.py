@@ -29,6 +29,7 @@ from collections.abc import Callable
 import grpc
 
 from tandem.common.errors import PreconditionError
+from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.messages import AddRequest, RemoteKvArrived
@@ -75,6 +76,7 @@ class GenerationPhase:
         peers: PeerCache,
         handoff_format: HandoffFormat,
         links: PullLinks,
+        outcomes: HandoffOutcomes,
         on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None,
     ):
         self.poller = poller
@@ -82,13 +84,12 @@ class GenerationPhase:
         self.handoff_format = handoff_format
         # The rate of each prefill's pulls (the READ alone), kept by the worker.
         self.links = links
+        # How each handoff ended here, kept by the worker.
+        self.outcomes = outcomes
         self.num_bytes_received = 0
         # Told of each pull that landed: its bytes and seconds (the worker's metrics).
         self.on_pulled = on_pulled
-        self.num_unconfirmed_handoffs = 0
         self._releases: set[asyncio.Task] = set()
-        # Pulls that failed and were computed here instead.
-        self.num_recomputed = 0
 
     def verify(
         self,
@@ -110,6 +111,7 @@ class GenerationPhase:
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
+            self.outcomes.record(Outcome.RELEASED, request.request_id, handoff.ctx_endpoint)
             self._release_remote(handoff)
             return
         request.tasks.append(asyncio.create_task(self._run(request, handoff)))
@@ -121,9 +123,10 @@ class GenerationPhase:
         first = request.first_gen_tokens
         pending: PendingRead | None = None
         try:
-            plan = None
+            plan, reason = None, Reason.LEASE_EXPIRING
             # A lease about to run out may be freed (and its blocks reused) while we read.
             if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
+                reason = Reason.NO_ROOM
                 plan = await core.call(
                     AddRequest(
                         rid,
@@ -140,6 +143,7 @@ class GenerationPhase:
             if plan is None:
                 # No room for the prompt's KV now (or no time): compute it here, and let the
                 # prefill free its copy at once.
+                self._record_recompute(request, handoff, reason)
                 request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
                 self._release_remote(handoff)
                 return
@@ -170,6 +174,7 @@ class GenerationPhase:
             request.metrics.kv_transfer_end = time.time()
             self.on_pulled(nbytes, request.metrics.kv_transfer_s)
             request.metrics.num_cached_prompt_tokens = len(request.prompt_token_ids)
+            self.outcomes.record(Outcome.PULLED, request.request_id, handoff.ctx_endpoint)
             core.send(RemoteKvArrived(rid))
         except asyncio.CancelledError:
             # Cancelled mid-READ: the abort frees our blocks, so let the READ land first rather than
@@ -177,6 +182,7 @@ class GenerationPhase:
             if pending is not None:
                 await self.poller.settle(pending)
             core.abort(rid)
+            self.outcomes.record(Outcome.CANCELLED, request.request_id, handoff.ctx_endpoint)
             raise
         except (TransferError, grpc.aio.AioRpcError) as exc:
             # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
@@ -184,39 +190,35 @@ class GenerationPhase:
             if pending is not None:
                 await self.poller.settle(pending)
             core.abort(rid)
-            log.warning(
-                "KV pull for %s from %s failed (%s); computing the prompt here",
+            log.info(
+                "KV pull for %s from %s failed: %s",
                 rid,
                 handoff.ctx_endpoint,
                 exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc,
             )
-            self.num_recomputed += 1
+            self._record_recompute(
+                request,
+                handoff,
+                Reason.PULL_FAILED if pending is not None else Reason.PEER_UNREACHABLE,
+            )
             self._release_remote(handoff)  # the lease is ours to end, whatever its prefill's state
             request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)
+            self.outcomes.record(Outcome.FAILED, request.request_id, handoff.ctx_endpoint)
             request.fail(exc)
+
+    def _record_recompute(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:
+        self.outcomes.record(Outcome.RECOMPUTED, request.request_id, handoff.ctx_endpoint, reason)
 
     def _recompute(self, request, handoff: worker_pb2.KvHandoff, answer: LeaseAnswer) -> None:
         """The READ landed but its lease was not confirmed: drop what it brought (the abort frees
         the reserved blocks uncached) and compute the prompt here. A lease that had ended was a
         replayed or stale handoff; one whose prefill did not answer may still be live: end it."""
         if answer is LeaseAnswer.ENDED:
-            self.num_unconfirmed_handoffs += 1
-            log.warning(
-                "lease %d on %s had ended before the KV read from it was confirmed (a replayed or "
-                "stale handoff): computing the prompt here instead",
-                handoff.ctx_request_id,
-                handoff.ctx_endpoint,
-            )
+            self._record_recompute(request, handoff, Reason.UNCONFIRMED)
         else:
-            self.num_recomputed += 1
-            log.warning(
-                "lease %d on %s could not be confirmed (its prefill did not answer): computing the "
-                "prompt here instead",
-                handoff.ctx_request_id,
-                handoff.ctx_endpoint,
-            )
+            self._record_recompute(request, handoff, Reason.PEER_UNREACHABLE)
             self._release_remote(handoff)
         request.core.abort(request.only_sequence.engine_id)
         request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)

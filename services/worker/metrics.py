@@ -115,6 +115,20 @@ class WorkerMetrics(ProcessMetrics):
         self.kv_pull_bytes = Counter(
             "tandem:kv_pull_bytes", "KV pulls by prefill peer: bytes read.", peer, registry=reg
         )
+        # A decode's handoffs by how they ended (a prefill counts its leases as kv_handoffs
+        # without labels: the collector below; one process serves one role).
+        self.kv_handoff_outcomes = (
+            Counter(
+                "tandem:kv_handoffs",
+                "KV handoffs that reached this decode, by outcome (pulled, recomputed, released, "
+                "cancelled, failed) and, for recomputed, the reason (no_room, lease_expiring, "
+                "pull_failed, peer_unreachable, unconfirmed).",
+                base + ["outcome", "reason"],
+                registry=reg,
+            )
+            if role is Role.DECODE
+            else None
+        )
         self._last_step = 0
 
     def watch(self, runtime) -> None:
@@ -144,6 +158,10 @@ class WorkerMetrics(ProcessMetrics):
         labels = (*self.labels, peer)
         self.kv_pull_seconds.labels(*labels).observe(seconds)
         self.kv_pull_bytes.labels(*labels).inc(num_bytes)
+
+    def observe_handoff_outcome(self, outcome: str, reason: str) -> None:
+        if self.kv_handoff_outcomes is not None:
+            self.kv_handoff_outcomes.labels(*self.labels, outcome, reason).inc()
 
     def forget_peer(self, peer: str) -> None:
         """The decode no longer keeps peer's link: its series go too."""

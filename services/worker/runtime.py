@@ -15,6 +15,7 @@ from tandem.common.errors import PreconditionError, unavailable
 from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
 from tandem.decode.generation import GenerationPhase
+from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import PeerCache
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.bert import is_encoder_only
@@ -80,9 +81,10 @@ class WorkerRuntime:
         self.pull_links = PullLinks(
             config.kv_pull_floor, on_pull=metrics.observe_peer_pull, on_forget=metrics.forget_peer
         )
+        # How each handoff that reached a decode ended; it outlives a released and resumed pool too.
+        self.handoff_outcomes = HandoffOutcomes(self.worker_id, metrics.observe_handoff_outcome)
         self._transceiver_generation = 0
         self._num_bytes_received = 0
-        self._num_unconfirmed_handoffs = 0
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
         # LoRA adapters read from disk (None with --max-loras 0).
@@ -214,13 +216,13 @@ class WorkerRuntime:
                 self._peers,
                 self.handoff_format,
                 self.pull_links,
+                self.handoff_outcomes,
                 on_pulled=self.metrics.observe_kv_pull,
             )
 
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
             self._num_bytes_received += self.phases.generation.num_bytes_received
-            self._num_unconfirmed_handoffs += self.phases.generation.num_unconfirmed_handoffs
         self.phases.context = self.phases.generation = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
@@ -358,7 +360,7 @@ class WorkerRuntime:
                 role=self.role, paused=self.paused, instance_id=self.server.instance_id
             )
         snap = await self.core.call(ReadCounters())
-        keeper, generation = self.leases, self.phases.generation
+        keeper = self.leases
         return worker_pb2.WorkerState(
             role=self.role,
             instance_id=self.server.instance_id,
@@ -385,8 +387,10 @@ class WorkerRuntime:
                 for name, int_id, path in snap.lora_adapters
             ],
             num_ignored_notifications=keeper.num_ignored_notifications if keeper else 0,
-            num_unconfirmed_handoffs=self._num_unconfirmed_handoffs
-            + (generation.num_unconfirmed_handoffs if generation else 0),
+            num_unconfirmed_handoffs=self.handoff_outcomes.count(
+                Outcome.RECOMPUTED, Reason.UNCONFIRMED
+            ),
+            kv_handoff_outcomes=self.handoff_outcomes.counts(),
             kv_pull_links=[
                 worker_pb2.KvPullLink(**link.report()) for link in self.pull_links.links()
             ],
