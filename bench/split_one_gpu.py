@@ -168,6 +168,8 @@ def serve(
                 )
                 for link in state.kv_pull_links
             ]
+            # How every handoff ended on the decode (warm-up included): pulled or recomputed, and why.
+            results["outcomes"] = dict(state.kv_handoff_outcomes)
     if "decode" in roles:  # a healthy lane must not warn of a slow one
         decode_log = cluster.workers[1].log_path.read_text(errors="replace")
         results["floor_warnings"] = sum("KV pulls from" in line for line in decode_log.splitlines())
@@ -211,6 +213,8 @@ def print_table(agg: dict, split: dict, label: str) -> None:
             f"pools {link['device_pools']}, pulls under the floor {link['num_below_floor']}; slow-lane warnings in the "
             f"decode's log: {split.get('floor_warnings')}"
         )
+    if split.get("outcomes"):
+        log(f"decode's handoff outcomes (all rows and the warm-up): {split['outcomes']}")
 
 
 def main() -> None:
