@@ -157,6 +157,26 @@ def write_checkpoint(out: Path, shape: dict, device: torch.device) -> Path:
     return out
 
 
+def serving_engine_args(model_dir: Path, kv_cache_gb: float) -> list[str]:
+    """The engine flags every served row uses (bench/split_one_gpu.py too)."""
+    return [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "256",
+        "--max-num-batched-tokens",
+        "8192",
+        "--kv-cache-gb",
+        f"{kv_cache_gb:g}",
+    ]
+
+
 def decode_bytes(shape: dict) -> int:
     """Bytes a decode step must read: every weight but the embedding table (only its rows are read)."""
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -782,22 +802,7 @@ def main() -> None:
 
     from tandem.testing.cluster import LocalCluster
 
-    engine_args = [
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "bfloat16",
-        "--block-size",
-        "16",
-        "--max-model-len",
-        "4096",
-        "--max-num-seqs",
-        "256",
-        "--max-num-batched-tokens",
-        "8192",
-        "--kv-cache-gb",
-        "28" if on_cuda else "0.5",
-    ]
+    engine_args = serving_engine_args(model_dir, 28 if on_cuda else 0.5)
     log_dir = Path("/tmp/tandem-serve-logs")
     phase("transformers", lambda: transformers_rates(model_dir, device, shape["vocab_size"]))
     phase("profile", lambda: engine_profile(model_dir, device, shape["vocab_size"]))
@@ -817,7 +822,7 @@ def main() -> None:
             router_args,
         ),
     )
-    split_args = [a if a != "28" else "10" for a in engine_args]
+    split_args = serving_engine_args(model_dir, 10 if on_cuda else 0.5)
     if "split" in rows:
         phase(
             "split",

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import SEED, SHAPES, log, write_checkpoint  # noqa: E402
+from serve import SEED, SHAPES, log, serving_engine_args, write_checkpoint  # noqa: E402
 
 ROWS = ("one", "c16", "c64", "burst")
 GOALS = {
@@ -277,22 +277,7 @@ def main() -> None:
     write_checkpoint(model_dir, shape, torch.device(device))
 
     def engine_args(gb: float) -> list[str]:
-        return [
-            "--model",
-            str(model_dir),
-            "--dtype",
-            "bfloat16",
-            "--block-size",
-            "16",
-            "--max-model-len",
-            "4096",
-            "--max-num-seqs",
-            "256",
-            "--max-num-batched-tokens",
-            "8192",
-            "--kv-cache-gb",
-            str(gb),
-        ]
+        return serving_engine_args(model_dir, gb)
 
     log_root = Path("/tmp/tandem-split-one-gpu-logs")
     deployments = args.deployments.split(",")
