@@ -42,23 +42,8 @@ STEP_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # vLLM's vllm:iteration_tokens_total buckets.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-KV_TRANSFER_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+# A KV pull waits for its reservation and may run up to its 30 s timeout.
+KV_TRANSFER_BUCKETS = (*STEP_BUCKETS, 30.0)
 # How long a scrape waits for the engine thread to answer between two steps.
 SNAPSHOT_TIMEOUT_S = 2.0
 
