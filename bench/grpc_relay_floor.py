@@ -8,8 +8,10 @@ batched, on output streams, still sends one message per token to its clients).
 
 With --session the relay holds one bidi stream to the upstream instead of a call per request
 (requests go as messages on it; the upstream sends what all requests produced since its last
-send as one OutputBatch): the floor of a router whose worker leg is multiplexed both ways. Its
-"upstream" line is then a batching sender's cost, not one message per token.
+send as one EngineOutputs of one-token EngineOutput entries, which the relay turns into the
+client's RequestOutputs as the router does): the floor of a router whose worker leg is
+multiplexed both ways. Its "upstream" line is then a batching sender's cost, not one message per
+token.
 
     python bench/grpc_relay_floor.py [--loop uvloop|asyncio] [--pace-ms 4] [--session]
 """
@@ -24,8 +26,9 @@ import time
 import grpc
 import psutil
 
+from tandem.common.engine_messages import OutputBuilder
 from tandem.testing.cluster import free_port
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2
+from tandem.v1 import internal_pb2, llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2
 
 
 class Upstream(llm_pb2_grpc.AsyncLLMServicer):
@@ -47,18 +50,21 @@ SESSION = "/floor.Session/Run"
 
 def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
     """The upstream's multiplexed end: GenerateRequests in on one bidi stream (request_id = tag),
-    OutputBatches out, one per wake-up with what every request produced since the last."""
+    EngineOutputs out, one per wake-up with what every request produced since the last."""
 
     async def run(requests, context):
-        pending: list[types_pb2.RequestOutput] = []
+        pending: list[internal_pb2.EngineOutput] = []
         wake = asyncio.Event()
 
         async def produce(request):
             n = request.sampling_params.max_tokens or upstream.num_messages
+            tag = int(request.request_id)
             for i in range(n):
-                out = types_pb2.RequestOutput(request_id=request.request_id, finished=i == n - 1)
-                out.outputs.add(index=0, token_ids=[i])
-                pending.append(out)
+                pending.append(
+                    internal_pb2.EngineOutput(
+                        tag=tag, index=0, new_token_ids=[i], finished=i == n - 1
+                    )
+                )
                 wake.set()
                 if upstream.pace_s and i < n - 1:
                     await asyncio.sleep(upstream.pace_s)
@@ -73,7 +79,7 @@ def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
             while True:
                 await wake.wait()
                 wake.clear()
-                batch = worker_pb2.OutputBatch(outputs=pending)
+                batch = worker_pb2.EngineOutputs(outputs=pending)
                 pending.clear()
                 yield batch
         finally:
@@ -85,7 +91,7 @@ def _session_handler(upstream: Upstream) -> grpc.GenericRpcHandler:
             "Run": grpc.stream_stream_rpc_method_handler(
                 run,
                 request_deserializer=llm_pb2.GenerateRequest.FromString,
-                response_serializer=worker_pb2.OutputBatch.SerializeToString,
+                response_serializer=worker_pb2.EngineOutputs.SerializeToString,
             )
         },
     )
@@ -101,10 +107,12 @@ class SessionRelay(llm_pb2_grpc.AsyncLLMServicer):
 
     async def _read(self):
         async for batch in self.call:
-            for out in batch.outputs:
-                inbox = self.inboxes.get(out.request_id)
+            for entry in batch.outputs:
+                inbox = self.inboxes.get(str(entry.tag))
                 if inbox is not None:
-                    inbox.put_nowait(out)
+                    builder = OutputBuilder(str(entry.tag))
+                    builder.add(entry)
+                    inbox.put_nowait(builder.build())
 
     async def Generate(self, request, context):
         if self.call is None:
@@ -112,7 +120,7 @@ class SessionRelay(llm_pb2_grpc.AsyncLLMServicer):
             self.call = channel.stream_stream(
                 SESSION,
                 request_serializer=llm_pb2.GenerateRequest.SerializeToString,
-                response_deserializer=worker_pb2.OutputBatch.FromString,
+                response_deserializer=worker_pb2.EngineOutputs.FromString,
             )()
             self.writes = asyncio.Queue()
             self.tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._write())]

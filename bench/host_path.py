@@ -4,12 +4,12 @@ in Python (issue 7: the served step at batch 256 took 2x the in-process one, hos
     python bench/host_path.py              # batch 256, 100 steps, on whatever CPU this is
 
 1. The worker's event loop, per engine output of a streamed request on an output stream (the
-   router's calls, worker/output_sink.py): the output becomes its part of the stream's next
-   OutputBatch, which is then built and serialized. Measured with the real request, metrics
+   router's calls, worker/output_sink.py): the output becomes its entry in the stream's next
+   EngineOutputs, which is then built and serialized. Measured with the real request, metrics
    tracker, text passthrough and output stream (no gRPC: what the write costs is the same
-   either way), once with every output a full RequestOutput (how the worker sent them before
-   lone tokens) and once as the worker sends them now (a decode step's lone token as two
-   numbers, OutputBatch.tokens).
+   either way), once with every output made a full message first (the path of a step whose
+   output holds more than new tokens) and once as a decode step's usual output goes (its new
+   tokens straight into an EngineOutput entry).
 2. The engine thread, per sequence of a decode step: schedule, build the inputs, postprocess
    (the forward itself subtracted), on the tiny model on the CPU.
 
@@ -48,7 +48,7 @@ class _Core:
 
 
 async def loop_per_output(
-    metrics: RequestMetrics, batch: int, steps: int, lone_tokens: bool
+    metrics: RequestMetrics, batch: int, steps: int, bare_tokens: bool
 ) -> dict:
     stream = OutputStream()
     batches = stream.batches()
@@ -69,7 +69,7 @@ async def loop_per_output(
         )
         sink = OutputSink(text, metrics.track(), stream, i)
         sink.bind(request)
-        sink._lone_tokens = sink._lone_tokens and lone_tokens
+        sink._bare_tokens = sink._bare_tokens and bare_tokens
         sinks.append(sink)
     put_s = build_s = 0.0
     num_bytes = 0
@@ -161,20 +161,20 @@ def main() -> None:
         f"# bench/host_path.py --batch {args.batch} --steps {args.steps}; {time.strftime('%Y-%m-%d %H:%M:%S')}"
     )
     metrics = ProcessMetrics("both").requests
-    full = asyncio.run(loop_per_output(metrics, args.batch, args.steps, lone_tokens=False))
-    lone = asyncio.run(loop_per_output(metrics, args.batch, args.steps, lone_tokens=True))
+    full = asyncio.run(loop_per_output(metrics, args.batch, args.steps, bare_tokens=False))
+    bare = asyncio.run(loop_per_output(metrics, args.batch, args.steps, bare_tokens=True))
     engine = engine_per_sequence(args.batch, min(args.steps, 60))
     print(
         f"{'worker loop, per decode output':44s} {'sink us':>8s} {'batch+serialize us':>19s} {'bytes':>6s} "
         f"{'ms per step of ' + str(args.batch):>18s}"
     )
-    for name, row in (("full RequestOutput each (before)", full), ("lone tokens (now)", lone)):
+    for name, row in (("full message each", full), ("token entries", bare)):
         per_step = (row["put_us"] + row["batch_us"]) * args.batch / 1e3
         print(
             f"{name:44s} {row['put_us']:8.1f} {row['batch_us']:19.1f} {row['bytes']:6.1f} {per_step:18.2f}"
         )
     print(
-        f"speed-up of the loop's part: {(full['put_us'] + full['batch_us']) / (lone['put_us'] + lone['batch_us']):.1f}x"
+        f"speed-up of the loop's part: {(full['put_us'] + full['batch_us']) / (bare['put_us'] + bare['batch_us']):.1f}x"
     )
     print(
         f"engine thread, decode step of {args.batch} (tiny model, CPU): step {engine['step_ms']:.2f} ms = forward "

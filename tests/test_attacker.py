@@ -23,7 +23,7 @@ from test_disagg import worker_state
 from tandem.client import LLM, DisaggregatedParams, RequestError, SamplingParams
 from tandem.kvtransfer import TransceiverState
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import internal_pb2, llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 ADMIN_TOKEN = "attacker-test-admin-token"
 BLOCK_SIZE = 8
@@ -94,9 +94,7 @@ INTERNAL_CALLS = [
             submits=[
                 worker_pb2.SessionSubmit(
                     tag=1,
-                    request=llm_pb2.GenerateRequest(
-                        prompt=types_pb2.Prompt(token_ids=types_pb2.TokenIds(ids=[1, 2]))
-                    ),
+                    request=internal_pb2.EngineRequest(prompt_token_ids=[1, 2]),
                 )
             ]
         ),

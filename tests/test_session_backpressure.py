@@ -3,7 +3,7 @@ instead of buffering the backlog unread, so the worker merges the steps it could
 fewer, larger batches (router/workers.py WORKER_CHANNEL_OPTIONS, worker/output_streams.py).
 
 A real gRPC server on loopback writes a session's batches with the worker's OutputStream, an
-engine step of lone tokens at a time as fast as it can; the reader opens its channel as the
+engine step of token entries at a time as fast as it can; the reader opens its channel as the
 router opens a worker's and reads one batch per few milliseconds, and, for comparison in the same
 run, with gRPC's default channel."""
 
@@ -25,7 +25,7 @@ NUM_REQUESTS, NUM_STEPS = 32, 3000  # ~400 bytes a step: ~1.2 MB of one-step bat
 
 
 async def _serve_steps(produced: list[int]):
-    """A server whose every Session streams NUM_STEPS engine steps (a lone token for each of
+    """A server whose every Session streams NUM_STEPS engine steps (a token entry for each of
     NUM_REQUESTS tags per step), pushed as fast as the writer takes them; produced[0] counts the
     steps pushed by the latest session."""
     rng = random.Random(0)
@@ -37,8 +37,8 @@ async def _serve_steps(produced: list[int]):
         async def engine():
             for _ in range(NUM_STEPS):
                 for tag in range(NUM_REQUESTS):
-                    stream.push_token(
-                        tag, rng.randrange(1 << 17), -rng.random(), lambda error: None
+                    stream.push_tokens(
+                        tag, [rng.randrange(1 << 17)], -rng.random(), lambda error: None
                     )
                 produced[0] += 1
                 await asyncio.sleep(
@@ -64,7 +64,7 @@ async def _serve_steps(produced: list[int]):
                     "Session": grpc.stream_stream_rpc_method_handler(
                         session,
                         request_deserializer=worker_pb2.SessionRequest.FromString,
-                        response_serializer=worker_pb2.OutputBatch.SerializeToString,
+                        response_serializer=worker_pb2.EngineOutputs.SerializeToString,
                     )
                 },
             )
@@ -89,8 +89,8 @@ async def _read_slowly(
         assert (await call.read()).stream_id  # the first batch names the stream
         while (batch := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
             num_batches += 1
-            for tag in batch.tags:
-                tokens[tag] += 1
+            for entry in batch.outputs:
+                tokens[entry.tag] += len(entry.new_token_ids)
             ahead = max(ahead, produced[0] - max(tokens.values()))
             await asyncio.sleep(rng.uniform(0.002, 0.004))  # a saturated router's pace
     finally:

@@ -16,11 +16,12 @@ import pytest
 from test_disagg import worker_state
 
 from tandem.client import LLM, SamplingParams
+from tandem.common.engine_messages import OutputBuilder, engine_request
 from tandem.common.errors import RpcError
 from tandem.router import inbox as inboxes
 from tandem.router import sessions
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import internal_pb2, llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 NUM_REQUESTS, MAX_TOKENS = 12, 24
 SESSION = "/tandem.v1.Worker/Session"
@@ -62,41 +63,29 @@ def _request(i: int, max_tokens: int = MAX_TOKENS) -> llm_pb2.GenerateRequest:
     return request
 
 
+def _engine(i: int, max_tokens: int = MAX_TOKENS):
+    """_request(i) as a session carries it."""
+    return engine_request(_request(i, max_tokens))
+
+
 def _submit(tag: int, request: llm_pb2.GenerateRequest, **fields) -> worker_pb2.SessionRequest:
     return worker_pb2.SessionRequest(
-        submits=[worker_pb2.SessionSubmit(tag=tag, request=request, **fields)]
+        submits=[worker_pb2.SessionSubmit(tag=tag, request=engine_request(request), **fields)]
     )
 
 
-def _entries(batch: worker_pb2.OutputBatch):
-    """(tag, message) per entry, as worker.proto says to read a batch: a lone token is the message
-    of that one token."""
-    if not batch.tokens:
-        yield from zip(batch.tags, batch.outputs)
-        return
-    outputs = iter(batch.outputs)
-    for tag, token, cumulative in zip(
-        batch.tags, batch.tokens, batch.cumulative_logprobs, strict=True
-    ):
-        yield (
-            tag,
-            next(outputs)
-            if token < 0
-            else types_pb2.RequestOutput(
-                outputs=[
-                    types_pb2.CompletionOutput(
-                        index=0, token_ids=[token], cumulative_logprob=cumulative
-                    )
-                ]
-            ),
-        )
-    assert next(outputs, None) is None
+def _entries(batch: worker_pb2.EngineOutputs):
+    """(tag, message) per entry: the message each entry stands for on its own."""
+    for entry in batch.outputs:
+        builder = OutputBuilder("")
+        builder.add(entry)
+        yield entry.tag, builder.build()
 
 
 async def _open(cluster, channel):
     call = cluster.credentials.stub(worker_pb2_grpc.WorkerStub, channel).Session()
     first = await asyncio.wait_for(call.read(), 10)
-    assert first.stream_id and not first.tags and first.max_request_bytes == 16 << 20
+    assert first.stream_id and not first.outputs and first.max_request_bytes == 16 << 20
     return call
 
 
@@ -120,7 +109,7 @@ async def _read_until_over(call, tags: set[int], on_batch=None):
     return outputs, ended, failed, batches
 
 
-async def _read_to_the_end(call) -> list[worker_pb2.OutputBatch]:
+async def _read_to_the_end(call) -> list[worker_pb2.EngineOutputs]:
     """Every batch until the call ends (raises its error status)."""
     batches = []
     while (batch := await asyncio.wait_for(call.read(), 30)) is not grpc.aio.EOF:
@@ -156,7 +145,7 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(
             await call.write(
                 worker_pb2.SessionRequest(
                     submits=[
-                        worker_pb2.SessionSubmit(tag=tag, request=r)
+                        worker_pb2.SessionSubmit(tag=tag, request=engine_request(r))
                         for tag, r in enumerate(requests, start=100)
                     ]
                 )
@@ -174,12 +163,15 @@ def test_requests_in_one_message_share_batches_and_get_their_own_tokens(
         i: expected[r.request_id] for i, r in enumerate(requests)
     }
     assert all(len(_tokens(msgs)) == MAX_TOKENS for msgs in outputs.values())
-    num_outputs = sum(len(b.tags) for b in batches)
+    num_outputs = sum(len(b.outputs) for b in batches)
     # A step's outputs of every running request go in one message.
     assert len(batches) < num_outputs / 3, (len(batches), num_outputs)
-    # Every message but a request's first and last is one token, sent without a RequestOutput.
-    num_lone = sum(1 for b in batches for t in b.tokens if t >= 0)
-    assert num_lone == num_outputs - 2 * len(requests), (num_lone, num_outputs)
+    # Every entry but a request's first and last holds its new token and nothing else.
+    bare = {"tag", "new_token_ids", "cumulative_logprob"}
+    num_bare = sum(
+        1 for b in batches for e in b.outputs if {f.name for f, _ in e.ListFields()} <= bare
+    )
+    assert num_bare == num_outputs - 2 * len(requests), (num_bare, num_outputs)
 
 
 def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(
@@ -198,13 +190,13 @@ def test_a_failing_request_ends_with_its_calls_status_and_the_others_run_on(
             await call.write(
                 worker_pb2.SessionRequest(
                     submits=[
-                        worker_pb2.SessionSubmit(tag=1, request=bad),
-                        worker_pb2.SessionSubmit(tag=2, request=slow, timeout_s=0.3),
-                        worker_pb2.SessionSubmit(tag=3, request=good),
-                        worker_pb2.SessionSubmit(tag=5, request=_request(5), timeout_s=-1),
+                        worker_pb2.SessionSubmit(tag=1, request=engine_request(bad)),
                         worker_pb2.SessionSubmit(
-                            tag=6, request=_request(6), timeout_s=float("nan")
+                            tag=2, request=engine_request(slow), timeout_s=0.3
                         ),
+                        worker_pb2.SessionSubmit(tag=3, request=engine_request(good)),
+                        worker_pb2.SessionSubmit(tag=5, request=_engine(5), timeout_s=-1),
+                        worker_pb2.SessionSubmit(tag=6, request=_engine(6), timeout_s=float("nan")),
                     ]
                 )
             )
@@ -247,9 +239,9 @@ def test_a_cancel_stops_its_request_and_an_abort_ends_it_as_cancelled(
             await call.write(
                 worker_pb2.SessionRequest(
                     submits=[
-                        worker_pb2.SessionSubmit(tag=1, request=_request(200, max_tokens=1900)),
-                        worker_pb2.SessionSubmit(tag=2, request=_request(202, max_tokens=1900)),
-                        worker_pb2.SessionSubmit(tag=3, request=pair),
+                        worker_pb2.SessionSubmit(tag=1, request=_engine(200, max_tokens=1900)),
+                        worker_pb2.SessionSubmit(tag=2, request=_engine(202, max_tokens=1900)),
+                        worker_pb2.SessionSubmit(tag=3, request=engine_request(pair)),
                     ]
                 )
             )
@@ -297,13 +289,13 @@ def test_closing_a_session_stops_its_requests(cluster, no_leaked_worker_blocks):
             await call.write(
                 worker_pb2.SessionRequest(
                     submits=[
-                        worker_pb2.SessionSubmit(tag=i, request=_request(300 + i, max_tokens=1900))
+                        worker_pb2.SessionSubmit(tag=i, request=_engine(300 + i, max_tokens=1900))
                         for i in range(4)
                     ]
                 )
             )
             batch = await asyncio.wait_for(call.read(), 30)  # they run
-            assert batch.tags
+            assert batch.outputs
             call.cancel()
         for _ in range(100):
             state = worker_state(cluster.workers[0].address)
@@ -327,7 +319,7 @@ def test_a_caller_that_stops_writing_gets_its_requests_to_the_end_then_the_sessi
 
     batches, code = asyncio.run(run())
     assert code == grpc.StatusCode.OK
-    assert sum(len(b.tags) for b in batches) > 0 and [t for b in batches for t in b.ended] == [1]
+    assert sum(len(b.outputs) for b in batches) > 0 and [t for b in batches for t in b.ended] == [1]
 
 
 def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_argument(
@@ -338,7 +330,7 @@ def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_a
             session = channel.stream_stream(
                 SESSION,
                 request_serializer=lambda raw: raw,
-                response_deserializer=worker_pb2.OutputBatch.FromString,
+                response_deserializer=worker_pb2.EngineOutputs.FromString,
             )
             call = session(metadata=cluster.credentials.metadata_for(SESSION, ()))
             await call.write(b"\xff\xff\xff")
@@ -525,7 +517,7 @@ def test_a_burst_of_submits_goes_in_as_few_messages_as_fit_and_an_unsent_cancell
         and 2.4 < submits[1].timeout_s <= 2.5
         and submits[0].timeout_s == 0
     )
-    assert submits[0].client == "client" and submits[2].request == requests[3]
+    assert submits[0].client == "client" and submits[2].request == engine_request(requests[3])
     assert [t for m in written for t in m.cancels] == [tags[3]]
 
 
@@ -579,13 +571,12 @@ def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
             details="the pool is full",
             retry_pushback_ms=1500,
         )
-        first = types_pb2.RequestOutput(request_id="r")
-        first.outputs.add(index=0, token_ids=[7])
+        first = internal_pb2.EngineOutput(tag=1, index=0, new_token_ids=[7])
         session = sessions.OpenSession(
             _ScriptedCall(
                 [
-                    worker_pb2.OutputBatch(tags=[1], outputs=[first]),
-                    worker_pb2.OutputBatch(failed=[failed]),
+                    worker_pb2.EngineOutputs(outputs=[first]),
+                    worker_pb2.EngineOutputs(failed=[failed]),
                 ]
             ),
             "s",
@@ -610,24 +601,31 @@ def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
     assert retry_pushback_ms(error) == 1500
 
 
-def test_a_lagging_clients_outputs_are_merged_in_the_routers_inbox():
+def test_a_lagging_clients_outputs_fold_into_one_message_in_the_routers_inbox():
     """The router reads a worker's stream as it comes; what a slow client has not taken yet is
-    held as one merged message, not one message per engine step."""
-    from tandem.router.inbox import MAX_PENDING_OUTPUTS, Inbox, streamed_outputs
+    held as one message, built as the entries come, not one message per engine step."""
+    from tandem.router.inbox import Inbox, streamed_outputs
+
+    num_steps = 200
 
     async def run():
-        inbox = Inbox()
-        for step in range(3 * MAX_PENDING_OUTPUTS + 5):
-            msg = types_pb2.RequestOutput(request_id="slow", finished=False)
-            msg.outputs.add(index=0, token_ids=[step])
-            inbox.put(msg)
-        assert len(inbox.items) <= MAX_PENDING_OUTPUTS
+        inbox = Inbox("slow")
+        for step in range(num_steps):
+            inbox.put_entry(
+                internal_pb2.EngineOutput(
+                    tag=1, index=0, new_token_ids=[step, step + 1000], cumulative_logprob=-step
+                )
+            )
+        assert len(inbox.items) == 1
         inbox.put(inboxes.ENDED)
         return [m async for m in streamed_outputs(inbox)]
 
     messages = asyncio.run(run())
-    assert len(messages) == 1
-    assert list(messages[0].outputs[0].token_ids) == list(range(3 * MAX_PENDING_OUTPUTS + 5))
+    assert len(messages) == 1 and messages[0].request_id == "slow"
+    assert list(messages[0].outputs[0].token_ids) == [
+        t for step in range(num_steps) for t in (step, step + 1000)
+    ]
+    assert messages[0].outputs[0].cumulative_logprob == -(num_steps - 1)
 
 
 def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_the_rest():
@@ -637,21 +635,22 @@ def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_t
 
     async def run():
         orphans = []
-        handoff = types_pb2.RequestOutput(request_id="late", finished=True)
-        handoff.outputs.add(index=0).disaggregated_params.ctx_request_id = 42
-        mine = types_pb2.RequestOutput(request_id="live")
-        call = _ScriptedCall([worker_pb2.OutputBatch(tags=[9, 1], outputs=[handoff, mine])])
+        handoff = internal_pb2.EngineOutput(tag=9, index=0, finished=True)
+        handoff.kv_params.ctx_request_id = 42
+        mine = internal_pb2.EngineOutput(tag=1, index=0, new_token_ids=[3])
+        call = _ScriptedCall([worker_pb2.EngineOutputs(outputs=[handoff, mine])])
         stream = sessions.OpenSession(call, "s", orphans.append)
         tag, inbox = stream.attach()
         assert tag == 1
+        inbox.request_id = "live"
         first = await inbox.take()
         second = await inbox.take()
         await asyncio.sleep(0)
         return orphans, first, second, call.cancelled, stream.attach()
 
     orphans, first, second, cancelled, late_attach = asyncio.run(run())
-    assert [o.request_id for o in orphans] == ["late"]
-    assert [o.request_id for o in first] == ["live"]
+    assert [o.kv_params.ctx_request_id for o in orphans] == [42]
+    assert [o.build().request_id for o in first] == ["live"]
     assert (
         isinstance(second[0], inboxes.SessionBroken)
         and second[0].code() == grpc.StatusCode.UNAVAILABLE
@@ -659,72 +658,64 @@ def test_an_output_for_an_ended_relay_goes_to_the_orphan_handler_and_eof_fails_t
     assert cancelled and late_attach is None  # a failed stream takes no new relay
 
 
-def test_lone_tokens_read_as_the_messages_they_stand_for_in_order():
-    """The router rebuilds each lone token as the message the worker would have sent (its
-    request id from the request's earlier message), in entry order among full messages; a
-    malformed batch ends the session (its requests move on: SessionBroken) before any of it is delivered."""
+def test_entries_read_as_the_messages_they_stand_for_in_order():
+    """Each request's entries become its messages in order, under the id it was submitted with:
+    several tokens in one entry, several entries of one request in one batch (one message), the
+    request's fields (prompt ids, handoff, metrics, finish) where they came."""
 
-    def full(request_id, tokens, finished=False):
-        msg = types_pb2.RequestOutput(request_id=request_id, finished=finished)
-        msg.outputs.add(index=0, token_ids=tokens, cumulative_logprob=-float(len(tokens)))
-        return msg
+    def entry(tag, tokens, **fields):
+        return internal_pb2.EngineOutput(
+            tag=tag, index=0, new_token_ids=tokens, cumulative_logprob=-float(sum(tokens)), **fields
+        )
 
     async def run(batches):
         stream = sessions.OpenSession(_ScriptedCall(batches), "s")
-        inboxes = [stream.attach()[1], stream.attach()[1]]
+        attached = [stream.attach()[1], stream.attach()[1]]
+        for request_id, inbox in zip("ab", attached):
+            inbox.request_id = request_id
         received = {1: [], 2: []}
-        for tag, inbox in enumerate(inboxes, start=1):
+        for tag, inbox in enumerate(attached, start=1):
             while True:
                 items = await inbox.take()
-                received[tag] += items
-                if not all(i.__class__ is types_pb2.RequestOutput for i in items):
+                received[tag] += [i.build() if isinstance(i, OutputBuilder) else i for i in items]
+                if not all(isinstance(i, OutputBuilder) for i in items):
                     break
         return received
 
+    handoff = internal_pb2.KvParams(ctx_request_id=7, opaque_state=b"x")
     batches = [
-        worker_pb2.OutputBatch(tags=[1, 2], outputs=[full("a", [5]), full("b", [6, 7])]),
-        worker_pb2.OutputBatch(
-            tags=[2, 1, 1, 2],
-            outputs=[full("a", [11], finished=True)],
-            tokens=[8, 9, -1, 10],
-            cumulative_logprobs=[-3.0, -2.0, 0.0, -4.0],
+        worker_pb2.EngineOutputs(
+            outputs=[entry(1, [5], prompt_token_ids=[1, 2]), entry(2, [6, 7], prompt_token_ids=[3])]
+        ),
+        worker_pb2.EngineOutputs(
+            outputs=[
+                entry(2, [8]),
+                entry(1, [9, 10, 11]),
+                entry(1, [12], finished=True, finish_reason=types_pb2.FINISH_REASON_LENGTH),
+                entry(2, [13]),
+            ],
             ended=[1],
         ),
-        worker_pb2.OutputBatch(tags=[2], outputs=[full("b", [12], finished=True)], ended=[2]),
+        worker_pb2.EngineOutputs(
+            outputs=[entry(2, [14], finished=True, kv_params=handoff)], ended=[2]
+        ),
     ]
     received = asyncio.run(run(batches))
     a, b = received[1], received[2]
     assert a[-1] is inboxes.ENDED and b[-1] is inboxes.ENDED
     assert [
-        (m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob, m.finished)
+        (m.request_id, list(m.prompt_token_ids), list(m.outputs[0].token_ids), m.finished)
         for m in a[:-1]
-    ] == [("a", [5], -1.0, False), ("a", [9], -2.0, False), ("a", [11], -1.0, True)]
-    assert [
-        (m.request_id, list(m.outputs[0].token_ids), m.outputs[0].cumulative_logprob)
-        for m in b[:-1]
-    ] == [("b", [6, 7], -2.0), ("b", [8], -3.0), ("b", [10], -4.0), ("b", [12], -1.0)]
-    lone = types_pb2.RequestOutput(request_id="b")
-    lone.outputs.add(index=0, token_ids=[8], cumulative_logprob=-3.0)
-    assert (
-        b[1].SerializeToString() == lone.SerializeToString()
-    )  # what the worker's full message would be
-
-    for bad in (
-        dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, 3]),  # no logprobs
-        dict(
-            tags=[1], outputs=[full("a", [5])], tokens=[4], cumulative_logprobs=[0]
-        ),  # an output too many
-        dict(tags=[1, 2], outputs=[full("a", [5])], tokens=[-1, -1], cumulative_logprobs=[0, 0]),
-        dict(tags=[1], outputs=[], tokens=[4, 5], cumulative_logprobs=[0, 0]),
-    ):
-        bad = [worker_pb2.OutputBatch(**bad)]
-        received = asyncio.run(run(bad))
-        failure = received[1][0]  # nothing of the batch was delivered
-        assert (
-            isinstance(failure, inboxes.SessionBroken)
-            and failure.code() == grpc.StatusCode.UNAVAILABLE
-        ), failure
-        assert "INTERNAL" in failure.details() and "malformed output batch" in failure.details()
+    ] == [("a", [1, 2], [5], False), ("a", [], [9, 10, 11, 12], True)]
+    assert a[1].outputs[0].finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert a[1].outputs[0].cumulative_logprob == -12.0
+    # Read after it all came: what came while nobody took it is one message.
+    assert [t for m in b[:-1] for t in m.outputs[0].token_ids] == [6, 7, 8, 13, 14]
+    assert [m.finished for m in b[:-1]] == [False] * (len(b) - 2) + [True]
+    assert list(b[0].prompt_token_ids) == [3]
+    last = b[-2]
+    assert last.outputs[0].disaggregated_params.ctx_request_id == 7
+    assert last.disaggregated_params.opaque_state == b"x"
 
 
 def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
@@ -734,7 +725,7 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
     from tandem.common.server import GrpcServer
 
     async def never_called(requests, context):
-        yield worker_pb2.OutputBatch(stream_id="ready")
+        yield worker_pb2.EngineOutputs(stream_id="ready")
 
     async def run():
         server = GrpcServer(
@@ -743,7 +734,7 @@ def test_a_session_opened_before_the_worker_is_ready_is_refused_unavailable():
         handler = grpc.stream_stream_rpc_method_handler(
             never_called,
             worker_pb2.SessionRequest.FromString,
-            worker_pb2.OutputBatch.SerializeToString,
+            worker_pb2.EngineOutputs.SerializeToString,
         )
         server.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("tandem.v1.Worker", {"Session": handler})]
@@ -776,7 +767,7 @@ def test_a_cancel_in_the_same_message_as_its_submit_stops_it_before_it_starts(
             await call.write(
                 worker_pb2.SessionRequest(
                     submits=[
-                        worker_pb2.SessionSubmit(tag=1, request=_request(600, max_tokens=1900))
+                        worker_pb2.SessionSubmit(tag=1, request=_engine(600, max_tokens=1900))
                     ],
                     cancels=[1],
                 )
@@ -841,7 +832,7 @@ def test_a_full_session_refuses_submits_and_bounds_each_message(monkeypatch):
             error = exc
         return recorder, failed, running, in_flight_count, in_flight.count, error
 
-    submits = [worker_pb2.SessionSubmit(tag=t, request=_request(t)) for t in range(1, 6)]
+    submits = [worker_pb2.SessionSubmit(tag=t, request=_engine(t)) for t in range(1, 6)]
     recorder, failed, running, in_flight_during, in_flight_after, _ = asyncio.run(
         run(
             [

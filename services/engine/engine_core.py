@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,55 @@ from tandem.engine.messages import (
 log = logging.getLogger("tandem.engine_core")
 
 _STOP = object()
+
+# Test-only: the engine thread runs this many engine steps as one and hands their outputs over
+# as one multi-token output per sequence, the shape speculative decoding's steps will have
+# (tests/test_internal_plane.py drives the whole path with it). Unset: 1.
+TOKENS_PER_STEP_ENV = "TANDEM_TEST_TOKENS_PER_STEP"
+
+
+def _tokens_per_step() -> int:
+    value = os.environ.get(TOKENS_PER_STEP_ENV, "1")
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"{TOKENS_PER_STEP_ENV} must be a whole number in [1, 64], got {value!r}")
+    return int(value)
+
+
+def coalesce(earlier: list[StepOutput], later: list[StepOutput]) -> list[StepOutput]:
+    """The outputs of two consecutive steps as one step's: each sequence's new tokens (logprobs,
+    ranks, logits) appended, its state (cumulative logprob, finish, lease, perf) the later one's,
+    its first output's prompt fields kept."""
+    if not earlier:
+        return later
+    merged = list(earlier)
+    by_id = {out.request_id: out for out in earlier}
+    for out in later:
+        first = by_id.get(out.request_id)
+        if first is None:
+            by_id[out.request_id] = out
+            merged.append(out)
+            continue
+        first.new_ranks = (first.new_ranks or [None] * len(first.new_logprobs)) + (
+            out.new_ranks or [None] * len(out.new_logprobs)
+        )
+        first.new_token_ids = first.new_token_ids + out.new_token_ids
+        first.new_logprobs = first.new_logprobs + out.new_logprobs
+        if out.generation_logits:
+            first.generation_logits = (first.generation_logits or []) + out.generation_logits
+        first.num_cached_prompt_tokens = max(
+            first.num_cached_prompt_tokens, out.num_cached_prompt_tokens
+        )
+        for name in (
+            "cumulative_logprob",
+            "finished",
+            "finish_reason",
+            "stop_token_id",
+            "lease",
+            "beams",
+            "perf",
+        ):
+            setattr(first, name, getattr(out, name))
+    return merged
 
 
 class JsonBuffer:
@@ -80,6 +130,7 @@ class EngineCore:
         # Called on the loop with each step's iteration stats (the worker's metrics), off the engine thread.
         self.on_stats = on_stats
         self._commands: queue.Queue = queue.Queue()
+        self.tokens_per_step = _tokens_per_step()
         # request id -> the asyncio queue its StepOutputs (or an EngineFailure) go to.
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -219,10 +270,16 @@ class EngineCore:
         return None
 
     def _step(self) -> None:
+        outputs: list[StepOutput] = []
         try:
-            outputs = self.engine.step()
+            for _ in range(self.tokens_per_step):
+                outputs = coalesce(outputs, self.engine.step())
+                if not self.engine.num_unfinished:
+                    break
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the worker
             log.exception("engine step failed")
+            if outputs:  # what the steps before it made is its sequences'
+                self.loop.call_soon_threadsafe(self._put_all, outputs)
             for request_id in self.engine.current_batch_ids:
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, EngineFailure(exc))

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.common.background import spawn
 from tandem.common.errors import RpcError
-from tandem.common.outputs import cancelled_output
+from tandem.common.outputs import cancelled_output, merge_outputs
 from tandem.common.roles import Role
 from tandem.common.streams import closing
 from tandem.router.inbox import SessionBroken
@@ -65,7 +65,7 @@ async def context_with_retry(
     route: Route, ctx: llm_pb2.GenerateRequest
 ) -> tuple[WorkerHandle, llm_pb2.RequestOutput] | None:
     """Runs the context phase; a prefill that dies or hangs is replaced while others remain.
-    Returns the prefill and its one (non-streamed) reply, or None when no prefill is left to
+    Returns the prefill and its reply (one message), or None when no prefill is left to
     run it (the caller runs the request on one worker instead)."""
     tried: set[str] = set()
     while True:
@@ -75,8 +75,10 @@ async def context_with_retry(
         out = None
         try:
             async with closing(route.relay(prefill, ctx, split=True)) as replies:
-                async for out in replies:
-                    pass
+                async for reply in replies:
+                    # Its one message, or the messages its steps came in (what the relay took at
+                    # once folds into one), merged.
+                    out = reply if out is None else merge_outputs([out, reply])
             if route.cancelled and not _hands_off(out):
                 _release_lost_handoff(route, prefill, ctx)
             return prefill, out

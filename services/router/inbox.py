@@ -1,6 +1,8 @@
 """A request's outputs in the router as its session's reader hands them over (sessions.py), and
 the stream the relay reads from them: the messages, the end, or the error its own Generate call
-would have given."""
+would have given. The messages are built here, once, from the worker's EngineOutput entries
+(common/engine_messages.OutputBuilder): the entries that arrive while the relay is busy fold
+into one message (a lagging client gets fewer, larger messages)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,15 @@ from collections import deque
 
 import grpc
 
+from tandem.common.engine_messages import OutputBuilder
 from tandem.common.errors import RETRY_PUSHBACK_METADATA
-from tandem.common.outputs import merge_outputs, merged
-from tandem.v1 import types_pb2, worker_pb2
+from tandem.v1 import internal_pb2, worker_pb2
 
 # Put on a request's inbox after its last output.
 ENDED = object()
 # Put on a request's inbox when its relay is cut here (Abort found nothing to abort, the
 # watchdog found the worker hung): reading it raises CancelledError, as a cancelled call does.
 CUT = object()
-# Outputs an inbox holds before it merges them into one (its client lags behind the worker).
-MAX_PENDING_OUTPUTS = 64
 
 
 def stream_failure(
@@ -53,42 +53,29 @@ def failure_error(failure: worker_pb2.SessionFailure) -> grpc.aio.AioRpcError:
 
 
 class Inbox:
-    """A request's outputs as the session reader hands them over; the relay takes all there are at once."""
+    """A request's outputs as the session reader hands them over; the relay takes all there are at
+    once. Entries that come one after another fold into one message as they come: what the inbox
+    holds stays one message however far its client lags."""
 
     __slots__ = ("items", "request_id", "_waiter")
 
-    def __init__(self):
+    def __init__(self, request_id: str = ""):
         self.items: deque = deque()
-        # The request id the worker's messages carry, from the first (a lone token's message is
-        # built with it: the worker sends lone tokens only after a request's first message).
-        self.request_id = ""
+        # The id the request's messages carry (the one it was submitted with).
+        self.request_id = request_id
         self._waiter: asyncio.Future | None = None
 
-    def put_token(self, token_id: int, cumulative_logprob: float) -> None:
-        """A lone token (OutputBatch.tokens): the message the worker would have sent for it."""
-        self.put(
-            types_pb2.RequestOutput(
-                request_id=self.request_id,
-                outputs=[
-                    types_pb2.CompletionOutput(
-                        index=0, token_ids=[token_id], cumulative_logprob=cumulative_logprob
-                    )
-                ],
-            )
-        )
+    def put_entry(self, entry: internal_pb2.EngineOutput) -> None:
+        items = self.items
+        if items and items[-1].__class__ is OutputBuilder:
+            items[-1].add(entry)
+            return  # the relay was woken by the builder's first entry
+        builder = OutputBuilder(self.request_id)
+        builder.add(entry)
+        self.put(builder)
 
     def put(self, item) -> None:
-        if not self.request_id and item.__class__ is types_pb2.RequestOutput:
-            self.request_id = item.request_id
-        items = self.items
-        items.append(item)
-        if len(items) >= MAX_PENDING_OUTPUTS and all(
-            i.__class__ is types_pb2.RequestOutput for i in items
-        ):
-            # A client that lags holds one merged message here, not one per engine step.
-            one = merge_outputs(list(items))
-            items.clear()
-            items.append(one)
+        self.items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -108,21 +95,14 @@ class Inbox:
 async def streamed_outputs(inbox: Inbox):
     """The messages of a request whose outputs come on a session, as iterating its own call would
     give them: its error status raised, CancelledError once its relay was cut. Outputs that piled
-    up while the consumer was busy go on as one message (a lagging client gets fewer, larger
-    messages)."""
+    up while the consumer was busy go on as one message."""
     while True:
-        pending: list[types_pb2.RequestOutput] = []
         for item in await inbox.take():
-            if item.__class__ is types_pb2.RequestOutput:
-                pending.append(item)
+            if item.__class__ is OutputBuilder:
+                yield item.build()
                 continue
-            if pending:
-                yield merged(pending)
-                pending = []
             if item is ENDED:
                 return
             if item is CUT:
                 raise asyncio.CancelledError()
             raise item  # the request failed, or the session broke
-        if pending:
-            yield merged(pending)

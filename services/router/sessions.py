@@ -1,7 +1,7 @@
 """The router's end of its sessions (Worker.Session, worker/sessions.py): one bidi stream per
 worker carries every Generate the router runs there, in (SessionRequest: submits and cancels,
-batched while the stream is busy) and out (OutputBatch: their outputs, a batch per engine step,
-and each request's end or error status). Route.relay reads a request's outputs from the inbox
+batched while the stream is busy; EngineRequest: token ids) and out (EngineOutputs: their
+EngineOutput entries, a batch per engine step, and each request's end or error status). Route.relay reads a request's outputs from the inbox
 (inbox.py) its tag names here. It is the one way the router's requests reach a worker: a request
 waits for a session that is full, goes alone in a message when it is too large to share one, and
 fails as its own call would (RESOURCE_EXHAUSTED) when it is larger than the worker takes.
@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import grpc
 
+from tandem.common.engine_messages import engine_request
 from tandem.common.errors import RpcError
 from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error, stream_failure
-from tandem.v1 import llm_pb2, types_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import internal_pb2, llm_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.sessions")
 
@@ -41,7 +42,7 @@ class OpenSession:
         self,
         call,
         stream_id: str,
-        on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
+        on_orphan: Callable[[internal_pb2.EngineOutput], None] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_requests: int = DEFAULT_MAX_REQUESTS,
         max_request_bytes: int = 0,
@@ -50,7 +51,7 @@ class OpenSession:
         worker's bound on one message (a larger submit cannot be sent; 0: max_message_bytes)."""
         self.call = call
         self.stream_id = stream_id
-        # Called with an output whose relay is over (a cancelled or failed request's stragglers).
+        # Called with an entry whose relay is over (a cancelled or failed request's stragglers).
         self.on_orphan = on_orphan
         self.max_message_bytes = max_message_bytes
         self.max_request_bytes = max(max_request_bytes, max_message_bytes)
@@ -94,7 +95,7 @@ class OpenSession:
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(
             tag=tag,
-            request=request,
+            request=engine_request(request),
             client=client,
             split=split,
             timeout_s=1.0 if deadline is not None else 0.0,
@@ -107,6 +108,9 @@ class OpenSession:
                 f"(its --max-request-bytes): send a shorter prompt",
             )
         self._submits[tag] = (submit, size, deadline)
+        inbox = self.inboxes.get(tag)
+        if inbox is not None:
+            inbox.request_id = request.request_id
         self._wake.set()
 
     async def wait_for_room(self) -> None:
@@ -169,11 +173,12 @@ class OpenSession:
         try:
             # read(), as _open's first read: grpc.aio refuses a call read both ways.
             while (batch := await self.call.read()) is not grpc.aio.EOF:
-                if batch.tokens:
-                    self._deliver_mixed(batch)
-                else:
-                    for tag, output in zip(batch.tags, batch.outputs):
-                        self._deliver(inboxes.get(tag), output)
+                for entry in batch.outputs:
+                    inbox = inboxes.get(entry.tag)
+                    if inbox is not None:
+                        inbox.put_entry(entry)
+                    elif self.on_orphan is not None:  # its relay is over: a straggler
+                        self.on_orphan(entry)
                 for tag in batch.ended:
                     inbox = inboxes.get(tag)
                     if inbox is not None:
@@ -199,35 +204,6 @@ class OpenSession:
             for inbox in inboxes.values():
                 inbox.put(SessionBroken(*failure))
 
-    def _deliver(self, inbox: Inbox | None, output: types_pb2.RequestOutput) -> None:
-        if inbox is not None:
-            inbox.put(output)
-        elif self.on_orphan is not None:  # its relay is over (a cancelled request's stragglers)
-            self.on_orphan(output)
-
-    def _deliver_mixed(self, batch: worker_pb2.OutputBatch) -> None:
-        """A batch with lone tokens: entry i is batch.tokens[i], or the next full output where that is -1."""
-        tags, tokens = batch.tags, batch.tokens
-        if (
-            len(tokens) != len(tags)
-            or len(batch.cumulative_logprobs) != len(tags)
-            or sum(1 for t in tokens if t < 0) != len(batch.outputs)
-        ):
-            raise ValueError(
-                f"malformed output batch: {len(tags)} tags, {len(tokens)} tokens, "
-                f"{len(batch.cumulative_logprobs)} logprobs, {len(batch.outputs)} outputs"
-            )
-        inboxes = self.inboxes
-        outputs = iter(batch.outputs)
-        for tag, token, cumulative in zip(tags, tokens, batch.cumulative_logprobs):
-            inbox = inboxes.get(tag)
-            if token < 0:
-                self._deliver(inbox, next(outputs))
-            elif (
-                inbox is not None
-            ):  # a lone token whose relay is over is nobody's (it holds no handoff)
-                inbox.put_token(token, cumulative)
-
     def close(self) -> None:
         self._reader.cancel()
         self._writer.cancel()
@@ -241,7 +217,7 @@ class WorkerSession:
         self,
         stub: worker_pb2_grpc.WorkerStub,
         address: str,
-        on_orphan: Callable[[types_pb2.RequestOutput], None] | None = None,
+        on_orphan: Callable[[internal_pb2.EngineOutput], None] | None = None,
     ):
         self._stub = stub
         self._address = address

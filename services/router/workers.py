@@ -27,7 +27,7 @@ from tandem.router.policies import (
     Policy,
 )
 from tandem.router.sessions import WorkerSession
-from tandem.v1 import llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import internal_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 __all__ = ["ADAPTER_MISS_COST", "LOCAL_ROLES", "WorkerHandle", "WorkerPool"]
 
@@ -152,16 +152,13 @@ class WorkerPool:
         )
 
     def _release_orphaned_handoff(
-        self, internal, address: str, output: types_pb2.RequestOutput
+        self, internal, address: str, output: internal_pb2.EngineOutput
     ) -> None:
         """An output came on a stream after its relay ended (its call was cancelled or failed just
         as the worker answered): a handoff in it reaches nobody, so its lease goes now, not at expiry."""
-        for comp in output.outputs:
-            if comp.disaggregated_params.opaque_state:
-                request = worker_pb2.ReleaseKvRequest(
-                    ctx_request_id=comp.disaggregated_params.ctx_request_id
-                )
-                spawn(self._release(internal, address, request))
+        if output.kv_params.opaque_state:
+            request = worker_pb2.ReleaseKvRequest(ctx_request_id=output.kv_params.ctx_request_id)
+            spawn(self._release(internal, address, request))
 
     async def _release(self, internal, address: str, request: worker_pb2.ReleaseKvRequest) -> None:
         try:

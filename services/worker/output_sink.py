@@ -59,9 +59,9 @@ class OutputSink:
         """Takes request's outputs from now on (before it is started)."""
         self.request = request
         request.stream = self
-        # Its decode steps' outputs can go as lone tokens (OutputStream.push_token): one
-        # sequence, no logprobs, so a step's message is its one token and nothing else.
-        self._lone_tokens = (
+        # Its decode steps' outputs can go as bare token entries (OutputStream.push_tokens): one
+        # sequence, no logprobs, so a step's message is its new tokens and nothing else.
+        self._bare_tokens = (
             request.options.logprobs is None
             and not request.beam_search
             and len(request.sequences) == 1
@@ -87,17 +87,17 @@ class OutputSink:
                 self.request.withdraw(item.lease.lease_id)
             return
         if (
-            self._lone_tokens
+            self._bare_tokens
             and item.__class__ is StepOutput
             and not item.finished
             and item.lease is None
             and item.perf is None
             and item.generation_logits is None
-            and len(item.new_token_ids) == 1
+            and item.new_token_ids
             and not self._first
             and self.tracker.first_token_at is not None
         ):
-            self._push_token(item)
+            self._push_tokens(item)
             return
         request = self.request
         try:
@@ -115,8 +115,8 @@ class OutputSink:
             if not self._num_unwritten:
                 self._end(exc)
 
-    def _push_token(self, item: StepOutput) -> None:
-        """What message() and the tracker would do with a decode step's lone token, without the message."""
+    def _push_tokens(self, item: StepOutput) -> None:
+        """What message() and the tracker would do with a decode step's new tokens, without the message."""
         if self._state.finished:  # a token that raced with an abort
             return
         request = self.request
@@ -124,9 +124,9 @@ class OutputSink:
         if item.num_cached_prompt_tokens > metrics.num_cached_prompt_tokens:
             metrics.num_cached_prompt_tokens = item.num_cached_prompt_tokens
         try:
-            self.stream.push_token(
+            self.stream.push_tokens(
                 self.tag,
-                item.new_token_ids[0],
+                item.new_token_ids,
                 request.first_cumulative + item.cumulative_logprob,
                 self._token_written,
             )
@@ -137,7 +137,7 @@ class OutputSink:
                 self._end(exc)
             return
         self._num_unwritten += 1
-        self.tracker.count_tokens(0, 1)
+        self.tracker.count_tokens(0, len(item.new_token_ids))
 
     def _token_written(self, error: BaseException | None) -> None:
         self._num_unwritten -= 1

@@ -3,9 +3,11 @@ router runs on this worker go out batched, one message per engine step for all o
 of one message per request per step. gRPC's cost is per message, on both ends: at a batch of
 256 a step cost the worker and the router 256 sends and reads; here it costs one.
 
-Each request's end goes in the batch after its last output: its tag in `ended`, or, where its
-own call would have ended with an error status, the status in `failed`. So the caller has every
-output of a request once it sees the request's end.
+A request's outputs are EngineOutput entries (internal.proto): the new token ids of a step, and
+what else the step's message held (common/engine_messages.py). Each request's end goes in the
+batch after its last output: its tag in `ended`, or, where its own call would have ended with an
+error status, the status in `failed`. So the caller has every output of a request once it sees
+the request's end.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from collections.abc import Callable
 
 import grpc
 
+from tandem.common.engine_messages import engine_outputs, token_entry
 from tandem.common.errors import RpcError, unavailable
-from tandem.v1 import types_pb2, worker_pb2
+from tandem.v1 import internal_pb2, types_pb2, worker_pb2
 
 
 class OutputStream:
@@ -31,12 +34,7 @@ class OutputStream:
         # What the session's caller may send in one message and run at once (told in the first batch).
         self.max_request_bytes = max_request_bytes
         self.max_requests = max_requests
-        self._tags: list[int] = []
-        self._outputs: list[types_pb2.RequestOutput] = []
-        # Per entry of _tags: -1 (a full message, in _outputs) or a lone token (push_token).
-        self._tokens: list[int] = []
-        self._cumulative: list[float] = []
-        self._num_tokens = 0
+        self._outputs: list[internal_pb2.EngineOutput] = []
         self._ended: list[int] = []
         self._failed: list[worker_pb2.SessionFailure] = []
         # finish() was called: the stream ends once nothing is pending.
@@ -54,36 +52,30 @@ class OutputStream:
         msg: types_pb2.RequestOutput,
         on_written: Callable[[BaseException | None], None] | None = None,
     ) -> None:
-        """Puts msg in the next batch. A finished msg is the request's last: its end goes in the
-        same batch. on_written(None) runs once that batch is written, on_written(error) if the
-        stream closes first."""
+        """Puts msg's entries in the next batch. A finished msg is the request's last: its end goes
+        in the same batch. on_written(None) runs once that batch is written, on_written(error) if
+        the stream closes first."""
         if self._error is not None:
             raise self._error
-        self._tags.append(tag)
-        self._outputs.append(msg)
-        self._tokens.append(-1)
-        self._cumulative.append(0.0)
+        self._outputs.extend(engine_outputs(tag, msg))
         if msg.finished:
             self._ended.append(tag)
         if on_written is not None:
             self._callbacks.append(on_written)
         self._wake.set()
 
-    def push_token(
+    def push_tokens(
         self,
         tag: int,
-        token_id: int,
+        token_ids: list[int],
         cumulative_logprob: float,
         on_written: Callable[[BaseException | None], None],
     ) -> None:
-        """push of a message that holds one token of sequence 0 and nothing else (not the
-        request's last), sent as two numbers instead of a RequestOutput (OutputBatch.tokens)."""
+        """push of a step that made token_ids in sequence 0 and nothing else (not the request's
+        last), without the message: its entry is made here."""
         if self._error is not None:
             raise self._error
-        self._tags.append(tag)
-        self._tokens.append(token_id)
-        self._cumulative.append(cumulative_logprob)
-        self._num_tokens += 1
+        self._outputs.append(token_entry(tag, token_ids, cumulative_logprob))
         self._callbacks.append(on_written)
         self._wake.set()
 
@@ -130,7 +122,7 @@ class OutputStream:
     async def batches(self):
         """The Session call's messages: the stream id, then a batch whenever outputs are pending,
         until the stream closes (or finishes)."""
-        yield worker_pb2.OutputBatch(
+        yield worker_pb2.EngineOutputs(
             stream_id=self.stream_id,
             max_request_bytes=self.max_request_bytes,
             max_requests=self.max_requests,
@@ -141,19 +133,15 @@ class OutputStream:
                 self._wake.clear()
                 if self._error is not None:
                     return
-                if not self._tags and not self._ended and not self._failed:
+                if not self._outputs and not self._ended and not self._failed:
                     if self._finishing:
                         return
                     continue
-                batch = worker_pb2.OutputBatch(
-                    tags=self._tags, outputs=self._outputs, ended=self._ended, failed=self._failed
+                batch = worker_pb2.EngineOutputs(
+                    outputs=self._outputs, ended=self._ended, failed=self._failed
                 )
-                if self._num_tokens:
-                    batch.tokens.extend(self._tokens)
-                    batch.cumulative_logprobs.extend(self._cumulative)
                 self._writing, self._callbacks = self._callbacks, []
-                self._tags, self._outputs, self._ended, self._failed = [], [], [], []
-                self._tokens, self._cumulative, self._num_tokens = [], [], 0
+                self._outputs, self._ended, self._failed = [], [], []
                 yield batch
                 writing, self._writing = self._writing, []
                 for callback in writing:

@@ -11,6 +11,7 @@ import uuid
 from google.protobuf import json_format
 
 from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
+from tandem.common.engine_messages import generate_request
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
@@ -60,7 +61,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     ) -> None:
         """A Generate that came on a session (sessions.py), run as its call would run: its outputs
         go on the session's stream under its tag, then its end; what it raises is its status."""
-        tracker, text_request, adapter, guide = await self._prepare(submit.request)
+        tracker, text_request, adapter, guide = await self._prepare(
+            generate_request(submit.request)
+        )
         client = None if submit.split else submit.client or owner
         tag = submit.tag
         if takes_fast_path(text_request):

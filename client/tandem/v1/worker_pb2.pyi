@@ -1,4 +1,4 @@
-from tandem.v1 import llm_pb2 as _llm_pb2
+from tandem.v1 import internal_pb2 as _internal_pb2
 from tandem.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -36,11 +36,11 @@ class SessionSubmit(_message.Message):
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     tag: int
-    request: _llm_pb2.GenerateRequest
+    request: _internal_pb2.EngineRequest
     client: str
     split: bool
     timeout_s: float
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_llm_pb2.GenerateRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionFailure(_message.Message):
     __slots__ = ("tag", "code", "details", "retry_pushback_ms", "refused")
@@ -56,27 +56,21 @@ class SessionFailure(_message.Message):
     refused: bool
     def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., refused: _Optional[bool] = ...) -> None: ...
 
-class OutputBatch(_message.Message):
-    __slots__ = ("stream_id", "tags", "outputs", "ended", "tokens", "cumulative_logprobs", "failed", "max_request_bytes", "max_requests")
+class EngineOutputs(_message.Message):
+    __slots__ = ("stream_id", "outputs", "ended", "failed", "max_request_bytes", "max_requests")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
-    TAGS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CUMULATIVE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
-    tags: _containers.RepeatedScalarFieldContainer[int]
-    outputs: _containers.RepeatedCompositeFieldContainer[_types_pb2.RequestOutput]
+    outputs: _containers.RepeatedCompositeFieldContainer[_internal_pb2.EngineOutput]
     ended: _containers.RepeatedScalarFieldContainer[int]
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    cumulative_logprobs: _containers.RepeatedScalarFieldContainer[float]
     failed: _containers.RepeatedCompositeFieldContainer[SessionFailure]
     max_request_bytes: int
     max_requests: int
-    def __init__(self, stream_id: _Optional[str] = ..., tags: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[_types_pb2.RequestOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., cumulative_logprobs: _Optional[_Iterable[float]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_internal_pb2.EngineOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerStateRequest(_message.Message):
     __slots__ = ()

@@ -64,7 +64,7 @@ class WorkerStub:
         self.Session = channel.stream_stream(
                 '/tandem.v1.Worker/Session',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.EngineOutputs.FromString,
                 _registered_method=True)
 
 
@@ -120,11 +120,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """The caller's multiplexed channel to this worker (the router opens one per worker): Generate
-        requests go in as messages on it (SessionRequest.submits) instead of a call each, and the
-        outputs of every request of the session come back batched, one OutputBatch per engine step
-        for all of them. A request runs as its own Generate call would: the same checks, phases and
-        messages, its end in OutputBatch.ended or its status in OutputBatch.failed, and a cancel
+        """The caller's multiplexed channel to this worker (the router opens one per worker): requests
+        go in as entries of its messages (SessionRequest.submits, EngineRequest: token ids) and the
+        outputs of every request of the session come back batched, one EngineOutputs per engine step
+        for all of them (EngineOutput: new token ids). A request runs as a Generate of its token ids
+        would: the same checks and phases, its end in EngineOutputs.ended or its status in
+        EngineOutputs.failed, and a cancel
         (SessionRequest.cancels) or the session's end stops it as cancelling its call would. The
         session's caller owns its requests (Abort). gRPC's cost is per call and per message, on
         both ends: a request costs one entry on a message here, and a step of a large batch one
@@ -165,7 +166,7 @@ def add_WorkerServicer_to_server(servicer, server):
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.SessionRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.EngineOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -331,7 +332,7 @@ class Worker:
             target,
             '/tandem.v1.Worker/Session',
             tandem_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+            tandem_dot_v1_dot_worker__pb2.EngineOutputs.FromString,
             options,
             channel_credentials,
             insecure,
