@@ -26,6 +26,7 @@ PACKAGES = {
     "cli": ROOT / "services/cli",
     "client": ROOT / "client/tandem/client",
     "openai": ROOT / "services/openai",
+    "rl": ROOT / "services/rl",
 }
 # What each package may import of tandem (v1, the generated stubs, is open to every layer but
 # the engine and the kernels, which speak no protobuf).
@@ -43,6 +44,7 @@ ALLOWED = {
     "cli": set(PACKAGES) | {"v1"},
     "client": {"v1"},
     "openai": {"client", "common", "v1"},
+    "rl": set(),
 }
 # Third-party modules a layer must not touch.
 FORBIDDEN_MODULES = {

@@ -599,6 +599,8 @@ def test_service_monitor_scrapes_every_service(chart):
         {"tls": {"routerClientAuth": "optional"}},
         {"probes": {"healthPort": 0}},
         {"decode": {"cudaIpcGetZcopy": "yes please"}},
+        {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
+        {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
     ],
     ids=lambda bad: repr(bad),
 )
@@ -628,6 +630,53 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):
+    def policies(values):
+        return {
+            c["name"]: flag(c, "kv-load-failure-policy")
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(policies({}).values()) == {None}  # the code's default: recompute
+    assert policies({"decode": {"kvLoadFailurePolicy": "fail"}})["decode"] == "fail"
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"decode": {"kvLoadFailurePolicy": "retry"}})
+
+
+def test_prometheus_rule_alerts_on_handoffs_the_decodes_did_not_pull(chart):
+    assert not by_kind(objects(chart, {}), "PrometheusRule")  # opt-in: it needs the CRD
+    docs = objects(
+        chart,
+        {
+            "metrics": {
+                "prometheusRule": {"enabled": True, "recomputeShare": 0.2, "labels": {"a": "b"}}
+            }
+        },
+    )
+    (rule,) = by_kind(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["a"] == "b"
+    (group,) = rule["spec"]["groups"]
+    (alert,) = group["rules"]
+    expr = alert["expr"]
+    decode_service = next(
+        svc["metadata"]["name"]
+        for svc in by_kind(docs, "Service")
+        if svc["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
+    )
+    selector = f'namespace="{NAMESPACE}", service="{decode_service}"'
+    assert f'tandem:kv_handoffs_total{{{selector}, outcome=~"recomputed|failed"}}[10m]' in expr
+    assert f'tandem:kv_handoffs_total{{{selector}, outcome!=""}}[10m]' in expr
+    assert expr.strip().endswith("> 0.2")
+    assert alert["for"] == "15m" and alert["labels"]["severity"] == "warning"
+    assert "{{ $value | humanizePercentage }}" in alert["annotations"]["description"]
+    assert not by_kind(
+        objects(chart, {"metrics": {"enabled": False, "prometheusRule": {"enabled": True}}}),
+        "PrometheusRule",
+    )
 
 
 def test_a_cluster_without_a_decode_capable_worker_does_not_render(chart):

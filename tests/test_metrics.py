@@ -195,10 +195,10 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     assert scrapes.delta("decode", "tandem:prompt_tokens_total") == sum(
         len(o.prompt_token_ids) for o in handed_off
     )
-    # A generation output starts with the context phase's first token (TensorRT-LLM's): the decode
-    # returns it again, so it counts what its clients got, the first token included.
+    # The router's split does not get the context phase's first token back from the decode (the
+    # client has it already): the decode counts the tokens it generated, the prefill the first.
     assert scrapes.delta("decode", "tandem:generation_tokens_total") == sum(
-        len(o.outputs[0].token_ids) for o in handed_off
+        len(o.outputs[0].token_ids) - 1 for o in handed_off
     )
     assert scrapes.delta("decode", "tandem:request_success_total", finished_reason="stop") == 1
     pulled = scrapes.delta("decode", "tandem:kv_transfer_bytes_total")
@@ -210,6 +210,12 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
     # Each handoff that reached the decode was pulled: none was computed again, silently or not.
     assert scrapes.delta("decode", "tandem:kv_handoffs_total", outcome="pulled") == len(handed_off)
     assert scrapes.delta("decode", "tandem:kv_handoffs_total") == len(handed_off)
+    # ... and the router saw the same per prefill->decode pair.
+    pair = dict(prefill=cluster.workers[0].address, decode=cluster.workers[1].address)
+    assert scrapes.delta(
+        "router", "tandem:router_kv_handoffs_total", outcome="pulled", **pair
+    ) == len(handed_off)
+    assert scrapes.delta("router", "tandem:router_kv_handoffs_total") == len(handed_off)
     outcomes_before = state_before["decode"].kv_handoff_outcomes
     assert {
         k: v - outcomes_before.get(k, 0)

@@ -18,7 +18,7 @@ from tandem.common.channels import ClusterCredentials
 from tandem.router import workers
 from tandem.router.workers import WORKER_CHANNEL_OPTIONS, WorkerPool
 from tandem.testing.cluster import free_port
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker.output_streams import OutputStream
 
 NUM_REQUESTS, NUM_STEPS = 32, 3000  # ~400 bytes a step: ~1.2 MB of one-step batches
@@ -45,7 +45,7 @@ async def _serve_steps(produced: list[int]):
                     0
                 )  # one step per turn of the loop: the writer runs between steps
             for tag in range(NUM_REQUESTS):
-                stream.end(tag)
+                stream.push(tag, types_pb2.RequestOutput(finished=True))
             stream.finish()
 
         task = asyncio.ensure_future(engine())

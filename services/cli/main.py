@@ -18,6 +18,7 @@ from tandem.cli.security_flags import (
 )
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
+from tandem.decode.outcomes import LOAD_FAILURE_POLICIES
 
 # Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
 # router's and a worker's differ so that a router and a worker on one host both get theirs.
@@ -77,6 +78,15 @@ def _parser() -> argparse.ArgumentParser:
             help="a decode warns (once per prefill) when a KV pull from a prefill on its host runs under "
             "this many GB/s, a sign of a TCP lane (default: 5 between GPU pools, none between CPU "
             "pools; 0: never)",
+        )
+        p.add_argument(
+            "--kv-load-failure-policy",
+            choices=LOAD_FAILURE_POLICIES,
+            default="recompute",
+            help="a decode that cannot load a handoff's KV (no room, lease expiring, pull failed, "
+            "prefill unreachable, lease unconfirmed): recompute computes the prompt itself (counted "
+            "and logged); fail ends the request UNAVAILABLE and the router retries it once on "
+            "another prefill/decode pair (default: recompute)",
         )
         p.add_argument(
             "--kv-pull-floor-mib",
@@ -211,6 +221,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default: $TANDEM_ADMIN_TOKEN; none: open)",
     )
     up.add_argument(
+        "--kv-load-failure-policy",
+        choices=LOAD_FAILURE_POLICIES,
+        default="recompute",
+        help="what each decode does with a handoff whose KV it cannot load (as on `serve decode`; "
+        "default: recompute)",
+    )
+    up.add_argument(
         "--max-restarts",
         type=int,
         default=5,
@@ -334,6 +351,7 @@ def _serve(args) -> int:
         host=args.host,
         port=args.port,
         nixl_progress_thread=args.nixl_progress_thread,
+        kv_load_failure_policy=args.kv_load_failure_policy,
         admin_token=args.admin_token,
         kv_pull_floor=PullFloor(
             args.kv_pull_floor_gbps,

@@ -58,6 +58,13 @@ def up(args, engine) -> int:
     ]
     # Tokens reach the processes in their environment, not on their (world-readable) command line.
     env = {"TANDEM_ADMIN_TOKEN": args.admin_token} if args.admin_token else None
+    # Each decode's policy for a handoff whose KV it cannot load (the other roles pull none).
+    worker_args = role_worker_args(args, roles)
+    if args.kv_load_failure_policy != "recompute":
+        for index in range(1, roles.count("decode") + 1):
+            worker_args.setdefault(f"decode-{index}", []).extend(
+                ["--kv-load-failure-policy", args.kv_load_failure_policy]
+            )
     cluster = LocalCluster(
         roles=roles,
         engine_args=engine_argv(engine) + limits,
@@ -69,7 +76,7 @@ def up(args, engine) -> int:
         router_metrics_port=args.metrics_port,
         cluster_token=args.cluster_token,
         tls=tls_config(args),
-        worker_args=role_worker_args(args, roles),
+        worker_args=worker_args,
     )
     supervisor = Supervisor(cluster, RestartPolicy(max_restarts=args.max_restarts))
     print(

@@ -35,15 +35,19 @@ def disaggregated_params(params: internal_pb2.KvParams) -> types_pb2.Disaggregat
     return types_pb2.DisaggregatedParams.FromString(params.SerializeToString())
 
 
-def engine_request(request: llm_pb2.GenerateRequest) -> internal_pb2.EngineRequest:
+def engine_request(
+    request: llm_pb2.GenerateRequest, return_first_gen_tokens: bool = False
+) -> internal_pb2.EngineRequest:
     """What a worker's session gets for a GenerateRequest whose prompt the text front tokenized
-    (its prompt is token ids; stop strings and detokenizing are the front's)."""
+    (its prompt is token ids; stop strings and detokenizing are the front's).
+    return_first_gen_tokens: a generation phase's output starts with the tokens it was given."""
     if request.prompt.WhichOneof("kind") != "token_ids":
         raise ValueError("an engine request takes a tokenized prompt (prompt.token_ids)")
     out = internal_pb2.EngineRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt.token_ids.ids,
         trace_headers=request.trace_headers,
+        return_first_gen_tokens=return_first_gen_tokens,
     )
     for name in _SHARED_MESSAGES:
         if request.HasField(name):

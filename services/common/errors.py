@@ -22,6 +22,32 @@ class RpcError(Exception):
         self.message = message
 
 
+# Trailing metadata of a request's failure that says what failed, for a caller that acts on it
+# (the router retries a KV load failure on another prefill/decode pair).
+FAILURE_REASON_METADATA = "tandem-failure-reason"
+# The reason a decode under --kv-load-failure-policy fail ends a request with (":" and why).
+KV_LOAD_FAILED = "kv_load_failed"
+
+
+class KvLoadFailedError(RpcError):
+    """A decode could not load a handoff's KV and its policy is to fail rather than compute the
+    prompt itself: UNAVAILABLE, with the reason for the router (failure_reason)."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.failure_reason = f"{KV_LOAD_FAILED}:{why}"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What exc says failed (FAILURE_REASON_METADATA): its own, or a downstream worker's."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        for key, value in exc.trailing_metadata() or ():
+            if key == FAILURE_REASON_METADATA:
+                return value
+        return ""
+    return getattr(exc, "failure_reason", "")
+
+
 def invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 

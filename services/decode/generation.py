@@ -3,7 +3,10 @@ pull the prompt's KV from the prefill worker with a NIXL READ, confirm the lease
 When the pool has no room (or the lease no time) for the pull, the prompt is computed here
 instead and the prefill is told to free its copy; when the pull fails (the prefill died or
 hangs, or released its pool), the prompt is computed here too: the request has its prompt and
-first token, so nothing is lost with the prefill.
+first token, so nothing is lost with the prefill. That is --kv-load-failure-policy recompute (the
+default; vLLM's name); under fail the request ends UNAVAILABLE instead, naming why, and the
+router retries it once on another prefill/decode pair. Either way the outcome is counted and
+logged (outcomes.py).
 
 Once a handoff verified here, its lease is the decode's to end, on every way the phase can end
 but a cancel or a failure of the request (which the router, seeing no normal end, ends itself):
@@ -28,8 +31,8 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.common.errors import PreconditionError
-from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
+from tandem.common.errors import KvLoadFailedError, PreconditionError
+from tandem.decode.outcomes import LOAD_FAILURE_POLICIES, HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.messages import AddRequest, RemoteKvArrived
@@ -78,7 +81,17 @@ class GenerationPhase:
         links: PullLinks,
         outcomes: HandoffOutcomes,
         on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None,
+        load_failure_policy: str = "recompute",
+        weights_id: Callable[[], str] = lambda: "",
     ):
+        """weights_id: the weights this worker serves now (a handoff of others is not used)."""
+        self.weights_id = weights_id
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
+                f"{load_failure_policy!r}"
+            )
+        self.load_failure_policy = load_failure_policy
         self.poller = poller
         self.peers = peers
         self.handoff_format = handoff_format
@@ -111,7 +124,7 @@ class GenerationPhase:
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
         """request: a worker.request.WorkerRequest of one sequence."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
-            self.outcomes.record(Outcome.RELEASED, request.request_id, handoff.ctx_endpoint)
+            self._end(request, handoff, Outcome.RELEASED)
             self._release_remote(handoff)
             return
         request.tasks.append(asyncio.create_task(self._run(request, handoff)))
@@ -122,6 +135,19 @@ class GenerationPhase:
         rid = state.engine_id
         first = request.first_gen_tokens
         pending: PendingRead | None = None
+        ours = self.weights_id()
+        if handoff.weights_id and ours and handoff.weights_id != ours:
+            # KV of other weights must not continue here (an update reached one worker only).
+            log.warning(
+                "request %s: prefill %s computed its KV with weights %s; this decode serves %s",
+                rid,
+                handoff.ctx_endpoint,
+                handoff.weights_id,
+                ours,
+            )
+            self._release_remote(handoff)
+            self._not_loaded(request, handoff, Reason.WEIGHTS_MISMATCH)
+            return
         try:
             plan, reason = None, Reason.LEASE_EXPIRING
             # A lease about to run out may be freed (and its blocks reused) while we read.
@@ -141,11 +167,10 @@ class GenerationPhase:
                     )
                 )
             if plan is None:
-                # No room for the prompt's KV now (or no time): compute it here, and let the
-                # prefill free its copy at once.
-                self._record_recompute(request, handoff, reason)
-                request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
+                # No room for the prompt's KV now (or no time): the prefill may free its copy at
+                # once, and the prompt is computed here (or the request fails, by the policy).
                 self._release_remote(handoff)
+                self._not_loaded(request, handoff, reason)
                 return
             core.register(rid, request.stream)
             started = time.perf_counter()
@@ -174,7 +199,13 @@ class GenerationPhase:
             request.metrics.kv_transfer_end = time.time()
             self.on_pulled(nbytes, request.metrics.kv_transfer_s)
             request.metrics.num_cached_prompt_tokens = len(request.prompt_token_ids)
-            self.outcomes.record(Outcome.PULLED, request.request_id, handoff.ctx_endpoint)
+            self._end(
+                request,
+                handoff,
+                Outcome.PULLED,
+                num_pulled=len(handoff.block_ids) - plan.num_cached_blocks,
+                num_cached=plan.num_cached_blocks,
+            )
             core.send(RemoteKvArrived(rid))
         except asyncio.CancelledError:
             # Cancelled mid-READ: the abort frees our blocks, so let the READ land first rather than
@@ -182,7 +213,7 @@ class GenerationPhase:
             if pending is not None:
                 await self.poller.settle(pending)
             core.abort(rid)
-            self.outcomes.record(Outcome.CANCELLED, request.request_id, handoff.ctx_endpoint)
+            self._end(request, handoff, Outcome.CANCELLED)
             raise
         except (TransferError, grpc.aio.AioRpcError) as exc:
             # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
@@ -196,32 +227,67 @@ class GenerationPhase:
                 handoff.ctx_endpoint,
                 exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc,
             )
-            self._record_recompute(
+            self._release_remote(handoff)  # the lease is ours to end, whatever its prefill's state
+            self._not_loaded(
                 request,
                 handoff,
                 Reason.PULL_FAILED if pending is not None else Reason.PEER_UNREACHABLE,
             )
-            self._release_remote(handoff)  # the lease is ours to end, whatever its prefill's state
-            request.submit(Phase.GENERATION_ONLY, output_token_ids=first)
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)
-            self.outcomes.record(Outcome.FAILED, request.request_id, handoff.ctx_endpoint)
+            self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
 
-    def _record_recompute(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:
-        self.outcomes.record(Outcome.RECOMPUTED, request.request_id, handoff.ctx_endpoint, reason)
+    def _end(
+        self,
+        request,
+        handoff: worker_pb2.KvHandoff,
+        outcome: Outcome,
+        reason: Reason = Reason.NONE,
+        num_pulled: int = 0,
+        num_cached: int = 0,
+    ) -> None:
+        """The handoff's one outcome: counted here (the worker's metrics and state) and kept on
+        the request (its RequestMetrics and perf metrics: the router counts it per pair)."""
+        self.outcomes.record(outcome, request.request_id, handoff.ctx_endpoint, reason)
+        request.metrics.kv_handoff = types_pb2.KvHandoffMetrics(
+            outcome=outcome.value,
+            reason=reason.value,
+            prefill=handoff.ctx_endpoint,
+            decode=self.outcomes.decode,
+            num_pulled_blocks=num_pulled,
+            num_cached_blocks=num_cached,
+        )
+
+    def _not_loaded(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:
+        """The handoff's KV did not load here (nothing of the request is in the engine now): the
+        prompt is computed here (recompute), or the request fails UNAVAILABLE (fail)."""
+        if self.load_failure_policy == "fail":
+            self._end(request, handoff, Outcome.FAILED, reason)
+            request.fail(
+                KvLoadFailedError(
+                    f"decode worker {self.outcomes.decode} could not load the KV handed off by "
+                    f"prefill worker {handoff.ctx_endpoint} ({reason.value}); under "
+                    f"--kv-load-failure-policy fail it does not compute the prompt itself",
+                    reason.value,
+                )
+            )
+            return
+        self._end(request, handoff, Outcome.RECOMPUTED, reason)
+        request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
 
     def _recompute(self, request, handoff: worker_pb2.KvHandoff, answer: LeaseAnswer) -> None:
         """The READ landed but its lease was not confirmed: drop what it brought (the abort frees
         the reserved blocks uncached) and compute the prompt here. A lease that had ended was a
         replayed or stale handoff; one whose prefill did not answer may still be live: end it."""
-        if answer is LeaseAnswer.ENDED:
-            self._record_recompute(request, handoff, Reason.UNCONFIRMED)
-        else:
-            self._record_recompute(request, handoff, Reason.PEER_UNREACHABLE)
+        if answer is not LeaseAnswer.ENDED:
             self._release_remote(handoff)
         request.core.abort(request.only_sequence.engine_id)
-        request.submit(Phase.GENERATION_ONLY, output_token_ids=request.first_gen_tokens)
+        self._not_loaded(
+            request,
+            handoff,
+            Reason.UNCONFIRMED if answer is LeaseAnswer.ENDED else Reason.PEER_UNREACHABLE,
+        )
 
     def _release_remote(self, handoff: worker_pb2.KvHandoff) -> None:
         """Tells the prefill to free the handoff's blocks without reading them (best effort: the

@@ -16,13 +16,19 @@ from collections.abc import Callable
 
 log = logging.getLogger("tandem.decode.outcomes")
 
+# What a decode does with a handoff whose KV it cannot load (--kv-load-failure-policy, vLLM's
+# name): compute the prompt itself, or end the request for the router to retry elsewhere.
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
 
 class Outcome(enum.Enum):
     PULLED = "pulled"  # the prompt's KV came from the prefill (and its lease confirmed it)
     RECOMPUTED = "recomputed"  # the decode computed the prompt itself (a Reason says why)
     RELEASED = "released"  # nothing to pull: the first tokens already ended the request
     CANCELLED = "cancelled"  # the request was cancelled before its KV landed
-    FAILED = "failed"  # the request failed with an error status
+    FAILED = (
+        "failed"  # the request failed (with a Reason: its KV did not load, and the policy is fail)
+    )
 
 
 class Reason(enum.Enum):
@@ -32,6 +38,7 @@ class Reason(enum.Enum):
     PULL_FAILED = "pull_failed"  # the READ failed or timed out
     PEER_UNREACHABLE = "peer_unreachable"  # the prefill did not answer (its state, or the confirm)
     UNCONFIRMED = "unconfirmed"  # the lease had ended before the confirm (a stale handoff)
+    WEIGHTS_MISMATCH = "weights_mismatch"  # the prefill computed the KV with other weights
 
 
 class HandoffOutcomes:
@@ -51,14 +58,16 @@ class HandoffOutcomes:
     ) -> None:
         self._counts[outcome, reason] += 1
         self.on_outcome(outcome.value, reason.value)
-        if outcome is Outcome.RECOMPUTED:
+        if reason is not Reason.NONE:
             log.warning(
-                "request %s: the KV handed off by prefill %s was not pulled (%s); decode %s "
-                "computes the prompt itself",
+                "request %s: the KV handed off by prefill %s was not pulled (%s); decode %s %s",
                 request_id,
                 prefill,
                 reason.value,
                 self.decode,
+                "computes the prompt itself"
+                if outcome is Outcome.RECOMPUTED
+                else "fails the request (--kv-load-failure-policy fail)",
             )
 
     def counts(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ from tandem.engine.messages import (
     AbortRequest,
     AddRequest,
     CheckIdle,
+    CopyWeights,
     EngineFailure,
     FreeBlocks,
     ReadCounters,
@@ -149,6 +150,7 @@ class EngineCore:
             ReleaseMemory: lambda c: engine.release_memory(c.tags),
             ResumeMemory: lambda c: engine.resume_memory(c.tags),
             SwapWeights: lambda c: engine.swap_weights(c.model, c.source),
+            CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize),
             ReadCounters: lambda c: engine.snapshot(),
             WeightsChecksum: lambda c: engine.weights_checksum(),
         }

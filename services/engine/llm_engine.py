@@ -344,10 +344,24 @@ class LLMEngine:
         self.runner.swap_weights(model, source)
         self.block_manager.reset_prefix_cache()
 
+    def copy_weights(self, updates: list, finalize: bool) -> None:
+        """Tensors written into the served weights in place (messages.CopyWeights), while nothing
+        runs: KV computed with the old ones must not meet the new ones."""
+        self.runner.require_single_rank("update_weights")
+        self.require_idle("update_weights")
+        if "model" in self.released_tags:
+            raise PreconditionError(
+                "the model weights are released; call resume(['model']) before update_weights"
+            )
+        self.runner.copy_weights(updates, finalize)
+        self.block_manager.reset_prefix_cache()
+
     def release_memory(self, tags: list[str]) -> None:
         """Frees the memory behind tags. Refused while requests run or leases are out."""
         self.runner.require_single_rank("release")
         self.require_idle("release")
+        if "model" in tags:
+            self.runner.check_weights_restorable()
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()
             self.runner.release_kv_cache()

@@ -50,6 +50,44 @@ def _expected_hf_names(model: CausalLM) -> dict[str, tuple[str, ...]]:
     return expected
 
 
+def _part_rows(config: ModelConfig, source: str) -> int:
+    """Rows (dim 0) of one HF part of a fused parameter, on a single rank."""
+    if source == "self_attn.q_proj":
+        return config.num_heads * config.head_dim
+    if source in ("self_attn.k_proj", "self_attn.v_proj"):
+        return config.num_kv_heads * config.head_dim
+    return config.intermediate_size  # mlp.gate_proj, mlp.up_proj
+
+
+def hf_parameter_slices(model: CausalLM) -> dict[str, tuple[str, int, int]]:
+    """HF tensor name -> (engine parameter, first row, end row): where each tensor of an HF
+    checkpoint lands in a single-rank model's parameters (a fused parameter holds its parts one
+    after the other along dim 0). What an in-place weight update writes through."""
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    slices: dict[str, tuple[str, int, int]] = {}
+    for name, parts in _expected_hf_names(model).items():
+        if len(parts) == 1:
+            slices[parts[0]] = (name, 0, shapes[name][0])
+            continue
+        module = name.rsplit(".", 1)[0]
+        fused = next(f for f in _FUSED if module.endswith(f))
+        start = 0
+        for hf, source in zip(parts, _FUSED[fused]):
+            end = start + _part_rows(model.config, source)
+            slices[hf] = (name, start, end)
+            start = end
+        if start != shapes[name][0]:
+            raise ValueError(
+                f"{name}: its parts have {start} rows, the parameter {shapes[name][0]}"
+            )
+    return slices
+
+
+def is_ignored_tensor(hf_name: str) -> bool:
+    """A tensor some checkpoints carry that the engine recomputes (rotary inverse frequencies)."""
+    return hf_name.endswith(_IGNORED_SUFFIXES)
+
+
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:

@@ -87,6 +87,17 @@ class SwapWeights:
 
 
 @dataclass(frozen=True)
+class CopyWeights:
+    """Write tensors into the served weights in place (an update by IPC handles): each update is
+    (engine parameter, first row, end row, tensor), checked against the parameter already.
+    finalize: the update is over (update_weights(None)). Either way the prefix cache is reset:
+    its KV was computed with other weights."""
+
+    updates: list
+    finalize: bool = False
+
+
+@dataclass(frozen=True)
 class ReadCounters:
     """Reply: an EngineSnapshot."""
 

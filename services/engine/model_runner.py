@@ -37,6 +37,9 @@ from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
 from tandem.kernels.dispatch import backend_for, check_settings
 
+# weights_source of weights written by IPC handles (update_weights(dict)).
+IPC_SOURCE = "ipc"
+
 log = logging.getLogger("tandem.model_runner")
 
 
@@ -137,6 +140,10 @@ class ModelRunner:
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
         self.weights_version = 0
+        # Updates by IPC handles finalized since the weights last came from a checkpoint, and
+        # whether one has written some of its buckets and is not finalized yet.
+        self.num_ipc_updates = 0
+        self.ipc_update_open = False
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = config.num_blocks or self._num_blocks_for_memory(
@@ -308,6 +315,46 @@ class ModelRunner:
         self._drop_graphs()
         self.weights_source = source
         self.weights_version += 1
+        self.num_ipc_updates, self.ipc_update_open = 0, False
+
+    @torch.inference_mode()
+    def copy_weights(self, updates: list, finalize: bool) -> None:
+        """Writes (parameter, first row, end row, tensor) updates into the served weights (their
+        addresses stay: captured graphs stay valid). The update stays open until finalize; a
+        finalize with none open changes nothing (one sent again after a partial failure)."""
+        params = dict(self.model.named_parameters())
+        for name, start, end, tensor in updates:
+            params[name][start:end].copy_(tensor)
+        if self.device.type == "cuda":  # the trainer's memory may change once this returns
+            torch.cuda.synchronize(self.device)
+        self.weights_version += 1
+        if not finalize:
+            self.ipc_update_open = True
+        elif self.ipc_update_open:
+            self.ipc_update_open = False
+            self.weights_source = IPC_SOURCE
+            self.num_ipc_updates += 1
+
+    @property
+    def weights_id(self) -> str:
+        """Which weights this runner serves (KvHandoff.weights_id): the checkpoint directory, or
+        how many updates by IPC handles were finalized since the last one, and whether one is
+        open. Workers given the same updates agree; a worker that missed one does not."""
+        base = (
+            f"{IPC_SOURCE}@{self.num_ipc_updates}"
+            if self.weights_source == IPC_SOURCE
+            else self.weights_source
+        )
+        return base + ("+open" if self.ipc_update_open else "")
+
+    def check_weights_restorable(self) -> None:
+        """Refuses to release weights that exist only in this process (written by IPC handles)."""
+        if self.weights_source == IPC_SOURCE or self.ipc_update_open:
+            raise PreconditionError(
+                "the served weights came by IPC handles and exist only in this process: releasing "
+                "them would lose them (resume could not reload them); update_weights from a "
+                "checkpoint directory first, or keep them"
+            )
 
     def _drop_graphs(self) -> None:
         """Graphs hold the addresses of the weights, the KV pool and the LoRA pool they were captured with."""

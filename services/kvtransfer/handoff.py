@@ -73,8 +73,10 @@ class HandoffFormat:
         prompt_token_ids: list[int],
         cache_salt: str | None,
         adapter=None,
+        weights_id: str = "",
     ) -> bytes:
-        """adapter: the LoRA adapter (engine.lora_adapter.LoRAAdapter) the KV was computed with, or None."""
+        """adapter: the LoRA adapter (engine.lora_adapter.LoRAAdapter) the KV was computed with, or
+        None; weights_id: the weights it was computed with (KvHandoff.weights_id)."""
         state = worker_pb2.KvHandoff(
             version=FORMAT_VERSION,
             ctx_endpoint=endpoint,
@@ -86,6 +88,7 @@ class HandoffFormat:
             ctx_request_id=lease_id,
             lease_expires_at=expires_at,
             prompt_digest=prompt_digest(prompt_token_ids, cache_salt),
+            weights_id=weights_id,
         )
         if adapter is not None:
             state.lora_request.CopyFrom(

@@ -4,6 +4,8 @@ naming them (kvtransfer/handoff.py), which a decode worker presents to pull them
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tandem.engine.messages import StepOutput
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.handoff import HandoffFormat
@@ -13,12 +15,19 @@ from tandem.v1 import types_pb2
 
 class ContextPhase:
     def __init__(
-        self, keeper: LeaseKeeper, handoff_format: HandoffFormat, endpoint: str, agent_name: str
+        self,
+        keeper: LeaseKeeper,
+        handoff_format: HandoffFormat,
+        endpoint: str,
+        agent_name: str,
+        weights_id: Callable[[], str] = lambda: "",
     ):
+        """weights_id: the weights the worker serves now (its handoffs carry it)."""
         self.keeper = keeper
         self.handoff_format = handoff_format
         self.endpoint = endpoint
         self.agent_name = agent_name
+        self.weights_id = weights_id
 
     def start(self, request) -> None:
         """request: a worker.request.WorkerRequest of one sequence. A client's handoff counts
@@ -48,6 +57,7 @@ class ContextPhase:
                 request.prompt_token_ids,
                 request.cache_salt,
                 request.adapter,
+                self.weights_id(),
             ),
         )
         if request.disagg_in.HasField("disagg_request_id"):

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.common.background import spawn
-from tandem.common.errors import RpcError
+from tandem.common.errors import RpcError, failure_reason
 from tandem.common.outputs import cancelled_output, merge_outputs
 from tandem.common.roles import Role
 from tandem.common.streams import closing
@@ -43,6 +43,8 @@ async def worker_gone(worker: WorkerHandle, exc: BaseException, timeout_s: float
         return True
     if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False
+    if failure_reason(exc):  # the worker said what failed: it answered, so it is there
+        return False
     try:
         reply = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError:
@@ -62,12 +64,12 @@ def pick_or_none(route: Route, roles: tuple[Role, ...], exclude: set[str]) -> Wo
 
 
 async def context_with_retry(
-    route: Route, ctx: llm_pb2.GenerateRequest
+    route: Route, ctx: llm_pb2.GenerateRequest, tried: set[str] | None = None
 ) -> tuple[WorkerHandle, llm_pb2.RequestOutput] | None:
     """Runs the context phase; a prefill that dies or hangs is replaced while others remain.
     Returns the prefill and its reply (one message), or None when no prefill is left to
-    run it (the caller runs the request on one worker instead)."""
-    tried: set[str] = set()
+    run it (the caller runs the request on one worker instead). tried: prefills not to use."""
+    tried = set(tried or ())
     while True:
         prefill = pick_or_none(route, (Role.PREFILL,), tried)
         if prefill is None:
@@ -164,17 +166,11 @@ async def stream_with_migration(
     current, tried = request, set()
     last_cumulative = progress.logprob_base
     for attempt in range(MAX_MIGRATIONS + 1):
-        # A generation_only output starts with its first_gen_tokens, which this stream already has.
-        num_echoed = len(current.disaggregated_params.first_gen_tokens)
         try:
+            # The worker sends what it generates, not the first_gen_tokens this stream already has.
             async with closing(route.relay(worker, current)) as messages:
                 async for msg in messages:
                     for out in msg.outputs:
-                        if num_echoed:
-                            skipped = min(num_echoed, len(out.token_ids))
-                            del out.token_ids[:skipped]
-                            del out.logprobs[:skipped]
-                            num_echoed -= skipped
                         progress.tokens.extend(out.token_ids)
                         out.cumulative_logprob += progress.logprob_base
                         last_cumulative = out.cumulative_logprob

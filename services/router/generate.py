@@ -5,11 +5,15 @@ decode) side has no ready worker left runs on one worker of another role instead
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import AsyncIterator
 
+import grpc
+
 from tandem.common.background import spawn
+from tandem.common.errors import KV_LOAD_FAILED, failure_reason
 from tandem.common.outputs import cancelled_output
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
@@ -19,6 +23,8 @@ from tandem.router.failover import Progress
 from tandem.router.route import Route, release_lease
 from tandem.router.workers import LOCAL_ROLES
 from tandem.v1 import llm_pb2, types_pb2
+
+log = logging.getLogger("tandem.router.generate")
 
 # Where the generation phase of a split can go on: a decode worker (pulling the KV, or
 # recomputing it after a migration), else any worker that recomputes it.
@@ -44,7 +50,9 @@ def stream(
             if request.disaggregated_params.opaque_state
             else (Role.DECODE, Role.BOTH)
         )
-        messages = route.relay(pool.pick_any_of(roles, placement=placement), request)
+        messages = route.relay(
+            pool.pick_any_of(roles, placement=placement), request, return_first_gen_tokens=True
+        )
     elif (
         pool.can_disaggregate and not request.sampling_params.use_beam_search
     ):  # beams: aggregated only
@@ -173,7 +181,8 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
             ctx_out.outputs[0].cumulative_logprob,
         )
         decode = failover.pick_or_none(route, (Role.DECODE,), set())
-        if decode is not None:
+        pulls = decode is not None
+        if pulls:
             gen = llm_pb2.GenerateRequest()
             gen.CopyFrom(request)
             gen.prompt.token_ids.ids[:] = ctx_out.prompt_token_ids
@@ -182,28 +191,113 @@ async def disaggregated(route: Route, request: llm_pb2.GenerateRequest):
         else:  # no decode worker is left: another worker recomputes the prompt and carries on
             decode = route.pool.pick_any_of(LOCAL_ROLES, placement=route.placement)
             gen = failover.resume_request(request, progress.prompt_token_ids, progress.tokens)
-        async with closing(
-            failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress)
-        ) as messages:
-            async for msg in messages:
-                msg.ClearField("prompt")
-                del msg.prompt_token_ids[:]
-                if wants_perf:
-                    for out in msg.outputs:
-                        if out.HasField("perf_metrics"):
-                            perf_metrics.combine_split(prefill_perf, out.perf_metrics)
-                if msg.finished:
-                    client_metrics(msg.metrics)
-                    decode_ended_lease = (
-                        gen.disaggregated_params.opaque_state != b""
-                        and not progress.num_migrations
-                        and bool(msg.outputs)
-                        and msg.outputs[0].finish_reason in _NORMAL_ENDS
-                    )
-                yield msg
+        retried = False
+        while True:
+            try:
+                async with closing(
+                    failover.stream_with_migration(route, gen, decode, GENERATION_ROLES, progress)
+                ) as messages:
+                    async for msg in messages:
+                        msg.ClearField("prompt")
+                        del msg.prompt_token_ids[:]
+                        if wants_perf:
+                            for out in msg.outputs:
+                                if out.HasField("perf_metrics"):
+                                    perf_metrics.combine_split(prefill_perf, out.perf_metrics)
+                        if msg.finished:
+                            client_metrics(msg.metrics)
+                            _count_handoff(route, prefill, decode, msg.metrics, progress, pulls)
+                            decode_ended_lease = (
+                                gen.disaggregated_params.opaque_state != b""
+                                and not progress.num_migrations
+                                and bool(msg.outputs)
+                                and msg.outputs[0].finish_reason in _NORMAL_ENDS
+                            )
+                        yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                # A decode under --kv-load-failure-policy fail could not load the KV (and ended
+                # its lease): the request goes once more to another prefill/decode pair.
+                why = failure_reason(exc)
+                if retried or not pulls or not why.startswith(KV_LOAD_FAILED + ":"):
+                    raise
+                route.metrics.kv_handoff_ended(
+                    prefill.address, decode.address, "failed", why.partition(":")[2]
+                )
+                pair = await _another_pair(route, ctx, prefill, decode)
+                if pair is None:
+                    raise
+                retried = True
+                prefill, decode, handoff = pair  # the finally ends the new lease, if need be
+                log.warning(
+                    "request %s: decode could not load its KV (%s); retrying on prefill %s and "
+                    "decode %s",
+                    request.request_id,
+                    why,
+                    prefill.address,
+                    decode.address,
+                )
+                if route.cancelled:
+                    last = cancelled_output(request.request_id)
+                    client_metrics(last.metrics)
+                    yield last
+                    return
+                handoff.first_gen_tokens[:] = progress.tokens  # the tokens the client has
+                handoff.ClearField("first_gen_log_probs")
+                gen.disaggregated_params.CopyFrom(handoff)
+                gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
     finally:
         if not decode_ended_lease:
             spawn(release_lease(route.pool, prefill, handoff.ctx_request_id))
+
+
+async def _another_pair(route: Route, ctx: llm_pb2.GenerateRequest, prefill, decode):
+    """(prefill, decode, handoff) for one more try of a split whose decode could not load its KV:
+    another prefill runs the context phase again (the same one if it is the only one) and another
+    decode (the same one if it is the only one) will pull it; None when neither has another."""
+    other_prefill = failover.pick_or_none(route, (Role.PREFILL,), {prefill.address})
+    other_decode = failover.pick_or_none(route, (Role.DECODE,), {decode.address})
+    if other_prefill is None and other_decode is None:
+        return None
+    again = llm_pb2.GenerateRequest()
+    again.CopyFrom(ctx)
+    # An id of its own: the first context phase may still be closing on the same prefill.
+    again.request_id = f"{ctx.request_id}#kv-retry"
+    again.disaggregated_params.disagg_request_id = random.getrandbits(63)
+    # Its first token is not the client's (the client has one already): it always hands off.
+    again.disaggregated_params.finish_in_context = False
+    tried = {prefill.address} if other_prefill is not None else set()
+    context = await failover.context_with_retry(route, again, tried)
+    if context is None:
+        return None
+    new_prefill, out = context
+    handoff = types_pb2.DisaggregatedParams()
+    if out.outputs:
+        handoff.CopyFrom(out.outputs[0].disaggregated_params)
+    if not handoff.opaque_state:
+        return None
+    return new_prefill, other_decode or decode, handoff
+
+
+def _count_handoff(
+    route: Route,
+    prefill,
+    decode,
+    metrics: types_pb2.RequestMetrics,
+    progress: Progress,
+    pulls: bool,
+) -> None:
+    """The split's handoff outcome, per prefill->decode pair: as its decode reported it, or, where
+    no decode used it, recomputed (the decode went away under the request: migrated; no decode
+    worker was left to pull it: no_decode)."""
+    if metrics.HasField("kv_handoff"):
+        handoff = metrics.kv_handoff
+        route.metrics.kv_handoff_ended(
+            prefill.address, handoff.decode or decode.address, handoff.outcome, handoff.reason
+        )
+    elif progress.num_migrations or not pulls:
+        reason = "migrated" if pulls else "no_decode"
+        route.metrics.kv_handoff_ended(prefill.address, decode.address, "recomputed", reason)
 
 
 async def split_n(route: Route, request: llm_pb2.GenerateRequest):

@@ -12,7 +12,7 @@ from collections import deque
 import grpc
 
 from tandem.common.engine_messages import OutputBuilder
-from tandem.common.errors import RETRY_PUSHBACK_METADATA
+from tandem.common.errors import FAILURE_REASON_METADATA, RETRY_PUSHBACK_METADATA
 from tandem.v1 import internal_pb2, worker_pb2
 
 # Put on a request's inbox after its last output.
@@ -23,10 +23,13 @@ CUT = object()
 
 
 def stream_failure(
-    code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0
+    code: grpc.StatusCode, details: str, retry_pushback_ms: int = 0, reason: str = ""
 ) -> grpc.aio.AioRpcError:
-    """What a request that failed on its session raises: the error its own call would have."""
+    """What a request that failed on its session raises: the error its own call would have
+    (its retry hint and what failed in its trailing metadata)."""
     trailing = ((RETRY_PUSHBACK_METADATA, str(retry_pushback_ms)),) if retry_pushback_ms else ()
+    if reason:
+        trailing += ((FAILURE_REASON_METADATA, reason),)
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
@@ -49,7 +52,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def failure_error(failure: worker_pb2.SessionFailure) -> grpc.aio.AioRpcError:
     code = _CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
-    return stream_failure(code, failure.details, failure.retry_pushback_ms)
+    return stream_failure(code, failure.details, failure.retry_pushback_ms, failure.reason)
 
 
 class Inbox:

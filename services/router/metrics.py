@@ -41,6 +41,17 @@ class RouterMetrics(ProcessMetrics):
             base + ["decision", "reason"],
             registry=reg,
         )
+        self.kv_handoffs = Counter(
+            "tandem:router_kv_handoffs",
+            "Split requests by how their KV handoff ended, per prefill->decode pair: pulled, "
+            "recomputed (and why), released, cancelled, failed, as the decode reported it; "
+            "recomputed:migrated where the decode went away under the request.",
+            base + ["prefill", "decode", "outcome", "reason"],
+            registry=reg,
+        )
+
+    def kv_handoff_ended(self, prefill: str, decode: str, outcome: str, reason: str) -> None:
+        self.kv_handoffs.labels(*self.labels, prefill, decode, outcome, reason).inc()
 
     def disagg_decided(self, split: bool, reason: str) -> None:
         self.disagg_decisions.labels(*self.labels, "split" if split else "local", reason).inc()

@@ -89,11 +89,16 @@ class Route:
         )
 
     async def relay(
-        self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool = False
+        self,
+        worker: WorkerHandle,
+        request: llm_pb2.GenerateRequest,
+        split: bool = False,
+        return_first_gen_tokens: bool = False,
     ):
         """The worker's messages for request, counted in its in-flight load while they flow.
-        split: the context_only half of a request the router splits itself. Raises
-        WorkerStalledError when the worker hangs under the stream."""
+        split: the context_only half of a request the router splits itself;
+        return_first_gen_tokens: a client's own generation_only request, whose output starts with
+        the tokens it carries. Raises WorkerStalledError when the worker hangs under the stream."""
         self.worker = worker
         self.served_by.append(worker.address)
         # The load this puts on the worker, as the pick policies weigh it: the prompt tokens it
@@ -106,7 +111,9 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         try:
-            async with closing(self._relay_once(worker, request, split)) as messages:
+            async with closing(
+                self._relay_once(worker, request, split, return_first_gen_tokens)
+            ) as messages:
                 async for msg in messages:
                     if prefill_tokens:
                         worker.queued_prefill_tokens -= prefill_tokens
@@ -118,7 +125,11 @@ class Route:
             worker.active_blocks -= blocks
 
     async def _relay_once(
-        self, worker: WorkerHandle, request: llm_pb2.GenerateRequest, split: bool
+        self,
+        worker: WorkerHandle,
+        request: llm_pb2.GenerateRequest,
+        split: bool,
+        return_first_gen_tokens: bool,
     ):
         """The request's messages from worker, on the worker's session."""
         session, tag, inbox = await worker.session.attach(
@@ -129,7 +140,7 @@ class Route:
             yield cancelled_output(request.request_id)
             return
         try:
-            session.submit(tag, request, self.client, split, self.deadline)
+            session.submit(tag, request, self.client, split, self.deadline, return_first_gen_tokens)
         except BaseException:
             session.detach(tag)
             raise

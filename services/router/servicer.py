@@ -7,6 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 from google.protobuf import struct_pb2
 
 from tandem.common.auth import ADMIN_METHODS
@@ -214,6 +215,11 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             raise PreconditionError(
                 f"{len(self.routes)} requests are in flight; call pause_generation before update_weights"
             )
+        if request.WhichOneof("source") != "checkpoint_path":
+            # A bucket by IPC handles (or the finalize) is written in place and cannot be taken
+            # back; each worker checks all of it before it writes any, and sending it again
+            # writes the same values: a worker that refused is named in the error.
+            return await self._all_or_nothing("UpdateWeights", request, lambda w: None)
         states = {
             w.address: await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
             for w in self.pool.ready_workers
@@ -240,11 +246,23 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
         failures = [r for r in replies if isinstance(r, BaseException)]
         if failures:
-            applied = [w for w, r in zip(workers, replies) if not isinstance(r, BaseException)]
-            for w in applied:
-                undo_method, undo_request = undo(w)
-                await getattr(w.llm, undo_method)(undo_request, metadata=metadata)
-            raise failures[0]
+            kept = []
+            for w, reply in zip(workers, replies):
+                if isinstance(reply, BaseException):
+                    continue
+                undone = undo(w)
+                if undone is None:
+                    kept.append(w.address)
+                else:
+                    await getattr(w.llm, undone[0])(undone[1], metadata=metadata)
+            first = failures[0]
+            if kept and isinstance(first, grpc.aio.AioRpcError):
+                refused = [w.address for w, r in zip(workers, replies) if r in failures]
+                raise RpcError(
+                    first.code(),
+                    f"{first.details()} (refused by {refused}; applied on {kept}: send it again)",
+                )
+            raise first
         return llm_pb2.AdminResponse(detail=[d for r in replies for d in r.detail])
 
     async def CollectiveRpc(self, request, context):

@@ -87,15 +87,17 @@ class OpenSession:
         client: str,
         split: bool,
         deadline: float | None,
+        return_first_gen_tokens: bool = False,
     ) -> None:
         """Queues the request of tag for the worker; RESOURCE_EXHAUSTED (nothing queued), as its
         own call would get, when it is larger than the worker takes in a message. deadline:
-        time.monotonic(), or None."""
+        time.monotonic(), or None. return_first_gen_tokens: a generation phase's output starts
+        with the tokens its request carries (a client's own generation_only request)."""
         # timeout_s is set when the submit is written (what is left of the deadline then); a
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(
             tag=tag,
-            request=engine_request(request),
+            request=engine_request(request, return_first_gen_tokens),
             client=client,
             split=split,
             timeout_s=1.0 if deadline is not None else 0.0,

@@ -12,18 +12,19 @@ import ctypes.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
 from google.protobuf import json_format, struct_pb2
 
-from tandem.common.errors import RpcError, unavailable
+from tandem.common.errors import unavailable
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.messages import (
     CheckIdle,
+    CopyWeights,
     ReleaseMemory,
     ResumeMemory,
     SwapWeights,
     WeightsChecksum,
 )
+from tandem.worker.ipc_weights import HandleError, device_uuid, weight_update
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
@@ -90,15 +91,12 @@ async def resume(rt: WorkerRuntime, tags) -> str:
 
 async def update_weights(rt: WorkerRuntime, request) -> str:
     source = request.WhichOneof("source")
-    if source == "ipc_handles":
-        raise RpcError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "update_weights with CUDA IPC handles is not supported: TensorRT-LLM's handle format is "
-            "pickled, which tandem never accepts across processes; pass checkpoint_path instead",
-        )
+    if source in ("ipc_handles", "finalize"):
+        return await _update_weights_by_handles(rt, request)
     if source != "checkpoint_path" or not request.checkpoint_path:
         raise ValueError(
-            "update_weights needs checkpoint_path (a directory with config.json and *.safetensors)"
+            "update_weights needs IPC handles (device UUID -> handles), None to finalize, or "
+            "checkpoint_path (a directory with config.json and *.safetensors)"
         )
     path = request.checkpoint_path
     if not (Path(path) / "config.json").is_file():
@@ -117,6 +115,44 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
 
 
+async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
+    """A bucket of weights by IPC handles written in place, or (finalize) the update closed."""
+    if "model" in rt.engine.released_tags:
+        raise unavailable(
+            "the model weights are released; call resume(['model']) before update_weights"
+        )
+    if request.WhichOneof("source") == "finalize":
+        await rt.core.call(CopyWeights([], finalize=True))
+        await asyncio.to_thread(_collect_ipc)
+        return f"{rt.worker_id}: weights finalized (version {rt.engine.runner.weights_version})"
+    await rt.core.call(CheckIdle("update_weights"))  # fail before the handles are opened
+    runner = rt.engine.runner
+    runner.require_single_rank("update_weights")
+    try:
+        update = await asyncio.to_thread(
+            weight_update, dict(request.ipc_handles.handles), runner.model, runner.device
+        )
+    except HandleError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        await rt.core.call(CopyWeights(update.updates))
+    finally:
+        del update
+        await asyncio.to_thread(_collect_ipc)
+    return f"{rt.worker_id}: weights written from IPC handles (finalize with update_weights(None))"
+
+
+def _collect_ipc() -> None:
+    """Lets go of the trainer's memory the handles opened."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+
+
 async def collective_rpc(
     rt: WorkerRuntime, method: str, args: list, kwargs: dict
 ) -> struct_pb2.Value:
@@ -130,6 +166,8 @@ async def collective_rpc(
         state = await rt.worker_state()
         result = json_format.MessageToDict(state, preserving_proto_field_name=True)
         result["role"] = rt.role.label
+        # The key of this worker's handles in update_weights (TensorRT-LLM's device UUID).
+        result["device_uuid"] = device_uuid(rt.engine.runner.device)
     elif method == "weights_checksum":
         result = await rt.core.call(WeightsChecksum())
     else:

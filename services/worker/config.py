@@ -6,6 +6,7 @@ import dataclasses
 
 from tandem.common.roles import Role
 from tandem.common.server_config import ServerConfig
+from tandem.decode.outcomes import LOAD_FAILURE_POLICIES
 from tandem.decode.pull_links import PullFloor
 from tandem.engine.config import EngineConfig
 
@@ -18,11 +19,19 @@ class WorkerConfig(ServerConfig):
     nixl_progress_thread: bool = False
     # The KV pull rate under which a decode warns of a slow lane to a prefill on its host.
     kv_pull_floor: PullFloor = PullFloor()
+    # What a decode does with a handoff whose KV it cannot load: compute the prompt itself
+    # (recompute) or end the request UNAVAILABLE for the router to retry elsewhere (fail).
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         super().__post_init__()
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
+                f"{self.kv_load_failure_policy!r}"
+            )
         # The cluster token keys the HMAC of KV handoffs: a prefill or decode worker needs one.
         if self.role.has_transceiver and not self.cluster_token:
             raise ValueError(

@@ -1,16 +1,14 @@
-"""The fast path of a Generate that came on a session (the router's requests): each engine
-output becomes its message and joins the session's next batch right where the engine core
+"""The output path of a request that came on a session (the router's requests): each engine
+output becomes its EngineOutput entries in the session's next batch right where the engine core
 hands it over, on the event loop, without waking the request's coroutine.
 
-The usual path puts every output on the request's queue, wakes its coroutine, and passes the
-message through a chain of async generators (the request's, the text front's, two metric
-layers, the interceptors'): ~85 us of the loop's time per output on the 2-core CPU machine, so
-a step of 256 sequences cost the worker 20 ms of the GIL it shares with the engine thread
-(bench/RESULTS.md, issue 7, offline). Here the same steps run as plain calls; the coroutine
-waits once, for the request's end.
-
-Only single-sequence streaming requests whose text layer is a passthrough take it (what the
-router sends); the rest keep the usual path.
+A worker's own Generate puts every output on the request's queue, wakes its coroutine, and
+passes the message through a chain of async generators (the request's, the text front's, two
+metric layers, the interceptors'): ~85 us of the loop's time per output on the 2-core CPU
+machine, so a step of 256 sequences cost the worker 20 ms of the GIL it shares with the engine
+thread (bench/RESULTS.md, issue 7, offline). Here the same steps run as plain calls; the
+coroutine waits once, for the request's end. Every session request takes it (n sequences and
+beam search too); a decode step's bare tokens skip the message altogether.
 """
 
 from __future__ import annotations
@@ -22,16 +20,6 @@ from tandem.engine.messages import StepOutput
 from tandem.text.front import TextRequest
 from tandem.worker.output_streams import OutputStream
 from tandem.worker.request import WorkerRequest
-
-
-def takes_fast_path(text_request: TextRequest) -> bool:
-    params = text_request.engine_request.sampling_params
-    return (
-        text_request.streaming
-        and text_request.processor.is_passthrough
-        and params.n <= 1
-        and not params.use_beam_search
-    )
 
 
 class OutputSink:

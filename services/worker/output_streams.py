@@ -86,9 +86,11 @@ class OutputStream:
         details: str,
         retry_pushback_ms: int = 0,
         refused: bool = False,
+        reason: str = "",
     ) -> None:
         """The request of tag ended with an error status (after whatever it pushed before);
-        refused: it never started (the caller may send it again elsewhere)."""
+        refused: it never started (the caller may send it again elsewhere); reason: what failed
+        (SessionFailure.reason)."""
         if self._error is None:
             self._failed.append(
                 worker_pb2.SessionFailure(
@@ -97,6 +99,7 @@ class OutputStream:
                     details=details,
                     retry_pushback_ms=retry_pushback_ms,
                     refused=refused,
+                    reason=reason,
                 )
             )
             self._wake.set()
@@ -106,18 +109,6 @@ class OutputStream:
         and the last of its requests has ended)."""
         self._finishing = True
         self._wake.set()
-
-    async def send(self, tag: int, msg: types_pb2.RequestOutput) -> None:
-        """push, then wait until the batch holding msg is written."""
-        written = asyncio.get_running_loop().create_future()
-        self.push(tag, msg, lambda error: _resolve(written, error))
-        await asyncio.shield(written)
-
-    def end(self, tag: int) -> None:
-        """The request of tag has sent its last output, not a finished one (its end goes in the next batch)."""
-        if self._error is None:
-            self._ended.append(tag)
-            self._wake.set()
 
     async def batches(self):
         """The Session call's messages: the stream id, then a batch whenever outputs are pending,
@@ -160,13 +151,3 @@ class OutputStream:
         self._wake.set()  # the writer returns
         for callback in callbacks:
             callback(self._error)
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-        future.exception()  # a sender cancelled meanwhile would leave it unretrieved

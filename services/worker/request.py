@@ -68,6 +68,8 @@ class RequestMetricsState:
     kv_transfer_s: float = 0.0
     kv_transfer_start: float = 0.0
     kv_transfer_end: float = 0.0
+    # How its KV handoff ended here (a decode's generation phase), a types_pb2.KvHandoffMetrics.
+    kv_handoff: types_pb2.KvHandoffMetrics | None = None
 
 
 class WorkerRequest:
@@ -82,6 +84,7 @@ class WorkerRequest:
         cache_salt: str | None,
         disaggregated_params: types_pb2.DisaggregatedParams | None = None,
         adapter=None,
+        return_first_gen_tokens: bool = True,
     ):
         if options.n > 1 and phase is not Phase.CONTEXT_AND_GENERATION:
             raise NotImplementedError(
@@ -89,7 +92,9 @@ class WorkerRequest:
             )
         self.disagg_in = disaggregated_params or types_pb2.DisaggregatedParams()
         # A generation_only output starts with the tokens the context phase sampled (TensorRT-LLM's
-        # generation output holds the first token too), with their logprobs when the handoff has them.
+        # generation output holds the first token too), with their logprobs when the handoff has
+        # them, unless its caller streamed them already (the router's split and migrations).
+        self.returns_first_tokens = return_first_gen_tokens
         self.first_tokens: list[int] = (
             list(self.disagg_in.first_gen_tokens) if phase is Phase.GENERATION_ONLY else []
         )
@@ -311,12 +316,16 @@ class WorkerRequest:
         metrics.num_computed_prompt_tokens = len(self.prompt_token_ids) - m.num_cached_prompt_tokens
         metrics.kv_transfer_bytes = m.kv_transfer_bytes
         metrics.kv_transfer_s = m.kv_transfer_s
+        if m.kv_handoff is not None:
+            metrics.kv_handoff.CopyFrom(m.kv_handoff)
 
     def _completion(self, by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
         if state.engine_id not in by_seq:
             comp = by_seq[state.engine_id] = types_pb2.CompletionOutput(index=state.index)
             if not state.started:
                 state.started = True
+                if not self.returns_first_tokens:
+                    return by_seq[state.engine_id]
                 comp.token_ids.extend(self.first_tokens)
                 comp.cumulative_logprob = self.first_cumulative
                 if self.options.logprobs is not None and self.first_tokens:
@@ -399,9 +408,12 @@ class WorkerRequest:
 
     def _perf_metrics(self, perf: SequencePerf) -> types_pb2.PerfMetrics:
         m = self.metrics
-        return perf_metrics(
+        out = perf_metrics(
             perf, m.arrival_time, m.kv_transfer_start, m.kv_transfer_end, m.kv_transfer_bytes
         )
+        if m.kv_handoff is not None:
+            out.kv_handoff.CopyFrom(m.kv_handoff)
+        return out
 
     def _apply_beams(
         self, by_seq: dict, state: SequenceState, beams: list, perf: SequencePerf | None = None

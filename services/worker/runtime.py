@@ -204,7 +204,11 @@ class WorkerRuntime:
         self.poller.start()
         if self.role is Role.PREFILL:
             self.phases.context = ContextPhase(
-                keeper, self.handoff_format, self.worker_id, agent_name
+                keeper,
+                self.handoff_format,
+                self.worker_id,
+                agent_name,
+                lambda: self.engine.runner.weights_id,
             )
         else:
             cfg = self.config
@@ -218,6 +222,8 @@ class WorkerRuntime:
                 self.pull_links,
                 self.handoff_outcomes,
                 on_pulled=self.metrics.observe_kv_pull,
+                load_failure_policy=self.config.kv_load_failure_policy,
+                weights_id=lambda: self.engine.runner.weights_id,
             )
 
     def stop_transceiver(self) -> None:
@@ -399,11 +405,15 @@ class WorkerRuntime:
     async def drain_stats(self, timeout: float | None) -> list[dict]:
         """Iteration stats since the last call, waiting up to timeout seconds for the first. A
         decode's last record also carries its pulls per prefill so far (kvPullStats, cumulative:
-        KvPullLink's fields, named as its JSON names them)."""
+        KvPullLink's fields, named as its JSON names them) and how its KV handoffs ended so far
+        (kvHandoffOutcomes: WorkerState.kv_handoff_outcomes)."""
         records = [
             dict(s, worker_id=self.worker_id)
             for s in await self.core.iteration_stats.drain(timeout)
         ]
+        outcomes = self.handoff_outcomes.counts()
+        if records and outcomes:
+            records[-1]["kvHandoffOutcomes"] = outcomes
         links = self.pull_links.links()
         if records and links:
             records[-1]["kvPullStats"] = {

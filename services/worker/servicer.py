@@ -12,14 +12,14 @@ from google.protobuf import json_format
 
 from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.engine_messages import generate_request
-from tandem.common.errors import PreconditionError, unavailable
+from tandem.common.errors import PreconditionError, invalid, unavailable
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
-from tandem.worker.output_sink import OutputSink, takes_fast_path
+from tandem.worker.output_sink import OutputSink
 from tandem.worker.output_streams import OutputStream
 from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
@@ -59,28 +59,22 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def run_submitted(
         self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str
     ) -> None:
-        """A Generate that came on a session (sessions.py), run as its call would run: its outputs
-        go on the session's stream under its tag, then its end; what it raises is its status."""
+        """A request that came on a session (sessions.py): token ids in, its outputs onto the
+        session's stream under its tag as the engine hands them over (output_sink.py), then its
+        end; what it raises is its status. No text runs here: that is the caller's front's."""
         tracker, text_request, adapter, guide = await self._prepare(
             generate_request(submit.request)
         )
+        if not text_request.processor.is_passthrough:
+            raise invalid(
+                "a session carries token ids only: set sampling_params.detokenize=false and leave "
+                "stop strings and exclude_input_from_output to the caller's text front"
+            )
         client = None if submit.split else submit.client or owner
-        tag = submit.tag
-        if takes_fast_path(text_request):
-            sink = OutputSink(text_request, tracker, stream, tag)
-            with self._running(text_request.engine_request, owner, client, adapter, guide, sink):
-                await sink.wait()  # each output went out as the engine handed it over
-            return
-        with self._running(
-            text_request.engine_request, owner, client, adapter, guide
-        ) as worker_request:
-            ended = False
-            async for msg in self._messages(text_request, tracker, worker_request):
-                ended = msg.finished
-                await stream.send(tag, msg)
-                worker_request.delivered()
-            if not ended:
-                stream.end(tag)
+        sink = OutputSink(text_request, tracker, stream, submit.tag)
+        echo = submit.request.return_first_gen_tokens
+        with self._running(text_request.engine_request, owner, client, adapter, guide, sink, echo):
+            await sink.wait()  # each output went out as the engine handed it over
 
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
@@ -111,10 +105,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         adapter=None,
         guide=None,
         sink: OutputSink | None = None,
+        return_first_gen_tokens: bool = True,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
-        worker_request = self._start(request, owner, client, adapter, guide, sink)
+        worker_request = self._start(
+            request, owner, client, adapter, guide, sink, return_first_gen_tokens
+        )
         self.requests[worker_request.request_id] = worker_request
         try:
             yield worker_request
@@ -130,10 +127,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         adapter=None,
         guide=None,
         sink: OutputSink | None = None,
+        return_first_gen_tokens: bool = True,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
-        (None: the router's own split); sink: what takes its outputs instead of its queue (output_sink.py)."""
+        (None: the router's own split); sink: what takes its outputs instead of its queue
+        (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
+        tokens the request carries (a public Generate's does)."""
         engine = self.rt.engine
         options = sampling_options(
             request.sampling_params, self.rt.eos_token_ids, self._encode_plain
@@ -164,6 +164,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             salt,
             request.disaggregated_params,
             adapter,
+            return_first_gen_tokens,
         )
         worker_request.owner = owner
         worker_request.client = client

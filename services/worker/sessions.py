@@ -26,7 +26,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from tandem.common.drain import InFlightCalls
-from tandem.common.errors import RpcError, invalid, retry_pushback_ms, status_for
+from tandem.common.errors import (
+    RpcError,
+    failure_reason,
+    invalid,
+    retry_pushback_ms,
+    status_for,
+)
 from tandem.common.interceptors import MalformedRequest
 from tandem.v1 import worker_pb2
 from tandem.worker.output_streams import OutputStream
@@ -160,7 +166,9 @@ class Session:
             code, details = status_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("a session request failed", exc_info=exc)
-            self.stream.fail(submit.tag, code, details, retry_pushback_ms(exc) or 0)
+            self.stream.fail(
+                submit.tag, code, details, retry_pushback_ms(exc) or 0, reason=failure_reason(exc)
+            )
             return code
         return grpc.StatusCode.OK
 

@@ -423,11 +423,14 @@ class AsyncLLM(LLM):
     async def resume(self, tags: list[str]) -> None:
         await self._acall("Resume", llm_pb2.MemoryTagsRequest(tags=tags))
 
-    async def update_weights(self, weights: dict[str, str] | str) -> None:
-        """weights: device UUID -> IPC handle map (TRT-LLM format), or a checkpoint directory path."""
-        request = (
-            llm_pb2.UpdateWeightsRequest(checkpoint_path=weights)
-            if isinstance(weights, str)
-            else llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights))
-        )
+    async def update_weights(self, weights: dict[str, str] | str | None) -> None:
+        """weights: device UUID -> IPC handles (TensorRT-LLM's format: base64 of a pickled list of
+        (name, reduce_tensor(t)); tandem.rl.ipc_handles makes it), a bucket of the
+        weights per call; None once they are all sent (finalize); or a checkpoint directory."""
+        if weights is None:
+            request = llm_pb2.UpdateWeightsRequest(finalize=True)
+        elif isinstance(weights, str):
+            request = llm_pb2.UpdateWeightsRequest(checkpoint_path=weights)
+        else:
+            request = llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights))
         await self._acall("UpdateWeights", request)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.client.params import DisaggregatedParams
-from tandem.client.perf_metrics import RequestPerfMetrics
+from tandem.client.perf_metrics import KvHandoff, RequestPerfMetrics
 from tandem.v1 import types_pb2
 
 _FINISH = {
@@ -129,6 +129,8 @@ class RequestMetrics:
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
     served_by: list[str] = field(default_factory=list)
+    # A split request's KV handoff on its decode worker (None: not split).
+    kv_handoff: KvHandoff | None = None
 
 
 class RequestOutputState:
@@ -213,6 +215,7 @@ class RequestOutputState:
                 m.kv_transfer_bytes,
                 m.kv_transfer_s,
                 list(m.served_by),
+                KvHandoff.from_proto(m.kv_handoff) if m.HasField("kv_handoff") else None,
             )
 
     def __repr__(self) -> str:

@@ -45,6 +45,31 @@ class SpeculativeDecodingMetrics:
 
 
 @dataclass(slots=True)
+class KvHandoff:
+    """tandem's: how a split request's KV handoff ended on its decode worker. outcome: pulled,
+    recomputed (reason: no_room, lease_expiring, pull_failed, peer_unreachable, unconfirmed),
+    released, cancelled or failed."""
+
+    outcome: str = ""
+    reason: str = ""
+    prefill: str = ""
+    decode: str = ""
+    num_pulled_blocks: int = 0
+    num_cached_blocks: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.KvHandoffMetrics) -> KvHandoff:
+        return cls(
+            msg.outcome,
+            msg.reason,
+            msg.prefill,
+            msg.decode,
+            msg.num_pulled_blocks,
+            msg.num_cached_blocks,
+        )
+
+
+@dataclass(slots=True)
 class RequestPerfMetrics:
     timing_metrics: TimingMetrics = field(default_factory=TimingMetrics)
     kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
@@ -55,6 +80,8 @@ class RequestPerfMetrics:
     first_iter: int | None = None
     last_iter: int | None = None
     iter: int | None = None
+    # tandem's: a split request's KV handoff on its decode worker (None: not split).
+    kv_handoff: KvHandoff | None = None
 
     @classmethod
     def from_proto(cls, msg: types_pb2.PerfMetrics) -> RequestPerfMetrics:
@@ -83,4 +110,5 @@ class RequestPerfMetrics:
             msg.first_iter or None,
             msg.last_iter or None,
             msg.iter or None,
+            KvHandoff.from_proto(msg.kv_handoff) if msg.HasField("kv_handoff") else None,
         )

@@ -30,7 +30,7 @@ class KvParams(_message.Message):
     def __init__(self, request_type: _Optional[_Union[_types_pb2.RequestType, str]] = ..., first_gen_tokens: _Optional[_Iterable[int]] = ..., ctx_request_id: _Optional[int] = ..., opaque_state: _Optional[bytes] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., disagg_request_id: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., first_gen_log_probs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprobs, _Mapping]]] = ..., finish_in_context: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_params", "lora_request", "prompt_adapter_request", "kv_cache_retention_config", "scheduling_params", "conversation_params", "cache_salt", "priority", "trace_headers")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_params", "lora_request", "prompt_adapter_request", "kv_cache_retention_config", "scheduling_params", "conversation_params", "cache_salt", "priority", "trace_headers", "return_first_gen_tokens")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class EngineRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FIRST_GEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _types_pb2.SamplingParams
@@ -62,7 +63,8 @@ class EngineRequest(_message.Message):
     cache_salt: str
     priority: float
     trace_headers: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., kv_params: _Optional[_Union[KvParams, _Mapping]] = ..., lora_request: _Optional[_Union[_types_pb2.LoRARequest, _Mapping]] = ..., prompt_adapter_request: _Optional[_Union[_types_pb2.PromptAdapterRequest, _Mapping]] = ..., kv_cache_retention_config: _Optional[_Union[_types_pb2.KvCacheRetentionConfig, _Mapping]] = ..., scheduling_params: _Optional[_Union[_types_pb2.SchedulingParams, _Mapping]] = ..., conversation_params: _Optional[_Union[_types_pb2.ConversationParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    return_first_gen_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., kv_params: _Optional[_Union[KvParams, _Mapping]] = ..., lora_request: _Optional[_Union[_types_pb2.LoRARequest, _Mapping]] = ..., prompt_adapter_request: _Optional[_Union[_types_pb2.PromptAdapterRequest, _Mapping]] = ..., kv_cache_retention_config: _Optional[_Union[_types_pb2.KvCacheRetentionConfig, _Mapping]] = ..., scheduling_params: _Optional[_Union[_types_pb2.SchedulingParams, _Mapping]] = ..., conversation_params: _Optional[_Union[_types_pb2.ConversationParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[float] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., return_first_gen_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("tag", "index", "new_token_ids", "cumulative_logprob", "new_logprobs", "finish_reason", "stop_token_id", "kv_params", "generation_logits", "perf_metrics", "finished", "prompt_token_ids", "prompt_logprobs", "context_logits", "metrics")

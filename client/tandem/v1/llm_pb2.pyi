@@ -206,12 +206,14 @@ class MemoryTagsRequest(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("ipc_handles", "checkpoint_path")
+    __slots__ = ("ipc_handles", "checkpoint_path", "finalize")
     IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINALIZE_FIELD_NUMBER: _ClassVar[int]
     ipc_handles: IpcHandles
     checkpoint_path: str
-    def __init__(self, ipc_handles: _Optional[_Union[IpcHandles, _Mapping]] = ..., checkpoint_path: _Optional[str] = ...) -> None: ...
+    finalize: bool
+    def __init__(self, ipc_handles: _Optional[_Union[IpcHandles, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., finalize: _Optional[bool] = ...) -> None: ...
 
 class IpcHandles(_message.Message):
     __slots__ = ("handles",)

@@ -43,18 +43,20 @@ class SessionSubmit(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SessionFailure(_message.Message):
-    __slots__ = ("tag", "code", "details", "retry_pushback_ms", "refused")
+    __slots__ = ("tag", "code", "details", "retry_pushback_ms", "refused", "reason")
     TAG_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     RETRY_PUSHBACK_MS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     tag: int
     code: int
     details: str
     retry_pushback_ms: int
     refused: bool
-    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., refused: _Optional[bool] = ...) -> None: ...
+    reason: str
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EngineOutputs(_message.Message):
     __slots__ = ("stream_id", "outputs", "ended", "failed", "max_request_bytes", "max_requests")
@@ -215,7 +217,7 @@ class StopSequencesResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class KvHandoff(_message.Message):
-    __slots__ = ("version", "ctx_endpoint", "agent_name", "layout_hash", "layout_json", "block_ids", "num_prompt_tokens", "ctx_request_id", "lease_expires_at", "prompt_digest", "signature", "lora_request", "lora_fingerprint")
+    __slots__ = ("version", "ctx_endpoint", "agent_name", "layout_hash", "layout_json", "block_ids", "num_prompt_tokens", "ctx_request_id", "lease_expires_at", "prompt_digest", "signature", "lora_request", "lora_fingerprint", "weights_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CTX_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +231,7 @@ class KvHandoff(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     ctx_endpoint: str
     agent_name: str
@@ -242,7 +245,8 @@ class KvHandoff(_message.Message):
     signature: bytes
     lora_request: _types_pb2.LoRARequest
     lora_fingerprint: str
-    def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., lora_request: _Optional[_Union[_types_pb2.LoRARequest, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, version: _Optional[int] = ..., ctx_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout_json: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., ctx_request_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., lora_request: _Optional[_Union[_types_pb2.LoRARequest, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class SubscribeKvBlocksRequest(_message.Message):
     __slots__ = ()

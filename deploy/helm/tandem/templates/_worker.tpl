@@ -78,6 +78,9 @@ spec:
             - --max-loras=0
             {{- end }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
+            {{- if and $spec.kvLoadFailurePolicy (ne $spec.kvLoadFailurePolicy "recompute") }}
+            - --kv-load-failure-policy={{ $spec.kvLoadFailurePolicy }}
+            {{- end }}
             - --drain-seconds={{ int $root.Values.drain.seconds }}
             {{- include "tandem.metricsFlag" (dict "root" $root "port" $spec.metricsPort) | nindent 12 }}
             {{- with include "tandem.tlsArgs" (dict "root" $root "router" false) }}{{ . | trim | nindent 12 }}{{- end }}

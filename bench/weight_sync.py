@@ -1,0 +1,111 @@
+"""Seconds per full weight sync from a trainer into a serving cluster (issue 32), one run:
+update_weights by IPC handles (TensorRT-LLM's format) against the checkpoint path (the trainer
+writes safetensors, the workers read them), the same weights both ways.
+
+    python bench/weight_sync.py                    # SmolLM2-135M (the default model), CPU
+    python bench/weight_sync.py --model DIR --workers both,both --repeats 5
+
+The trainer is this process (transformers' model of the served checkpoint); the cluster is real
+processes on this host. Each sync is timed from the trainer's first byte to the cluster serving
+the new weights (pause, the update, resume): IPC = make the handles, update_weights in one
+bucket, update_weights(None); checkpoint = save_pretrained into a fresh directory, update_weights
+(path). A warm-up sync of each kind runs first; the table prints the median and best of the
+rest, the bytes, and their rate beside the host's memcpy rate (the floor of an in-place copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tandem.client import AsyncLLM
+from tandem.engine.checkpoints import resolve_model
+from tandem.rl import ipc_handles
+from tandem.testing.cluster import LocalCluster
+
+TOKEN = "bench-weight-sync"
+
+
+def _memcpy_gbps(num_bytes: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    started = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    return 3 * num_bytes / (time.perf_counter() - started) / 1e9
+
+
+async def _sync_ipc(llm: AsyncLLM, named) -> None:
+    await llm.pause_generation()
+    await llm.update_weights(ipc_handles(named))
+    await llm.update_weights(None)
+    await llm.resume_generation()
+
+
+async def _sync_checkpoint(llm: AsyncLLM, model) -> None:
+    with tempfile.TemporaryDirectory(prefix="tandem-sync-") as path:
+        model.save_pretrained(path, safe_serialization=True)
+        await llm.pause_generation()
+        await llm.update_weights(path)
+        await llm.resume_generation()
+
+
+async def _run(address: str, model, repeats: int) -> dict[str, list[float]]:
+    named = [(n, p.data) for n, p in model.named_parameters()]
+    times: dict[str, list[float]] = {"ipc": [], "checkpoint": []}
+    async with AsyncLLM(address, auth_token=TOKEN) as llm:
+        for _ in range(repeats + 1):  # the first of each is the warm-up
+            for kind, sync in (
+                ("ipc", lambda: _sync_ipc(llm, named)),
+                ("checkpoint", lambda: _sync_checkpoint(llm, model)),
+            ):
+                with torch.no_grad():  # a step's change, so that every sync writes new values
+                    for param in model.parameters():
+                        param.mul_(1.0001)
+                started = time.perf_counter()
+                await sync()
+                times[kind].append(time.perf_counter() - started)
+    return {kind: values[1:] for kind, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2)")
+    parser.add_argument("--workers", default="both", help="worker roles, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_model(args.model)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    roles = args.workers.split(",")
+    with LocalCluster(
+        roles=roles,
+        engine_args=["--model", str(model_dir), "--dtype", "float32", "--num-blocks", "64"],
+        env={"TANDEM_ADMIN_TOKEN": TOKEN},
+    ) as cluster:
+        times = asyncio.run(_run(cluster.address, model, args.repeats))
+    floor = _memcpy_gbps(num_bytes)
+    print(
+        f"# bench/weight_sync.py  {time.strftime('%Y-%m-%d')}  model {model_dir.name}  "
+        f"{num_bytes / 1e6:.0f} MB fp32  workers {roles}  repeats {args.repeats}"
+    )
+    print(f"{'path':12s} {'median s':>9s} {'best s':>8s} {'GB/s (best)':>12s}")
+    for kind, values in times.items():
+        best = min(values)
+        print(
+            f"{kind:12s} {statistics.median(values):9.3f} {best:8.3f} "
+            f"{num_bytes / best / 1e9:12.2f}"
+        )
+    print(f"host memcpy floor: {floor:.2f} GB/s ({num_bytes / floor / 1e9:.3f} s for the weights)")
+
+
+if __name__ == "__main__":
+    main()
