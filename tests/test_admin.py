@@ -94,6 +94,26 @@ def test_release_and_resume_really_free_and_restore_memory(cluster):
         assert_all_blocks_free(llm)
 
 
+def test_tensorrt_llms_memory_tags_are_taken(cluster):
+    """TensorRT-LLM's tags (ExecutorMemoryType): model_weights is the weights, memory tandem does
+    not hold apart (sampler, drafter, ...) is a no-op, an unknown tag is refused naming them."""
+    addresses = [w.address for w in cluster.workers]
+    run(_admin(cluster.address, TOKEN, lambda a: a.release(["sampler", "guided_decoder"])))
+    assert all(worker_state(a).weight_bytes > 0 for a in addresses)
+    run(_admin(cluster.address, TOKEN, lambda a: a.release(["model_weights", "sampler"])))
+    assert all(
+        s.weight_bytes == 0 and s.kv_cache_bytes > 0 for s in (worker_state(a) for a in addresses)
+    )
+    run(_admin(cluster.address, TOKEN, lambda a: a.resume(["model_weights", "sampler"])))
+    assert all(worker_state(a).weight_bytes > 0 for a in addresses)
+    with pytest.raises(RequestError) as err:
+        run(_admin(cluster.address, TOKEN, lambda a: a.release(["gpu_memory"])))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model_weights" in err.value.details and "gpu_memory" in err.value.details
+    with LLM(cluster.address) as llm:
+        assert llm.generate("after the tags", PARAMS, use_tqdm=False).outputs[0].token_ids
+
+
 def test_release_is_refused_while_requests_run(cluster):
     async def go():
         llm = AsyncLLM(cluster.address, auth_token=TOKEN)

@@ -54,18 +54,48 @@ def return_freed_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def check_tags(tags) -> list[str]:
+# TensorRT-LLM's memory tags (tensorrt_llm/_torch/virtual_memory.py, ExecutorMemoryType) and what
+# each is in tandem: its weights ("model"), its KV pool ("kv_cache"), or memory tandem does not
+# hold apart (no drafter, sampler state or extra executor buffers): released and resumed as a
+# no-op, said so in the answer.
+TAG_MEMORY = {
+    "model": "model",
+    "model_weights": "model",
+    "kv_cache": "kv_cache",
+    "sampler": None,
+    "drafter": None,
+    "guided_decoder": None,
+    "spec_resource_manager": None,
+    "model_extra": None,
+    "executor_extra": None,
+    "draft_model": None,
+    "draft_model_weights": None,
+    "_no_capture_init_kv_cache": None,
+    "_no_capture_init_extra_resources": None,
+}
+
+
+def check_tags(tags) -> tuple[list[str], list[str]]:
+    """(tandem's tags to act on, the valid tags that are no-ops here) for TensorRT-LLM's tags."""
     tags = list(tags)
-    unknown = sorted(set(tags) - set(LLMEngine.MEMORY_TAGS))
+    unknown = sorted(set(tags) - set(TAG_MEMORY))
     if not tags or unknown:
         raise ValueError(
-            f"tags must be a non-empty subset of {list(LLMEngine.MEMORY_TAGS)}; got {tags}"
+            f"tags must be a non-empty list of TensorRT-LLM's memory tags {list(TAG_MEMORY)}; "
+            f"unknown: {unknown or tags}"
         )
-    return tags
+    memory = [m for m in LLMEngine.MEMORY_TAGS if m in {TAG_MEMORY[t] for t in tags}]
+    return memory, [t for t in tags if TAG_MEMORY[t] is None]
+
+
+def _noops(noops: list[str]) -> str:
+    return f"; {noops}: nothing held apart in tandem, no-op" if noops else ""
 
 
 async def release(rt: WorkerRuntime, tags) -> str:
-    tags = check_tags(tags)
+    tags, noops = check_tags(tags)
+    if not tags:
+        return f"{rt.worker_id}: released nothing{_noops(noops)}"
     await rt.core.call(CheckIdle("release"))  # refuses while requests run, changes nothing
     stopped = "kv_cache" in tags and rt.transceiver is not None
     if stopped:
@@ -77,16 +107,18 @@ async def release(rt: WorkerRuntime, tags) -> str:
             await asyncio.to_thread(rt.start_transceiver)
         raise
     await asyncio.to_thread(return_freed_memory)
-    return f"{rt.worker_id}: released {tags}"
+    return f"{rt.worker_id}: released {tags}{_noops(noops)}"
 
 
 async def resume(rt: WorkerRuntime, tags) -> str:
-    tags = check_tags(tags)
+    tags, noops = check_tags(tags)
+    if not tags:
+        return f"{rt.worker_id}: resumed nothing{_noops(noops)}"
     await rt.core.call(ResumeMemory(tags))
     if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
         await asyncio.to_thread(rt.start_transceiver)
     await asyncio.to_thread(return_freed_memory)  # what loading the weights used on the way
-    return f"{rt.worker_id}: resumed {tags}"
+    return f"{rt.worker_id}: resumed {tags}{_noops(noops)}"
 
 
 async def update_weights(rt: WorkerRuntime, request) -> str:
