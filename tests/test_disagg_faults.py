@@ -238,7 +238,10 @@ def test_a_handoff_whose_prefill_died_is_recomputed_on_the_decode(model_dirs):
                     ),
                 )
             assert out.outputs[0].finish_reason == "length"
+            handoffs[address] = out.metrics.kv_handoff
             return out.outputs[0].token_ids  # it starts with the context phase's first token
+
+        handoffs = {}
 
         prompts = ("orphaned handoff", "another orphan")
         expected = {
@@ -255,6 +258,16 @@ def test_a_handoff_whose_prefill_died_is_recomputed_on_the_decode(model_dirs):
         assert resume(knows.address, orphans["orphaned handoff"]) == expected["orphaned handoff"]
         assert resume(new.address, orphans["another orphan"]) == expected["another orphan"]
         assert time.monotonic() - started < 20
+        # Each recompute is counted and visible to the client with its reason: the READ from a
+        # known agent failed; the new decode could not even reach the prefill for its state.
+        for worker, reason in ((knows, "pull_failed"), (new, "peer_unreachable")):
+            handoff = handoffs[worker.address]
+            assert (handoff.outcome, handoff.reason) == ("recomputed", reason), handoff
+            assert (handoff.prefill, handoff.decode) == (prefill.address, worker.address)
+            assert worker_state(worker.address).kv_handoff_outcomes[f"recomputed:{reason}"] == 1
+            assert f"({reason}); decode {worker.address} computes" in worker.log_path.read_text(
+                errors="replace"
+            )
         for worker in (knows, new):
             state = worker_state(worker.address)
             assert (
