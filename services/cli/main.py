@@ -177,6 +177,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the model id clients send (default: the directory name)",
     )
+    front.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="the key clients must send as Authorization: Bearer <key> on /v1/*, /tokenize and "
+        "/detokenize (default: $TANDEM_API_KEY; none: open)",
+    )
     add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
@@ -304,7 +310,12 @@ def _serve(args) -> int:
         from tandem.openai.app import serve_openai
 
         serve_openai(
-            args.target, args.host, args.port, args.served_model_name, tls=client_tls_kwargs(args)
+            args.target,
+            args.host,
+            args.port,
+            args.served_model_name,
+            tls=client_tls_kwargs(args),
+            api_key=args.api_key,
         )
         return 0
     if args.role == "router":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,8 +23,19 @@ from tandem.client.credentials import channel_credentials
 from tandem.openai import responses as r
 from tandem.openai.errors import OpenAIError, error_response, from_exception
 from tandem.openai.metrics import FrontMetrics
-from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tandem.openai.streams import MergedStream, Snapshot
+
+log = logging.getLogger("tandem.openai")
+# How often a non-streaming request looks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+# The routes --api-key guards (as vLLM's: the API; /health, /metrics and /version stay open).
+GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class Front:
@@ -97,24 +110,72 @@ async def _event_stream(
     front.observe(endpoint, started, sum(prompt_tokens.values()), completion_tokens)
 
 
-async def _generate(front: Front, prompts: list, params, stream: bool):
+async def _generate(front: Front, prompts: list, params, stream: bool, http: Request | None = None):
     results = [front.llm.generate_async(p, params, streaming=stream) for p in prompts]
     if stream:
         merged = MergedStream(results)
         await merged.open()
         return merged
-    return await asyncio.gather(*results)
+    return await _unless_gone(http, results)
 
 
-async def completions(front: Front, request: CompletionRequest):
+async def _unless_gone(http: Request | None, results: list):
+    """The results, unless the client goes away first: then they are aborted (their workers stop)
+    and the route answers nobody (499, nginx's "client closed request")."""
+    done = asyncio.ensure_future(asyncio.gather(*results))
+    while True:
+        finished, _ = await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+        if finished:
+            return done.result()
+        if http is not None and await http.is_disconnected():
+            for result in results:
+                result.abort()
+            done.cancel()
+            await asyncio.gather(done, return_exceptions=True)
+            raise OpenAIError(499, "the client closed the request")
+
+
+def _log_ignored(endpoint: str, request) -> None:
+    if request.ignored_fields:
+        log.warning(
+            "%s: ignoring fields tandem does not know: %s", endpoint, request.ignored_fields
+        )
+
+
+async def _check_length(front: Front, prompts: list, max_tokens: int | None, add_special: bool):
+    """A request whose prompt plus max_tokens passes the model's context is refused (400, naming
+    the numbers, as vLLM does) instead of being clipped and run."""
+    if max_tokens is None:
+        return
+    limit = (await front.info()).max_model_len
+    tokenizer = await front.tokenizer()
+    for prompt in prompts:
+        num = (
+            len(prompt)
+            if isinstance(prompt, list)
+            else len(await asyncio.to_thread(tokenizer.encode, prompt, add_special))
+        )
+        if num + max_tokens > limit:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num + max_tokens} tokens ({num} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or of the completion.",
+                "max_tokens",
+            )
+
+
+async def completions(front: Front, request: CompletionRequest, http: Request | None = None):
     started, endpoint = time.monotonic(), "/v1/completions"
     model = await front.check_model(request.model)
+    _log_ignored(endpoint, request)
     tokenizer = await front.tokenizer()
+    await _check_length(front, request.prompts, request.max_tokens, True)
     params = r.sampling_params(
         request, request.max_tokens, request.logprobs, add_special_tokens=True
     )
     response_id, created = r.new_id("cmpl"), r.now()
-    outs = await _generate(front, request.prompts, params, request.stream)
+    outs = await _generate(front, request.prompts, params, request.stream, http)
 
     def logprobs(token_ids, entries, offset):
         if request.logprobs is None:
@@ -135,6 +196,7 @@ async def completions(front: Front, request: CompletionRequest):
                             "text": d.text,
                             "logprobs": logprobs(d.token_ids, d.logprobs, offsets.get(key, 0)),
                             "finish_reason": r.FINISH_REASONS[d.finish_reason],
+                            "stop_reason": d.stop_reason,
                         }
                     )
                 offsets[key] = offsets.get(key, 0) + len(d.text)
@@ -160,6 +222,7 @@ async def completions(front: Front, request: CompletionRequest):
             "text": o.text,
             "logprobs": logprobs(o.token_ids, o.logprobs, 0),
             "finish_reason": r.FINISH_REASONS[o.finish_reason],
+            "stop_reason": o.stop_reason if o.finish_reason else None,
         }
         for i, out in enumerate(outs)
         for o in out.outputs
@@ -177,9 +240,12 @@ async def completions(front: Front, request: CompletionRequest):
     )
 
 
-async def chat_completions(front: Front, request: ChatCompletionRequest):
+async def chat_completions(
+    front: Front, request: ChatCompletionRequest, http: Request | None = None
+):
     started, endpoint = time.monotonic(), "/v1/chat/completions"
     model = await front.check_model(request.model)
+    _log_ignored(endpoint, request)
     tokenizer = await front.tokenizer()
     try:
         prompt = tokenizer.apply_chat_template(
@@ -188,6 +254,7 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
             add_generation_prompt=request.add_generation_prompt
             and not request.continue_final_message,
             continue_final_message=request.continue_final_message,
+            **(request.chat_template_kwargs or {}),
         )
     except ImportError as exc:
         raise OpenAIError(500, str(exc)) from exc
@@ -198,8 +265,9 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
     params = r.sampling_params(
         request, request.max_new_tokens, num_logprobs, add_special_tokens=False
     )
+    await _check_length(front, [prompt], request.max_new_tokens, False)
     response_id, created = r.new_id("chatcmpl"), r.now()
-    outs = await _generate(front, [prompt], params, request.stream)
+    outs = await _generate(front, [prompt], params, request.stream, http)
 
     def logprobs(token_ids, entries):
         return (
@@ -243,6 +311,7 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
                                     "delta": {"content": d.text} if d.text else {},
                                     "logprobs": logprobs(d.token_ids, d.logprobs),
                                     "finish_reason": r.FINISH_REASONS[d.finish_reason],
+                                    "stop_reason": d.stop_reason,
                                 }
                             ]
                         )
@@ -262,6 +331,7 @@ async def chat_completions(front: Front, request: ChatCompletionRequest):
             "message": {"role": "assistant", "content": o.text},
             "logprobs": logprobs(o.token_ids, o.logprobs),
             "finish_reason": r.FINISH_REASONS[o.finish_reason],
+            "stop_reason": o.stop_reason if o.finish_reason else None,
         }
         for o in out.outputs
     ]
@@ -289,9 +359,13 @@ def _as_openai_errors():
 
 
 def build_app(
-    target: str, served_model_name: str | None = None, tls: dict | None = None
+    target: str,
+    served_model_name: str | None = None,
+    tls: dict | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The app for a router at `target` (host:port); tls as Front takes it."""
+    """The app for a router at `target` (host:port); tls as Front takes it; api_key: the bearer
+    token the API's routes demand (None: open)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -305,6 +379,14 @@ def build_app(
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
+        if api_key and request.url.path.startswith(GUARDED_PREFIXES):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                response = error_response(
+                    401, "Unauthorized: send the API key as Authorization: Bearer <key>"
+                )
+                request.app.state.front.metrics.requests.labels(request.url.path, "401").inc()
+                return response
         response = await call_next(request)
         request.app.state.front.metrics.requests.labels(
             request.url.path, str(response.status_code)
@@ -327,30 +409,66 @@ def build_app(
     @app.post("/v1/completions")
     async def _completions(body: CompletionRequest, request: Request):
         with _as_openai_errors():
-            return await completions(request.app.state.front, body)
+            return await completions(request.app.state.front, body, request)
 
     @app.post("/v1/chat/completions")
     async def _chat_completions(body: ChatCompletionRequest, request: Request):
         with _as_openai_errors():
-            return await chat_completions(request.app.state.front, body)
+            return await chat_completions(request.app.state.front, body, request)
+
+    async def model_card(front: Front) -> dict:
+        info = await front.info()
+        return {
+            "id": await front.model_name(),
+            "object": "model",
+            "created": front.started,
+            "owned_by": "tandem",
+            "root": info.model,
+            "max_model_len": info.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models(request: Request):
-        front: Front = request.app.state.front
-        info = await front.info()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": await front.model_name(),
-                    "object": "model",
-                    "created": front.started,
-                    "owned_by": "tandem",
-                    "root": info.model,
-                    "max_model_len": info.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [await model_card(request.app.state.front)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        with _as_openai_errors():
+            front: Front = request.app.state.front
+            await front.check_model(model_id)
+            return await model_card(front)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        with _as_openai_errors():
+            front: Front = request.app.state.front
+            if body.model is not None:
+                await front.check_model(body.model)
+            tokenizer = await front.tokenizer()
+            if body.messages is not None:
+                text = tokenizer.apply_chat_template(
+                    [m.for_template() for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+                add_special = False
+            else:
+                text, add_special = body.prompt, body.add_special_tokens
+            tokens = await asyncio.to_thread(tokenizer.encode, text, add_special)
+            info = await front.info()
+            return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        with _as_openai_errors():
+            front: Front = request.app.state.front
+            if body.model is not None:
+                await front.check_model(body.model)
+            tokenizer = await front.tokenizer()
+            return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/health")
     async def health(request: Request):
@@ -376,6 +494,16 @@ def build_app(
     return app
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("tandem")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _router_channel(front: Front) -> grpc.aio.Channel:
     tls = front.tls
     credentials = channel_credentials(
@@ -397,7 +525,13 @@ def serve_openai(
     port: int,
     served_model_name: str | None = None,
     tls: dict | None = None,
+    api_key: str | None = None,
 ) -> None:
     import uvicorn
 
-    uvicorn.run(build_app(target, served_model_name, tls), host=host, port=port, log_level="info")
+    uvicorn.run(
+        build_app(target, served_model_name, tls, api_key),
+        host=host,
+        port=port,
+        log_level="info",
+    )

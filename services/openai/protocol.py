@@ -2,7 +2,9 @@
 
 Fields OpenAI defines that tandem cannot honour are accepted at their defaults and refused
 with a message naming them when set (`_refuse`). A few vLLM extensions that map directly onto
-tandem's SamplingParams (top_k, min_p, repetition_penalty, ...) are accepted too.
+tandem's SamplingParams (top_k, min_p, repetition_penalty, ...) are accepted too. Fields neither
+defines (agent frameworks send `parallel_tool_calls`, `store`, `reasoning_effort`, ...) are
+accepted and ignored, as vLLM does, and the route logs their names (`ignored_fields`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -40,6 +42,11 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Fields of the body that neither OpenAI's API nor tandem defines (ignored)."""
+        return sorted(self.model_extra or {})
 
     @model_validator(mode="after")
     def _refuse(self):
@@ -108,15 +115,68 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: extra arguments of the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_chat_fields(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by tandem")
+        kind = (self.response_format or {}).get("type")
+        if kind not in (None, "text", "json_object", "json_schema"):
+            raise ValueError(
+                f"response_format type {kind!r} is not supported: text, json_object or json_schema"
+            )
+        if kind == "json_schema" and not isinstance(
+            (self.response_format.get("json_schema") or {}).get("schema"), dict
+        ):
+            raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+        if self.chat_template_kwargs and reserved & set(self.chat_template_kwargs):
+            raise ValueError(
+                f"chat_template_kwargs may not set {sorted(reserved & set(self.chat_template_kwargs))}"
+            )
         return self
+
+    @property
+    def guide(self) -> dict[str, Any] | None:
+        """GuidedDecodingParams' fields for response_format (None: free text)."""
+        kind = (self.response_format or {}).get("type")
+        if kind == "json_object":
+            # OpenAI's json_object is an object; xgrammar's builtin JSON grammar (what tandem's
+            # json_object is) takes any JSON value.
+            return {"json": {"type": "object"}}
+        if kind == "json_schema":
+            return {"json": self.response_format["json_schema"]["schema"]}
+        return None
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from tandem.client import SamplingParams
+from tandem.client import GuidedDecodingParams, SamplingParams
 from tandem.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 # tandem's finish reasons as OpenAI names them ("abort" is vLLM's word for a cancelled request).
@@ -21,7 +21,9 @@ def sampling_params(
 ) -> SamplingParams:
     # OpenAI's default temperature is 1 (sampling); tandem's own default is greedy.
     temperature = 1.0 if request.temperature is None else request.temperature
+    guide = getattr(request, "guide", None)
     return SamplingParams(
+        guided_decoding=GuidedDecodingParams(**guide) if guide else None,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=request.top_p,

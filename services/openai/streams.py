@@ -21,6 +21,8 @@ class Delta:
     token_ids: list[int]
     logprobs: list[dict[int, Any]]
     finish_reason: str | None
+    # The stop string or stop token id that ended the sequence (vLLM's stop_reason).
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ async def snapshots(request: int, result) -> AsyncIterator[Snapshot]:
                     list(o.token_ids_diff),
                     list(o.logprobs_diff),
                     o.finish_reason,
+                    o.stop_reason if o.finish_reason else None,
                 )
                 for o in out.outputs
             ],
