@@ -141,9 +141,24 @@ def test_every_field_but_callables_travels_in_the_proto():
 
 
 @pytest.mark.parametrize("name", LOCAL_ONLY)
-def test_callables_are_refused_at_construction(name):
+def test_callables_are_refused_when_the_request_is_sent(name):
+    # Built as a TensorRT-LLM script builds them (its LogitsProcessor subclassed), refused at use.
+    from tandem.client import BatchedLogitsProcessor, LogitsProcessor
+
+    class Nothing(LogitsProcessor):
+        def __call__(self, req_id, logits, token_ids, stream_ptr, client_id):
+            pass
+
+    class NothingBatched(BatchedLogitsProcessor):
+        def __call__(self, req_ids, logits, token_ids, stream_ptr, client_ids):
+            pass
+
+    NothingBatched()
+    with pytest.raises(TypeError):  # abstract, as TensorRT-LLM's
+        LogitsProcessor()
+    params = SamplingParams(**{name: Nothing() if name == "logits_processor" else True})
     with pytest.raises(NotImplementedError, match=name):
-        SamplingParams(**{name: (lambda *args: None) if name == "logits_processor" else True})
+        params.to_proto()
 
 
 @pytest.mark.parametrize("name", sorted(UNIMPLEMENTED))

@@ -27,12 +27,19 @@ from tandem.client.perf_metrics import (
     TimingMetrics,
 )
 from tandem.client.results import RequestOutput
-from tandem.client.sampling_params import GuidedDecodingParams, SamplingParams
+from tandem.client.sampling_params import (
+    BatchedLogitsProcessor,
+    GuidedDecodingParams,
+    LogitsProcessor,
+    SamplingParams,
+)
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "LogitsProcessor",
+    "BatchedLogitsProcessor",
     "GuidedDecodingParams",
     "DisaggregatedParams",
     "SchedulingParams",

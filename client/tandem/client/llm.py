@@ -29,10 +29,12 @@ from tandem.v1 import llm_pb2
 
 
 def _broadcast(value, n: int, name: str) -> list:
+    """One value per prompt: a list is indexed by the prompt's position, as TensorRT-LLM does (a
+    longer one keeps its first n entries; a shorter one cannot serve every prompt)."""
     if isinstance(value, (list, tuple)):
-        if len(value) != n:
+        if len(value) < n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return list(value)
+        return list(value[:n])
     return [value] * n
 
 
@@ -63,6 +65,17 @@ class LLM:
         default_timeout: float | None = None,
         **kwargs: Any,
     ):
+        model = kwargs.pop("model", None)
+        if model is not None:  # TensorRT-LLM's scripts write LLM(model=...): here, the router
+            model = str(model)
+            host, sep, port = model.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise TypeError(
+                    f"model={model!r}: tandem's LLM takes the router's host:port; serve the "
+                    f"checkpoint with `tandem up --model {model}` (or `tandem serve ... --model`) "
+                    f"and pass its address"
+                )
+            target = model
         if kwargs:
             raise TypeError(
                 f"unexpected arguments {sorted(kwargs)}: model and engine options are server-side "

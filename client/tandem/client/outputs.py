@@ -143,11 +143,15 @@ class RequestOutputState:
         prompt: str | None = None,
         num_logprobs: int | None = None,
         num_prompt_logprobs: int | None = None,
+        num_outputs: int = 0,
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids: list[int] = []
-        self.outputs: list[CompletionOutput] = []
+        # One per returned sequence from the start, as TensorRT-LLM creates them (num_outputs: n).
+        self.outputs: list[CompletionOutput] = [
+            CompletionOutput(index=i) for i in range(num_outputs)
+        ]
         self.finished = False
         self.metrics = RequestMetrics()
         self.context_logits = None  # [prompt positions, vocab] when return_context_logits

@@ -23,6 +23,7 @@ class RequestOutput(RequestOutputState):
             request.prompt.text if request.prompt.HasField("text") else None,
             params.logprobs if params.HasField("logprobs") else None,
             params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+            params.n if params.HasField("n") and params.n > 0 else 1,
         )
         self._transport = transport
         self.streaming = streaming
@@ -37,6 +38,8 @@ class RequestOutput(RequestOutputState):
         self._done = False
         self._aborted = False
         self._aborted_locally = False
+        # Whether iterating has handed out a state yet (an early abort still hands out one).
+        self._yielded = False
         self._cancel = transport.stream_to(
             "Generate", request, self._push, lambda exc: self._push((_END, exc))
         )
@@ -58,7 +61,9 @@ class RequestOutput(RequestOutputState):
                 exc is None or isinstance(exc, (asyncio.CancelledError, RequestError))
             ):
                 self._finish_cancelled()
-            elif exc is not None and not isinstance(exc, asyncio.CancelledError):
+                # Aborted before its first output: it ends with one, cancelled (TensorRT-LLM's).
+                return not self._yielded
+            if exc is not None and not isinstance(exc, asyncio.CancelledError):
                 self._error = exc
             if self._error is not None:
                 raise self._error
@@ -116,6 +121,7 @@ class RequestOutput(RequestOutputState):
             raise StopAsyncIteration
         try:
             if self._take(await self._next_async()):
+                self._yielded = True
                 return self
         except asyncio.CancelledError:
             if not self._done:
@@ -142,6 +148,7 @@ class RequestOutput(RequestOutputState):
                 raise self._error
             raise StopIteration
         if self._take(self._next_sync()):
+            self._yielded = True
             return self
         raise StopIteration
 

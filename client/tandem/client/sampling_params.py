@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json as _json
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -58,8 +59,24 @@ _REPEATED = {
     "beam_width_array",
     "additional_model_outputs",
 }
-# Cannot travel to a server (Python objects); refused when set.
+# Cannot travel to a server (Python objects); refused when a request carrying them is sent.
 _LOCAL_ONLY = {"logits_processor", "apply_batched_logits_processor"}
+
+
+class LogitsProcessor(ABC):
+    """tensorrt_llm.sampling_params.LogitsProcessor, for scripts that subclass it. tandem runs
+    no client-side callable in its server: a request whose SamplingParams carries one is refused
+    (NotImplementedError) when it is sent."""
+
+    @abstractmethod
+    def __call__(self, req_id, logits, token_ids, stream_ptr, client_id): ...
+
+
+class BatchedLogitsProcessor(ABC):
+    """tensorrt_llm.sampling_params.BatchedLogitsProcessor (see LogitsProcessor)."""
+
+    @abstractmethod
+    def __call__(self, req_ids, logits, token_ids, stream_ptr, client_ids): ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -135,6 +152,10 @@ class SamplingParams:
             self.embedding_bias = [
                 float(v) for v in (bias.tolist() if hasattr(bias, "tolist") else bias)
             ]
+        self._validate()
+
+    def _refuse_local_only(self) -> None:
+        """Refused when the request is sent (a script may build them and never use them)."""
         if self.logits_processor is not None:
             raise NotImplementedError(
                 "logits_processor: a Python callable cannot be sent to a tandem server"
@@ -144,7 +165,6 @@ class SamplingParams:
                 "apply_batched_logits_processor: a tandem server runs no client-side "
                 "batched logits processor"
             )
-        self._validate()
 
     def _validate(self) -> None:
         """TensorRT-LLM's checks and messages (SamplingParams._validate)."""
@@ -194,6 +214,7 @@ class SamplingParams:
         )
 
     def to_proto(self) -> types_pb2.SamplingParams:
+        self._refuse_local_only()
         msg = types_pb2.SamplingParams()
         for f in fields(self):
             value = getattr(self, f.name)
