@@ -37,19 +37,25 @@ def _no_leaked_blocks(cluster) -> None:
             assert_all_blocks_free(llm)
 
 
-@pytest.fixture(scope="module")
-def two_prefills(model_dirs):
-    """prefill-1 hands off leases too short to pull, prefill-2 good ones; the decode fails what
-    it cannot load; the router takes prefills in turn."""
-    with LocalCluster(
-        roles=["prefill", "prefill", "decode"],
+def _cluster(model_dirs, roles: list[str]) -> LocalCluster:
+    """prefill-1 hands off leases too short to pull; decode-1 runs the fail policy; the router
+    takes the workers of a role in turn."""
+    return LocalCluster(
+        roles=roles,
         engine_args=_engine_args(model_dirs),
         worker_args={
             "prefill-1": ["--kv-lease-seconds", SHORT_LEASE_S],
             "decode-1": ["--kv-load-failure-policy", "fail"],
         },
         router_args=["--routing", "round-robin"],
-    ) as c:
+    )
+
+
+@pytest.fixture(scope="module")
+def two_prefills(model_dirs):
+    """prefill-1's handoffs cannot be pulled, prefill-2's can; the one decode fails what it
+    cannot load."""
+    with _cluster(model_dirs, ["prefill", "prefill", "decode"]) as c:
         yield c
 
 
@@ -90,16 +96,8 @@ def test_fail_retries_on_another_prefill_and_the_tokens_are_the_aggregated_ones(
 @pytest.fixture(scope="module")
 def two_decodes(model_dirs):
     """One prefill, every lease too short; decode-1 fails what it cannot load, decode-2 (the
-    default policy) computes the prompt itself; the router takes decodes in turn."""
-    with LocalCluster(
-        roles=["prefill", "decode", "decode"],
-        engine_args=_engine_args(model_dirs),
-        worker_args={
-            "prefill-1": ["--kv-lease-seconds", SHORT_LEASE_S],
-            "decode-1": ["--kv-load-failure-policy", "fail"],
-        },
-        router_args=["--routing", "round-robin"],
-    ) as c:
+    default policy) computes the prompt itself."""
+    with _cluster(model_dirs, ["prefill", "decode", "decode"]) as c:
         yield c
 
 

@@ -4,6 +4,7 @@ results for the same requests; OpenAI-style errors; /v1/models, /health, /metric
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -22,15 +23,11 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def front(model_dirs, tmp_path_factory):
-    model_dir = model_dirs["llama"]
-    with LocalCluster(
-        roles=["both"],
-        engine_args=["--model", str(model_dir), "--num-blocks", "300", "--block-size", "8"],
-    ) as cluster:
-        port = free_port()
-        log = open(tmp_path_factory.mktemp("openai") / "front.log", "w")
+@contextlib.contextmanager
+def openai_front(cluster, log_path, *flags: str):
+    """`tandem serve openai` in front of cluster's router, ready: (base URL, its process)."""
+    port = free_port()
+    with open(log_path, "w") as log:
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -42,6 +39,7 @@ def front(model_dirs, tmp_path_factory):
                 cluster.address,
                 "--port",
                 str(port),
+                *flags,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -50,23 +48,33 @@ def front(model_dirs, tmp_path_factory):
         try:
             deadline = time.monotonic() + 60
             while True:
-                assert process.poll() is None, open(log.name).read()
+                assert process.poll() is None, open(log_path).read()
                 try:
                     if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
-                assert time.monotonic() < deadline, open(log.name).read()
+                assert time.monotonic() < deadline, open(log_path).read()
                 time.sleep(0.1)
-            client = openai.OpenAI(
-                base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60
-            )
-            with LLM(cluster.address) as llm:
-                yield base, client, llm, model_dir.name
+            yield base, process
         finally:
             process.terminate()
             process.wait(15)
-            log.close()
+
+
+@pytest.fixture(scope="module")
+def front(model_dirs, tmp_path_factory):
+    model_dir = model_dirs["llama"]
+    with (
+        LocalCluster(
+            roles=["both"],
+            engine_args=["--model", str(model_dir), "--num-blocks", "300", "--block-size", "8"],
+        ) as cluster,
+        openai_front(cluster, tmp_path_factory.mktemp("openai") / "front.log") as (base, _),
+    ):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        with LLM(cluster.address) as llm:
+            yield base, client, llm, model_dir.name
 
 
 def _greedy(llm, prompt, max_tokens, **kwargs):

@@ -377,21 +377,7 @@ def build_app(
 
     app = FastAPI(title="tandem OpenAI-compatible API", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        if api_key and request.url.path.startswith(GUARDED_PREFIXES):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                response = error_response(
-                    401, "Unauthorized: send the API key as Authorization: Bearer <key>"
-                )
-                request.app.state.front.metrics.requests.labels(request.url.path, "401").inc()
-                return response
-        response = await call_next(request)
-        request.app.state.front.metrics.requests.labels(
-            request.url.path, str(response.status_code)
-        ).inc()
-        return response
+    app.add_middleware(_GuardAndCount, api_key=api_key)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
@@ -492,6 +478,43 @@ def build_app(
         )
 
     return app
+
+
+class _GuardAndCount:
+    """The API key check and the request counter, as a plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would hide the client's disconnect from the routes (which abort a request
+    whose client left)."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        counter = scope["app"].state.front.metrics.requests
+        if self.expected is not None and path.startswith(GUARDED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                counter.labels(path, "401").inc()
+                response = error_response(
+                    401, "Unauthorized: send the API key as Authorization: Bearer <key>"
+                )
+                await response(scope, receive, send)
+                return
+        status = {"code": 500}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            counter.labels(path, str(status["code"])).inc()
 
 
 def _version() -> str:
