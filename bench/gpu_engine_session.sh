@@ -5,6 +5,7 @@
 # Usage there: [PARTS="tests fidelity lora gemv serve kernels pull pull1 split1"] bash bench/gpu_engine_session.sh [serve.py args...]
 # pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
+# wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -49,6 +50,11 @@ if has pull1; then  # one GPU: the transceiver's default (CUDA IPC get path on) 
     (cd bench && timeout "${PULL1_S:-60}" python3 kv_pull_contention.py --device cuda --shape llama-3.1-8b \
       --iters $([ "$ipc" = auto ] && echo 4 || echo 10) $env_flag) 2>&1 | grep -v "NIXL INFO" | tee "$OUT/kv-pull-1gpu-$ipc.txt"
   done
+fi
+if has wsync; then  # update_weights by CUDA IPC handles (issue 32): one GPU, trainer and worker on it
+  timeout "${WSYNC_S:-420}" python3 bench/weight_sync.py --device cuda --shape llama-3.1-8b \
+    --paths "${WSYNC_PATHS:-ipc,checkpoint}" --repeats "${WSYNC_REPEATS:-2}" 2>&1 \
+    | grep -v "NIXL\|Loading weights\|Writing model" | tee "$OUT/weight-sync.txt" | tail -8
 fi
 if has split1; then
   timeout "${SPLIT1_S:-420}" python3 bench/split_one_gpu.py ${SPLIT1_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" \

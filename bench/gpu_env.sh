@@ -4,7 +4,7 @@
 # source tree onto the tandem namespace, without pip-installing the project.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 mkdir -p /tmp/ns/tandem
-for m in engine prefill decode router worker common kvtransfer cli text testing openai; do ln -sfn "$PWD/services/$m" "/tmp/ns/tandem/$m"; done
+for m in engine prefill decode router worker common kvtransfer cli text testing openai rl; do ln -sfn "$PWD/services/$m" "/tmp/ns/tandem/$m"; done
 ln -sfn "$PWD/kernels" /tmp/ns/tandem/kernels
 ln -sfn "$PWD/client/tandem/client" /tmp/ns/tandem/client
 ln -sfn "$PWD/client/tandem/v1" /tmp/ns/tandem/v1

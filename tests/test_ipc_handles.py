@@ -97,3 +97,50 @@ def test_handles_for_another_device_or_not_base64_are_refused():
         read_handles({"GPU-0": "AA=="}, CPU)
     with pytest.raises(HandleError, match="not base64"):
         read_handles({"CPU": "%%%"}, CPU)
+
+
+# rebuild_cuda_tensor's arguments as torch 2.11's reduce_tensor gave them for a [4, 8] bf16 CUDA
+# tensor on an H100 (the storage class is TypedStorage there).
+CUDA_ARGS = (
+    torch.Tensor,
+    torch.Size([4, 8]),
+    (8, 1),
+    0,
+    torch.storage.TypedStorage,
+    torch.bfloat16,
+    0,
+    b"\x02" * 66,
+    64,
+    0,
+    False,
+    b"/torch_3861_841150158_0",
+    0,
+    b"\x15" * 64,
+    True,
+)
+
+
+def test_a_cuda_handle_as_torch_makes_it_passes_its_checks():
+    from tandem.worker.ipc_weights import _check_cuda_handle
+
+    _check_cuda_handle("w", CUDA_ARGS)
+
+
+@pytest.mark.parametrize(
+    "index, value",
+    [
+        (12, 10_000),  # a reference-counter offset past torch's counter file
+        (11, b"/etc/passwd"),  # a reference-counter file that is not torch's
+        (8, 32),  # a view past its storage
+        (5, torch.int64),  # not weights
+        (4, torch.Tensor),  # not a storage class
+        (7, 7),  # a handle that is not bytes
+    ],
+)
+def test_a_cuda_handle_with_an_argument_out_of_bounds_is_refused(index, value):
+    from tandem.worker.ipc_weights import _check_cuda_handle
+
+    args = list(CUDA_ARGS)
+    args[index] = value
+    with pytest.raises(HandleError, match="not a CUDA tensor's handle"):
+        _check_cuda_handle("w", tuple(args))

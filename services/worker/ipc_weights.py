@@ -307,7 +307,7 @@ def _check_cuda_handle(name: str, args: tuple) -> None:
     ) = args
     ok = (
         tensor_cls in _TENSOR_CLASSES
-        and storage_cls is torch.UntypedStorage
+        and storage_cls in (torch.TypedStorage, torch.UntypedStorage)
         and isinstance(dtype, torch.dtype)
         and dtype.is_floating_point
         and _ints(size)
