@@ -25,6 +25,16 @@ _SHARED_MESSAGES = (
 _SHARED_OPTIONALS = ("cache_salt", "priority")
 
 
+def _copy_shared(src, dst) -> None:
+    """The fields a GenerateRequest and an EngineRequest both have, under the same names."""
+    for name in _SHARED_MESSAGES:
+        if src.HasField(name):
+            getattr(dst, name).CopyFrom(getattr(src, name))
+    for name in _SHARED_OPTIONALS:
+        if src.HasField(name):
+            setattr(dst, name, getattr(src, name))
+
+
 def kv_params(params: types_pb2.DisaggregatedParams) -> internal_pb2.KvParams:
     """KvParams has DisaggregatedParams' fields under the same numbers and types
     (tests/test_internal_plane.py checks it): the conversion is a re-parse of its bytes."""
@@ -49,12 +59,7 @@ def engine_request(
         trace_headers=request.trace_headers,
         return_first_gen_tokens=return_first_gen_tokens,
     )
-    for name in _SHARED_MESSAGES:
-        if request.HasField(name):
-            getattr(out, name).CopyFrom(getattr(request, name))
-    for name in _SHARED_OPTIONALS:
-        if request.HasField(name):
-            setattr(out, name, getattr(request, name))
+    _copy_shared(request, out)
     if request.HasField("disaggregated_params"):
         out.kv_params.CopyFrom(kv_params(request.disaggregated_params))
     return out
@@ -67,12 +72,7 @@ def generate_request(request: internal_pb2.EngineRequest) -> llm_pb2.GenerateReq
         request_id=request.request_id, streaming=True, trace_headers=request.trace_headers
     )
     out.prompt.token_ids.ids.extend(request.prompt_token_ids)
-    for name in _SHARED_MESSAGES:
-        if request.HasField(name):
-            getattr(out, name).CopyFrom(getattr(request, name))
-    for name in _SHARED_OPTIONALS:
-        if request.HasField(name):
-            setattr(out, name, getattr(request, name))
+    _copy_shared(request, out)
     if request.HasField("kv_params"):
         out.disaggregated_params.CopyFrom(disaggregated_params(request.kv_params))
     return out
