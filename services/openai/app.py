@@ -142,19 +142,21 @@ def _log_ignored(endpoint: str, request) -> None:
         )
 
 
-async def _check_length(front: Front, prompts: list, max_tokens: int | None, add_special: bool):
-    """A request whose prompt plus max_tokens passes the model's context is refused (400, naming
-    the numbers, as vLLM does) instead of being clipped and run."""
+async def _within_context(
+    front: Front, prompts: list, max_tokens: int | None, add_special: bool
+) -> list:
+    """The prompts, refused (400, naming the numbers, as vLLM does) when one plus max_tokens passes
+    the model's context instead of being clipped and run. A text prompt counted here comes back
+    as its token ids, so that the router does not tokenize it a second time."""
     if max_tokens is None:
-        return
+        return prompts
     limit = (await front.info()).max_model_len
     tokenizer = await front.tokenizer()
+    checked = []
     for prompt in prompts:
-        num = (
-            len(prompt)
-            if isinstance(prompt, list)
-            else len(await asyncio.to_thread(tokenizer.encode, prompt, add_special))
-        )
+        if not isinstance(prompt, list):
+            prompt = await asyncio.to_thread(tokenizer.encode, prompt, add_special)
+        num = len(prompt)
         if num + max_tokens > limit:
             raise OpenAIError(
                 400,
@@ -163,6 +165,8 @@ async def _check_length(front: Front, prompts: list, max_tokens: int | None, add
                 f"Please reduce the length of the prompt or of the completion.",
                 "max_tokens",
             )
+        checked.append(prompt)
+    return checked
 
 
 async def completions(front: Front, request: CompletionRequest, http: Request | None = None):
@@ -170,12 +174,12 @@ async def completions(front: Front, request: CompletionRequest, http: Request | 
     model = await front.check_model(request.model)
     _log_ignored(endpoint, request)
     tokenizer = await front.tokenizer()
-    await _check_length(front, request.prompts, request.max_tokens, True)
+    prompts = await _within_context(front, request.prompts, request.max_tokens, True)
     params = r.sampling_params(
         request, request.max_tokens, request.logprobs, add_special_tokens=True
     )
     response_id, created = r.new_id("cmpl"), r.now()
-    outs = await _generate(front, request.prompts, params, request.stream, http)
+    outs = await _generate(front, prompts, params, request.stream, http)
 
     def logprobs(token_ids, entries, offset):
         if request.logprobs is None:
@@ -265,9 +269,9 @@ async def chat_completions(
     params = r.sampling_params(
         request, request.max_new_tokens, num_logprobs, add_special_tokens=False
     )
-    await _check_length(front, [prompt], request.max_new_tokens, False)
+    prompts = await _within_context(front, [prompt], request.max_new_tokens, False)
     response_id, created = r.new_id("chatcmpl"), r.now()
-    outs = await _generate(front, [prompt], params, request.stream, http)
+    outs = await _generate(front, prompts, params, request.stream, http)
 
     def logprobs(token_ids, entries):
         return (
