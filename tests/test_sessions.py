@@ -563,6 +563,16 @@ def test_a_request_waits_for_room_on_a_full_session():
     assert asyncio.run(run()) is not None
 
 
+async def _read_all(inbox, got: list) -> None:
+    """What the relay reads from an inbox up to the request's end, into got (its error raised)."""
+    while True:
+        for item in await inbox.take():
+            msg = inboxes.message_of(item)
+            if msg is None:
+                return
+            got.append(msg)
+
+
 def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
     async def run():
         failed = worker_pb2.SessionFailure(
@@ -584,8 +594,7 @@ def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
         _, inbox = session.attach()
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for msg in inboxes.streamed_outputs(inbox):
-                got.append(msg)
+            await _read_all(inbox, got)
         session.close()
         return got, error.value
 
@@ -604,7 +613,7 @@ def test_a_failure_entry_raises_the_calls_error_with_its_retry_hint():
 def test_a_lagging_clients_outputs_fold_into_one_message_in_the_routers_inbox():
     """The router reads a worker's stream as it comes; what a slow client has not taken yet is
     held as one message, built as the entries come, not one message per engine step."""
-    from tandem.router.inbox import Inbox, streamed_outputs
+    from tandem.router.inbox import Inbox
 
     num_steps = 200
 
@@ -618,7 +627,9 @@ def test_a_lagging_clients_outputs_fold_into_one_message_in_the_routers_inbox():
             )
         assert len(inbox.items) == 1
         inbox.put(inboxes.ENDED)
-        return [m async for m in streamed_outputs(inbox)]
+        got = []
+        await _read_all(inbox, got)
+        return got
 
     messages = asyncio.run(run())
     assert len(messages) == 1 and messages[0].request_id == "slow"

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.client import SamplingParams
 from tandem.testing.cluster import LocalCluster
-from tandem.v1 import types_pb2
+from tandem.v1 import llm_pb2, types_pb2
 
 STREAM_INTERVAL = 4
 
@@ -82,13 +82,21 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(
             assert len(steps) < len(every_steps), (steps, every_steps)
 
 
-def test_every_n_tokens_holds_tokens_until_the_interval_and_never_drops_them():
-    from tandem.common.outputs import every_n_tokens
+def test_a_token_interval_holds_tokens_until_the_interval_and_never_drops_them():
+    from tandem.text.front import TextFront, TextRequest
+    from tandem.text.processor import TextOptions, TextProcessor
 
     def msg(tokens, finished=False):
         out = types_pb2.RequestOutput(request_id="r", finished=finished)
         out.outputs.add(index=0, token_ids=tokens)
         return out
+
+    class Tracker:
+        def saw(self, msg):
+            pass
+
+        def counted(self, msg, num_prompt_tokens):
+            pass
 
     async def source(items):
         for item in items:
@@ -96,34 +104,48 @@ def test_every_n_tokens_holds_tokens_until_the_interval_and_never_drops_them():
                 raise item
             yield item
 
-    async def collect(items, interval):
-        got = []
-        try:
-            async for m in every_n_tokens(source(items), interval):
-                got.append((list(m.outputs[0].token_ids), m.finished))
-        except RuntimeError as exc:
-            got.append(str(exc))
-        return got
+    def collect(items, interval):
+        """What the text front sends the client for the producer's items (a message, or the
+        error that ends the stream), with --stream-interval interval."""
+        text_request = TextRequest(
+            llm_pb2.GenerateRequest(), TextProcessor(None, TextOptions(detokenize=False)), True
+        )
+
+        async def on_stop(index, handoff):
+            raise AssertionError("no stop strings here")
+
+        async def run():
+            got = []
+            try:
+                async for m in TextFront.respond(
+                    text_request, source(items), on_stop, Tracker(), interval
+                ):
+                    got.append((list(m.outputs[0].token_ids), m.finished))
+            except RuntimeError as exc:
+                got.append(str(exc))
+            return got
+
+        return asyncio.run(run())
 
     ones = [msg([t]) for t in range(1, 8)] + [msg([8], finished=True)]
-    assert asyncio.run(collect(ones, 3)) == [
+    assert collect(ones, 3) == [
         ([1], False),
         ([2, 3, 4], False),
         ([5, 6, 7], False),
         ([8], True),
     ]
-    assert asyncio.run(collect(ones[:5] + [msg([6], finished=True)], 3)) == [
+    assert collect(ones[:5] + [msg([6], finished=True)], 3) == [
         ([1], False),
         ([2, 3, 4], False),
         ([5, 6], True),
     ]
-    assert asyncio.run(collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3)) == [
+    assert collect([msg([1]), msg([2, 3, 4, 5]), msg([6])], 3) == [
         ([1], False),
         ([2, 3, 4, 5], False),
         ([6], False),
     ]
     # A failure after held tokens: they go on first, then the error.
-    assert asyncio.run(collect([msg([1]), msg([2]), msg([3]), RuntimeError("worker lost")], 3)) == [
+    assert collect([msg([1]), msg([2]), msg([3]), RuntimeError("worker lost")], 3) == [
         ([1], False),
         ([2, 3], False),
         "worker lost",

@@ -109,12 +109,18 @@ def _run(processor: TextProcessor, messages: list[types_pb2.RequestOutput]) -> t
     async def on_stop(index, handoff):
         stopped.append(index)
 
-    async def source():
-        for m in messages:
-            yield m
-
     async def collect():
-        return [m async for m in processor.run(source(), on_stop)]
+        got = []
+        for m in messages:
+            out, stops = processor.feed(m)
+            for index, handoff in stops:
+                await on_stop(index, handoff)
+            if out is not None:
+                got.append(out)
+            if processor.done:
+                break
+        last = processor.finish()
+        return got + ([last] if last is not None else [])
 
     return asyncio.run(collect()), stopped
 

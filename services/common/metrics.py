@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from prometheus_client import (
@@ -29,7 +28,6 @@ from prometheus_client import (
 )
 
 from tandem.common.interceptors import wrap_handler
-from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 # vLLM's buckets (loggers.py), so dashboards built for vLLM read tandem's histograms alike.
@@ -326,10 +324,10 @@ class RequestMetrics:
 
 
 class RequestTracker:
-    """One request's clock. produced() wraps the token-id stream a process gets from whatever
-    produces it (the engine, the workers): the first token's time. delivered() wraps what the
-    client gets (after the text front: stop strings applied, merged when not streaming): the
-    tokens and finish reasons, recorded with the last message."""
+    """One request's clock, kept by the text front (TextFront.respond): saw() each message of the
+    token-id stream a process gets from whatever produces it (the engine, the workers): the first
+    token's time; counted() each message the client gets (stop strings applied, merged when not
+    streaming): the tokens and finish reasons, recorded with the last message."""
 
     def __init__(self, metrics: RequestMetrics):
         self.metrics = metrics
@@ -340,12 +338,12 @@ class RequestTracker:
         self._reasons: dict[int, str] = {}
 
     def saw(self, msg: types_pb2.RequestOutput) -> None:
-        """One message of the token-id stream (what produced() does per message)."""
+        """One message of the token-id stream."""
         if self.first_token_at is None and any(out.token_ids for out in msg.outputs):
             self.first_token_at = time.monotonic()
 
     def counted(self, msg: types_pb2.RequestOutput, num_prompt_tokens: int) -> None:
-        """One message the client gets (what delivered() does per message); the last one records."""
+        """One message the client gets; the last one records."""
         for out in msg.outputs:
             self._num_tokens[out.index] = self._num_tokens.get(out.index, 0) + len(out.token_ids)
             if out.disaggregated_params.opaque_state:  # a context phase's 'not_finished'
@@ -358,17 +356,3 @@ class RequestTracker:
     def count_tokens(self, index: int, num_tokens: int) -> None:
         """What counted() does for a message of num_tokens tokens of sequence index and nothing else."""
         self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
-
-    async def produced(self, messages: AsyncIterator[types_pb2.RequestOutput]):
-        async with closing(messages) as messages:
-            async for msg in messages:
-                self.saw(msg)
-                yield msg
-
-    async def delivered(
-        self, messages: AsyncIterator[types_pb2.RequestOutput], num_prompt_tokens: int
-    ):
-        async with closing(messages) as messages:
-            async for msg in messages:
-                self.counted(msg, num_prompt_tokens)
-                yield msg

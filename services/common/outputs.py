@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tandem.common.streams import closing
 from tandem.v1 import types_pb2
 
 
@@ -35,36 +34,36 @@ def merge_outputs(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestO
     return merged
 
 
-async def every_n_tokens(messages, interval: int):
+class TokenInterval:
     """A streamed request's messages, merged so that each carries at least interval new tokens
     (the router's --stream-interval, SGLang's and vLLM's stream interval): fewer, larger
     messages for the same tokens. The first message goes on at once (time to first token), the
-    last with whatever is held; tokens held when the stream fails go on before its error. There
-    is no timer: tokens wait for the next ones at most interval - 1 engine steps."""
-    held: list[types_pb2.RequestOutput] = []
-    num_held = 0
-    first = True
-    try:
-        async with closing(messages) as messages:
-            async for msg in messages:
-                if first or msg.finished:
-                    first = False
-                    held.append(msg)
-                    yield merged(held)
-                    held, num_held = [], 0
-                    continue
-                held.append(msg)
-                for out in msg.outputs:
-                    num_held += len(out.token_ids)
-                if num_held >= interval:
-                    yield merged(held)
-                    held, num_held = [], 0
-    except Exception:
-        if held:  # what arrived before the failure is the client's (a stopped request still has it)
-            yield merged(held)
-        raise
-    if held:
-        yield merged(held)
+    last with whatever is held; tokens held when the stream fails go on before its error
+    (flush). There is no timer: tokens wait for the next ones at most interval - 1 engine steps."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._held: list[types_pb2.RequestOutput] = []
+        self._num_held = 0
+        self._first = True
+
+    def add(self, msg: types_pb2.RequestOutput) -> types_pb2.RequestOutput | None:
+        """The message to send now, if msg makes one."""
+        self._held.append(msg)
+        if self._first or msg.finished:
+            self._first = False
+            return self.flush()
+        for out in msg.outputs:
+            self._num_held += len(out.token_ids)
+        return self.flush() if self._num_held >= self.interval else None
+
+    def flush(self) -> types_pb2.RequestOutput | None:
+        """What is held, as one message (None when nothing is)."""
+        if not self._held:
+            return None
+        out = merged(self._held)
+        self._held, self._num_held = [], 0
+        return out
 
 
 def merged(messages: list[types_pb2.RequestOutput]) -> types_pb2.RequestOutput:

@@ -1,6 +1,6 @@
 """A request's outputs in the router as its session's reader hands them over (sessions.py), and
-the stream the relay reads from them: the messages, the end, or the error its own Generate call
-would have given. The messages are built here, once, from the worker's EngineOutput entries
+what each says to the relay that reads them (message_of): a message, the end, or the error its
+own Generate call would have given. The messages are built here, once, from the worker's EngineOutput entries
 (common/engine_messages.OutputBuilder): the entries that arrive while the relay is busy fold
 into one message (a lagging client gets fewer, larger messages)."""
 
@@ -13,7 +13,7 @@ import grpc
 
 from tandem.common.engine_messages import OutputBuilder
 from tandem.common.errors import FAILURE_REASON_METADATA, RETRY_PUSHBACK_METADATA
-from tandem.v1 import internal_pb2, worker_pb2
+from tandem.v1 import internal_pb2, types_pb2, worker_pb2
 
 # Put on a request's inbox after its last output.
 ENDED = object()
@@ -95,17 +95,14 @@ class Inbox:
         return items
 
 
-async def streamed_outputs(inbox: Inbox):
-    """The messages of a request whose outputs come on a session, as iterating its own call would
-    give them: its error status raised, CancelledError once its relay was cut. Outputs that piled
-    up while the consumer was busy go on as one message."""
-    while True:
-        for item in await inbox.take():
-            if item.__class__ is OutputBuilder:
-                yield item.build()
-                continue
-            if item is ENDED:
-                return
-            if item is CUT:
-                raise asyncio.CancelledError()
-            raise item  # the request failed, or the session broke
+def message_of(item) -> types_pb2.RequestOutput | None:
+    """What an item taken from an inbox says, as iterating the request's own call would: its
+    message (the entries that piled up while the relay was busy, as one), None at the request's
+    end; its error status raised, CancelledError once its relay was cut."""
+    if item.__class__ is OutputBuilder:
+        return item.build()
+    if item is ENDED:
+        return None
+    if item is CUT:
+        raise asyncio.CancelledError()
+    raise item  # the request failed, or the session broke

@@ -14,8 +14,7 @@ import grpc
 
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
-from tandem.common.streams import closing
-from tandem.router.inbox import streamed_outputs
+from tandem.router.inbox import message_of
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
 from tandem.router.workers import WorkerHandle, WorkerPool
@@ -95,10 +94,12 @@ class Route:
         split: bool = False,
         return_first_gen_tokens: bool = False,
     ):
-        """The worker's messages for request, counted in its in-flight load while they flow.
-        split: the context_only half of a request the router splits itself;
-        return_first_gen_tokens: a client's own generation_only request, whose output starts with
-        the tokens it carries. Raises WorkerStalledError when the worker hangs under the stream."""
+        """The worker's messages for request, read from its inbox on the worker's session, and
+        counted in the worker's in-flight load while they flow. split: the context_only half of a
+        request the router splits itself; return_first_gen_tokens: a client's own generation_only
+        request, whose output starts with the tokens it carries. Raises the worker's error status,
+        and WorkerStalledError when the worker hangs under the stream. One generator: a token
+        passes no other layer between the session's reader and the caller."""
         self.worker = worker
         self.served_by.append(worker.address)
         # The load this puts on the worker, as the pick policies weigh it: the prompt tokens it
@@ -111,69 +112,60 @@ class Route:
         worker.queued_prefill_tokens += prefill_tokens
         worker.active_blocks += blocks
         try:
-            async with closing(
-                self._relay_once(worker, request, split, return_first_gen_tokens)
-            ) as messages:
-                async for msg in messages:
-                    if prefill_tokens:
-                        worker.queued_prefill_tokens -= prefill_tokens
-                        prefill_tokens = 0
-                    yield msg
+            session, tag, inbox = await worker.session.attach(
+                max(self.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
+            )
+            if self.cancelled:  # aborted while the session opened: nothing was sent
+                session.detach(tag)
+                yield cancelled_output(request.request_id)
+                return
+            try:
+                session.submit(
+                    tag, request, self.client, split, self.deadline, return_first_gen_tokens
+                )
+            except BaseException:
+                session.detach(tag)
+                raise
+            self.cut = lambda: session.cut(tag, inbox)
+            self._last_message_at = time.monotonic()
+            watchdog = asyncio.create_task(self._watch(worker))
+            # The worker ended the request (its last message, or an error status): nothing to
+            # stop there.
+            ended = False
+            try:
+                while True:
+                    for item in await inbox.take():
+                        msg = message_of(item)
+                        if msg is None:  # the worker's end of the request
+                            return
+                        self._last_message_at = time.monotonic()
+                        if prefill_tokens:
+                            worker.queued_prefill_tokens -= prefill_tokens
+                            prefill_tokens = 0
+                        ended = msg.finished
+                        yield msg
+            except grpc.aio.AioRpcError:
+                ended = True
+                raise
+            except asyncio.CancelledError:
+                if watchdog.done() and not watchdog.cancelled() and watchdog.result():
+                    raise WorkerStalledError(worker) from None
+                if not self.cancelled:
+                    raise  # the client went away
+                yield cancelled_output(request.request_id)  # Abort cut the relay
+            finally:
+                watchdog.cancel()
+                if not ended:
+                    # A request whose last message came is left to end by itself: cancelling it
+                    # could reach the worker before it knew the message (a handoff) was delivered.
+                    self.cut()
+                else:
+                    session.detach(tag)
+                self.cut = None
         finally:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= prefill_tokens
             worker.active_blocks -= blocks
-
-    async def _relay_once(
-        self,
-        worker: WorkerHandle,
-        request: llm_pb2.GenerateRequest,
-        split: bool,
-        return_first_gen_tokens: bool,
-    ):
-        """The request's messages from worker, on the worker's session."""
-        session, tag, inbox = await worker.session.attach(
-            max(self.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
-        )
-        if self.cancelled:  # aborted while the session opened: nothing was sent
-            session.detach(tag)
-            yield cancelled_output(request.request_id)
-            return
-        try:
-            session.submit(tag, request, self.client, split, self.deadline, return_first_gen_tokens)
-        except BaseException:
-            session.detach(tag)
-            raise
-        self.cut = lambda: session.cut(tag, inbox)
-        messages = streamed_outputs(inbox)
-        self._last_message_at = time.monotonic()
-        watchdog = asyncio.create_task(self._watch(worker))
-        # The worker ended the request (its last message, or an error status): nothing to stop there.
-        ended = False
-        try:
-            async with closing(messages) as outputs:
-                async for msg in outputs:
-                    self._last_message_at = time.monotonic()
-                    ended = msg.finished
-                    yield msg
-        except grpc.aio.AioRpcError:
-            ended = True
-            raise
-        except asyncio.CancelledError:
-            if watchdog.done() and not watchdog.cancelled() and watchdog.result():
-                raise WorkerStalledError(worker) from None
-            if not self.cancelled:
-                raise  # the client went away
-            yield cancelled_output(request.request_id)  # Abort cut the relay
-        finally:
-            watchdog.cancel()
-            if not ended:
-                # A request whose last message came is left to end by itself: cancelling it could
-                # reach the worker before it knew the message (a handoff) was delivered.
-                self.cut()
-            else:
-                session.detach(tag)
-            self.cut = None
 
     async def _watch(self, worker: WorkerHandle) -> bool:
         """Cuts the relay (and returns True) once its worker has been quiet for the progress

@@ -13,7 +13,6 @@ from google.protobuf import struct_pb2
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
-from tandem.common.outputs import every_n_tokens
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
 from tandem.router import generate
@@ -108,14 +107,15 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             arrival_time,
         )
         try:
-            produced = tracker.produced(generate.stream(route, engine_request))
-            messages = TextFront.respond(text_request, produced, route.stop)
-            if text_request.streaming and self.config.stream_interval > 1:
-                messages = every_n_tokens(messages, self.config.stream_interval)
-            async with closing(
-                tracker.delivered(messages, len(text_request.prompt_token_ids))
-            ) as delivered:
-                async for msg in delivered:
+            messages = TextFront.respond(
+                text_request,
+                generate.stream(route, engine_request),
+                route.stop,
+                tracker,
+                self.config.stream_interval,
+            )
+            async with closing(messages) as messages:
+                async for msg in messages:
                     yield msg
         finally:
             self.routes.pop(request.request_id, None)

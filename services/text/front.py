@@ -17,7 +17,8 @@ from tandem.common.limits import (
     check_prompt_tokens,
     check_request,
 )
-from tandem.common.outputs import merge_outputs
+from tandem.common.metrics import RequestTracker
+from tandem.common.outputs import TokenInterval, merge_outputs
 from tandem.common.streams import closing
 from tandem.text.processor import StopCallback, TextOptions, TextProcessor
 from tandem.text.tokenizer import Tokenizer
@@ -42,14 +43,6 @@ class TextRequest:
     @property
     def prompt_token_ids(self) -> list[int]:
         return list(self.engine_request.prompt.token_ids.ids)
-
-
-async def _merged(
-    messages: AsyncIterator[types_pb2.RequestOutput],
-) -> AsyncIterator[types_pb2.RequestOutput]:
-    async with closing(messages) as messages:
-        merged = merge_outputs([msg async for msg in messages])
-    yield merged
 
 
 class TextFront:
@@ -130,14 +123,59 @@ class TextFront:
         return TextRequest(engine_request, processor, request.streaming)
 
     @staticmethod
-    def respond(
+    async def respond(
         text_request: TextRequest,
         messages: AsyncIterator[types_pb2.RequestOutput],
         on_stop: StopCallback,
+        tracker: RequestTracker,
+        stream_interval: int = 1,
     ) -> AsyncIterator[types_pb2.RequestOutput]:
-        """The client's messages: the producer's, with text; merged into one unless streaming."""
-        processed = text_request.processor.run(messages, on_stop)
-        return processed if text_request.streaming else _merged(processed)
+        """The client's messages from the producer's token-id messages: text added, stop strings
+        applied (on_stop stops the producer's sequence), merged into one unless streaming (or
+        into messages of stream_interval tokens or more), counted by tracker. One generator: the
+        only layer between the producer and the call's handler."""
+        processor = text_request.processor
+        num_prompt_tokens = len(text_request.prompt_token_ids)
+        unstreamed: list[types_pb2.RequestOutput] | None = None if text_request.streaming else []
+        interval = (
+            TokenInterval(stream_interval)
+            if text_request.streaming and stream_interval > 1
+            else None
+        )
+        try:
+            async with closing(messages) as messages:
+                async for msg in messages:
+                    tracker.saw(msg)
+                    out, stops = processor.feed(msg)
+                    for index, handoff in stops:
+                        await on_stop(index, handoff)
+                    if out is not None and unstreamed is not None:
+                        unstreamed.append(out)
+                    elif out is not None:
+                        if interval is not None:
+                            out = interval.add(out)
+                        if out is not None:
+                            tracker.counted(out, num_prompt_tokens)
+                            yield out
+                    if processor.done:
+                        break
+            last = processor.finish()
+            if unstreamed is not None:
+                if last is not None:
+                    unstreamed.append(last)
+                last = merge_outputs(unstreamed)
+            elif interval is not None:
+                held = interval.flush() if last is None else interval.add(last)
+                last = held
+            if last is not None:
+                tracker.counted(last, num_prompt_tokens)
+                yield last
+        except Exception:
+            held = interval.flush() if interval is not None else None
+            if held is not None:  # what arrived before the failure is the client's
+                tracker.counted(held, num_prompt_tokens)
+                yield held
+            raise
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         vocab = self.tokenizer.vocab_size

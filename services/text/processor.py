@@ -8,10 +8,9 @@ text state ever crosses a handoff or a migration.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tandem.common.streams import closing
 from tandem.text.detokenizer import IncrementalDetokenizer
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import types_pb2
@@ -66,6 +65,9 @@ class TextProcessor:
         self.num_sequences = num_sequences
         self._sequences: dict[int, _Sequence] = {}
         self._first = True
+        # The message that ended every sequence by a stop string, until the producer's last one.
+        self._held: types_pb2.RequestOutput | None = None
+        self.done = False
 
     def _sequence(self, index: int) -> _Sequence:
         if index not in self._sequences:
@@ -80,43 +82,45 @@ class TextProcessor:
             self._sequences[index] = _Sequence(detok)
         return self._sequences[index]
 
-    def run(
-        self, messages: AsyncIterator[types_pb2.RequestOutput], on_stop: StopCallback
-    ) -> AsyncIterator[types_pb2.RequestOutput]:
-        """Adds text to each message. When stop strings end every sequence, the message that says
-        so waits for the producer's own last message (its metrics), into which it is merged."""
-        return (
-            self._passthrough(messages)
-            if self.is_passthrough
-            else self._with_text(messages, on_stop)
-        )
+    def feed(
+        self, msg: types_pb2.RequestOutput
+    ) -> tuple[
+        types_pb2.RequestOutput | None, list[tuple[int, types_pb2.DisaggregatedParams | None]]
+    ]:
+        """Adds text to the producer's next message. Returns the message for the client (None while
+        one is held) and the sequences a stop string ended in it (the producer must stop them).
+        When stop strings end every sequence, the message that says so waits for the producer's
+        own last message (its metrics), into which it is merged. `done` once the client's last
+        message went out: the producer's further messages are not wanted."""
+        if self.is_passthrough:
+            self.pass_through(msg)
+            self.done = msg.finished
+            return msg, []
+        stops = self._apply(msg)
+        held = self._held
+        if held is not None:
+            held.finished = held.finished or msg.finished
+            if msg.HasField("metrics"):
+                held.metrics.CopyFrom(msg.metrics)
+            _merge_perf_metrics(held, msg)
+            if not held.finished:
+                return None, stops
+            self._held = None
+            self.done = True
+            return held, stops
+        if stops and not msg.finished and self._all_finished:
+            self._held = msg  # every sequence is done here; the producer is stopping
+            return None, stops
+        self.done = msg.finished
+        return msg, stops
 
-    async def _with_text(
-        self, messages: AsyncIterator[types_pb2.RequestOutput], on_stop: StopCallback
-    ) -> AsyncIterator[types_pb2.RequestOutput]:
-        held: types_pb2.RequestOutput | None = None
-        async with closing(messages) as messages:
-            async for msg in messages:
-                stops = self._apply(msg)
-                for index, handoff in stops:
-                    await on_stop(index, handoff)
-                if held is not None:
-                    held.finished = held.finished or msg.finished
-                    if msg.HasField("metrics"):
-                        held.metrics.CopyFrom(msg.metrics)
-                    _merge_perf_metrics(held, msg)
-                    if held.finished:
-                        break
-                    continue
-                if stops and not msg.finished and self._all_finished:
-                    held = msg  # every sequence is done here; the producer is stopping
-                    continue
-                yield msg
-                if msg.finished:
-                    return
+    def finish(self) -> types_pb2.RequestOutput | None:
+        """The producer ended without a last message of its own: the held one, as the last."""
+        held, self._held = self._held, None
         if held is not None:
             held.finished = True
-            yield held
+            self.done = True
+        return held
 
     @property
     def is_passthrough(self) -> bool:
@@ -124,16 +128,6 @@ class TextProcessor:
         out: the producer's messages go on as they are, but for the prompt's text on the first."""
         o = self.options
         return not o.detokenize and not o.prefix_token_ids and not o.strip_logprobs
-
-    async def _passthrough(
-        self, messages: AsyncIterator[types_pb2.RequestOutput]
-    ) -> AsyncIterator[types_pb2.RequestOutput]:
-        async with closing(messages) as messages:
-            async for msg in messages:
-                self.pass_through(msg)
-                yield msg
-                if msg.finished:
-                    return
 
     def pass_through(self, msg: types_pb2.RequestOutput) -> None:
         """A passthrough request's one change to a message: the prompt's text on the first."""

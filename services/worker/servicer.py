@@ -79,10 +79,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
         """A running request's messages as its caller gets them (the usual path: text front and metrics)."""
-        messages = TextFront.respond(
-            text_request, tracker.produced(worker_request.outputs()), worker_request.stop
+        return TextFront.respond(
+            text_request, worker_request.outputs(), worker_request.stop, tracker
         )
-        return tracker.delivered(messages, len(worker_request.prompt_token_ids))
 
     async def _prepare(self, request: llm_pb2.GenerateRequest):
         """What every Generate does before it starts: refused while paused, checked, its text
