@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -644,6 +645,23 @@ def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):
     assert policies({"decode": {"kvLoadFailurePolicy": "fail"}})["decode"] == "fail"
     with pytest.raises(helm.HelmValuesError):
         render(chart, {"decode": {"kvLoadFailurePolicy": "retry"}})
+
+
+def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart):
+    def configs(values):
+        return {
+            c["name"]: flag(c, "speculative-config")
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(configs({}).values()) == {None}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    rendered = configs({"decode": {"speculativeConfig": spec}})
+    assert rendered["prefill"] is None and json.loads(rendered["decode"]) == spec
+    for bad in ({"method": "eagle3", "num_speculative_tokens": 2}, {"method": "ngram"}):
+        with pytest.raises(helm.HelmValuesError):
+            render(chart, {"decode": {"speculativeConfig": bad}})
 
 
 def test_prometheus_rule_alerts_on_handoffs_the_decodes_did_not_pull(chart):

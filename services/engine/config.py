@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from tandem.engine.speculative import SpeculativeConfig
+
 
 def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
     """A field that is also a command-line flag of every engine-running command (tandem serve,
@@ -66,6 +68,27 @@ class EngineConfig:
         flag="--no-overlap-scheduling",
     )
 
+    speculative_config: str = _flag(
+        "",
+        "speculative decoding, vLLM's JSON shape: "
+        '\'{"method": "ngram"|"suffix", "num_speculative_tokens": K, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5}\' (drafts verified in one forward; greedy and seeded outputs '
+        "unchanged); empty: none",
+    )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def max_num_samples(self) -> int:
+        """Rows a step samples at most: one per sequence, k + 1 per sequence with drafts."""
+        spec = self.speculative
+        if spec is None:
+            return self.max_num_seqs
+        rows = self.max_num_seqs * (spec.num_speculative_tokens + 1)
+        return max(self.max_num_seqs, min(rows, self.max_num_batched_tokens))
+
     def __post_init__(self):
         if not self.model_dir or not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(
@@ -93,6 +116,7 @@ class EngineConfig:
                 f"is not sharded): give --max-loras 0 with --tensor-parallel-size "
                 f"{self.tensor_parallel_size}"
             )
+        self.speculative  # noqa: B018 - parsed here: a bad --speculative-config fails at start
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"

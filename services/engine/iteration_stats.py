@@ -49,14 +49,45 @@ def iteration_stats(engine: LLMEngine, outputs: list[StepOutput], queue_waits: l
             "cachedBlocks": bm.num_cached_blocks,
         },
         "staticBatchingStats": None,  # in-flight batching only
-        # One token per generation request and step: no pipeline micro-batches, no speculative decoding.
+        # No pipeline micro-batches; speculative decoding makes several tokens per step.
         "inflightBatchingStats": dict(
             engine.counters.last_batch,
             numPausedRequests=0,
             microBatchId=0,
-            avgNumDecodedTokensPerIter=1.0,
+            avgNumDecodedTokensPerIter=_decoded_per_step(engine),
         ),
-        "specDecodingStats": None,
+        "specDecodingStats": _spec_decoding_stats(engine),
+    }
+
+
+def _decoded_per_step(engine: LLMEngine) -> float:
+    """Tokens a generation request got per step, on average, in the last step."""
+    spec = engine.counters.last_spec
+    num_requests = spec.get("num_requests", 0)
+    num_gen = engine.counters.last_batch.get("numGenRequests", 0)
+    if not num_requests or not num_gen:
+        return 1.0
+    return (num_gen + spec["num_accepted_tokens"]) / num_gen
+
+
+def _spec_decoding_stats(engine: LLMEngine) -> dict | None:
+    """TensorRT-LLM's SpecDecodingStats of the last step (None without speculative decoding):
+    acceptanceLength = tokens per drafted request and step; draftOverhead = the share of the
+    step's time its drafting took."""
+    if engine.proposer is None:
+        return None
+    spec = engine.counters.last_spec
+    count = spec.get("num_requests", 0)
+    accepted = spec.get("num_accepted_tokens", 0)
+    draft_ms = spec.get("draft_seconds", 0.0) * 1e3
+    step_ms = engine.counters.last_step_seconds * 1e3
+    return {
+        "numDraftTokens": spec.get("num_draft_tokens", 0),
+        "numAcceptedTokens": accepted,
+        "numRequestsWithDraftTokens": count,
+        "acceptanceLength": (accepted + count) / count if count else 0.0,
+        "iterLatencyMS": draft_ms,
+        "draftOverhead": draft_ms / step_ms if step_ms > 0 else 0.0,
     }
 
 

@@ -15,13 +15,14 @@ from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.lora_adapter import LoRAAdapter
-from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput
+from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput, coalesce
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
+from tandem.engine.speculative import Proposer
 
 
 class PromptTooLongError(ValueError):
@@ -56,6 +57,9 @@ class InFlightStep:
     started: float
     # Its number (EngineCounters.iteration): the iteration of the perf metrics of what it draws.
     iteration: int = 0
+    # The draft tokens it verifies, by sequence (speculative decoding): their rows follow the
+    # sequence's first row in `sampled`, one per draft.
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def needs_ids(self) -> bool:
@@ -73,6 +77,12 @@ class EngineCounters:
     num_generated_tokens: int = 0
     last_step_seconds: float = 0.0
     last_batch: dict = field(default_factory=dict)
+    # Speculative decoding, in all: drafts verified, those accepted, sequence-steps that had drafts.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_drafted_steps: int = 0
+    # The last step's (TensorRT-LLM's specDecodingStats), and the seconds its drafts took.
+    last_spec: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -93,6 +103,11 @@ class LLMEngine:
             self.runner.lora_pool,
         )
         self.counters = EngineCounters()
+        spec = config.speculative
+        # Speculative decoding's drafts come from the tokens so far: a step's ids are read before
+        # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
+        self.proposer = Proposer(spec) if spec is not None else None
+        self.overlap_scheduling = config.overlap_scheduling and spec is None
         # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
         self.leases = leases
         # True when the last step found nothing it could run (everything waits for blocks).
@@ -418,6 +433,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=bm.num_prefix_query_tokens,
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_draft_tokens=c.num_draft_tokens,
+            num_accepted_draft_tokens=c.num_accepted_draft_tokens,
+            num_drafted_steps=c.num_drafted_steps,
             lora_adapters=tuple((a.name, a.int_id, a.path) for a in runner.lora_pool.resident)
             if runner.lora_pool
             else (),
@@ -436,6 +454,8 @@ class LLMEngine:
                 self._in_flight
             )  # penalties count the ids: read them first
             self._in_flight = None
+        if self.proposer is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         self._current_batches = (
             [batch] if self._in_flight is None else [batch, self._in_flight.batch]
@@ -443,11 +463,37 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, self._launch(batch)
         if previous is not None:
             outputs += self._postprocess(previous)
-        if not self.config.overlap_scheduling and self._in_flight is not None:
+        if not self.overlap_scheduling and self._in_flight is not None:
             outputs += self._postprocess(self._in_flight)
             self._in_flight = None
         self.last_step_was_idle = batch.is_empty and not outputs
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for each decoding sequence the proposer can serve (not a context phase,
+        a beam search or a guide, whose state a rejected draft would have to undo), at most what
+        its max_tokens and the context leave room for."""
+        started = time.perf_counter()
+        k_max = self.proposer.config.num_speculative_tokens
+        max_len = self.max_model_len
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []  # none left from a step that did not schedule it
+            if (
+                seq.num_pending_tokens
+                or seq.num_uncomputed_tokens != 1
+                or seq.beam is not None
+                or seq.phase is Phase.CONTEXT_ONLY
+                or seq.options.guide is not None
+            ):
+                continue
+            k = min(
+                k_max,
+                seq.options.max_tokens - seq.num_output_tokens - 1,
+                max_len - seq.num_tokens - 1,
+            )
+            if k > 0:
+                seq.draft_token_ids = self.proposer.propose(seq, k)
+        self.counters.last_spec = {"draft_seconds": time.perf_counter() - started}
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Queues the batch's forward and draws on the device; the bookkeeping runs meanwhile."""
@@ -471,17 +517,23 @@ class LLMEngine:
             "numGenRequests": len(batch.seqs) - num_context,
             "numCtxTokens": batch.num_tokens - len(sampled),
         }
+        drafts = {}
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             computed = seq.num_computed_tokens
             if computed < seq.num_prompt_tokens:
                 self.counters.num_prompt_tokens_computed += (
                     min(seq.num_prompt_tokens, computed + num_new) - computed
                 )
+            if seq.draft_token_ids:
+                # The drafts' KV counts once they are accepted (_postprocess).
+                drafts[seq] = seq.draft_token_ids
+                seq.draft_token_ids = []
+                num_new -= len(drafts[seq])
             seq.num_computed_tokens = computed + num_new
         self.block_manager.register_computed_blocks(batch.seqs)
-        for seq in sampled:
+        for seq in dict.fromkeys(sampled) if drafts else sampled:
             seq.num_pending_tokens += 1
-        return InFlightStep(batch, sampled, draws, started, self.counters.iteration)
+        return InFlightStep(batch, sampled, draws, started, self.counters.iteration, drafts)
 
     def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
         """Waits for a launched step's draws and appends each to its sequence."""
@@ -492,9 +544,13 @@ class LLMEngine:
             appended: list[Sequence] = []
             ranks = result.ranks or [None] * len(step.sampled)
             logits_rows = result.logits_rows
+            if step.drafts:
+                outputs += self._verify(step, result, ranks, appended)
             for k, (seq, token_id, logprob, top, rank) in enumerate(
                 zip(step.sampled, result.token_ids, result.logprobs, result.top_logprobs, ranks)
             ):
+                if seq in step.drafts:  # verified above
+                    continue
                 seq.num_pending_tokens -= 1
                 if (
                     seq.is_finished
@@ -523,6 +579,58 @@ class LLMEngine:
             ]
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
+        return outputs
+
+    def _verify(self, step: InFlightStep, result, ranks, appended: list[Sequence]) -> list:
+        """The drafted sequences' rows: the target's token at each drafted position, kept while it
+        equals the draft (the next row follows an accepted draft), the first that differs ending
+        the sequence's step. One output per sequence with every token it kept."""
+        outputs = []
+        num_drafts = num_accepted = 0
+        k = 0
+        sampled = step.sampled
+        while k < len(sampled):
+            seq = sampled[k]
+            drafts = step.drafts.get(seq)
+            if drafts is None:
+                k += 1
+                continue
+            rows = range(k, k + len(drafts) + 1)
+            k = rows.stop
+            seq.num_pending_tokens -= 1
+            num_drafts += len(drafts)
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            kept = []
+            for j, row in enumerate(rows):
+                token_id = result.token_ids[row]
+                out = self._append_token(
+                    seq,
+                    token_id,
+                    result.logprobs[row],
+                    result.top_logprobs[row],
+                    ranks[row],
+                    step.iteration,
+                )
+                if result.logits_rows and result.logits_rows[row] is not None:
+                    out.generation_logits = [result.logits_rows[row]]
+                kept = coalesce(kept, [out])
+                if seq.is_finished or j == len(drafts) or token_id != drafts[j]:
+                    break
+                # The draft was the target's token: its KV (computed this step) is the sequence's.
+                seq.num_computed_tokens += 1
+                num_accepted += 1
+            outputs += kept
+            appended.append(seq)
+        c = self.counters
+        c.num_draft_tokens += num_drafts
+        c.num_accepted_draft_tokens += num_accepted
+        c.num_drafted_steps += len(step.drafts)
+        c.last_spec.update(
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=num_accepted,
+            num_requests=len(step.drafts),
+        )
         return outputs
 
     def _append_token(
@@ -622,6 +730,8 @@ class LLMEngine:
         return []
 
     def _finish(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.finished(seq)
         seq.status = Status.FINISHED
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)

@@ -187,3 +187,44 @@ class EngineSnapshot:
     num_prefix_hit_tokens: int = 0
     # The LoRA adapters in the device pool now: (lora_name, lora_int_id, lora_path) each.
     lora_adapters: tuple[tuple[str, int, str], ...] = ()
+    # Speculative decoding: drafts verified, drafts accepted, sequence-steps with drafts.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_drafted_steps: int = 0
+
+
+def coalesce(earlier: list[StepOutput], later: list[StepOutput]) -> list[StepOutput]:
+    """The outputs of two consecutive steps as one step's: each sequence's new tokens (logprobs,
+    ranks, logits) appended, its state (cumulative logprob, finish, lease, perf) the later one's,
+    its first output's prompt fields kept."""
+    if not earlier:
+        return later
+    merged = list(earlier)
+    by_id = {out.request_id: out for out in earlier}
+    for out in later:
+        first = by_id.get(out.request_id)
+        if first is None:
+            by_id[out.request_id] = out
+            merged.append(out)
+            continue
+        first.new_ranks = (first.new_ranks or [None] * len(first.new_logprobs)) + (
+            out.new_ranks or [None] * len(out.new_logprobs)
+        )
+        first.new_token_ids = first.new_token_ids + out.new_token_ids
+        first.new_logprobs = first.new_logprobs + out.new_logprobs
+        if out.generation_logits:
+            first.generation_logits = (first.generation_logits or []) + out.generation_logits
+        first.num_cached_prompt_tokens = max(
+            first.num_cached_prompt_tokens, out.num_cached_prompt_tokens
+        )
+        for name in (
+            "cumulative_logprob",
+            "finished",
+            "finish_reason",
+            "stop_token_id",
+            "lease",
+            "beams",
+            "perf",
+        ):
+            setattr(first, name, getattr(out, name))
+    return merged

@@ -12,6 +12,7 @@ pays nothing for LoRA).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -72,6 +73,31 @@ _SHAPE_FIELDS = (
     "qk_norm",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class _NoDrafts:
+    """Stands for a step's per-row drafts when no row has any: an empty list at every index."""
+
+    def __iter__(self):
+        return itertools.repeat(())
+
+
+_NO_DRAFTS = _NoDrafts()
+
+
+def _with(ids: list[int], drafts) -> list[int]:
+    """ids followed by the drafts a row assumes accepted."""
+    return ids + drafts if drafts else ids
+
+
+def _repeat_offsets(seqs: list[Sequence]) -> list[int]:
+    """For each row, how many rows of the same sequence come before it (its drafted position)."""
+    offsets, previous, count = [], None, 0
+    for seq in seqs:
+        count = count + 1 if seq is previous else 0
+        previous = seq
+        offsets.append(count)
+    return offsets
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -168,8 +194,11 @@ class ModelRunner:
             self.block_size,
             self.device,
             config.max_loras,
+            config.max_num_samples,
         )
-        self.sampler = Sampler(self.model_config.vocab_size, max_num_seqs, self.device, config.seed)
+        self.sampler = Sampler(
+            self.model_config.vocab_size, config.max_num_samples, self.device, config.seed
+        )
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None
         # The last step's draws on the device and each drawing sequence's row in them: the next
@@ -501,6 +530,12 @@ class ModelRunner:
         # Counts include tokens still in flight: they are this row's draw index and min_tokens progress.
         # (Penalties need the ids themselves: the engine reads them back before such a step.)
         drawn = [s.num_output_tokens + s.num_pending_tokens for s in seqs]
+        # A sequence with drafts samples a row per drafted position: row j draws the token after
+        # its drafts[:j], as if they were accepted (only then is the row used).
+        drafted = _NO_DRAFTS
+        if any(s.draft_token_ids for s in seqs):
+            drafted = [s.draft_token_ids[:j] for s, j in zip(seqs, _repeat_offsets(seqs))]
+            drawn = [n + len(d) for n, d in zip(drawn, drafted)]
         bitmask = None
         if any(s.options.guide is not None for s in seqs):
             for s in seqs:
@@ -513,15 +548,15 @@ class ModelRunner:
             options,
             drawn,
             [
-                s.all_token_ids if o.repetition_penalty != 1.0 else _NO_IDS
-                for s, o in zip(seqs, options)
+                _with(s.all_token_ids, d) if o.repetition_penalty != 1.0 else _NO_IDS
+                for s, o, d in zip(seqs, options, drafted)
             ],
-            [s.output_token_ids for s in seqs],
+            [_with(s.output_token_ids, d) for s, d in zip(seqs, drafted)],
             [
-                banned_ids(o, s.all_token_ids if o.needs_token_ids else _NO_IDS, n)
+                banned_ids(o, _with(s.all_token_ids, d) if o.needs_token_ids else _NO_IDS, n)
                 if o.may_ban_tokens
                 else _NONE_BANNED
-                for s, o, n in zip(seqs, options, drawn)
+                for s, o, n, d in zip(seqs, options, drawn, drafted)
             ],
             bitmask,
         )

@@ -5,7 +5,8 @@ One token budget per step covers prefill chunks and decode tokens alike
 admitted while budget, sequence slots and blocks last. When blocks run out a
 running sequence of the lowest priority is preempted by recompute: its blocks
 are freed and it goes back to waiting with its tokens so far as the new prompt.
-A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned while it
+A decoding sequence with draft tokens (speculative decoding) computes them after its last token,
+as far as the budget goes. A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned while it
 runs; when every slot is pinned by other adapters it waits, and the sequences behind
 it that fit go ahead.
 """
@@ -114,6 +115,9 @@ class Scheduler:
             ):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft_token_ids:  # verified after its last token: as many as the budget takes
+                del seq.draft_token_ids[budget - num_new :]
+                num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new):
                 continue
             batch.seqs.append(seq)
@@ -207,6 +211,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.block_manager.release(seq)
         self._release_adapter(seq)
         seq.num_computed_tokens = 0

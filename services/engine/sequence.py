@@ -95,6 +95,11 @@ class Sequence:
     lora_slot: int | None = None
     # What options.return_perf_metrics asks to record (None when not asked).
     perf: SequencePerf | None = None
+    # Speculative decoding: the draft tokens the next step verifies after its last token (the
+    # scheduler may trim them to the step's budget), and the sequence's n-gram index
+    # (engine/speculative.py) that proposes them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_index: object | None = None
 
     @property
     def lora_fingerprint(self) -> str | None:

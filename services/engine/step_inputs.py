@@ -126,10 +126,13 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
         num_lora_slots: int = 0,
+        max_num_samples: int = 0,
     ):
+        """max_num_samples: rows a step samples at most (0: one per sequence)."""
         self.num_lora_slots = num_lora_slots
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_num_samples = max(max_num_samples, max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = device
@@ -138,7 +141,7 @@ class InputBuffers:
             for _, length in packed_layout(
                 max_num_tokens,
                 max_num_seqs,
-                max_num_seqs,
+                self.max_num_samples,
                 max_num_seqs,
                 max_num_seqs * max_blocks_per_seq,
                 num_lora_slots,
@@ -249,7 +252,11 @@ class InputBuffers:
             end = start + num_new
             table = seq.block_table
             num_known = seq.num_tokens  # a property: read once per sequence of the step
-            if end > num_known:
+            drafts = seq.draft_token_ids
+            if drafts:  # its last token, then the drafts the step verifies: every row samples
+                input_ids += seq.token_slice(start, num_known)
+                input_ids += drafts
+            elif end > num_known:
                 source = pending_sources.get(seq)
                 if num_new != 1 or end != num_known + 1 or source is None:
                     raise RuntimeError(
@@ -269,7 +276,10 @@ class InputBuffers:
             row += num_new
             starts.append(row)
             seq_lens.append(end)
-            if end == num_known + seq.num_pending_tokens:
+            if drafts:
+                sample_rows += range(row - num_new, row)
+                sample_indices += [i] * num_new
+            elif end == num_known + seq.num_pending_tokens:
                 sample_rows.append(row - 1)
                 sample_indices.append(i)
             tables.append(table)
@@ -279,12 +289,17 @@ class InputBuffers:
         num_seqs = len(tables)
         num_rows = graph_size or num_seqs
         num_tokens = graph_size or starts[-1]
-        if num_tokens > self.max_num_tokens or num_rows > self.max_num_seqs:
-            raise ValueError(
-                f"a step of {num_tokens} tokens / {num_rows} sequences exceeds the input buffers "
-                f"({self.max_num_tokens} / {self.max_num_seqs})"
-            )
         num_samples = graph_size or len(sample_rows)
+        if (
+            num_tokens > self.max_num_tokens
+            or num_rows > self.max_num_seqs
+            or num_samples > self.max_num_samples
+        ):
+            raise ValueError(
+                f"a step of {num_tokens} tokens / {num_rows} sequences / {num_samples} sampled rows "
+                f"exceeds the input buffers ({self.max_num_tokens} / {self.max_num_seqs} / "
+                f"{self.max_num_samples})"
+            )
         has_lora = max(seq_slots) >= 0
         if has_lora and not self.num_lora_slots:
             raise ValueError("a sequence has a LoRA slot but the input buffers have no LoRA fields")

@@ -254,5 +254,23 @@ class _WorkerCollector(Collector):
                 snap.num_preemptions,
             ),
             (CounterMetricFamily, "tandem:engine_steps", "Engine steps run.", snap.num_steps),
+            (
+                CounterMetricFamily,
+                "tandem:spec_decode_num_drafts",
+                "Speculative decoding: sequence-steps that verified drafts.",
+                snap.num_drafted_steps,
+            ),
+            (
+                CounterMetricFamily,
+                "tandem:spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens verified.",
+                snap.num_draft_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "tandem:spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted (each one a token without a step).",
+                snap.num_accepted_draft_tokens,
+            ),
         ):
             yield one_sample(family_type, name, doc, labels, value)

@@ -252,9 +252,9 @@ class WorkerRuntime:
         )
         while engine.num_unfinished:
             engine.step()
-        engine.counters.num_steps = engine.counters.num_prompt_tokens_computed = (
-            engine.counters.num_generated_tokens
-        ) = 0
+        c = engine.counters
+        c.num_steps = c.num_prompt_tokens_computed = c.num_generated_tokens = 0
+        c.num_draft_tokens = c.num_accepted_draft_tokens = c.num_drafted_steps = 0
         engine.block_manager.num_prefix_query_tokens = (
             engine.block_manager.num_prefix_hit_tokens
         ) = 0

@@ -78,6 +78,9 @@ spec:
             - --max-loras=0
             {{- end }}
             - --kv-lease-seconds={{ $spec.kvLeaseSeconds }}
+            {{- with $spec.speculativeConfig }}
+            - --speculative-config={{ toJson . }}
+            {{- end }}
             {{- if and $spec.kvLoadFailurePolicy (ne $spec.kvLoadFailurePolicy "recompute") }}
             - --kv-load-failure-policy={{ $spec.kvLoadFailurePolicy }}
             {{- end }}

@@ -1,0 +1,211 @@
+"""Speculative decoding: draft tokens proposed on the host, verified by the target model in one
+forward over k + 1 query tokens per sequence (engine/llm_engine.py).
+
+Verification draws the target's own token at every drafted position, with the sequence's
+sampling options and the noise of that position's token index (sampler.py): a draft is accepted
+while it equals the target's draw, and the first draw that differs ends the step (it is the
+step's last token). Greedy requests therefore get exactly the tokens of plain greedy decoding,
+and sampled ones exactly the tokens plain decoding would draw with the same seed: the output
+distribution is the target's. For drafts that are single tokens (n-gram and suffix lookups
+propose one continuation, not a distribution) this is rejection sampling with a point-mass
+draft: a draft x is accepted with probability p(x), and a rejected position draws from p
+without x.
+
+`--speculative-config` takes vLLM's JSON shape:
+
+    {"method": "ngram", "num_speculative_tokens": 4,
+     "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"method": "suffix", "num_speculative_tokens": 4}
+
+ngram (prompt lookup): the longest n-gram, n from prompt_lookup_max down to prompt_lookup_min,
+that ends the sequence and occurred earlier in it (prompt and output) proposes the tokens that
+followed its latest earlier occurrence. suffix: the same lookup, then, when the sequence has
+none, over the outputs of the requests this engine finished before it (a bounded table of their
+n-grams): agentic and repeated workloads reuse what earlier answers wrote. Methods that need a
+second model (draft_model, eagle3) are refused: this engine runs one model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import OrderedDict
+
+METHODS = ("ngram", "suffix")
+# Methods of vLLM's shape this engine does not run, and why (the error says so).
+_UNSUPPORTED = {
+    "draft_model": "a second (draft) model, which this engine does not load",
+    "eagle": "an EAGLE head over the target's hidden states, which this engine does not load",
+    "eagle3": "an EAGLE-3 head over the target's hidden states, which this engine does not load",
+    "medusa": "Medusa heads, which this engine does not load",
+    "mtp": "the checkpoint's multi-token-prediction layers, which this engine does not load",
+}
+MAX_SPECULATIVE_TOKENS = 16
+# The suffix method's table of earlier requests' n-grams: at most this many keys (oldest out).
+SUFFIX_TABLE_KEYS = 1 << 18
+_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig | None:
+        """The --speculative-config JSON ("" or "null": none), checked, with errors that say what
+        to give."""
+        text = text.strip()
+        if not text or text == "null":
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--speculative-config is not JSON ({exc}): give e.g. "
+                '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+            ) from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown}; it takes {sorted(_KEYS)}"
+            )
+        method = raw.get("method")
+        if method in _UNSUPPORTED:
+            raise ValueError(
+                f"--speculative-config: method {method!r} needs {_UNSUPPORTED[method]}; "
+                f"give one of {list(METHODS)}"
+            )
+        if method not in METHODS:
+            raise ValueError(
+                f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}"
+            )
+        values = {}
+        for key, default in (
+            ("num_speculative_tokens", None),
+            ("prompt_lookup_min", cls.prompt_lookup_min),
+            ("prompt_lookup_max", cls.prompt_lookup_max),
+        ):
+            value = raw.get(key, default)
+            if value is None:
+                raise ValueError(
+                    f"--speculative-config needs {key} (1 to {MAX_SPECULATIVE_TOKENS})"
+                )
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"--speculative-config: {key} must be a whole number, got {value!r}"
+                )
+            values[key] = value
+        k = values["num_speculative_tokens"]
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--speculative-config: num_speculative_tokens must be in [1, "
+                f"{MAX_SPECULATIVE_TOKENS}], got {k}"
+            )
+        low, high = values["prompt_lookup_min"], values["prompt_lookup_max"]
+        if not 1 <= low <= high <= 32:
+            raise ValueError(
+                f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 32, "
+                f"got {low} and {high}"
+            )
+        return cls(method, k, low, high)
+
+
+class NgramIndex:
+    """One sequence's n-grams (n in [low, high]) by where their latest occurrence ends, built as
+    its tokens come: a lookup costs a dict probe per n, not a scan of the sequence."""
+
+    __slots__ = ("low", "high", "_ends", "_num_indexed")
+
+    def __init__(self, low: int, high: int):
+        self.low, self.high = low, high
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(low, high + 1)}
+        # N-grams ending before this position are in the index.
+        self._num_indexed = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending
+        tokens; [] when none occurred."""
+        num = len(tokens)
+        # Index the n-grams that end before the last position (the last one is the query itself).
+        for end in range(max(self._num_indexed, self.low), num):
+            for n, ends in self._ends.items():
+                if n <= end:
+                    ends[tuple(tokens[end - n : end])] = end
+        self._num_indexed = max(self._num_indexed, num)
+        for n in range(min(self.high, num - 1), self.low - 1, -1):
+            end = self._ends[n].get(tuple(tokens[num - n :]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+
+class SuffixTable:
+    """The n-grams of the outputs of finished requests (suffix decoding's cross-request part):
+    n-gram -> the tokens that followed it, newest first out of a bounded table."""
+
+    def __init__(self, low: int, high: int, max_keys: int = SUFFIX_TABLE_KEYS, span: int = 16):
+        self.low, self.high = low, high
+        self.max_keys = max_keys
+        self.span = span
+        self._next: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, tokens: list[int]) -> None:
+        """A finished request's tokens (its prompt's tail and its output)."""
+        for end in range(self.low, len(tokens)):
+            follow = tuple(tokens[end : end + self.span])
+            for n in range(self.low, min(self.high, end) + 1):
+                key = tuple(tokens[end - n : end])
+                self._next[key] = follow
+                self._next.move_to_end(key)
+        while len(self._next) > self.max_keys:
+            self._next.popitem(last=False)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.high, len(tokens)), self.low - 1, -1):
+            follow = self._next.get(tuple(tokens[len(tokens) - n :]))
+            if follow:
+                return list(follow[:k])
+        return []
+
+
+class Proposer:
+    """Drafts for a sequence: its own n-grams, then (suffix) the table of earlier requests'."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.suffixes = (
+            SuffixTable(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "suffix"
+            else None
+        )
+
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k draft tokens to follow seq's tokens (seq.spec_index is its n-gram index)."""
+        if seq.spec_index is None:
+            seq.spec_index = NgramIndex(
+                self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            )
+        tokens = seq.all_token_ids
+        drafts = seq.spec_index.propose(tokens, k)
+        if not drafts and self.suffixes is not None:
+            drafts = self.suffixes.propose(tokens, k)
+        return drafts
+
+    def finished(self, seq) -> None:
+        """A sequence ended: its output (and the prompt's tail before it) join the suffix table."""
+        if self.suffixes is not None and seq.output_token_ids:
+            tail = seq.prompt_token_ids[-self.config.prompt_lookup_max :]
+            self.suffixes.add(tail + seq.output_token_ids)

@@ -1,0 +1,217 @@
+"""Speculative decoding (engine/speculative.py): drafts verified in one forward give exactly the
+tokens of plain decoding (greedy, seeded sampling, penalties, min_tokens, stop ids, logprobs),
+under preemption too, in fewer steps when the drafts are right."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import run_to_completion
+from test_overlap_scheduling import _mixed_options
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.speculative import NgramIndex, SpeculativeConfig, SuffixTable
+
+
+def _engine(model_dir, spec: dict | None, **kwargs) -> LLMEngine:
+    config = dict(block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32)
+    config.update(kwargs)
+    return LLMEngine(
+        EngineConfig(str(model_dir), speculative_config=json.dumps(spec) if spec else "", **config)
+    )
+
+
+def _repetitive_prompts(seed: int, num: int) -> dict[str, list[int]]:
+    """Prompts that repeat a phrase: prompt lookup finds drafts in them."""
+    rng = random.Random(seed)
+    prompts = {}
+    for i in range(num):
+        phrase = [rng.randrange(4, 300) for _ in range(rng.randrange(3, 7))]
+        prompts[f"r{i}"] = [1] + phrase * rng.randrange(2, 5) + phrase[: rng.randrange(1, 3)]
+    return prompts
+
+
+def _full_run(engine, prompts, options):
+    """Each request's tokens, logprobs and cumulative logprob."""
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options[rid] if isinstance(options, dict) else options)
+    got = {rid: ([], [], 0.0) for rid in prompts}
+    for _ in range(10_000):
+        if not engine.num_unfinished:
+            break
+        for out in engine.step():
+            tokens, logprobs, _ = got[out.request_id]
+            got[out.request_id] = (
+                tokens + out.new_token_ids,
+                logprobs + out.new_logprobs,
+                out.cumulative_logprob,
+            )
+    assert engine.num_unfinished == 0
+    return got
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_drafts_give_the_tokens_of_plain_decoding(model_dirs, method, k):
+    prompts = _repetitive_prompts(k, 9)
+    options = _mixed_options(prompts, stop_token=17)
+    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], spec)
+    got = _full_run(engine, prompts, options)
+    plain = _full_run(_engine(model_dirs["llama"], None), prompts, options)
+    for rid in prompts:
+        assert got[rid][0] == plain[rid][0], rid
+        for mine, theirs in zip(got[rid][1], plain[rid][1], strict=True):
+            assert (mine or {}).keys() == (theirs or {}).keys(), rid
+            for token, value in (mine or {}).items():
+                assert value == pytest.approx(theirs[token], abs=1e-4), rid
+        assert got[rid][2] == pytest.approx(plain[rid][2], abs=1e-3)
+    c = engine.counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_draft_tokens > 0
+    assert engine.block_manager.num_free_blocks == 96
+
+
+def test_accepted_drafts_take_fewer_steps_and_are_counted(model_dirs):
+    """A greedy request on the tiny model falls into a loop: prompt lookup drafts it and the
+    target accepts; the same tokens come in fewer steps."""
+    prompts = {"a": [1, 5, 6, 7, 5, 6, 7, 5, 6]}
+    options = SamplingOptions(max_tokens=64, ignore_eos=True)
+    engine = _engine(model_dirs["llama"], {"method": "ngram", "num_speculative_tokens": 4})
+    plain = _engine(model_dirs["llama"], None)
+    assert run_to_completion(engine, prompts, options) == run_to_completion(plain, prompts, options)
+    c = engine.counters
+    assert c.num_accepted_draft_tokens > 0
+    assert c.num_steps + c.num_accepted_draft_tokens == plain.counters.num_steps
+    assert c.num_steps < plain.counters.num_steps
+
+
+def test_preemption_under_drafts_keeps_the_tokens(model_dirs):
+    prompts = _repetitive_prompts(7, 8)
+    options = SamplingOptions(max_tokens=30, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], spec, num_blocks=20)
+    got = run_to_completion(engine, prompts, options)
+    assert got == run_to_completion(
+        _engine(model_dirs["llama"], None, num_blocks=20), prompts, options
+    )
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 20
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(model_dirs):
+    """A rejected draft's KV is never hashed into the prefix cache: a second request over the
+    first one's whole text reuses its blocks and still decodes what plain decoding does."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], spec)
+    plain = _engine(model_dirs["llama"], None)
+    options = SamplingOptions(max_tokens=20, ignore_eos=True)
+    first = {"a": [1, 9, 10, 11, 9, 10, 11, 9]}
+    out = run_to_completion(engine, first, options)
+    assert out == run_to_completion(plain, first, options)
+    second = {"b": first["a"] + out["a"]}
+    assert run_to_completion(engine, second, options) == run_to_completion(plain, second, options)
+    assert engine.block_manager.num_prefix_hit_tokens > 0
+
+
+def test_iteration_stats_report_tensorrt_llms_spec_decoding_stats(model_dirs):
+    from tandem.engine.iteration_stats import iteration_stats
+
+    engine = _engine(model_dirs["llama"], {"method": "ngram", "num_speculative_tokens": 3})
+    engine.add_request(
+        "a", [1, 5, 6, 7, 5, 6, 7, 5, 6], SamplingOptions(max_tokens=40, ignore_eos=True)
+    )
+    seen = []
+    while engine.num_unfinished:
+        outputs = engine.step()
+        seen.append(iteration_stats(engine, outputs, [])["specDecodingStats"])
+    drafted = [s for s in seen if s["numDraftTokens"]]
+    assert drafted
+    for stats in drafted:
+        assert stats["numRequestsWithDraftTokens"] == 1
+        assert stats["acceptanceLength"] == 1 + stats["numAcceptedTokens"]
+        assert 0 <= stats["draftOverhead"] < 1
+    assert _engine(model_dirs["llama"], None).proposer is None
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert index.propose(tokens, 3) == [7, 8, 1]  # the latest earlier [1, 2, 3] ends before 7
+    tokens += [7, 8]
+    assert index.propose(tokens, 2) == [1, 2]  # [.., 7, 8] -> 1, 2 (indexed as they came)
+    assert NgramIndex(2, 3).propose([5, 6, 7], 4) == []
+    table = SuffixTable(2, 3)
+    table.add([4, 5, 6, 7, 8])
+    assert table.propose([9, 9, 5, 6], 2) == [7, 8]
+    assert table.propose([9, 9], 2) == []
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "EAGLE-3"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft"),
+        ('{"method": "lookahead", "num_speculative_tokens": 3}', "one of"),
+        ('{"method": "ngram"}', "needs num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "[1, 16]"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "unknown keys"),
+        ("ngram", "not JSON"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_with_what_to_give(text, message):
+    with pytest.raises(ValueError, match=None) as error:
+        SpeculativeConfig.parse(text)
+    assert message in str(error.value)
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+
+
+@pytest.fixture(scope="module")
+def spec_cluster(model_dirs):
+    """Router + prefill + decode (drafting) + an aggregated worker (drafting)."""
+    from tandem.testing.cluster import LocalCluster
+
+    with LocalCluster(
+        roles=["prefill", "decode", "both"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "96"],
+        worker_args={
+            "decode-1": ["--speculative-config", SPEC],
+            "both-1": ["--speculative-config", SPEC],
+        },
+    ) as c:
+        yield c
+
+
+@pytest.mark.parametrize("which", ["split", "aggregated"])
+def test_a_drafting_cluster_streams_the_greedy_tokens_and_reports_acceptance(
+    spec_cluster, model_dirs, oracle, which
+):
+    from tandem.client import LLM, SamplingParams
+    from tandem.testing.cluster import client_kwargs_for
+
+    ref = oracle(model_dirs["llama"])
+    address = spec_cluster.address if which == "split" else spec_cluster.workers[2].address
+    worker = spec_cluster.workers[1 if which == "split" else 2]
+    prompts = [ref.tokenizer.encode(f"copy {i} " * (2 + i)) for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1)
+    with LLM(address, **client_kwargs_for(address)) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        seq = out.outputs[0]
+        assert seq.token_ids == ref.greedy(prompt, 40)
+        assert seq.text == ref.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        assert len(seq.logprobs) == 40
+    with LLM(worker.address, **client_kwargs_for(worker.address)) as llm:
+        stats = [s["specDecodingStats"] for s in llm.get_stats(timeout=2)]
+    drafted = [s for s in stats if s and s["numDraftTokens"]]
+    assert drafted and sum(s["numAcceptedTokens"] for s in drafted) > 0
