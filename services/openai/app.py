@@ -17,6 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.client.credentials import channel_credentials
 from tandem.openai.chat import chat_completions
 from tandem.openai.completions import completions
+from tandem.openai.config import FrontConfig
+from tandem.openai.embeddings import EmbeddingRequest, embeddings
 from tandem.openai.errors import OpenAIError, error_response, from_exception
 from tandem.openai.front import Front
 from tandem.openai.protocol import (
@@ -42,18 +44,12 @@ def _as_openai_errors():
         raise from_exception(exc) from exc
 
 
-def build_app(
-    target: str,
-    served_model_name: str | None = None,
-    tls: dict | None = None,
-    api_key: str | None = None,
-) -> FastAPI:
-    """The app for a router at `target` (host:port); tls as Front takes it; api_key: the bearer
-    token the API's routes demand (None: open)."""
+def build_app(config: FrontConfig) -> FastAPI:
+    """The app for the router at config.target."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.front = Front(target, served_model_name, tls)
+        app.state.front = Front(config)
         try:
             yield
         finally:
@@ -61,7 +57,7 @@ def build_app(
 
     app = FastAPI(title="tandem OpenAI-compatible API", lifespan=lifespan)
 
-    app.add_middleware(_GuardAndCount, api_key=api_key)
+    app.add_middleware(_GuardAndCount, api_key=config.api_key)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
@@ -86,27 +82,39 @@ def build_app(
         with _as_openai_errors():
             return await chat_completions(request.app.state.front, body, request)
 
-    async def model_card(front: Front) -> dict:
+    @app.post("/v1/embeddings")
+    async def _embeddings(body: EmbeddingRequest, request: Request):
+        with _as_openai_errors():
+            return await embeddings(request.app.state.front, body)
+
+    async def model_cards(front: Front) -> list[dict]:
+        """The served model, then its LoRA adapters (vLLM's cards: `parent` names the base)."""
         info = await front.info()
-        return {
-            "id": await front.model_name(),
+        name = await front.model_name()
+        card = {
             "object": "model",
             "created": front.started,
             "owned_by": "tandem",
-            "root": info.model,
             "max_model_len": info.max_model_len,
         }
+        return [
+            {"id": name, **card, "root": info.model, "parent": None},
+            *(
+                {"id": adapter.lora_name, **card, "root": adapter.lora_path, "parent": name}
+                for adapter in front.adapters.values()
+            ),
+        ]
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return {"object": "list", "data": [await model_card(request.app.state.front)]}
+        return {"object": "list", "data": await model_cards(request.app.state.front)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         with _as_openai_errors():
             front: Front = request.app.state.front
             await front.check_model(model_id)
-            return await model_card(front)
+            return next(c for c in await model_cards(front) if c["id"] == model_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -226,19 +234,16 @@ def _router_channel(front: Front) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(front.target, credentials, options=options)
 
 
-def serve_openai(
-    target: str,
-    host: str,
-    port: int,
-    served_model_name: str | None = None,
-    tls: dict | None = None,
-    api_key: str | None = None,
-) -> None:
+def serve_openai(config: FrontConfig) -> None:
+    """Serves until SIGTERM/SIGINT: then uvicorn stops accepting connections and waits for the
+    requests in flight up to config.shutdown_timeout_s; those still running are cancelled (their
+    generations aborted on the workers as their streams close) and the process exits."""
     import uvicorn
 
     uvicorn.run(
-        build_app(target, served_model_name, tls, api_key),
-        host=host,
-        port=port,
+        build_app(config),
+        host=config.host,
+        port=config.port,
         log_level="info",
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
     )

@@ -15,7 +15,7 @@ from tandem.openai.streams import Snapshot
 
 async def completions(front: Front, request: CompletionRequest, http: Request | None = None):
     started, endpoint = time.monotonic(), "/v1/completions"
-    model = await front.check_model(request.model)
+    model, lora_request = await front.check_model(request.model)
     log_ignored(endpoint, request)
     tokenizer = await front.tokenizer()
     prompts = await within_context(front, request.prompts, request.max_tokens, True)
@@ -23,7 +23,7 @@ async def completions(front: Front, request: CompletionRequest, http: Request | 
         request, request.max_tokens, request.logprobs, add_special_tokens=True
     )
     response_id, created = r.new_id("cmpl"), r.now()
-    outs = await generate(front, prompts, params, request.stream, http)
+    outs = await generate(front, prompts, params, request.stream, http, lora_request)
 
     def logprobs(token_ids, entries, offset):
         if request.logprobs is None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from fastapi import Request
 
-from tandem.client import AsyncLLM
+from tandem.client import AsyncLLM, LoRARequest
 from tandem.openai import responses as r
+from tandem.openai.config import FrontConfig
 from tandem.openai.errors import OpenAIError, from_exception
 from tandem.openai.metrics import FrontMetrics
 from tandem.openai.streams import MergedStream
@@ -24,37 +25,44 @@ DISCONNECT_POLL_S = 0.5
 
 
 class Front:
-    """What the routes share: the router client, the served model's name, the metrics."""
+    """What the routes share: the router client, the served model's name and its adapters, the
+    metrics, the requests in flight (which shutdown waits for)."""
 
-    def __init__(self, target: str, served_model_name: str | None, tls: dict | None = None):
-        """tls: LLM's TLS keyword arguments for a TLS router (root_certificates, certificate_chain,
-        private_key, tls_server_name)."""
-        self.target = target
-        self.tls = dict(tls or {})
-        self.llm = AsyncLLM(target, **self.tls)
+    def __init__(self, config: FrontConfig):
+        self.config = config
+        self.target = config.target
+        self.tls = dict(config.tls)
+        self.tool_call_parser = config.tool_call_parser
+        self.adapters = config.adapters
+        self.llm = AsyncLLM(config.target, **self.tls)
         self.metrics = FrontMetrics()
         self.started = r.now()
-        self._served_model_name = served_model_name
+        self.num_in_flight = 0
         self._tokenizer = None
 
     async def info(self):
         return await asyncio.to_thread(self.llm._server_info)
 
     async def model_name(self) -> str:
-        return self._served_model_name or Path((await self.info()).model).name
+        return self.config.served_model_name or Path((await self.info()).model).name
 
     async def tokenizer(self):
         if self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(lambda: self.llm.tokenizer)
         return self._tokenizer
 
-    async def check_model(self, model: str) -> str:
+    async def check_model(self, model: str) -> tuple[str, LoRARequest | None]:
+        """The model a request names: the served model (no adapter) or one of --lora-modules'
+        adapters; anything else is vLLM's 404."""
+        if model in self.adapters:
+            return model, self.adapters[model]
         name = await self.model_name()
         if model != name:
+            served = ", ".join([name, *self.adapters])
             raise OpenAIError(
-                404, f"The model `{model}` does not exist; this server serves `{name}`", "model"
+                404, f"The model `{model}` does not exist. This server serves: {served}", "model"
             )
-        return name
+        return name, None
 
     def observe(
         self, endpoint: str, started: float, prompt_tokens: int, completion_tokens: int
@@ -93,8 +101,18 @@ async def event_stream(
     front.observe(endpoint, started, sum(prompt_tokens.values()), completion_tokens)
 
 
-async def generate(front: Front, prompts: list, params, stream: bool, http: Request | None = None):
-    results = [front.llm.generate_async(p, params, streaming=stream) for p in prompts]
+async def generate(
+    front: Front,
+    prompts: list,
+    params,
+    stream: bool,
+    http: Request | None = None,
+    lora_request: LoRARequest | None = None,
+):
+    results = [
+        front.llm.generate_async(p, params, streaming=stream, lora_request=lora_request)
+        for p in prompts
+    ]
     if stream:
         merged = MergedStream(results)
         await merged.open()
