@@ -295,8 +295,15 @@ def test_refusals_name_what_to_fix(served):
             response_format={"type": "json_object"},
         )
     assert "cannot be combined" in err.value.body["message"]
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as err:
         _ask(clients["plain"], model, tools=[{"type": "function", "function": {"name": "a b"}}])
+    assert "tools.0.function.name" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        _ask(clients["plain"], model, tools=[TOOLS[0], TOOLS[0]], tool_choice="required")
+    assert "distinct function names" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        _ask(clients["plain"], model, tools=TOOLS * 65)
+    assert "at most 128" in err.value.body["message"]
 
 
 def test_an_unknown_parser_is_refused_at_start_with_the_list():

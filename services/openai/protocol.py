@@ -19,6 +19,8 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice
 # Bounds on what a request may carry (OpenAI's own limits where it has one).
 MAX_GUIDE_CHARS = 1 << 16
 MAX_TOOLS = 128
+# The tools' JSON (their schemas become a guide or part of the prompt).
+MAX_TOOLS_JSON_CHARS = 1 << 18
 MAX_MESSAGES = 4096
 
 
@@ -67,6 +69,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported by tandem")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.guided_json is not None and len(json.dumps(self.guided_json)) > MAX_GUIDE_CHARS:
+            raise ValueError(f"guided_json is longer than {MAX_GUIDE_CHARS} characters as JSON")
         given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give one guided decoding field at most, got {given}")
@@ -222,6 +226,11 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def _check_tool_choice(self) -> None:
+        if self.tools and len(json.dumps(self.tools_for_template)) > MAX_TOOLS_JSON_CHARS:
+            raise ValueError(f"tools are longer than {MAX_TOOLS_JSON_CHARS} characters as JSON")
+        names = self.tool_names
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct function names, got {names}")
         choice = self.tool_choice
         if choice in (None, "none"):
             return

@@ -19,6 +19,7 @@ answer one parse at the end (`extract`). The formats:
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ class Parsed:
     valid: bool = True
 
 
-Format = Callable[[str, bool], Parsed]
+# parse(text, final, scans=None): scans is the stream's memory of its scans (_value_end).
+Format = Callable[..., Parsed]
 
 
 class _Incomplete(Exception):
@@ -70,38 +72,47 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
+# A stream parses its text again at each token: the scans jump with regular expressions (C)
+# rather than walk characters in Python.
+_STRING_TAIL = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STRUCTURAL = re.compile(r'["{}\[\]]')
+
+
 def _string_end(text: str, i: int) -> int:
     """The index after the JSON string starting at text[i] == '"'."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-            continue
-        if text[j] == '"':
-            return j + 1
-        j += 1
-    raise _Incomplete
+    match = _STRING_TAIL.match(text, i + 1)
+    if match is None:
+        raise _Incomplete
+    return match.end()
 
 
-def _value_end(text: str, i: int, final: bool) -> int:
-    """The index after the JSON value starting at text[i] (its extent only: json.loads checks it)."""
+def _value_end(text: str, i: int, final: bool, scans: dict | None = None) -> int:
+    """The index after the JSON value starting at text[i] (its extent only: json.loads checks it).
+    scans: where earlier scans of a longer and longer text stopped inside a container value
+    (start -> (depth, position)), so that a stream scans each character once."""
     if text[i] == '"':
         return _string_end(text, i)
     if text[i] in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                j = _string_end(text, j)
+        depth, j = scans.get(i, (0, i)) if scans is not None else (0, i)
+        while True:
+            match = _STRUCTURAL.search(text, j)
+            if match is None:
+                if scans is not None:
+                    scans[i] = (depth, len(text))
+                raise _Incomplete
+            j = match.start()
+            if match.group() == '"':
+                try:
+                    j = _string_end(text, j)
+                except _Incomplete:
+                    if scans is not None:
+                        scans[i] = (depth, j)
+                    raise
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if match.group() in "{[" else -1
+            if depth == 0:
+                return j + 1
             j += 1
-        raise _Incomplete
     j = i
     while j < len(text) and text[j] not in ",}]" + _WHITESPACE:
         j += 1
@@ -113,7 +124,7 @@ def _value_end(text: str, i: int, final: bool) -> int:
 
 
 def _scan_call(
-    text: str, i: int, final: bool, argument_keys: tuple[str, ...]
+    text: str, i: int, final: bool, argument_keys: tuple[str, ...], scans: dict | None
 ) -> tuple[ParsedCall, int | None]:
     """The call object starting at text[i] == '{' and the index after it (None: not ended yet)."""
     call = ParsedCall(None, "")
@@ -146,7 +157,7 @@ def _scan_call(
         if j == len(text):
             return call, None
         try:
-            end = _value_end(text, j, final)
+            end = _value_end(text, j, final, scans)
         except _Incomplete:
             if key in argument_keys:
                 call.raw_arguments = text[j:]
@@ -172,7 +183,7 @@ def _held_back(text: str, marker: str) -> int:
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 
 
-def parse_hermes(text: str, final: bool) -> Parsed:
+def parse_hermes(text: str, final: bool, scans: dict | None = None) -> Parsed:
     content: list[str] = []
     calls: list[ParsedCall] = []
     pos = 0
@@ -189,7 +200,7 @@ def parse_hermes(text: str, final: bool) -> Parsed:
                 return Parsed("".join(content), calls)
             if text[j] != "{":
                 raise _Invalid
-            call, end = _scan_call(text, j, final, ("arguments", "parameters"))
+            call, end = _scan_call(text, j, final, ("arguments", "parameters"), scans)
             calls.append(call)
             if end is None:
                 return Parsed("".join(content), calls)
@@ -208,7 +219,7 @@ def parse_hermes(text: str, final: bool) -> Parsed:
 PYTHON_TAG = "<|python_tag|>"
 
 
-def parse_llama3_json(text: str, final: bool) -> Parsed:
+def parse_llama3_json(text: str, final: bool, scans: dict | None = None) -> Parsed:
     stripped = text.lstrip()
     if not final and PYTHON_TAG.startswith(stripped):
         return Parsed("")
@@ -216,20 +227,20 @@ def parse_llama3_json(text: str, final: bool) -> Parsed:
         return Parsed(text)
     offset = len(text) - len(stripped)
     j = offset + (len(PYTHON_TAG) if stripped.startswith(PYTHON_TAG) else 0)
-    return _json_call_sequence(text, j, final, separator=";", closing=None)
+    return _json_call_sequence(text, j, final, ";", None, scans)
 
 
-def parse_required(text: str, final: bool) -> Parsed:
+def parse_required(text: str, final: bool, scans: dict | None = None) -> Parsed:
     j = _skip_ws(text, 0)
     if j == len(text):
         return Parsed("")
     if text[j] != "[":
         return Parsed(text, valid=False)
-    return _json_call_sequence(text, j + 1, final, separator=",", closing="]")
+    return _json_call_sequence(text, j + 1, final, ",", "]", scans)
 
 
 def _json_call_sequence(
-    text: str, j: int, final: bool, separator: str, closing: str | None
+    text: str, j: int, final: bool, separator: str, closing: str | None, scans: dict | None
 ) -> Parsed:
     calls: list[ParsedCall] = []
     try:
@@ -241,7 +252,7 @@ def _json_call_sequence(
                 raise _Invalid  # an empty list of calls
             if text[j] != "{":
                 raise _Invalid
-            call, end = _scan_call(text, j, final, ("parameters", "arguments"))
+            call, end = _scan_call(text, j, final, ("parameters", "arguments"), scans)
             calls.append(call)
             if end is None:
                 return Parsed("", calls)
@@ -258,7 +269,7 @@ def _json_call_sequence(
         return Parsed(text, [], valid=False)
 
 
-def plain(text: str, final: bool) -> Parsed:
+def plain(text: str, final: bool, scans: dict | None = None) -> Parsed:
     """No calls: all text is content."""
     return Parsed(text)
 
@@ -266,7 +277,7 @@ def plain(text: str, final: bool) -> Parsed:
 def named(name: str) -> Format:
     """tool_choice naming a function: the whole output is its arguments."""
 
-    def parse(text: str, final: bool) -> Parsed:
+    def parse(text: str, final: bool, scans: dict | None = None) -> Parsed:
         return Parsed("", [ParsedCall(name, text.lstrip(), complete=final)])
 
     return parse
@@ -322,6 +333,7 @@ class ToolCallStream:
 
     def __init__(self, parse: Format):
         self.parse = parse
+        self.scans: dict = {}
         self.text = ""
         self.num_content_sent = 0
         self.arguments_sent: list[str] = []
@@ -332,7 +344,7 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> dict:
         self.text += text
-        parsed = self.parse(self.text, final)
+        parsed = self.parse(self.text, final, self.scans)
         delta: dict = {}
         if len(parsed.content) > self.num_content_sent:
             delta["content"] = parsed.content[self.num_content_sent :]
