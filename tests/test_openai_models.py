@@ -123,6 +123,27 @@ def test_bad_lora_modules_are_refused_at_start():
         assert done.returncode != 0 and message in done.stderr, done.stderr
 
 
+def _whole_in_thread(base: str, model: str, max_tokens: int) -> dict:
+    """A non-streaming completion run in a thread: its answer or its error."""
+    state = {"answer": None, "error": None}
+
+    def run():
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=60)
+        try:
+            state["answer"] = client.completions.create(
+                model=model,
+                prompt="on and on",
+                max_tokens=max_tokens,
+                extra_body={"ignore_eos": True},
+            )
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            state["error"] = exc
+
+    state["thread"] = threading.Thread(target=run, daemon=True)
+    state["thread"].start()
+    return state
+
+
 def _stream_in_thread(base: str, model: str, max_tokens: int) -> dict:
     """A streaming completion run in a thread: its token count, its end and its error."""
     state = {"num_tokens": None, "finish_reason": None, "error": None, "first": threading.Event()}
@@ -189,18 +210,25 @@ def test_sigterm_cuts_what_runs_past_the_bound(served):
     port_log = root / "bound.log"
     with openai_front(cluster, port_log, "--shutdown-timeout", "1") as (base, process):
         state = _stream_in_thread(base, model, 2000)  # ~7 s of tokens on this CPU
+        whole = _whole_in_thread(base, model, 2000)
         assert state["first"].wait(30) and state["error"] is None
+        deadline = time.monotonic() + 10
+        while worker_state(worker).num_active_requests < 2:
+            assert time.monotonic() < deadline, "the non-streaming request never started"
+            time.sleep(0.05)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         process.wait(15)
         elapsed = time.monotonic() - started
         assert elapsed < 6, f"exited {elapsed:.1f} s after SIGTERM with a 1 s bound"
         state["thread"].join(15)
+        whole["thread"].join(15)
         assert state["finish_reason"] != "length"  # cut, not finished
+        assert whole["answer"] is None and whole["error"] is not None
     deadline = time.monotonic() + 5
     while worker_state(worker).num_active_requests and time.monotonic() < deadline:
         time.sleep(0.1)
     state_after = worker_state(worker)
     assert state_after.num_active_requests == 0, "the request ran on for nobody"
-    assert state_after.num_generated_tokens - before < 2000
+    assert state_after.num_generated_tokens - before < 2000  # neither ran to its end
     assert "timeout graceful shutdown exceeded" in port_log.read_text()

@@ -124,15 +124,24 @@ async def unless_gone(http: Request | None, results: list):
     """The results, unless the client goes away first: then they are aborted (their workers stop)
     and the route answers nobody (499, nginx's "client closed request")."""
     done = asyncio.ensure_future(asyncio.gather(*results))
+
+    async def abort() -> None:
+        for result in results:
+            result.abort()
+        done.cancel()
+        await asyncio.gather(done, return_exceptions=True)
+
     while True:
-        finished, _ = await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+        try:
+            finished, _ = await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+        except asyncio.CancelledError:
+            # The route itself was cancelled (shutdown past its bound): the workers stop too.
+            await asyncio.shield(abort())
+            raise
         if finished:
             return done.result()
         if http is not None and await http.is_disconnected():
-            for result in results:
-                result.abort()
-            done.cancel()
-            await asyncio.gather(done, return_exceptions=True)
+            await abort()
             raise OpenAIError(499, "the client closed the request")
 
 
