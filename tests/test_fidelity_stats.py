@@ -143,6 +143,21 @@ def test_kv_event_block_hashes_are_exact(llm):
     hashes = []
     for data in stored:
         for block in data["blocks"]:
+            # TensorRT-LLM's KVCacheEventSerializer: every token has its token_extra_id (0: none).
+            assert set(block) == {
+                "type",
+                "block_hash",
+                "tokens",
+                "lora_id",
+                "cache_level",
+                "priority",
+            }
+            assert all(
+                set(t) == {"type", "token_id", "token_extra_id"}
+                and t["type"] == "unique_token"
+                and t["token_extra_id"] == 0
+                for t in block["tokens"]
+            )
             tokens = [t["token_id"] for t in block["tokens"]]
             # Recomputed here from the event's own parent and tokens: bit-exact or the hash was rounded.
             assert block["block_hash"] == chain_hash(data["parent_hash"], tokens, None)

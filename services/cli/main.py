@@ -19,6 +19,7 @@ from tandem.cli.security_flags import (
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES
+from tandem.openai.tools import PARSERS as TOOL_CALL_PARSERS
 
 # Prometheus ports of `tandem serve` (on --host, path /metrics), on unless --metrics-port 0: the
 # router's and a worker's differ so that a router and a worker on one host both get theirs.
@@ -183,6 +184,28 @@ def _parser() -> argparse.ArgumentParser:
         help="the key clients must send as Authorization: Bearer <key> on /v1/*, /tokenize and "
         "/detokenize (default: $TANDEM_API_KEY; none: open)",
     )
+    front.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="how tool_choice 'auto' reads tool calls in the output (as vLLM's): hermes "
+        '(<tool_call>{...}</tool_call>) or llama3_json ({"name", "parameters"}, after '
+        "<|python_tag|>); without it 'auto' is refused and tools only reach the chat template",
+    )
+    front.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters clients choose by `model` (as vLLM's): name=path or JSON "
+        '{"name": ..., "path": ...}; the path is a PEFT directory on the workers\' disk',
+    )
+    front.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the requests in flight may run on before the front exits",
+    )
     add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
@@ -308,15 +331,23 @@ def _engine_config(args):
 def _serve(args) -> int:
     if args.role == "openai":
         from tandem.openai.app import serve_openai
+        from tandem.openai.config import FrontConfig, parse_lora_modules
 
-        serve_openai(
-            args.target,
-            args.host,
-            args.port,
-            args.served_model_name,
-            tls=client_tls_kwargs(args),
-            api_key=args.api_key,
-        )
+        try:
+            config = FrontConfig(
+                target=args.target,
+                host=args.host,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                tls=client_tls_kwargs(args),
+                api_key=args.api_key,
+                tool_call_parser=args.tool_call_parser,
+                lora_modules=parse_lora_modules(args.lora_modules),
+                shutdown_timeout_s=args.shutdown_timeout,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"tandem serve openai: {exc}") from exc
+        serve_openai(config)
         return 0
     if args.role == "router":
         from tandem.router.app import serve_router

@@ -159,7 +159,12 @@ class BlockManager:
                             {
                                 "type": "stored_block",
                                 "block_hash": h,
-                                "tokens": [{"type": "unique_token", "token_id": t} for t in chunk],
+                                # TensorRT-LLM writes token_extra_id for every token (its
+                                # consumers read it); tandem has no extra ids (multimodal): 0.
+                                "tokens": [
+                                    {"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                                    for t in chunk
+                                ],
                                 "lora_id": seq.adapter.int_id if seq.adapter is not None else None,
                                 "cache_level": 0,
                                 "priority": DEFAULT_PRIORITY,

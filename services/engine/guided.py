@@ -36,9 +36,16 @@ class GuideCompiler:
     ):
         xgr = _xgrammar()
         metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+        vocab_type = metadata["vocab_type"]
+        if _has_byte_level_decoder(tokenizer_json):
+            # xgrammar takes a ByteFallback step anywhere in the decoder for a SentencePiece
+            # vocabulary; transformers' GGUF conversion of a byte-level BPE (SmolLM2's) lists
+            # ByteFallback before its ByteLevel step, and read as byte-fallback its "Ġ" tokens
+            # were no spaces: a regex or grammar with a space could never be written.
+            vocab_type = xgr.VocabType.BYTE_LEVEL
         info = xgr.TokenizerInfo(
             encoded_vocab,
-            vocab_type=metadata["vocab_type"],
+            vocab_type=vocab_type,
             vocab_size=vocab_size,
             stop_token_ids=list(stop_token_ids),
             add_prefix_space=metadata["add_prefix_space"],
@@ -61,6 +68,14 @@ class GuideCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"guided_decoding.{kind} does not compile: {exc}") from exc
         raise ValueError(f"unknown guide {kind!r}")
+
+
+def _has_byte_level_decoder(tokenizer_json: str) -> bool:
+    import json
+
+    decoder = json.loads(tokenizer_json).get("decoder") or {}
+    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(step.get("type") == "ByteLevel" for step in steps)
 
 
 def new_matcher(compiled, output_token_ids: list[int]):

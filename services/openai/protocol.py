@@ -9,9 +9,19 @@ accepted and ignored, as vLLM does, and the route logs their names (`ignored_fie
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+# Bounds on what a request may carry (OpenAI's own limits where it has one).
+MAX_GUIDE_CHARS = 1 << 16
+MAX_TOOLS = 128
+# The tools' JSON (their schemas become a guide or part of the prompt).
+MAX_TOOLS_JSON_CHARS = 1 << 18
+MAX_MESSAGES = 4096
 
 
 class StreamOptions(BaseModel):
@@ -42,6 +52,11 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's guided decoding extensions (one at most; not with response_format).
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_GUIDE_CHARS)
+    guided_grammar: str | None = Field(None, max_length=MAX_GUIDE_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=256)
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -54,7 +69,25 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported by tandem")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.guided_json is not None and len(json.dumps(self.guided_json)) > MAX_GUIDE_CHARS:
+            raise ValueError(f"guided_json is longer than {MAX_GUIDE_CHARS} characters as JSON")
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one guided decoding field at most, got {given}")
         return self
+
+    @property
+    def guide(self) -> dict[str, Any] | None:
+        """GuidedDecodingParams' fields for the guide the request asks for (None: free text)."""
+        if self.guided_json is not None:
+            return {"json": self.guided_json}
+        if self.guided_regex is not None:
+            return {"regex": self.guided_regex}
+        if self.guided_grammar is not None:
+            return {"grammar": self.guided_grammar}
+        if self.guided_choice is not None:
+            return {"regex": "|".join(re.escape(choice) for choice in self.guided_choice)}
+        return None
 
 
 class CompletionRequest(_SamplingFields):
@@ -85,14 +118,34 @@ class CompletionRequest(_SamplingFields):
         return list(self.prompt)
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(max_length=256)
+    arguments: str = Field(max_length=1 << 20)
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, in a request's history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # An assistant message's calls, and the call a role "tool" message answers.
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string (text parts joined)."""
+        """The message as chat templates expect it: content as one string (text parts joined; an
+        assistant message with only calls has ""), a call's arguments as the object they encode
+        (templates write them with tojson), as vLLM hands them over."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             kinds = {part.get("type") for part in self.content}
@@ -101,17 +154,48 @@ class ChatMessage(BaseModel):
                     f"only text content parts are supported, got {sorted(k for k in kinds if k)}"
                 )
             message["content"] = "".join(part.get("text", "") for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        for call in message.get("tool_calls", []):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text
         return message
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # None: "auto" when tools are given and the front has a --tool-call-parser, else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -131,6 +215,9 @@ class ChatCompletionRequest(_SamplingFields):
             (self.response_format.get("json_schema") or {}).get("schema"), dict
         ):
             raise ValueError("response_format json_schema needs json_schema.schema (an object)")
+        if kind not in (None, "text") and any(getattr(self, f) is not None for f in GUIDED_FIELDS):
+            raise ValueError(f"response_format and {GUIDED_FIELDS} are exclusive: give one")
+        self._check_tool_choice()
         reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
         if self.chat_template_kwargs and reserved & set(self.chat_template_kwargs):
             raise ValueError(
@@ -138,9 +225,51 @@ class ChatCompletionRequest(_SamplingFields):
             )
         return self
 
+    def _check_tool_choice(self) -> None:
+        if self.tools and len(json.dumps(self.tools_for_template)) > MAX_TOOLS_JSON_CHARS:
+            raise ValueError(f"tools are longer than {MAX_TOOLS_JSON_CHARS} characters as JSON")
+        names = self.tool_names
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct function names, got {names}")
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return
+        if not self.tools:
+            raise ValueError(f"tool_choice {self.forced_tool_choice_label} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise ValueError(
+                f"tool_choice names the function {choice.function.name!r}, which is not in "
+                f"tools: {self.tool_names}"
+            )
+        if choice != "auto" and (
+            (self.response_format or {}).get("type") not in (None, "text")
+            or any(getattr(self, f) is not None for f in GUIDED_FIELDS)
+        ):
+            raise ValueError(
+                f"tool_choice {self.forced_tool_choice_label} is itself a guide: it cannot be "
+                "combined with response_format or guided decoding fields"
+            )
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    @property
+    def forced_tool_choice_label(self) -> str:
+        choice = self.tool_choice
+        return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+    @property
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     @property
     def guide(self) -> dict[str, Any] | None:
-        """GuidedDecodingParams' fields for response_format (None: free text)."""
+        """GuidedDecodingParams' fields for response_format or vLLM's guided_* fields (None: free
+        text). A forced tool_choice's guide is the route's (it knows the tools' schemas)."""
+        extension = super().guide
+        if extension is not None:
+            return extension
         kind = (self.response_format or {}).get("type")
         if kind == "json_object":
             # OpenAI's json_object is an object; xgrammar's builtin JSON grammar (what tandem's

@@ -18,10 +18,14 @@ def sampling_params(
     max_tokens: int | None,
     num_logprobs: int | None,
     add_special_tokens: bool,
+    guide: dict | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
+    """guide: GuidedDecodingParams' fields (default: the request's own guide);
+    skip_special_tokens: overrides the request's."""
     # OpenAI's default temperature is 1 (sampling); tandem's own default is greedy.
     temperature = 1.0 if request.temperature is None else request.temperature
-    guide = getattr(request, "guide", None)
+    guide = guide or request.guide
     return SamplingParams(
         guided_decoding=GuidedDecodingParams(**guide) if guide else None,
         max_tokens=max_tokens,
@@ -40,7 +44,9 @@ def sampling_params(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logprobs=num_logprobs,
-        skip_special_tokens=request.skip_special_tokens,
+        skip_special_tokens=request.skip_special_tokens
+        if skip_special_tokens is None
+        else skip_special_tokens,
         add_special_tokens=add_special_tokens,
     )
 
