@@ -647,6 +647,20 @@ def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):
         render(chart, {"decode": {"kvLoadFailurePolicy": "retry"}})
 
 
+def test_the_room_wait_is_the_workers_default_unless_a_role_sets_it(chart):
+    def waits(values):
+        return {
+            c["name"]: flag(c, "kv-room-wait-seconds")
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(waits({}).values()) == {None}
+    assert waits({"decode": {"kvRoomWaitSeconds": 0}})["decode"] == "0"
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"decode": {"kvRoomWaitSeconds": -1}})
+
+
 def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart):
     def configs(values):
         return {

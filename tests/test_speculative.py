@@ -203,15 +203,24 @@ def test_a_drafting_cluster_streams_the_greedy_tokens_and_reports_acceptance(
     address = spec_cluster.address if which == "split" else spec_cluster.workers[2].address
     worker = spec_cluster.workers[1 if which == "split" else 2]
     prompts = [ref.tokenizer.encode(f"copy {i} " * (2 + i)) for i in range(4)]
-    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1, return_perf_metrics=True)
     with LLM(address, **client_kwargs_for(address)) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
+    drafted_total = accepted_total = 0
     for prompt, out in zip(prompts, outs):
         seq = out.outputs[0]
         assert seq.token_ids == ref.greedy(prompt, 40)
         assert seq.text == ref.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         assert len(seq.logprobs) == 40
+        perf = seq.request_perf_metrics.speculative_decoding
+        assert 0 <= perf.total_accepted_draft_tokens <= perf.total_draft_tokens
+        assert perf.acceptance_rate == pytest.approx(
+            perf.total_accepted_draft_tokens / max(1, perf.total_draft_tokens)
+        )
+        drafted_total += perf.total_draft_tokens
+        accepted_total += perf.total_accepted_draft_tokens
     with LLM(worker.address, **client_kwargs_for(worker.address)) as llm:
         stats = [s["specDecodingStats"] for s in llm.get_stats(timeout=2)]
     drafted = [s for s in stats if s and s["numDraftTokens"]]
     assert drafted and sum(s["numAcceptedTokens"] for s in drafted) > 0
+    assert accepted_total > 0 and drafted_total >= accepted_total

@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
             "pools; 0: never)",
         )
         p.add_argument(
+            "--kv-room-wait-seconds",
+            type=float,
+            default=10.0,
+            help="a decode whose KV pool has no room for a handoff's prompt waits this long for "
+            "room (within the handoff's lease) before it gives up on the pull (0: at once; then "
+            "--kv-load-failure-policy says what happens; default: 10)",
+        )
+        p.add_argument(
             "--kv-load-failure-policy",
             choices=LOAD_FAILURE_POLICIES,
             default="recompute",
@@ -250,6 +258,13 @@ def _parser() -> argparse.ArgumentParser:
         "(default: $TANDEM_ADMIN_TOKEN; none: open)",
     )
     up.add_argument(
+        "--kv-room-wait-seconds",
+        type=float,
+        default=None,
+        help="how long each decode waits for room in its KV pool for a handoff (as on `serve "
+        "decode`; default: 10)",
+    )
+    up.add_argument(
         "--kv-load-failure-policy",
         choices=LOAD_FAILURE_POLICIES,
         default="recompute",
@@ -394,6 +409,7 @@ def _serve(args) -> int:
         port=args.port,
         nixl_progress_thread=args.nixl_progress_thread,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_room_wait_s=args.kv_room_wait_seconds,
         admin_token=args.admin_token,
         kv_pull_floor=PullFloor(
             args.kv_pull_floor_gbps,

@@ -60,11 +60,12 @@ def up(args, engine) -> int:
     env = {"TANDEM_ADMIN_TOKEN": args.admin_token} if args.admin_token else None
     # Each decode's policy for a handoff whose KV it cannot load (the other roles pull none).
     worker_args = role_worker_args(args, roles)
-    if args.kv_load_failure_policy != "recompute":
-        for index in range(1, roles.count("decode") + 1):
-            worker_args.setdefault(f"decode-{index}", []).extend(
-                ["--kv-load-failure-policy", args.kv_load_failure_policy]
-            )
+    for index in range(1, roles.count("decode") + 1):
+        decode_args = worker_args.setdefault(f"decode-{index}", [])
+        if args.kv_load_failure_policy != "recompute":
+            decode_args += ["--kv-load-failure-policy", args.kv_load_failure_policy]
+        if args.kv_room_wait_seconds is not None:
+            decode_args += ["--kv-room-wait-seconds", str(args.kv_room_wait_seconds)]
     cluster = LocalCluster(
         roles=roles,
         engine_args=engine_argv(engine) + limits,

@@ -1,7 +1,8 @@
 """The generation phase (generation_only with a handoff): check the handoff, reserve blocks,
 pull the prompt's KV from the prefill worker with a NIXL READ, confirm the lease, then decode.
-When the pool has no room (or the lease no time) for the pull, the prompt is computed here
-instead and the prefill is told to free its copy; when the pull fails (the prefill died or
+When the pool has no room for the pull, the handoff waits for room (--kv-room-wait-seconds,
+within its lease: requests finishing free blocks); when there is still none (or the lease has
+no time left), the prompt is computed here instead and the prefill is told to free its copy; when the pull fails (the prefill died or
 hangs, or released its pool), the prompt is computed here too: the request has its prompt and
 first token, so nothing is lost with the prefill. That is --kv-load-failure-policy recompute (the
 default; vLLM's name); under fail the request ends UNAVAILABLE instead, naming why, and the
@@ -47,6 +48,9 @@ log = logging.getLogger("tandem.decode")
 # Seconds of lease a KV pull needs left to start; with less the decode computes the prompt itself.
 LEASE_SAFETY_MARGIN_S = 1.0
 PULL_TIMEOUT_S = 30.0
+# A handoff waiting for room in the pool asks again after this long, then twice as long, up to the max.
+ROOM_POLL_FIRST_S = 0.005
+ROOM_POLL_MAX_S = 0.1
 
 
 def check_adapter(handoff: worker_pb2.KvHandoff, adapter) -> None:
@@ -83,9 +87,12 @@ class GenerationPhase:
         on_pulled: Callable[[int, float], None] = lambda num_bytes, seconds: None,
         load_failure_policy: str = "recompute",
         weights_id: Callable[[], str] = lambda: "",
+        room_wait_s: float = 10.0,
     ):
-        """weights_id: the weights this worker serves now (a handoff of others is not used)."""
+        """weights_id: the weights this worker serves now (a handoff of others is not used);
+        room_wait_s: how long a handoff waits for room in the pool (within its lease)."""
         self.weights_id = weights_id
+        self.room_wait_s = room_wait_s
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
@@ -149,23 +156,19 @@ class GenerationPhase:
             self._not_loaded(request, handoff, Reason.WEIGHTS_MISMATCH)
             return
         try:
-            plan, reason = None, Reason.LEASE_EXPIRING
-            # A lease about to run out may be freed (and its blocks reused) while we read.
-            if handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
-                reason = Reason.NO_ROOM
-                plan = await core.call(
-                    AddRequest(
-                        rid,
-                        request.prompt_token_ids,
-                        state.options,
-                        Phase.GENERATION_ONLY,
-                        request.priority,
-                        request.cache_salt,
-                        first,
-                        remote_kv=True,
-                        adapter=request.adapter,
-                    )
-                )
+            add = AddRequest(
+                rid,
+                request.prompt_token_ids,
+                state.options,
+                Phase.GENERATION_ONLY,
+                request.priority,
+                request.cache_salt,
+                first,
+                remote_kv=True,
+                adapter=request.adapter,
+            )
+            plan, reason, waited = await self._reserve(core, add, handoff)
+            request.metrics.room_wait_s = waited
             if plan is None:
                 # No room for the prompt's KV now (or no time): the prefill may free its copy at
                 # once, and the prompt is computed here (or the request fails, by the policy).
@@ -238,6 +241,28 @@ class GenerationPhase:
             self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
 
+    async def _reserve(self, core, add: AddRequest, handoff: worker_pb2.KvHandoff):
+        """(the ImportPlan, or None and why not, seconds waited): the prompt's blocks reserved in
+        the engine. A pool with no room now is asked again as requests finish, with backing off,
+        for up to room_wait_s: pulling once room frees is cheaper than computing the prompt,
+        which would wait for the same room. A lease about to run out may be freed (and its
+        blocks reused) while we read: with less than the margin left it is not pulled."""
+        refused_at = None  # the first "no room"
+        waited = 0.0
+        delay = ROOM_POLL_FIRST_S
+        reason = Reason.LEASE_EXPIRING
+        while handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
+            reason = Reason.NO_ROOM
+            plan = await core.call(add)
+            now = time.monotonic()
+            refused_at = now if refused_at is None else refused_at
+            waited = now - refused_at
+            if plan is not None or waited >= self.room_wait_s:
+                return plan, reason, waited
+            await asyncio.sleep(min(delay, self.room_wait_s - waited))
+            delay = min(2 * delay, ROOM_POLL_MAX_S)
+        return None, reason, waited
+
     def _end(
         self,
         request,
@@ -257,6 +282,7 @@ class GenerationPhase:
             decode=self.outcomes.decode,
             num_pulled_blocks=num_pulled,
             num_cached_blocks=num_cached,
+            room_wait_s=request.metrics.room_wait_s,
         )
 
     def _not_loaded(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:

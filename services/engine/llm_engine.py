@@ -620,6 +620,10 @@ class LLMEngine:
                 # The draft was the target's token: its KV (computed this step) is the sequence's.
                 seq.num_computed_tokens += 1
                 num_accepted += 1
+            if seq.perf is not None:
+                seq.perf.num_draft_tokens += len(drafts)
+                seq.perf.num_accepted_draft_tokens += j  # the rows kept before the last
+                kept[0].perf = dataclasses.replace(seq.perf)
             outputs += kept
             appended.append(seq)
         c = self.counters

@@ -30,6 +30,9 @@ class SequencePerf:
     num_reused_blocks: int = 0
     num_missed_blocks: int = 0
     is_admitted: bool = False
+    # Speculative decoding: draft tokens verified for the sequence, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def scheduled(self, iteration: int) -> None:
         if not self.first_scheduled_time:

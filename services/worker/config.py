@@ -22,11 +22,18 @@ class WorkerConfig(ServerConfig):
     # What a decode does with a handoff whose KV it cannot load: compute the prompt itself
     # (recompute) or end the request UNAVAILABLE for the router to retry elsewhere (fail).
     kv_load_failure_policy: str = "recompute"
+    # How long a decode whose pool has no room for a handoff's prompt waits for room (blocks
+    # freed by finishing requests) before it gives up on the pull, within the lease.
+    kv_room_wait_s: float = 10.0
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         super().__post_init__()
+        if not 0 <= self.kv_room_wait_s <= 3600:
+            raise ValueError(
+                f"kv_room_wait_s must be in [0, 3600] seconds, got {self.kv_room_wait_s}"
+            )
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "

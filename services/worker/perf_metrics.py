@@ -15,8 +15,8 @@ def perf_metrics(
     kv_transfer_end: float,
     kv_transfer_bytes: int,
 ) -> types_pb2.PerfMetrics:
-    """Wall-clock seconds throughout; the transfer fields stay 0 when no KV was pulled. The
-    speculative-decoding counters stay 0: tandem has no speculative decoding."""
+    """Wall-clock seconds throughout; the transfer fields stay 0 when no KV was pulled, the
+    speculative-decoding counters when the worker drafts nothing."""
     msg = types_pb2.PerfMetrics(
         first_iter=perf.first_iter, last_iter=perf.last_iter, iter=perf.last_iter
     )
@@ -35,5 +35,10 @@ def perf_metrics(
     kv.num_reused_blocks = perf.num_reused_blocks
     kv.num_missed_blocks = perf.num_missed_blocks
     kv.kv_cache_hit_rate = perf.kv_cache_hit_rate
-    msg.speculative_decoding.SetInParent()
+    spec = msg.speculative_decoding
+    spec.SetInParent()
+    spec.total_draft_tokens = perf.num_draft_tokens
+    spec.total_accepted_draft_tokens = perf.num_accepted_draft_tokens
+    if perf.num_draft_tokens:
+        spec.acceptance_rate = perf.num_accepted_draft_tokens / perf.num_draft_tokens
     return msg

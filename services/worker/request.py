@@ -68,8 +68,10 @@ class RequestMetricsState:
     kv_transfer_s: float = 0.0
     kv_transfer_start: float = 0.0
     kv_transfer_end: float = 0.0
-    # How its KV handoff ended here (a decode's generation phase), a types_pb2.KvHandoffMetrics.
+    # How its KV handoff ended here (a decode's generation phase), a types_pb2.KvHandoffMetrics,
+    # and how long it waited for room in the pool first.
     kv_handoff: types_pb2.KvHandoffMetrics | None = None
+    room_wait_s: float = 0.0
 
 
 class WorkerRequest:

@@ -223,6 +223,7 @@ class WorkerRuntime:
                 self.handoff_outcomes,
                 on_pulled=self.metrics.observe_kv_pull,
                 load_failure_policy=self.config.kv_load_failure_policy,
+                room_wait_s=self.config.kv_room_wait_s,
                 weights_id=lambda: self.engine.runner.weights_id,
             )
 

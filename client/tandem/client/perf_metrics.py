@@ -37,7 +37,8 @@ class KvCacheMetrics:
 
 @dataclass(slots=True)
 class SpeculativeDecodingMetrics:
-    """Always zeros: tandem has no speculative decoding."""
+    """Draft tokens verified for the request and accepted (zeros on a worker that drafts none;
+    --speculative-config)."""
 
     acceptance_rate: float = 0.0
     total_accepted_draft_tokens: int = 0
@@ -56,6 +57,8 @@ class KvHandoff:
     decode: str = ""
     num_pulled_blocks: int = 0
     num_cached_blocks: int = 0
+    # Seconds the decode waited for room in its KV pool (--kv-room-wait-seconds).
+    room_wait_s: float = 0.0
 
     @classmethod
     def from_proto(cls, msg: types_pb2.KvHandoffMetrics) -> KvHandoff:
@@ -66,6 +69,7 @@ class KvHandoff:
             msg.decode,
             msg.num_pulled_blocks,
             msg.num_cached_blocks,
+            msg.room_wait_s,
         )
 
 

@@ -338,20 +338,22 @@ class RequestMetrics(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ...) -> None: ...
 
 class KvHandoffMetrics(_message.Message):
-    __slots__ = ("outcome", "reason", "prefill", "decode", "num_pulled_blocks", "num_cached_blocks")
+    __slots__ = ("outcome", "reason", "prefill", "decode", "num_pulled_blocks", "num_cached_blocks", "room_wait_s")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     NUM_PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     outcome: str
     reason: str
     prefill: str
     decode: str
     num_pulled_blocks: int
     num_cached_blocks: int
-    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    room_wait_s: float
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., room_wait_s: _Optional[float] = ...) -> None: ...
 
 class PerfMetrics(_message.Message):
     __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff")

@@ -81,6 +81,9 @@ spec:
             {{- with $spec.speculativeConfig }}
             - --speculative-config={{ toJson . }}
             {{- end }}
+            {{- if hasKey $spec "kvRoomWaitSeconds" }}
+            - --kv-room-wait-seconds={{ $spec.kvRoomWaitSeconds }}
+            {{- end }}
             {{- if and $spec.kvLoadFailurePolicy (ne $spec.kvLoadFailurePolicy "recompute") }}
             - --kv-load-failure-policy={{ $spec.kvLoadFailurePolicy }}
             {{- end }}

@@ -1,0 +1,127 @@
+"""A handoff whose decode has no room in its KV pool waits for room (--kv-room-wait-seconds)
+and pulls once a running request frees its blocks, instead of computing the prompt at once;
+with 0 it computes the prompt (recomputed: no_room). Real processes: the decodes' pools are
+filled by a long request of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from test_disagg import worker_state
+
+from tandem.client import LLM, AsyncLLM, DisaggregatedParams, SamplingParams
+from tandem.testing.cluster import LocalCluster
+
+BLOCK = 16
+DECODE_BLOCKS = 64  # 1024 tokens
+HOG_PROMPT, HOG_TOKENS = 700, 300  # 44 blocks at once, 63 at its end
+PROMPT = 400  # 25 blocks: no room while the hog runs
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    """prefill (a large pool); decode-1 waits for room (the default), decode-2 does not."""
+    small = ["--num-blocks", str(DECODE_BLOCKS)]
+    with LocalCluster(
+        roles=["prefill", "decode", "decode"],
+        engine_args=["--model", str(model_dirs["llama"]), "--block-size", str(BLOCK)],
+        worker_args={
+            "prefill-1": ["--num-blocks", "512"],
+            "decode-1": small,
+            "decode-2": [*small, "--kv-room-wait-seconds", "0"],
+        },
+    ) as c:
+        yield c
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 380) for _ in range(n)]
+
+
+def _split_while_full(cluster, decode, seed: int):
+    """The hog runs on the decode; once it streams, a context phase's handoff is presented to
+    the same decode. Returns (the handoff request's output, the hog's output)."""
+    prompt = _ids(seed, PROMPT)
+
+    async def run():
+        kwargs = cluster.worker_client_kwargs()
+        async with AsyncLLM(decode.address, **kwargs) as dec, AsyncLLM(cluster.address) as router:
+            hog = dec.generate_async(
+                _ids(seed + 1000, HOG_PROMPT),
+                SamplingParams(max_tokens=HOG_TOKENS, ignore_eos=True),
+                streaming=True,
+            )
+            hog_iter = hog.__aiter__()
+            await hog_iter.__anext__()  # the hog holds its prompt's blocks now
+            params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+            ctx = await router.generate_async(
+                prompt,
+                params,
+                disaggregated_params=DisaggregatedParams(request_type="context_only"),
+            )
+            h = ctx.outputs[0].disaggregated_params
+            assert h.opaque_state
+            gen = await dec.generate_async(
+                prompt,
+                params,
+                disaggregated_params=DisaggregatedParams(
+                    request_type="generation_only",
+                    first_gen_tokens=h.first_gen_tokens,
+                    ctx_request_id=h.ctx_request_id,
+                    opaque_state=h.opaque_state,
+                ),
+            )
+            async for _ in hog_iter:
+                pass
+            return gen
+
+    return prompt, asyncio.run(run())
+
+
+@pytest.mark.parametrize("which", ["waits", "recomputes"])
+def test_a_handoff_without_room_waits_and_pulls_or_recomputes_at_once(cluster, which):
+    decode = cluster.workers[1] if which == "waits" else cluster.workers[2]
+    before = dict(worker_state(decode.address).kv_handoff_outcomes)
+    prompt, gen = _split_while_full(cluster, decode, seed=7 if which == "waits" else 8)
+    after = dict(worker_state(decode.address).kv_handoff_outcomes)
+    with LLM(cluster.address) as llm:  # the same request, split by the router with room
+        expected = llm.generate(
+            prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+        )
+    assert gen.outputs[0].token_ids == expected.outputs[0].token_ids
+    handoff = gen.metrics.kv_handoff
+    if which == "waits":
+        assert (handoff.outcome, handoff.reason) == ("pulled", "")
+        assert handoff.room_wait_s > 0
+        assert after.get("pulled", 0) == before.get("pulled", 0) + 1
+        assert after.get("recomputed:no_room", 0) == before.get("recomputed:no_room", 0)
+    else:
+        assert (handoff.outcome, handoff.reason) == ("recomputed", "no_room")
+        assert handoff.room_wait_s == 0
+        assert after["recomputed:no_room"] == before.get("recomputed:no_room", 0) + 1
+
+
+def test_a_bad_room_wait_is_refused_at_start():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli.main",
+            "serve",
+            "decode",
+            "--kv-room-wait-seconds",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "kv_room_wait_s must be in [0, 3600]" in proc.stderr
