@@ -6,6 +6,7 @@
 # pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
+# spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -59,4 +60,8 @@ fi
 if has split1; then
   timeout "${SPLIT1_S:-420}" python3 bench/split_one_gpu.py ${SPLIT1_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" \
     | tee "$OUT/split-one-gpu.txt" | tail -25
+fi
+if has spec; then  # issue 31: needs a real chat model there (SPEC_ARGS="--model DIR"): a random checkpoint loops
+  timeout "${SPEC_S:-300}" python3 bench/spec_decode.py --device cuda --max-tokens "${SPEC_TOKENS:-256}" \
+    --batch "${SPEC_BATCH:-32}" ${SPEC_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/spec-decode.txt" | tail -16
 fi

@@ -47,6 +47,8 @@ WORKLOADS = {
 
 
 def _prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not tokenizer.chat_template:  # a base model: the text as it is
+        return [tokenizer.encode(text) for text in texts]
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template(

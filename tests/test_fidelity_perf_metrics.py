@@ -70,12 +70,21 @@ def _fresh_prompt() -> str:
     return " ".join(_PROMPT_RNG.choice(words) for _ in range(24))
 
 
-async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams, streaming: bool):
+async def _collect(
+    llm: AsyncLLM,
+    prompt: str,
+    params: SamplingParams,
+    streaming: bool,
+    first_token: asyncio.Event | None = None,
+):
     """The request's final output; streamed, each message is checked: a sequence's perf metrics
-    come with its last message (the one that sets its finish reason) when asked for, not before."""
+    come with its last message (the one that sets its finish reason) when asked for, not before.
+    first_token: set once a streamed message has brought a token."""
     if not streaming:
         return await llm.generate_async(prompt, params)
     async for out in llm.generate_async(prompt, params, streaming=True):
+        if first_token is not None and any(seq.token_ids for seq in out.outputs):
+            first_token.set()
         for seq in out.outputs:
             is_last = seq.finish_reason is not None
             assert (seq.request_perf_metrics is not None) == (
@@ -274,12 +283,16 @@ def two_decodes(model_dirs):
 
 async def _stream_killing_its_decode(cluster, llm: AsyncLLM, params: SamplingParams):
     """Streams a long request and kills the decode worker that runs it once it has drawn 10 tokens
-    for it: (output, the test's clock before, when the kill was sent, after)."""
+    for it and the client has its first one (the router's record of the start is what it saw:
+    on a loaded machine the worker can be 10 tokens ahead of it): (output, the test's clock
+    before, when the kill was sent, after)."""
     decodes = [s for s in cluster.workers if s.role == "decode" and s.process.poll() is None]
     generated = {s.address: worker_state(s.address).num_generated_tokens for s in decodes}
     killed_at = []
+    first_token = asyncio.Event()
 
     async def kill_the_busy_decode():
+        await first_token.wait()
         while True:
             for s in decodes:
                 if (
@@ -295,7 +308,7 @@ async def _stream_killing_its_decode(cluster, llm: AsyncLLM, params: SamplingPar
     killer = asyncio.create_task(kill_the_busy_decode())
     try:
         out = await _collect(
-            llm, "a long story that outlives its decode worker", params, streaming=True
+            llm, "a long story that outlives its decode worker", params, True, first_token
         )
         await asyncio.wait_for(killer, 5)
     finally:
