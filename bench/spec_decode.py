@@ -8,7 +8,9 @@ acceptance (draft tokens accepted / drafted; tokens per step) beside the plain r
 Workloads, chat-templated: copy-heavy (the model is asked to repeat or edit a passage it was
 given: what prompt lookup is for) and free-form (an open question: drafts rarely match). Every
 method's greedy tokens are checked equal to plain decoding's before any number is printed. Each
-configuration runs once to warm up, then --repeats times; the table has the median.
+configuration runs once to warm up, then --repeats times; the table has the median. The
+suffix rows are its best case: the same prompts were answered before (the warm-up), which is
+what it is for (repeated and agentic requests); on new prompts it is the ngram row.
 
 On the GPU the verification step runs eagerly (the decode CUDA graphs hold one token per
 sequence), so a drafted step there costs more than a plain graph step: the GPU row says what

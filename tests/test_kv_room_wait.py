@@ -125,3 +125,61 @@ def test_a_bad_room_wait_is_refused_at_start():
     )
     assert proc.returncode != 0
     assert "kv_room_wait_s must be in [0, 3600]" in proc.stderr
+
+
+def test_handoffs_waiting_for_room_get_it_in_the_order_they_came():
+    """Three handoffs find no room; room for one frees at a time: they get it first come, first
+    served (the head of the line asks for all), and one past its wait gives up."""
+    import time
+    from types import SimpleNamespace
+
+    from tandem.decode.generation import GenerationPhase
+    from tandem.decode.outcomes import Reason
+    from tandem.engine.messages import AddRequest
+    from tandem.engine.sampling_options import SamplingOptions
+
+    class Core:
+        def __init__(self):
+            self.room = 0
+            self.asked: list[str] = []
+
+        async def call(self, command):
+            self.asked.append(command.request_id)
+            if self.room:
+                self.room -= 1
+                return SimpleNamespace(request_id=command.request_id)
+            return None
+
+    async def run():
+        core = Core()
+        phase = GenerationPhase.__new__(GenerationPhase)
+        phase.room_wait_s = 1.0
+        from collections import deque
+
+        phase._room_line = deque()
+        handoff = SimpleNamespace(lease_expires_at=time.time() + 60)
+
+        async def reserve(rid, delay):
+            await asyncio.sleep(delay)
+            add = AddRequest(rid, [1, 2, 3], SamplingOptions(), remote_kv=True)
+            return await phase._reserve(core, add, handoff)
+
+        tasks = [asyncio.create_task(reserve(f"r{i}", 0.01 * i)) for i in range(3)]
+        got = []
+        await asyncio.sleep(0.1)
+        for _ in range(2):  # room for one, twice
+            core.room = 1
+            done, _ = await asyncio.wait(
+                [t for t in tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED
+            )
+            got += [t.result()[0].request_id for t in done]
+        last = await tasks[2]
+        # Only the head of the line asks while others wait: no "r2" before "r1" got its room.
+        first_r2 = core.asked.index("r2", 1)
+        return got, last, core.asked, first_r2
+
+    got, last, asked, first_r2 = asyncio.run(run())
+    assert got == ["r0", "r1"]
+    plan, reason, waited = last
+    assert plan is None and reason is Reason.NO_ROOM and 0.9 <= waited <= 3.0
+    assert "r1" in asked[:first_r2]

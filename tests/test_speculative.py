@@ -137,17 +137,45 @@ def test_iteration_stats_report_tensorrt_llms_spec_decoding_stats(model_dirs):
     assert _engine(model_dirs["llama"], None).proposer is None
 
 
+def _seq(tokens: list[int], salt: str | None = None):
+    from tandem.engine.sequence import Sequence
+
+    return Sequence("s", list(tokens), SamplingOptions(), cache_salt=salt)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     index = NgramIndex(1, 3)
-    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
-    assert index.propose(tokens, 3) == [7, 8, 1]  # the latest earlier [1, 2, 3] ends before 7
-    tokens += [7, 8]
-    assert index.propose(tokens, 2) == [1, 2]  # [.., 7, 8] -> 1, 2 (indexed as they came)
-    assert NgramIndex(2, 3).propose([5, 6, 7], 4) == []
+    seq = _seq([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert index.propose(seq, 3) == [7, 8, 1]  # the latest earlier [1, 2, 3] ends before 7
+    seq.output_token_ids += [7, 8]
+    assert index.propose(seq, 2) == [1, 2]  # [.., 7, 8] -> 1, 2 (indexed as they came)
+    assert NgramIndex(2, 3).propose(_seq([5, 6, 7]), 4) == []
+
+
+def test_the_index_covers_a_window_and_prunes_what_left_it():
+    from tandem.engine import speculative
+
+    window = speculative.INDEX_WINDOW
+    # A pattern only at the very start of a prompt longer than the window is not found...
+    prompt = [5, 6, 7] + [100 + i % 50 for i in range(window)] + [5, 6]
+    assert NgramIndex(2, 2).propose(_seq(prompt), 1) == []
+    # ...and one inside the window is.
+    assert NgramIndex(2, 2).propose(_seq(prompt[-window:] + [5, 6]), 1) != []
+    index = NgramIndex(1, 1)
+    seq = _seq(list(range(10)))
+    index.propose(seq, 1)
+    seq.output_token_ids += [1000 + i for i in range(window + 10)]
+    index.propose(seq, 1)
+    assert all(end >= seq.num_tokens - window for end in index._ends[1].values())
+
+
+def test_the_suffix_table_keeps_tenants_apart():
     table = SuffixTable(2, 3)
-    table.add([4, 5, 6, 7, 8])
-    assert table.propose([9, 9, 5, 6], 2) == [7, 8]
-    assert table.propose([9, 9], 2) == []
+    table.add(("a", None), [4, 5, 6, 7, 8])
+    assert table.propose(("a", None), [9, 9, 5, 6], 2) == [7, 8]
+    assert table.propose(("a", None), [9, 9], 2) == []
+    assert table.propose(("b", None), [9, 9, 5, 6], 2) == []  # another cache_salt
+    assert table.propose(("a", "lora-x"), [9, 9, 5, 6], 2) == []  # another adapter
 
 
 @pytest.mark.parametrize(
@@ -224,3 +252,34 @@ def test_a_drafting_cluster_streams_the_greedy_tokens_and_reports_acceptance(
     drafted = [s for s in stats if s and s["numDraftTokens"]]
     assert drafted and sum(s["numAcceptedTokens"] for s in drafted) > 0
     assert accepted_total > 0 and drafted_total >= accepted_total
+
+
+def test_drafts_never_preempt_and_stay_within_the_steps_draft_rows(model_dirs):
+    """A full pool: a sequence whose real next token fits its blocks verifies only the drafts
+    the free blocks hold, and nobody is preempted for them; the step's draft rows are bounded."""
+    from tandem.engine.block_manager import BlockManager
+    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.sequence import Sequence
+
+    bm = BlockManager(4, 16, True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_num_draft_tokens=3)
+    a = Sequence("a", list(range(14)), SamplingOptions(max_tokens=50))
+    b = Sequence("b", list(range(30)), SamplingOptions(max_tokens=50))
+    for seq in (a, b):
+        sched.add(seq)
+    sched.schedule()  # both prompts: a holds 1 block, b 2; one free
+    for seq, token in ((a, 7), (b, 8)):
+        seq.output_token_ids.append(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+    (other,) = bm.allocate(1)  # someone else takes the last free block: the pool is full
+    a.draft_token_ids = [3, 4, 5, 6]
+    batch = sched.schedule()
+    assert sched.num_preemptions == 0
+    assert dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)) == {"a": 2, "b": 1}
+    assert a.draft_token_ids == [3]  # the one draft its last block still holds
+    bm.free([other])  # room again: now the step's draft rows (3) bound the drafts
+    a.draft_token_ids, b.draft_token_ids = [1, 2, 3, 4], [5, 6, 7, 8]
+    batch = sched.schedule()
+    assert dict(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)) == {"a": 4, "b": 1}
+    assert (a.draft_token_ids, b.draft_token_ids) == ([1, 2, 3], [])
+    assert sched.num_preemptions == 0

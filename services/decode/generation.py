@@ -26,8 +26,10 @@ are reserved, the scheduler does not run it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -93,6 +95,8 @@ class GenerationPhase:
         room_wait_s: how long a handoff waits for room in the pool (within its lease)."""
         self.weights_id = weights_id
         self.room_wait_s = room_wait_s
+        # The handoffs waiting for room in the pool, in the order they came (the head asks).
+        self._room_line: deque[asyncio.Event] = deque()
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
@@ -242,26 +246,50 @@ class GenerationPhase:
             request.fail(exc)
 
     async def _reserve(self, core, add: AddRequest, handoff: worker_pb2.KvHandoff):
-        """(the ImportPlan, or None and why not, seconds waited): the prompt's blocks reserved in
-        the engine. A pool with no room now is asked again as requests finish, with backing off,
-        for up to room_wait_s: pulling once room frees is cheaper than computing the prompt,
-        which would wait for the same room. A lease about to run out may be freed (and its
-        blocks reused) while we read: with less than the margin left it is not pulled."""
-        refused_at = None  # the first "no room"
-        waited = 0.0
-        delay = ROOM_POLL_FIRST_S
-        reason = Reason.LEASE_EXPIRING
-        while handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S:
-            reason = Reason.NO_ROOM
-            plan = await core.call(add)
-            now = time.monotonic()
-            refused_at = now if refused_at is None else refused_at
-            waited = now - refused_at
-            if plan is not None or waited >= self.room_wait_s:
-                return plan, reason, waited
-            await asyncio.sleep(min(delay, self.room_wait_s - waited))
-            delay = min(2 * delay, ROOM_POLL_MAX_S)
-        return None, reason, waited
+        """(the ImportPlan, or None and why not, seconds waited for room): the prompt's blocks
+        reserved in the engine. A pool with no room now is asked again as requests finish, for up
+        to room_wait_s: pulling once room frees is cheaper than computing the prompt, which
+        would wait for the same room. The handoffs that wait do so in line, the one at its head
+        asking (backing off) for all: room goes to them in the order they came. A lease about to
+        run out may be freed (and its blocks reused) while we read: with less than the margin
+        left it is not pulled."""
+
+        def lease_left() -> bool:
+            return handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S
+
+        def ask():  # a command of its own each time: the engine's queue time is the call's
+            return core.call(dataclasses.replace(add, enqueued_at=time.monotonic()))
+
+        if not lease_left():
+            return None, Reason.LEASE_EXPIRING, 0.0
+        if not self._room_line:  # nobody waits: ask at once
+            plan = await ask()
+            if plan is not None or self.room_wait_s <= 0:
+                return plan, Reason.NO_ROOM, 0.0
+        refused_at = time.monotonic()
+        me = asyncio.Event()
+        self._room_line.append(me)
+        if self._room_line[0] is me:
+            me.set()
+        try:
+            try:
+                await asyncio.wait_for(me.wait(), self.room_wait_s)
+            except asyncio.TimeoutError:
+                return None, Reason.NO_ROOM, time.monotonic() - refused_at
+            delay = ROOM_POLL_FIRST_S
+            while lease_left():
+                plan = await ask()
+                waited = time.monotonic() - refused_at
+                if plan is not None or waited >= self.room_wait_s:
+                    return plan, Reason.NO_ROOM, waited
+                await asyncio.sleep(min(delay, self.room_wait_s - waited))
+                delay = min(2 * delay, ROOM_POLL_MAX_S)
+            return None, Reason.NO_ROOM, time.monotonic() - refused_at
+        finally:
+            was_head = self._room_line[0] is me
+            self._room_line.remove(me)
+            if was_head and self._room_line:
+                self._room_line[0].set()
 
     def _end(
         self,

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from tandem.engine.speculative import SpeculativeConfig
 
+# Draft rows a step samples at most (speculative decoding): each is a row of the vocabulary in
+# the sampler's work, [rows, vocab] in float32 several times over.
+MAX_DRAFT_ROWS = 1024
+
 
 def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
     """A field that is also a command-line flag of every engine-running command (tandem serve,
@@ -82,12 +86,13 @@ class EngineConfig:
 
     @property
     def max_num_samples(self) -> int:
-        """Rows a step samples at most: one per sequence, k + 1 per sequence with drafts."""
+        """Rows a step samples at most: one per sequence, and its drafts' (speculative decoding),
+        at most MAX_DRAFT_ROWS of those a step: the sampler's [rows, vocab] work grows with them."""
         spec = self.speculative
         if spec is None:
             return self.max_num_seqs
-        rows = self.max_num_seqs * (spec.num_speculative_tokens + 1)
-        return max(self.max_num_seqs, min(rows, self.max_num_batched_tokens))
+        drafts = self.max_num_seqs * spec.num_speculative_tokens
+        return self.max_num_seqs + min(drafts, MAX_DRAFT_ROWS, self.max_num_batched_tokens)
 
     def __post_init__(self):
         if not self.model_dir or not (Path(self.model_dir) / "config.json").is_file():

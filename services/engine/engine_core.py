@@ -212,9 +212,9 @@ class EngineCore:
 
     def _add(self, command: AddRequest):
         e = self.engine
-        self._new_request_waits.append(time.monotonic() - command.enqueued_at)
+        waited = time.monotonic() - command.enqueued_at
         if command.remote_kv:
-            return e.add_remote_kv_request(
+            plan = e.add_remote_kv_request(
                 command.request_id,
                 command.prompt_token_ids,
                 command.output_token_ids,
@@ -223,6 +223,10 @@ class EngineCore:
                 command.cache_salt,
                 command.adapter,
             )
+            if plan is not None:  # a request refused for room is asked again: it is not new yet
+                self._new_request_waits.append(waited)
+            return plan
+        self._new_request_waits.append(waited)
         e.add_request(
             command.request_id,
             command.prompt_token_ids,

@@ -101,6 +101,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.runner.lora_pool,
+            config.max_num_samples - config.max_num_seqs,
         )
         self.counters = EngineCounters()
         spec = config.speculative
@@ -280,7 +281,21 @@ class LLMEngine:
         and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
         prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
         into which of ours. None when the pool cannot hold the prompt now (the caller then computes
-        the prompt here instead)."""
+        the prompt here instead, or asks again later: the answer costs a prefix lookup, nothing
+        more, and never waits for the device)."""
+        bm = self.block_manager
+        num_prompt = len(prompt_token_ids)
+        cached, hashes = bm.match_prefix(
+            prompt_token_ids,
+            cache_salt,
+            num_prompt,
+            adapter.fingerprint if adapter is not None else None,
+        )
+        # Room for the first generated token's KV too: a parked sequence that still needed a block
+        # could wait behind a preempted sequence that needs the same blocks, forever.
+        num_blocks = bm.num_blocks_for(num_prompt + 1)
+        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
+            return None
         seq = self._new_sequence(
             request_id,
             prompt_token_ids,
@@ -291,19 +306,10 @@ class LLMEngine:
             first_token_ids,
             adapter,
         )
-        bm = self.block_manager
         if self._in_flight is not None:
             # Blocks freed while a step was in flight (an abort, a preemption) may still be written
             # by it; the KV pulled into them arrives outside the device's stream order.
             self.runner.synchronize()
-        cached, hashes = bm.match_prefix(
-            seq.prompt_token_ids, cache_salt, seq.num_prompt_tokens, seq.lora_fingerprint
-        )
-        # Room for the first generated token's KV too: a parked sequence that still needed a block
-        # could wait behind a preempted sequence that needs the same blocks, forever.
-        num_blocks = bm.num_blocks_for(seq.num_prompt_tokens + 1)
-        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
-            return None
         bm.take_cached(seq, cached, hashes, seq.num_prompt_tokens)
         seq.block_table += bm.allocate(num_blocks - len(cached))
         if seq.perf is not None:  # the blocks not found here are the ones pulled

@@ -6,7 +6,7 @@ admitted while budget, sequence slots and blocks last. When blocks run out a
 running sequence of the lowest priority is preempted by recompute: its blocks
 are freed and it goes back to waiting with its tokens so far as the new prompt.
 A decoding sequence with draft tokens (speculative decoding) computes them after its last token,
-as far as the budget goes. A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned while it
+as far as the budget, the step's draft rows and the free blocks go (drafts never preempt). A sequence with a LoRA adapter also needs a slot of the adapter pool, pinned while it
 runs; when every slot is pinned by other adapters it waits, and the sequences behind
 it that fit go ahead.
 """
@@ -53,8 +53,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         lora_pool: LoRAPool | None = None,
+        max_num_draft_tokens: int = 0,
     ):
+        """max_num_draft_tokens: draft tokens a step verifies at most (speculative decoding)."""
         self.block_manager = block_manager
+        self.max_num_draft_tokens = max_num_draft_tokens
         self.lora_pool = lora_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -98,6 +101,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
+        draft_room = self.max_num_draft_tokens
         batch = ScheduledBatch([], [])
         self.running.sort(key=_order)
         # Membership in running is a list scan: it is only asked once this step has preempted.
@@ -115,11 +119,12 @@ class Scheduler:
             ):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if seq.draft_token_ids:  # verified after its last token: as many as the budget takes
-                del seq.draft_token_ids[budget - num_new :]
-                num_new += len(seq.draft_token_ids)
             if not self._reserve(seq, num_new):
                 continue
+            if seq.draft_token_ids:
+                num_drafts = self._fit_drafts(seq, num_new, budget, draft_room)
+                num_new += num_drafts
+                draft_room -= num_drafts
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -148,6 +153,21 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _fit_drafts(self, seq: Sequence, num_new: int, budget: int, draft_room: int) -> int:
+        """How many of seq's drafts the step verifies after its num_new tokens (the rest are
+        dropped): as many as the token budget, the step's draft rows and the blocks seq holds or
+        finds free allow. Drafts are guesses: they never preempt anything."""
+        bm = self.block_manager
+        drafts = seq.draft_token_ids
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - (
+            seq.num_computed_tokens + num_new
+        )
+        keep = max(0, min(len(drafts), budget - num_new, draft_room, capacity))
+        del drafts[keep:]
+        if keep:
+            bm.grow(seq, num_new + keep)
+        return keep
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Gives a waiting sequence its blocks (reusing cached prefix blocks) and its adapter's slot,

@@ -41,6 +41,8 @@ _UNSUPPORTED = {
     "mtp": "the checkpoint's multi-token-prediction layers, which this engine does not load",
 }
 MAX_SPECULATIVE_TOKENS = 16
+# A sequence's n-gram index covers its last this many tokens.
+INDEX_WINDOW = 4096
 # The suffix method's table of earlier requests' n-grams: at most this many keys (oldest out).
 SUFFIX_TABLE_KEYS = 1 << 18
 _KEYS = {
@@ -122,60 +124,81 @@ class SpeculativeConfig:
 
 class NgramIndex:
     """One sequence's n-grams (n in [low, high]) by where their latest occurrence ends, built as
-    its tokens come: a lookup costs a dict probe per n, not a scan of the sequence."""
+    its tokens come: a lookup costs a dict probe per n, not a scan of the sequence. Only the last
+    INDEX_WINDOW tokens are indexed (older entries are pruned as the sequence grows): a long
+    prompt costs the engine thread a bounded first lookup and the index a bounded memory."""
 
-    __slots__ = ("low", "high", "_ends", "_num_indexed")
+    __slots__ = ("low", "high", "_ends", "_num_indexed", "_pruned_at")
 
     def __init__(self, low: int, high: int):
         self.low, self.high = low, high
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(low, high + 1)}
-        # N-grams ending before this position are in the index.
+        # N-grams ending before this position are in the index (those in the window).
         self._num_indexed = 0
+        self._pruned_at = 0
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram ending
-        tokens; [] when none occurred."""
-        num = len(tokens)
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence (in the window) of the
+        longest n-gram ending seq's tokens; [] when none occurred."""
+        num = seq.num_tokens
         # Index the n-grams that end before the last position (the last one is the query itself).
-        for end in range(max(self._num_indexed, self.low), num):
+        start = max(self._num_indexed, self.low, num - INDEX_WINDOW)
+        if start < num:
+            offset = max(0, start - self.high)
+            chunk = seq.token_slice(offset, num)
+            for end in range(start, num):
+                at = end - offset
+                for n, ends in self._ends.items():
+                    if n <= end:
+                        ends[tuple(chunk[at - n : at])] = end
+        self._num_indexed = num
+        if num - self._pruned_at >= INDEX_WINDOW:
+            oldest = num - INDEX_WINDOW
             for n, ends in self._ends.items():
-                if n <= end:
-                    ends[tuple(tokens[end - n : end])] = end
-        self._num_indexed = max(self._num_indexed, num)
+                self._ends[n] = {key: end for key, end in ends.items() if end >= oldest}
+            self._pruned_at = num
+        tail = seq.token_slice(max(0, num - self.high), num)
         for n in range(min(self.high, num - 1), self.low - 1, -1):
-            end = self._ends[n].get(tuple(tokens[num - n :]))
+            end = self._ends[n].get(tuple(tail[len(tail) - n :]))
             if end is not None:
-                return tokens[end : end + k]
+                return seq.token_slice(end, min(end + k, num))
         return []
 
 
 class SuffixTable:
     """The n-grams of the outputs of finished requests (suffix decoding's cross-request part):
-    n-gram -> the tokens that followed it, newest first out of a bounded table."""
+    (namespace, n-gram) -> the tokens that followed it, oldest out of a bounded table. The
+    namespace is the request's cache_salt and LoRA adapter: one tenant's drafts (whose
+    acceptance its perf metrics show) never come from another tenant's answers, as its prefix
+    cache never does."""
 
     def __init__(self, low: int, high: int, max_keys: int = SUFFIX_TABLE_KEYS, span: int = 16):
         self.low, self.high = low, high
         self.max_keys = max_keys
         self.span = span
-        self._next: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+        self._next: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._next)
 
-    def add(self, tokens: list[int]) -> None:
+    def clear(self) -> None:
+        self._next.clear()
+
+    def add(self, namespace: tuple, tokens: list[int]) -> None:
         """A finished request's tokens (its prompt's tail and its output)."""
         for end in range(self.low, len(tokens)):
             follow = tuple(tokens[end : end + self.span])
             for n in range(self.low, min(self.high, end) + 1):
-                key = tuple(tokens[end - n : end])
+                key = (namespace, *tokens[end - n : end])
                 self._next[key] = follow
                 self._next.move_to_end(key)
         while len(self._next) > self.max_keys:
             self._next.popitem(last=False)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        for n in range(min(self.high, len(tokens)), self.low - 1, -1):
-            follow = self._next.get(tuple(tokens[len(tokens) - n :]))
+    def propose(self, namespace: tuple, tail: list[int], k: int) -> list[int]:
+        """tail: the sequence's last tokens (at least `high` of them where it has them)."""
+        for n in range(min(self.high, len(tail)), self.low - 1, -1):
+            follow = self._next.get((namespace, *tail[len(tail) - n :]))
             if follow:
                 return list(follow[:k])
         return []
@@ -198,14 +221,24 @@ class Proposer:
             seq.spec_index = NgramIndex(
                 self.config.prompt_lookup_min, self.config.prompt_lookup_max
             )
-        tokens = seq.all_token_ids
-        drafts = seq.spec_index.propose(tokens, k)
+        drafts = seq.spec_index.propose(seq, k)
         if not drafts and self.suffixes is not None:
-            drafts = self.suffixes.propose(tokens, k)
+            num = seq.num_tokens
+            tail = seq.token_slice(max(0, num - self.config.prompt_lookup_max), num)
+            drafts = self.suffixes.propose(_namespace(seq), tail, k)
         return drafts
 
     def finished(self, seq) -> None:
         """A sequence ended: its output (and the prompt's tail before it) join the suffix table."""
         if self.suffixes is not None and seq.output_token_ids:
             tail = seq.prompt_token_ids[-self.config.prompt_lookup_max :]
-            self.suffixes.add(tail + seq.output_token_ids)
+            self.suffixes.add(_namespace(seq), tail + seq.output_token_ids)
+
+    def reset(self) -> None:
+        """Forgets earlier requests (the worker's warm-up is none of its clients')."""
+        if self.suffixes is not None:
+            self.suffixes.clear()
+
+
+def _namespace(seq) -> tuple:
+    return (seq.cache_salt, seq.lora_fingerprint)

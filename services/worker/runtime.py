@@ -253,6 +253,8 @@ class WorkerRuntime:
         )
         while engine.num_unfinished:
             engine.step()
+        if engine.proposer is not None:
+            engine.proposer.reset()
         c = engine.counters
         c.num_steps = c.num_prompt_tokens_computed = c.num_generated_tokens = 0
         c.num_draft_tokens = c.num_accepted_draft_tokens = c.num_drafted_steps = 0
