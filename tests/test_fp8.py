@@ -289,3 +289,45 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(formats, tmp_path
         ValueError, match="float8_e4m3fn but config.json has no quantization_config"
     ):
         load_model(model_dir)
+
+
+# -- LoRA on FP8 projections --
+
+
+def test_lora_adapter_on_fp8_weights_equals_transformers_peft(formats, tiny, tmp_path):
+    """Adapters stay in the model dtype on top of the FP8 projection (they read the unquantized
+    activation), as peft's LoRA layers wrap transformers' compressed-tensors linears."""
+    from lora_adapters import PeftOracle, write_adapter
+
+    from tandem.engine.lora_adapter import AdapterStore
+
+    adapter_dir = write_adapter(tiny, tmp_path / "adapter", seed=1, rank=8, alpha=16, std=0.2)
+    engine = LLMEngine(
+        EngineConfig(str(formats["ct-channel"]), block_size=8, num_blocks=64, max_loras=2)
+    )
+    store = AdapterStore(engine.model_config, 16, engine.runner.dtype, capacity=2)
+    adapter = store.load("a", 1, str(adapter_dir))
+    for rid, ids in PROMPTS.items():
+        engine.add_request(rid, ids, GREEDY, adapter=adapter)
+        engine.add_request(rid + "/base", ids, GREEDY)
+    got = {rid: [] for rid in PROMPTS} | {rid + "/base": [] for rid in PROMPTS}
+    while engine.num_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    oracle = PeftOracle(formats["ct-channel"])
+    for rid, ids in PROMPTS.items():
+        want = oracle.greedy(ids, GREEDY.max_tokens, adapter_dir)  # cut after an EOS
+        assert got[rid][: len(want)] == want
+        assert got[rid] != got[rid + "/base"]  # the adapter changed the tokens
+
+
+def test_fp8_flags_reach_the_config_and_tandem_up_passes_them_on(tiny):
+    from tandem.cli.flags import engine_argv
+    from tandem.cli.main import _engine_config, _parser
+
+    flags = ["serve", "both", "--model", str(tiny), "--quantization", "fp8"]
+    config = _engine_config(_parser().parse_args([*flags, "--kv-cache-dtype", "fp8"]))
+    assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
+    assert _engine_config(_parser().parse_args(["serve", "both", *engine_argv(config)])) == config
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or fp8"):
+        EngineConfig(str(tiny), kv_cache_dtype="int8")
