@@ -8,8 +8,8 @@
    block-scaled variant (128-column groups, one _scaled_mm per group); and the torch reference
    (dequantized operands, float32 matmul). Each against its roofline: max(FLOPs / peak, bytes /
    copy rate), the peak being a large bf16 GEMM and the rate a large copy, both measured here.
-2. Decode attention (torch reference, batch x context) over a bf16 pool and an FP8 pool, as KV
-   bytes read per second against the copy rate.
+2. Decode attention (batch x context) over a bf16 pool and an FP8 pool, as KV bytes read per
+   second against the copy rate: the torch reference, and on CUDA the Triton kernel too.
 
 On the CPU the numbers say where the torch path spends its time (the activation quantization and
 the float8 -> float conversions inside _scaled_mm are plain CPU loops; there is no FP8 arithmetic),
@@ -17,8 +17,9 @@ not what FP8 buys. On an H100/H200 (not run yet: the GPU run issue) it would sho
 memory-bound, FP8 reading half the weight bytes of bf16 (~2x at the copy rate, the 8B decode floor
 from ~3.5 to ~1.8 ms/step); large token counts compute-bound with _scaled_mm at about twice bf16's
 TFLOP/s; the block-scaled loop far behind both (G launches per GEMM: a fused Triton kernel is the
-path); the per-token quantization a separate kernel worth fusing into the preceding norm. The FP8
-KV attention row needs the Triton kernels to read FP8 blocks, which they refuse today.
+path); the per-token quantization a separate kernel worth fusing into the preceding norm. On CUDA
+the attention table adds the Triton kernel over both pools: an FP8 pool should read at about
+the bf16 pool's GB/s, so take about half its time at long contexts.
 """
 
 from __future__ import annotations
@@ -123,19 +124,23 @@ def attention_table(device, batch, context, copy_gbs, repeats) -> None:
     tables = torch.arange(num_blocks).view(batch, -1).tolist()
     meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, block_size, device)
     query = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
-    print(
-        f"decode attention (torch reference), batch {batch} x context {context}, {kv_heads} KV heads x {head_dim}:"
-    )
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=device).to(dtype)
-        ms = _timed_ms(
-            device, lambda: attention.paged_attention(query, pool, meta, head_dim**-0.5), repeats
-        )
-        nbytes = pool.numel() * pool.element_size()
-        print(
-            f"  {str(dtype).removeprefix('torch.'):<16}{ms:9.3f} ms  KV {nbytes / 1e6:7.1f} MB  "
-            f"{nbytes / ms / 1e6:7.2f} GB/s  (floor at the copy rate {nbytes / copy_gbs / 1e6:.3f} ms)"
-        )
+    print(f"decode attention, batch {batch} x context {context}, {kv_heads} KV heads x {head_dim}:")
+    kernels = {"torch reference": attention.paged_attention}
+    if device.type == "cuda":
+        from tandem.kernels.paged_attention_triton import paged_attention_triton
+
+        kernels["triton"] = paged_attention_triton
+    for name, kernel in kernels.items():
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=device)
+            pool = pool.to(dtype)
+            ms = _timed_ms(device, lambda: kernel(query, pool, meta, head_dim**-0.5), repeats)
+            nbytes = pool.numel() * pool.element_size()
+            print(
+                f"  {name:<16}{str(dtype).removeprefix('torch.'):<16}{ms:9.3f} ms  KV "
+                f"{nbytes / 1e6:7.1f} MB  {nbytes / ms / 1e6:7.2f} GB/s  (floor at the copy "
+                f"rate {nbytes / copy_gbs / 1e6:.3f} ms)"
+            )
 
 
 def main() -> None:

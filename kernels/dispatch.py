@@ -49,17 +49,6 @@ def _fused(device: torch.device) -> ModuleType:
     return _triton_module("fused_triton") if backend_for(device) == "triton" else fused_reference
 
 
-def _kv_backend(kv_layer: torch.Tensor) -> str:
-    """The attention backend for this pool: FP8 pools run on the torch reference only."""
-    backend = backend_for(kv_layer.device)
-    if backend == "triton" and kv_layer.dtype == reference.FP8:
-        raise ValueError(
-            "an FP8 KV cache runs on the torch reference attention only: the Triton kernels do "
-            "not read FP8 blocks yet (--kv-cache-dtype auto, or TANDEM_ATTENTION_BACKEND=torch)"
-        )
-    return backend
-
-
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -69,8 +58,8 @@ def store_kv(
 ) -> None:
     """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip); an FP8 pool
     stores key / k_scale and value / v_scale."""
-    if _kv_backend(kv_layer) == "triton":
-        _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping)
+    if backend_for(kv_layer.device) == "triton":
+        _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping, kv_scales)
     else:
         reference.store_kv(key, value, kv_layer, slot_mapping, kv_scales)
 
@@ -83,8 +72,8 @@ def paged_attention(
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D]."""
-    if _kv_backend(kv_layer) == "triton":
-        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
+    if backend_for(kv_layer.device) == "triton":
+        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale, kv_scales)
     return reference.paged_attention(query, kv_layer, meta, scale, kv_scales)
 
 
@@ -114,11 +103,7 @@ def rope_store_kv(
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
-    if _kv_backend(kv_layer) == "triton":
-        return _triton_module("fused_triton").rope_store_kv(
-            query, key, value, positions, cos_sin, kv_layer, slot_mapping
-        )
-    return fused_reference.rope_store_kv(
+    return _fused(kv_layer.device).rope_store_kv(
         query, key, value, positions, cos_sin, kv_layer, slot_mapping, kv_scales
     )
 

@@ -23,8 +23,9 @@ _FP8_MAX = torch.finfo(FP8).max
 def _to_pool(x: torch.Tensor, pool_dtype: torch.dtype, scale: float) -> torch.Tensor:
     if pool_dtype != FP8:
         return x.to(pool_dtype)
-    # Saturate: a cast of a value past 448 to e4m3fn gives NaN.
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
+    # Saturate: a cast of a value past 448 to e4m3fn gives NaN. Times the inverse, not divided:
+    # the Triton kernels multiply too (an IEEE product on every device), so both write one byte.
+    return (x.float() * (1.0 / scale)).clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
 
 
 def _from_pool(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

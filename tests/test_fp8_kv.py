@@ -62,16 +62,6 @@ def test_paged_attention_on_fp8_blocks_matches_the_float32_pool(query_lens, kv_s
     assert error < 0.05, error
 
 
-def test_fp8_pool_refused_on_the_triton_backend(monkeypatch):
-    from tandem.kernels import dispatch
-
-    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pool = torch.zeros(4, 2, 4, 2, 16, dtype=FP8)
-    with pytest.raises(ValueError, match="FP8 KV cache runs on the torch reference"):
-        dispatch.store_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), pool, torch.tensor([0]))
-
-
 # -- the engine --
 
 

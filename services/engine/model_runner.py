@@ -144,12 +144,6 @@ class ModelRunner:
         # The activations' dtype (the embedding's; FP8 projections hold their own).
         self.dtype = self.model.embed_tokens.weight.dtype
         self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else self.dtype
-        if self.kv_dtype == FP8 and backend_for(self.device) == "triton":
-            raise ValueError(
-                "--kv-cache-dtype fp8 runs on the torch reference attention only: the Triton "
-                "kernels do not read FP8 blocks yet (give --kv-cache-dtype auto, or "
-                "TANDEM_ATTENTION_BACKEND=torch)"
-            )
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
         self.weights_version = 0
