@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import fp8 as fp8_reference
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import greedy as greedy_reference
 from tandem.kernels import lora as lora_reference
@@ -49,22 +50,31 @@ def _fused(device: torch.device) -> ModuleType:
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
+    """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip); an FP8 pool
+    stores key / k_scale and value / v_scale."""
     if backend_for(kv_layer.device) == "triton":
-        _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping)
+        _triton_module().store_kv_triton(key, value, kv_layer, slot_mapping, kv_scales)
     else:
-        reference.store_kv(key, value, kv_layer, slot_mapping)
+        reference.store_kv(key, value, kv_layer, slot_mapping, kv_scales)
 
 
 def paged_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D]."""
     if backend_for(kv_layer.device) == "triton":
-        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale)
-    return reference.paged_attention(query, kv_layer, meta, scale)
+        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale, kv_scales)
+    return reference.paged_attention(query, kv_layer, meta, scale, kv_scales)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,10 +100,11 @@ def rope_store_kv(
     cos_sin: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
     return _fused(kv_layer.device).rope_store_kv(
-        query, key, value, positions, cos_sin, kv_layer, slot_mapping
+        query, key, value, positions, cos_sin, kv_layer, slot_mapping, kv_scales
     )
 
 
@@ -164,3 +175,13 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     if _takes_gemv(gate_up, weight):
         return _triton_module("gemv_triton").silu_mul_gemv(gate_up, weight)
     return F.linear(silu_and_mul(gate_up), weight)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, K] @ an FP8 weight [N, K] with scales [N, G] (fp8.py): torch._scaled_mm on every backend."""
+    return fp8_reference.fp8_linear(x, weight, weight_scale, bias)

@@ -61,9 +61,11 @@ def rope_store_kv(
     cos_sin: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
-    the value to their KV slots (-1: skip) and returns the rotated query."""
+    the value to their KV slots (-1: skip; an FP8 pool: divided by kv_scales) and returns the
+    rotated query."""
     cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)
-    store_kv(_rotate(key, cos, sin), value, kv_layer, slot_mapping)
+    store_kv(_rotate(key, cos, sin), value, kv_layer, slot_mapping, kv_scales)
     return _rotate(query, cos, sin)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8_triton import to_e4m3_grid
 from tandem.kernels.launch_checks import (
     FLOAT_DTYPES,
     check_index,
@@ -107,13 +108,16 @@ def _rotate(
     stride_out_head,
     cos,
     sin,
+    out_inv_scale,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    TO_FP8: tl.constexpr,
 ):
     """x * cos + rotate_half(x) * sin for one token's heads, rounded like the torch reference
-    (in x's dtype: each product, then their sum)."""
+    (in x's dtype: each product, then their sum); TO_FP8: divided by out_scale and saturated to
+    e4m3's range for an FP8 KV pool (times out_inv_scale)."""
     dtype = x_ptr.dtype.element_ty
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF_PAD)[None, :]
@@ -123,6 +127,9 @@ def _rotate(
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     out1 = _round(_round(x1 * cos, dtype) + _round(-x2 * sin, dtype), dtype)
     out2 = _round(_round(x2 * cos, dtype) + _round(x1 * sin, dtype), dtype)
+    if TO_FP8:
+        out1 = to_e4m3_grid(out1, out_inv_scale)
+        out2 = to_e4m3_grid(out2, out_inv_scale)
     dst = out_ptr + row_out + heads * stride_out_head + dims
     tl.store(dst, out1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, out2.to(out_ptr.dtype.element_ty), mask=mask)
@@ -149,6 +156,8 @@ def _rope_store_kv_kernel(
     stride_kv,
     stride_slot,
     stride_head,
+    k_inv_scale,
+    v_inv_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -156,6 +165,7 @@ def _rope_store_kv_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -175,10 +185,12 @@ def _rope_store_kv_kernel(
         2 * HALF,
         cos,
         sin,
+        1.0,
         NUM_HEADS,
         HEADS_PAD,
         HALF,
         HALF_PAD,
+        False,
     )
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
     if slot >= 0:
@@ -193,15 +205,19 @@ def _rope_store_kv_kernel(
             stride_head,
             cos,
             sin,
+            k_inv_scale,
             NUM_KV_HEADS,
             KV_HEADS_PAD,
             HALF,
             HALF_PAD,
+            IS_FP8,
         )
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         dims = tl.arange(0, 2 * HALF_PAD)[None, :]
         mask = (heads < NUM_KV_HEADS) & (dims < 2 * HALF)
         value = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        if IS_FP8:
+            value = to_e4m3_grid(value, v_inv_scale)
         tl.store(
             dst + stride_kv + heads * stride_head + dims,
             value.to(kv_ptr.dtype.element_ty),
@@ -302,9 +318,11 @@ def rope_store_kv(
     cos_sin: torch.Tensor,
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
-    the value to their KV slots (-1: skip) and returns the rotated query."""
+    the value to their KV slots (-1: skip; an FP8 pool: divided by kv_scales) and returns the
+    rotated query."""
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     require(
@@ -351,6 +369,8 @@ def rope_store_kv(
             kv_layer.stride(1),
             kv_layer.stride(2),
             kv_layer.stride(3),
+            1.0 / kv_scales[0],
+            1.0 / kv_scales[1],
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEADS_PAD=triton.next_power_of_2(num_heads),
@@ -358,6 +378,7 @@ def rope_store_kv(
             HALF=half,
             HALF_PAD=triton.next_power_of_2(half),
             BLOCK_SIZE=block_size,
+            IS_FP8=kv_layer.dtype == torch.float8_e4m3fn,
             num_warps=4,
         )
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A KV pool may also be FP8 (e4m3, with per-layer scales: paged_attention.py).
+KV_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)
 
 
 def require(condition: bool, message: str) -> None:
@@ -18,7 +20,8 @@ def check_kv_layer(kv_layer: torch.Tensor) -> None:
         f"kv_layer must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got {tuple(kv_layer.shape)}",
     )
     require(
-        kv_layer.dtype in FLOAT_DTYPES, f"kv_layer dtype {kv_layer.dtype} is not fp16/bf16/fp32"
+        kv_layer.dtype in KV_DTYPES,
+        f"kv_layer dtype {kv_layer.dtype} is not fp16/bf16/fp32/float8_e4m3fn",
     )
     # Blocks may be strided (a layer view of the whole cache); each token's heads must be dense rows.
     require(

@@ -4,6 +4,9 @@ Whole-worker cache: `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_
 block-major so that one block of every layer is one contiguous byte range (one NIXL
 descriptor per block). A layer works on `kv_cache[:, layer]`:
 `[num_blocks, 2, block_size, num_kv_heads, head_dim]`.
+
+An FP8 pool (float8_e4m3fn) holds key / k_scale and value / v_scale, one pair of scales per
+layer (kv_scales); attention reads them back times the scale, in the query's dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +16,30 @@ import torch.nn.functional as F
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8).max
+
+
+def _to_pool(x: torch.Tensor, pool_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if pool_dtype != FP8:
+        return x.to(pool_dtype)
+    # Saturate: a cast of a value past 448 to e4m3fn gives NaN. Times the inverse, not divided:
+    # the Triton kernels multiply too (an IEEE product on every device), so both write one byte.
+    return (x.float() * (1.0 / scale)).clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
+
+
+def _from_pool(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype) if scale != 1.0 else x.to(dtype)
+
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
     block_size = kv_layer.shape[2]
@@ -24,8 +48,8 @@ def store_kv(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    kv_layer[block_ids, 0, offsets] = key.to(kv_layer.dtype)
-    kv_layer[block_ids, 1, offsets] = value.to(kv_layer.dtype)
+    kv_layer[block_ids, 0, offsets] = _to_pool(key, kv_layer.dtype, kv_scales[0])
+    kv_layer[block_ids, 1, offsets] = _to_pool(value, kv_layer.dtype, kv_scales[1])
 
 
 def _gather_kv(
@@ -46,6 +70,7 @@ def _decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scales: tuple[float, float],
 ) -> torch.Tensor:
     """One query token per sequence, batched: query [B, Hq, D] -> [B, Hq, D]."""
     block_size = kv_layer.shape[2]
@@ -55,8 +80,8 @@ def _decode_attention(
     mask = (positions[None, :] < seq_lens[:, None]).view(-1, 1, 1, key.shape[1])
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),
-        key.transpose(1, 2).to(query.dtype),
-        value.transpose(1, 2).to(query.dtype),
+        _from_pool(key.transpose(1, 2), query.dtype, kv_scales[0]),
+        _from_pool(value.transpose(1, 2), query.dtype, kv_scales[1]),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,
@@ -70,6 +95,7 @@ def _prefill_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    kv_scales: tuple[float, float],
 ) -> torch.Tensor:
     """query [Q, Hq, D] are the last Q of seq_len tokens; causal over the whole sequence."""
     block_size = kv_layer.shape[2]
@@ -82,8 +108,8 @@ def _prefill_attention(
     mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
-        key.to(query.dtype),
-        value.to(query.dtype),
+        _from_pool(key, query.dtype, kv_scales[0]),
+        _from_pool(value, query.dtype, kv_scales[1]),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,
@@ -92,7 +118,11 @@ def _prefill_attention(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its whole paged KV.
 
@@ -101,19 +131,26 @@ def paged_attention(
     starts = meta.host_query_start_loc()
     seq_lens = meta.host_seq_lens()
     if meta.max_query_len == 1:
-        return _decode_attention(query, kv_layer, meta.block_tables, meta.seq_lens, scale)
+        return _decode_attention(
+            query, kv_layer, meta.block_tables, meta.seq_lens, scale, kv_scales
+        )
     out = torch.empty_like(query)
     decode_ids = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] == 1]
     if decode_ids:
         index = torch.tensor(decode_ids, device=query.device)
         rows = meta.query_start_loc[index].long()
         out[rows] = _decode_attention(
-            query[rows], kv_layer, meta.block_tables[index], meta.seq_lens[index], scale
+            query[rows],
+            kv_layer,
+            meta.block_tables[index],
+            meta.seq_lens[index],
+            scale,
+            kv_scales,
         )
     for b, seq_len in enumerate(seq_lens):
         start, end = starts[b], starts[b + 1]
         if end - start > 1:
             out[start:end] = _prefill_attention(
-                query[start:end], kv_layer, meta.block_tables[b], seq_len, scale
+                query[start:end], kv_layer, meta.block_tables[b], seq_len, scale, kv_scales
             )
     return out

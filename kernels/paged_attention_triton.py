@@ -10,6 +10,9 @@ through the block table, with an online softmax in base 2.
 When the grid is too small to fill the GPU (few decode sequences over long contexts),
 the keys are split into segments handled by separate programs (flash-decoding) and a
 second kernel merges their partial outputs by log-sum-exp.
+
+An FP8 pool (IS_FP8) stores key / k_scale and value / v_scale, saturated to e4m3's range, and
+the attention reads each tile back times its scale in the query's dtype, as the reference does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8_triton import to_e4m3_grid
 from tandem.kernels.launch_checks import check_index, check_kv_layer, check_tokens, require
 
 _LOG2E = 1.4426950408889634
@@ -48,11 +52,14 @@ def _store_kv_kernel(
     stride_kv,
     stride_slot,
     stride_head,
+    k_inv_scale,
+    v_inv_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
@@ -64,6 +71,9 @@ def _store_kv_kernel(
     row = token.to(tl.int64)
     key = tl.load(key_ptr + row * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + row * stride_vt + heads * stride_vh + dims, mask=mask)
+    if IS_FP8:
+        key = to_e4m3_grid(key, k_inv_scale)
+        value = to_e4m3_grid(value, v_inv_scale)
     dst = (
         kv_ptr
         + (slot // BLOCK_SIZE) * stride_block
@@ -93,10 +103,13 @@ def _attend_tile(
     stride_block,
     stride_kv,
     stride_slot,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + TILE_N), gathered through the block table."""
     pos = start + tl.arange(0, TILE_N)
@@ -106,6 +119,9 @@ def _attend_tile(
     tile_mask = pos_valid[:, None] & dim_valid[None, :]
     k = tl.load(kv_ptr + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
     v = tl.load(kv_ptr + stride_kv + kv_offs[:, None] + dims[None, :], mask=tile_mask, other=0.0)
+    if IS_FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
     if MASKED:
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -142,6 +158,8 @@ def _attention_kernel(
     stride_slot,
     stride_head,
     stride_table,
+    k_scale,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -152,6 +170,7 @@ def _attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
@@ -214,10 +233,13 @@ def _attention_kernel(
             stride_block,
             stride_kv,
             stride_slot,
+            k_scale,
+            v_scale,
             BLOCK_SIZE,
             TILE_N,
             False,
             UPCAST_DOT,
+            IS_FP8,
         )
     for start in range(unmasked_hi, kv_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
@@ -237,10 +259,13 @@ def _attention_kernel(
             stride_block,
             stride_kv,
             stride_slot,
+            k_scale,
+            v_scale,
             BLOCK_SIZE,
             TILE_N,
             True,
             UPCAST_DOT,
+            IS_FP8,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -297,7 +322,11 @@ _IS_INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def store_kv_triton(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Writes token i's key/value [T, Hkv, D] to slot `slot_mapping[i]` (-1: skip)."""
     check_kv_layer(kv_layer)
@@ -325,11 +354,14 @@ def store_kv_triton(
         kv_layer.stride(1),
         kv_layer.stride(2),
         kv_layer.stride(3),
+        1.0 / kv_scales[0],
+        1.0 / kv_scales[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        IS_FP8=kv_layer.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -375,6 +407,7 @@ def paged_attention_triton(
     kv_layer: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
@@ -393,8 +426,9 @@ def paged_attention_triton(
         num_heads % num_kv_heads == 0,
         f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads",
     )
+    is_fp8 = kv_layer.dtype == torch.float8_e4m3fn
     require(
-        query.dtype == kv_layer.dtype,
+        query.dtype == kv_layer.dtype or is_fp8,
         f"query dtype {query.dtype} differs from kv_layer dtype {kv_layer.dtype}",
     )
     check_index("meta.query_start_loc", meta.query_start_loc, 1, (torch.int32,), kv_layer.device)
@@ -460,6 +494,8 @@ def paged_attention_triton(
         kv_layer.stride(2),
         kv_layer.stride(3),
         meta.block_tables.stride(0),
+        float(kv_scales[0]),
+        float(kv_scales[1]),
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -470,6 +506,7 @@ def paged_attention_triton(
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
+        IS_FP8=is_fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -41,6 +41,19 @@ class EngineConfig:
     dtype: str = _flag(
         "auto", "weights and KV dtype", choices=["auto", "float32", "float16", "bfloat16"]
     )
+    quantization: str = _flag(
+        "auto",
+        "weights: auto (as the checkpoint stores them: FP8 checkpoints load as FP8) or fp8 (a "
+        "bf16/fp16/fp32 checkpoint's projections quantized to FP8 e4m3 at load, one scale per "
+        "output channel, activations quantized per token)",
+        choices=["auto", "fp8"],
+    )
+    kv_cache_dtype: str = _flag(
+        "auto",
+        "KV pool dtype: auto (the model dtype) or fp8 (float8_e4m3fn with a per-layer scale, "
+        "the checkpoint's k_scale/v_scale or 1.0: twice the blocks of bf16 in the same memory)",
+        choices=["auto", "fp8"],
+    )
     device: str = _flag("cpu", "cpu, cuda or cuda:N")
     seed: int = _flag(0, "seed of unseeded sampling")
     kv_lease_seconds: float = _flag(
@@ -122,6 +135,9 @@ class EngineConfig:
                 f"{self.tensor_parallel_size}"
             )
         self.speculative  # noqa: B018 - parsed here: a bad --speculative-config fails at start
+        for name in ("quantization", "kv_cache_dtype"):
+            if getattr(self, name) not in ("auto", "fp8"):
+                raise ValueError(f"{name} must be auto or fp8, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"

@@ -9,9 +9,17 @@ from pathlib import Path
 from tandem.engine.model_config import ModelConfig
 
 
-def kv_layout(model_dir: str, config: ModelConfig, dtype_name: str, block_size: int) -> dict:
+def kv_layout(
+    model_dir: str,
+    config: ModelConfig,
+    dtype_name: str,
+    block_size: int,
+    quantization: str = "auto",
+) -> dict:
     """The fields that must agree for one worker's KV blocks to be usable by another. The model's
-    config.json digest stands for "the same model": same shapes with other weights would be wrong KV."""
+    config.json digest stands for "the same model": same shapes with other weights would be wrong KV
+    (so does quantization: FP8 weights quantized at load compute other KV than the checkpoint's).
+    dtype_name is the KV pool's dtype: an FP8 pool's bytes mean nothing to a bf16 one."""
     config_digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
     return {
         "model_config_sha256": config_digest,
@@ -21,6 +29,7 @@ def kv_layout(model_dir: str, config: ModelConfig, dtype_name: str, block_size: 
         "head_dim": config.head_dim,
         "dtype": dtype_name,
         "block_size": block_size,
+        "quantization": quantization,
     }
 
 

@@ -1,4 +1,8 @@
-"""Builds a CausalLM from an HF checkpoint directory (*.safetensors) and sizes its KV cache."""
+"""Builds a CausalLM from an HF checkpoint directory (*.safetensors) and sizes its KV cache.
+
+FP8 checkpoints (quant_formats.py) load as FP8 projections: a projection's `.weight` and its
+`.weight_scale` [rows, groups] are parameters side by side, fused and cut for tensor
+parallelism by the same rows."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from safetensors import safe_open
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, check_divisible, shard_parameter
+from tandem.engine.quant_formats import to_engine_tensors, weight_format
+from tandem.kernels.fp8 import FP8
 
 # Fused engine parameter <- the HF tensors concatenated along dim 0, in this order.
 _FUSED = {
@@ -102,17 +108,20 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     tp: TensorParallel = TensorParallel(),
+    quantization: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """tp: the rank whose share of the weights to keep (parallel.py); every rank reads the whole
-    checkpoint on the host and moves only its share to the device."""
+    checkpoint on the host and moves only its share to the device. quantization "fp8": FP8
+    projections even from a model-dtype checkpoint (an FP8 checkpoint loads as FP8 either way)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     check_divisible(config, tp.size)
+    fmt = weight_format(model_dir, quantization)  # an unsupported one is refused before any read
     dtype = dtype or config.torch_dtype
     with torch.device("meta"):
-        model = CausalLM(config, tp)
+        model = CausalLM(config, tp, fmt.fp8_group_size)
     expected = _expected_hf_names(model)
-    tensors = _read_tensors(_checkpoint_files(model_dir))
+    tensors, kv_scales = to_engine_tensors(_read_tensors(_checkpoint_files(model_dir)), fmt)
 
     wanted = {hf for parts in expected.values() for hf in parts}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -126,7 +135,8 @@ def load_model(
             f"missing tensors {missing}, unexpected tensors {unexpected}"
         )
 
-    shapes = dict((name, param.shape) for name, param in model.named_parameters())
+    params = dict(model.named_parameters())
+    shapes = {name: param.shape for name, param in params.items()}
     state = {}
     for name, parts in expected.items():
         tensor = shard_parameter(
@@ -139,8 +149,18 @@ def load_model(
                 + ", "
                 f"config.json implies {tuple(shapes[name])}"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
+        # FP8 weights and their float32 scales keep their dtypes; the rest is the model dtype.
+        is_fp8_part = params[name].dtype == FP8 or name.endswith(".weight_scale")
+        state[name] = tensor.to(device=device, dtype=params[name].dtype if is_fp8_part else dtype)
     model.load_state_dict(state, strict=True, assign=True)
+    for index, (k_scale, v_scale) in kv_scales.items():
+        if not 0 <= index < config.num_layers or not (k_scale > 0 and v_scale > 0):
+            raise ValueError(
+                f"checkpoint {model_dir}: KV scales of layer {index} ({k_scale}, {v_scale}) "
+                f"must be positive, for one of {config.num_layers} layers"
+            )
+        attention = model.layers[index].self_attn
+        attention.k_scale, attention.v_scale = k_scale, v_scale
     # Non-persistent buffers are still on the meta device; rebuild them for real.
     model.rotary = type(model.rotary)(config, dtype, device)
     return model.eval(), config

@@ -6,6 +6,8 @@ With a LoRABatch (lora_pool.py) each projection adds its tokens' adapters to its
 Under tensor parallelism (parallel.py) each rank builds the layers of its share: its heads, its
 slice of the intermediate size and of the vocabulary; o_proj, down_proj and the embedding end in
 an all-reduce, the logits in an all-gather.
+With fp8_group_size set, the q/k/v, o, gate/up and down projections hold FP8 weights (linear.py);
+the embedding, the norms and the LM head stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
 from tandem.kernels import dispatch as kernels
@@ -79,7 +82,11 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel = TensorParallel(),
+        fp8_group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -90,10 +97,18 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = build_linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            config.attention_bias,
+            fp8_group_size,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.has_o_proj_bias)
+        self.o_proj = build_linear(
+            self.q_size, config.hidden_size, config.has_o_proj_bias, fp8_group_size
+        )
+        # What an FP8 KV pool stores is k / k_scale and v / v_scale (1.0 unless the checkpoint
+        # gives calibrated scales; the loader sets them). Unused by a pool in the model dtype.
+        self.k_scale = self.v_scale = 1.0
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -109,7 +124,7 @@ class Attention(nn.Module):
         kv_layer: torch.Tensor,
         lora=None,
     ) -> torch.Tensor:
-        qkv = kernels.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = apply_linear(self.qkv_proj, hidden)
         if lora is not None:
             lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -118,13 +133,17 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = kernels.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
-        out = kernels.paged_attention(q, kv_layer, meta, self.scale).reshape(-1, self.q_size)
+        kv_scales = (self.k_scale, self.v_scale)
+        q = kernels.rope_store_kv(
+            q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping, kv_scales
+        )
+        out = kernels.paged_attention(q, kv_layer, meta, self.scale, kv_scales)
+        out = out.reshape(-1, self.q_size)
         return self.tp.all_reduce(_project(self.o_proj, out, lora, self.layer_index, "o_proj"))
 
 
-def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
-    y = kernels.linear(x, linear.weight, linear.bias)
+def _project(linear: nn.Module, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
+    y = apply_linear(linear, x)
     if lora is not None:
         lora.apply(layer_index, kind, x, y)
     return y
@@ -132,19 +151,25 @@ def _project(linear: nn.Linear, x: torch.Tensor, lora, layer_index: int, kind: s
 
 class MLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel = TensorParallel(),
+        fp8_group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
         intermediate_size = config.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = build_linear(
+            config.hidden_size, 2 * intermediate_size, False, fp8_group_size
+        )
+        self.down_proj = build_linear(intermediate_size, config.hidden_size, False, fp8_group_size)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
         if lora is None:
-            down = kernels.silu_mul_linear(gate_up, self.down_proj.weight)
+            down = apply_silu_mul_linear(self.down_proj, gate_up)
         else:  # the down adapters read the activation
             down = _project(
                 self.down_proj, kernels.silu_and_mul(gate_up), lora, self.layer_index, "down_proj"
@@ -154,13 +179,17 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, tp: TensorParallel = TensorParallel()
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        tp: TensorParallel = TensorParallel(),
+        fp8_group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index, tp)
+        self.self_attn = Attention(config, layer_index, tp, fp8_group_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index, tp)
+        self.mlp = MLP(config, layer_index, tp, fp8_group_size)
 
     def forward(
         self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None
@@ -177,9 +206,15 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Parameter names follow the HF checkpoint, except the fused qkv_proj / gate_up_proj."""
+    """Parameter names follow the HF checkpoint, except the fused qkv_proj / gate_up_proj.
+    fp8_group_size: None for model-dtype projections, else FP8 ones (linear.build_linear)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallel = TensorParallel(),
+        fp8_group_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
@@ -188,7 +223,7 @@ class CausalLM(nn.Module):
         vocab_rows = -(-config.vocab_size // tp.size)
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index, tp) for index in range(config.num_layers)
+            DecoderLayer(config, index, tp, fp8_group_size) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)

@@ -37,6 +37,7 @@ from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
 from tandem.kernels.dispatch import backend_for, check_settings
+from tandem.kernels.fp8 import FP8
 
 # weights_source of weights written by IPC handles (update_weights(dict)).
 IPC_SOURCE = "ipc"
@@ -151,7 +152,7 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.wait_loaded()
             self.follower_pools = self.followers.map_pools(
-                tuple(self.kv_cache.shape), self.dtype, self.device
+                tuple(self.kv_cache.shape), self.kv_dtype, self.device
             )
 
     def _build(self, config: EngineConfig) -> None:
@@ -160,9 +161,15 @@ class ModelRunner:
         self.bind_device()
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(
-            config.model_dir, dtype=dtype, device=self.device, tp=self.tp
+            config.model_dir,
+            dtype=dtype,
+            device=self.device,
+            tp=self.tp,
+            quantization=config.quantization,
         )
-        self.dtype = next(self.model.parameters()).dtype
+        # The activations' dtype (the embedding's; FP8 projections hold their own).
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else self.dtype
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
         self.weights_version = 0
@@ -243,12 +250,12 @@ class ModelRunner:
             shape = kv_cache_shape(
                 self.model_config, self.num_blocks, self.block_size, self.tp.size
             )
-            return allocate_shared(shape, self.dtype, self.kv_share_path)
+            return allocate_shared(shape, self.kv_dtype, self.kv_share_path)
         return allocate_kv_cache(
             self.model_config,
             self.num_blocks,
             self.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             self.tp.size,
         )
@@ -313,7 +320,12 @@ class ModelRunner:
 
     def restore_weights(self) -> None:
         if self.model is None:
-            self.model, _ = load_model(self.weights_source, dtype=self.dtype, device=self.device)
+            self.model, _ = load_model(
+                self.weights_source,
+                dtype=self.dtype,
+                device=self.device,
+                quantization=self.config.quantization,
+            )
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
@@ -327,7 +339,12 @@ class ModelRunner:
     def load_weights(self, checkpoint_dir: str):
         """Loads a checkpoint of this model's architecture (off the engine thread); swap_weights() installs it."""
         self.require_single_rank("update_weights")
-        model, config = load_model(checkpoint_dir, dtype=self.dtype, device=self.device)
+        model, config = load_model(
+            checkpoint_dir,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=self.config.quantization,
+        )
         mismatch = [
             f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"
             for name in _SHAPE_FIELDS
@@ -400,8 +417,9 @@ class ModelRunner:
         return kv_layout(
             self.config.model_dir,
             self.model_config,
-            str(self.dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."),
             self.block_size,
+            self.config.quantization,
         )
 
     @property
@@ -416,7 +434,7 @@ class ModelRunner:
             * self.block_size
             * self.num_local_kv_heads
             * mc.head_dim
-            * self.dtype.itemsize
+            * self.kv_dtype.itemsize
         )
         num_blocks = int(gigabytes * (1 << 30)) // per_block
         if num_blocks < 1:
@@ -432,7 +450,9 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+        # Through bytes: index_copy_ has no float8 kernel on the CPU.
+        pool = self.kv_cache.view(torch.uint8) if self.kv_dtype == FP8 else self.kv_cache
+        pool.index_copy_(0, dst, pool.index_select(0, src))
         self.synchronize()
 
     def _graph_size(self, batch: ScheduledBatch) -> int | None:

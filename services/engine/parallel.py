@@ -137,6 +137,10 @@ def shard_parameter(
         return shard_fused(tensor, [config.intermediate_size] * 2, rank, size)
     if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
         return shard_columns(tensor, rank, size)
+    if name.endswith(("self_attn.o_proj.weight_scale", "mlp.down_proj.weight_scale")):
+        # FP8 scales [rows, groups] of a row-parallel weight: one per row stays whole on every
+        # rank; block scales follow their columns.
+        return tensor if tensor.shape[1] == 1 else shard_columns(tensor, rank, size)
     if name.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias")):
         return shard_row_bias(tensor, rank)
     if name in ("embed_tokens.weight", "lm_head.weight"):

@@ -354,8 +354,14 @@ def weight_update(handles: dict[str, str], model, device: torch.device) -> Weigh
             if not (is_ignored_tensor(name) or (tied and name == "lm_head.weight")):
                 unknown.append(name)
             continue
-        tensor = _rebuild(name, func, args, device)
         param, start, end = slices[name]
+        if params[param].dtype == torch.float8_e4m3fn or param.endswith(".weight_scale"):
+            raise HandleError(
+                f"{name}: the served projections are FP8 (their scales are the checkpoint's or "
+                f"were computed at load); IPC handles would overwrite them unscaled: "
+                f"update_weights from a checkpoint directory instead"
+            )
+        tensor = _rebuild(name, func, args, device)
         expected = (end - start, *params[param].shape[1:])
         if tuple(tensor.shape) != expected:
             raise HandleError(
