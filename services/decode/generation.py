@@ -2,9 +2,11 @@
 pull the prompt's KV from the prefill worker with a NIXL READ, confirm the lease, then decode.
 When the pool has no room for the pull, the handoff waits for room (--kv-room-wait-seconds,
 within its lease: requests finishing free blocks); when there is still none (or the lease has
-no time left), the prompt is computed here instead and the prefill is told to free its copy; when the pull fails (the prefill died or
-hangs, or released its pool), the prompt is computed here too: the request has its prompt and
-first token, so nothing is lost with the prefill. That is --kv-load-failure-policy recompute (the
+no time left), the prompt is computed here instead and the prefill is told to free its copy;
+when the pull fails (the prefill died or hangs, or released its pool), the prompt is computed
+here too: the request has its prompt and first token, so nothing is lost with the prefill. A
+pull is several READs (PULL_CHUNK_BLOCKS each): when the first ones landed and the lease still
+confirms, only the rest of the prompt is computed. That is --kv-load-failure-policy recompute (the
 default; vLLM's name); under fail the request ends UNAVAILABLE instead, naming why, and the
 router retries it once on another prefill/decode pair. Either way the outcome is counted and
 logged (outcomes.py).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,6 +53,12 @@ log = logging.getLogger("tandem.decode")
 # Seconds of lease a KV pull needs left to start; with less the decode computes the prompt itself.
 LEASE_SAFETY_MARGIN_S = 1.0
 PULL_TIMEOUT_S = 30.0
+# Blocks a READ of a pull moves at most: a pull that fails part-way keeps the KV of the READs
+# before the failure (the engine computes only the rest of the prompt).
+PULL_CHUNK_BLOCKS = 128
+# Test-only: "BLOCKS:INDEX" pulls BLOCKS blocks a READ and fails READ number INDEX (from 0) as a
+# NIXL failure would, so a test can see a pull fail part-way. Unset: PULL_CHUNK_BLOCKS, none fails.
+PULL_FAULT_ENV = "TANDEM_TEST_KV_PULL_FAULT"
 # A handoff waiting for room in the pool asks again after this long, then twice as long, up to the max.
 ROOM_POLL_FIRST_S = 0.005
 ROOM_POLL_MAX_S = 0.1
@@ -145,7 +154,8 @@ class GenerationPhase:
         state = request.only_sequence
         rid = state.engine_id
         first = request.first_gen_tokens
-        pending: PendingRead | None = None
+        # The READs of the pull, once posted (each settled before our blocks can go).
+        reads: list[PendingRead] = []
         ours = self.weights_id()
         if handoff.weights_id and ours and handoff.weights_id != ours:
             # KV of other weights must not continue here (an update reached one worker only).
@@ -183,23 +193,24 @@ class GenerationPhase:
             started = time.perf_counter()
             request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
-            # No notification: the confirm below ends the lease.
-            pending = self.poller.read(
-                agent,
-                list(handoff.block_ids)[plan.num_cached_blocks :],
-                plan.block_ids,
-                b"",
-                PULL_TIMEOUT_S,
+            remote = list(handoff.block_ids)[plan.num_cached_blocks :]
+            num_landed, nbytes, seconds, error = await self._pull(
+                agent, remote, plan.block_ids, reads
             )
-            read = await pending.done
-            nbytes = read.nbytes
             self.num_bytes_received += nbytes
-            self.links.observe(
-                handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, read.seconds
-            )
+            if error is not None and (not num_landed or self.load_failure_policy == "fail"):
+                raise error
+            if error is None:
+                self.links.observe(
+                    handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, seconds
+                )
+            # The confirm ends the lease; a live one proves the blocks read were the handoff's.
             answer = await self.peers.confirm_lease(handoff, pulled=True)
             if answer is not LeaseAnswer.CONFIRMED:
                 self._recompute(request, handoff, answer)
+                return
+            if error is not None:  # part of the prompt's KV landed: the rest is computed here
+                self._partly_pulled(request, handoff, plan, num_landed, nbytes, error)
                 return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
@@ -217,16 +228,16 @@ class GenerationPhase:
         except asyncio.CancelledError:
             # Cancelled mid-READ: the abort frees our blocks, so let the READ land first rather than
             # have it write into blocks another request owns by then.
-            if pending is not None:
-                await self.poller.settle(pending)
+            for read in reads:
+                await self.poller.settle(read)
             core.abort(rid)
             self._end(request, handoff, Outcome.CANCELLED)
             raise
         except (TransferError, grpc.aio.AioRpcError) as exc:
             # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
             # state could not be fetched. Either way its KV is out of reach: compute it here.
-            if pending is not None:
-                await self.poller.settle(pending)
+            for read in reads:
+                await self.poller.settle(read)
             core.abort(rid)
             log.info(
                 "KV pull for %s from %s failed: %s",
@@ -238,12 +249,73 @@ class GenerationPhase:
             self._not_loaded(
                 request,
                 handoff,
-                Reason.PULL_FAILED if pending is not None else Reason.PEER_UNREACHABLE,
+                Reason.PULL_FAILED if reads else Reason.PEER_UNREACHABLE,
             )
         except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
             core.abort(rid)
             self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
+
+    async def _pull(
+        self, agent: str, remote: list[int], local: list[int], reads: list[PendingRead]
+    ) -> tuple[int, int, float, BaseException | None]:
+        """Reads the prefill's blocks into ours, PULL_CHUNK_BLOCKS to a READ, all posted at once
+        (appended to reads as they are), and waits for them all. Returns (how many blocks from
+        the start landed, their bytes, the longest READ's seconds, the first READ's error or
+        None). A READ that failed is settled here; one after it may have landed, but the KV the
+        engine can use is the prefix before the first failure."""
+        chunk, fail_at = _pull_chunking()
+        for index, start in enumerate(range(0, len(remote), chunk)):
+            if index == fail_at:  # test-only fault (TANDEM_TEST_KV_PULL_FAULT)
+                reads.append(_failed_read(f"test fault in READ {index}"))
+                continue
+            reads.append(
+                self.poller.read(
+                    agent,
+                    remote[start : start + chunk],
+                    local[start : start + chunk],
+                    b"",
+                    PULL_TIMEOUT_S,
+                )
+            )
+        results = await asyncio.gather(*(read.done for read in reads), return_exceptions=True)
+        num_landed, nbytes, seconds, error = 0, 0, 0.0, None
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                error = result
+                break
+            num_landed = min(len(remote), (index + 1) * chunk)
+            nbytes += result.nbytes
+            seconds = max(seconds, result.seconds)
+        if error is not None:
+            for read in reads:
+                await self.poller.settle(read)
+        return num_landed, nbytes, seconds, error
+
+    def _partly_pulled(self, request, handoff, plan, num_landed: int, nbytes: int, error) -> None:
+        """A pull whose first num_landed blocks landed (and whose lease was confirmed): the
+        engine computes the rest of the prompt from there (recomputed, pull_failed, with the
+        blocks it did pull), not the whole of it."""
+        rid = request.only_sequence.engine_id
+        num_valid = plan.num_cached_blocks + num_landed
+        log.info(
+            "KV pull for %s from %s failed after %d of %d blocks: %s",
+            rid,
+            handoff.ctx_endpoint,
+            num_landed,
+            len(handoff.block_ids) - plan.num_cached_blocks,
+            error,
+        )
+        request.metrics.kv_transfer_bytes = nbytes  # (the engine's outputs count the tokens)
+        self._end(
+            request,
+            handoff,
+            Outcome.RECOMPUTED,
+            Reason.PULL_FAILED,
+            num_pulled=num_landed,
+            num_cached=plan.num_cached_blocks,
+        )
+        request.core.send(RemoteKvArrived(rid, num_valid))
 
     async def _reserve(self, core, add: AddRequest, handoff: worker_pb2.KvHandoff):
         """(the ImportPlan, or None and why not, seconds waited for room): the prompt's blocks
@@ -350,3 +422,23 @@ class GenerationPhase:
         task = asyncio.ensure_future(self.peers.end_lease(handoff))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+
+def _pull_chunking() -> tuple[int, int]:
+    """(blocks per READ, the READ that fails or -1), from PULL_FAULT_ENV in tests."""
+    value = os.environ.get(PULL_FAULT_ENV)
+    if not value:
+        return PULL_CHUNK_BLOCKS, -1
+    blocks, _, index = value.partition(":")
+    if not blocks.isdigit() or not index.isdigit() or int(blocks) < 1:
+        raise ValueError(f"{PULL_FAULT_ENV} must be BLOCKS:INDEX (whole numbers), got {value!r}")
+    return int(blocks), int(index)
+
+
+def _failed_read(why: str) -> PendingRead:
+    """A READ that failed before anything was posted (nothing to settle)."""
+    loop = asyncio.get_running_loop()
+    done, settled = loop.create_future(), loop.create_future()
+    done.set_exception(TransferError(why))
+    settled.set_result(True)
+    return PendingRead(done, settled, 0.0)

@@ -108,7 +108,7 @@ class EngineCore:
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
-            RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id),
+            RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id, c.num_blocks),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
             CheckIdle: lambda c: engine.require_idle(c.what),
             ReleaseMemory: lambda c: engine.release_memory(c.tags),

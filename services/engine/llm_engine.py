@@ -322,12 +322,17 @@ class LLMEngine:
             block_ids=seq.block_table[len(cached) : num_prompt_blocks],
         )
 
-    def remote_kv_arrived(self, request_id: str) -> None:
-        """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding."""
+    def remote_kv_arrived(self, request_id: str, num_blocks: int | None = None) -> None:
+        """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding.
+        num_blocks: only the first num_blocks of them hold it (a pull that failed part-way): the
+        rest of the prompt is computed here first, as a prefill continues from a cached prefix."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV:
             return  # aborted while its KV was on the way
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
+        num_valid = seq.num_prompt_tokens
+        if num_blocks is not None:
+            num_valid = min(num_valid, num_blocks * self.block_manager.block_size)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = num_valid
         self.block_manager.register_computed(seq)
         self.scheduler.add(seq)
 

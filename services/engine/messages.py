@@ -50,9 +50,12 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class RemoteKvArrived:
-    """A WAITING_FOR_REMOTE_KV sequence's prompt KV has landed in its blocks: schedule it."""
+    """A WAITING_FOR_REMOTE_KV sequence's prompt KV has landed in its blocks: schedule it.
+    num_blocks: the prompt's first blocks that hold it, when only those landed (the rest of the
+    prompt is computed here); None: all of them."""
 
     request_id: str
+    num_blocks: int | None = None
 
 
 @dataclass(frozen=True)
