@@ -1,6 +1,10 @@
 """End-to-end disaggregated serving: router -> prefill (device A) -> NIXL -> decode (device B),
 against an aggregated worker on device A. Checks greedy tokens are equal and prints per-request
-TTFT, KV pull time and bytes, and end-to-end latency.
+TTFT, KV pull time and bytes, and end-to-end latency; then the handover itself (issue 39): for
+requests of two tokens (the prefill's and the decode's first), one at a time, the split's time to
+the second token taken apart from its perf metrics (prefill = arrival to the first token; handoff
+= the first token to the pull's start: the reply, the router, the decode's reserve; pull; the
+decode's first step = the pull's end to the second token) beside the aggregated worker's.
 
     python bench/disagg_e2e.py                                  # CPU
     python bench/disagg_e2e.py --prefill-device cuda:0 --decode-device cuda:1 --progress-thread
@@ -87,7 +91,20 @@ def main() -> None:
         finally:
             llm.close()
 
+    async def handover(address: str):
+        llm = await AsyncLLM(
+            address, **(cluster.worker_client_kwargs() if address != cluster.address else {})
+        )
+        two = SamplingParams(max_tokens=2, ignore_eos=True, return_perf_metrics=True)
+        try:
+            await llm.generate_async(fresh_prompts()[0], two)
+            return [await llm.generate_async(p, two) for p in fresh_prompts()]
+        finally:
+            llm.close()
+
     with cluster:
+        split_two = asyncio.run(handover(cluster.address))
+        local_two = asyncio.run(handover(cluster.workers[2].address))
         # The aggregated worker and the split never share a cache, so both see every prompt fresh.
         split_seq, _ = asyncio.run(run(cluster.address, concurrent=False))
         local_seq, _ = asyncio.run(run(cluster.workers[2].address, concurrent=False))
@@ -123,6 +140,46 @@ def main() -> None:
             f"{name:<26}{med([x.time_to_first_token_s for x in m]):>10.2f}{med([x.e2e_latency_s for x in m]):>10.2f}"
             f"{pull:>12.3f}{mib:>9.2f}{(f'{wall:.2f}' if wall else '-'):>9}"
         )
+
+    def segments(outs) -> dict[str, float]:
+        parts: dict[str, list[float]] = {}
+        for out in outs:
+            t = out.outputs[0].request_perf_metrics.timing_metrics
+            s = {
+                k: getattr(t, k).total_seconds()
+                for k in (
+                    "arrival_time",
+                    "first_token_time",
+                    "last_token_time",
+                    "kv_cache_transfer_start",
+                    "kv_cache_transfer_end",
+                )
+            }
+            row = {"prefill (TTFT)": s["first_token_time"] - s["arrival_time"]}
+            if s["kv_cache_transfer_start"]:
+                row["handoff"] = s["kv_cache_transfer_start"] - s["first_token_time"]
+                row["pull"] = s["kv_cache_transfer_end"] - s["kv_cache_transfer_start"]
+                row["decode first step"] = s["last_token_time"] - s["kv_cache_transfer_end"]
+            else:
+                row["second token"] = s["last_token_time"] - s["first_token_time"]
+            row["time to the second token"] = s["last_token_time"] - s["arrival_time"]
+            for k, v in row.items():
+                parts.setdefault(k, []).append(v)
+        return {k: med(v) for k, v in parts.items()}
+
+    split_parts, local_parts = segments(split_two), segments(local_two)
+    nbytes = statistics.median(o.metrics.kv_transfer_bytes for o in split_two)
+    print(f"\n# the handover, {args.num_requests} requests of 2 tokens one at a time (medians, ms)")
+    for name, parts in (("split", split_parts), ("aggregated", local_parts)):
+        print(f"{name:<11}" + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    pull_gbps = nbytes / (split_parts["pull"] / 1e3) / 1e9 if split_parts.get("pull") else 0.0
+    added = split_parts["time to the second token"] / local_parts["time to the second token"] - 1
+    print(
+        f"pull {nbytes / 2**20:.2f} MiB in {split_parts.get('pull', 0):.2f} ms ({pull_gbps:.2f} GB/s; "
+        f"the bare transfer of the same bytes: bench/kv_transfer.py); the split's time to the second "
+        f"token is {added:+.0%} against the aggregated worker's (goal on one GPU: the handover adds "
+        f"<= 10% to a 1024-token TTFT)"
+    )
     if same != 2 * args.num_requests:
         raise SystemExit("disaggregated outputs differ from the aggregated worker")
 
