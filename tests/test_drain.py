@@ -234,3 +234,41 @@ def test_sigterm_of_a_decode_worker_lets_its_stream_finish(model_dirs):
             "the worker exits once drained, not at the end of its window"
         )
         assert "stopping" in decode.log_tail() and "drained" in decode.log_tail()
+
+
+def test_liveness_is_answering_and_readiness_is_serving_drain_included():
+    """tandem.liveness is SERVING from the start, before readiness and through the drain (a
+    liveness probe must not restart a router whose workers are down, nor a draining process);
+    readiness, once NOT_SERVING for the drain, stays so whatever the process sets."""
+    from tandem.common.health import LIVENESS_SERVICE
+
+    async def check(channel, service: str) -> str:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=1
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def scenario():
+        server = _server(drain_seconds=1)
+        await server.start()
+        seen = []
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            seen.append((await check(channel, ""), await check(channel, LIVENESS_SERVICE)))
+            await server.set_serving(True)
+            seen.append((await check(channel, ""), await check(channel, LIVENESS_SERVICE)))
+            stream = channel.unary_stream(f"/{SERVICE}/Generate")(b"")
+            await stream.read()  # in flight: the drain waits for it
+            stopper = asyncio.create_task(server.wait_for_stop())
+            server.request_stop()
+            await asyncio.sleep(0.1)
+            await server.set_serving(True)  # e.g. the router's health loop: ignored now
+            seen.append((await check(channel, ""), await check(channel, LIVENESS_SERVICE)))
+            stream.cancel()
+            await asyncio.wait_for(stopper, 10)
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        ("NOT_SERVING", "SERVING"),
+        ("SERVING", "SERVING"),
+        ("NOT_SERVING", "SERVING"),
+    ]

@@ -224,8 +224,11 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(chart, case):
             assert container["ports"][1] == {"name": "health", "containerPort": 50060}
             assert flag(container, "health-port") == "50060"
             port = 50060
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["grpc"] == {"port": port}
+        # Liveness: the process answers (not "can route": a router with a role down is alive).
+        assert container["livenessProbe"]["grpc"] == {"port": port, "service": "tandem.liveness"}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert not {"httpGet", "tcpSocket", "exec"} & container[probe].keys()
 
 

@@ -18,6 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 INSTANCE_ID_METADATA = "tandem-instance-id"
+# The health service name a liveness probe asks for: SERVING while the process answers at all
+# (started, draining included). The "" name and the served services' names are readiness: the
+# process can serve (a router: a worker of each role it needs is ready).
+LIVENESS_SERVICE = "tandem.liveness"
 
 
 class InstanceHealthServicer(health.aio.HealthServicer):

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.common.auth import AccessPolicy
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS, InFlightCalls
-from tandem.common.health import InstanceHealthServicer
+from tandem.common.health import LIVENESS_SERVICE, InstanceHealthServicer
 from tandem.common.interceptors import Readiness
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS, keepalive_options
 from tandem.common.metrics import ProcessMetrics
@@ -103,12 +103,14 @@ class GrpcServer:
             self.health_port = _bind(self.health_server, host, health_port, None)
         self._stop = asyncio.Event()
         self._force_stop = asyncio.Event()
+        self._draining = False
 
     async def start(self) -> None:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "listening on %s (%s)%s",
             self.address,
@@ -117,6 +119,10 @@ class GrpcServer:
         )
 
     async def set_serving(self, serving: bool) -> None:
+        """Readiness (the "" name and the served services); not liveness (LIVENESS_SERVICE).
+        Once draining, never SERVING again."""
+        if serving and self._draining:
+            return
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -154,7 +160,10 @@ class GrpcServer:
         checkers stop sending work), then serving on until drained or drain_seconds are over;
         what is still in flight then is cancelled."""
         await self._stop.wait()
-        await self.health.enter_graceful_shutdown()
+        # Readiness goes NOT_SERVING for good; liveness stays SERVING while the drain runs (a
+        # draining process is alive: a liveness probe must not kill it mid-drain).
+        self._draining = True
+        await self.set_serving(False)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_seconds
         log.info(

@@ -1,7 +1,10 @@
 {{/* Pod parts shared by the router and the workers. */}}
 
-{{/* grpc.health.v1 probes; every process reports NOT_SERVING until ready. With TLS they call the
-plaintext health-only port (the kubelet's gRPC probes speak no TLS). (dict "root" $ "port" N) */}}
+{{/* grpc.health.v1 probes: startup and readiness ask for the "" service (NOT_SERVING until the
+process can serve: a router, until a worker of each role it needs is ready), liveness for
+"tandem.liveness" (SERVING while the process answers, draining included): a router with a role
+down is taken out of its Service, not restarted. With TLS they call the plaintext health-only port
+(the kubelet's gRPC probes speak no TLS). (dict "root" $ "port" N) */}}
 {{- define "tandem.probes" -}}
 {{- $p := .root.Values.probes -}}
 {{- $port := ternary $p.healthPort .port .root.Values.tls.enabled -}}
@@ -17,6 +20,7 @@ readinessProbe:
 livenessProbe:
   grpc:
     port: {{ int $port }}
+    service: tandem.liveness
   periodSeconds: {{ $p.periodSeconds }}
   failureThreshold: {{ $p.livenessFailureThreshold }}
 {{- end }}
