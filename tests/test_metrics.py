@@ -236,6 +236,17 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
         assert scrapes.delta(role, "tandem:engine_step_batch_size_sum") >= scrapes.delta(
             role, "tandem:engine_step_batch_size_count"
         )
+    # The KV cache's settings as labels (vLLM's cache_config_info), on each worker.
+    for role in ("prefill", "decode"):
+        assert (
+            value(
+                scrapes.now(role), "tandem:cache_config_info", block_size="8", num_gpu_blocks="128"
+            )
+            == 1
+        )
+    # Inter-token latency: one interval per message of new tokens after the first; the streamed
+    # request's messages are the only ones the router's clients got several of.
+    assert scrapes.delta("router", "tandem:inter_token_latency_seconds_count") >= 1
     # The decode's confirm ended each pulled lease: the router sent no ReleaseKv after it (the
     # router's release would go right after a request's last message: long past by now).
     time.sleep(0.5)

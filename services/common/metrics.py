@@ -255,6 +255,14 @@ class RequestMetrics:
             buckets=TPOT_BUCKETS,
             registry=reg,
         )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Histogram of the time between a request's messages of new tokens after the first "
+            "(one per message: a message of several tokens is one interval).",
+            base,
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
         self.e2e = Histogram(
             "tandem:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
@@ -333,6 +341,10 @@ class RequestTracker:
         self.metrics = metrics
         self.started = time.monotonic()
         self.first_token_at: float | None = None
+        # When the client's last message with new tokens went out (inter-token latency).
+        self._last_tokens_at: float | None = None
+        # The histogram's series for this process, bound once.
+        self._itl = metrics.itl.labels(*metrics.process.labels)
         # What the client got so far, per sequence index: tokens and finish reasons.
         self._num_tokens: dict[int, int] = {}
         self._reasons: dict[int, str] = {}
@@ -344,6 +356,8 @@ class RequestTracker:
 
     def counted(self, msg: types_pb2.RequestOutput, num_prompt_tokens: int) -> None:
         """One message the client gets; the last one records."""
+        if any(out.token_ids for out in msg.outputs):
+            self._tokens_out()
         for out in msg.outputs:
             self._num_tokens[out.index] = self._num_tokens.get(out.index, 0) + len(out.token_ids)
             if out.disaggregated_params.opaque_state:  # a context phase's 'not_finished'
@@ -356,3 +370,12 @@ class RequestTracker:
     def count_tokens(self, index: int, num_tokens: int) -> None:
         """What counted() does for a message of num_tokens tokens of sequence index and nothing else."""
         self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
+        if num_tokens:
+            self._tokens_out()
+
+    def _tokens_out(self) -> None:
+        """A message with new tokens went out: the interval since the last one is observed."""
+        now = time.monotonic()
+        if self._last_tokens_at is not None:
+            self._itl.observe(now - self._last_tokens_at)
+        self._last_tokens_at = now

@@ -167,6 +167,7 @@ class _WorkerCollector(Collector):
 
     def collect(self):
         labels = list(self.metrics.labels)
+        yield from self._cache_config(labels)
         yield from self._engine(labels)
         keeper = self.runtime.leases
         if keeper is None:
@@ -202,6 +203,31 @@ class _WorkerCollector(Collector):
             labels,
             keeper.num_leased_blocks,
         )
+
+    def _cache_config(self, labels: list[str]):
+        """vLLM's cache_config_info: the KV cache's settings as labels of a gauge of 1."""
+        engine = self.runtime.engine
+        if engine is None:  # loading, or an encoder-only model
+            return
+        config, runner = engine.config, engine.runner
+        settings = {
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(runner.num_blocks),
+            "cache_dtype": (
+                str(runner.dtype).removeprefix("torch.")
+                if config.kv_cache_dtype == "auto"
+                else config.kv_cache_dtype
+            ),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "kv_cache_memory_gb": str(config.kv_cache_memory_gb),
+        }
+        family = GaugeMetricFamily(
+            "tandem:cache_config_info",
+            "Information of the KV cache's configuration (vLLM's cache_config_info).",
+            labels=BASE_LABELS + tuple(settings),
+        )
+        family.add_metric(labels + list(settings.values()), 1)
+        yield family
 
     def _engine(self, labels: list[str]):
         core = self.runtime.core
