@@ -6,6 +6,7 @@
 # pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
+# fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
@@ -64,4 +65,13 @@ fi
 if has spec; then  # issue 31: needs a real chat model there (SPEC_ARGS="--model DIR"): a random checkpoint loops
   timeout "${SPEC_S:-300}" python3 bench/spec_decode.py --device cuda --max-tokens "${SPEC_TOKENS:-256}" \
     --batch "${SPEC_BATCH:-32}" ${SPEC_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/spec-decode.txt" | tail -16
+fi
+if has fp8; then  # issue 30: the same rows per precision, one cluster each
+  for variant in "bf16:" "fp8w:--quantization fp8" "fp8wkv:--quantization fp8 --kv-cache-dtype fp8"; do
+    name=${variant%%:*}; flags=${variant#*:}
+    mkdir -p "$OUT/serve-$name"
+    timeout "${FP8_S:-170}" python3 bench/serve.py --phases serve --rows "${FP8_ROWS:-bs1,c64,offline,ttft}" \
+      --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
+      | tee "$OUT/serve-$name.txt" | tail -12
+  done
 fi

@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tarfile
@@ -755,6 +756,11 @@ def main() -> None:
         help="the router's --stream-interval for rows 1-5 (tokens per message to a client)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    parser.add_argument(
+        "--engine-extra",
+        default="",
+        help="engine flags added to every served row, e.g. '--quantization fp8 --kv-cache-dtype fp8'",
+    )
     args = parser.parse_args()
 
     on_cuda = torch.cuda.is_available()
@@ -802,7 +808,8 @@ def main() -> None:
 
     from tandem.testing.cluster import LocalCluster
 
-    engine_args = serving_engine_args(model_dir, 28 if on_cuda else 0.5)
+    extra = shlex.split(args.engine_extra)
+    engine_args = serving_engine_args(model_dir, 28 if on_cuda else 0.5) + extra
     log_dir = Path("/tmp/tandem-serve-logs")
     phase("transformers", lambda: transformers_rates(model_dir, device, shape["vocab_size"]))
     phase("profile", lambda: engine_profile(model_dir, device, shape["vocab_size"]))
@@ -822,7 +829,7 @@ def main() -> None:
             router_args,
         ),
     )
-    split_args = serving_engine_args(model_dir, 10 if on_cuda else 0.5)
+    split_args = serving_engine_args(model_dir, 10 if on_cuda else 0.5) + extra
     if "split" in rows:
         phase(
             "split",
