@@ -79,8 +79,10 @@ def fp8_linear(
                 weight[:, columns].t(),
                 scale_a=x_scale[:, g : g + 1].contiguous(),
                 scale_b=weight_scale[:, g].reshape(1, -1).contiguous(),
-                out_dtype=torch.float32,
-            )
+                # CUDA writes a row-wise scaled product in bfloat16 only: each group's is rounded
+                # there, and the groups add up in float32.
+                out_dtype=_out_dtype(x),
+            ).float()
     out = out.to(x.dtype)
     return out if bias is None else out + bias
 

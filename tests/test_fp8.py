@@ -351,3 +351,30 @@ def _engine_greedy_with(model_dir, **config) -> dict[str, list[int]]:
         return run_to_completion(engine, PROMPTS, GREEDY)
     finally:
         engine.close()
+
+
+def test_the_layout_hash_names_the_weights_as_loaded_not_the_flag(tiny, formats):
+    """An FP8 checkpoint served with --quantization auto or fp8 loads the same weights: their
+    handoffs are compatible; a bf16 checkpoint quantized at load is not the checkpoint as stored."""
+    from tandem.engine.model_runner import ModelRunner
+
+    def layout(model_dir, quantization):
+        runner = ModelRunner(
+            EngineConfig(str(model_dir), block_size=8, num_blocks=16, quantization=quantization)
+        )
+        try:
+            return runner.kv_layout
+        finally:
+            runner.close()
+
+    fp8 = formats["ct-channel"]
+    assert layout(fp8, "auto") == layout(fp8, "fp8")
+    assert layout(tiny, "auto") != layout(tiny, "fp8")
+
+
+def test_per_head_kv_scales_are_refused_not_collapsed(tiny, tmp_path):
+    from tandem.engine.quant_formats import WeightFormat, to_engine_tensors
+
+    tensors = {"model.layers.0.self_attn.k_scale": torch.tensor([0.5, 0.25])}
+    with pytest.raises(ValueError, match="one k and one v scale per layer"):
+        to_engine_tensors(tensors, WeightFormat("modelopt"))

@@ -140,3 +140,48 @@ def test_guides_of_required_and_named():
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["a"], ["b"]]
     assert t.named_schema(tools[1]) == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(
+    "parse, text",
+    [
+        (t.parse_hermes, '<tool_call>{"name": get_weather, "arguments": {}}</tool_call>'),
+        (t.parse_hermes, '<tool_call>{"name": "f", "arguments": "\\q"}</tool_call>'),
+        (t.parse_hermes, '<tool_call>{"na\\me": "f", "arguments": {}}</tool_call>'),
+        (t.parse_llama3_json, '{"name": nul'),
+    ],
+)
+def test_json_the_model_got_wrong_is_content_not_an_error(parse, text):
+    """What the model wrote that is not JSON (an unquoted name, a bad escape, an answer cut in a
+    literal) is its content, whole or streamed: never an error of the request."""
+    out = t.extract(parse, text)
+    assert out.tool_calls == [] and out.content == text
+    for piece in (1, 3, 1000):  # streamed: no error either (a call announced by its name
+        stream = t.ToolCallStream(parse)  # before its arguments went wrong stays announced)
+        for start in range(0, len(text), piece):
+            stream.feed(text[start : start + piece], final=start + piece >= len(text))
+
+
+def test_guides_made_from_tools_or_choices_are_bounded_as_given_ones():
+    from pydantic import ValidationError
+
+    from tandem.openai.chat import tool_calls_mode
+    from tandem.openai.errors import OpenAIError
+    from tandem.openai.protocol import MAX_GUIDE_CHARS, ChatCompletionRequest
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": big}}],
+        tool_choice="required",
+    )
+    with pytest.raises(OpenAIError) as error:
+        tool_calls_mode(request, None)
+    assert "smaller parameter schemas" in str(error.value.message)
+    with pytest.raises(ValidationError, match="guided_choice"):
+        ChatCompletionRequest(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            guided_choice=["x" * (MAX_GUIDE_CHARS // 2 + 1)] * 2,
+        )

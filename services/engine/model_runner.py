@@ -12,6 +12,7 @@ pays nothing for LoRA).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -31,6 +32,7 @@ from tandem.engine.lora_adapter import lora_modules
 from tandem.engine.lora_pool import LoRABatch, LoRAPool
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, check_divisible
+from tandem.engine.quant_formats import weight_format
 from tandem.engine.sampler import PositionLogprobs, SampledBatch, Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
@@ -419,8 +421,14 @@ class ModelRunner:
             self.model_config,
             str(self.kv_dtype).removeprefix("torch."),
             self.block_size,
-            self.config.quantization,
+            self.weights_method,
         )
+
+    @functools.cached_property
+    def weights_method(self) -> str:
+        """The weights' format as loaded (quant_formats.WeightFormat.method), part of the KV
+        layout: an FP8 checkpoint served with --quantization auto or fp8 computes the same KV."""
+        return weight_format(self.config.model_dir, self.config.quantization).method
 
     @property
     def block_nbytes(self) -> int:

@@ -180,9 +180,13 @@ def to_engine_tensors(
     kv_scales: dict[int, dict[str, float]] = {}
     for name in [n for n in tensors if _KV_SCALE.match(n)]:
         layer, which = _KV_SCALE.match(name).groups()
-        kv_scales.setdefault(int(layer), {})[which] = float(
-            tensors.pop(name).float().reshape(-1)[0]
-        )
+        scale = tensors.pop(name)
+        if scale.numel() != 1:
+            raise ValueError(
+                f"{name} has {scale.numel()} values: tandem's FP8 KV cache takes one k and one v "
+                "scale per layer (per-head KV scales are not supported)"
+            )
+        kv_scales.setdefault(int(layer), {})[which] = float(scale.float().reshape(-1)[0])
     for name in [n for n in tensors if n.endswith((".input_scale", ".activation_scale"))]:
         tensors.pop(name)
     projections = [n for n in tensors if _PROJECTION.match(n)]

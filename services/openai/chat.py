@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from tandem.openai import responses as r
 from tandem.openai import tools as t
 from tandem.openai.errors import OpenAIError
 from tandem.openai.front import Front, event_stream, generate, log_ignored, within_context
-from tandem.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from tandem.openai.protocol import MAX_GUIDE_CHARS, ChatCompletionRequest, NamedToolChoice
 from tandem.openai.streams import Snapshot
 
 
@@ -188,7 +189,18 @@ def tool_calls_mode(request: ChatCompletionRequest, parser: str | None) -> ToolC
         )
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     if choice == "required":
-        return ToolCallsMode(t.parse_required, {"json": t.required_schema(tools)})
-    assert isinstance(choice, NamedToolChoice)
-    tool = next(x for x in tools if x["function"]["name"] == choice.function.name)
-    return ToolCallsMode(t.named(choice.function.name), {"json": t.named_schema(tool)})
+        mode = ToolCallsMode(t.parse_required, {"json": t.required_schema(tools)})
+    else:
+        assert isinstance(choice, NamedToolChoice)
+        tool = next(x for x in tools if x["function"]["name"] == choice.function.name)
+        mode = ToolCallsMode(t.named(choice.function.name), {"json": t.named_schema(tool)})
+    # The guide these tools make is bounded as a guide given directly is (guided_json).
+    if len(json.dumps(mode.guide["json"])) > MAX_GUIDE_CHARS:
+        raise OpenAIError(
+            400,
+            f"the tools' schemas make a guide longer than {MAX_GUIDE_CHARS} characters as JSON "
+            f"(tool_choice {choice if isinstance(choice, str) else 'a named function'}): give "
+            "smaller parameter schemas",
+            "tools",
+        )
+    return mode

@@ -71,6 +71,10 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         if self.guided_json is not None and len(json.dumps(self.guided_json)) > MAX_GUIDE_CHARS:
             raise ValueError(f"guided_json is longer than {MAX_GUIDE_CHARS} characters as JSON")
+        if self.guided_choice is not None and sum(map(len, self.guided_choice)) > MAX_GUIDE_CHARS:
+            raise ValueError(
+                f"guided_choice's strings are longer than {MAX_GUIDE_CHARS} characters together"
+            )
         given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give one guided decoding field at most, got {given}")

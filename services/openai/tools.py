@@ -63,6 +63,15 @@ class _Invalid(Exception):
     """The text is not what the format says."""
 
 
+def _loads(text: str):
+    """A JSON value the model wrote; what is not JSON (an unquoted name, a bad escape) makes the
+    text not a call (its text stays content), never an error of the request."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise _Invalid from None
+
+
 _WHITESPACE = " \t\r\n"
 
 
@@ -147,7 +156,7 @@ def _scan_call(
             key_end = _string_end(text, j)
         except _Incomplete:
             return call, None
-        key = json.loads(text[j:key_end])
+        key = _loads(text[j:key_end])
         j = _skip_ws(text, key_end)
         if j == len(text):
             return call, None
@@ -163,12 +172,14 @@ def _scan_call(
                 call.raw_arguments = text[j:]
             return call, None
         if key == "name":
-            name = json.loads(text[j:end])
+            name = _loads(text[j:end])
             if not isinstance(name, str):
                 raise _Invalid
             call.name = name
         elif key in argument_keys:
             call.raw_arguments = text[j:end]
+            if call.raw_arguments.startswith('"'):
+                _loads(call.raw_arguments)  # a string of JSON: it must be a JSON string
         j = end
 
 
