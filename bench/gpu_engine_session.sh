@@ -6,7 +6,7 @@
 # pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
-# fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra).
+# fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra; FP8_ONLY=name: one of bf16, fp8w, fp8wkv).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
@@ -69,6 +69,7 @@ fi
 if has fp8; then  # issue 30: the same rows per precision, one cluster each
   for variant in "bf16:" "fp8w:--quantization fp8" "fp8wkv:--quantization fp8 --kv-cache-dtype fp8"; do
     name=${variant%%:*}; flags=${variant#*:}
+    if [ -n "${FP8_ONLY:-}" ] && [ "$name" != "$FP8_ONLY" ]; then continue; fi
     mkdir -p "$OUT/serve-$name"
     timeout "${FP8_S:-170}" python3 bench/serve.py --phases serve --rows "${FP8_ROWS:-bs1,c64,offline,ttft}" \
       --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \

@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-
 
 @triton.jit
 def to_e4m3_grid(x, inv_scale):
@@ -14,7 +12,9 @@ def to_e4m3_grid(x, inv_scale):
     float32: its cast to float8 is then exact. Rounded here rather than by the cast because
     Triton 3.9's interpreter drops the exponent carry when a cast rounds up to a power of two
     (127.5 -> 64); on the GPU the result is the hardware cast's."""
-    x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+    # e4m3's largest magnitude, written here: a compiled kernel reads no global that is not a
+    # tl.constexpr (the interpreter does, which is how a global here went unnoticed on the CPU).
+    x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     # e4m3 keeps 3 mantissa bits down to 2^-6; below, subnormals are spaced 2^-9.
     step_exponent = tl.maximum(exponent, -6) - 3
