@@ -119,9 +119,7 @@ def build_app(config: FrontConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         with _as_openai_errors():
-            front: Front = request.app.state.front
-            if body.model is not None:
-                await front.check_model(body.model)
+            front = await _front_for(request, body.model)
             tokenizer = await front.tokenizer()
             if body.messages is not None:
                 text = tokenizer.apply_chat_template(
@@ -138,9 +136,7 @@ def build_app(config: FrontConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         with _as_openai_errors():
-            front: Front = request.app.state.front
-            if body.model is not None:
-                await front.check_model(body.model)
+            front = await _front_for(request, body.model)
             tokenizer = await front.tokenizer()
             return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
 
@@ -247,3 +243,11 @@ def serve_openai(config: FrontConfig) -> None:
         log_level="info",
         timeout_graceful_shutdown=config.shutdown_timeout_s,
     )
+
+
+async def _front_for(request: Request, model: str | None) -> Front:
+    """The app's front, once the model a request names (if any) is one it serves."""
+    front: Front = request.app.state.front
+    if model is not None:
+        await front.check_model(model)
+    return front
