@@ -85,7 +85,7 @@ def build_app(config: FrontConfig) -> FastAPI:
     @app.post("/v1/embeddings")
     async def _embeddings(body: EmbeddingRequest, request: Request):
         with _as_openai_errors():
-            return await embeddings(request.app.state.front, body)
+            return await embeddings(request.app.state.front, body, request)
 
     async def model_cards(front: Front) -> list[dict]:
         """The served model, then its LoRA adapters (vLLM's cards: `parent` names the base)."""

@@ -123,11 +123,18 @@ async def generate(
 async def unless_gone(http: Request | None, results: list):
     """The results, unless the client goes away first: then they are aborted (their workers stop)
     and the route answers nobody (499, nginx's "client closed request")."""
-    done = asyncio.ensure_future(asyncio.gather(*results))
+    return await awaited_unless_gone(
+        http, asyncio.gather(*results), lambda: [result.abort() for result in results]
+    )
+
+
+async def awaited_unless_gone(http: Request | None, awaitable, on_gone=lambda: None):
+    """awaitable's result, unless the client goes away first: then on_gone() runs, the awaitable
+    is cancelled (an RPC under it with it) and the route answers 499."""
+    done = asyncio.ensure_future(awaitable)
 
     async def abort() -> None:
-        for result in results:
-            result.abort()
+        on_gone()
         done.cancel()
         await asyncio.gather(done, return_exceptions=True)
 

@@ -346,6 +346,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             info.model = worker_info.model
             info.max_model_len = worker_info.max_model_len
             info.encode_only = worker_info.encode_only
+            info.embedding_size = worker_info.embedding_size
             info.collective_rpc_methods.extend(worker_info.collective_rpc_methods)
             info.startup_metrics.update(
                 {f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()}
