@@ -241,6 +241,7 @@ def serve_openai(config: FrontConfig) -> None:
         host=config.host,
         port=config.port,
         log_level="info",
+        log_config=None,  # uvicorn's lines through the process's handler (--log-format)
         timeout_graceful_shutdown=config.shutdown_timeout_s,
     )
 

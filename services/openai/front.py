@@ -13,6 +13,7 @@ from pathlib import Path
 from fastapi import Request
 
 from tandem.client import AsyncLLM, LoRARequest
+from tandem.common.logs import bind
 from tandem.openai import responses as r
 from tandem.openai.config import FrontConfig
 from tandem.openai.errors import OpenAIError, from_exception
@@ -108,10 +109,21 @@ async def generate(
     stream: bool,
     http: Request | None = None,
     lora_request: LoRARequest | None = None,
+    response_id: str | None = None,
 ):
+    """response_id: the OpenAI id (chatcmpl-...), which names the router's requests (its id, then
+    the prompt's index) so that one id joins the front's, the router's and the workers' lines."""
+    if response_id is not None:
+        bind(request_id=response_id)
     results = [
-        front.llm.generate_async(p, params, streaming=stream, lora_request=lora_request)
-        for p in prompts
+        front.llm.generate_async(
+            p,
+            params,
+            streaming=stream,
+            lora_request=lora_request,
+            request_id=f"{response_id}-{i}" if response_id is not None else None,
+        )
+        for i, p in enumerate(prompts)
     ]
     if stream:
         merged = MergedStream(results)
