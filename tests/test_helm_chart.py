@@ -605,6 +605,7 @@ def test_service_monitor_scrapes_every_service(chart):
         {"decode": {"cudaIpcGetZcopy": "yes please"}},
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
+        {"logFormat": "xml"},
     ],
     ids=lambda bad: repr(bad),
 )
@@ -634,6 +635,14 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_every_process_logs_in_the_values_log_format(chart):
+    def formats(values):
+        return {_env(c).get("TANDEM_LOG_FORMAT") for c in containers(objects(chart, values))}
+
+    assert formats({}) == {"text"}
+    assert formats({"logFormat": "json"}) == {"json"}
 
 
 def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):

@@ -96,6 +96,8 @@ spec:
           env:
             - name: HOME
               value: /tmp
+            - name: TANDEM_LOG_FORMAT
+              value: {{ $root.Values.logFormat | quote }}
             {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.cudaIpcGetZcopy }}
             - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
