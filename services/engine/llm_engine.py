@@ -512,7 +512,10 @@ class LLMEngine:
             return None
         started = time.perf_counter()
         self.counters.iteration += 1
+        now = time.monotonic()
         for seq in batch.seqs:
+            if not seq.first_scheduled_at:
+                seq.first_scheduled_at = now
             if seq.perf is not None:
                 seq.perf.scheduled(self.counters.iteration)
         sampled, draws, prompt_logprobs = self.runner.execute(batch)
@@ -703,6 +706,7 @@ class LLMEngine:
             [ranks],
             seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
         )
+        out.first_scheduled_at = seq.first_scheduled_at
         if first and seq.context_logits:
             out.context_logits = torch.cat(seq.context_logits)
         if seq.perf is not None:  # on every output: a stop string or an abort may end it next

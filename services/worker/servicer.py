@@ -120,6 +120,11 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         finally:
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
+            m = worker_request.metrics
+            if None not in (m.scheduled_at, m.first_token_at, m.finished_at):
+                self.rt.metrics.observe_request_phases(
+                    m.arrival, m.scheduled_at, m.first_token_at, m.finished_at
+                )
 
     def _start(
         self,
