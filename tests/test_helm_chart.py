@@ -606,6 +606,7 @@ def test_service_monitor_scrapes_every_service(chart):
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
         {"logFormat": "xml"},
+        {"decode": {"hostKvCacheGb": -1}},
     ],
     ids=lambda bad: repr(bad),
 )
@@ -635,6 +636,18 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_a_host_kv_tier_is_rendered_only_where_a_role_asks_for_one(chart):
+    def tiers(values):
+        return {
+            c["name"]: flag(c, "host-kv-cache-gb")
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(tiers({}).values()) == {None}
+    assert tiers({"decode": {"hostKvCacheGb": 32}})["decode"] == "32"
 
 
 def test_every_process_logs_in_the_values_log_format(chart):

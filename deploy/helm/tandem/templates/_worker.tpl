@@ -81,6 +81,9 @@ spec:
             {{- with $spec.speculativeConfig }}
             - --speculative-config={{ toJson . }}
             {{- end }}
+            {{- if $spec.hostKvCacheGb }}
+            - --host-kv-cache-gb={{ $spec.hostKvCacheGb }}
+            {{- end }}
             {{- if hasKey $spec "kvRoomWaitSeconds" }}
             - --kv-room-wait-seconds={{ $spec.kvRoomWaitSeconds }}
             {{- end }}
