@@ -143,3 +143,37 @@ def test_a_bad_host_tier_is_refused_at_start(model_dirs):
         EngineConfig(str(model_dirs["llama"]), host_kv_cache_gb=-1)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLMEngine(EngineConfig(str(model_dirs["llama"]), num_blocks=8, host_kv_cache_gb=1e-9))
+
+
+def test_split_sessions_reuse_both_workers_tiers_with_the_oracles_tokens(model_dirs, oracle):
+    """Prefill and decode each with a pool too small for the sessions and a host tier: a
+    returning session's prefix comes back from the prefill's tier (computed there: only the new
+    tokens) and from the decode's (pulled: only the new blocks), and the tokens are
+    transformers' greedy tokens. Real processes."""
+    from test_disagg import worker_state
+
+    from tandem.client import LLM, SamplingParams
+    from tandem.testing.cluster import LocalCluster
+
+    ref = oracle(model_dirs["llama"])
+    rng = random.Random(11)
+    histories = [[1] + [rng.randrange(4, 380) for _ in range(90)] for _ in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = ["--model", str(model_dirs["llama"]), "--block-size", str(BLOCK), "--num-blocks", "24"]
+    with LocalCluster(
+        roles=["prefill", "decode"], engine_args=[*engine, "--host-kv-cache-gb", "0.002"]
+    ) as cluster:
+        prefill = cluster.workers[0].address
+        computed, cached = [], []
+        with LLM(cluster.address) as llm:
+            for _ in range(2):
+                for history in histories:
+                    before = worker_state(prefill).num_prompt_tokens_computed
+                    out = llm.generate(history, params, use_tqdm=False)
+                    assert out.outputs[0].token_ids == ref.greedy(history, 6)
+                    computed.append(worker_state(prefill).num_prompt_tokens_computed - before)
+                    cached.append(out.metrics.kv_handoff.num_cached_blocks)
+                    history += out.outputs[0].token_ids + [rng.randrange(4, 380) for _ in range(5)]
+    # Round 2: each session's history (~100 tokens) was evicted from both pools by the others.
+    assert all(c <= 16 for c in computed[3:]), computed  # the prefill computed the new tokens
+    assert all(c >= 10 for c in cached[3:]), cached  # the decode pulled only the new blocks
