@@ -606,6 +606,8 @@ def test_service_monitor_scrapes_every_service(chart):
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
         {"logFormat": "xml"},
+        {"topologySpread": {"whenUnsatisfiable": "Sometimes"}},
+        {"topologySpread": {"topologyKeys": []}},
         {"decode": {"hostKvCacheGb": -1}},
     ],
     ids=lambda bad: repr(bad),
@@ -648,6 +650,43 @@ def test_a_host_kv_tier_is_rendered_only_where_a_role_asks_for_one(chart):
 
     assert set(tiers({}).values()) == {None}
     assert tiers({"decode": {"hostKvCacheGb": 32}})["decode"] == "32"
+
+
+def test_every_component_spreads_across_nodes_unless_told_otherwise(chart):
+    def spreads(values):
+        return {
+            o["metadata"]["name"].rsplit("-", 1)[-1]: o["spec"]["template"]["spec"].get(
+                "topologySpreadConstraints"
+            )
+            for o in objects(chart, values)
+            if o["kind"] in ("Deployment", "StatefulSet")
+        }
+
+    default = spreads({})
+    assert set(default) == {"router", "prefill", "decode"}
+    for component, constraints in default.items():
+        (c,) = constraints
+        assert c["topologyKey"] == "kubernetes.io/hostname"
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"  # soft: a one-node cluster schedules
+        # Each component spreads its own pods, not the release's.
+        assert c["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+    zones = spreads(
+        {
+            "topologySpread": {
+                "topologyKeys": ["kubernetes.io/hostname", "topology.kubernetes.io/zone"],
+                "whenUnsatisfiable": "DoNotSchedule",
+            }
+        }
+    )
+    assert [c["topologyKey"] for c in zones["decode"]] == [
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    ]
+    own = [{"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}]
+    replaced = spreads({"decode": {"topologySpreadConstraints": own}})
+    assert replaced["decode"] == own and replaced["prefill"] == default["prefill"]
+    off = spreads({"topologySpread": {"enabled": False}})
+    assert set(off.values()) == {None}
 
 
 def test_every_process_logs_in_the_values_log_format(chart):

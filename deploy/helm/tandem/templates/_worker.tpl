@@ -51,7 +51,7 @@ spec:
         {{- include "tandem.labels" . | nindent 8 }}
       {{- with include "tandem.metricsAnnotations" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 6 }}{{- end }}
     spec:
-      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "preStopSeconds" 0) | nindent 6 }}
+      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "component" .component "preStopSeconds" 0) | nindent 6 }}
       containers:
         - name: {{ .component }}
           image: {{ include "tandem.image" $root }}
