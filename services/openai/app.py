@@ -140,6 +140,12 @@ def build_app(config: FrontConfig) -> FastAPI:
             tokenizer = await front.tokenizer()
             return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
 
+    @app.get("/ping")
+    async def ping():
+        """200 while the process answers (liveness: a front whose router is down is not
+        restarted; /health, its readiness, says whether it can route)."""
+        return JSONResponse({})
+
     @app.get("/version")
     async def version():
         return {"version": _version()}

@@ -97,8 +97,8 @@ livenessProbe:
 {{- end }}
 
 {{/* Scheduling, security and image settings of a pod spec; the termination grace covers the
-preStop hook (preStopSeconds), the drain and the exit. (dict "root" $ "spec" <role values> "preStopSeconds" N) */}}
-{{/* (dict "root" $ "spec" <the component's values> "component" name "preStopSeconds" N) */}}
+preStop hook (preStopSeconds), the drain and the exit.
+(dict "root" $ "spec" <the component's values> "component" name "preStopSeconds" N) */}}
 {{- define "tandem.podCommon" -}}
 {{- $drain := .root.Values.drain -}}
 securityContext:
