@@ -29,7 +29,7 @@ from tandem.openai.protocol import (
 )
 
 log = logging.getLogger("tandem.openai")
-# The routes --api-key guards (as vLLM's: the API; /health, /metrics and /version stay open).
+# The routes --api-key guards (as vLLM's: the API; /health, /ping, /metrics and /version stay open).
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
