@@ -360,3 +360,34 @@ def test_metrics_port_zero_is_none_and_a_taken_port_fails_loudly():
         metrics.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_and_labels_that_exist(cluster):
+    """deploy/grafana/tandem.json: every panel's metric is served by a live cluster after a
+    workload (router, prefill, decode), with every label its expression selects or groups by."""
+    import json
+    import re
+    from pathlib import Path
+
+    with LLM(cluster.address) as llm:
+        llm.generate("one for the dashboard", SamplingParams(max_tokens=4), use_tqdm=False)
+    labels_of: dict[str, set[str]] = collections.defaultdict(set)
+    for service in cluster.services:
+        for name, labels in scrape(service):
+            labels_of[name] |= {k for k, _ in labels}
+    dashboard = json.loads(
+        (Path(__file__).parent.parent / "deploy" / "grafana" / "tandem.json").read_text()
+    )
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 25
+    for expr in exprs:
+        metrics = re.findall(r"(tandem:[a-z0-9_:]+?)(?:\{|\[|\))", expr)
+        assert metrics, expr
+        missing = [m for m in metrics if m not in labels_of]
+        assert not missing, f"{missing} not served (in {expr})"
+        used = set(re.findall(r"(\w+)\s*(?:=~|!=|=)\s*\"", expr))
+        for group in re.findall(r"by \(([^)]*)\)", expr):
+            used |= {label.strip() for label in group.split(",")}
+        used.discard("le")
+        have = set().union(*(labels_of[m] for m in metrics))
+        assert used <= have, f"{used - have} not labels of {metrics} (in {expr})"
