@@ -48,6 +48,17 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.is_cuda else x.dtype
 
 
+def _row_scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with per-row (a) and per-column (b) scales. A CPU build before torch 2.13
+    takes per-tensor scales only there: the same product through float32 operands instead."""
+    try:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    except RuntimeError:
+        if a.is_cuda:
+            raise
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -64,26 +75,20 @@ def fp8_linear(
         return x.new_zeros((0, weight.shape[0]))
     xq, x_scale = quantize(x, num_groups)
     if num_groups == 1:
-        out = torch._scaled_mm(
-            xq,
-            weight.t(),
-            scale_a=x_scale,
-            scale_b=weight_scale.view(1, -1),
-            out_dtype=_out_dtype(x),
-        )
+        out = _row_scaled_mm(xq, weight.t(), x_scale, weight_scale.view(1, -1), _out_dtype(x))
     else:
         group = cols // num_groups
         out = torch.zeros(num_tokens, weight.shape[0], dtype=torch.float32, device=x.device)
         for g in range(num_groups):
             columns = slice(g * group, (g + 1) * group)
-            out += torch._scaled_mm(
+            # CUDA writes a row-wise scaled product in bfloat16 only: each group's is rounded
+            # there, and the groups add up in float32.
+            out += _row_scaled_mm(
                 xq[:, columns],
                 weight[:, columns].t(),
-                scale_a=x_scale[:, g : g + 1].contiguous(),
-                scale_b=weight_scale[:, g].reshape(1, -1).contiguous(),
-                # CUDA writes a row-wise scaled product in bfloat16 only: each group's is rounded
-                # there, and the groups add up in float32.
-                out_dtype=_out_dtype(x),
+                x_scale[:, g : g + 1].contiguous(),
+                weight_scale[:, g].reshape(1, -1).contiguous(),
+                _out_dtype(x),
             ).float()
     out = out.to(x.dtype)
     return out if bias is None else out + bias

@@ -51,8 +51,9 @@ def _quantize_rows_kernel(
     for k0 in range(0, GROUP, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < GROUP, other=0.0).to(tl.float32)
-        # Divided, as the torch reference divides (a multiply by 1/scale differs in the last bit).
-        q = to_e4m3_grid(x / scale, 1.0)
+        # Divided and rounded to nearest, as torch divides: a multiply by 1/scale, or the compiled
+        # kernel's default approximate division, differs in the last bit (and then in the byte).
+        q = to_e4m3_grid(tl.math.div_rn(x, scale), 1.0)
         tl.store(dst + offs, q.to(dst.dtype.element_ty), mask=offs < GROUP)
 
 
