@@ -113,7 +113,7 @@ class EngineCore:
             CheckIdle: lambda c: engine.require_idle(c.what),
             ReleaseMemory: lambda c: engine.release_memory(c.tags),
             ResumeMemory: lambda c: engine.resume_memory(c.tags),
-            SwapWeights: lambda c: engine.swap_weights(c.model, c.source),
+            SwapWeights: lambda c: engine.swap_weights(c.model, c.source, c.fingerprint),
             CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize),
             ReadCounters: lambda c: engine.snapshot(),
             WeightsChecksum: lambda c: engine.weights_checksum(),

@@ -363,11 +363,11 @@ class LLMEngine:
                 f"{busy} requests or KV handoffs are in flight; call pause_generation before {what}"
             )
 
-    def swap_weights(self, model, source: str) -> None:
+    def swap_weights(self, model, source: str, fingerprint: str) -> None:
         """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
         self.runner.require_single_rank("update_weights")
         self.require_idle("update_weights")
-        self.runner.swap_weights(model, source)
+        self.runner.swap_weights(model, source, fingerprint)
         self.block_manager.reset_prefix_cache()
 
     def copy_weights(self, updates: list, finalize: bool) -> None:

@@ -87,6 +87,7 @@ class ResumeMemory:
 class SwapWeights:
     model: Any
     source: str
+    fingerprint: str  # checkpoint_fingerprint(source), taken before the load
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import unavailable
+from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.messages import (
     CheckIdle,
@@ -140,8 +141,9 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
             "the model weights are released; call resume(['model']) before update_weights"
         )
     await rt.core.call(CheckIdle("update_weights"))  # fail before a slow load
+    fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.core.call(SwapWeights(model, path))
+    await rt.core.call(SwapWeights(model, path, fingerprint))
     del model
     await asyncio.to_thread(return_freed_memory)  # the old weights
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
