@@ -360,7 +360,7 @@ class LLMEngine:
         busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
         if busy:
             raise PreconditionError(
-                f"{busy} requests or KV handoffs are in flight; call pause_generation before {what}"
+                f"{busy} requests or KV handoffs are in flight; call pause_generation before {what} (mode 'abort': 'keep' holds them)"
             )
 
     def swap_weights(self, model, source: str, fingerprint: str) -> None:

@@ -74,6 +74,14 @@ class CheckIdle:
 
 
 @dataclass(frozen=True)
+class HoldSteps:
+    """held: stop stepping (pause_generation in keep mode); the requests keep their KV and other
+    commands still apply. Not held: step again, each request from where it stopped."""
+
+    held: bool
+
+
+@dataclass(frozen=True)
 class ReleaseMemory:
     tags: list[str]
 

@@ -13,6 +13,7 @@ from google.protobuf import struct_pb2
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
+from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
 from tandem.router import generate
@@ -194,7 +195,13 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return llm_pb2.AdminResponse(detail=[d for r in replies for d in r.detail])
 
     async def PauseGeneration(self, request, context):
-        return await self._admin("PauseGeneration", request)
+        PauseMode.parse(request.mode)  # refused here, before any worker pauses
+        # A worker that refuses leaves the others generating again (what abort mode aborted on
+        # them stays aborted: the request is refused as a whole, so send it again).
+        resume = llm_pb2.AdminRequest()
+        return await self._all_or_nothing(
+            "PauseGeneration", request, lambda w: ("ResumeGeneration", resume)
+        )
 
     async def ResumeGeneration(self, request, context):
         return await self._admin("ResumeGeneration", request)
@@ -202,7 +209,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def Release(self, request, context):
         if self.routes:  # a request between its prefill and decode workers would lose its KV
             raise PreconditionError(
-                f"{len(self.routes)} requests are in flight; call pause_generation before release"
+                f"{len(self.routes)} requests are in flight; call pause_generation before release (mode 'abort': 'keep' holds them)"
             )
         undo = llm_pb2.MemoryTagsRequest(tags=request.tags)
         return await self._all_or_nothing("Release", request, lambda w: ("Resume", undo))
@@ -213,7 +220,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def UpdateWeights(self, request, context):
         if self.routes:
             raise PreconditionError(
-                f"{len(self.routes)} requests are in flight; call pause_generation before update_weights"
+                f"{len(self.routes)} requests are in flight; call pause_generation before update_weights (mode 'abort': 'keep' holds them)"
             )
         if request.WhichOneof("source") != "checkpoint_path":
             # A bucket by IPC handles (or the finalize) is written in place and cannot be taken

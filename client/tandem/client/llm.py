@@ -424,8 +424,12 @@ class AsyncLLM(LLM):
             for v in reply.results
         ]
 
-    async def pause_generation(self) -> None:
-        await self._acall("PauseGeneration", llm_pb2.AdminRequest())
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Refuses new requests until resume_generation. mode (vLLM's): "abort" ends the requests
+        in flight (finish_reason "cancelled", each with its tokens so far); "keep" freezes them
+        with their KV, and they continue where they stopped after resume_generation (weights and
+        memory stay as they are until then: update_weights and release need mode "abort")."""
+        await self._acall("PauseGeneration", llm_pb2.PauseGenerationRequest(mode=mode))
 
     async def resume_generation(self) -> None:
         await self._acall("ResumeGeneration", llm_pb2.AdminRequest())

@@ -193,6 +193,12 @@ class AdminRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
 class AdminResponse(_message.Message):
     __slots__ = ("detail",)
     DETAIL_FIELD_NUMBER: _ClassVar[int]
