@@ -122,3 +122,46 @@ def test_an_unknown_mode_is_refused_and_pauses_nothing(cluster):
     with LLM(cluster.address) as llm:  # still generating
         out = llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and time.monotonic() - started < 30
+
+
+def test_keep_lets_a_handoff_in_flight_reach_its_decode_frozen(cluster):
+    """A request between its prefill and its decode when the pause came is in flight too: its
+    generation phase is taken (not refused as a new request), frozen, and ends after resume."""
+    from tandem.client import DisaggregatedParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(cluster.address) as llm:
+        whole = llm.generate(PROMPT, params, use_tqdm=False).outputs[0].token_ids
+        ctx = llm.generate(
+            PROMPT,
+            params,
+            use_tqdm=False,
+            disaggregated_params=DisaggregatedParams(request_type="context_only"),
+        )
+    handoff = ctx.outputs[0].disaggregated_params
+
+    async def go():
+        llm = AsyncLLM(cluster.address, auth_token=TOKEN)
+        try:
+            await llm.pause_generation(mode="keep")
+            generation = asyncio.ensure_future(
+                llm.generate_async(
+                    ctx.prompt_token_ids,
+                    params,
+                    disaggregated_params=DisaggregatedParams(
+                        request_type="generation_only",
+                        first_gen_tokens=handoff.first_gen_tokens,
+                        ctx_request_id=handoff.ctx_request_id,
+                        opaque_state=handoff.opaque_state,
+                    ),
+                )
+            )
+            await asyncio.sleep(1.0)
+            assert not generation.done()  # taken and frozen: a refusal would have ended it
+            await llm.resume_generation()
+            return (await asyncio.wait_for(generation, 30)).outputs[0]
+        finally:
+            llm.close()
+
+    out = asyncio.run(go())
+    assert out.token_ids == whole and out.finish_reason == "length"
