@@ -1,8 +1,9 @@
 """pause_generation's modes (issue 32 item 4), over real processes through the router and the
 prefill/decode split: "keep" freezes the requests in flight and they continue after
-resume_generation with every token (the same greedy tokens as a run never paused); "abort" ends
-them with finish_reason "cancelled" and the tokens they made so far; any other mode is refused
-before any worker pauses."""
+resume_generation with every token (the same greedy tokens as a run never paused), on new weights
+if an update came meanwhile (vLLM's in-flight update; what they computed across it never enters
+the prefix cache); "abort" ends them with finish_reason "cancelled" and the tokens they made so
+far; any other mode is refused before any worker pauses."""
 
 from __future__ import annotations
 
@@ -66,15 +67,15 @@ def test_keep_freezes_the_rollout_and_resume_continues_it_with_no_token_lost(clu
             assert held_at < PARAMS.max_tokens, "the rollout ended before the pause: not mid-stream"
             await asyncio.sleep(1.0)
             assert counts[-1] == held_at and not reader.done()  # frozen, not ended
-            # Paused: a new request is refused; the weights cannot change under frozen requests.
+            # Paused: a new request is refused; the KV pool of frozen requests cannot go.
             with pytest.raises(RequestError) as refused:
                 await llm.generate_async("new", SamplingParams(max_tokens=2))
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert "paused" in refused.value.details
             with pytest.raises(RequestError) as busy:
-                await llm.update_weights(None)
+                await llm.release(["kv_cache"])
             assert busy.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "'abort'" in busy.value.details
+            assert "'keep'" in busy.value.details and "'abort'" in busy.value.details
             await llm.resume_generation()
             await asyncio.wait_for(reader, 60)
             return running.outputs[0], held_at
@@ -165,3 +166,75 @@ def test_keep_lets_a_handoff_in_flight_reach_its_decode_frozen(cluster):
 
     out = asyncio.run(go())
     assert out.token_ids == whole and out.finish_reason == "length"
+
+
+def test_weights_updated_under_kept_requests_carry_on_and_cache_nothing_mixed(
+    cluster, unpaused, model_dirs
+):
+    """Paused in keep mode mid-stream, the trainer's weights go in (IPC handles): the rollout
+    continues on them (every token; the tokens before the pause its own, those after new), and
+    the blocks it computed across the change, KV of both weights, are not served to a request
+    that starts on the new weights. Last in the module: it restores the checkpoint at the end."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.rl import ipc_handles
+
+    trainer = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std() * 0.5)
+
+    async def go():
+        llm = AsyncLLM(cluster.address, auth_token=TOKEN)
+        try:
+            running, reader, counts = await _stream_until_paused(llm, "keep")
+            await asyncio.sleep(0.3)
+            held_at = counts[-1]
+            await llm.update_weights(ipc_handles(trainer.named_parameters()))
+            await llm.update_weights(None)
+            await asyncio.to_thread(llm.get_kv_cache_events, 0.5)  # up to the update
+            await llm.resume_generation()
+            await asyncio.wait_for(reader, 60)
+            after = await asyncio.to_thread(llm.get_kv_cache_events, 0.5)
+            return running, held_at, after
+        finally:
+            llm.close()
+
+    try:
+        running, held_at, events_after = asyncio.run(go())
+        out = running.outputs[0]
+        assert 3 <= held_at < len(unpaused) and len(out.token_ids) == len(unpaused)
+        assert out.token_ids[:held_at] == unpaused[:held_at]
+        assert out.token_ids != unpaused  # the rest came from the new weights
+        # The blocks it filled after the update (KV of both weights) were not cached anywhere ...
+        stored = [e for e in events_after if e["data"]["type"] == "stored"]
+        assert not stored, stored[:2]
+        # ... and the whole rollout as a prompt is computed on the new weights.
+        prompt = list(running.prompt_token_ids) + out.token_ids
+        with LLM(cluster.address) as llm:
+            again = llm.generate(
+                prompt, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+            )
+        with torch.no_grad():
+            expected = trainer.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=4,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        assert again.outputs[0].token_ids == expected
+    finally:
+
+        async def restore():
+            llm = AsyncLLM(cluster.address, auth_token=TOKEN)
+            try:
+                await llm.pause_generation()
+                await llm.update_weights(str(model_dirs["llama"]))
+                await llm.resume_generation()
+            finally:
+                llm.close()
+
+        asyncio.run(restore())

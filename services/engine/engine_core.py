@@ -113,12 +113,14 @@ class EngineCore:
             AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id, c.num_blocks),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
-            CheckIdle: lambda c: engine.require_idle(c.what),
+            CheckIdle: self._check_idle,
             HoldSteps: self._hold,
-            ReleaseMemory: lambda c: engine.release_memory(c.tags),
+            ReleaseMemory: lambda c: engine.release_memory(c.tags, self._held),
             ResumeMemory: lambda c: engine.resume_memory(c.tags),
-            SwapWeights: lambda c: engine.swap_weights(c.model, c.source, c.fingerprint),
-            CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize),
+            SwapWeights: lambda c: engine.swap_weights(
+                c.model, c.source, c.fingerprint, self._held
+            ),
+            CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize, self._held),
             ReadCounters: lambda c: engine.snapshot(),
             WeightsChecksum: lambda c: engine.weights_checksum(),
         }
@@ -213,6 +215,10 @@ class EngineCore:
             return
         if future is not None:
             self.loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _check_idle(self, command: CheckIdle) -> None:
+        if not (command.unless_held and self._held):
+            self.engine.require_idle(command.what, self._held)
 
     def _hold(self, command: HoldSteps) -> int:
         """Returns how many requests the engine holds (frozen when held)."""

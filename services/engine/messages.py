@@ -68,9 +68,11 @@ class FreeBlocks:
 # -- commands: admin and introspection (each has a reply) --
 @dataclass(frozen=True)
 class CheckIdle:
-    """Raise PreconditionError naming `what` unless no request runs and no KV lease is out."""
+    """Raise PreconditionError naming `what` unless no request runs and no KV lease is out.
+    unless_held: nothing is refused while the requests are frozen (pause_generation, keep)."""
 
     what: str
+    unless_held: bool = False
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
-    await rt.core.call(CheckIdle("update_weights"))  # fail before a slow load
+    await rt.core.call(CheckIdle("update_weights", unless_held=True))  # fail before a slow load
     fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
     await rt.core.call(SwapWeights(model, path, fingerprint))
@@ -159,7 +159,9 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
         await rt.core.call(CopyWeights([], finalize=True))
         await asyncio.to_thread(_collect_ipc)
         return f"{rt.worker_id}: weights finalized (version {rt.engine.runner.weights_version})"
-    await rt.core.call(CheckIdle("update_weights"))  # fail before the handles are opened
+    await rt.core.call(
+        CheckIdle("update_weights", unless_held=True)
+    )  # fail before the handles are opened
     runner = rt.engine.runner
     runner.require_single_rank("update_weights")
     try:

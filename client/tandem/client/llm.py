@@ -427,8 +427,8 @@ class AsyncLLM(LLM):
     async def pause_generation(self, mode: str = "abort") -> None:
         """Refuses new requests until resume_generation. mode (vLLM's): "abort" ends the requests
         in flight (finish_reason "cancelled", each with its tokens so far); "keep" freezes them
-        with their KV, and they continue where they stopped after resume_generation (weights and
-        memory stay as they are until then: update_weights and release need mode "abort")."""
+        with their KV, and they continue where they stopped after resume_generation, on the
+        weights update_weights wrote meanwhile if it did (release needs mode "abort")."""
         await self._acall("PauseGeneration", llm_pb2.PauseGenerationRequest(mode=mode))
 
     async def resume_generation(self) -> None:
