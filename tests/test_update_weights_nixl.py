@@ -125,3 +125,21 @@ def test_an_update_that_does_not_fit_is_refused_before_any_read(cluster):
         assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "'DRAM'" in error.value.details
     assert _checksums(cluster) == checksums
+
+
+def test_a_tensor_whose_memory_moved_is_not_sent_from_its_old_address():
+    """IPC handles of a CPU tensor (or share_memory_()) replace its storage: the registration
+    points at freed memory, and a worker's READ would fail or read garbage."""
+    import torch
+
+    tensor = torch.ones(16)
+    source = NixlWeightSource([("model.norm.weight", tensor)])
+    try:
+        assert source.weights.tensors[0].address == tensor.data_ptr()
+        tensor.share_memory_()
+        with pytest.raises(ValueError, match="moved"):
+            _ = source.weights
+    finally:
+        source.close()
+    with pytest.raises(ValueError, match="closed"):
+        _ = source.weights

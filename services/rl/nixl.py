@@ -10,7 +10,8 @@ and every worker READs them (one-sided: the trainer's process does nothing durin
     source.close()                                         # after the last sync
 
 An optimizer that updates the parameters in place keeps their addresses, so one registration
-serves every step. Keep the tensors alive and unchanged while update_weights runs. Needs torch
+serves every step (one whose storage moved, e.g. by share_memory_(), is refused here). Keep the
+tensors alive and unchanged while update_weights runs. Needs torch
 and NIXL (the UCX backend); CPU tensors go as DRAM, CUDA ones as VRAM (one kind per source).
 """
 
@@ -31,6 +32,8 @@ class NixlWeightSource:
         """named_tensors: (HF name, tensor) pairs, each contiguous, of one kind of memory."""
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from tandem.kvtransfer.ucx_env import apply_defaults as apply_ucx_defaults
+
         named = [(name, tensor.detach()) for name, tensor in named_tensors]
         if not named:
             raise ValueError("NixlWeightSource needs at least one (name, tensor)")
@@ -42,9 +45,10 @@ class NixlWeightSource:
             raise ValueError(f"tensors must be contiguous: {not_contiguous[:4]}")
         self._tensors = [t for _, t in named]  # keeps the registered memory alive
         name = agent_name or f"trainer-{socket.gethostname()}-{os.getpid()}-{next(_source_ids)}"
+        apply_ucx_defaults("VRAM" if "cuda" in kinds else "DRAM")
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
         self._registration = self._agent.register_memory(self._tensors)
-        self.weights = llm_pb2.NixlWeights(
+        self._weights = llm_pb2.NixlWeights(
             agent_name=name,
             agent_metadata=self._agent.get_agent_metadata(),  # after registering: carries keys
             memory_type="VRAM" if "cuda" in kinds else "DRAM",
@@ -60,6 +64,24 @@ class NixlWeightSource:
                 for n, t in named
             ],
         )
+
+    @property
+    def weights(self) -> llm_pb2.NixlWeights:
+        """What update_weights takes; refused once a tensor's memory moved since registering."""
+        if self._registration is None:
+            raise ValueError("this NixlWeightSource is closed")
+        moved = [
+            t.name
+            for t, tensor in zip(self._weights.tensors, self._tensors)
+            if tensor.data_ptr() != t.address
+        ]
+        if moved:
+            raise ValueError(
+                f"{len(moved)} tensors moved since they were registered (their storage was "
+                f"replaced: share_memory_(), IPC handles of them, .to(), a new parameter): "
+                f"{moved[:4]}; register them again (a new NixlWeightSource)"
+            )
+        return self._weights
 
     def close(self) -> None:
         if self._registration is not None:

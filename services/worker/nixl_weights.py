@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tandem.kvtransfer.transfer import NIXL_ERRORS
+from tandem.kvtransfer.ucx_env import apply_defaults as apply_ucx_defaults
 from tandem.worker.ipc_weights import HandleError, UpdateTargets, WeightUpdate
 
 READ_TIMEOUT_S = 120.0
@@ -66,6 +67,7 @@ def nixl_weight_update(weights, model, device: torch.device) -> WeightUpdate:
     buffers = [torch.empty(tuple(t.shape), dtype=dtype, device=device) for _, t, dtype in planned]
     if not buffers:
         return WeightUpdate([], 0)
+    apply_ucx_defaults(weights.memory_type)  # as the KV transceiver: CUDA IPC gets on one host
     agent = nixl_agent(
         f"weights-reader-{os.getpid()}-{next(_agent_ids)}",
         nixl_agent_config(enable_prog_thread=True, backends=["UCX"]),
