@@ -7,6 +7,7 @@
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
 # fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra; FP8_ONLY=name: one of bf16, fp8w, fp8wkv).
+# fp8check: bench/fp8_check.py (FP8 weights and KV on the device against the CPU reference).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
@@ -65,6 +66,9 @@ fi
 if has spec; then  # issue 31: needs a real chat model there (SPEC_ARGS="--model DIR"): a random checkpoint loops
   timeout "${SPEC_S:-300}" python3 bench/spec_decode.py --device cuda --max-tokens "${SPEC_TOKENS:-256}" \
     --batch "${SPEC_BATCH:-32}" ${SPEC_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/spec-decode.txt" | tail -16
+fi
+if has fp8check; then  # issue 30: the device's FP8 tokens against the CPU reference
+  timeout "${FP8CHECK_S:-150}" python3 bench/fp8_check.py 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/fp8-check.txt" | tail -20
 fi
 if has fp8; then  # issue 30: the same rows per precision, one cluster each
   for variant in "bf16:" "fp8w:--quantization fp8" "fp8wkv:--quantization fp8 --kv-cache-dtype fp8"; do

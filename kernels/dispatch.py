@@ -157,7 +157,7 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.shape[1] > 0
         and x.is_contiguous()
         and weight.stride(1) == 1
-        and x.dtype == weight.dtype
+        and (x.dtype == weight.dtype or weight.dtype == torch.float8_e4m3fn)
         and backend_for(x.device) == "triton"
         and _gemv_enabled()
     )
@@ -183,5 +183,21 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, K] @ an FP8 weight [N, K] with scales [N, G] (fp8.py): torch._scaled_mm on every backend."""
+    """x [T, K] @ an FP8 weight [N, K] with scales [N, G] (fp8.py): one row goes to the Triton FP8
+    GEMV (weight-only dequantization), more to torch._scaled_mm, whose activations Triton quantizes
+    in one kernel on CUDA (fp8_triton.py) and torch on the CPU."""
+    if _takes_gemv(x, weight):
+        return _triton_module("gemv_triton").fp8_gemv(x, weight, weight_scale, bias)
+    if backend_for(x.device) == "triton" and x.stride(1) == 1:
+        quantize = _triton_module("fp8_triton").quantize_rows
+        return fp8_reference.fp8_linear(x, weight, weight_scale, bias, quantize=quantize)
     return fp8_reference.fp8_linear(x, weight, weight_scale, bias)
+
+
+def fp8_silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """silu_and_mul(gate_up) @ an FP8 weight; for one row SwiGLU rides in the FP8 GEMV's loads."""
+    if _takes_gemv(gate_up, weight):
+        return _triton_module("gemv_triton").fp8_silu_mul_gemv(gate_up, weight, weight_scale)
+    return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)

@@ -53,14 +53,16 @@ def fp8_linear(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    quantize=quantize_rows,
 ) -> torch.Tensor:
     """x [T, K] (model dtype) @ dequantized weight [N, K]^T (+ bias) -> [T, N] in x's dtype, with x
-    quantized per token on the fly (dynamic activation scales)."""
+    quantized per token on the fly (dynamic activation scales) by `quantize` (quantize_rows, or
+    fp8_triton's one-kernel version of it on CUDA)."""
     num_tokens, cols = x.shape
     num_groups = weight_scale.shape[1]
     if num_tokens == 0:
         return x.new_zeros((0, weight.shape[0]))
-    xq, x_scale = quantize_rows(x, num_groups)
+    xq, x_scale = quantize(x, num_groups)
     if num_groups == 1:
         out = torch._scaled_mm(
             xq,

@@ -1,9 +1,15 @@
-"""Triton helpers for FP8 (e4m3) KV blocks: the rounding every store to an FP8 pool goes through."""
+"""Triton helpers for FP8 (e4m3): the rounding every store to an FP8 KV pool goes through, and the
+per-token (per-group) activation quantizer that feeds torch._scaled_mm on CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.launch_checks import FLOAT_DTYPES, require
 
 
 @triton.jit
@@ -22,3 +28,60 @@ def to_e4m3_grid(x, inv_scale):
     magic = (((step_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)) * 1.5
     rounded = (tl.abs(x) + magic) - magic
     return tl.where(x < 0, -rounded, rounded)  # -0.0 stays -0.0, as torch's cast keeps it
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, GROUP, NUM_GROUPS, BLOCK: tl.constexpr
+):
+    """One program per (row, group): the group's largest magnitude, its scale, then the group
+    divided by the scale and rounded to e4m3: two reads of the row and one FP8 write, where the
+    torch path runs six kernels over float32 copies."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    src = x_ptr + row * stride_x + group * GROUP
+    dst = q_ptr + row * (GROUP * NUM_GROUPS) + group * GROUP
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, GROUP, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < GROUP, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
+    for k0 in range(0, GROUP, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < GROUP, other=0.0).to(tl.float32)
+        # Divided, as the torch reference divides (a multiply by 1/scale differs in the last bit).
+        q = to_e4m3_grid(x / scale, 1.0)
+        tl.store(dst + offs, q.to(dst.dtype.element_ty), mask=offs < GROUP)
+
+
+def quantize_rows(x: torch.Tensor, num_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/fp8.py's quantize_rows in one kernel: x [T, K] -> (float8 [T, K], float32 [T, G]),
+    bit for bit."""
+    require(x.dim() == 2, f"quantize_rows takes [T, K], got {tuple(x.shape)}")
+    rows, cols = x.shape
+    require(
+        num_groups >= 1 and cols % num_groups == 0,
+        f"{cols} columns do not split into {num_groups} scale groups",
+    )
+    require(
+        x.dtype in FLOAT_DTYPES and x.stride(1) == 1,
+        f"x must be a float tensor with K-contiguous rows, got {x.dtype} strides {x.stride()}",
+    )
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    group = cols // num_groups
+    if rows and cols:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _quantize_rows_kernel[(rows, num_groups)](
+                x,
+                q,
+                scale,
+                x.stride(0),
+                group,
+                num_groups,
+                BLOCK=min(1024, triton.next_power_of_2(group)),
+                num_warps=4,
+            )
+    return q, scale

@@ -8,6 +8,11 @@ rows of the weight and walks K in BLOCK_K steps of wide loads, multiplying in fl
 summing once at the end: no tensor cores (nothing to share a tile with), no split-K merge,
 and enough programs (N / BLOCK_N) to have every SM's loads in flight from the first cycle.
 `silu_mul_gemv` also folds SwiGLU into down_proj's activation loads, one kernel fewer a layer.
+
+`fp8_gemv` / `fp8_silu_mul_gemv` walk an FP8 (e4m3) weight the same way, scaling in the loop (a
+block-scaled weight: each column by its group's scale) or once per row at the end (one scale a
+row): half the bytes of a bf16 pass. The row stays in the model dtype (weight-only
+dequantization, as FP8 Marlin): quantizing one row would cost launches and save no bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.launch_checks import FLOAT_DTYPES, require
+
+FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -46,15 +53,19 @@ def _activation(x_ptr, k0, ks, K, half, SILU: tl.constexpr, EVEN_K: tl.constexpr
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     y_ptr,
     N,
     K,
     stride_wn,
+    stride_sn,
     half,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -70,8 +81,17 @@ def _gemv_kernel(
             w = tl.load(w_rows + (k0 + ks)[None, :])
         else:
             w = tl.load(w_rows + (k0 + ks)[None, :], mask=(k0 + ks < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        w = w.to(tl.float32)
+        if SCALED and GROUP > 0:  # block-scaled FP8: each column by its group's scale
+            s_offs = rows[:, None] * stride_sn + ((k0 + ks) // GROUP)[None, :]
+            if EVEN_K:
+                w = w * tl.load(scale_ptr + s_offs)
+            else:
+                w = w * tl.load(scale_ptr + s_offs, mask=(k0 + ks < K)[None, :], other=0.0)
+        acc += w * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED and GROUP == 0:  # one FP8 scale a row
+        y = y * tl.load(scale_ptr + rows * stride_sn)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
@@ -93,16 +113,37 @@ def _launch(
     K: int,
     silu: bool,
     tile: tuple[int, int, int] | None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     N = weight.shape[0]
     require(
         weight.dim() == 2 and weight.shape[1] == K,
         f"weight must be [N, {K}], got {tuple(weight.shape)}",
     )
-    require(
-        x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
-        f"x {x.dtype} and weight {weight.dtype} must share a float dtype",
-    )
+    if weight_scale is None:
+        require(
+            x.dtype == weight.dtype and x.dtype in FLOAT_DTYPES,
+            f"x {x.dtype} and weight {weight.dtype} must share a float dtype",
+        )
+        group = 0
+    else:
+        require(
+            weight.dtype == FP8 and x.dtype in FLOAT_DTYPES,
+            f"an FP8 GEMV takes a float8_e4m3fn weight and a float row, got {weight.dtype} and {x.dtype}",
+        )
+        num_groups = weight_scale.shape[-1] if weight_scale.dim() == 2 else 0
+        require(
+            weight_scale.dim() == 2
+            and weight_scale.shape[0] == N
+            and num_groups >= 1
+            and K % num_groups == 0
+            and weight_scale.dtype == torch.float32
+            and weight_scale.stride(1) == 1
+            and weight_scale.device == x.device,
+            f"weight_scale must be float32 [{N}, G] with G dividing {K}, on {x.device}, "
+            f"got {weight_scale.dtype} {tuple(weight_scale.shape)}",
+        )
+        group = 0 if num_groups == 1 else K // num_groups
     require(x.device == weight.device, f"x is on {x.device}, weight on {weight.device}")
     require(
         x.is_contiguous() and weight.stride(1) == 1,
@@ -130,15 +171,19 @@ def _launch(
             _gemv_kernel[(triton.cdiv(N, block_n),)](
                 x,
                 weight,
+                weight_scale if weight_scale is not None else y,
                 bias if bias is not None else y,
                 y,
                 N,
                 K,
                 weight.stride(0),
+                weight_scale.stride(0) if weight_scale is not None else 0,
                 K,
                 HAS_BIAS=bias is not None,
                 SILU=silu,
                 EVEN_K=K % block_k == 0,
+                SCALED=weight_scale is not None,
+                GROUP=group,
                 BLOCK_N=block_n,
                 BLOCK_K=block_k,
                 num_warps=num_warps,
@@ -166,3 +211,31 @@ def silu_mul_gemv(
         f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}",
     )
     return _launch(gate_up, weight, None, gate_up.shape[1] // 2, silu=True, tile=tile)
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ an FP8 weight [N, K] with float32 scales [N, G] (kernels/fp8.py) (+ bias) -> [1, N]."""
+    require(x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row [1, K], got {tuple(x.shape)}")
+    return _launch(x, weight, bias, x.shape[1], silu=False, tile=tile, weight_scale=weight_scale)
+
+
+def fp8_silu_mul_gemv(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """SwiGLU of gate_up [1, 2K] @ an FP8 weight [N, K] with scales [N, G] -> [1, N], in one kernel."""
+    require(
+        gate_up.dim() == 2 and gate_up.shape[0] == 1 and gate_up.shape[1] % 2 == 0,
+        f"silu_mul_gemv takes one [gate | up] row [1, 2K], got {tuple(gate_up.shape)}",
+    )
+    return _launch(
+        gate_up, weight, None, gate_up.shape[1] // 2, True, tile, weight_scale=weight_scale
+    )

@@ -17,10 +17,15 @@ from tandem.kernels import fused as fused_reference  # noqa: E402
 from tandem.kernels import paged_attention as reference  # noqa: E402
 from tandem.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
-for _name in ("tandem.kernels.paged_attention_triton", "tandem.kernels.fused_triton"):
+for _name in (
+    "tandem.kernels.fp8_triton",
+    "tandem.kernels.paged_attention_triton",
+    "tandem.kernels.fused_triton",
+):
     if _name in sys.modules:  # decorated earlier without the interpreter
         importlib.reload(sys.modules[_name])
-from tandem.kernels import fused_triton  # noqa: E402
+from tandem.kernels import fp8 as fp8_reference  # noqa: E402
+from tandem.kernels import fp8_triton, fused_triton  # noqa: E402
 from tandem.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -119,3 +124,30 @@ def test_engine_on_an_fp8_pool_gives_the_same_tokens_through_either_backend(
         )
         tokens[backend] = run_to_completion(LLMEngine(config), prompts, options)
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, cols, groups", [(1, 64, 1), (5, 300, 1), (7, 256, 2), (3, 2304, 3)])
+def test_the_one_kernel_activation_quantizer_matches_the_torch_path_bit_for_bit(
+    rows, cols, groups, dtype
+):
+    gen = torch.Generator().manual_seed(rows * cols + groups)
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 2, cols)  # wide magnitudes
+    x[0, : cols // groups] = 0.0  # an all-zero group: the smallest scale, zeros, never NaN
+    x = x.to(dtype)
+    want_q, want_scale = fp8_reference.quantize_rows(x, groups)
+    got_q, got_scale = fp8_triton.quantize_rows(x, groups)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    # A row view with a wider stride (a slice of a fused projection's output) reads by its stride.
+    wide = torch.cat([x, x], dim=1)[:, :cols]
+    assert torch.equal(
+        fp8_triton.quantize_rows(wide, groups)[0].view(torch.uint8), want_q.view(torch.uint8)
+    )
+
+
+def test_the_activation_quantizer_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="do not split into 3 scale groups"):
+        fp8_triton.quantize_rows(torch.zeros(2, 8), 3)
+    with pytest.raises(ValueError, match="K-contiguous"):
+        fp8_triton.quantize_rows(torch.zeros(8, 2).t(), 1)

@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated: before 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tandem.kernels import dispatch  # noqa: E402
+from tandem.kernels import dispatch, fp8  # noqa: E402
 from tandem.kernels import gemv as reference  # noqa: E402
 
 if "tandem.kernels.gemv_triton" in sys.modules:  # decorated earlier without the interpreter
@@ -51,6 +51,34 @@ def test_gemv_matches_linear(N, K, tile, dtype):
         reference.gemv(x, weight, bias),
         **_tolerance(dtype),
     )
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["row-scaled", "block-scaled"])
+@pytest.mark.parametrize("N, K, tile", CASES[:3] + [(9, 1024, (8, 256, 2))])
+def test_fp8_gemv_matches_the_dequantized_product(N, K, tile, groups):
+    gen = torch.Generator().manual_seed(N * K + groups)
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    weight, scale = fp8.quantize_rows(torch.randn(N, K, generator=gen) * K**-0.5, groups)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16)
+    tol = _tolerance(torch.bfloat16)
+    got = gemv_triton.fp8_gemv(x, weight, scale, bias, tile=tile)
+    torch.testing.assert_close(got, reference.fp8_gemv(x, weight, scale, bias), **tol)
+    # The FP8 weight is what is read: the product with the unquantized weight is further off.
+    gate_up = (torch.randn(1, 2 * K, generator=gen) * 3).to(torch.bfloat16)
+    got = gemv_triton.fp8_silu_mul_gemv(gate_up, weight, scale, tile=tile)
+    want = reference.fp8_silu_mul_gemv(gate_up, weight, scale)
+    # As silu_mul_gemv's bf16 case: the interpreter rounds the activation its own way.
+    assert (got.float() - want.float()).abs().max() <= 0.1 * want.float().abs().max()
+
+
+def test_fp8_gemv_refuses_a_bad_scale_or_weight():
+    weight, scale = fp8.quantize_rows(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        gemv_triton.fp8_gemv(torch.zeros(1, 8), weight, scale[:3])
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        gemv_triton.fp8_gemv(torch.zeros(1, 8), weight, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="float8_e4m3fn weight"):
+        gemv_triton.fp8_gemv(torch.zeros(1, 8), weight.float(), scale)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -140,6 +168,25 @@ def test_the_dispatcher_sends_one_row_to_the_gemv_and_more_to_cublas(monkeypatch
     monkeypatch.delenv("TANDEM_GEMV")
     dispatch.linear(torch.randn(1, 8), weight)  # CPU tensors without the override: torch
     assert calls == ["gemv", "silu"]
+
+
+def test_the_dispatcher_sends_one_fp8_row_to_the_fp8_gemv(monkeypatch):
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
+    calls = []
+    for name in ("fp8_gemv", "fp8_silu_mul_gemv"):
+        real = getattr(reference, name)
+        monkeypatch.setattr(
+            gemv_triton, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a)
+        )
+    weight, scale = fp8.quantize_rows(torch.randn(16, 8))
+    x = torch.randn(1, 8).to(torch.bfloat16)
+    torch.testing.assert_close(
+        dispatch.fp8_linear(x, weight, scale), reference.fp8_gemv(x, weight, scale)
+    )
+    dispatch.fp8_silu_mul_linear(torch.randn(1, 16).to(torch.bfloat16), weight, scale)
+    assert calls == ["fp8_gemv", "fp8_silu_mul_gemv"]
+    dispatch.fp8_linear(torch.randn(3, 8).to(torch.bfloat16), weight, scale)  # _scaled_mm
+    assert calls == ["fp8_gemv", "fp8_silu_mul_gemv"]
 
 
 def test_a_bad_gemv_setting_stops_an_engine_before_its_model_loads(monkeypatch, model_dirs):

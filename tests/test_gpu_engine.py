@@ -236,6 +236,30 @@ def test_gemvs_match_cublas_on_llama_8b_shapes():
     _close_bf16(gemv_triton.silu_mul_gemv(gate_up, down), gemv.silu_mul_gemv(gate_up, down))
 
 
+def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
+    """The FP8 GEMVs (weight-only dequantization) within bf16 output rounding of the dequantized
+    product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's."""
+    from tandem.kernels import fp8, fp8_triton, gemv, gemv_triton
+
+    gen = torch.Generator("cuda").manual_seed(2)
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576)):
+        x = torch.randn(1, K, generator=gen, device="cuda").bfloat16()
+        for groups in (1, K // 128 if K % 128 == 0 else 1):
+            w, s = fp8.quantize_rows(
+                torch.randn(N, K, generator=gen, device="cuda") / K**0.5, groups
+            )
+            _close_bf16(gemv_triton.fp8_gemv(x, w, s), gemv.fp8_gemv(x, w, s))
+        acts = torch.randn(256, K, generator=gen, device="cuda").bfloat16() * 3
+        for groups in (1, K // 128 if K % 128 == 0 else 1):
+            want_q, want_s = fp8.quantize_rows(acts, groups)
+            got_q, got_s = fp8_triton.quantize_rows(acts, groups)
+            assert torch.equal(got_s, want_s)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    gate_up = torch.randn(1, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
+    w, s = fp8.quantize_rows(torch.randn(4096, 14336, generator=gen, device="cuda") / 120)
+    _close_bf16(gemv_triton.fp8_silu_mul_gemv(gate_up, w, s), gemv.fp8_silu_mul_gemv(gate_up, w, s))
+
+
 def test_graph_attention_splits_match_eager():
     """A captured decode attention uses a split count fixed per batch size and per-sequence segment
     lengths; it must agree with the eager choice on the same inputs."""

@@ -180,7 +180,9 @@ def test_router_finds_exactly_the_worker_pods(chart, case):
         assert len(expected_pods) == sum(
             values[r]["replicas"] for r in ("prefill", "decode", "both")
         )
-        (router,) = by_kind(docs, "Deployment")
+        (router,) = [
+            d for d in by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-router")
+        ]
         container = router["spec"]["template"]["spec"]["containers"][0]
         by_dns = discovery == "dns" and (
             not values["tls"]["enabled"] or values["tls"]["serverName"]
@@ -220,6 +222,8 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(chart, case):
     for container in containers(objects(chart, VALUE_SETS[case])):
         port = container["ports"][0]["containerPort"]
         assert flag(container, "port") == str(port)
+        if container["name"] == "openai":  # HTTP (test_the_openai_front_...)
+            continue
         if tls:
             assert container["ports"][1] == {"name": "health", "containerPort": 50060}
             assert flag(container, "health-port") == "50060"
@@ -340,7 +344,9 @@ def test_drain_preStop_and_termination_grace_agree(chart, case):
     ):
         pod = d["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        assert flag(container, "drain-seconds") == str(drain["seconds"])
+        # The OpenAI front's drain is its --shutdown-timeout.
+        drain_flag = "shutdown-timeout" if container["name"] == "openai" else "drain-seconds"
+        assert flag(container, drain_flag) == str(drain["seconds"])
         pre_stop = container.get("lifecycle", {}).get("preStop")
         if container["name"] == "router":
             assert pre_stop == {"exec": {"command": ["sleep", str(drain["routerPreStopSeconds"])]}}
@@ -605,6 +611,12 @@ def test_service_monitor_scrapes_every_service(chart):
         {"decode": {"cudaIpcGetZcopy": "yes please"}},
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
+        {"logFormat": "xml"},
+        {"topologySpread": {"whenUnsatisfiable": "Sometimes"}},
+        {"topologySpread": {"topologyKeys": []}},
+        {"openai": {"toolCallParser": "mistral"}},
+        {"openai": {"loraModules": ["no-equals-sign"]}},
+        {"decode": {"hostKvCacheGb": -1}},
     ],
     ids=lambda bad: repr(bad),
 )
@@ -634,6 +646,112 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_a_host_kv_tier_is_rendered_only_where_a_role_asks_for_one(chart):
+    def tiers(values):
+        return {
+            c["name"]: flag(c, "host-kv-cache-gb")
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(tiers({}).values()) == {None}
+    assert tiers({"decode": {"hostKvCacheGb": 32}})["decode"] == "32"
+
+
+def test_every_component_spreads_across_nodes_unless_told_otherwise(chart):
+    def spreads(values):
+        return {
+            o["metadata"]["name"].rsplit("-", 1)[-1]: o["spec"]["template"]["spec"].get(
+                "topologySpreadConstraints"
+            )
+            for o in objects(chart, values)
+            if o["kind"] in ("Deployment", "StatefulSet")
+        }
+
+    default = spreads({})
+    assert set(default) == {"router", "prefill", "decode"}
+    for component, constraints in default.items():
+        (c,) = constraints
+        assert c["topologyKey"] == "kubernetes.io/hostname"
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"  # soft: a one-node cluster schedules
+        # Each component spreads its own pods, not the release's.
+        assert c["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+    zones = spreads(
+        {
+            "topologySpread": {
+                "topologyKeys": ["kubernetes.io/hostname", "topology.kubernetes.io/zone"],
+                "whenUnsatisfiable": "DoNotSchedule",
+            }
+        }
+    )
+    assert [c["topologyKey"] for c in zones["decode"]] == [
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    ]
+    own = [{"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}]
+    replaced = spreads({"decode": {"topologySpreadConstraints": own}})
+    assert replaced["decode"] == own and replaced["prefill"] == default["prefill"]
+    off = spreads({"topologySpread": {"enabled": False}})
+    assert set(off.values()) == {None}
+
+
+def test_the_openai_front_serves_the_router_with_the_key_from_its_secret(chart):
+    assert not [o for o in objects(chart, {}) if "openai" in o["metadata"]["name"]]
+    front = {
+        "enabled": True,
+        "replicas": 2,
+        "servedModelName": "llama-3.1-8b",
+        "toolCallParser": "llama3_json",
+        "apiKey": {"secretName": "openai-key"},
+    }
+    docs = objects(chart, {**VALUE_SETS["disaggregated"], "openai": front})
+    for doc in docs:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    (deployment,) = [
+        o for o in by_kind(docs, "Deployment") if o["metadata"]["name"].endswith("-openai")
+    ]
+    (service,) = [o for o in by_kind(docs, "Service") if o["metadata"]["name"].endswith("-openai")]
+    assert deployment["spec"]["replicas"] == 2
+    assert service["spec"]["ports"][0]["port"] == 8000
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert c["args"][:2] == ["serve", "openai"]
+    assert flag(c, "target") == f"{RELEASE}-tandem-router:50051"
+    assert flag(c, "served-model-name") == "llama-3.1-8b"
+    assert flag(c, "tool-call-parser") == "llama3_json"
+    (key,) = [e for e in c["env"] if e["name"] == "TANDEM_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "openai-key", "key": "api-key"}
+    # Its /metrics (on the HTTP port): scraped by annotation, and by the ServiceMonitor through
+    # the Service's metrics port.
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    (metrics,) = [p for p in service["spec"]["ports"] if p["name"] == "metrics"]
+    assert metrics["targetPort"] == "http"
+    assert not c.get("env") or "TANDEM_ADMIN_TOKEN" not in str(c["env"])  # no admin calls
+    # Liveness: the process answers; readiness: it can route (the router's health).
+    assert c["livenessProbe"]["httpGet"]["path"] == "/ping"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    # A routerFrom that admits only some namespaces still admits the release's front.
+    (policy,) = [
+        p
+        for p in by_kind(docs, "NetworkPolicy")
+        if p["metadata"]["name"] == f"{RELEASE}-tandem-router"
+    ]
+    peers = policy["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "tandem",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "openai",
+    }}} in peers  # fmt: skip
+
+
+def test_every_process_logs_in_the_values_log_format(chart):
+    def formats(values):
+        return {_env(c).get("TANDEM_LOG_FORMAT") for c in containers(objects(chart, values))}
+
+    assert formats({}) == {"text"}
+    assert formats({"logFormat": "json"}) == {"json"}
 
 
 def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):

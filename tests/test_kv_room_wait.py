@@ -135,6 +135,7 @@ def test_handoffs_waiting_for_room_get_it_in_the_order_they_came():
 
     from tandem.decode.generation import GenerationPhase
     from tandem.decode.outcomes import Reason
+    from tandem.decode.pull_links import PullFloor, PullLinks
     from tandem.engine.messages import AddRequest
     from tandem.engine.sampling_options import SamplingOptions
 
@@ -157,7 +158,11 @@ def test_handoffs_waiting_for_room_get_it_in_the_order_they_came():
         from collections import deque
 
         phase._room_line = deque()
-        handoff = SimpleNamespace(lease_expires_at=time.time() + 60)
+        phase.poller = SimpleNamespace(transceiver=SimpleNamespace(block_nbytes=4096))
+        phase.links = PullLinks(PullFloor())
+        handoff = SimpleNamespace(
+            lease_expires_at=time.time() + 60, block_ids=[1, 2, 3], ctx_endpoint="p:1"
+        )
 
         async def reserve(rid, delay):
             await asyncio.sleep(delay)
@@ -183,3 +188,105 @@ def test_handoffs_waiting_for_room_get_it_in_the_order_they_came():
     plan, reason, waited = last
     assert plan is None and reason is Reason.NO_ROOM and 0.9 <= waited <= 3.0
     assert "r1" in asked[:first_r2]
+
+
+def test_a_pull_starts_only_with_the_time_it_should_take_left_on_the_lease():
+    """After a wait for room, a lease with less left than twice what the peer's pulls of that
+    many bytes took (plus the 1 s margin) is not pulled: lease_expiring, the prompt computed."""
+    import time
+    from types import SimpleNamespace
+
+    from tandem.decode.generation import GenerationPhase
+    from tandem.decode.outcomes import Reason
+    from tandem.decode.pull_links import PullFloor, PullLinks
+    from tandem.engine.messages import AddRequest
+    from tandem.engine.sampling_options import SamplingOptions
+
+    class Core:
+        async def call(self, command):
+            return SimpleNamespace(request_id=command.request_id)
+
+    def reserve(seconds_left: float, pull_seconds: float | None):
+        phase = GenerationPhase.__new__(GenerationPhase)
+        phase.room_wait_s = 1.0
+        phase._room_line = deque()
+        phase.poller = SimpleNamespace(transceiver=SimpleNamespace(block_nbytes=1 << 20))
+        phase.links = PullLinks(PullFloor())
+        if pull_seconds is not None:  # an earlier pull of 10 MiB from that prefill took this long
+            phase.links.observe("p:1", "agent", True, False, 10 << 20, pull_seconds)
+        handoff = SimpleNamespace(
+            lease_expires_at=time.time() + seconds_left,
+            block_ids=list(range(10)),
+            ctx_endpoint="p:1",
+        )
+        add = AddRequest("r", [1, 2, 3], SamplingOptions(), remote_kv=True)
+        return asyncio.run(phase._reserve(Core(), add, handoff))
+
+    from collections import deque
+
+    assert reserve(3.0, None)[0] is not None  # nothing measured: the margin alone
+    assert reserve(3.0, 0.5)[0] is not None  # 1 + 2 x 0.5 s < 3 s
+    plan, reason, _ = reserve(3.0, 1.5)  # 1 + 2 x 1.5 s > 3 s
+    assert plan is None and reason is Reason.LEASE_EXPIRING
+
+
+def test_a_client_own_handoff_cancelled_while_waiting_for_room_ends_its_lease(cluster):
+    """A client that runs the split itself (no router to release the lease) cancels its
+    generation_only while the decode waits for room: the prefill's lease ends at once, not when
+    it expires."""
+    decode, prefill = cluster.workers[1], cluster.workers[0]
+    prompt = _ids(21, PROMPT)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run():
+        kwargs = cluster.worker_client_kwargs()
+        async with (
+            AsyncLLM(decode.address, **kwargs) as dec,
+            AsyncLLM(prefill.address, **kwargs) as pre,
+        ):
+            hog = dec.generate_async(
+                _ids(1021, HOG_PROMPT),
+                SamplingParams(max_tokens=HOG_TOKENS, ignore_eos=True),
+                streaming=True,
+            )
+            hog_iter = hog.__aiter__()
+            await hog_iter.__anext__()
+            before = worker_state(prefill.address).num_leases
+            ctx = await pre.generate_async(
+                prompt,
+                params,
+                disaggregated_params=DisaggregatedParams(request_type="context_only"),
+            )
+            h = ctx.outputs[0].disaggregated_params
+            assert worker_state(prefill.address).num_leases == before + 1
+            gen = dec.generate_async(
+                prompt,
+                params,
+                disaggregated_params=DisaggregatedParams(
+                    request_type="generation_only",
+                    first_gen_tokens=h.first_gen_tokens,
+                    ctx_request_id=h.ctx_request_id,
+                    opaque_state=h.opaque_state,
+                ),
+                streaming=True,
+            )
+            task = asyncio.ensure_future(gen.__aiter__().__anext__())
+            await asyncio.sleep(0.3)  # waiting for room: the hog holds the pool
+            assert not task.done()
+            task.cancel()
+            gen.abort()
+            left, deadline = None, time.monotonic() + 5
+            while time.monotonic() < deadline:
+                left = worker_state(prefill.address).num_leases
+                if left == before:
+                    break
+                await asyncio.sleep(0.1)
+            async for _ in hog_iter:
+                pass
+            return before, left
+
+    import time
+
+    before, left = asyncio.run(run())
+    assert left == before, "the cancelled handoff's lease is still out at the prefill"
+    assert worker_state(decode.address).kv_handoff_outcomes["cancelled"] >= 1

@@ -244,6 +244,16 @@ def test_a_known_workload_is_counted_on_every_process(cluster):
             )
             == 1
         )
+    # vLLM's request phases on each worker, one observation per request it served to the end:
+    # every request's context phase on the prefill, the handed-off ones' decode on the decode.
+    for role, count in (("prefill", len(outputs)), ("decode", len(handed_off))):
+        for phase in ("queue", "prefill", "decode", "inference"):
+            name = f"tandem:request_{phase}_time_seconds"
+            assert scrapes.delta(role, f"{name}_count") == count, (role, phase)
+            assert scrapes.delta(role, f"{name}_sum") >= 0
+        # The decode phase of the decodes' requests ran (several tokens each).
+    assert scrapes.delta("decode", "tandem:request_decode_time_seconds_sum") > 0
+    assert scrapes.delta("prefill", "tandem:request_prefill_time_seconds_sum") > 0
     # Inter-token latency: one interval per message of new tokens after the first; the streamed
     # request's messages are the only ones the router's clients got several of.
     assert scrapes.delta("router", "tandem:inter_token_latency_seconds_count") >= 1

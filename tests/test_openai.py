@@ -254,3 +254,35 @@ def test_leaving_a_stream_aborts_the_request(front):
     # 1,900 tokens take far longer than this: the blocks come back only because the request was aborted.
     caps = wait_all_blocks_free(llm, timeout=3)
     assert all(c["numFreeBlocks"] == c["maxNumBlocks"] for c in caps.values()), caps
+
+
+def test_a_front_whose_router_is_down_is_alive_but_not_ready(tmp_path):
+    """/ping (the chart's liveness) answers while the process does; /health (readiness) is 503
+    while the router cannot be reached: Kubernetes takes the front out of its Service, and does
+    not restart it."""
+    port = free_port()
+    log_path = tmp_path / "front.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli.main", "serve", "openai"]
+            + ["--target", f"127.0.0.1:{free_port()}", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                ping = httpx.get(f"{base}/ping", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        assert ping.status_code == 200
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 503 and "router" in health.text
+    finally:
+        process.terminate()
+        process.wait(15)

@@ -73,7 +73,9 @@ def test_base64_is_little_endian_float32(served):
 
 
 def test_dimensions_and_bad_input_are_refused(served):
-    client, model, _ = served
+    client, model, llm = served
+    # The router says the embedding size, so a wrong `dimensions` is refused before any encoding.
+    assert llm._server_info().embedding_size == 384
     assert (
         len(client.embeddings.create(model=model, input="x", dimensions=384).data[0].embedding)
         == 384

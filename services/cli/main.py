@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
@@ -18,6 +17,8 @@ from tandem.cli.security_flags import (
 )
 from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
+from tandem.common.logs import FORMATS, default_format
+from tandem.common.logs import configure as configure_logs
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES
 from tandem.openai.tools import PARSERS as TOOL_CALL_PARSERS
 
@@ -40,6 +41,14 @@ def _add_metrics_port(parser: argparse.ArgumentParser, default: int) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=default_format(),
+        help="text (the default) or json: one JSON object a line, with the request id, route "
+        "and worker on a request's lines; also TANDEM_LOG_FORMAT, which the processes that "
+        "`tandem up` starts inherit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
@@ -470,10 +479,8 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        configure_logs(args.log_level, args.log_format)
         if args.command == "serve":
             return _serve(args)
         if args.command == "up":

@@ -50,8 +50,11 @@ from tandem.v1 import types_pb2, worker_pb2
 
 log = logging.getLogger("tandem.decode")
 
-# Seconds of lease a KV pull needs left to start; with less the decode computes the prompt itself.
+# Seconds of lease a KV pull needs left to start beyond the time it should take (PULL_TIME_FACTOR
+# times what the peer's earlier pulls of that many bytes took); with less the decode computes
+# the prompt itself: a lease that ends mid-READ may hand its blocks to another request.
 LEASE_SAFETY_MARGIN_S = 1.0
+PULL_TIME_FACTOR = 2.0
 PULL_TIMEOUT_S = 30.0
 # Blocks a READ of a pull moves at most: a pull that fails part-way keeps the KV of the READs
 # before the failure (the engine computes only the rest of the prompt).
@@ -232,6 +235,11 @@ class GenerationPhase:
                 await self.poller.settle(read)
             core.abort(rid)
             self._end(request, handoff, Outcome.CANCELLED)
+            # The lease is ours to end here too: a client's own generation_only (no router
+            # behind it to release) cancelled while waiting for room or mid-pull would otherwise
+            # hold the prefill's blocks until the lease expired. Ending one already confirmed or
+            # released is a no-op at the prefill.
+            self._release_remote(handoff)
             raise
         except (TransferError, grpc.aio.AioRpcError) as exc:
             # TransferError: the READ failed or timed out; AioRpcError: the prefill's transceiver
@@ -323,11 +331,16 @@ class GenerationPhase:
         to room_wait_s: pulling once room frees is cheaper than computing the prompt, which
         would wait for the same room. The handoffs that wait do so in line, the one at its head
         asking (backing off) for all: room goes to them in the order they came. A lease about to
-        run out may be freed (and its blocks reused) while we read: with less than the margin
-        left it is not pulled."""
+        run out may be freed (and its blocks reused) while we read: with less left than the pull
+        should take (by the peer's earlier pulls, PULL_TIME_FACTOR over) plus the margin, it is
+        not pulled; after a long wait for room that check is what stops a late pull."""
+        pull_bytes = len(handoff.block_ids) * self.poller.transceiver.block_nbytes
+        needed = LEASE_SAFETY_MARGIN_S + PULL_TIME_FACTOR * self.links.expected_seconds(
+            handoff.ctx_endpoint, pull_bytes
+        )
 
         def lease_left() -> bool:
-            return handoff.lease_expires_at - time.time() > LEASE_SAFETY_MARGIN_S
+            return handoff.lease_expires_at - time.time() > needed
 
         def ask():  # a command of its own each time: the engine's queue time is the call's
             return core.call(dataclasses.replace(add, enqueued_at=time.monotonic()))
@@ -349,14 +362,15 @@ class GenerationPhase:
             except asyncio.TimeoutError:
                 return None, Reason.NO_ROOM, time.monotonic() - refused_at
             delay = ROOM_POLL_FIRST_S
-            while lease_left():
+            while True:
+                if not lease_left():
+                    return None, Reason.LEASE_EXPIRING, time.monotonic() - refused_at
                 plan = await ask()
                 waited = time.monotonic() - refused_at
                 if plan is not None or waited >= self.room_wait_s:
                     return plan, Reason.NO_ROOM, waited
                 await asyncio.sleep(min(delay, self.room_wait_s - waited))
                 delay = min(2 * delay, ROOM_POLL_MAX_S)
-            return None, Reason.NO_ROOM, time.monotonic() - refused_at
         finally:
             was_head = self._room_line[0] is me
             self._room_line.remove(me)

@@ -162,6 +162,14 @@ class PullLinks:
                 _likely_cause(device_pools),
             )
 
+    def expected_seconds(self, peer: str, num_bytes: int) -> float:
+        """How long a pull of num_bytes from peer should take at the mean rate its pulls ran
+        (0.0 before its first pull: nothing measured to go by)."""
+        link = self._links.get(peer)
+        if link is None or link.seconds <= 0 or link.num_bytes <= 0:
+            return 0.0
+        return num_bytes * link.seconds / link.num_bytes
+
     def links(self) -> list[PeerLink]:
         return [dataclasses.replace(link) for link in self._links.values()]
 

@@ -5,7 +5,8 @@ A full block's hash covers its tokens and its parent's hash (and, at the root, t
 request's cache_salt and LoRA adapter), so equal hashes mean equal prefixes computed
 with equal weights. A freed block keeps
 its hash and stays findable until the allocator reuses it, least recently freed
-first; that is when it leaves the cache (a "removed" KV event).
+first; that is when it leaves the cache (a "removed" KV event), or, with a host tier
+(kv_tier.py), goes down to it ("updated", cache_level 0 -> 1) and stays findable there.
 """
 
 from __future__ import annotations
@@ -14,10 +15,24 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from tandem.common.kv_hash import chain_hash
+from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.sequence import Sequence
 
 # TRT-LLM's default retention priority, reported on stored blocks.
 DEFAULT_PRIORITY = 35
+# In match_prefix's blocks: a block found in the host tier (its device block is allocated, and
+# its KV copied up, when the prefix is taken).
+IN_HOST_TIER = -1
+
+
+def _level_change(block_hash: int, old: int, new: int) -> dict:
+    """TensorRT-LLM's "updated" KV event for a block moving between cache levels."""
+    return {
+        "type": "updated",
+        "block_hash": block_hash,
+        "cache_level": {"type": "event_diff", "old_value": old, "new_value": new},
+        "priority": None,
+    }
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -25,8 +40,16 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostKvTier | None = None,
+    ):
         self.num_blocks = num_blocks
+        # The tier evicted blocks go down to (None: they are forgotten); only with prefix caching.
+        self.host_tier = host_tier if enable_prefix_caching else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
@@ -35,7 +58,13 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}
         # KV events in TensorRT-LLM's schema, drained by the engine.
         self.events: list[dict] = [
-            {"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]}
+            {
+                "type": "created",
+                "num_blocks_per_cache_level": [
+                    num_blocks,
+                    self.host_tier.num_slots if self.host_tier is not None else 0,
+                ],
+            }
         ]
         self.num_cache_hits = 0  # blocks served from the cache
         self.num_new_blocks = 0  # blocks handed out fresh (their KV computed or pulled anew)
@@ -84,37 +113,64 @@ class BlockManager:
         self, token_ids: list[int], salt: str | None, max_tokens: int, lora: str | None = None
     ) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of token_ids (at most max_tokens tokens) under
-        this salt and adapter fingerprint: (block ids, their hashes)."""
+        this salt and adapter fingerprint: (block ids, their hashes); IN_HOST_TIER for a block
+        the host tier holds."""
         blocks: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return blocks, hashes
         bs = self.block_size
+        tier = self.host_tier
         parent = None
         for start in range(0, (max_tokens // bs) * bs, bs):
             h = chain_hash(parent, token_ids[start : start + bs], salt, lora)
             block = self._by_hash.get(h)
             if block is None:
-                break
+                if tier is None or h not in tier:
+                    break
+                block = IN_HOST_TIER
             blocks.append(block)
             hashes.append(h)
             parent = h
         return blocks, hashes
 
     def num_free_needed(self, cached_blocks: list[int], num_new_blocks: int) -> int:
-        """Free-list blocks that taking cached_blocks plus num_new_blocks fresh ones consumes."""
-        return sum(1 for b in cached_blocks if self._ref_counts[b] == 0) + num_new_blocks
+        """Free-list blocks that taking cached_blocks plus num_new_blocks fresh ones consumes (a
+        block in the host tier takes a fresh one)."""
+        return (
+            sum(1 for b in cached_blocks if b == IN_HOST_TIER or self._ref_counts[b] == 0)
+            + num_new_blocks
+        )
 
     def take_cached(
         self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int
     ) -> None:
         """Gives seq the cached prefix blocks: their KV counts as computed. num_queried_tokens:
-        how many of its tokens the lookup was for (the prefix cache's queries)."""
+        how many of its tokens the lookup was for (the prefix cache's queries). Blocks in the host
+        tier get fresh device blocks, their KV owed a copy up (the engine flushes it before the
+        step that reads it), and are the device cache's again."""
         for b in blocks:
+            if b == IN_HOST_TIER:
+                continue
             if self._ref_counts[b] == 0:
                 del self._free[b]
             self._ref_counts[b] += 1
-        seq.block_table = list(blocks)
+        blocks = list(blocks)
+        # Claimed before any fresh block is allocated: the evictions allocating does push blocks
+        # down, which must not push out the ones about to come up.
+        slots = {
+            i: self.host_tier.claim(hashes[i]) for i, b in enumerate(blocks) if b == IN_HOST_TIER
+        }
+        # After the device blocks are taken: a fresh block must not be one of them.
+        for i, slot in slots.items():
+            (block,) = self.allocate(1)
+            self.num_new_blocks -= 1  # a hit, not new KV
+            self.host_tier.copy_up(slot, block)
+            self._by_hash[hashes[i]] = block
+            self._block_hash[block] = hashes[i]
+            self.events.append(_level_change(hashes[i], 1, 0))
+            blocks[i] = block
+        seq.block_table = blocks
         seq.block_hashes = list(hashes)
         seq.num_computed_tokens = len(blocks) * self.block_size
         self.num_cache_hits += len(blocks)
@@ -180,9 +236,17 @@ class BlockManager:
         h = self._block_hash[block]
         if h is not None:
             self._block_hash[block] = None
-            if self._by_hash.get(h) == block:
-                del self._by_hash[h]
-            self.events.append({"type": "removed", "block_hashes": [h]})
+            if self._by_hash.get(h) != block:
+                return
+            del self._by_hash[h]
+            if self.host_tier is None:
+                self.events.append({"type": "removed", "block_hashes": [h]})
+                return
+            pushed_out = self.host_tier.offload(h, block)
+            if pushed_out != h:
+                self.events.append(_level_change(h, 0, 1))
+            if pushed_out is not None:
+                self.events.append({"type": "removed", "block_hashes": [pushed_out]})
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (their KV is about to become invalid: new weights, a new pool)."""
@@ -190,6 +254,8 @@ class BlockManager:
         for block in self._by_hash.values():
             self._block_hash[block] = None
         self._by_hash.clear()
+        if self.host_tier is not None:
+            hashes += self.host_tier.clear()
         if hashes:
             self.events.append({"type": "removed", "block_hashes": hashes})
 

@@ -34,6 +34,13 @@ class EngineConfig:
     kv_cache_memory_gb: float = _flag(
         0.25, "memory for the KV pool when --num-blocks is 0", flag="--kv-cache-gb"
     )
+    host_kv_cache_gb: float = _flag(
+        0.0,
+        "host memory for a second KV tier below the pool (pinned on a GPU): prefix blocks the "
+        "pool evicts are copied down and copied back up on a later prefix hit (0: none; needs "
+        "prefix caching; one rank only)",
+        flag="--host-kv-cache-gb",
+    )
     # Continuous batching limits: sequences per step and tokens per step (the chunked-prefill budget).
     max_num_seqs: int = _flag(64, "sequences per engine step")
     max_num_batched_tokens: int = _flag(2048, "token budget per step (chunked prefill)")
@@ -119,6 +126,20 @@ class EngineConfig:
             raise ValueError("num_blocks and max_model_len must be >= 0 (0 means automatic)")
         if self.num_blocks == 0 and self.kv_cache_memory_gb <= 0:
             raise ValueError("give num_blocks > 0 or kv_cache_memory_gb > 0 to size the KV cache")
+        if not 0 <= self.host_kv_cache_gb <= 4096:
+            raise ValueError(
+                f"host_kv_cache_gb must be in [0, 4096] GiB, got {self.host_kv_cache_gb}"
+            )
+        if self.host_kv_cache_gb and not self.enable_prefix_caching:
+            raise ValueError(
+                "--host-kv-cache-gb keeps evicted prefix blocks: it needs prefix caching (drop "
+                "--no-prefix-caching or the host tier)"
+            )
+        if self.host_kv_cache_gb and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--host-kv-cache-gb is not supported with tensor_parallel_size > 1 yet (each rank's "
+                "pool would need its own tier): give one or the other"
+            )
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}")
         if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -49,5 +49,5 @@ def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def apply_silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(gate_up) through module (the fused SwiGLU GEMV for model-dtype weights)."""
     if isinstance(module, Fp8Linear):
-        return apply_linear(module, kernels.silu_and_mul(gate_up))
+        return kernels.fp8_silu_mul_linear(gate_up, module.weight, module.weight_scale)
     return kernels.silu_mul_linear(gate_up, module.weight)

@@ -14,6 +14,7 @@ from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
 from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.lora_adapter import LoRAAdapter
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput, coalesce
 from tandem.engine.model_runner import ModelRunner
@@ -93,8 +94,11 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
+        host_tier = (
+            HostKvTier(self.runner.host_kv.shape[0]) if self.runner.host_kv is not None else None
+        )
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, host_tier
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -312,6 +316,9 @@ class LLMEngine:
             self.runner.synchronize()
         bm.take_cached(seq, cached, hashes, seq.num_prompt_tokens)
         seq.block_table += bm.allocate(num_blocks - len(cached))
+        if self._flush_kv_tier():
+            # Evicted blocks copied down before the pull writes into them (outside stream order).
+            self.runner.synchronize()
         if seq.perf is not None:  # the blocks not found here are the ones pulled
             seq.perf.admitted(len(cached), bm.num_blocks_for(seq.num_prompt_tokens))
         seq.status = Status.WAITING_FOR_REMOTE_KV
@@ -524,8 +531,12 @@ class LLMEngine:
         if batch.is_empty:
             return None
         started = time.perf_counter()
+        self._flush_kv_tier()  # the blocks this step writes may be ones just evicted
         self.counters.iteration += 1
+        now = time.monotonic()
         for seq in batch.seqs:
+            if not seq.first_scheduled_at:
+                seq.first_scheduled_at = now
             if seq.perf is not None:
                 seq.perf.scheduled(self.counters.iteration)
         sampled, draws, prompt_logprobs = self.runner.execute(batch)
@@ -716,6 +727,7 @@ class LLMEngine:
             [ranks],
             seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
         )
+        out.first_scheduled_at = seq.first_scheduled_at
         if first and seq.context_logits:
             out.context_logits = torch.cat(seq.context_logits)
         if seq.perf is not None:  # on every output: a stop string or an abort may end it next
@@ -754,8 +766,20 @@ class LLMEngine:
         for slot in group.slots:
             if slot not in self.scheduler.running and slot not in self.scheduler.waiting:
                 self.scheduler.add_forked(slot)  # a new beam: its KV forked
+        self._flush_kv_tier()  # the forks' fresh blocks may be ones just evicted
         self.runner.copy_blocks(copies)
         return []
+
+    def _flush_kv_tier(self) -> bool:
+        """Runs the host tier's owed copies (engine/kv_tier.py); whether there were any."""
+        tier = self.block_manager.host_tier
+        if tier is None:
+            return False
+        down, up = tier.take_copies()
+        if not down and not up:
+            return False
+        self.runner.copy_kv_tier(down, up)
+        return True
 
     def _finish(self, seq: Sequence) -> None:
         if self.proposer is not None:

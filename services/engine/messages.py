@@ -158,6 +158,8 @@ class StepOutput:
     # new token's draw (one [V] row per token), when the options ask for them.
     context_logits: Any = None
     generation_logits: list | None = None
+    # When a step first scheduled the sequence (time.monotonic), on each of its outputs.
+    first_scheduled_at: float = 0.0
     # The sequence's perf metrics so far (engine/perf_metrics.SequencePerf) on each of its outputs,
     # when its options ask for them (return_perf_metrics); the worker sends the last one.
     perf: SequencePerf | None = None

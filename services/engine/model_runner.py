@@ -188,6 +188,20 @@ class ModelRunner:
             config.kv_cache_memory_gb
         )
         self.kv_cache = self._allocate_kv_cache()
+        # The host KV tier's blocks (engine/kv_tier.py), pinned on CUDA; None without a tier.
+        self.host_kv = None
+        if config.host_kv_cache_gb:
+            num_host = int(config.host_kv_cache_gb * (1 << 30)) // self.block_nbytes
+            if num_host < 1:
+                raise ValueError(
+                    f"host_kv_cache_gb={config.host_kv_cache_gb} holds no KV block of "
+                    f"{self.block_nbytes} bytes"
+                )
+            self.host_kv = torch.zeros(
+                (num_host, *self.kv_cache.shape[1:]),
+                dtype=self.kv_cache.dtype,
+                pin_memory=self.device.type == "cuda",
+            )
         max_num_seqs = config.max_num_seqs
         self.lora_pool = None
         if config.max_loras:
@@ -457,6 +471,26 @@ class ModelRunner:
                 f"kv_cache_memory_gb={gigabytes} holds no KV block of {per_block} bytes"
             )
         return num_blocks
+
+    def copy_kv_tier(self, down: list[tuple[int, int]], up: list[tuple[int, int]]) -> None:
+        """The host tier's copies owed since the last flush: down [(device block, host slot)]
+        first, then up [(host slot, device block)]. Queued on the device's stream (ordered before the
+        next forward, after any step in flight); the caller synchronizes before a NIXL pull may
+        write into blocks this frees."""
+        if self.kv_cache is None or self.host_kv is None:
+            return
+        # FP8 blocks move as bytes.
+        pool, host = (
+            (self.kv_cache.view(torch.uint8), self.host_kv.view(torch.uint8))
+            if self.kv_dtype == FP8
+            else (self.kv_cache, self.host_kv)
+        )
+        # One copy a block (each is contiguous in both): stream-ordered on CUDA, into and out of
+        # pinned memory, with no host-side step that would run before the device's copy landed.
+        for block, slot in down:
+            host[slot].copy_(pool[block], non_blocking=True)
+        for slot, block in up:
+            pool[block].copy_(host[slot], non_blocking=True)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV block copies [(source, destination)] (beam forks), queued before any later step; waited

@@ -87,6 +87,8 @@ class Sequence:
     # flight); not in output_token_ids, not in num_tokens, but they are the next tokens to compute.
     num_pending_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # When a step first scheduled it (time.monotonic; 0.0: not yet): its queue time ends there.
+    first_scheduled_at: float = 0.0
     first_token_time: float | None = None
     arrival_seq: int = 0
     # The request's LoRA adapter (lora_adapter.LoRAAdapter), and its slot in the adapter pool

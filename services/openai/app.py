@@ -29,7 +29,7 @@ from tandem.openai.protocol import (
 )
 
 log = logging.getLogger("tandem.openai")
-# The routes --api-key guards (as vLLM's: the API; /health, /metrics and /version stay open).
+# The routes --api-key guards (as vLLM's: the API; /health, /ping, /metrics and /version stay open).
 GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -85,7 +85,7 @@ def build_app(config: FrontConfig) -> FastAPI:
     @app.post("/v1/embeddings")
     async def _embeddings(body: EmbeddingRequest, request: Request):
         with _as_openai_errors():
-            return await embeddings(request.app.state.front, body)
+            return await embeddings(request.app.state.front, body, request)
 
     async def model_cards(front: Front) -> list[dict]:
         """The served model, then its LoRA adapters (vLLM's cards: `parent` names the base)."""
@@ -139,6 +139,12 @@ def build_app(config: FrontConfig) -> FastAPI:
             front = await _front_for(request, body.model)
             tokenizer = await front.tokenizer()
             return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}
+
+    @app.get("/ping")
+    async def ping():
+        """200 while the process answers (liveness: a front whose router is down is not
+        restarted; /health, its readiness, says whether it can route)."""
+        return JSONResponse({})
 
     @app.get("/version")
     async def version():
@@ -241,6 +247,7 @@ def serve_openai(config: FrontConfig) -> None:
         host=config.host,
         port=config.port,
         log_level="info",
+        log_config=None,  # uvicorn's lines through the process's handler (--log-format)
         timeout_graceful_shutdown=config.shutdown_timeout_s,
     )
 

@@ -50,7 +50,7 @@ async def chat_completions(
     )
     prompts = await within_context(front, [prompt], request.max_new_tokens, False)
     response_id, created = r.new_id("chatcmpl"), r.now()
-    outs = await generate(front, prompts, params, request.stream, http, lora_request)
+    outs = await generate(front, prompts, params, request.stream, http, lora_request, response_id)
 
     def logprobs(token_ids, entries):
         return (

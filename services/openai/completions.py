@@ -23,7 +23,7 @@ async def completions(front: Front, request: CompletionRequest, http: Request | 
         request, request.max_tokens, request.logprobs, add_special_tokens=True
     )
     response_id, created = r.new_id("cmpl"), r.now()
-    outs = await generate(front, prompts, params, request.stream, http, lora_request)
+    outs = await generate(front, prompts, params, request.stream, http, lora_request, response_id)
 
     def logprobs(token_ids, entries, offset):
         if request.logprobs is None:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
 from typing import Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.openai.errors import OpenAIError
-from tandem.openai.front import Front, log_ignored
+from tandem.openai.front import Front, awaited_unless_gone, log_ignored
 
 # OpenAI's own bounds: 2048 inputs a request; a text is bounded here by characters (the encoder
 # refuses what passes its context, 512 tokens for MiniLM, with a message).
@@ -71,12 +71,26 @@ def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
 
 
-async def embeddings(front: Front, request: EmbeddingRequest) -> dict:
+def _check_dimensions(requested: int | None, dimension: int) -> None:
+    """dimensions must be the model's own (0: not known yet, nothing to check)."""
+    if requested is not None and dimension and requested != dimension:
+        raise OpenAIError(
+            400,
+            f"dimensions={requested}: this model's embeddings have {dimension} "
+            "dimensions and it was not trained to be shortened (matryoshka); leave dimensions "
+            f"out or give {dimension}",
+            "dimensions",
+        )
+
+
+async def embeddings(front: Front, request: EmbeddingRequest, http: Request | None = None) -> dict:
+    """http: the HTTP request, watched so that a client gone mid-encode cancels the Encode."""
     started, endpoint = time.monotonic(), "/v1/embeddings"
     model, adapter = await front.check_model(request.model)
     if adapter is not None:
         raise OpenAIError(400, f"`{model}` is a LoRA adapter: adapters do not embed", "model")
-    if not (await front.info()).encode_only:
+    info = await front.info()
+    if not info.encode_only:
         raise OpenAIError(
             400,
             f"The model `{model}` does not support the embeddings API: it generates text. "
@@ -84,18 +98,12 @@ async def embeddings(front: Front, request: EmbeddingRequest) -> dict:
             "model",
         )
     log_ignored(endpoint, request)
-    outs = await asyncio.to_thread(
-        front.llm.encode, request.inputs, add_special_tokens=request.add_special_tokens
+    _check_dimensions(request.dimensions, info.embedding_size)  # before any work is done
+    outs = await awaited_unless_gone(
+        http,
+        front.llm.encode_async(request.inputs, add_special_tokens=request.add_special_tokens),
     )
-    dimension = len(outs[0].pooled)
-    if request.dimensions is not None and request.dimensions != dimension:
-        raise OpenAIError(
-            400,
-            f"dimensions={request.dimensions}: this model's embeddings have {dimension} "
-            "dimensions and it was not trained to be shortened (matryoshka); leave dimensions "
-            f"out or give {dimension}",
-            "dimensions",
-        )
+    _check_dimensions(request.dimensions, len(outs[0].pooled))  # a router that did not say
     num_tokens = sum(len(out.prompt_token_ids) for out in outs)
     front.observe(endpoint, started, num_tokens, 0)
     return {

@@ -13,6 +13,7 @@ from pathlib import Path
 from fastapi import Request
 
 from tandem.client import AsyncLLM, LoRARequest
+from tandem.common.logs import bind
 from tandem.openai import responses as r
 from tandem.openai.config import FrontConfig
 from tandem.openai.errors import OpenAIError, from_exception
@@ -108,10 +109,21 @@ async def generate(
     stream: bool,
     http: Request | None = None,
     lora_request: LoRARequest | None = None,
+    response_id: str | None = None,
 ):
+    """response_id: the OpenAI id (chatcmpl-...), which names the router's requests (its id, then
+    the prompt's index) so that one id joins the front's, the router's and the workers' lines."""
+    if response_id is not None:
+        bind(request_id=response_id)
     results = [
-        front.llm.generate_async(p, params, streaming=stream, lora_request=lora_request)
-        for p in prompts
+        front.llm.generate_async(
+            p,
+            params,
+            streaming=stream,
+            lora_request=lora_request,
+            request_id=f"{response_id}-{i}" if response_id is not None else None,
+        )
+        for i, p in enumerate(prompts)
     ]
     if stream:
         merged = MergedStream(results)
@@ -123,11 +135,18 @@ async def generate(
 async def unless_gone(http: Request | None, results: list):
     """The results, unless the client goes away first: then they are aborted (their workers stop)
     and the route answers nobody (499, nginx's "client closed request")."""
-    done = asyncio.ensure_future(asyncio.gather(*results))
+    return await awaited_unless_gone(
+        http, asyncio.gather(*results), lambda: [result.abort() for result in results]
+    )
+
+
+async def awaited_unless_gone(http: Request | None, awaitable, on_gone=lambda: None):
+    """awaitable's result, unless the client goes away first: then on_gone() runs, the awaitable
+    is cancelled (an RPC under it with it) and the route answers 499."""
+    done = asyncio.ensure_future(awaitable)
 
     async def abort() -> None:
-        for result in results:
-            result.abort()
+        on_gone()
         done.cancel()
         await asyncio.gather(done, return_exceptions=True)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from tandem.common.errors import RpcError
+from tandem.common.logs import bind
 from tandem.common.outputs import cancelled_output
 from tandem.router.inbox import message_of
 from tandem.router.metrics import RouterMetrics
@@ -102,6 +103,7 @@ class Route:
         passes no other layer between the session's reader and the caller."""
         self.worker = worker
         self.served_by.append(worker.address)
+        bind(route=" -> ".join(self.served_by))
         # The load this puts on the worker, as the pick policies weigh it: the prompt tokens it
         # computes (until its first message) and the prompt's blocks (while the stream runs).
         block_size = self.pool.kv_index.block_size

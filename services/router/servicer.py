@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -13,6 +14,7 @@ from google.protobuf import struct_pb2
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
+from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
@@ -25,6 +27,8 @@ from tandem.router.workers import WorkerHandle, WorkerPool
 from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
+
+log = logging.getLogger("tandem.router")
 
 # Seconds a client refused for --max-in-flight is told to wait before it retries.
 RETRY_AFTER_BUSY_S = 0.5
@@ -97,6 +101,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             raise ValueError(
                 f"request id {request.request_id!r} is already running; ids must be unique"
             )
+        bind(request_id=request.request_id)
         text_request = await self._text().prepare(request)
         engine_request = text_request.engine_request
         route = self.routes[request.request_id] = Route(
@@ -109,6 +114,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             _deadline(context),
             arrival_time,
         )
+        ended = "closed by the client"  # the stream was let go before its end
         try:
             messages = TextFront.respond(
                 text_request,
@@ -120,8 +126,22 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             async with closing(messages) as messages:
                 async for msg in messages:
                     yield msg
+            ended = "finished"
+        except asyncio.CancelledError:
+            ended = "cancelled"
+            raise
+        except Exception as exc:
+            ended = f"failed ({type(exc).__name__}: {exc})"
+            raise
         finally:
             self.routes.pop(request.request_id, None)
+            # One line a request (its fields bound: request id, the workers that served it).
+            log.info(
+                "request %s %s after %.1f ms",
+                request.request_id,
+                ended,
+                (time.time() - arrival_time) * 1e3,
+            )
 
     async def Abort(self, request, context):
         route = self.routes.get(request.request_id)
@@ -364,6 +384,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             info.model = worker_info.model
             info.max_model_len = worker_info.max_model_len
             info.encode_only = worker_info.encode_only
+            info.embedding_size = worker_info.embedding_size
             info.collective_rpc_methods.extend(worker_info.collective_rpc_methods)
             info.startup_metrics.update(
                 {f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()}

@@ -80,6 +80,8 @@ class EncoderRuntime:
         # A shorter max_model_len caps inputs; nothing longer than the position table can run.
         limit = self.config.max_position_embeddings
         self.max_model_len = min(engine_config.max_model_len or limit, limit)
+        # A pooled embedding: one hidden vector per pooling mode, concatenated (pooling.pool).
+        self.embedding_size = len(self.pooling.modes) * self.config.hidden_size
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tandem-encoder"
         )

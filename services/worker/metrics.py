@@ -44,6 +44,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A KV pull waits for its reservation and may run up to its 30 s timeout.
 KV_TRANSFER_BUCKETS = (*STEP_BUCKETS, 30.0)
+# Queue, prefill and decode times (vLLM's request_*_time_seconds buckets, up to an hour).
+PHASE_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 320.0, 640.0, 1280.0, 2560.0, 3600.0,
+)  # fmt: skip
 # How long a scrape waits for the engine thread to answer between two steps.
 SNAPSHOT_TIMEOUT_S = 2.0
 
@@ -87,6 +92,22 @@ class WorkerMetrics(ProcessMetrics):
             buckets=KV_TRANSFER_BUCKETS,
             registry=reg,
         )
+        # vLLM's request phases, of each request that ended with its last output here.
+        self.request_phase_seconds = {
+            phase: Histogram(
+                f"tandem:request_{phase}_time_seconds",
+                doc,
+                base,
+                buckets=PHASE_BUCKETS,
+                registry=reg,
+            )
+            for phase, doc in (
+                ("queue", "Seconds from a request's arrival here to its first scheduled step."),
+                ("prefill", "Seconds from a request's first scheduled step to its first token."),
+                ("decode", "Seconds from a request's first token to its last."),
+                ("inference", "Seconds from a request's first scheduled step to its last token."),
+            )
+        }
         # Per prefill peer: the READ alone, so that its rate is the lane's (kv_transfer_seconds above
         # also holds the wait for the peer's state and the lease's confirm).
         peer = base + ["peer"]
@@ -133,6 +154,20 @@ class WorkerMetrics(ProcessMetrics):
         self.iteration_tokens.labels(*labels).observe(
             batch.get("numCtxTokens", 0) + batch.get("numGenRequests", 0)
         )
+
+    def observe_request_phases(
+        self, arrival: float, scheduled_at: float, first_token_at: float, finished_at: float
+    ) -> None:
+        """One request's phases (time.monotonic() moments): arrival here, its first scheduled
+        step, its first token, its end."""
+        labels = self.labels
+        for phase, seconds in (
+            ("queue", scheduled_at - arrival),
+            ("prefill", first_token_at - scheduled_at),
+            ("decode", finished_at - first_token_at),
+            ("inference", finished_at - scheduled_at),
+        ):
+            self.request_phase_seconds[phase].labels(*labels).observe(max(0.0, seconds))
 
     def observe_kv_pull(self, num_bytes: int, seconds: float) -> None:
         labels = self.labels

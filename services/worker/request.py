@@ -63,6 +63,9 @@ class RequestMetricsState:
     # The same moment on the wall clock, and the KV pull's window (the perf metrics' times).
     arrival_time: float = dataclasses.field(default_factory=time.time)
     first_token_at: float | None = None
+    # When the engine first scheduled it (time.monotonic; None: not yet), and when it ended.
+    scheduled_at: float | None = None
+    finished_at: float | None = None
     num_cached_prompt_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
@@ -311,7 +314,7 @@ class WorkerRequest:
 
     def _fill_metrics(self, metrics: types_pb2.RequestMetrics) -> None:
         m = self.metrics
-        now = time.monotonic()
+        now = m.finished_at = time.monotonic()
         metrics.time_to_first_token_s = (m.first_token_at or now) - m.arrival
         metrics.e2e_latency_s = now - m.arrival
         metrics.num_cached_prompt_tokens = m.num_cached_prompt_tokens
@@ -345,6 +348,8 @@ class WorkerRequest:
             return
         if self.metrics.first_token_at is None:
             self.metrics.first_token_at = time.monotonic()
+        if out.first_scheduled_at and self.metrics.scheduled_at is None:
+            self.metrics.scheduled_at = out.first_scheduled_at
         self.metrics.num_cached_prompt_tokens = max(
             self.metrics.num_cached_prompt_tokens, out.num_cached_prompt_tokens
         )

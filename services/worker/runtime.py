@@ -367,6 +367,7 @@ class WorkerRuntime:
         info.collective_rpc_methods.extend(COLLECTIVE_RPC_METHODS)
         if self.encoder is not None:
             info.encode_only, info.max_model_len = True, self.encoder.max_model_len
+            info.embedding_size = self.encoder.embedding_size
         info.lora_adapters.extend(await self.lora_adapters())
         return info
 

@@ -13,6 +13,7 @@ from google.protobuf import json_format
 from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.engine_messages import generate_request
 from tandem.common.errors import PreconditionError, invalid, unavailable
+from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.engine.messages import HoldSteps
 from tandem.prefill.lease_keeper import LeaseEnd
@@ -49,6 +50,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
+        bind(request_id=request.request_id, worker=self.rt.worker_id)
         tracker, text_request, adapter, guide = await self._prepare(request)
         client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
         with self._running(
@@ -64,6 +66,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         """A request that came on a session (sessions.py): token ids in, its outputs onto the
         session's stream under its tag as the engine hands them over (output_sink.py), then its
         end; what it raises is its status. No text runs here: that is the caller's front's."""
+        bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
         tracker, text_request, adapter, guide = await self._prepare(
             generate_request(submit.request)
         )
@@ -119,6 +122,11 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         finally:
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()
+            m = worker_request.metrics
+            if None not in (m.scheduled_at, m.first_token_at, m.finished_at):
+                self.rt.metrics.observe_request_phases(
+                    m.arrival, m.scheduled_at, m.first_token_at, m.finished_at
+                )
 
     def _start(
         self,

@@ -249,19 +249,9 @@ class LLM:
         [batch, max_len, dim] output (padding rows zero) with return_raw_logits. model_kwargs:
         token_type_ids, one list per input. Outputs are always copied to the host and indexed
         by input, so batch_indexed_model_output and copy_logits_to_host change nothing here."""
-        single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
-            isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, int) for t in inputs)
+        request, single = _encode_request(
+            inputs, add_special_tokens, return_raw_logits, model_kwargs
         )
-        batch = [inputs] if single else list(inputs)
-        request = llm_pb2.EncodeRequest(
-            inputs=[prompt_to_proto(p) for p in batch],
-            add_special_tokens=add_special_tokens,
-            return_raw_logits=return_raw_logits,
-        )
-        if model_kwargs:
-            # Arrays and tensors (numpy, torch) travel as their nested lists.
-            plain = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in model_kwargs.items()}
-            request.model_kwargs.update(json.loads(json.dumps(plain)))
         from tandem.client.encode import decode_encode_response
 
         return decode_encode_response(self._call("Encode", request), single, return_raw_logits)
@@ -397,6 +387,22 @@ class AsyncLLM(LLM):
         )
         return self
 
+    async def encode_async(
+        self,
+        inputs,
+        add_special_tokens: bool = True,
+        return_raw_logits: bool = False,
+        **model_kwargs: Any,
+    ):
+        """encode without blocking the event loop; cancelling it cancels the Encode RPC."""
+        request, single = _encode_request(
+            inputs, add_special_tokens, return_raw_logits, model_kwargs
+        )
+        from tandem.client.encode import decode_encode_response
+
+        out = await self._acall("Encode", request)
+        return decode_encode_response(out, single, return_raw_logits)
+
     async def abort(self, request_id: str) -> bool:
         return (await self._acall("Abort", llm_pb2.AbortRequest(request_id=request_id))).aborted
 
@@ -457,3 +463,23 @@ class AsyncLLM(LLM):
         else:
             request = llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights))
         await self._acall("UpdateWeights", request)
+
+
+def _encode_request(
+    inputs, add_special_tokens: bool, return_raw_logits: bool, model_kwargs: dict
+) -> tuple[llm_pb2.EncodeRequest, bool]:
+    """(encode's EncodeRequest, whether inputs was one input rather than a batch)."""
+    single = isinstance(inputs, (str, dict, PreprocessedInputs)) or (
+        isinstance(inputs, (list, tuple)) and inputs and all(isinstance(t, int) for t in inputs)
+    )
+    batch = [inputs] if single else list(inputs)
+    request = llm_pb2.EncodeRequest(
+        inputs=[prompt_to_proto(p) for p in batch],
+        add_special_tokens=add_special_tokens,
+        return_raw_logits=return_raw_logits,
+    )
+    if model_kwargs:
+        # Arrays and tensors (numpy, torch) travel as their nested lists.
+        plain = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in model_kwargs.items()}
+        request.model_kwargs.update(json.loads(json.dumps(plain)))
+    return request, single

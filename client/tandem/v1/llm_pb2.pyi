@@ -287,7 +287,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., ready: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("llm_id", "model", "role", "disaggregated_params", "startup_metrics", "workers", "collective_rpc_methods", "max_model_len", "encode_only", "lora_adapters")
+    __slots__ = ("llm_id", "model", "role", "disaggregated_params", "startup_metrics", "workers", "collective_rpc_methods", "max_model_len", "encode_only", "lora_adapters", "embedding_size")
     LLM_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class ServerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENCODE_ONLY_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     llm_id: str
     model: str
     role: str
@@ -308,7 +309,8 @@ class ServerInfo(_message.Message):
     max_model_len: int
     encode_only: bool
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.LoRARequest]
-    def __init__(self, llm_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., disaggregated_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., startup_metrics: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., collective_rpc_methods: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., encode_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ...) -> None: ...
+    embedding_size: int
+    def __init__(self, llm_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., disaggregated_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., startup_metrics: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., collective_rpc_methods: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., encode_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., embedding_size: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -97,7 +97,8 @@ livenessProbe:
 {{- end }}
 
 {{/* Scheduling, security and image settings of a pod spec; the termination grace covers the
-preStop hook (preStopSeconds), the drain and the exit. (dict "root" $ "spec" <role values> "preStopSeconds" N) */}}
+preStop hook (preStopSeconds), the drain and the exit.
+(dict "root" $ "spec" <the component's values> "component" name "preStopSeconds" N) */}}
 {{- define "tandem.podCommon" -}}
 {{- $drain := .root.Values.drain -}}
 securityContext:
@@ -118,6 +119,22 @@ tolerations:
 {{- with .spec.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $spread := .root.Values.topologySpread }}
+{{- if .spec.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml .spec.topologySpreadConstraints | nindent 2 }}
+{{- else if $spread.enabled }}
+{{- /* The component's pods across nodes (and zones, when asked): one node's loss takes one replica. */}}
+topologySpreadConstraints:
+  {{- range $spread.topologyKeys }}
+  - maxSkew: {{ int $spread.maxSkew }}
+    topologyKey: {{ . }}
+    whenUnsatisfiable: {{ $spread.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "tandem.selectorLabels" (dict "root" $.root "component" $.component) | nindent 8 }}
+  {{- end }}
 {{- end }}
 {{- end }}
 

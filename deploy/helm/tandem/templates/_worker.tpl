@@ -51,7 +51,7 @@ spec:
         {{- include "tandem.labels" . | nindent 8 }}
       {{- with include "tandem.metricsAnnotations" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 6 }}{{- end }}
     spec:
-      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "preStopSeconds" 0) | nindent 6 }}
+      {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "component" .component "preStopSeconds" 0) | nindent 6 }}
       containers:
         - name: {{ .component }}
           image: {{ include "tandem.image" $root }}
@@ -81,6 +81,9 @@ spec:
             {{- with $spec.speculativeConfig }}
             - --speculative-config={{ toJson . }}
             {{- end }}
+            {{- if $spec.hostKvCacheGb }}
+            - --host-kv-cache-gb={{ $spec.hostKvCacheGb }}
+            {{- end }}
             {{- if hasKey $spec "kvRoomWaitSeconds" }}
             - --kv-room-wait-seconds={{ $spec.kvRoomWaitSeconds }}
             {{- end }}
@@ -96,6 +99,8 @@ spec:
           env:
             - name: HOME
               value: /tmp
+            - name: TANDEM_LOG_FORMAT
+              value: {{ $root.Values.logFormat | quote }}
             {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.cudaIpcGetZcopy }}
             - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
