@@ -1,6 +1,7 @@
 """Seconds per full weight sync from a trainer into a serving cluster (issue 32), one run:
-update_weights by IPC handles (TensorRT-LLM's format) against the checkpoint path (the trainer
-writes safetensors, the workers read them), the same weights both ways.
+update_weights by IPC handles (TensorRT-LLM's format) and over NIXL (the workers READ the
+trainer's registered tensors) against the checkpoint path (the trainer writes safetensors, the
+workers read them), the same weights every way.
 
     python bench/weight_sync.py                    # SmolLM2-135M (the default model), CPU
     python bench/weight_sync.py --model DIR --workers both,both --repeats 5
@@ -9,7 +10,8 @@ writes safetensors, the workers read them), the same weights both ways.
 The trainer is this process (transformers' model of the served checkpoint); the cluster is real
 processes on this host. Each sync is timed from the trainer's first byte to the cluster serving
 the new weights (pause, the update, resume): IPC = make the handles, update_weights in one
-bucket, update_weights(None); checkpoint = save_pretrained into a fresh directory, update_weights
+bucket, update_weights(None); NIXL = update_weights(the tensors registered once, before the
+timing: an optimizer stepping in place keeps them), update_weights(None); checkpoint = save_pretrained into a fresh directory, update_weights
 (path). A warm-up sync of each kind runs first; the table prints the median and best of the
 rest, the bytes, and their rate beside the host's memcpy rate (the floor of an in-place copy).
 """
@@ -28,7 +30,7 @@ import torch
 
 from tandem.client import AsyncLLM
 from tandem.engine.checkpoints import resolve_model
-from tandem.rl import ipc_handles
+from tandem.rl import NixlWeightSource, ipc_handles
 from tandem.testing.cluster import LocalCluster
 
 TOKEN = "bench-weight-sync"
@@ -55,6 +57,13 @@ async def _sync_ipc(llm: AsyncLLM, named) -> None:
     await llm.resume_generation()
 
 
+async def _sync_nixl(llm: AsyncLLM, source: NixlWeightSource) -> None:
+    await llm.pause_generation()
+    await llm.update_weights(source.weights)
+    await llm.update_weights(None)
+    await llm.resume_generation()
+
+
 async def _sync_checkpoint(llm: AsyncLLM, model) -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-sync-") as path:
         model.save_pretrained(path, safe_serialization=True)
@@ -66,8 +75,18 @@ async def _sync_checkpoint(llm: AsyncLLM, model) -> None:
 async def _run(address: str, model, repeats: int, paths: list[str]) -> dict[str, list[float]]:
     named = [(n, p.data) for n, p in model.named_parameters()]
     times: dict[str, list[float]] = {path: [] for path in paths}
+    sources: list[NixlWeightSource] = []
+
+    def nixl_source() -> NixlWeightSource:
+        # Registered at the first (warm-up) NIXL sync: IPC handles move CPU tensors into shared
+        # memory once (share_memory_), and a registration of the old addresses would be stale.
+        if not sources:
+            sources.append(NixlWeightSource(named))
+        return sources[0]
+
     syncs = {
         "ipc": lambda: _sync_ipc(llm, named),
+        "nixl": lambda: _sync_nixl(llm, nixl_source()),
         "checkpoint": lambda: _sync_checkpoint(llm, model),
     }
     async with AsyncLLM(address, auth_token=TOKEN) as llm:
@@ -85,6 +104,8 @@ async def _run(address: str, model, repeats: int, paths: list[str]) -> dict[str,
             "workers after the syncs:",
             [(s["result"]["device_uuid"], s["result"]["weights_source"][-24:]) for s in states],
         )
+    for source in sources:
+        source.close()
     return {kind: values[1:] for kind, values in times.items()}
 
 
@@ -97,7 +118,7 @@ def main() -> None:
     parser.add_argument(
         "--shape", default=None, help="random weights of bench/serve.py's shape (llama-3.1-8b)"
     )
-    parser.add_argument("--paths", default="ipc,checkpoint", help="which syncs to time")
+    parser.add_argument("--paths", default="ipc,nixl,checkpoint", help="which syncs to time")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 

@@ -217,3 +217,46 @@ def _hidden_size(model_dirs) -> int:
     import json
 
     return json.loads((model_dirs["llama"] / "config.json").read_text())["hidden_size"]
+
+
+def test_a_checkpoint_rewritten_in_place_is_other_weights(cluster, model_dirs, tmp_path):
+    """A trainer that saves each step into the same directory: a decode that loaded the rewrite
+    and a prefill that did not serve the same path, yet other weights; the decode does not
+    continue the prefill's KV (weights_id names what the files were, not only where)."""
+    import shutil
+
+    from test_disagg import worker_state
+
+    from tandem.engine.checkpoints import write_tiny_checkpoint
+
+    prefill, decode = cluster.workers[0].address, cluster.workers[1].address
+    steps = tmp_path / "trainer-step"
+    shutil.copytree(model_dirs["llama"], steps)
+
+    async def update(address: str, **kwargs):
+        llm = AsyncLLM(address, auth_token=TOKEN, **kwargs)
+        try:
+            await llm.pause_generation()
+            await llm.update_weights(str(steps))
+            await llm.resume_generation()
+        finally:
+            llm.close()
+
+    try:
+        asyncio.run(update(cluster.address))  # every worker on step 0
+        shutil.rmtree(steps)
+        write_tiny_checkpoint(steps, "llama", seed=5)  # step 1, same path
+        asyncio.run(update(decode, **cluster.worker_client_kwargs()))
+        before = worker_state(decode).kv_handoff_outcomes.get("recomputed:weights_mismatch", 0)
+        with LLM(cluster.address) as llm:
+            out = llm.generate(
+                "saved in place", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+            )
+        assert out.metrics.kv_handoff.reason == "weights_mismatch"
+        assert (out.metrics.kv_handoff.prefill, out.metrics.kv_handoff.decode) == (prefill, decode)
+        after = worker_state(decode).kv_handoff_outcomes["recomputed:weights_mismatch"]
+        assert after == before + 1
+    finally:  # the module's other tests expect the served checkpoint
+        _admin(cluster, lambda a: a.pause_generation())
+        _admin(cluster, lambda a: a.update_weights(str(model_dirs["llama"])))
+        _admin(cluster, lambda a: a.resume_generation())

@@ -7,6 +7,7 @@ transformers usable as the oracle in the fast tests.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -237,6 +238,22 @@ def resolve_model(model: str | Path | None) -> Path:
     if path.suffix == ".gguf" or (path.is_file() and _starts_with(path, b"GGUF")):
         return gguf_model_dir(path)
     return path
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """What the files at path are now (names, sizes, modification times, inodes), hashed: a
+    checkpoint rewritten in place under the same path gets another fingerprint, so weights loaded
+    before and after the rewrite are told apart (KvHandoff.weights_id) without reading them."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        try:
+            st = file.stat()
+        except FileNotFoundError:  # gone since listed: its absence is what the files are now
+            continue
+        digest.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return digest.hexdigest()
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:

@@ -27,6 +27,7 @@ from tandem.engine.messages import (
     CopyWeights,
     EngineFailure,
     FreeBlocks,
+    HoldSteps,
     ReadCounters,
     ReleaseMemory,
     RemoteKvArrived,
@@ -100,6 +101,8 @@ class EngineCore:
         self._streams: dict[str, asyncio.Queue] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
+        # pause_generation in keep mode: requests stay, no step runs (set on the engine thread).
+        self._held = False
         self.iteration_stats = JsonBuffer(stats_history)
         self.kv_events = JsonBuffer(stats_history * 10)
         self._next_event_id = 0
@@ -110,11 +113,14 @@ class EngineCore:
             AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id, c.num_blocks),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
-            CheckIdle: lambda c: engine.require_idle(c.what),
-            ReleaseMemory: lambda c: engine.release_memory(c.tags),
+            CheckIdle: self._check_idle,
+            HoldSteps: self._hold,
+            ReleaseMemory: lambda c: engine.release_memory(c.tags, self._held),
             ResumeMemory: lambda c: engine.resume_memory(c.tags),
-            SwapWeights: lambda c: engine.swap_weights(c.model, c.source),
-            CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize),
+            SwapWeights: lambda c: engine.swap_weights(
+                c.model, c.source, c.fingerprint, self._held
+            ),
+            CopyWeights: lambda c: engine.copy_weights(c.updates, c.finalize, self._held),
             ReadCounters: lambda c: engine.snapshot(),
             WeightsChecksum: lambda c: engine.weights_checksum(),
         }
@@ -165,15 +171,15 @@ class EngineCore:
             self._apply_commands(self._wait_time())
             if self._stopping:
                 break
-            if self.engine.num_unfinished:
+            if self.engine.num_unfinished and not self._held:
                 self._step()
             self._publish_kv_events()
 
     def _wait_time(self) -> float | None:
         """How long to block for the first command: not at all while there is work; a little when
         every request waits for blocks (held by leases, say), instead of spinning on empty steps
-        with the GIL held; long when idle."""
-        if not self.engine.num_unfinished:
+        with the GIL held; long when idle or held (pause_generation in keep mode)."""
+        if not self.engine.num_unfinished or self._held:
             return 0.5
         return 0.005 if self.engine.last_step_was_idle else None
 
@@ -209,6 +215,15 @@ class EngineCore:
             return
         if future is not None:
             self.loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _check_idle(self, command: CheckIdle) -> None:
+        if not (command.unless_held and self._held):
+            self.engine.require_idle(command.what, self._held)
+
+    def _hold(self, command: HoldSteps) -> int:
+        """Returns how many requests the engine holds (frozen when held)."""
+        self._held = command.held
+        return self.engine.num_unfinished
 
     def _add(self, command: AddRequest):
         e = self.engine

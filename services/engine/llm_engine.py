@@ -361,38 +361,51 @@ class LLMEngine:
         self.block_manager.free(block_ids)
 
     # -- admin: memory and weights (RL flows: pause, release, update weights, resume) --
-    def require_idle(self, what: str) -> None:
+    def require_idle(self, what: str, held: bool = False) -> None:
         """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
-        weights in the current pool."""
+        weights in the current pool. held: the requests are frozen (pause_generation, keep)."""
         busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
         if busy:
+            kept = " (paused in mode 'keep', they hold their KV: pause in mode 'abort')"
             raise PreconditionError(
-                f"{busy} requests or KV handoffs are in flight; call pause_generation before {what}"
+                f"{busy} requests or KV handoffs are in flight; call pause_generation before "
+                f"{what}{kept if held else ''}"
             )
 
-    def swap_weights(self, model, source: str) -> None:
-        """New weights while nothing runs: KV computed with the old ones must not meet the new ones."""
+    def _weights_may_change(self, held: bool) -> None:
+        """Weights change while nothing runs, or (held: paused in keep mode, vLLM's in-flight
+        update) under frozen requests, which continue on the new weights from KV of the old."""
         self.runner.require_single_rank("update_weights")
-        self.require_idle("update_weights")
-        self.runner.swap_weights(model, source)
-        self.block_manager.reset_prefix_cache()
+        if not held:
+            self.require_idle("update_weights")
 
-    def copy_weights(self, updates: list, finalize: bool) -> None:
-        """Tensors written into the served weights in place (messages.CopyWeights), while nothing
-        runs: KV computed with the old ones must not meet the new ones."""
-        self.runner.require_single_rank("update_weights")
-        self.require_idle("update_weights")
+    def _forget_kv_of_old_weights(self) -> None:
+        """KV computed with the old weights must not meet requests that start on the new ones:
+        the prefix cache forgets it, and the requests running across the change (their KV mixes
+        both) cache none of theirs."""
+        self.block_manager.reset_prefix_cache()
+        for seq in self._seqs.values():
+            seq.caches_blocks = False
+
+    def swap_weights(self, model, source: str, fingerprint: str, held: bool = False) -> None:
+        self._weights_may_change(held)
+        self.runner.swap_weights(model, source, fingerprint)
+        self._forget_kv_of_old_weights()
+
+    def copy_weights(self, updates: list, finalize: bool, held: bool = False) -> None:
+        """Tensors written into the served weights in place (messages.CopyWeights)."""
+        self._weights_may_change(held)
         if "model" in self.released_tags:
             raise PreconditionError(
                 "the model weights are released; call resume(['model']) before update_weights"
             )
         self.runner.copy_weights(updates, finalize)
-        self.block_manager.reset_prefix_cache()
+        self._forget_kv_of_old_weights()
 
-    def release_memory(self, tags: list[str]) -> None:
+    def release_memory(self, tags: list[str], held: bool = False) -> None:
         """Frees the memory behind tags. Refused while requests run or leases are out."""
         self.runner.require_single_rank("release")
-        self.require_idle("release")
+        self.require_idle("release", held)
         if "model" in tags:
             self.runner.check_weights_restorable()
         if "kv_cache" in tags:

@@ -68,9 +68,19 @@ class FreeBlocks:
 # -- commands: admin and introspection (each has a reply) --
 @dataclass(frozen=True)
 class CheckIdle:
-    """Raise PreconditionError naming `what` unless no request runs and no KV lease is out."""
+    """Raise PreconditionError naming `what` unless no request runs and no KV lease is out.
+    unless_held: nothing is refused while the requests are frozen (pause_generation, keep)."""
 
     what: str
+    unless_held: bool = False
+
+
+@dataclass(frozen=True)
+class HoldSteps:
+    """held: stop stepping (pause_generation in keep mode); the requests keep their KV and other
+    commands still apply. Not held: step again, each request from where it stopped."""
+
+    held: bool
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class ResumeMemory:
 class SwapWeights:
     model: Any
     source: str
+    fingerprint: str  # checkpoint_fingerprint(source), taken before the load
 
 
 @dataclass(frozen=True)

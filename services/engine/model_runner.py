@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.common.exceptions import PreconditionError
+from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.guided import allowed_bitmask, new_matcher
@@ -174,6 +175,8 @@ class ModelRunner:
         self.kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else self.dtype
         # Where the current weights came from; Resume(["model"]) reloads from here.
         self.weights_source = config.model_dir
+        # What the files there were when they were loaded (a checkpoint rewritten in place differs).
+        self.source_fingerprint = checkpoint_fingerprint(config.model_dir)
         self.weights_version = 0
         # Updates by IPC handles finalized since the weights last came from a checkpoint, and
         # whether one has written some of its buckets and is not finalized yet.
@@ -336,6 +339,7 @@ class ModelRunner:
 
     def restore_weights(self) -> None:
         if self.model is None:
+            self.source_fingerprint = checkpoint_fingerprint(self.weights_source)
             self.model, _ = load_model(
                 self.weights_source,
                 dtype=self.dtype,
@@ -372,10 +376,12 @@ class ModelRunner:
             )
         return model
 
-    def swap_weights(self, model, source: str) -> None:
+    def swap_weights(self, model, source: str, fingerprint: str) -> None:
+        """fingerprint: checkpoint_fingerprint(source) taken before the load."""
         self.model = model
         self._drop_graphs()
         self.weights_source = source
+        self.source_fingerprint = fingerprint
         self.weights_version += 1
         self.num_ipc_updates, self.ipc_update_open = 0, False
 
@@ -399,13 +405,14 @@ class ModelRunner:
 
     @property
     def weights_id(self) -> str:
-        """Which weights this runner serves (KvHandoff.weights_id): the checkpoint directory, or
-        how many updates by IPC handles were finalized since the last one, and whether one is
-        open. Workers given the same updates agree; a worker that missed one does not."""
+        """Which weights this runner serves (KvHandoff.weights_id): the checkpoint directory and
+        what its files were when loaded, or how many updates by IPC handles were finalized since
+        the last one, and whether one is open. Workers given the same updates agree; a worker that
+        missed one (a checkpoint rewritten in place included) does not."""
         base = (
             f"{IPC_SOURCE}@{self.num_ipc_updates}"
             if self.weights_source == IPC_SOURCE
-            else self.weights_source
+            else f"{self.weights_source}@{self.source_fingerprint}"
         )
         return base + ("+open" if self.ipc_update_open else "")
 

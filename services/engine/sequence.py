@@ -102,6 +102,9 @@ class Sequence:
     # (engine/speculative.py) that proposes them.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_index: object | None = None
+    # False once the weights changed under this sequence (an update while paused in keep mode):
+    # its KV mixes weights, so none of its blocks enters the prefix cache from then on.
+    caches_blocks: bool = True
 
     @property
     def lora_fingerprint(self) -> str | None:

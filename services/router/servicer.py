@@ -15,6 +15,7 @@ from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
 from tandem.common.logs import bind
+from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
 from tandem.router import generate
@@ -58,6 +59,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.started_at = time.time()
         # request id -> where it runs now (for Abort).
         self.routes: dict[str, Route] = {}
+        # The pause in force (pause_generation through this router), None while generating.
+        self.pause_mode: PauseMode | None = None
         # The served model's tokenizer, fetched from a worker once one is ready (load_tokenizer).
         self.tokenizer_files: llm_pb2.TokenizerFiles | None = None
         self.front: TextFront | None = None
@@ -214,15 +217,27 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return llm_pb2.AdminResponse(detail=[d for r in replies for d in r.detail])
 
     async def PauseGeneration(self, request, context):
-        return await self._admin("PauseGeneration", request)
+        mode = PauseMode.parse(request.mode)  # refused here, before any worker pauses
+        # A worker that refuses leaves the others generating again (what abort mode aborted on
+        # them stays aborted: the request is refused as a whole, so send it again).
+        resume = llm_pb2.AdminRequest()
+        reply = await self._all_or_nothing(
+            "PauseGeneration", request, lambda w: ("ResumeGeneration", resume)
+        )
+        self.pause_mode = mode
+        return reply
 
     async def ResumeGeneration(self, request, context):
-        return await self._admin("ResumeGeneration", request)
+        reply = await self._admin("ResumeGeneration", request)
+        self.pause_mode = None
+        return reply
 
     async def Release(self, request, context):
         if self.routes:  # a request between its prefill and decode workers would lose its KV
+            kept = " (paused in mode 'keep', they hold their KV: pause in mode 'abort')"
             raise PreconditionError(
                 f"{len(self.routes)} requests are in flight; call pause_generation before release"
+                + (kept if self.pause_mode is PauseMode.KEEP else "")
             )
         undo = llm_pb2.MemoryTagsRequest(tags=request.tags)
         return await self._all_or_nothing("Release", request, lambda w: ("Resume", undo))
@@ -231,7 +246,10 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         return await self._admin("Resume", request)
 
     async def UpdateWeights(self, request, context):
-        if self.routes:
+        # Paused in keep mode the requests in flight continue on the new weights (vLLM's in-flight
+        # update); a handoff between its prefill and its decode meanwhile is computed again at
+        # the decode (it carries the old weights_id).
+        if self.routes and self.pause_mode is not PauseMode.KEEP:
             raise PreconditionError(
                 f"{len(self.routes)} requests are in flight; call pause_generation before update_weights"
             )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import unavailable
+from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.messages import (
     CheckIdle,
@@ -25,6 +26,7 @@ from tandem.engine.messages import (
     WeightsChecksum,
 )
 from tandem.worker.ipc_weights import HandleError, device_uuid, weight_update
+from tandem.worker.nixl_weights import nixl_weight_update
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
@@ -123,12 +125,13 @@ async def resume(rt: WorkerRuntime, tags) -> str:
 
 async def update_weights(rt: WorkerRuntime, request) -> str:
     source = request.WhichOneof("source")
-    if source in ("ipc_handles", "finalize"):
+    if source in ("ipc_handles", "nixl_weights", "finalize"):
         return await _update_weights_by_handles(rt, request)
     if source != "checkpoint_path" or not request.checkpoint_path:
         raise ValueError(
-            "update_weights needs IPC handles (device UUID -> handles), None to finalize, or "
-            "checkpoint_path (a directory with config.json and *.safetensors)"
+            "update_weights needs IPC handles (device UUID -> handles), NIXL weights "
+            "(tandem.rl.NixlWeightSource), None to finalize, or checkpoint_path (a directory "
+            "with config.json and *.safetensors)"
         )
     path = request.checkpoint_path
     if not (Path(path) / "config.json").is_file():
@@ -139,16 +142,18 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
-    await rt.core.call(CheckIdle("update_weights"))  # fail before a slow load
+    await rt.core.call(CheckIdle("update_weights", unless_held=True))  # fail before a slow load
+    fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
     model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.core.call(SwapWeights(model, path))
+    await rt.core.call(SwapWeights(model, path, fingerprint))
     del model
     await asyncio.to_thread(return_freed_memory)  # the old weights
     return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
 
 
 async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
-    """A bucket of weights by IPC handles written in place, or (finalize) the update closed."""
+    """A bucket of weights by IPC handles or NIXL written in place, or (finalize) the update
+    closed."""
     if "model" in rt.engine.released_tags:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
@@ -157,13 +162,21 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
         await rt.core.call(CopyWeights([], finalize=True))
         await asyncio.to_thread(_collect_ipc)
         return f"{rt.worker_id}: weights finalized (version {rt.engine.runner.weights_version})"
-    await rt.core.call(CheckIdle("update_weights"))  # fail before the handles are opened
+    await rt.core.call(
+        CheckIdle("update_weights", unless_held=True)
+    )  # fail before the handles are opened
     runner = rt.engine.runner
     runner.require_single_rank("update_weights")
+    by_nixl = request.WhichOneof("source") == "nixl_weights"
     try:
-        update = await asyncio.to_thread(
-            weight_update, dict(request.ipc_handles.handles), runner.model, runner.device
-        )
+        if by_nixl:
+            update = await asyncio.to_thread(
+                nixl_weight_update, request.nixl_weights, runner.model, runner.device
+            )
+        else:
+            update = await asyncio.to_thread(
+                weight_update, dict(request.ipc_handles.handles), runner.model, runner.device
+            )
     except HandleError as exc:
         raise ValueError(str(exc)) from None
     try:
@@ -171,7 +184,8 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
     finally:
         del update
         await asyncio.to_thread(_collect_ipc)
-    return f"{rt.worker_id}: weights written from IPC handles (finalize with update_weights(None))"
+    how = "NIXL" if by_nixl else "IPC handles"
+    return f"{rt.worker_id}: weights written from {how} (finalize with update_weights(None))"
 
 
 def _collect_ipc() -> None:

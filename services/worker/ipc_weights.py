@@ -337,44 +337,68 @@ class WeightUpdate:
     num_bytes: int
 
 
-def weight_update(handles: dict[str, str], model, device: torch.device) -> WeightUpdate:
-    """The handles of this device rebuilt and checked against the served model (names, shapes,
-    floating dtypes), or HandleError before anything is written."""
-    slices = hf_parameter_slices(model)
-    params = dict(model.named_parameters())
-    tied = model.lm_head is None
-    updates, unknown, seen = [], [], set()
-    num_bytes = 0
-    for name, (func, args) in read_handles(handles, device):
-        if name in seen:
+class UpdateTargets:
+    """Where the HF-named tensors of one update go in the served model, each checked (name, shape,
+    floating dtype) before any is written; HandleError names what does not fit."""
+
+    def __init__(self, model):
+        self.slices = hf_parameter_slices(model)
+        self.params = dict(model.named_parameters())
+        self.tied = model.lm_head is None
+        self.seen: set[str] = set()
+        self.unknown: list[str] = []
+
+    def locate(self, name: str) -> tuple[str, int, int] | None:
+        """(engine parameter, first row, end row) of name; None for a tensor the engine does not
+        hold (collected: require_known refuses them)."""
+        if name in self.seen:
             raise HandleError(f"{name} comes twice in one update")
-        seen.add(name)
-        if name not in slices:
+        self.seen.add(name)
+        if name not in self.slices:
             # Some checkpoints carry what the engine recomputes, or a tied head beside its embedding.
-            if not (is_ignored_tensor(name) or (tied and name == "lm_head.weight")):
-                unknown.append(name)
-            continue
-        param, start, end = slices[name]
-        if params[param].dtype == torch.float8_e4m3fn or param.endswith(".weight_scale"):
+            if not (is_ignored_tensor(name) or (self.tied and name == "lm_head.weight")):
+                self.unknown.append(name)
+            return None
+        param, start, end = self.slices[name]
+        if self.params[param].dtype == torch.float8_e4m3fn or param.endswith(".weight_scale"):
             raise HandleError(
                 f"{name}: the served projections are FP8 (their scales are the checkpoint's or "
                 f"were computed at load); IPC handles would overwrite them unscaled: "
                 f"update_weights from a checkpoint directory instead"
             )
-        tensor = _rebuild(name, func, args, device)
-        expected = (end - start, *params[param].shape[1:])
-        if tuple(tensor.shape) != expected:
+        return param, start, end
+
+    def check(self, name: str, target: tuple[str, int, int], shape, dtype: torch.dtype) -> None:
+        param, start, end = target
+        expected = (end - start, *self.params[param].shape[1:])
+        if tuple(shape) != expected:
+            raise HandleError(f"{name} has shape {tuple(shape)}; the served model's is {expected}")
+        if not dtype.is_floating_point:
+            raise HandleError(f"{name} is {dtype}; weights are floating point")
+
+    def require_known(self) -> None:
+        if self.unknown:
             raise HandleError(
-                f"{name} has shape {tuple(tensor.shape)}; the served model's is {expected}"
+                f"{len(self.unknown)} names are not parameters of the served model: "
+                f"{self.unknown[:8]}"
+                + (" ..." if len(self.unknown) > 8 else "")
+                + " (HF checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)"
             )
-        if not tensor.is_floating_point():
-            raise HandleError(f"{name} is {tensor.dtype}; weights are floating point")
-        updates.append((param, start, end, tensor))
+
+
+def weight_update(handles: dict[str, str], model, device: torch.device) -> WeightUpdate:
+    """The handles of this device rebuilt and checked against the served model (names, shapes,
+    floating dtypes), or HandleError before anything is written."""
+    targets = UpdateTargets(model)
+    updates = []
+    num_bytes = 0
+    for name, (func, args) in read_handles(handles, device):
+        target = targets.locate(name)
+        if target is None:
+            continue
+        tensor = _rebuild(name, func, args, device)
+        targets.check(name, target, tensor.shape, tensor.dtype)
+        updates.append((*target, tensor))
         num_bytes += tensor.numel() * tensor.element_size()
-    if unknown:
-        raise HandleError(
-            f"{len(unknown)} names are not parameters of the served model: {unknown[:8]}"
-            + (" ..." if len(unknown) > 8 else "")
-            + " (HF checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)"
-        )
+    targets.require_known()
     return WeightUpdate(updates, num_bytes)

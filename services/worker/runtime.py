@@ -12,6 +12,7 @@ import uuid
 from tandem.common.auth import derive_key
 from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import PreconditionError, unavailable
+from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
 from tandem.common.server import GrpcServer
 from tandem.decode.generation import GenerationPhase
@@ -51,7 +52,8 @@ class WorkerRuntime:
         self.worker_id = server.address
         self.llm_id = uuid.uuid4().hex
         self.ready = ready
-        self.paused = False
+        # The pause in force (pause_generation), None while generating.
+        self.pause_mode: PauseMode | None = None
         self.startup_metrics: dict[str, float] = {}
         self.engine: LLMEngine | None = None
         self.core: EngineCore | None = None
@@ -275,9 +277,19 @@ class WorkerRuntime:
         self.stop_transceiver()
 
     # -- state the servicers read --
-    def check_accepting(self) -> None:
-        """Generate is refused while paused or while memory is released."""
-        if self.paused:
+    @property
+    def paused(self) -> bool:
+        return self.pause_mode is not None
+
+    def check_accepting(self, request_type: int) -> None:
+        """Generate is refused while paused or while memory is released. Paused in keep mode, the
+        generation phase of a request whose context phase ran here or on a prefill comes in (it is
+        in flight: frozen here with the others, it continues on resume)."""
+        continues_in_flight = (
+            self.pause_mode is PauseMode.KEEP
+            and request_type == types_pb2.REQUEST_TYPE_GENERATION_ONLY
+        )
+        if self.paused and not continues_in_flight:
             raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
         released = self.engine.released_tags
         if released:

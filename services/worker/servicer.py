@@ -14,6 +14,8 @@ from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abor
 from tandem.common.engine_messages import generate_request
 from tandem.common.errors import PreconditionError, invalid, unavailable
 from tandem.common.logs import bind
+from tandem.common.pause import PauseMode
+from tandem.engine.messages import HoldSteps
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
@@ -91,7 +93,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         front, adapter and guide ready. Returns (tracker, text request, adapter, guide)."""
         rt = self.rt
         tracker = rt.metrics.requests.track()
-        rt.check_accepting()
+        rt.check_accepting(request.disaggregated_params.request_type)
         check_unsupported(request)
         text_request = await rt.front.prepare(request)
         adapter = await rt.load_adapter(text_request.engine_request)
@@ -257,18 +259,29 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 yield llm_pb2.JsonItem(item=_json(s))
 
     async def PauseGeneration(self, request, context):
-        self.rt.paused = True
+        rt = self.rt
+        mode = PauseMode.parse(request.mode)
+        rt.pause_mode = mode
+        if mode is PauseMode.KEEP:
+            # Between two steps: once this returns no request moves until ResumeGeneration.
+            num_held = await rt.core.call(HoldSteps(True))
+            return llm_pb2.AdminResponse(
+                detail=[f"{rt.worker_id}: paused (keep), holding {num_held} requests"]
+            )
         num_aborted = await self.abort_all()
-        await self.rt.drain()
-        if self.rt.leases is not None:
-            self.rt.leases.release_all(LeaseEnd.PAUSED)
+        await rt.drain()
+        if rt.leases is not None:
+            rt.leases.release_all(LeaseEnd.PAUSED)
         return llm_pb2.AdminResponse(
-            detail=[f"{self.rt.worker_id}: paused, aborted {num_aborted} requests"]
+            detail=[f"{rt.worker_id}: paused, aborted {num_aborted} requests"]
         )
 
     async def ResumeGeneration(self, request, context):
-        self.rt.paused = False
-        return llm_pb2.AdminResponse(detail=[f"{self.rt.worker_id}: resumed"])
+        num_held = await self.rt.core.call(HoldSteps(False))
+        self.rt.pause_mode = None
+        return llm_pb2.AdminResponse(
+            detail=[f"{self.rt.worker_id}: resumed, {num_held} requests continue"]
+        )
 
     async def GetDataTransceiverState(self, request, context):
         return llm_pb2.GetDataTransceiverStateResponse(

@@ -430,8 +430,12 @@ class AsyncLLM(LLM):
             for v in reply.results
         ]
 
-    async def pause_generation(self) -> None:
-        await self._acall("PauseGeneration", llm_pb2.AdminRequest())
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Refuses new requests until resume_generation. mode (vLLM's): "abort" ends the requests
+        in flight (finish_reason "cancelled", each with its tokens so far); "keep" freezes them
+        with their KV, and they continue where they stopped after resume_generation, on the
+        weights update_weights wrote meanwhile if it did (release needs mode "abort")."""
+        await self._acall("PauseGeneration", llm_pb2.PauseGenerationRequest(mode=mode))
 
     async def resume_generation(self) -> None:
         await self._acall("ResumeGeneration", llm_pb2.AdminRequest())
@@ -442,14 +446,20 @@ class AsyncLLM(LLM):
     async def resume(self, tags: list[str]) -> None:
         await self._acall("Resume", llm_pb2.MemoryTagsRequest(tags=tags))
 
-    async def update_weights(self, weights: dict[str, str] | str | None) -> None:
+    async def update_weights(
+        self, weights: dict[str, str] | str | llm_pb2.NixlWeights | None
+    ) -> None:
         """weights: device UUID -> IPC handles (TensorRT-LLM's format: base64 of a pickled list of
-        (name, reduce_tensor(t)); tandem.rl.ipc_handles makes it), a bucket of the
-        weights per call; None once they are all sent (finalize); or a checkpoint directory."""
+        (name, reduce_tensor(t)); tandem.rl.ipc_handles makes it), or tensors registered with
+        NIXL (tandem.rl.NixlWeightSource(...).weights, for a trainer on another host), a bucket
+        of the weights per call; None once they are all sent (finalize); or a checkpoint
+        directory."""
         if weights is None:
             request = llm_pb2.UpdateWeightsRequest(finalize=True)
         elif isinstance(weights, str):
             request = llm_pb2.UpdateWeightsRequest(checkpoint_path=weights)
+        elif isinstance(weights, llm_pb2.NixlWeights):
+            request = llm_pb2.UpdateWeightsRequest(nixl_weights=weights)
         else:
             request = llm_pb2.UpdateWeightsRequest(ipc_handles=llm_pb2.IpcHandles(handles=weights))
         await self._acall("UpdateWeights", request)

@@ -193,6 +193,12 @@ class AdminRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+
 class AdminResponse(_message.Message):
     __slots__ = ("detail",)
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -206,14 +212,44 @@ class MemoryTagsRequest(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("ipc_handles", "checkpoint_path", "finalize")
+    __slots__ = ("ipc_handles", "checkpoint_path", "finalize", "nixl_weights")
     IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
     FINALIZE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ipc_handles: IpcHandles
     checkpoint_path: str
     finalize: bool
-    def __init__(self, ipc_handles: _Optional[_Union[IpcHandles, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., finalize: _Optional[bool] = ...) -> None: ...
+    nixl_weights: NixlWeights
+    def __init__(self, ipc_handles: _Optional[_Union[IpcHandles, _Mapping]] = ..., checkpoint_path: _Optional[str] = ..., finalize: _Optional[bool] = ..., nixl_weights: _Optional[_Union[NixlWeights, _Mapping]] = ...) -> None: ...
+
+class NixlWeights(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "memory_type", "tensors")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    memory_type: str
+    tensors: _containers.RepeatedCompositeFieldContainer[NixlTensor]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., memory_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ...) -> None: ...
+
+class NixlTensor(_message.Message):
+    __slots__ = ("name", "address", "num_bytes", "device_id", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: int
+    num_bytes: int
+    device_id: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[int] = ..., num_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class IpcHandles(_message.Message):
     __slots__ = ("handles",)

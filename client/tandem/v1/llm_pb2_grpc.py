@@ -98,7 +98,7 @@ class AsyncLLMStub:
                 _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/tandem.v1.AsyncLLM/PauseGeneration',
-                request_serializer=tandem_dot_v1_dot_llm__pb2.AdminRequest.SerializeToString,
+                request_serializer=tandem_dot_v1_dot_llm__pb2.PauseGenerationRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_llm__pb2.AdminResponse.FromString,
                 _registered_method=True)
         self.ResumeGeneration = channel.unary_unary(
@@ -237,7 +237,8 @@ class AsyncLLMServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseGeneration(self, request, context):
-        """pause_generation: abort in-flight requests, drain, refuse new ones (admin).
+        """pause_generation: refuse new requests and abort (mode "abort") or freeze (mode "keep")
+        the in-flight ones (admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -364,7 +365,7 @@ def add_AsyncLLMServicer_to_server(servicer, server):
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseGeneration,
-                    request_deserializer=tandem_dot_v1_dot_llm__pb2.AdminRequest.FromString,
+                    request_deserializer=tandem_dot_v1_dot_llm__pb2.PauseGenerationRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_llm__pb2.AdminResponse.SerializeToString,
             ),
             'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
@@ -758,7 +759,7 @@ class AsyncLLM:
             request,
             target,
             '/tandem.v1.AsyncLLM/PauseGeneration',
-            tandem_dot_v1_dot_llm__pb2.AdminRequest.SerializeToString,
+            tandem_dot_v1_dot_llm__pb2.PauseGenerationRequest.SerializeToString,
             tandem_dot_v1_dot_llm__pb2.AdminResponse.FromString,
             options,
             channel_credentials,
