@@ -227,10 +227,13 @@ class LocalCluster:
             self._metrics_address(metrics_port),
         )
 
-    def _router_service(self, name: str, port: int, args: list[str]) -> Service:
-        port = port or free_port(self.host)
+    def _router_service(
+        self, name: str, port: int, args: list[str], host: str | None = None
+    ) -> Service:
+        host = host or self.host
+        port = port or free_port(host)
         fixed_metrics_port = self.router_metrics_port if name == "router" else 0
-        metrics_port = (fixed_metrics_port or free_port(self.host)) if self.metrics else 0
+        metrics_port = (fixed_metrics_port or free_port(host)) if self.metrics else 0
         tls_argv = self.tls.argv() if self.tls else []
         if self.tls is not None and not self.tls.require_client_cert:
             tls_argv = tls_argv + ["--tls-client-auth", "none"]
@@ -249,7 +252,7 @@ class LocalCluster:
         return Service(
             name,
             "router",
-            f"{self.host}:{port}",
+            f"{host}:{port}",
             [
                 sys.executable,
                 "-m",
@@ -257,7 +260,7 @@ class LocalCluster:
                 "serve",
                 "router",
                 "--host",
-                self.host,
+                host,
                 "--port",
                 str(port),
                 *discovery,
@@ -269,7 +272,7 @@ class LocalCluster:
                 *args,
             ],
             self.log_dir / f"{name}.log",
-            self._metrics_address(metrics_port),
+            f"{host}:{metrics_port}" if metrics_port else None,
         )
 
     @staticmethod
@@ -297,9 +300,17 @@ class LocalCluster:
         self.wait_serving([service.address], timeout)
         return service
 
-    def add_router(self, name: str, args: list[str], timeout: float = 120.0) -> Service:
-        """Another router over the same workers (e.g. another routing policy, to compare)."""
-        service = self._router_service(name, 0, args)
+    def add_router(
+        self,
+        name: str,
+        args: list[str],
+        timeout: float = 120.0,
+        host: str | None = None,
+        port: int = 0,
+    ) -> Service:
+        """Another router over the same workers (e.g. another routing policy, to compare; or a
+        second replica, on another loopback address and the same port)."""
+        service = self._router_service(name, port, args, host)
         self.services.append(service)
         _RUNNING[service.address] = self
         self._spawn(service, "w")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
+import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,6 +33,54 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+# Every address a target resolves to (a router Service's DNS name, or a list of routers) gets a
+# connection, and calls go round-robin over the ready ones: one router going away leaves the others.
+# A call refused UNAVAILABLE before any answer (a router that just went away) is tried again on
+# another: gRPC retries only calls nothing was committed for, so no token is sent twice.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [
+            {
+                "name": [{"service": "tandem.v1.AsyncLLM"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+
+
+def channel_target(target: str) -> str:
+    """The gRPC target of a client's `target`: host:port (every address DNS gives for host), a
+    gRPC target URI as it is (dns:///..., ipv4:..., unix:...), or several routers' IP:port
+    separated by commas (all IPv4 or all IPv6: gRPC's static address lists)."""
+    if "," not in target:
+        return target
+    families = set()
+    for address in target.split(","):
+        host, sep, port = address.strip().rpartition(":")
+        try:
+            families.add(ipaddress.ip_address(host.strip("[]")).version)
+        except ValueError:
+            families.add(None)
+        if not sep or not port.isdigit():
+            families.add(None)
+    if families == {4}:
+        return "ipv4:" + ",".join(a.strip() for a in target.split(","))
+    if families == {6}:
+        return "ipv6:" + ",".join(a.strip() for a in target.split(","))
+    raise ValueError(
+        f"target {target!r}: a list of routers is IP:port entries of one family, comma-separated "
+        "(for names, give one DNS name that resolves to every router, e.g. a headless Service)"
+    )
+
+
 class Transport:
     def __init__(
         self,
@@ -40,6 +90,7 @@ class Transport:
         cluster_token: str | None = None,
         server_name: str | None = None,
     ):
+        channel_target(target)  # a bad list of routers fails here, before a thread starts
         self.target = target
         self.metadata = call_metadata(auth_token, cluster_token)
         self._server_name = server_name
@@ -53,13 +104,15 @@ class Transport:
         self.stub: llm_pb2_grpc.AsyncLLMStub = self.run_sync(self._open())
 
     async def _open(self) -> llm_pb2_grpc.AsyncLLMStub:
-        options = list(_CHANNEL_OPTIONS)
+        options = [*_CHANNEL_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG)]
         if self._server_name:
             options.append(("grpc.ssl_target_name_override", self._server_name))
         if self._credentials is not None:
-            self.channel = grpc.aio.secure_channel(self.target, self._credentials, options=options)
+            self.channel = grpc.aio.secure_channel(
+                channel_target(self.target), self._credentials, options=options
+            )
         else:
-            self.channel = grpc.aio.insecure_channel(self.target, options=options)
+            self.channel = grpc.aio.insecure_channel(channel_target(self.target), options=options)
         return llm_pb2_grpc.AsyncLLMStub(self.channel)
 
     def submit(self, coro: Awaitable) -> concurrent.futures.Future:
