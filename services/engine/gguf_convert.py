@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
+from tandem.engine.progress import Progress
 
 # Bump when the conversion changes: cached directories of an older version are not reused.
 CONVERTER_VERSION = 1
@@ -156,6 +157,9 @@ def hf_tensors(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors = {}
+    progress = Progress(
+        "converting GGUF tensors", len(reader.tensors), sum(int(t.n_bytes) for t in reader.tensors)
+    )
     for tensor in reader.tensors:
         weight = dequantize(tensor.data, tensor.tensor_type)
         if config["model_type"] == "llama" and ".attn_q." in tensor.name:
@@ -163,6 +167,7 @@ def hf_tensors(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
         elif config["model_type"] == "llama" and ".attn_k." in tensor.name:
             weight = _unpermute_rotary(weight, kv_heads)
         tensors[_hf_tensor_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        progress.step(int(tensor.n_bytes))
     return tensors
 
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, check_divisible, shard_parameter
+from tandem.engine.progress import Progress
 from tandem.engine.quant_formats import to_engine_tensors, weight_format
 from tandem.kernels.fp8 import FP8
 
@@ -96,10 +97,20 @@ def is_ignored_tensor(hf_name: str) -> bool:
 
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
+    num_tensors = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            num_tensors += len(f.keys())
+    progress = Progress(
+        f"loading weights from {files[0].parent if files else '?'}",
+        num_tensors,
+        sum(path.stat().st_size for path in files),
+    )
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
+                progress.step(tensors[key].numel() * tensors[key].element_size())
     return tensors
 
 
