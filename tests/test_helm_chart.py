@@ -612,6 +612,8 @@ def test_service_monitor_scrapes_every_service(chart):
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
         {"logFormat": "xml"},
+        {"autoscaling": {"enabled": True, "kind": "vpa"}},
+        {"decode": {"autoscaling": {"metric": "up"}}},
         {"topologySpread": {"whenUnsatisfiable": "Sometimes"}},
         {"topologySpread": {"topologyKeys": []}},
         {"openai": {"toolCallParser": "mistral"}},
@@ -744,6 +746,43 @@ def test_the_openai_front_serves_the_router_with_the_key_from_its_secret(chart):
         "app.kubernetes.io/instance": RELEASE,
         "app.kubernetes.io/component": "openai",
     }}} in peers  # fmt: skip
+
+
+def test_worker_roles_scale_on_their_own_metrics_when_asked(chart):
+    assert not [
+        o for o in objects(chart, {}) if o["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")
+    ]
+    keda = objects(
+        chart, {"autoscaling": {"enabled": True}, "prefill": {"autoscaling": {"maxReplicas": 6}}}
+    )
+    scaled = {o["metadata"]["name"]: o["spec"] for o in by_kind(keda, "ScaledObject")}
+    assert set(scaled) == {f"{RELEASE}-tandem-prefill", f"{RELEASE}-tandem-decode"}
+    prefill, decode = scaled[f"{RELEASE}-tandem-prefill"], scaled[f"{RELEASE}-tandem-decode"]
+    assert prefill["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": f"{RELEASE}-tandem-prefill",
+    }
+    assert (prefill["minReplicaCount"], prefill["maxReplicaCount"]) == (1, 6)
+    (trigger,) = decode["triggers"]
+    assert trigger["metadata"]["query"] == (
+        f'sum(tandem:kv_cache_usage_perc{{namespace="{NAMESPACE}", '
+        f'service="{RELEASE}-tandem-decode"}})'
+    )
+    assert trigger["metadata"]["threshold"] == "0.75"
+    assert "num_requests_waiting" in prefill["triggers"][0]["metadata"]["query"]
+    hpa = objects(
+        chart,
+        {
+            "autoscaling": {"enabled": True, "kind": "hpa"},
+            "prefill": {"autoscaling": {"enabled": False}},
+        },
+    )
+    (decode_hpa,) = by_kind(hpa, "HorizontalPodAutoscaler")
+    kubernetes_validate.validate(decode_hpa, KUBE_VERSION, strict=True)
+    assert (
+        decode_hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "tandem_kv_cache_usage_perc"
+    )
 
 
 def test_every_process_logs_in_the_values_log_format(chart):
