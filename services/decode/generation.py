@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import grpc
 
+from tandem.common import tracing
 from tandem.common.errors import KvLoadFailedError, PreconditionError
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES, HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
@@ -197,9 +198,14 @@ class GenerationPhase:
             request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
             remote = list(handoff.block_ids)[plan.num_cached_blocks :]
-            num_landed, nbytes, seconds, error = await self._pull(
-                agent, remote, plan.block_ids, reads
-            )
+            with tracing.span(
+                "tandem.kv_pull",
+                dict(request.trace_headers),
+                **{"tandem.prefill": handoff.ctx_endpoint, "tandem.num_blocks": len(remote)},
+            ):
+                num_landed, nbytes, seconds, error = await self._pull(
+                    agent, remote, plan.block_ids, reads
+                )
             self.num_bytes_received += nbytes
             if error is not None and (not num_landed or self.load_failure_policy == "fail"):
                 raise error

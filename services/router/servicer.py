@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import struct_pb2
 
+from tandem.common import tracing
 from tandem.common.auth import ADMIN_METHODS
 from tandem.common.callers import caller_of, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
@@ -115,17 +116,24 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             arrival_time,
         )
         ended = "closed by the client"  # the stream was let go before its end
+        # The workers' spans are this one's children: its traceparent goes in the request they get.
+        traced = tracing.span(
+            "tandem.router.generate",
+            engine_request.trace_headers,
+            **{"tandem.request_id": request.request_id},
+        )
         try:
-            messages = TextFront.respond(
-                text_request,
-                generate.stream(route, engine_request),
-                route.stop,
-                tracker,
-                self.config.stream_interval,
-            )
-            async with closing(messages) as messages:
-                async for msg in messages:
-                    yield msg
+            with traced:
+                messages = TextFront.respond(
+                    text_request,
+                    generate.stream(route, engine_request),
+                    route.stop,
+                    tracker,
+                    self.config.stream_interval,
+                )
+                async with closing(messages) as messages:
+                    async for msg in messages:
+                        yield msg
             ended = "finished"
         except asyncio.CancelledError:
             ended = "cancelled"

@@ -128,6 +128,8 @@ class WorkerRequest:
         self.client: str | None = None
         self.stream: asyncio.Queue = asyncio.Queue()
         self.metrics = RequestMetricsState()
+        # W3C trace context of the request's span here (common/tracing.py; empty: untraced).
+        self.trace_headers: dict[str, str] = {}
         # Set by a context phase: turns a handed-off output into the caller's DisaggregatedParams,
         # and gives a lease back when its handoff never reaches the caller.
         self.hand_off: Callable[[StepOutput], types_pb2.DisaggregatedParams] | None = None

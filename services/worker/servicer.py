@@ -10,12 +10,14 @@ import uuid
 
 from google.protobuf import json_format
 
+from tandem.common import tracing
 from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
 from tandem.common.engine_messages import generate_request
 from tandem.common.errors import PreconditionError, invalid, unavailable
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.engine.messages import HoldSteps
+from tandem.engine.sequence import Phase
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
 from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
@@ -28,6 +30,13 @@ from tandem.worker.phases import REQUEST_PHASES
 from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
 from tandem.worker.sessions import Sessions
+
+# A worker's span of a request, by the phase it runs.
+_SPAN_NAMES = {
+    Phase.CONTEXT_ONLY: "tandem.prefill",
+    Phase.GENERATION_ONLY: "tandem.decode",
+    Phase.CONTEXT_AND_GENERATION: "tandem.generate",
+}
 
 
 def _json(d: dict) -> str:
@@ -117,8 +126,17 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             request, owner, client, adapter, guide, sink, return_first_gen_tokens
         )
         self.requests[worker_request.request_id] = worker_request
+        # The phase's span: a child of the router's (the traceparent it put in trace_headers),
+        # and the parent of the decode's KV pull (worker_request.trace_headers).
+        worker_request.trace_headers = dict(request.trace_headers)
+        traced = tracing.span(
+            _SPAN_NAMES[worker_request.phase],
+            worker_request.trace_headers,
+            **{"tandem.request_id": worker_request.request_id, "tandem.worker": self.rt.worker_id},
+        )
         try:
-            yield worker_request
+            with traced:
+                yield worker_request
         finally:
             self.requests.pop(worker_request.request_id, None)
             worker_request.close()

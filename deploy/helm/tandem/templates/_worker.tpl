@@ -101,6 +101,10 @@ spec:
               value: /tmp
             - name: TANDEM_LOG_FORMAT
               value: {{ $root.Values.logFormat | quote }}
+            {{- with $root.Values.tracing.otlpEndpoint }}
+            - name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+              value: {{ . | quote }}
+            {{- end }}
             {{- with include "tandem.tokenEnv" $root }}{{ . | trim | nindent 12 }}{{- end }}
             {{- with $spec.cudaIpcGetZcopy }}
             - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
