@@ -185,7 +185,10 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [T, K] @ an FP8 weight [N, K] with scales [N, G] (fp8.py): one row goes to the Triton FP8
     GEMV (weight-only dequantization), more to torch._scaled_mm, whose activations Triton quantizes
-    in one kernel on CUDA (fp8_triton.py) and torch on the CPU."""
+    in one kernel on CUDA (fp8_triton.py) and torch on the CPU. So on a GPU a one-row step's
+    numbers differ from a batched step's (W8A16 against W8A8), as the bf16 GEMV's reduction
+    order already differs from cuBLAS's: --deterministic is what makes a row's result
+    independent of its batch."""
     if _takes_gemv(x, weight):
         return _triton_module("gemv_triton").fp8_gemv(x, weight, weight_scale, bias)
     if backend_for(x.device) == "triton" and x.stride(1) == 1:

@@ -53,8 +53,8 @@ def _row_scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tens
     takes per-tensor scales only there: the same product through float32 operands instead."""
     try:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    except RuntimeError:
-        if a.is_cuda:
+    except RuntimeError as exc:
+        if a.is_cuda or "per-tensor" not in str(exc):
             raise
         return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 

@@ -46,7 +46,7 @@ def _quantize_rows_kernel(
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < GROUP, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
     tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
     for k0 in range(0, GROUP, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)

@@ -256,8 +256,13 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
             assert torch.equal(got_s, want_s)
             assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     gate_up = torch.randn(1, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
-    w, s = fp8.quantize_rows(torch.randn(4096, 14336, generator=gen, device="cuda") / 120)
-    _close_bf16(gemv_triton.fp8_silu_mul_gemv(gate_up, w, s), gemv.fp8_silu_mul_gemv(gate_up, w, s))
+    for groups in (1, 14336 // 128):  # row-scaled and block-scaled down_proj
+        w, s = fp8.quantize_rows(
+            torch.randn(4096, 14336, generator=gen, device="cuda") / 120, groups
+        )
+        _close_bf16(
+            gemv_triton.fp8_silu_mul_gemv(gate_up, w, s), gemv.fp8_silu_mul_gemv(gate_up, w, s)
+        )
 
 
 def test_graph_attention_splits_match_eager():

@@ -485,7 +485,15 @@ def test_network_policy_admits_only_the_release_to_the_workers(chart):
                 "matchLabels": {
                     "app.kubernetes.io/name": "tandem",
                     "app.kubernetes.io/instance": RELEASE,
-                }
+                },
+                # Not the release's OpenAI front (a public face, whose calls go to the router).
+                "matchExpressions": [
+                    {
+                        "key": "app.kubernetes.io/component",
+                        "operator": "In",
+                        "values": ["router", "prefill", "decode", "both"],
+                    }
+                ],
             }
         },
         {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}},
@@ -735,6 +743,19 @@ def test_the_openai_front_serves_the_router_with_the_key_from_its_secret(chart):
     # Liveness: the process answers; readiness: it can route (the router's health).
     assert c["livenessProbe"]["httpGet"]["path"] == "/ping"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    # The workers admit the release's router and workers, not its front.
+    (workers,) = [
+        p
+        for p in by_kind(docs, "NetworkPolicy")
+        if p["metadata"]["name"] == f"{RELEASE}-tandem-workers"
+    ]
+    (peer,) = workers["spec"]["ingress"][0]["from"]
+    assert peer["podSelector"]["matchExpressions"][0]["values"] == [
+        "router",
+        "prefill",
+        "decode",
+        "both",
+    ]
     # A routerFrom that admits only some namespaces still admits the release's front.
     (policy,) = [
         p

@@ -178,3 +178,35 @@ def test_split_sessions_reuse_both_workers_tiers_with_the_oracles_tokens(model_d
     # Round 2: each session's history (~100 tokens) was evicted from both pools by the others.
     assert all(c <= 16 for c in computed[3:]), computed  # the prefill computed the new tokens
     assert all(c >= 10 for c in cached[3:]), cached  # the decode pulled only the new blocks
+
+
+def test_a_block_computed_again_while_in_the_tier_keeps_one_slot(model_dirs):
+    """A prompt's last block is computed again (its logits are what the step samples) even when
+    the tier holds it: evicted again, it must not take a second slot nor be reported removed."""
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dirs["llama"]),
+            device="cpu",
+            block_size=BLOCK,
+            num_blocks=6,
+            host_kv_cache_gb=0.0002,
+        )
+    )
+    tier = engine.block_manager.host_tier
+    rng = random.Random(2)
+    prompts = [[1] + [rng.randrange(4, 380) for _ in range(4 * BLOCK - 1)] for _ in range(2)]
+    options = SamplingOptions(max_tokens=1, ignore_eos=True)
+    for turn in range(6):
+        engine.add_request(f"r{turn}", prompts[turn % 2], options)
+        while engine.num_unfinished:
+            engine.step()
+        tier.take_copies()
+        held = len(tier._slot_of) + len(tier._free_slots) + len(tier._copying_up)
+        assert held == tier.num_slots, (turn, held)
+        removed = {
+            h
+            for e in engine.block_manager.drain_events()
+            if e["type"] == "removed"
+            for h in e["block_hashes"]
+        }
+        assert not removed & set(tier._slot_of), turn

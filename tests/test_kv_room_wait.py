@@ -203,10 +203,15 @@ def test_a_pull_starts_only_with_the_time_it_should_take_left_on_the_lease():
     from tandem.engine.sampling_options import SamplingOptions
 
     class Core:
+        def __init__(self, room_after_s: float = 0.0):
+            self.room_at = time.monotonic() + room_after_s
+
         async def call(self, command):
+            if time.monotonic() < self.room_at:
+                return None  # no room yet
             return SimpleNamespace(request_id=command.request_id)
 
-    def reserve(seconds_left: float, pull_seconds: float | None):
+    def reserve(seconds_left: float, pull_seconds: float | None, room_after_s: float = 0.0):
         phase = GenerationPhase.__new__(GenerationPhase)
         phase.room_wait_s = 1.0
         phase._room_line = deque()
@@ -220,7 +225,7 @@ def test_a_pull_starts_only_with_the_time_it_should_take_left_on_the_lease():
             ctx_endpoint="p:1",
         )
         add = AddRequest("r", [1, 2, 3], SamplingOptions(), remote_kv=True)
-        return asyncio.run(phase._reserve(Core(), add, handoff))
+        return asyncio.run(phase._reserve(Core(room_after_s), add, handoff))
 
     from collections import deque
 
@@ -228,6 +233,10 @@ def test_a_pull_starts_only_with_the_time_it_should_take_left_on_the_lease():
     assert reserve(3.0, 0.5)[0] is not None  # 1 + 2 x 0.5 s < 3 s
     plan, reason, _ = reserve(3.0, 1.5)  # 1 + 2 x 1.5 s > 3 s
     assert plan is None and reason is Reason.LEASE_EXPIRING
+    # Enough left when it came (1 + 2 x 0.25 < 1.8 s), but the wait for room ate into it: once
+    # what is left no longer covers the pull, it gives up (room would only come later).
+    plan, reason, waited = reserve(1.8, 0.25, room_after_s=0.9)
+    assert plan is None and reason is Reason.LEASE_EXPIRING and 0.2 <= waited <= 0.6
 
 
 def test_a_client_own_handoff_cancelled_while_waiting_for_room_ends_its_lease(cluster):

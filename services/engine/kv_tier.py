@@ -47,6 +47,11 @@ class HostKvTier:
         """The device is about to reuse block, which holds block_hash's KV: keep a copy here.
         Returns the hash this pushed out of the tier (its least recently used), or None;
         block_hash itself when every slot is owed a copy up (nothing can go down now)."""
+        if block_hash in self._slot_of:
+            # Still here from before (the device computed the block again rather than take it
+            # from the tier, e.g. a prompt's last block): the same hash is the same KV.
+            self._slot_of.move_to_end(block_hash)
+            return None
         pushed_out = None
         if self._free_slots:
             slot = self._free_slots.pop()
@@ -81,7 +86,8 @@ class HostKvTier:
 
     def clear(self) -> list[int]:
         """Forgets every block (their KV is no longer valid: new weights); returns their hashes.
-        Copies owed are dropped: nothing will read what they would write."""
+        Copies owed are dropped: the engine flushes them right after the lookup that owed them,
+        before any command (a weight update, a release) can run, so none is owed here."""
         hashes = list(self._slot_of)
         self._slot_of.clear()
         self._down, self._up, self._copying_up = [], [], []
