@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from tandem.kernels.launch_checks import FLOAT_DTYPES, require
+
+# float32(1) / float32(448): the reciprocal CUDA torch multiplies by to divide by FP8's maximum.
+_INV_FP8_MAX = float(np.float32(1.0) / np.float32(448.0))
 
 
 @triton.jit
@@ -32,7 +36,15 @@ def to_e4m3_grid(x, inv_scale):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, stride_x, GROUP, NUM_GROUPS, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stride_x,
+    GROUP,
+    NUM_GROUPS,
+    inv_max,
+    RECIPROCAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program per (row, group): the group's largest magnitude, its scale, then the group
     divided by the scale and rounded to e4m3: two reads of the row and one FP8 write, where the
@@ -46,7 +58,10 @@ def _quantize_rows_kernel(
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(src + offs, mask=offs < GROUP, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+    if RECIPROCAL:  # CUDA torch divides a tensor by a number as a product with its reciprocal
+        scale = tl.maximum(tl.max(amax, axis=0) * inv_max, 1e-12)
+    else:  # the CPU's divides
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
     tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
     for k0 in range(0, GROUP, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
@@ -82,6 +97,8 @@ def quantize_rows(x: torch.Tensor, num_groups: int = 1) -> tuple[torch.Tensor, t
                 x.stride(0),
                 group,
                 num_groups,
+                _INV_FP8_MAX,
+                RECIPROCAL=x.is_cuda,
                 BLOCK=min(1024, triton.next_power_of_2(group)),
                 num_warps=4,
             )
