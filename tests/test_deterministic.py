@@ -6,7 +6,9 @@ default mode runs the same cases and prints which of them it computes differentl
 
 from __future__ import annotations
 
+import asyncio
 import random
+import signal
 import time
 
 import pytest
@@ -197,3 +199,93 @@ def test_the_flag_reaches_the_engine_and_lora_requests_are_refused(model_dirs):
     with pytest.raises(PreconditionError, match="--deterministic"):
         adapter = LoRAAdapter("a", 1, "/adapters/a", 8, "f" * 16, {})
         engine.add_request("r", [1, 2, 3], SamplingOptions(), adapter=adapter)
+
+
+@pytest.fixture
+def cluster(model_dirs):
+    """A deterministic 1 prefill + 2 decode split beside an aggregated worker (one per test: a
+    test kills a decode)."""
+    from tandem.testing.cluster import LocalCluster
+
+    with LocalCluster(
+        roles=["prefill", "decode", "decode", "both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--deterministic",
+        ],
+    ) as c:
+        yield c
+
+
+def _params(name: str):
+    from tandem.client import SamplingParams
+
+    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 11} if name == "seeded" else {}
+    return SamplingParams(
+        max_tokens=160, ignore_eos=True, logprobs=2, return_generation_logits=True, **seeded
+    )
+
+
+def _same(got, want) -> None:
+    import numpy
+
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
+    assert got.cumulative_logprob == want.cumulative_logprob
+    assert numpy.array_equal(numpy.asarray(got.generation_logits), want.generation_logits)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_split_and_migrated_streams_are_bitwise_the_aggregated_one(cluster, name):
+    """Through the router: prefill on one worker, decode on another, and that decode SIGKILLed
+    mid-stream (the router migrates: the prompt and the tokens so far are recomputed on a
+    survivor). Tokens, logprobs and generation logits equal the aggregated worker's, bit for bit."""
+    from test_disagg import worker_state
+
+    from tandem.client import LLM, AsyncLLM
+
+    prompt = "a deterministic story told across workers " * 3
+    with LLM(cluster.workers[-1].address, **cluster.worker_client_kwargs()) as aggregated:
+        want = aggregated.generate(prompt, _params(name), use_tqdm=False).outputs[0]
+    with LLM(cluster.address) as llm:
+        assert llm.disaggregated_params["deterministic"] is True
+        assert any(k.endswith(".deterministic") and v for k, v in llm.startup_metrics.items())
+        split = llm.generate(prompt, _params(name), use_tqdm=False)
+    assert len(split.metrics.served_by) == 2  # a prefill, then a decode
+    _same(split.outputs[0], want)
+
+    decodes = [w for w in cluster.workers if w.role == "decode" and w.process.poll() is None]
+
+    async def kill_the_busy_decode():
+        while True:
+            for w in decodes:
+                state = await asyncio.to_thread(worker_state, w.address)
+                if state.num_generated_tokens - baseline[w.address] >= 10:
+                    w.process.send_signal(signal.SIGKILL)
+                    return w
+            await asyncio.sleep(0.005)
+
+    baseline = {w.address: worker_state(w.address).num_generated_tokens for w in decodes}
+
+    async def go():
+        llm = await AsyncLLM(cluster.address)
+        killer = asyncio.create_task(kill_the_busy_decode())
+        try:
+            async for out in llm.generate_async(prompt, _params(name), streaming=True):
+                pass
+            return out, await asyncio.wait_for(killer, 5)
+        finally:
+            killer.cancel()
+            llm.close()
+
+    migrated, killed = asyncio.run(asyncio.wait_for(go(), 60))
+    assert killed.process.wait(5) == -signal.SIGKILL
+    assert killed.address in migrated.metrics.served_by and len(migrated.metrics.served_by) >= 3
+    _same(migrated.outputs[0], want)
