@@ -69,32 +69,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return tiled_rows(lambda tile: torch.nn.functional.linear(tile, weight, bias), x)
 
 
-def _sequence_kv(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, num_keys: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first num_keys keys and values of a sequence, [num_keys, Hkv, D] each."""
-    block_size = kv_layer.shape[2]
-    num_blocks = -(-num_keys // block_size)
-    blocks = kv_layer[block_table[:num_blocks].long()]  # [nb, 2, bs, Hkv, D]
-    hkv, d = blocks.shape[-2:]
-    key = blocks[:, 0].reshape(num_blocks * block_size, hkv, d)[:num_keys]
-    value = blocks[:, 1].reshape(num_blocks * block_size, hkv, d)[:num_keys]
-    return key, value
-
-
-def _heads_first(
-    x: torch.Tensor, pool_scale: float, num_q_heads: int, num_padded_keys: int
-) -> torch.Tensor:
-    """[S, Hkv, D] from the pool -> [Hq, num_padded_keys, D] float32, each KV head repeated for
-    its query heads, zero past S (not the pool's stale bytes: 0 * NaN is NaN)."""
+def _keys_first(x: torch.Tensor, pool_scale: float, num_q_heads: int) -> torch.Tensor:
+    """[..., S, Hkv, D] from the pool -> [..., Hq, S, D] float32, each KV head repeated for its
+    query heads."""
     from tandem.kernels.paged_attention import _from_pool
 
     x = _from_pool(x, torch.float32, pool_scale)
-    x = x.repeat_interleave(num_q_heads // x.shape[1], dim=1).transpose(0, 1)
-    return torch.nn.functional.pad(x, (0, 0, 0, num_padded_keys - x.shape[1])).contiguous()
+    return x.repeat_interleave(num_q_heads // x.shape[-2], dim=-2).transpose(-3, -2)
 
 
-def _attend_tile(
+def _attend_tiles(
     query: torch.Tensor,
     positions: torch.Tensor,
     key: torch.Tensor,
@@ -102,28 +86,36 @@ def _attend_tile(
     scale: float,
     num_keys: int,
 ) -> torch.Tensor:
-    """query [H, ROW_TILE, D] float32 at positions [ROW_TILE] (the last is num_keys - 1) over key/value [H, S, D] float32 (S a
-    multiple of KV_CHUNK, zero past the sequence) -> [H, ROW_TILE, D]: an online softmax over
-    the chunks in order, every matmul of one shape."""
-    num_heads, num_rows, head_dim = query.shape
-    running_max = query.new_full((num_heads, num_rows, 1), float("-inf"))
-    running_sum = query.new_zeros((num_heads, num_rows, 1))
-    acc = query.new_zeros((num_heads, num_rows, head_dim))
+    """query [N, ROW_TILE, D] float32 (N tiles times heads) at positions [N, ROW_TILE] over
+    key/value [N, S, D] float32 (S >= num_keys rounded up to KV_CHUNK, zero past each sequence's
+    end) -> [N, ROW_TILE, D]: an online softmax over the chunks in order. Every bmm has items of
+    one shape (a bmm's item does not change with the number of items: measured), and a chunk
+    with no key a row may see leaves that row exactly as it was."""
+    num_items, num_rows, head_dim = query.shape
+    running_max = query.new_full((num_items, num_rows, 1), float("-inf"))
+    running_sum = query.new_zeros((num_items, num_rows, 1))
+    acc = query.new_zeros((num_items, num_rows, head_dim))
+    positions = positions[:, :, None]
     for start in range(0, num_keys, KV_CHUNK):
         k = key[:, start : start + KV_CHUNK]
         v = value[:, start : start + KV_CHUNK]
         scores = torch.bmm(query, k.transpose(1, 2)) * scale
         key_pos = torch.arange(start, start + KV_CHUNK, device=query.device)
-        scores = scores.masked_fill(
-            key_pos[None, None, :] > positions[None, :, None], float("-inf")
-        )
+        scores = scores.masked_fill(key_pos[None, None, :] > positions, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
         weights = torch.exp(scores - new_max)
         rescale = torch.exp(running_max - new_max)
-        running_sum = running_sum * rescale + weights.sum(-1, keepdim=True)
-        acc = acc * rescale + torch.bmm(weights, v)
-        running_max = new_max
+        sees = positions >= start
+        running_sum = torch.where(
+            sees, running_sum * rescale + weights.sum(-1, keepdim=True), running_sum
+        )
+        acc = torch.where(sees, acc * rescale + torch.bmm(weights, v), acc)
+        running_max = torch.where(sees, new_max, running_max)
     return acc / running_sum
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
 
 
 def paged_attention(
@@ -135,35 +127,94 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal GQA attention over the paged KV, as paged_attention.paged_attention, with a schedule
     that depends on each row's position alone: query rows in tiles of ROW_TILE, keys in chunks
-    of KV_CHUNK from position 0, float32 throughout."""
+    of KV_CHUNK from position 0, float32 throughout. Sequences of one tile (decodes, short
+    chunks) share one bmm per chunk; a longer one runs its tiles against its own keys."""
     starts = meta.host_query_start_loc()
     seq_lens = meta.host_seq_lens()
-    num_q_heads = query.shape[1]
     out = torch.empty_like(query)
-    for b, seq_len in enumerate(seq_lens):
-        start, end = starts[b], starts[b + 1]
-        num_padded_keys = -(-seq_len // KV_CHUNK) * KV_CHUNK
-        key, value = _sequence_kv(kv_layer, meta.block_tables[b], seq_len)
-        key = _heads_first(key, kv_scales[0], num_q_heads, num_padded_keys)
-        value = _heads_first(value, kv_scales[1], num_q_heads, num_padded_keys)
-        query_len = end - start
-        first_pos = seq_len - query_len
-        for tile_start in range(0, query_len, ROW_TILE):
-            rows = min(ROW_TILE, query_len - tile_start)
-            q = query.new_zeros((ROW_TILE, num_q_heads, query.shape[2]), dtype=torch.float32)
-            q[:rows] = query[start + tile_start : start + tile_start + rows]
-            # Padding rows sit at the tile's last real position: they see keys, never NaN.
-            positions = torch.full((ROW_TILE,), first_pos + tile_start + rows - 1)
-            positions[:rows] = torch.arange(first_pos + tile_start, first_pos + tile_start + rows)
-            tile_out = _attend_tile(
-                q.transpose(0, 1).contiguous(),
-                positions.to(query.device),
-                key,
-                value,
-                scale,
-                first_pos + tile_start + rows,
-            )
-            out[start + tile_start : start + tile_start + rows] = tile_out.transpose(0, 1)[
-                :rows
-            ].to(query.dtype)
+    short = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] <= ROW_TILE]
+    if short:
+        _attend_short(query, kv_layer, meta, scale, kv_scales, short, out)
+    for b in range(len(seq_lens)):
+        if starts[b + 1] - starts[b] > ROW_TILE:
+            _attend_long(query, kv_layer, meta, scale, kv_scales, b, out)
     return out
+
+
+def _tile_positions(first: int, rows: int) -> torch.Tensor:
+    """[ROW_TILE] positions of a tile's rows; padding rows repeat the last real one (they see
+    keys: no NaN), and their output is dropped."""
+    positions = torch.arange(first, first + ROW_TILE)
+    return positions.clamp(max=first + rows - 1)
+
+
+def _attend_short(query, kv_layer, meta, scale, kv_scales, seqs: list[int], out) -> None:
+    """One tile per sequence, all in the same bmm calls."""
+    from tandem.kernels.paged_attention import _gather_kv
+
+    starts = meta.host_query_start_loc()
+    seq_lens = meta.host_seq_lens()
+    num_q_heads, head_dim = query.shape[1:]
+    block_size = kv_layer.shape[2]
+    max_len = max(seq_lens[b] for b in seqs)
+    num_keys = -(-max_len // KV_CHUNK) * KV_CHUNK
+    num_blocks = -(-max_len // block_size)
+    index = torch.tensor(seqs, device=query.device)
+    key, value = _gather_kv(kv_layer, meta.block_tables[index, :num_blocks])  # [B, S, Hkv, D]
+    lens = meta.seq_lens[index].long()
+    stale = torch.arange(key.shape[1], device=query.device)[None, :] >= lens[:, None]
+    key = key.masked_fill(stale[:, :, None, None], 0)
+    value = value.masked_fill(stale[:, :, None, None], 0)
+
+    def items(x: torch.Tensor, pool_scale: float) -> torch.Tensor:
+        x = _keys_first(x, pool_scale, num_q_heads)  # [B, Hq, S, D]
+        x = torch.nn.functional.pad(x, (0, 0, 0, num_keys - x.shape[2]))
+        return x.reshape(len(seqs) * num_q_heads, num_keys, head_dim)
+
+    key, value = items(key, kv_scales[0]), items(value, kv_scales[1])
+    q = query.new_zeros((len(seqs), ROW_TILE, num_q_heads, head_dim), dtype=torch.float32)
+    positions = []
+    for i, b in enumerate(seqs):
+        rows = starts[b + 1] - starts[b]
+        q[i, :rows] = query[starts[b] : starts[b + 1]]
+        positions.append(_tile_positions(seq_lens[b] - rows, rows))
+    q = q.transpose(1, 2).reshape(len(seqs) * num_q_heads, ROW_TILE, head_dim)
+    positions = torch.stack(positions).to(query.device).repeat_interleave(num_q_heads, dim=0)
+    result = _attend_tiles(q, positions, key, value, scale, max_len)
+    result = result.view(len(seqs), num_q_heads, ROW_TILE, head_dim).transpose(1, 2)
+    for i, b in enumerate(seqs):
+        rows = starts[b + 1] - starts[b]
+        out[starts[b] : starts[b + 1]] = result[i, :rows].to(query.dtype)
+
+
+def _attend_long(query, kv_layer, meta, scale, kv_scales, b: int, out) -> None:
+    """A sequence of several tiles, one tile at a time against its keys."""
+    from tandem.kernels.paged_attention import _gather_kv
+
+    start, end = meta.host_query_start_loc()[b : b + 2]
+    seq_len = meta.host_seq_lens()[b]
+    num_q_heads, head_dim = query.shape[1:]
+    block_size = kv_layer.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    key, value = _gather_kv(kv_layer, meta.block_tables[b, :num_blocks])  # [S, Hkv, D]
+    num_keys = -(-seq_len // KV_CHUNK) * KV_CHUNK
+
+    def items(x: torch.Tensor, pool_scale: float) -> torch.Tensor:
+        x = _keys_first(x[:seq_len], pool_scale, num_q_heads)  # [Hq, S, D]
+        return torch.nn.functional.pad(x, (0, 0, 0, num_keys - seq_len)).contiguous()
+
+    key, value = items(key, kv_scales[0]), items(value, kv_scales[1])
+    first_pos = seq_len - (end - start)
+    for tile_start in range(start, end, ROW_TILE):
+        rows = min(ROW_TILE, end - tile_start)
+        q = _pad_rows(query[tile_start : tile_start + rows].float(), ROW_TILE).transpose(0, 1)
+        positions = _tile_positions(first_pos + tile_start - start, rows).to(query.device)
+        result = _attend_tiles(
+            q.contiguous(),
+            positions[None].expand(num_q_heads, ROW_TILE),
+            key,
+            value,
+            scale,
+            first_pos + tile_start - start + rows,
+        )
+        out[tile_start : tile_start + rows] = result.transpose(0, 1)[:rows].to(query.dtype)
