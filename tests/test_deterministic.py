@@ -62,7 +62,8 @@ def _engine(model_dir, deterministic: bool, budget: int) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingOptions, list[int]]]):
-    """Each request's (tokens, logprobs, generation logits [n, V]) from the engine."""
+    """Each request's (tokens, logprobs, generation logits [n, V]) from the engine; the prompt
+    tokens the target found in the prefix cache go to engine.target_cached."""
     for rid, (prompt, options, given) in requests.items():
         engine.add_request(rid, prompt, options, output_token_ids=given)
     got = {rid: ([], [], []) for rid in requests}
@@ -71,6 +72,8 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingOptions
         assert time.monotonic() < deadline, "the engine did not finish in 60 s"
         for out in engine.step():
             tokens, logprobs, logits = got[out.request_id]
+            if out.request_id == "target" and not tokens:
+                engine.target_cached = out.num_cached_prompt_tokens
             tokens += out.new_token_ids
             logprobs += out.new_logprobs
             logits += out.generation_logits or []
@@ -78,14 +81,24 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingOptions
 
 
 def _target_run(model_dir, deterministic, name, num_others, budget):
-    requests = {"target": (TARGET, OPTIONS[name], [])}
-    for i in range(num_others):
-        requests[f"other{i}"] = (
+    """The target among num_others others; the first of them, sharing its prefix, arrives first:
+    under a small budget the target reads those blocks from the prefix cache."""
+    others = {
+        f"other{i}": (
             OTHERS[i],
             SamplingOptions(max_tokens=OTHER_MAX_TOKENS[i], ignore_eos=True),
             [],
         )
-    return _run(_engine(model_dir, deterministic, budget), requests)["target"]
+        for i in range(num_others)
+    }
+    requests = dict(list(others.items())[:1])
+    requests["target"] = (TARGET, OPTIONS[name], [])
+    requests.update(others)
+    engine = _engine(model_dir, deterministic, budget)
+    got = _run(engine, requests)["target"]
+    if (num_others, budget) == (20, 16):
+        assert engine.target_cached > 0, "the case meant to hit the prefix cache did not"
+    return got
 
 
 def _differences(a, b) -> list[str]:
