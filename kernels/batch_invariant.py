@@ -69,13 +69,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return tiled_rows(lambda tile: torch.nn.functional.linear(tile, weight, bias), x)
 
 
-def _keys_first(x: torch.Tensor, pool_scale: float, num_q_heads: int) -> torch.Tensor:
-    """[..., S, Hkv, D] from the pool -> [..., Hq, S, D] float32, each KV head repeated for its
-    query heads."""
+def _kv_heads_first(x: torch.Tensor, pool_scale: float) -> torch.Tensor:
+    """[..., S, Hkv, D] from the pool -> [..., Hkv, S, D] float32."""
     from tandem.kernels.paged_attention import _from_pool
 
-    x = _from_pool(x, torch.float32, pool_scale)
-    return x.repeat_interleave(num_q_heads // x.shape[-2], dim=-2).transpose(-3, -2)
+    return _from_pool(x, torch.float32, pool_scale).transpose(-3, -2)
+
+
+def _tiled_rows(query: torch.Tensor, num_kv_heads: int, first_pos: int):
+    """A sequence's query rows [Q, Hq, D] as tiles of each KV head: ([Hkv, n, ROW_TILE, D]
+    float32, positions [n, ROW_TILE]). A KV head's rows are its g query heads at each position,
+    position-major; padding rows repeat the last real position (they see keys: no NaN) and are
+    dropped by _untiled_rows."""
+    num_rows, num_q_heads, head_dim = query.shape
+    group = num_q_heads // num_kv_heads
+    num_real = num_rows * group
+    num_tiles = -(-num_real // ROW_TILE)
+    rows = query.float().view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
+    rows = rows.reshape(num_kv_heads, num_real, head_dim)
+    rows = torch.nn.functional.pad(rows, (0, 0, 0, num_tiles * ROW_TILE - num_real))
+    positions = (torch.arange(num_tiles * ROW_TILE) // group).clamp(max=num_rows - 1) + first_pos
+    return (
+        rows.view(num_kv_heads, num_tiles, ROW_TILE, head_dim),
+        positions.view(num_tiles, ROW_TILE).to(query.device),
+    )
+
+
+def _untiled_rows(tiles: torch.Tensor, num_rows: int, num_q_heads: int) -> torch.Tensor:
+    """[Hkv, n, ROW_TILE, D] from _tiled_rows -> the sequence's [Q, Hq, D]."""
+    num_kv_heads, _, _, head_dim = tiles.shape
+    group = num_q_heads // num_kv_heads
+    rows = tiles.reshape(num_kv_heads, -1, head_dim)[:, : num_rows * group]
+    return (
+        rows.view(num_kv_heads, num_rows, group, head_dim)
+        .transpose(0, 1)
+        .reshape(num_rows, num_q_heads, head_dim)
+    )
 
 
 def _attend_tiles(
@@ -86,7 +115,7 @@ def _attend_tiles(
     scale: float,
     num_keys: int,
 ) -> torch.Tensor:
-    """query [N, ROW_TILE, D] float32 (N tiles times heads) at positions [N, ROW_TILE] over
+    """query [N, ROW_TILE, D] float32 (N tiles times KV heads) at positions [N, ROW_TILE] over
     key/value [N, S, D] float32 (S >= num_keys rounded up to KV_CHUNK, zero past each sequence's
     end) -> [N, ROW_TILE, D]: an online softmax over the chunks in order. Every bmm has items of
     one shape (a bmm's item does not change with the number of items: measured), and a chunk
@@ -114,10 +143,6 @@ def _attend_tiles(
     return acc / running_sum
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
-
-
 def paged_attention(
     query: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -126,95 +151,90 @@ def paged_attention(
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal GQA attention over the paged KV, as paged_attention.paged_attention, with a schedule
-    that depends on each row's position alone: query rows in tiles of ROW_TILE, keys in chunks
-    of KV_CHUNK from position 0, float32 throughout. Sequences of one tile (decodes, short
-    chunks) share one bmm per chunk; a longer one runs its tiles against its own keys."""
+    that depends on each row's position alone: the rows of a KV head (its query heads at each
+    position) in tiles of ROW_TILE, keys in chunks of KV_CHUNK from position 0, float32
+    throughout. Sequences of one tile per KV head (decodes, short chunks) share one bmm per
+    chunk; a longer one runs its tiles against its own keys, one tile at a time."""
     starts = meta.host_query_start_loc()
     seq_lens = meta.host_seq_lens()
+    group = query.shape[1] // kv_layer.shape[-2]
     out = torch.empty_like(query)
-    short = [b for b in range(len(seq_lens)) if starts[b + 1] - starts[b] <= ROW_TILE]
+    is_short = [(starts[b + 1] - starts[b]) * group <= ROW_TILE for b in range(len(seq_lens))]
+    short = [b for b, flag in enumerate(is_short) if flag]
     if short:
         _attend_short(query, kv_layer, meta, scale, kv_scales, short, out)
-    for b in range(len(seq_lens)):
-        if starts[b + 1] - starts[b] > ROW_TILE:
+    for b, flag in enumerate(is_short):
+        if not flag:
             _attend_long(query, kv_layer, meta, scale, kv_scales, b, out)
     return out
 
 
-def _tile_positions(first: int, rows: int) -> torch.Tensor:
-    """[ROW_TILE] positions of a tile's rows; padding rows repeat the last real one (they see
-    keys: no NaN), and their output is dropped."""
-    positions = torch.arange(first, first + ROW_TILE)
-    return positions.clamp(max=first + rows - 1)
-
-
 def _attend_short(query, kv_layer, meta, scale, kv_scales, seqs: list[int], out) -> None:
-    """One tile per sequence, all in the same bmm calls."""
+    """One tile per sequence and KV head, all in the same bmm calls."""
     from tandem.kernels.paged_attention import _gather_kv
 
     starts = meta.host_query_start_loc()
     seq_lens = meta.host_seq_lens()
-    num_q_heads, head_dim = query.shape[1:]
-    block_size = kv_layer.shape[2]
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[-2], kv_layer.shape[-1]
     max_len = max(seq_lens[b] for b in seqs)
     num_keys = -(-max_len // KV_CHUNK) * KV_CHUNK
-    num_blocks = -(-max_len // block_size)
     index = torch.tensor(seqs, device=query.device)
-    key, value = _gather_kv(kv_layer, meta.block_tables[index, :num_blocks])  # [B, S, Hkv, D]
-    lens = meta.seq_lens[index].long()
-    stale = torch.arange(key.shape[1], device=query.device)[None, :] >= lens[:, None]
-    key = key.masked_fill(stale[:, :, None, None], 0)
-    value = value.masked_fill(stale[:, :, None, None], 0)
+    key, value = _gather_kv(kv_layer, meta.block_tables[index, : -(-max_len // block_size)])
+    # Zero past each sequence's end (not the pool's stale bytes: 0 * NaN is NaN) and to num_keys.
+    stale = torch.arange(key.shape[1], device=query.device)[None, :] >= meta.seq_lens[index, None]
 
     def items(x: torch.Tensor, pool_scale: float) -> torch.Tensor:
-        x = _keys_first(x, pool_scale, num_q_heads)  # [B, Hq, S, D]
-        x = torch.nn.functional.pad(x, (0, 0, 0, num_keys - x.shape[2]))
-        return x.reshape(len(seqs) * num_q_heads, num_keys, head_dim)
+        x = _kv_heads_first(x.masked_fill(stale[:, :, None, None], 0), pool_scale)
+        x = torch.nn.functional.pad(x, (0, 0, 0, num_keys - x.shape[2]))  # [B, Hkv, S, D]
+        return x.reshape(len(seqs) * num_kv_heads, num_keys, head_dim)
 
     key, value = items(key, kv_scales[0]), items(value, kv_scales[1])
-    q = query.new_zeros((len(seqs), ROW_TILE, num_q_heads, head_dim), dtype=torch.float32)
-    positions = []
-    for i, b in enumerate(seqs):
-        rows = starts[b + 1] - starts[b]
-        q[i, :rows] = query[starts[b] : starts[b + 1]]
-        positions.append(_tile_positions(seq_lens[b] - rows, rows))
-    q = q.transpose(1, 2).reshape(len(seqs) * num_q_heads, ROW_TILE, head_dim)
-    positions = torch.stack(positions).to(query.device).repeat_interleave(num_q_heads, dim=0)
+    tiles = [
+        _tiled_rows(
+            query[starts[b] : starts[b + 1]], num_kv_heads, seq_lens[b] - starts[b + 1] + starts[b]
+        )
+        for b in seqs
+    ]
+    q = torch.cat([rows for rows, _ in tiles]).view(len(seqs) * num_kv_heads, ROW_TILE, head_dim)
+    positions = torch.cat([p for _, p in tiles]).repeat_interleave(num_kv_heads, dim=0)
     result = _attend_tiles(q, positions, key, value, scale, max_len)
-    result = result.view(len(seqs), num_q_heads, ROW_TILE, head_dim).transpose(1, 2)
+    result = result.view(len(seqs), num_kv_heads, 1, ROW_TILE, head_dim)
     for i, b in enumerate(seqs):
         rows = starts[b + 1] - starts[b]
-        out[starts[b] : starts[b + 1]] = result[i, :rows].to(query.dtype)
+        out[starts[b] : starts[b + 1]] = _untiled_rows(result[i], rows, num_q_heads).to(query.dtype)
 
 
 def _attend_long(query, kv_layer, meta, scale, kv_scales, b: int, out) -> None:
-    """A sequence of several tiles, one tile at a time against its keys."""
+    """A sequence of several tiles per KV head, one tile at a time against its keys."""
     from tandem.kernels.paged_attention import _gather_kv
 
     start, end = meta.host_query_start_loc()[b : b + 2]
     seq_len = meta.host_seq_lens()[b]
-    num_q_heads, head_dim = query.shape[1:]
-    block_size = kv_layer.shape[2]
-    num_blocks = -(-seq_len // block_size)
+    num_q_heads = query.shape[1]
+    num_kv_heads = kv_layer.shape[-2]
+    group = num_q_heads // num_kv_heads
+    num_blocks = -(-seq_len // kv_layer.shape[2])
     key, value = _gather_kv(kv_layer, meta.block_tables[b, :num_blocks])  # [S, Hkv, D]
     num_keys = -(-seq_len // KV_CHUNK) * KV_CHUNK
 
     def items(x: torch.Tensor, pool_scale: float) -> torch.Tensor:
-        x = _keys_first(x[:seq_len], pool_scale, num_q_heads)  # [Hq, S, D]
+        x = _kv_heads_first(x[:seq_len], pool_scale)  # [Hkv, S, D]
         return torch.nn.functional.pad(x, (0, 0, 0, num_keys - seq_len)).contiguous()
 
     key, value = items(key, kv_scales[0]), items(value, kv_scales[1])
     first_pos = seq_len - (end - start)
-    for tile_start in range(start, end, ROW_TILE):
-        rows = min(ROW_TILE, end - tile_start)
-        q = _pad_rows(query[tile_start : tile_start + rows].float(), ROW_TILE).transpose(0, 1)
-        positions = _tile_positions(first_pos + tile_start - start, rows).to(query.device)
-        result = _attend_tiles(
-            q.contiguous(),
-            positions[None].expand(num_q_heads, ROW_TILE),
+    rows, positions = _tiled_rows(query[start:end], num_kv_heads, first_pos)
+    result = torch.empty_like(rows)
+    for tile in range(rows.shape[1]):
+        # The tile's last row's position, on the host: the keys it walks.
+        last_pos = min(first_pos + ((tile + 1) * ROW_TILE - 1) // group, seq_len - 1)
+        result[:, tile] = _attend_tiles(
+            rows[:, tile].contiguous(),
+            positions[tile][None].expand(num_kv_heads, ROW_TILE),
             key,
             value,
             scale,
-            first_pos + tile_start - start + rows,
+            last_pos + 1,
         )
-        out[tile_start : tile_start + rows] = result.transpose(0, 1)[:rows].to(query.dtype)
+    out[start:end] = _untiled_rows(result, end - start, num_q_heads).to(query.dtype)
