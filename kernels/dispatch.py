@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import batch_invariant
 from tandem.kernels import fp8 as fp8_reference
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import greedy as greedy_reference
@@ -71,7 +72,10 @@ def paged_attention(
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D]."""
+    """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D].
+    Under batch_invariant.batch_invariant(): the fixed-chunk schedule on every backend."""
+    if batch_invariant.is_enabled():
+        return batch_invariant.paged_attention(query, kv_layer, meta, scale, kv_scales)
     if backend_for(kv_layer.device) == "triton":
         return _triton_module().paged_attention_triton(query, kv_layer, meta, scale, kv_scales)
     return reference.paged_attention(query, kv_layer, meta, scale, kv_scales)
@@ -164,7 +168,10 @@ def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias): one row goes to the Triton GEMV (gemv_triton.py), more to cuBLAS."""
+    """x [T, K] @ weight [N, K]^T (+ bias): one row goes to the Triton GEMV (gemv_triton.py), more to cuBLAS.
+    Under batch_invariant.batch_invariant(): fixed row tiles on every backend."""
+    if batch_invariant.is_enabled():
+        return batch_invariant.linear(x, weight, bias)
     if _takes_gemv(x, weight):
         return _triton_module("gemv_triton").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -172,6 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(gate_up) @ weight^T; for one row SwiGLU rides in the GEMV's loads (one kernel)."""
+    if batch_invariant.is_enabled():
+        return batch_invariant.linear(silu_and_mul(gate_up), weight)
     if _takes_gemv(gate_up, weight):
         return _triton_module("gemv_triton").silu_mul_gemv(gate_up, weight)
     return F.linear(silu_and_mul(gate_up), weight)
@@ -187,8 +196,12 @@ def fp8_linear(
     GEMV (weight-only dequantization), more to torch._scaled_mm, whose activations Triton quantizes
     in one kernel on CUDA (fp8_triton.py) and torch on the CPU. So on a GPU a one-row step's
     numbers differ from a batched step's (W8A16 against W8A8), as the bf16 GEMV's reduction
-    order already differs from cuBLAS's: --deterministic is what makes a row's result
-    independent of its batch."""
+    order already differs from cuBLAS's. Under batch_invariant.batch_invariant() (--deterministic):
+    torch._scaled_mm in fixed row tiles (its per-token scales are per row), whatever the rows."""
+    if batch_invariant.is_enabled():
+        return batch_invariant.tiled_rows(
+            lambda tile: fp8_reference.fp8_linear(tile, weight, weight_scale, bias), x
+        )
     if _takes_gemv(x, weight):
         return _triton_module("gemv_triton").fp8_gemv(x, weight, weight_scale, bias)
     if backend_for(x.device) == "triton" and x.stride(1) == 1:
@@ -201,6 +214,6 @@ def fp8_silu_mul_linear(
     gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
     """silu_and_mul(gate_up) @ an FP8 weight; for one row SwiGLU rides in the FP8 GEMV's loads."""
-    if _takes_gemv(gate_up, weight):
+    if _takes_gemv(gate_up, weight) and not batch_invariant.is_enabled():
         return _triton_module("gemv_triton").fp8_silu_mul_gemv(gate_up, weight, weight_scale)
     return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)

@@ -872,6 +872,20 @@ def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart)
             render(chart, {"decode": {"speculativeConfig": bad}})
 
 
+def test_deterministic_is_one_engine_value_for_every_worker(chart):
+    def modes(values):
+        return {
+            c["name"]: "--deterministic" in c["args"]
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(modes({}).values()) == {False}
+    assert set(modes({"engine": {"deterministic": True}}).values()) == {True}
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"engine": {"deterministic": "yes"}})
+
+
 def test_prometheus_rule_alerts_on_handoffs_the_decodes_did_not_pull(chart):
     assert not by_kind(objects(chart, {}), "PrometheusRule")  # opt-in: it needs the CRD
     docs = objects(

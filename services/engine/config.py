@@ -91,6 +91,13 @@ class EngineConfig:
         "host and device work)",
         flag="--no-overlap-scheduling",
     )
+    deterministic: bool = _flag(
+        False,
+        "batch-invariant numerics: a request's tokens, logprobs and logits are bitwise the same "
+        "whatever it is batched with, however its prompt is chunked, aggregated or split "
+        "(greedy and seeded sampling; fixed-shape GEMM tiles and attention chunks, no CUDA "
+        "graphs; LoRA requests refused)",
+    )
 
     speculative_config: str = _flag(
         "",

@@ -15,11 +15,14 @@ def kv_layout(
     dtype_name: str,
     block_size: int,
     quantization: str = "auto",
+    deterministic: bool = False,
 ) -> dict:
     """The fields that must agree for one worker's KV blocks to be usable by another. The model's
     config.json digest stands for "the same model": same shapes with other weights would be wrong KV
     (so does quantization: FP8 weights quantized at load compute other KV than the checkpoint's).
-    dtype_name is the KV pool's dtype: an FP8 pool's bytes mean nothing to a bf16 one."""
+    dtype_name is the KV pool's dtype: an FP8 pool's bytes mean nothing to a bf16 one.
+    deterministic: KV computed with batch-dependent numerics would make a --deterministic decode
+    continue differently from its aggregated run, silently: the two modes do not hand off."""
     config_digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
     return {
         "model_config_sha256": config_digest,
@@ -30,6 +33,7 @@ def kv_layout(
         "dtype": dtype_name,
         "block_size": block_size,
         "quantization": quantization,
+        "deterministic": deterministic,
     }
 
 

@@ -221,6 +221,11 @@ class LLMEngine:
             raise PreconditionError(
                 f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}"
             )
+        if adapter is not None and self.config.deterministic:
+            raise PreconditionError(
+                f"this worker runs --deterministic, whose batch-invariant schedule does not cover "
+                f"LoRA adapters (their deltas are computed per adapter group): {adapter.describe()}"
+            )
         return Sequence(
             request_id,
             list(prompt_token_ids),

@@ -39,6 +39,7 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
+from tandem.kernels.batch_invariant import batch_invariant
 from tandem.kernels.dispatch import backend_for, check_settings
 from tandem.kernels.fp8 import FP8
 
@@ -232,8 +233,8 @@ class ModelRunner:
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
         # A follower rank's copy of those draws (rank 0 broadcasts them).
         self._follower_tokens: torch.Tensor | None = None
-        if config.enforce_eager:
-            pass
+        if config.enforce_eager or config.deterministic:
+            pass  # the batch-invariant attention walks host-side chunk lists: eager only
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
             log.warning(
                 "decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly"
@@ -443,6 +444,7 @@ class ModelRunner:
             str(self.kv_dtype).removeprefix("torch."),
             self.block_size,
             self.weights_method,
+            self.config.deterministic,
         )
 
     @functools.cached_property
@@ -580,6 +582,12 @@ class ModelRunner:
         Returns those sequences, their draws (still on the device: SampledBatch.to_host()) and the
         prompt outputs of the positions it computed for sequences that asked for them."""
         self.bind_device()
+        with batch_invariant(self.config.deterministic):
+            return self._execute(batch)
+
+    def _execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Sequence], SampledBatch | None, dict[Sequence, PromptRows]]:
         graph_size = self._graph_size(batch)
         graphs = (
             self.lora_graphs
@@ -637,7 +645,8 @@ class ModelRunner:
     def follow(self, step: PackedStep) -> None:
         """A follower rank runs rank 0's step: the same forward, then the ids rank 0 drew."""
         self.bind_device()
-        _, logits = self._forward(step, self.graphs, self._follower_tokens)
+        with batch_invariant(self.config.deterministic):
+            _, logits = self._forward(step, self.graphs, self._follower_tokens)
         if logits is None:
             self._follower_tokens = None
             return

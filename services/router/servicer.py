@@ -398,6 +398,11 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
                 {f"{ready[0].address}.{k}": v for k, v in worker_info.startup_metrics.items()}
             )
         roles = {w.role for w in self.pool.workers}
+        if ready and "deterministic" in worker_info.disaggregated_params:
+            # Every worker of a split runs the same mode (the KV layout hash refuses a mix).
+            info.disaggregated_params["deterministic"] = worker_info.disaggregated_params[
+                "deterministic"
+            ]
         info.disaggregated_params.update(
             {
                 "mode": "disaggregated"

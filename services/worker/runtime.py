@@ -145,6 +145,8 @@ class WorkerRuntime:
             "model_load_s": loaded - started,
             "warmup_s": time.perf_counter() - loaded,
             "total_s": time.perf_counter() - started,
+            # How the numbers were computed, beside what the start cost (--deterministic).
+            "deterministic": self.config.engine.deterministic,
         }
         self.ready.set()
 
@@ -360,6 +362,7 @@ class WorkerRuntime:
             {
                 "role": self.role.label,
                 "kv_layout_hash": self.kv_layout_hash,
+                "deterministic": self.config.engine.deterministic,
                 "transceiver": self.transceiver.agent_name if self.transceiver else "",
             }
         )

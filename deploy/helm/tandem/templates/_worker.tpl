@@ -65,6 +65,9 @@ spec:
             - --model={{ include "tandem.modelPath" $root }}
             - --dtype={{ $root.Values.engine.dtype }}
             - --block-size={{ int $root.Values.engine.blockSize }}
+            {{- if $root.Values.engine.deterministic }}
+            - --deterministic
+            {{- end }}
             {{- if gt (int $spec.numBlocks) 0 }}
             - --num-blocks={{ int $spec.numBlocks }}
             {{- else }}
