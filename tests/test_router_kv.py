@@ -274,3 +274,47 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
 
     asyncio.run(main())
     assert 29 < deadlines[0] - time.monotonic() <= 30 and deadlines[1] is None
+
+
+def test_the_kv_policy_weighs_the_prefill_work_every_router_queued():
+    """Two routers share the prefills: a prefill another router loaded (the worker's report,
+    WorkerState.num_queued_prompt_tokens) is not picked as if idle, and this router's own fresher
+    count still counts when the report is older."""
+    from tandem.common.roles import Role
+    from tandem.router.policies import Picker, Policy
+    from tandem.router.workers import WorkerHandle
+
+    def worker(address: str) -> WorkerHandle:
+        return WorkerHandle(address, None, None, None, None, role=Role.PREFILL, ready=True)
+
+    index = KvIndex()
+    index.block_size = 16
+    picker = Picker({Role.PREFILL: Policy.KV}, index)
+    a, b = worker("a:1"), worker("b:1")
+    placement = Placement(token_ids=list(range(64)))
+    a.reported_prefill_tokens = 4096  # another router's long prompts, queued at a
+    assert {picker.choose(Role.PREFILL, [a, b], placement, 0.0).address for _ in range(4)} == {
+        "b:1"
+    }
+    b.queued_prefill_tokens = 8192  # ours, sent to b since its last report
+    assert picker.choose(Role.PREFILL, [a, b], placement, 0.0).address == "a:1"
+    assert (a.prefill_load, b.prefill_load) == (4096, 8192)
+
+
+def test_a_worker_reports_the_prompt_tokens_queued_in_its_engine(model_dirs):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_options import SamplingOptions
+
+    engine = LLMEngine(
+        EngineConfig(str(model_dirs["llama"]), num_blocks=64, max_num_batched_tokens=32)
+    )
+    options = SamplingOptions(max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [1] + list(range(4, 103)), options)  # 100 tokens, 32 a step
+    engine.add_request("b", [1] + list(range(4, 43)), options)  # 40
+    assert engine.snapshot().num_queued_prompt_tokens == 140
+    engine.step()
+    assert engine.snapshot().num_queued_prompt_tokens == 108
+    while engine.num_unfinished:
+        engine.step()
+    assert engine.snapshot().num_queued_prompt_tokens == 0

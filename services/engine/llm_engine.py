@@ -466,6 +466,11 @@ class LLMEngine:
             weights_version=runner.weights_version,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_queued_prompt_tokens=sum(
+                max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                for seqs in (self.scheduler.running, self.scheduler.waiting)
+                for seq in seqs
+            ),
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=bm.num_prefix_query_tokens,
             num_prefix_hit_tokens=bm.num_prefix_hit_tokens,

@@ -198,6 +198,8 @@ class EngineSnapshot:
     weights_version: int
     num_running: int = 0
     num_waiting: int = 0  # queued; those waiting for remote KV are num_waiting_for_remote_kv
+    # Prompt tokens of the running and queued sequences not computed yet.
+    num_queued_prompt_tokens: int = 0
     num_preemptions: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0

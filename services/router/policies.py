@@ -185,9 +185,7 @@ class Picker:
 
         def cost(w: WorkerHandle) -> float:
             uncached = num_blocks - overlap[w.address]
-            queued = (
-                -(-w.queued_prefill_tokens // block_size) if block_size else w.queued_prefill_tokens
-            )
+            queued = -(-w.prefill_load // block_size) if block_size else w.prefill_load
             decode = w.active_blocks + w.in_flight if w.can_decode else 0
             if w.num_free_blocks is not None and uncached > w.num_free_blocks:
                 decode += uncached  # it would preempt (or wait) to find room
@@ -241,7 +239,7 @@ class ConditionalDisagg:
             if len(placement.token_ids) - cached < self.min_uncached_tokens:
                 return False, "short_uncached_prompt"
         if self.prefill_queue_tokens and all(
-            w.queued_prefill_tokens >= self.prefill_queue_tokens for w in prefills
+            w.prefill_load >= self.prefill_queue_tokens for w in prefills
         ):
             return False, "prefill_saturated"
         return True, "long_uncached_prompt" if self.min_uncached_tokens else "always_split"

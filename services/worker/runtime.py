@@ -406,6 +406,7 @@ class WorkerRuntime:
             num_leases=keeper.num_leases if keeper else 0,
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
+            num_queued_prompt_tokens=snap.num_queued_prompt_tokens,
             num_leases_opened=keeper.num_opened if keeper else 0,
             lora_adapters=[
                 types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)
