@@ -44,7 +44,9 @@ ALLOWED = {
     "cli": set(PACKAGES) | {"v1"},
     "client": {"v1"},
     "openai": {"client", "common", "v1"},
-    "rl": set(),
+    # The trainer's side of weight sync: the public stubs, and the UCX settings its NIXL agent
+    # shares with the workers' (not the transceiver: a trainer holds no KV pool).
+    "rl": {"v1", "kvtransfer.ucx_env"},
 }
 # Third-party modules a layer must not touch.
 FORBIDDEN_MODULES = {
