@@ -89,6 +89,6 @@ def retry_pushback_ms(exc: BaseException) -> int | None:
         return int(exc.retry_after_s * 1000)
     if isinstance(exc, grpc.aio.AioRpcError):
         for key, value in exc.trailing_metadata() or ():
-            if key == RETRY_PUSHBACK_METADATA:
+            if key == RETRY_PUSHBACK_METADATA and int(value) >= 0:
                 return int(value)
     return None

@@ -13,6 +13,8 @@ import grpc
 from tandem.common.errors import RETRY_PUSHBACK_METADATA, retry_pushback_ms, status_for
 
 log = logging.getLogger("tandem.rpc")
+# grpc-retry-pushback-ms that forbids a retry.
+NO_RETRY = "-1"
 
 
 async def abort_for(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
@@ -20,8 +22,12 @@ async def abort_for(context: grpc.aio.ServicerContext, method: str, exc: BaseExc
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
     pushback_ms = retry_pushback_ms(exc)
-    if pushback_ms is not None:
-        context.set_trailing_metadata(((RETRY_PUSHBACK_METADATA, str(pushback_ms)),))
+    # An answer the service decided on is not a router gone away: a negative pushback tells the
+    # client's retry policy (gRFC A6; client/transport.py) not to send the call again elsewhere.
+    # A refusal with a hint (busy: retry after it) keeps its hint.
+    context.set_trailing_metadata(
+        ((RETRY_PUSHBACK_METADATA, str(pushback_ms) if pushback_ms is not None else NO_RETRY),)
+    )
     await context.abort(code, message)
 
 

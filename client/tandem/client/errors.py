@@ -54,8 +54,8 @@ def from_rpc_error(exc: grpc.RpcError) -> RequestError:
         if hasattr(exc, "trailing_metadata")
         else None
     )
-    error = _BY_CODE.get(code, RequestError)(
-        code, details, int(pushback) / 1000 if pushback else None
-    )
+    # A negative pushback means "do not retry" (gRFC A6): no retry-after hint.
+    retry_after = int(pushback) / 1000 if pushback and int(pushback) >= 0 else None
+    error = _BY_CODE.get(code, RequestError)(code, details, retry_after)
     error.__cause__ = exc
     return error
