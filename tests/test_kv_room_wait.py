@@ -42,6 +42,31 @@ def _ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(4, 380) for _ in range(n)]
 
 
+async def _hog(dec, seed: int):
+    """A long request of the decode's own, streaming: once this returns (its first message) it
+    holds its prompt's blocks, and the pool has no room for a handoff's. Its iterator."""
+    hog = dec.generate_async(
+        _ids(seed, HOG_PROMPT),
+        SamplingParams(max_tokens=HOG_TOKENS, ignore_eos=True),
+        streaming=True,
+    )
+    hog_iter = hog.__aiter__()
+    await hog_iter.__anext__()
+    return hog_iter
+
+
+def _generation_only(ctx) -> DisaggregatedParams:
+    """The generation_only params of a context phase's output ctx (a client's own split)."""
+    h = ctx.outputs[0].disaggregated_params
+    assert h.opaque_state
+    return DisaggregatedParams(
+        request_type="generation_only",
+        first_gen_tokens=h.first_gen_tokens,
+        ctx_request_id=h.ctx_request_id,
+        opaque_state=h.opaque_state,
+    )
+
+
 def _split_while_full(cluster, decode, seed: int):
     """The hog runs on the decode; once it streams, a context phase's handoff is presented to
     the same decode. Returns (the handoff request's output, the hog's output)."""
@@ -50,30 +75,15 @@ def _split_while_full(cluster, decode, seed: int):
     async def run():
         kwargs = cluster.worker_client_kwargs()
         async with AsyncLLM(decode.address, **kwargs) as dec, AsyncLLM(cluster.address) as router:
-            hog = dec.generate_async(
-                _ids(seed + 1000, HOG_PROMPT),
-                SamplingParams(max_tokens=HOG_TOKENS, ignore_eos=True),
-                streaming=True,
-            )
-            hog_iter = hog.__aiter__()
-            await hog_iter.__anext__()  # the hog holds its prompt's blocks now
+            hog_iter = await _hog(dec, seed + 1000)
             params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
             ctx = await router.generate_async(
                 prompt,
                 params,
                 disaggregated_params=DisaggregatedParams(request_type="context_only"),
             )
-            h = ctx.outputs[0].disaggregated_params
-            assert h.opaque_state
             gen = await dec.generate_async(
-                prompt,
-                params,
-                disaggregated_params=DisaggregatedParams(
-                    request_type="generation_only",
-                    first_gen_tokens=h.first_gen_tokens,
-                    ctx_request_id=h.ctx_request_id,
-                    opaque_state=h.opaque_state,
-                ),
+                prompt, params, disaggregated_params=_generation_only(ctx)
             )
             async for _ in hog_iter:
                 pass
@@ -253,30 +263,18 @@ def test_a_client_own_handoff_cancelled_while_waiting_for_room_ends_its_lease(cl
             AsyncLLM(decode.address, **kwargs) as dec,
             AsyncLLM(prefill.address, **kwargs) as pre,
         ):
-            hog = dec.generate_async(
-                _ids(1021, HOG_PROMPT),
-                SamplingParams(max_tokens=HOG_TOKENS, ignore_eos=True),
-                streaming=True,
-            )
-            hog_iter = hog.__aiter__()
-            await hog_iter.__anext__()
+            hog_iter = await _hog(dec, 1021)
             before = worker_state(prefill.address).num_leases
             ctx = await pre.generate_async(
                 prompt,
                 params,
                 disaggregated_params=DisaggregatedParams(request_type="context_only"),
             )
-            h = ctx.outputs[0].disaggregated_params
             assert worker_state(prefill.address).num_leases == before + 1
             gen = dec.generate_async(
                 prompt,
                 params,
-                disaggregated_params=DisaggregatedParams(
-                    request_type="generation_only",
-                    first_gen_tokens=h.first_gen_tokens,
-                    ctx_request_id=h.ctx_request_id,
-                    opaque_state=h.opaque_state,
-                ),
+                disaggregated_params=_generation_only(ctx),
                 streaming=True,
             )
             task = asyncio.ensure_future(gen.__aiter__().__anext__())

@@ -24,8 +24,9 @@ CONVERSATION = [
 
 
 @contextlib.contextmanager
-def openai_front(cluster, log_path, *flags: str):
-    """`tandem serve openai` in front of cluster's router, ready: (base URL, its process)."""
+def openai_front(cluster, log_path, *flags: str, target: str | None = None, ready="/health"):
+    """`tandem serve openai` in front of cluster's router (or target), once `ready` answers 200:
+    (base URL, its process)."""
     port = free_port()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -36,7 +37,7 @@ def openai_front(cluster, log_path, *flags: str):
                 "serve",
                 "openai",
                 "--target",
-                cluster.address,
+                target or cluster.address,
                 "--port",
                 str(port),
                 *flags,
@@ -50,7 +51,7 @@ def openai_front(cluster, log_path, *flags: str):
             while True:
                 assert process.poll() is None, open(log_path).read()
                 try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    if httpx.get(f"{base}{ready}", timeout=1).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
@@ -260,29 +261,7 @@ def test_a_front_whose_router_is_down_is_alive_but_not_ready(tmp_path):
     """/ping (the chart's liveness) answers while the process does; /health (readiness) is 503
     while the router cannot be reached: Kubernetes takes the front out of its Service, and does
     not restart it."""
-    port = free_port()
-    log_path = tmp_path / "front.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli.main", "serve", "openai"]
-            + ["--target", f"127.0.0.1:{free_port()}", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                ping = httpx.get(f"{base}/ping", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)
-        assert ping.status_code == 200
+    nowhere = f"127.0.0.1:{free_port()}"
+    with openai_front(None, tmp_path / "front.log", target=nowhere, ready="/ping") as (base, _):
         health = httpx.get(f"{base}/health", timeout=10)
-        assert health.status_code == 503 and "router" in health.text
-    finally:
-        process.terminate()
-        process.wait(15)
+    assert health.status_code == 503 and "router" in health.text

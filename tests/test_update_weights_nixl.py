@@ -6,18 +6,15 @@ An update that does not fit the served model is refused before anything is read 
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
-from test_update_weights_ipc import _greedy, _reference
+from test_update_weights_ipc import TOKEN, _admin, _greedy, _reference
 
-from tandem.client import AsyncLLM, RequestError
+from tandem.client import RequestError
 from tandem.rl import NixlWeightSource
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import llm_pb2
 
-TOKEN = "nixl-weights-token"
 PROMPTS = ["weights read over nixl", "a second prompt, a little longer than the first"]
 
 
@@ -36,17 +33,6 @@ def cluster(model_dirs):
         env={"TANDEM_ADMIN_TOKEN": TOKEN},
     ) as c:
         yield c
-
-
-def _admin(cluster, call):
-    async def run():
-        llm = AsyncLLM(cluster.address, auth_token=TOKEN)
-        try:
-            return await call(llm)
-        finally:
-            llm.close()
-
-    return asyncio.run(run())
 
 
 def _sync(cluster, weights) -> None:

@@ -6,6 +6,7 @@ parallelism by the same rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -97,17 +98,14 @@ def is_ignored_tensor(hf_name: str) -> bool:
 
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    num_tensors = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            num_tensors += len(f.keys())
-    progress = Progress(
-        f"loading weights from {files[0].parent if files else '?'}",
-        num_tensors,
-        sum(path.stat().st_size for path in files),
-    )
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
+        progress = Progress(
+            f"loading weights from {files[0].parent if files else '?'}",
+            sum(len(f.keys()) for f in handles),
+            sum(path.stat().st_size for path in files),
+        )
+        for f in handles:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
                 progress.step(tensors[key].numel() * tensors[key].element_size())

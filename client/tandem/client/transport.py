@@ -90,7 +90,8 @@ class Transport:
         cluster_token: str | None = None,
         server_name: str | None = None,
     ):
-        channel_target(target)  # a bad list of routers fails here, before a thread starts
+        # A bad list of routers fails here, before a thread starts.
+        self._grpc_target = channel_target(target)
         self.target = target
         self.metadata = call_metadata(auth_token, cluster_token)
         self._server_name = server_name
@@ -109,10 +110,10 @@ class Transport:
             options.append(("grpc.ssl_target_name_override", self._server_name))
         if self._credentials is not None:
             self.channel = grpc.aio.secure_channel(
-                channel_target(self.target), self._credentials, options=options
+                self._grpc_target, self._credentials, options=options
             )
         else:
-            self.channel = grpc.aio.insecure_channel(channel_target(self.target), options=options)
+            self.channel = grpc.aio.insecure_channel(self._grpc_target, options=options)
         return llm_pb2_grpc.AsyncLLMStub(self.channel)
 
     def submit(self, coro: Awaitable) -> concurrent.futures.Future:
