@@ -278,8 +278,8 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
 
 def test_the_kv_policy_weighs_the_prefill_work_every_router_queued():
     """Two routers share the prefills: a prefill another router loaded (the worker's report,
-    WorkerState.num_queued_prompt_tokens) is not picked as if idle, and this router's own fresher
-    count still counts when the report is older."""
+    WorkerState.num_queued_prompt_tokens, less this router's own share) is not picked as if idle,
+    and this router's own fresher count adds to it."""
     from tandem.common.roles import Role
     from tandem.router.policies import Picker, Policy
     from tandem.router.workers import WorkerHandle
@@ -292,11 +292,11 @@ def test_the_kv_policy_weighs_the_prefill_work_every_router_queued():
     picker = Picker({Role.PREFILL: Policy.KV}, index)
     a, b = worker("a:1"), worker("b:1")
     placement = Placement(token_ids=list(range(64)))
-    a.reported_prefill_tokens = 4096  # another router's long prompts, queued at a
+    a.others_prefill_tokens = 4096  # another router's long prompts, queued at a (its last poll)
     assert {picker.choose(Role.PREFILL, [a, b], placement, 0.0).address for _ in range(4)} == {
         "b:1"
     }
-    b.queued_prefill_tokens = 8192  # ours, sent to b since its last report
+    b.queued_prefill_tokens = 8192  # ours, sent to b
     assert picker.choose(Role.PREFILL, [a, b], placement, 0.0).address == "a:1"
     assert (a.prefill_load, b.prefill_load) == (4096, 8192)
 

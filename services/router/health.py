@@ -71,7 +71,12 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             w.role = Role(state.role)
             w.lora_adapters = list(state.lora_adapters)
             w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
-            w.reported_prefill_tokens = state.num_queued_prompt_tokens
+            # The report counts this router's own queued work too (it is counted fresh here):
+            # what is left over is the other routers'. A report that lingers after our own work
+            # finished would otherwise hold a worker as loaded until the next poll.
+            w.others_prefill_tokens = max(
+                0, state.num_queued_prompt_tokens - w.queued_prefill_tokens
+            )
         except grpc.aio.AioRpcError:
             # The state waits for the engine thread between steps; a slow step leaves the last
             # adapters in place. A worker whose role is still unknown cannot be picked yet, nor

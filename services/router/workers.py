@@ -65,8 +65,9 @@ class WorkerHandle:
     # computed whose first message has not come back, and KV blocks of the requests running.
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
-    # Prompt tokens queued in the worker's engine at the last state poll, by every router.
-    reported_prefill_tokens: int = 0
+    # Prompt tokens other routers had queued there at the last state poll: the worker's report
+    # less what this router had sent there then (its own count is fresher and stays exact).
+    others_prefill_tokens: int = 0
     # Free KV blocks at the last state poll (None: not known yet).
     num_free_blocks: int | None = None
     # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
@@ -105,9 +106,9 @@ class WorkerHandle:
 
     @property
     def prefill_load(self) -> int:
-        """Prompt tokens queued there: this router's own count (fresh, exact for what it sent)
-        or the worker's last report (older, but counting every router's), whichever is more."""
-        return max(self.queued_prefill_tokens, self.reported_prefill_tokens)
+        """Prompt tokens queued there: this router's own (fresh) and the other routers' (as of
+        the last state poll)."""
+        return self.queued_prefill_tokens + self.others_prefill_tokens
 
 
 # Roles that can run a whole request (context_and_generation, or generation_only without a
