@@ -13,7 +13,9 @@ Workloads (random prompt ids, fixed seed, greedy, ignore_eos):
 Each row runs once per mode to warm up, then --repeats times with the two modes in turn (the
 machine's other load falls on both); the table has each mode's best run. The last column counts
 the requests whose greedy tokens the two modes agree on (they may differ only where two logits
-are within rounding of each other).
+are within rounding of each other). Last, per mode, the first --alone requests of c64 run again
+one at a time: how many give bitwise the tokens they got inside the 64-request batch (the
+deterministic mode's promise; the default mode may differ).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--alone", type=int, default=8, help="c64 requests also run alone (batch invariance)"
+    )
     args = parser.parse_args()
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
@@ -69,6 +74,8 @@ def main() -> None:
         parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if not 0 <= args.alone <= WORKLOADS["c64"][0]:
+        parser.error(f"--alone must be in [0, {WORKLOADS['c64'][0]}]")
     model_dir = str(
         tiny_model_dir()
         if args.model == "tiny"
@@ -111,6 +118,22 @@ def main() -> None:
             f"| {name} | {rates[False]:,.1f} | {rates[True]:,.1f} | "
             f"{rates[True] / rates[False]:.2f}x | {same}/{len(prompts)} |"
         )
+    _batch_invariance(engines, vocab_size, args.alone)
+
+
+def _batch_invariance(engines: dict, vocab_size: int, alone: int) -> None:
+    """Per mode: how many of the c64 workload's first `alone` requests give bitwise the same
+    tokens run alone (batch 1) as inside the 64-request batch."""
+    prompts = _requests("c64", vocab_size)
+    max_tokens = WORKLOADS["c64"][2]
+    for deterministic, engine in engines.items():
+        _, batched = _run(engine, prompts, max_tokens)
+        equal = sum(
+            _run(engine, [prompts[i]], max_tokens)[1]["r0"] == batched[f"r{i}"]
+            for i in range(alone)
+        )
+        mode = "deterministic" if deterministic else "default"
+        print(f"{mode}: {equal}/{alone} requests give the same tokens alone as in the c64 batch")
 
 
 if __name__ == "__main__":

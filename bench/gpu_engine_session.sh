@@ -8,6 +8,8 @@
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
 # fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra; FP8_ONLY=name: one of bf16, fp8w, fp8wkv).
 # fp8check: bench/fp8_check.py (FP8 weights and KV on the device against the CPU reference).
+# det: --deterministic against the default mode, and batch invariance (bench/deterministic.py).
+# multiturn: the host KV tier's multi-turn TTFT (bench/multiturn.py), sessions outgrowing the pool.
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
@@ -79,4 +81,17 @@ if has fp8; then  # issue 30: the same rows per precision, one cluster each
       --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
       | tee "$OUT/serve-$name.txt" | tail -12
   done
+fi
+CKPT=/dev/shm/tandem-llama-3.1-8b-bf16
+ckpt() {  # the 8B-shaped random checkpoint bench/serve.py writes (kept between parts)
+  python3 -c "import sys, torch; from pathlib import Path; sys.path.insert(0, 'bench'); from serve import SHAPES, write_checkpoint; write_checkpoint(Path('$CKPT'), SHAPES['llama-3.1-8b'], torch.device('cuda:0'))"
+}
+if has det; then  # issue 33: the deterministic mode's cost and its batch invariance on the GPU
+  ckpt && timeout "${DET_S:-240}" python3 bench/deterministic.py --device cuda --model "$CKPT" \
+    --repeats "${DET_REPEATS:-2}" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/deterministic.txt" | tail -10
+fi
+if has multiturn; then  # issue 36: 32 sessions of ~0.5-1k tokens against a 4,096-token device pool
+  ckpt && timeout "${MULTITURN_S:-240}" python3 bench/multiturn.py --device cuda --model "$CKPT" \
+    --sessions 32 --turns 4 --first-prompt 512 --question 64 --answer 32 --pool-blocks 256 \
+    --host-gb 8 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/multiturn.txt" | tail -14
 fi
