@@ -4,6 +4,7 @@ acceptance (draft tokens accepted / drafted; tokens per step) beside the plain r
 
     python bench/spec_decode.py                        # SmolLM2-135M (the default model), CPU
     python bench/spec_decode.py --device cuda --model DIR --max-tokens 256
+    python bench/spec_decode.py --draft-model DIR      # also the draft_model method (or 'self')
 
 Workloads, chat-templated: copy-heavy (the model is asked to repeat or edit a passage it was
 given: what prompt lookup is for) and free-form (an open question: drafts rarely match). Every
@@ -86,6 +87,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="the batched row's requests")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="also the draft_model method with this checkpoint (the target's vocabulary; "
+        "'self': the target itself, every greedy draft accepted: the method's cost at best)",
+    )
     args = parser.parse_args()
     model_dir = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -94,6 +101,11 @@ def main() -> None:
         "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k}),
         "suffix": json.dumps({"method": "suffix", "num_speculative_tokens": args.k}),
     }
+    if args.draft_model:
+        draft = model_dir if args.draft_model == "self" else args.draft_model
+        methods["draft_model"] = json.dumps(
+            {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
+        )
     engines = {
         name: LLMEngine(
             EngineConfig(

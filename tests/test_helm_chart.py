@@ -867,7 +867,13 @@ def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     rendered = configs({"decode": {"speculativeConfig": spec}})
     assert rendered["prefill"] is None and json.loads(rendered["decode"]) == spec
-    for bad in ({"method": "eagle3", "num_speculative_tokens": 2}, {"method": "ngram"}):
+    draft = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}
+    assert json.loads(configs({"decode": {"speculativeConfig": draft}})["decode"]) == draft
+    for bad in (
+        {"method": "eagle3", "num_speculative_tokens": 2},
+        {"method": "ngram"},
+        {"method": "draft_model", "num_speculative_tokens": 2},
+    ):
         with pytest.raises(helm.HelmValuesError):
             render(chart, {"decode": {"speculativeConfig": bad}})
 

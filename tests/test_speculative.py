@@ -182,7 +182,11 @@ def test_the_suffix_table_keeps_tenants_apart():
     "text, message",
     [
         ('{"method": "eagle3", "num_speculative_tokens": 3}', "EAGLE-3"),
-        ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
+        (
+            '{"method": "draft_model", "num_speculative_tokens": 3, "model": "/nowhere"}',
+            "no config.json",
+        ),
         ('{"method": "lookahead", "num_speculative_tokens": 3}', "one of"),
         ('{"method": "ngram"}', "needs num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "[1, 16]"),
@@ -191,7 +195,8 @@ def test_the_suffix_table_keeps_tenants_apart():
             '"prompt_lookup_max": 2}',
             "prompt_lookup_min <= prompt_lookup_max",
         ),
-        ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "unknown keys"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "takes no"),
+        ('{"method": "ngram", "num_speculative_tokens": 4, "draft": "x"}', "unknown keys"),
         ("ngram", "not JSON"),
     ],
 )

@@ -103,7 +103,8 @@ class EngineConfig:
         "",
         "speculative decoding, vLLM's JSON shape: "
         '\'{"method": "ngram"|"suffix", "num_speculative_tokens": K, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 5}\' (drafts verified in one forward; greedy and seeded outputs '
+        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": K}\' (drafts verified in one forward; greedy and seeded outputs '
         "unchanged); empty: none",
     )
 

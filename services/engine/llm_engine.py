@@ -14,6 +14,7 @@ from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
 from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.draft_model import DraftModelProposer
 from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.lora_adapter import LoRAAdapter
 from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput, coalesce
@@ -111,7 +112,7 @@ class LLMEngine:
         spec = config.speculative
         # Speculative decoding's drafts come from the tokens so far: a step's ids are read before
         # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
-        self.proposer = Proposer(spec) if spec is not None else None
+        self.proposer = self._proposer(spec)
         self.overlap_scheduling = config.overlap_scheduling and spec is None
         # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
         self.leases = leases
@@ -124,6 +125,15 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         # The launched step whose draws the host has not read yet (overlap_scheduling).
         self._in_flight: InFlightStep | None = None
+
+    def _proposer(self, spec):
+        if spec is None:
+            return None
+        if spec.method != "draft_model":
+            return Proposer(spec)
+        return DraftModelProposer(
+            spec, self.config, self.model_config, self.runner.num_blocks, type(self)
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -418,6 +428,8 @@ class LLMEngine:
             self.runner.release_kv_cache()
         if "model" in tags:
             self.runner.release_weights()
+        if self.proposer is not None:
+            self.proposer.release_memory(tags)
 
     def resume_memory(self, tags: list[str]) -> None:
         self.runner.require_single_rank("resume")
@@ -425,10 +437,14 @@ class LLMEngine:
             self.runner.restore_weights()
         if "kv_cache" in tags:
             self.runner.restore_kv_cache()
+        if self.proposer is not None:
+            self.proposer.resume_memory(tags)
 
     def close(self) -> None:
-        """Stops the engine's other tensor-parallel ranks, if it has any."""
+        """Stops the engine's other tensor-parallel ranks (and a draft model's), if it has any."""
         self.runner.close()
+        if self.proposer is not None:
+            self.proposer.close()
 
     @property
     def released_tags(self) -> list[str]:
@@ -517,6 +533,7 @@ class LLMEngine:
         started = time.perf_counter()
         k_max = self.proposer.config.num_speculative_tokens
         max_len = self.max_model_len
+        wants = []
         for seq in self.scheduler.running:
             seq.draft_token_ids = []  # none left from a step that did not schedule it
             if (
@@ -533,7 +550,10 @@ class LLMEngine:
                 max_len - seq.num_tokens - 1,
             )
             if k > 0:
-                seq.draft_token_ids = self.proposer.propose(seq, k)
+                wants.append((seq, k))
+        if wants:
+            for seq, drafts in self.proposer.propose_all(wants).items():
+                seq.draft_token_ids = drafts
         self.counters.last_spec = {"draft_seconds": time.perf_counter() - started}
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:

@@ -16,13 +16,15 @@ without x.
     {"method": "ngram", "num_speculative_tokens": 4,
      "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "suffix", "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
 
 ngram (prompt lookup): the longest n-gram, n from prompt_lookup_max down to prompt_lookup_min,
 that ends the sequence and occurred earlier in it (prompt and output) proposes the tokens that
 followed its latest earlier occurrence. suffix: the same lookup, then, when the sequence has
 none, over the outputs of the requests this engine finished before it (a bounded table of their
-n-grams): agentic and repeated workloads reuse what earlier answers wrote. Methods that need a
-second model (draft_model, eagle3) are refused: this engine runs one model.
+n-grams): agentic and repeated workloads reuse what earlier answers wrote. draft_model: a
+smaller checkpoint with the target's vocabulary drafts greedily (engine/draft_model.py). Methods
+that need a head over the target's hidden states (eagle, eagle3, medusa, mtp) are refused.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ import dataclasses
 import json
 from collections import OrderedDict
 
-METHODS = ("ngram", "suffix")
+from tandem.engine.draft_model import check_draft_model
+
+METHODS = ("ngram", "suffix", "draft_model")
 # Methods of vLLM's shape this engine does not run, and why (the error says so).
 _UNSUPPORTED = {
-    "draft_model": "a second (draft) model, which this engine does not load",
     "eagle": "an EAGLE head over the target's hidden states, which this engine does not load",
     "eagle3": "an EAGLE-3 head over the target's hidden states, which this engine does not load",
     "medusa": "Medusa heads, which this engine does not load",
@@ -50,6 +53,7 @@ _KEYS = {
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    "model",
 }
 
 
@@ -59,6 +63,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # draft_model: the draft checkpoint's directory.
+    model: str = ""
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig | None:
@@ -119,7 +125,14 @@ class SpeculativeConfig:
                 f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 32, "
                 f"got {low} and {high}"
             )
-        return cls(method, k, low, high)
+        model = raw.get("model", "")
+        if method == "draft_model":
+            check_draft_model(model)
+        elif "model" in raw:
+            raise ValueError(
+                f'--speculative-config: method {method!r} takes no "model" (only draft_model does)'
+            )
+        return cls(method, k, low, high, model)
 
 
 class NgramIndex:
@@ -215,6 +228,10 @@ class Proposer:
             else None
         )
 
+    def propose_all(self, wants: list[tuple]) -> dict:
+        """wants: (sequence, k) pairs; each sequence's drafts (at most k tokens, maybe none)."""
+        return {seq: self.propose(seq, k) for seq, k in wants}
+
     def propose(self, seq, k: int) -> list[int]:
         """Up to k draft tokens to follow seq's tokens (seq.spec_index is its n-gram index)."""
         if seq.spec_index is None:
@@ -238,6 +255,16 @@ class Proposer:
         """Forgets earlier requests (the worker's warm-up is none of its clients')."""
         if self.suffixes is not None:
             self.suffixes.clear()
+
+    # Lookups hold no device memory: nothing to release, resume or close.
+    def release_memory(self, tags: list[str]) -> None:
+        pass
+
+    def resume_memory(self, tags: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _namespace(seq) -> tuple:
