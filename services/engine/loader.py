@@ -25,6 +25,8 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Families whose checkpoints store qkv_proj and gate_up_proj fused already, as the engine does.
+_FUSED_IN_CHECKPOINT = ("phi3",)
 # Present in some older checkpoints, recomputed here from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,10 +49,11 @@ def _hf_name(engine_name: str) -> str:
 def _expected_hf_names(model: CausalLM) -> dict[str, tuple[str, ...]]:
     """engine parameter name -> the HF tensor names it is made of."""
     expected: dict[str, tuple[str, ...]] = {}
+    fused_in_checkpoint = model.config.model_type in _FUSED_IN_CHECKPOINT
     for name, _ in model.named_parameters():
         module, leaf = name.rsplit(".", 1)
         parts = None
-        for fused, sources in _FUSED.items():
+        for fused, sources in () if fused_in_checkpoint else _FUSED.items():
             if module.endswith(fused):
                 prefix = module[: -len(fused)]
                 parts = tuple(_hf_name(f"{prefix}{src}.{leaf}") for src in sources)

@@ -115,11 +115,12 @@ def _resolve_device(name: str) -> torch.device:
 def _check_context_length(model_config: ModelConfig, max_model_len: int) -> None:
     """Positions past the model's have no rotary table: a longer context would start, then fail a
     long prompt mid-step (an IndexError, INTERNAL to its client)."""
-    limit = model_config.max_position_embeddings
+    limit = max(model_config.max_context_len, model_config.max_position_embeddings)
     if max_model_len > limit:
         raise ValueError(
-            f"max_model_len {max_model_len} is more than this model's max_position_embeddings "
-            f"({limit}): give --max-model-len {limit} or less (0: the model's own)"
+            f"max_model_len {max_model_len} is more than this model's context "
+            f"({limit}, max_position_embeddings and its rope scaling): give --max-model-len "
+            f"{limit} or less (0: the model's own)"
         )
 
 

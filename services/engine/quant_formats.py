@@ -36,7 +36,7 @@ _SUPPORTED = (
 )
 # The decoder projections that FP8 covers: the embedding, the norms and lm_head never are.
 _PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$"
 )
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$")
 
