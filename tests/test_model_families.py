@@ -1,0 +1,103 @@
+"""Gemma 2/3, Phi-3, OLMo 2, Granite, sliding windows and rope scalings against transformers.
+
+Each family's tiny checkpoint is built with transformers (tiny_families.py). The engine's model
+runs the prompt in chunks over scattered KV blocks (test_model.PagedRunner), then decodes one
+token a step; transformers runs the prompt whole, then decodes with its KV cache, as `generate`
+does. Prompts are longer than every window, and the decodes of the phi3 (longrope), dynamic and
+yarn checkpoints run past their original context length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from test_model import PagedRunner
+from tiny_families import FAMILIES, WINDOW, write_family_checkpoint
+
+from tandem.engine.loader import load_model
+
+PROMPT_LEN = 21
+CHUNK = 6  # prefill chunks that straddle the window and the blocks
+NUM_NEW = 15
+
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    model_dir = write_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    model, config = load_model(model_dir)
+    # Eager attention: transformers' SDPA path drops Gemma 2's score soft-capping.
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return request.param, model, config, hf_model
+
+
+def _prompt(vocab_size: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(4, vocab_size, (PROMPT_LEN - 1,), generator=gen).tolist()
+
+
+def _hf_greedy(hf_model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits and NUM_NEW greedy tokens, decoded over transformers' KV cache."""
+    cache = transformers.DynamicCache(config=hf_model.config)
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        prompt_logits = out.logits[0].float()
+        tokens = [int(prompt_logits[-1].argmax())]
+        for _ in range(NUM_NEW - 1):
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return prompt_logits, tokens
+
+
+def _tandem_greedy(model, config, prompt: list[int], block_size: int):
+    runner = PagedRunner(model, config, block_size)
+    logits = torch.cat(
+        [runner.step([(0, prompt[i : i + CHUNK])]) for i in range(0, len(prompt), CHUNK)]
+    )
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(NUM_NEW - 1):
+        tokens.append(int(runner.step([(0, [tokens[-1]])])[-1].argmax()))
+    return logits, tokens
+
+
+def test_config_reads_the_family(family):
+    name, _, config, hf_model = family
+    assert config.model_type == hf_model.config.model_type
+    if name in ("mistral", "phi3"):
+        assert config.layer_windows == (WINDOW, WINDOW)
+    elif name in ("qwen2_window", "gemma2", "gemma3_text"):
+        assert config.layer_windows == (0, WINDOW) if name == "qwen2_window" else (WINDOW, 0)
+    else:
+        assert not config.has_sliding_window
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunked_prefill_and_decode_match_transformers(family, block_size):
+    _, model, config, hf_model = family
+    prompt = _prompt(config.vocab_size, seed=block_size)
+    hf_logits, hf_tokens = _hf_greedy(hf_model, prompt)
+    logits, tokens = _tandem_greedy(model, config, prompt, block_size)
+    torch.testing.assert_close(logits, hf_logits, atol=1e-4, rtol=0)
+    assert tokens == hf_tokens
+
+
+def test_batched_sequences_keep_their_own_windows(family):
+    """Two sequences in one step (a decode beside a prefill chunk) give what each gives alone."""
+    _, model, config, hf_model = family
+    first, second = _prompt(config.vocab_size, seed=5), _prompt(config.vocab_size, seed=6)
+    runner = PagedRunner(model, config, 8)
+    runner.step([(0, first)])
+    mixed = runner.step([(0, [7]), (1, second[:13])])
+    mixed = torch.cat([mixed, runner.step([(1, second[13:])])])
+    hf_first = _hf_logits(hf_model, first + [7])[-1]
+    torch.testing.assert_close(mixed[0], hf_first, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mixed[1:], _hf_logits(hf_model, second), atol=1e-4, rtol=0)
+
+
+def _hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
