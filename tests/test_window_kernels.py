@@ -116,3 +116,16 @@ def test_bf16_window_matches_reference():
         query.float(), kv_layer.float(), meta, scale, window=16, softcap=4.0
     )
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_pool_window_matches_reference():
+    """An FP8 KV pool goes through the same kernel: the window and the cap hold there too."""
+    block_size, num_heads, num_kv_heads, head_dim, shape = CASES["mixed"]
+    query, kv_layer, meta = make_batch(
+        block_size, num_heads, num_kv_heads, head_dim, shape, torch.float32, seed=4
+    )
+    pool = (kv_layer * 4).clamp(-400, 400).to(torch.float8_e4m3fn)
+    scale, kv_scales = head_dim**-0.5, (0.25, 0.25)
+    got = paged_attention_triton(query, pool, meta, scale, kv_scales, window=8, softcap=3.0)
+    want = reference.paged_attention(query, pool, meta, scale, kv_scales, window=8, softcap=3.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -216,6 +216,32 @@ class ModelConfig:
             return int(self.max_position_embeddings * scaling["factor"])
         return self.max_position_embeddings
 
+    def describe_path(self) -> str:
+        """One line for the logs: the family, the path it runs on and what departs from Llama."""
+        notes = []
+        windows = [w for w in self.layer_windows if w]
+        if windows:
+            notes.append(
+                f"sliding window {max(windows)} on {len(windows)} of {self.num_layers} layers"
+            )
+        if self.rope_scaling:
+            notes.append(f"rope {self.rope_scaling['rope_type']}")
+        if self.local_rope is not None:
+            notes.append(f"local rope theta {self.local_rope[0]:g}")
+        if self.attn_softcap or self.final_softcap:
+            notes.append(f"soft-caps {self.attn_softcap:g}/{self.final_softcap:g}")
+        if self.norm_style != "pre":
+            notes.append(f"{self.norm_style} norms")
+        detail = f" ({', '.join(notes)})" if notes else ""
+        return f"{self.model_type}: tandem's native decoder, paged attention{detail}"
+
+    @property
+    def attention_scorings(self) -> tuple[tuple[int, float], ...]:
+        """The distinct (window, softcap) pairs the layers' attention runs with."""
+        return tuple(
+            sorted({(self.layer_window(i), self.attn_softcap) for i in range(self.num_layers)})
+        )
+
     @property
     def softmax_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5

@@ -261,7 +261,10 @@ class ModelRunner:
 
         started = time.perf_counter()
         precompile_eager_variants(
-            self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype
+            self.kv_cache[:, 0],
+            self.model.layers[0].self_attn.num_heads,
+            self.dtype,
+            self.model_config.attention_scorings,
         )
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
