@@ -106,3 +106,32 @@ def test_batched_sequences_keep_their_own_windows(family):
 def _hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize(
+    "quantization_config, method",
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "'awq'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes'"),
+    ],
+)
+def test_quantized_checkpoint_is_refused_in_one_line_before_any_weight_is_read(
+    tmp_path, quantization_config, method
+):
+    import json
+    import time
+
+    model_dir = write_family_checkpoint(tmp_path, "mistral")
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw["quantization_config"] = quantization_config
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    # Not a safetensors file at all: reading any weight would fail differently.
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 64)
+    started = time.perf_counter()
+    with pytest.raises(ValueError) as refused:
+        load_model(model_dir)
+    assert time.perf_counter() - started < 5
+    message = str(refused.value)
+    assert f"quant_method {method}: not supported" in message
+    assert "\n" not in message and len(message) < 400

@@ -128,6 +128,8 @@ def weight_format(model_dir: str | Path, quantization: str = "auto") -> WeightFo
     if not isinstance(config, dict):
         raise ValueError(f"checkpoint {model_dir}: quantization_config must be an object")
     method = config.get("quant_method")
+    if method is None and (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        method = "bitsandbytes"  # transformers' older BitsAndBytesConfig omits the method
     if method == "fp8":
         block = _block(config.get("weight_block_size"), model_dir, "weight_block_size")
         return WeightFormat("fp8", block)
