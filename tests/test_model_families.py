@@ -135,3 +135,22 @@ def test_quantized_checkpoint_is_refused_in_one_line_before_any_weight_is_read(
     message = str(refused.value)
     assert f"quant_method {method}: not supported" in message
     assert "\n" not in message and len(message) < 400
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen2_window"])
+def test_a_tp2_rank_reads_its_share_only(tmp_path, name):
+    """Each rank of two reads about half the checkpoint's tensor bytes (safetensors slices), and
+    what it builds equals the whole model's parameters cut by parallel.shard_parameter (Phi-3's
+    fused qkv and gate_up, a tied embedding, q/k/v biases)."""
+    from tandem.engine.parallel import TensorParallel, shard_parameter
+
+    model_dir = write_family_checkpoint(tmp_path, name)
+    whole, config = load_model(model_dir)
+    whole_params = dict(whole.named_parameters())
+    for rank in range(2):
+        model, _ = load_model(model_dir, tp=TensorParallel(rank, 2))
+        assert 0.45 * whole.checkpoint_bytes_read < model.checkpoint_bytes_read
+        assert model.checkpoint_bytes_read < 0.56 * whole.checkpoint_bytes_read
+        for param_name, param in model.named_parameters():
+            want = shard_parameter(param_name, whole_params[param_name], config, rank, 2)
+            assert torch.equal(param, want), param_name
