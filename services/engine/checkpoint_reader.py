@@ -31,11 +31,14 @@ class CheckpointFiles:
             for key in handle.keys():
                 self.handles[key] = handle
         self.num_bytes_read = 0
-        self.progress = Progress(
-            f"loading weights from {files[0].parent if files else '?'}",
-            len(self.handles),
-            sum(path.stat().st_size for path in files),
-        )
+        self.where = files[0].parent if files else "?"
+        self.file_bytes = sum(path.stat().st_size for path in files)
+        self.plan(len(self.handles), self.file_bytes)
+
+    def plan(self, num_reads: int, num_bytes: int) -> None:
+        """The reads and bytes the progress lines count towards (a load may skip some tensors,
+        or read a share of each)."""
+        self.progress = Progress(f"loading weights from {self.where}", num_reads, num_bytes)
 
     def names(self) -> set[str]:
         return set(self.handles)

@@ -98,6 +98,13 @@ def is_ignored_tensor(hf_name: str) -> bool:
     return hf_name.endswith(_IGNORED_SUFFIXES)
 
 
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of the files, whole (the encoder's loader; progress logged as it reads)."""
+    with contextlib.ExitStack() as stack:
+        checkpoint = CheckpointFiles(files, stack)
+        return {name: checkpoint.whole(name) for name in sorted(checkpoint.names())}
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
@@ -131,12 +138,16 @@ def load_model(
                     "naming its scales"
                 )
             # What is not a parameter (KV and activation scales, strays) is small: read whole.
-            others = files.names() - wanted - optional
-            tensors = {k: files.whole(k) for k in others if not k.endswith(_IGNORED_SUFFIXES)}
+            others = [
+                k for k in files.names() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES)
+            ]
+            files.plan(len(others) + len(wanted & files.names()), files.file_bytes // tp.size)
+            tensors = {k: files.whole(k) for k in others}
             tensors, kv_scales = to_engine_tensors(tensors, fmt)
             present = files.names()
         else:
             names = [n for n in files.names() if n not in optional or n in wanted]
+            files.plan(len(names), files.file_bytes)
             tensors, kv_scales = to_engine_tensors({k: files.whole(k) for k in names}, fmt)
             present = tensors.keys()
         missing = sorted(wanted - present)
