@@ -112,6 +112,16 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def _serving_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | None:
+    """--dtype, or with auto the checkpoint's own (None), except float16 on the CPU, which has
+    no fast float16 GEMM: float32 there (a converted quantized GGUF file is float16)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu" and ModelConfig.from_pretrained(config.model_dir).dtype == "float16":
+        return torch.float32
+    return None
+
+
 def _check_context_length(model_config: ModelConfig, max_model_len: int) -> None:
     """Positions past the model's have no rotary table: a longer context would start, then fail a
     long prompt mid-step (an IndexError, INTERNAL to its client)."""
@@ -164,7 +174,7 @@ class ModelRunner:
         self.device = _resolve_device(config.device)
         check_settings(self.device)
         self.bind_device()
-        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        dtype = _serving_dtype(config, self.device)
         self.model, self.model_config = load_model(
             config.model_dir,
             dtype=dtype,
