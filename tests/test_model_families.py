@@ -72,12 +72,14 @@ def _tandem_greedy(model, config, prompt: list[int], block_size: int):
 def test_config_reads_the_family(family):
     name, _, config, hf_model = family
     assert config.model_type == hf_model.config.model_type
-    if name in ("mistral", "phi3"):
-        assert config.layer_windows == (WINDOW, WINDOW)
-    elif name in ("qwen2_window", "gemma2", "gemma3_text"):
-        assert config.layer_windows == (0, WINDOW) if name == "qwen2_window" else (WINDOW, 0)
-    else:
-        assert not config.has_sliding_window
+    windows = {
+        "mistral": (WINDOW, WINDOW),
+        "phi3": (WINDOW, WINDOW),
+        "qwen2_window": (0, WINDOW),  # from max_window_layers (1) on
+        "gemma2": (WINDOW, 0),
+        "gemma3_text": (WINDOW, 0),
+    }
+    assert config.layer_windows == windows.get(name, (0, 0))
 
 
 @pytest.mark.parametrize("block_size", [5])
