@@ -156,3 +156,20 @@ def test_a_tp2_rank_reads_its_share_only(tmp_path, name):
         for param_name, param in model.named_parameters():
             want = shard_parameter(param_name, whole_params[param_name], config, rank, 2)
             assert torch.equal(param, want), param_name
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_bf16_gemma_prefill_is_close_to_transformers_bf16(tmp_path, name):
+    """In bfloat16 Gemma's norms round as transformers' do ((1 + w) in float32, then the cast)."""
+    model_dir = write_family_checkpoint(tmp_path, name)
+    model, config = load_model(model_dir, dtype=torch.bfloat16)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    prompt = _prompt(config.vocab_size, seed=9)
+    runner = PagedRunner(model, config, 8)
+    runner.kv_cache = runner.kv_cache.to(torch.bfloat16)
+    logits = runner.step([(0, prompt)])
+    want = hf_model(torch.tensor([prompt])).logits[0].float()
+    assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    torch.testing.assert_close(logits, want, atol=0.5, rtol=0.05)

@@ -24,7 +24,9 @@ from tandem.kernels import dispatch as kernels
 
 
 class RMSNorm(nn.Module):
-    """offset 1.0: Gemma's norm, which multiplies by (1 + weight) (the checkpoint stores weight)."""
+    """offset 1.0: Gemma's norm, which multiplies by (1 + weight) (the checkpoint stores weight)
+    in float32 before the cast back, unlike Llama's (cast, then weight): torch ops, not the fused
+    kernel, so a bf16 Gemma rounds where transformers' does."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -34,10 +36,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned."""
-        weight = self.weight + self.offset if self.offset else self.weight
+        if self.offset:
+            total = x if residual is None else residual + x
+            normed = total.float()
+            normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+            normed = (normed * (self.offset + self.weight.float())).to(total.dtype)
+            return normed if residual is None else (normed, total)
         if residual is None:
-            return kernels.rms_norm(x, weight, self.eps)
-        return kernels.add_rms_norm(x, residual, weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _project(linear: nn.Module, x: torch.Tensor, lora, layer_index: int, kind: str) -> torch.Tensor:
