@@ -63,3 +63,40 @@ def test_greedy_tokens_past_the_window_match_transformers(served, which):
             got = [out.outputs[0].token_ids for out in outs]
             assert got == expected, attempt
         assert_all_blocks_free(llm)
+
+
+@pytest.mark.timeout(120)
+def test_tp2_engine_gives_the_tp1_tokens(tmp_path):
+    """A 2-rank engine (a follower process over gloo, each rank reading its share of the file):
+    Gemma 2's sandwich norms, scaled embedding, soft-caps and windows hold per rank. (Phi-3's
+    fused projections cut per rank: test_model_families' share test.)"""
+    from conftest import run_to_completion
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_options import SamplingOptions
+
+    model_dir = write_family_checkpoint(tmp_path, "gemma2")
+    gen = torch.Generator().manual_seed(2)
+    prompts = {
+        f"r{i}": [1] + torch.randint(4, 380, (n,), generator=gen).tolist()
+        for i, n in enumerate((19, 27))
+    }
+    options = SamplingOptions(max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for size in (1, 2):
+        engine = LLMEngine(
+            EngineConfig(
+                str(model_dir),
+                block_size=4,
+                num_blocks=64,
+                max_num_batched_tokens=16,
+                tensor_parallel_size=size,
+                max_loras=0,
+            )
+        )
+        try:
+            tokens[size] = run_to_completion(engine, prompts, options)
+        finally:
+            engine.close()
+    assert tokens[2] == tokens[1]
