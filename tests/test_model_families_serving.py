@@ -48,6 +48,13 @@ def _expected(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def test_each_worker_logs_the_path_its_model_takes(served):
+    _, cluster = served
+    for worker in cluster.workers:
+        log = worker.log_path.read_text(errors="replace")
+        assert "model gemma2: tandem's native decoder, paged attention (sliding window 8" in log
+
+
 @pytest.mark.parametrize("which", ["split", "aggregated"])
 def test_greedy_tokens_past_the_window_match_transformers(served, which):
     model_dir, cluster = served
