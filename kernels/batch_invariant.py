@@ -114,6 +114,8 @@ def _attend_tiles(
     value: torch.Tensor,
     scale: float,
     num_keys: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [N, ROW_TILE, D] float32 (N tiles times KV heads) at positions [N, ROW_TILE] over
     key/value [N, S, D] float32 (S >= num_keys rounded up to KV_CHUNK, zero past each sequence's
@@ -129,12 +131,18 @@ def _attend_tiles(
         k = key[:, start : start + KV_CHUNK]
         v = value[:, start : start + KV_CHUNK]
         scores = torch.bmm(query, k.transpose(1, 2)) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         key_pos = torch.arange(start, start + KV_CHUNK, device=query.device)
-        scores = scores.masked_fill(key_pos[None, None, :] > positions, float("-inf"))
+        hidden = key_pos[None, None, :] > positions
+        sees = positions >= start
+        if window > 0:  # a chunk wholly older than a row's window leaves the row as it was
+            hidden |= key_pos[None, None, :] <= positions - window
+            sees &= positions - window < start + KV_CHUNK - 1
+        scores = scores.masked_fill(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
         weights = torch.exp(scores - new_max)
         rescale = torch.exp(running_max - new_max)
-        sees = positions >= start
         running_sum = torch.where(
             sees, running_sum * rescale + weights.sum(-1, keepdim=True), running_sum
         )
@@ -149,6 +157,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal GQA attention over the paged KV, as paged_attention.paged_attention, with a schedule
     that depends on each row's position alone: the rows of a KV head (its query heads at each
@@ -162,15 +172,16 @@ def paged_attention(
     is_short = [(starts[b + 1] - starts[b]) * group <= ROW_TILE for b in range(len(seq_lens))]
     short = [b for b, flag in enumerate(is_short) if flag]
     if short:
-        _attend_short(query, kv_layer, meta, scale, kv_scales, short, out)
+        _attend_short(query, kv_layer, meta, (scale, window, softcap), kv_scales, short, out)
     for b, flag in enumerate(is_short):
         if not flag:
-            _attend_long(query, kv_layer, meta, scale, kv_scales, b, out)
+            _attend_long(query, kv_layer, meta, (scale, window, softcap), kv_scales, b, out)
     return out
 
 
-def _attend_short(query, kv_layer, meta, scale, kv_scales, seqs: list[int], out) -> None:
-    """One tile per sequence and KV head, all in the same bmm calls."""
+def _attend_short(query, kv_layer, meta, scoring, kv_scales, seqs: list[int], out) -> None:
+    """One tile per sequence and KV head, all in the same bmm calls. scoring: (scale, window,
+    softcap)."""
     from tandem.kernels.paged_attention import _gather_kv
 
     starts = meta.host_query_start_loc()
@@ -198,15 +209,16 @@ def _attend_short(query, kv_layer, meta, scale, kv_scales, seqs: list[int], out)
     ]
     q = torch.cat([rows for rows, _ in tiles]).view(len(seqs) * num_kv_heads, ROW_TILE, head_dim)
     positions = torch.cat([p for _, p in tiles]).repeat_interleave(num_kv_heads, dim=0)
-    result = _attend_tiles(q, positions, key, value, scale, max_len)
+    result = _attend_tiles(q, positions, key, value, scoring[0], max_len, *scoring[1:])
     result = result.view(len(seqs), num_kv_heads, 1, ROW_TILE, head_dim)
     for i, b in enumerate(seqs):
         rows = starts[b + 1] - starts[b]
         out[starts[b] : starts[b + 1]] = _untiled_rows(result[i], rows, num_q_heads).to(query.dtype)
 
 
-def _attend_long(query, kv_layer, meta, scale, kv_scales, b: int, out) -> None:
-    """A sequence of several tiles per KV head, one tile at a time against its keys."""
+def _attend_long(query, kv_layer, meta, scoring, kv_scales, b: int, out) -> None:
+    """A sequence of several tiles per KV head, one tile at a time against its keys. scoring:
+    (scale, window, softcap)."""
     from tandem.kernels.paged_attention import _gather_kv
 
     start, end = meta.host_query_start_loc()[b : b + 2]
@@ -234,7 +246,8 @@ def _attend_long(query, kv_layer, meta, scale, kv_scales, b: int, out) -> None:
             positions[tile][None].expand(num_kv_heads, ROW_TILE),
             key,
             value,
-            scale,
+            scoring[0],
             last_pos + 1,
+            *scoring[1:],
         )
     out[start:end] = _untiled_rows(result, end - start, num_q_heads).to(query.dtype)

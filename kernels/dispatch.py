@@ -71,14 +71,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its paged KV: [T, Hq, D] -> [T, Hq, D].
-    Under batch_invariant.batch_invariant(): the fixed-chunk schedule on every backend."""
+    window > 0: a sliding-window layer; softcap > 0: capped scores (paged_attention.py). Every
+    backend applies both. Under batch_invariant.batch_invariant(): the fixed-chunk schedule."""
     if batch_invariant.is_enabled():
-        return batch_invariant.paged_attention(query, kv_layer, meta, scale, kv_scales)
+        return batch_invariant.paged_attention(
+            query, kv_layer, meta, scale, kv_scales, window, softcap
+        )
     if backend_for(kv_layer.device) == "triton":
-        return _triton_module().paged_attention_triton(query, kv_layer, meta, scale, kv_scales)
-    return reference.paged_attention(query, kv_layer, meta, scale, kv_scales)
+        return _triton_module().paged_attention_triton(
+            query, kv_layer, meta, scale, kv_scales, window, softcap
+        )
+    return reference.paged_attention(query, kv_layer, meta, scale, kv_scales, window, softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,11 @@ When the grid is too small to fill the GPU (few decode sequences over long conte
 the keys are split into segments handled by separate programs (flash-decoding) and a
 second kernel merges their partial outputs by log-sum-exp.
 
+A sliding-window layer (HAS_WINDOW) starts each program's walk at the tile holding its first
+row's oldest visible key and masks the tiles at the window's edge; soft-capping (HAS_SOFTCAP)
+squashes the scaled scores by softcap * tanh(score / softcap) before the softmax, as the torch
+reference does.
+
 An FP8 pool (IS_FP8) stores key / k_scale and value / v_scale, saturated to e4m3's range, and
 the attention reads each tile back times its scale in the query's dtype, as the reference does.
 """
@@ -86,6 +91,14 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _soft_cap(x, cap):
+    """cap * tanh(x / cap), tanh from one exp2 of a non-positive argument (no overflow)."""
+    t = tl.exp2(-2.0 * _LOG2E * tl.abs(x / cap))
+    tanh = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(x < 0, -tanh, tanh)
+
+
+@triton.jit
 def _attend_tile(
     q,
     kv_ptr,
@@ -105,11 +118,15 @@ def _attend_tile(
     stride_slot,
     k_scale,
     v_scale,
+    window,
+    softcap,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + TILE_N), gathered through the block table."""
     pos = start + tl.arange(0, TILE_N)
@@ -123,8 +140,12 @@ def _attend_tile(
         k = (k.to(tl.float32) * k_scale).to(q.dtype)
         v = (v.to(tl.float32) * v_scale).to(q.dtype)
     scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
+    if HAS_SOFTCAP:
+        scores = _soft_cap(scores * (1.0 / _LOG2E), softcap) * _LOG2E
     if MASKED:
         visible = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
@@ -160,6 +181,8 @@ def _attention_kernel(
     stride_table,
     k_scale,
     v_scale,
+    window,
+    softcap,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -171,6 +194,8 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
@@ -211,11 +236,22 @@ def _attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     head_off = kv_head * stride_head
     # Tiles wholly below the block's first row's diagonal need no mask; only the rest pay for it.
-    num_unmasked = (
-        tl.maximum(tl.minimum(kv_hi, context_len + q_block * BLOCK_Q + 1) - kv_lo, 0) // TILE_N
-    )
+    first_pos = context_len + q_block * BLOCK_Q
+    num_unmasked = tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0) // TILE_N
     unmasked_hi = kv_lo + num_unmasked * TILE_N
-    for start in range(kv_lo, unmasked_hi, TILE_N):
+    # Tiles are aligned to kv_lo: [walk_lo, full_lo) masked (a window's edge), [full_lo, full_hi)
+    # visible to every row, [full_hi, kv_hi) masked (the diagonal, the end).
+    walk_lo = kv_lo
+    full_lo = kv_lo
+    if HAS_WINDOW:
+        # The first row's oldest visible key, and the last row's: tiles below the first are
+        # skipped, tiles below the second are masked.
+        last_pos = tl.minimum(kv_end, seq_len) - 1
+        walk_lo = kv_lo + (tl.maximum(first_pos - window + 1 - kv_lo, 0) // TILE_N) * TILE_N
+        full_lo = kv_lo + tl.cdiv(tl.maximum(last_pos - window + 1 - kv_lo, 0), TILE_N) * TILE_N
+        full_lo = tl.minimum(tl.maximum(full_lo, walk_lo), tl.maximum(unmasked_hi, walk_lo))
+    full_hi = tl.maximum(unmasked_hi, full_lo)
+    for start in range(walk_lo, full_lo, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q,
             kv_ptr,
@@ -235,37 +271,75 @@ def _attention_kernel(
             stride_slot,
             k_scale,
             v_scale,
-            BLOCK_SIZE,
-            TILE_N,
-            False,
-            UPCAST_DOT,
-            IS_FP8,
-        )
-    for start in range(unmasked_hi, kv_hi, TILE_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            kv_ptr,
-            table,
-            start,
-            kv_hi,
-            q_pos,
-            head_off,
-            dims,
-            dim_valid,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            stride_block,
-            stride_kv,
-            stride_slot,
-            k_scale,
-            v_scale,
+            window,
+            softcap,
             BLOCK_SIZE,
             TILE_N,
             True,
             UPCAST_DOT,
             IS_FP8,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    for start in range(full_lo, full_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            kv_ptr,
+            table,
+            start,
+            kv_hi,
+            q_pos,
+            head_off,
+            dims,
+            dim_valid,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            stride_block,
+            stride_kv,
+            stride_slot,
+            k_scale,
+            v_scale,
+            window,
+            softcap,
+            BLOCK_SIZE,
+            TILE_N,
+            False,
+            UPCAST_DOT,
+            IS_FP8,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    for start in range(full_hi, kv_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            kv_ptr,
+            table,
+            start,
+            kv_hi,
+            q_pos,
+            head_off,
+            dims,
+            dim_valid,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            stride_block,
+            stride_kv,
+            stride_slot,
+            k_scale,
+            v_scale,
+            window,
+            softcap,
+            BLOCK_SIZE,
+            TILE_N,
+            True,
+            UPCAST_DOT,
+            IS_FP8,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
         )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -408,12 +482,15 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int = 0,
+    softcap: float = 0.0,
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its whole paged KV.
 
-    query [T, Hq, D] -> [T, Hq, D]. The new tokens' KV must already be stored.
+    query [T, Hq, D] -> [T, Hq, D]. The new tokens' KV must already be stored. window > 0: each
+    query sees its last `window` keys only; softcap > 0: scores capped (paged_attention.py).
     `num_kv_splits` overrides the key-segment count (tests); else `meta.num_kv_splits` (fixed per
     captured CUDA graph), else one is picked per grid size and context length.
     """
@@ -444,6 +521,7 @@ def paged_attention_triton(
         num_kv_splits is None or num_kv_splits >= 1,
         f"num_kv_splits must be None or >= 1, got {num_kv_splits}",
     )
+    require(window >= 0 and softcap >= 0, f"window {window} and softcap {softcap} must be >= 0")
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens = query.shape[0]
@@ -496,6 +574,8 @@ def paged_attention_triton(
         meta.block_tables.stride(0),
         float(kv_scales[0]),
         float(kv_scales[1]),
+        int(window),
+        float(softcap),
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -507,6 +587,8 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
         IS_FP8=is_fp8,
+        HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -530,11 +612,17 @@ def paged_attention_triton(
 EAGER_NUM_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def precompile_eager_variants(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype) -> int:
+def precompile_eager_variants(
+    kv_layer: torch.Tensor,
+    num_heads: int,
+    dtype: torch.dtype,
+    scorings: tuple[tuple[int, float], ...] = ((0, 0.0),),
+) -> int:
     """Compiles, now, every variant an eager (prefill, mixed or decode) step can launch: each
-    key-segment count with prefill and with decode tiles, and their merges. Left to the first
-    step that needs one, a compile stalled serving for ~1 s (seen on an H200: 2 s of an 8 s
-    offline run, a 1.3 s TTFT stall of a 32-request burst). Returns the number of launches."""
+    key-segment count with prefill and with decode tiles, and their merges, for each (window,
+    softcap) the model's layers use. Left to the first step that needs one, a compile stalled
+    serving for ~1 s (seen on an H200: 2 s of an 8 s offline run, a 1.3 s TTFT stall of a
+    32-request burst). Returns the number of launches."""
     device = kv_layer.device
     head_dim = kv_layer.shape[-1]
     table = torch.zeros(1, 2, dtype=torch.int32, device=device)  # a width of 1 would be a constant
@@ -550,6 +638,15 @@ def precompile_eager_variants(kv_layer: torch.Tensor, num_heads: int, dtype: tor
             max_seq_len=query_len,
         )
         for num_splits in EAGER_NUM_SPLITS:
-            paged_attention_triton(query, kv_layer, meta, head_dim**-0.5, num_kv_splits=num_splits)
-            launches += 1
+            for window, softcap in scorings:
+                paged_attention_triton(
+                    query,
+                    kv_layer,
+                    meta,
+                    head_dim**-0.5,
+                    window=window,
+                    softcap=softcap,
+                    num_kv_splits=num_splits,
+                )
+                launches += 1
     return launches

@@ -228,9 +228,9 @@ def test_unsupported_model_type_is_rejected(tmp_path):
     del raw["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig.from_dict(raw)
-    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="rope scaling type .mrope."):
         ModelConfig.from_dict(
-            {**raw, "hidden_size": 64, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+            {**raw, "hidden_size": 64, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}}
         )
 
 

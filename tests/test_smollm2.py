@@ -50,6 +50,11 @@ class GgufOracle:
         self.model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         ).eval()
+        # tandem keeps a quantized file's weights in float16 (gguf_convert.checkpoint_dtype) and
+        # computes in float32 on the CPU: the oracle's float32 weights rounded once the same way.
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.copy_(param.half().float())
         self.eos = self.model.generation_config.eos_token_id
 
     def chat_ids(self, question: str) -> list[int]:

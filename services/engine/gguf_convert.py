@@ -1,6 +1,7 @@
 """GGUF checkpoints: converted once into a cached Hugging Face-style directory.
 
-A `.gguf` file becomes config.json, model.safetensors (dequantized to fp32), tokenizer.json,
+A `.gguf` file becomes config.json, model.safetensors (in the checkpoint's own width, see
+checkpoint_dtype), tokenizer.json,
 tokenizer_config.json (with the chat template) and generation_config.json under
 $TANDEM_HOME/models/, keyed by the file's content hash. Everything downstream (the loader,
 the tokenizer, GetTokenizer, the KV layout hash, update_weights) then reads a plain
@@ -24,7 +25,7 @@ from tandem.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
 from tandem.engine.progress import Progress
 
 # Bump when the conversion changes: cached directories of an older version are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -83,6 +84,26 @@ def _metadata(reader) -> dict[str, Any]:
         for name, field in reader.fields.items()
         if not name.startswith("GGUF.")
     }
+
+
+# llama.cpp's general.file_type for the unquantized widths.
+_FILE_TYPE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_dtype(meta: dict[str, Any], tensor_types: set[str]) -> str:
+    """The width the converted weights keep: general.file_type's when it names one (F32, F16,
+    BF16), else the matrices' (any BF16: bfloat16; all F32: float32); a quantized file's
+    blocks carry fp16 scales, so float16 (half of fp32's bytes; an F16/BF16/F32 file converts
+    exactly, a quantized one rounds its dequantized values once, to fp16)."""
+    file_type = meta.get("general.file_type")
+    if file_type in _FILE_TYPE_DTYPES:
+        return _FILE_TYPE_DTYPES[file_type]
+    if "BF16" in tensor_types:
+        return "bfloat16"
+    if tensor_types <= {"F32"}:
+        return "float32"
+    return "float16"
 
 
 def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -166,7 +187,9 @@ def hf_tensors(reader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
             weight = _unpermute_rotary(weight, heads)
         elif config["model_type"] == "llama" and ".attn_k." in tensor.name:
             weight = _unpermute_rotary(weight, kv_heads)
-        tensors[_hf_tensor_name(tensor.name)] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        tensors[_hf_tensor_name(tensor.name)] = torch.from_numpy(
+            np.array(weight, dtype=np.float32)
+        ).to(_TORCH_DTYPES[config["torch_dtype"]])
         progress.step(int(tensor.n_bytes))
     return tensors
 
@@ -180,6 +203,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     reader = _reader(Path(gguf_path))
     meta = _metadata(reader)
     config = hf_config(meta, {t.name for t in reader.tensors})
+    matrix_types = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
+    config["torch_dtype"] = checkpoint_dtype(meta, matrix_types)
     tokenizer_meta = {
         k.removeprefix("tokenizer."): v for k, v in meta.items() if k.startswith("tokenizer.")
     }

@@ -11,12 +11,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from tandem.engine.checkpoint_reader import CheckpointFiles, read_rank_share
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, check_divisible, shard_parameter
-from tandem.engine.progress import Progress
 from tandem.engine.quant_formats import to_engine_tensors, weight_format
 from tandem.kernels.fp8 import FP8
 
@@ -25,6 +24,8 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Families whose checkpoints store qkv_proj and gate_up_proj fused already, as the engine does.
+_FUSED_IN_CHECKPOINT = ("phi3",)
 # Present in some older checkpoints, recomputed here from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,10 +48,11 @@ def _hf_name(engine_name: str) -> str:
 def _expected_hf_names(model: CausalLM) -> dict[str, tuple[str, ...]]:
     """engine parameter name -> the HF tensor names it is made of."""
     expected: dict[str, tuple[str, ...]] = {}
+    fused_in_checkpoint = model.config.model_type in _FUSED_IN_CHECKPOINT
     for name, _ in model.named_parameters():
         module, leaf = name.rsplit(".", 1)
         parts = None
-        for fused, sources in _FUSED.items():
+        for fused, sources in () if fused_in_checkpoint else _FUSED.items():
             if module.endswith(fused):
                 prefix = module[: -len(fused)]
                 parts = tuple(_hf_name(f"{prefix}{src}.{leaf}") for src in sources)
@@ -97,19 +99,10 @@ def is_ignored_tensor(hf_name: str) -> bool:
 
 
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+    """Every tensor of the files, whole (the encoder's loader; progress logged as it reads)."""
     with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
-        progress = Progress(
-            f"loading weights from {files[0].parent if files else '?'}",
-            sum(len(f.keys()) for f in handles),
-            sum(path.stat().st_size for path in files),
-        )
-        for f in handles:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-                progress.step(tensors[key].numel() * tensors[key].element_size())
-    return tensors
+        checkpoint = CheckpointFiles(files, stack)
+        return {name: checkpoint.whole(name) for name in sorted(checkpoint.names())}
 
 
 def load_model(
@@ -119,9 +112,11 @@ def load_model(
     tp: TensorParallel = TensorParallel(),
     quantization: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
-    """tp: the rank whose share of the weights to keep (parallel.py); every rank reads the whole
-    checkpoint on the host and moves only its share to the device. quantization "fp8": FP8
-    projections even from a model-dtype checkpoint (an FP8 checkpoint loads as FP8 either way)."""
+    """tp: the rank whose share of the weights to keep (parallel.py): a rank reads only its share
+    of each tensor (checkpoint_reader.py), except from an FP8 checkpoint, whose block scales are
+    cut with their weights after a whole read. quantization "fp8": FP8 projections even from a
+    model-dtype checkpoint (an FP8 checkpoint loads as FP8 either way). The model's
+    `checkpoint_bytes_read` says how many bytes of tensors this rank read."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     check_divisible(config, tp.size)
@@ -130,37 +125,66 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(config, tp, fmt.fp8_group_size)
     expected = _expected_hf_names(model)
-    tensors, kv_scales = to_engine_tensors(_read_tensors(_checkpoint_files(model_dir)), fmt)
-
     wanted = {hf for parts in expected.values() for hf in parts}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    missing = sorted(wanted - tensors.keys())
-    unexpected = sorted(
-        k for k in tensors.keys() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES)
-    )
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {model_dir} does not match {config.model_type}: "
-            f"missing tensors {missing}, unexpected tensors {unexpected}"
+    reads_slices = tp.is_parallel and not fmt.is_fp8
+    with contextlib.ExitStack() as stack:
+        files = CheckpointFiles(_checkpoint_files(model_dir), stack)
+        if reads_slices:
+            stored_fp8 = sorted(n for n in wanted & files.names() if files.is_fp8(n))
+            if stored_fp8:
+                raise ValueError(
+                    f"{stored_fp8[0]} is float8_e4m3fn but config.json has no quantization_config "
+                    "naming its scales"
+                )
+            # What is not a parameter (KV and activation scales, strays) is small: read whole.
+            others = [
+                k for k in files.names() - wanted - optional if not k.endswith(_IGNORED_SUFFIXES)
+            ]
+            files.plan(len(others) + len(wanted & files.names()), files.file_bytes // tp.size)
+            tensors = {k: files.whole(k) for k in others}
+            tensors, kv_scales = to_engine_tensors(tensors, fmt)
+            present = files.names()
+        else:
+            names = [n for n in files.names() if n not in optional or n in wanted]
+            files.plan(len(names), files.file_bytes)
+            tensors, kv_scales = to_engine_tensors({k: files.whole(k) for k in names}, fmt)
+            present = tensors.keys()
+        missing = sorted(wanted - present)
+        unexpected = sorted(
+            k
+            for k in (tensors.keys() if reads_slices else present) - wanted - optional
+            if not k.endswith(_IGNORED_SUFFIXES)
         )
-
-    params = dict(model.named_parameters())
-    shapes = {name: param.shape for name, param in params.items()}
-    state = {}
-    for name, parts in expected.items():
-        tensor = shard_parameter(
-            name, torch.cat([tensors.pop(p) for p in parts]), config, tp.rank, tp.size
-        )
-        if tensor.shape != shapes[name]:
+        if missing or unexpected:
             raise ValueError(
-                f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}"
-                + (f" (rank {tp.rank} of {tp.size})" if tp.is_parallel else "")
-                + ", "
-                f"config.json implies {tuple(shapes[name])}"
+                f"checkpoint {model_dir} does not match {config.model_type}: "
+                f"missing tensors {missing}, unexpected tensors {unexpected}"
             )
-        # FP8 weights and their float32 scales keep their dtypes; the rest is the model dtype.
-        is_fp8_part = params[name].dtype == FP8 or name.endswith(".weight_scale")
-        state[name] = tensor.to(device=device, dtype=params[name].dtype if is_fp8_part else dtype)
+
+        params = dict(model.named_parameters())
+        shapes = {name: param.shape for name, param in params.items()}
+        state = {}
+        for name, parts in expected.items():
+            if reads_slices:
+                tensor = read_rank_share(files, name, parts, config, tp)
+            else:
+                tensor = shard_parameter(
+                    name, torch.cat([tensors.pop(p) for p in parts]), config, tp.rank, tp.size
+                )
+            if tensor.shape != shapes[name]:
+                raise ValueError(
+                    f"tensors {list(parts)} have shape {tuple(tensor.shape)} in {model_dir}"
+                    + (f" (rank {tp.rank} of {tp.size})" if tp.is_parallel else "")
+                    + ", "
+                    f"config.json implies {tuple(shapes[name])}"
+                )
+            # FP8 weights and their float32 scales keep their dtypes; the rest is the model dtype.
+            is_fp8_part = params[name].dtype == FP8 or name.endswith(".weight_scale")
+            state[name] = tensor.to(
+                device=device, dtype=params[name].dtype if is_fp8_part else dtype
+            )
+        num_bytes_read = files.num_bytes_read
     model.load_state_dict(state, strict=True, assign=True)
     for index, (k_scale, v_scale) in kv_scales.items():
         if not 0 <= index < config.num_layers or not (k_scale > 0 and v_scale > 0):
@@ -172,6 +196,7 @@ def load_model(
         attention.k_scale, attention.v_scale = k_scale, v_scale
     # Non-persistent buffers are still on the meta device; rebuild them for real.
     model.rotary = type(model.rotary)(config, dtype, device)
+    model.checkpoint_bytes_read = num_bytes_read
     return model.eval(), config
 
 

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text),
+Phi-3, OLMo 2, Granite. One graph; ModelConfig says where a family departs from Llama, and
+family_layers.py holds the residual arrangements other than Llama's (Gemma's, OLMo 2's).
 
 Flat batches: every tensor is [num_tokens, ...] with no padding; AttentionMetadata says
 which rows belong to which sequence. q/k/v and gate/up are fused into one matmul each.
@@ -12,57 +14,46 @@ the embedding, the norms and the LM head stay in the model dtype.
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
+from tandem.engine.rope import rope_cos_sin_table
 from tandem.kernels import dispatch as kernels
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.fused import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """offset 1.0: Gemma's norm, which multiplies by (1 + weight) (the checkpoint stores weight)
+    in float32 before the cast back, unlike Llama's (cast, then weight): torch ops, not the fused
+    kernel, so a bf16 Gemma rounds where transformers' does."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned."""
+        if self.offset:
+            total = x if residual is None else residual + x
+            normed = total.float()
+            normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+            normed = (normed * (self.offset + self.weight.float())).to(total.dtype)
+            return normed if residual is None else (normed, total)
         if residual is None:
             return kernels.rms_norm(x, self.weight, self.eps)
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to the context length, looked up per token by the KV-store kernel."""
+    """cos/sin of every position up to the context length, looked up per token by the KV-store
+    kernel: `cos_sin` for the global layers, `local_cos_sin` for Gemma 3's sliding ones (the
+    same tensor where the model has one rope)."""
 
     def __init__(
         self,
@@ -72,12 +63,25 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         # Computed where the model runs: cos/sin there round as transformers' per-step ones do.
-        inv_freq = rope_inv_freq(config).to(device)
+        dtype = dtype or config.torch_dtype
+        num_positions = max(config.max_context_len, config.max_position_embeddings)
+
+        def table(theta, scaling):
+            return rope_cos_sin_table(
+                theta,
+                scaling,
+                config.head_dim,
+                config.max_position_embeddings,
+                num_positions,
+                dtype,
+                device,
+            )
+
         self.register_buffer(
-            "cos_sin",
-            rope_cos_sin(inv_freq, config.max_position_embeddings, dtype or config.torch_dtype),
-            persistent=False,
+            "cos_sin", table(config.rope_theta, config.rope_scaling), persistent=False
         )
+        local = table(*config.local_rope) if config.local_rope is not None else self.cos_sin
+        self.register_buffer("local_cos_sin", local, persistent=False)
 
 
 class Attention(nn.Module):
@@ -96,7 +100,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
+        self.window = config.layer_window(layer_index)
+        self.softcap = config.attn_softcap
+        # Gemma 3's sliding layers rotate with their own table (CausalLM passes both).
+        self.uses_local_rope = config.local_rope is not None and self.window > 0
         self.qkv_proj = build_linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
@@ -109,35 +117,48 @@ class Attention(nn.Module):
         # What an FP8 KV pool stores is k / k_scale and v / v_scale (1.0 unless the checkpoint
         # gives calibrated scales; the loader sets them). Unused by a pool in the model dtype.
         self.k_scale = self.v_scale = 1.0
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = self.k_norm = None
+        self.norm_all_heads = config.qk_norm and config.qk_norm_scope == "all"
+        if self.norm_all_heads:
+            # OLMo 2 normalizes the whole projection: a rank holding some heads cannot.
+            if tp.is_parallel:
+                raise ValueError(
+                    f"{config.model_type} normalizes q and k over all heads: tensor parallelism "
+                    f"is not supported for it (give tensor_parallel_size 1)"
+                )
+            self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        elif config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
 
     def forward(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        cos_sin: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_layer: torch.Tensor,
         lora=None,
     ) -> torch.Tensor:
+        """cos_sin: the (global, local) rotary tables (RotaryEmbedding)."""
         qkv = apply_linear(self.qkv_proj, hidden)
         if lora is not None:
             lora.apply(self.layer_index, "qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         kv_scales = (self.k_scale, self.v_scale)
-        q = kernels.rope_store_kv(
-            q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping, kv_scales
+        table = cos_sin[1] if self.uses_local_rope else cos_sin[0]
+        q = kernels.rope_store_kv(q, k, v, positions, table, kv_layer, meta.slot_mapping, kv_scales)
+        out = kernels.paged_attention(
+            q, kv_layer, meta, self.scale, kv_scales, self.window, self.softcap
         )
-        out = kernels.paged_attention(q, kv_layer, meta, self.scale, kv_scales)
         out = out.reshape(-1, self.q_size)
         return self.tp.all_reduce(_project(self.o_proj, out, lora, self.layer_index, "o_proj"))
 
@@ -160,6 +181,7 @@ class MLP(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.tp = tp
+        self.is_gelu = config.hidden_act == "gelu_pytorch_tanh"
         intermediate_size = config.intermediate_size // tp.size
         self.gate_up_proj = build_linear(
             config.hidden_size, 2 * intermediate_size, False, fp8_group_size
@@ -168,7 +190,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_index, "gate_up_proj")
-        if lora is None:
+        if self.is_gelu:  # Gemma: GeGLU, tanh-approximated gelu on the gate
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+            down = _project(self.down_proj, act, lora, self.layer_index, "down_proj")
+        elif lora is None:
             down = apply_silu_mul_linear(self.down_proj, gate_up)
         else:  # the down adapters read the activation
             down = _project(
@@ -178,6 +204,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Llama's arrangement: norm -> attention -> add, norm -> MLP -> add. Granite scales each
+    block's output by residual_multiplier before its add."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -190,6 +219,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_index, tp, fp8_group_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer_index, tp, fp8_group_size)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None
@@ -201,8 +231,22 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer, lora)
+        if self.residual_multiplier != 1.0:
+            attn_out = attn_out * self.residual_multiplier
         normed, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(normed, lora), residual
+        out = self.mlp(normed, lora)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
+
+
+def _decoder_layer_class(norm_style: str) -> type[nn.Module]:
+    if norm_style == "pre":
+        return DecoderLayer
+    # Imported here: family_layers builds on this module's Attention, MLP and RMSNorm.
+    from tandem.engine.family_layers import FAMILY_DECODER_LAYERS
+
+    return FAMILY_DECODER_LAYERS[norm_style]
 
 
 class CausalLM(nn.Module):
@@ -222,10 +266,11 @@ class CausalLM(nn.Module):
         self.vocab_start = vocab_range(config.vocab_size, tp.rank, tp.size)[0]
         vocab_rows = -(-config.vocab_size // tp.size)
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        layer_class = _decoder_layer_class(config.norm_style)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index, tp, fp8_group_size) for index in range(config.num_layers)
+            layer_class(config, index, tp, fp8_group_size) for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -249,8 +294,13 @@ class CausalLM(nn.Module):
             )
         else:
             hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            multiplier = self.config.embedding_multiplier
+            if self.config.embedding_multiplier_in_dtype:  # as Gemma: sqrt(hidden) in the dtype
+                multiplier = torch.tensor(multiplier, dtype=hidden.dtype)
+            hidden = hidden * multiplier
         residual = None
-        cos_sin = self.rotary.cos_sin
+        cos_sin = (self.rotary.cos_sin, self.rotary.local_cos_sin)
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(
                 hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora
@@ -261,8 +311,15 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not self.tp.is_parallel:
-            return kernels.linear(hidden, weight).float()
-        # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
-        return self.tp.gather_last_dim(kernels.linear(hidden, weight))[
-            :, : self.config.vocab_size
-        ].float()
+            logits = kernels.linear(hidden, weight)
+        else:
+            # Each rank's rows of the padded vocabulary, side by side; the padding columns cut off.
+            logits = self.tp.gather_last_dim(kernels.linear(hidden, weight))[
+                :, : self.config.vocab_size
+            ]
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        if self.config.final_softcap:  # Gemma 2
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

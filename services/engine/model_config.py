@@ -9,14 +9,23 @@ from typing import Any
 
 import torch
 
-# model_type -> architecture name in config.json; the whole Llama family shares one graph.
+from tandem.engine.rope import parse_scaling
+
+# model_type -> architecture name in config.json. One decoder graph serves them all; the fields
+# below say where a family departs from Llama (norm placement, activations, scales, windows).
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_GEMMA = ("gemma2", "gemma3_text")
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -26,29 +35,102 @@ def _require(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints write
-    # `rope_theta` + `rope_scaling`. Both describe the same thing.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+def _rope_params(raw: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters` (theta inside; keyed by layer type for Gemma 3);
+    # older checkpoints write `rope_theta` + `rope_scaling`. Both describe the same thing.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif layer_type is None and "full_attention" in params:
+        params = params["full_attention"]
+    return dict(params or {})
+
+
+def _parse_rope(
+    raw: dict[str, Any], head_dim: int, layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
+    params = _rope_params(raw, layer_type)
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+    return float(theta), parse_scaling(params, raw, head_dim)
+
+
+def _local_rope(raw: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any] | None] | None:
+    """Gemma 3's sliding layers rotate with their own base (rope_local_base_freq, or the
+    sliding_attention entry of rope_parameters), unscaled unless that entry says otherwise."""
+    if raw.get("model_type") != "gemma3_text":
+        return None
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        return _parse_rope(raw, head_dim, "sliding_attention")
+    return float(raw.get("rope_local_base_freq") or 10000.0), None
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    """Each layer's "sliding_attention" or "full_attention", as transformers derives them."""
+    if raw.get("layer_types"):
+        types = list(raw["layer_types"])
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        return types
+    model_type = raw.get("model_type")
+    if model_type in ("mistral", "phi3"):
+        return ["sliding_attention"] * num_layers
+    if model_type in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers") or 0)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if model_type == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        return [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    return ["full_attention"] * num_layers
+
+
+def _layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens, 0 for full attention. Qwen2/Qwen3 window only with
+    use_sliding_window (their configs carry a sliding_window either way)."""
+    window = raw.get("sliding_window")
+    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        window = None
+    if raw.get("model_type") not in ("mistral", "phi3", "qwen2", "qwen3", *_GEMMA):
+        window = None
+    if not window:
+        return (0,) * num_layers
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    types = _layer_types(raw, num_layers)
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def _family_fields(model_type: str, raw: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """The ModelConfig fields where model_type departs from Llama."""
+    fields: dict[str, Any] = {"hidden_act": raw.get("hidden_act") or "silu"}
+    if model_type in _GEMMA:
+        scalar = raw.get("query_pre_attn_scalar")
+        fields.update(
+            norm_style="sandwich",
+            norm_offset=1.0,
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+            attention_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
+            embedding_multiplier=hidden_size**0.5,
+            embedding_multiplier_in_dtype=True,
         )
-    if rope_type == "default":
-        return float(theta), None
-    for key in (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ):
-        if key not in params:
-            raise ValueError(f"llama3 rope scaling is missing {key!r}")
-    params["rope_type"] = "llama3"
-    params.pop("type", None)
-    return float(theta), params
+    elif model_type == "olmo2":
+        fields.update(norm_style="post", qk_norm_scope="all")
+    elif model_type == "granite":
+        fields.update(
+            attention_scale=float(raw.get("attention_multiplier", 1.0)),
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        )
+    return fields
 
 
 @dataclass(frozen=True)
@@ -71,6 +153,31 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Where a family departs from Llama; the defaults are Llama's.
+    # Each layer's sliding window (0: full attention); empty: every layer full.
+    layer_windows: tuple[int, ...] = ()
+    # "pre": a norm before attention and before the MLP (Llama). "sandwich": those and one after
+    # each, before the residual add (Gemma 2/3). "post": after each only (OLMo 2).
+    norm_style: str = "pre"
+    # Gemma's RMSNorm multiplies by (1 + weight).
+    norm_offset: float = 0.0
+    # qk_norm's scope: "head" (Qwen3, Gemma 3: each head's D) or "all" (OLMo 2: the whole q / k).
+    qk_norm_scope: str = "head"
+    hidden_act: str = "silu"
+    # The softmax scale; None: head_dim ** -0.5.
+    attention_scale: float | None = None
+    # tanh soft-capping of the attention scores and of the final logits (0: none).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # The embeddings times embedding_multiplier (rounded to the model dtype first when
+    # embedding_multiplier_in_dtype, as Gemma's sqrt(hidden) is); each block's output times
+    # residual_multiplier before its residual add; the logits divided by logits_scaling (Granite).
+    embedding_multiplier: float = 1.0
+    embedding_multiplier_in_dtype: bool = False
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # The sliding layers' own rope (theta, scaling), Gemma 3; None: every layer uses the global one.
+    local_rope: tuple[float, dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -79,6 +186,65 @@ class ModelConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(_DTYPES)}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(
+                f"unsupported activation {self.hidden_act!r}; supported: {list(_ACTIVATIONS)}"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+
+    def layer_window(self, index: int) -> int:
+        """Layer index's sliding window in tokens, 0 for full attention."""
+        return self.layer_windows[index] if self.layer_windows else 0
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context the rope serves: max_position_embeddings, or as many times more as
+        a linear, dynamic or YaRN scaling stretches it (vLLM's rule; llama3 and longrope
+        checkpoints state the stretched length already)."""
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type")
+        if rope_type == "yarn":
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        if rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * scaling["factor"])
+        return self.max_position_embeddings
+
+    def describe_path(self) -> str:
+        """One line for the logs: the family, the path it runs on and what departs from Llama."""
+        notes = []
+        windows = [w for w in self.layer_windows if w]
+        if windows:
+            notes.append(
+                f"sliding window {max(windows)} on {len(windows)} of {self.num_layers} layers"
+            )
+        if self.rope_scaling:
+            notes.append(f"rope {self.rope_scaling['rope_type']}")
+        if self.local_rope is not None:
+            notes.append(f"local rope theta {self.local_rope[0]:g}")
+        if self.attn_softcap or self.final_softcap:
+            notes.append(f"soft-caps {self.attn_softcap:g}/{self.final_softcap:g}")
+        if self.norm_style != "pre":
+            notes.append(f"{self.norm_style} norms")
+        detail = f" ({', '.join(notes)})" if notes else ""
+        return f"{self.model_type}: tandem's native decoder, paged attention{detail}"
+
+    @property
+    def attention_scorings(self) -> tuple[tuple[int, float], ...]:
+        """The distinct (window, softcap) pairs the layers' attention runs with."""
+        return tuple(
+            sorted({(self.layer_window(i), self.attn_softcap) for i in range(self.num_layers)})
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,7 +271,11 @@ class ModelConfig:
             )
         hidden_size = int(_require(raw, "hidden_size"))
         num_heads = int(_require(raw, "num_attention_heads"))
-        rope_theta, rope_scaling = _parse_rope(raw)
+        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        num_layers = int(_require(raw, "num_hidden_layers"))
+        rope_theta, rope_scaling = _parse_rope(raw, head_dim)
+        if raw.get("mlp_bias"):
+            raise ValueError(f"{model_type} with mlp_bias is not supported")
         eos = raw.get("eos_token_id")
         eos_token_ids = tuple(
             int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -120,20 +290,23 @@ class ModelConfig:
             vocab_size=int(_require(raw, "vocab_size")),
             hidden_size=hidden_size,
             intermediate_size=int(_require(raw, "intermediate_size")),
-            num_layers=int(_require(raw, "num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(_require(raw, "rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(_require(raw, "max_position_embeddings")),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _GEMMA)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
             dtype=str(dtype).removeprefix("torch."),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
+            layer_windows=_layer_windows(raw, num_layers),
+            local_rope=_local_rope(raw, head_dim),
+            **_family_fields(model_type, raw, hidden_size),
         )
 
     @classmethod

@@ -112,14 +112,25 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def _serving_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | None:
+    """--dtype, or with auto the checkpoint's own (None), except float16 on the CPU, which has
+    no fast float16 GEMM: float32 there (a converted quantized GGUF file is float16)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu" and ModelConfig.from_pretrained(config.model_dir).dtype == "float16":
+        return torch.float32
+    return None
+
+
 def _check_context_length(model_config: ModelConfig, max_model_len: int) -> None:
     """Positions past the model's have no rotary table: a longer context would start, then fail a
     long prompt mid-step (an IndexError, INTERNAL to its client)."""
-    limit = model_config.max_position_embeddings
+    limit = max(model_config.max_context_len, model_config.max_position_embeddings)
     if max_model_len > limit:
         raise ValueError(
-            f"max_model_len {max_model_len} is more than this model's max_position_embeddings "
-            f"({limit}): give --max-model-len {limit} or less (0: the model's own)"
+            f"max_model_len {max_model_len} is more than this model's context "
+            f"({limit}, max_position_embeddings and its rope scaling): give --max-model-len "
+            f"{limit} or less (0: the model's own)"
         )
 
 
@@ -163,7 +174,7 @@ class ModelRunner:
         self.device = _resolve_device(config.device)
         check_settings(self.device)
         self.bind_device()
-        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        dtype = _serving_dtype(config, self.device)
         self.model, self.model_config = load_model(
             config.model_dir,
             dtype=dtype,
@@ -260,7 +271,10 @@ class ModelRunner:
 
         started = time.perf_counter()
         precompile_eager_variants(
-            self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype
+            self.kv_cache[:, 0],
+            self.model.layers[0].self_attn.num_heads,
+            self.dtype,
+            self.model_config.attention_scorings,
         )
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started

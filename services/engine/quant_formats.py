@@ -36,7 +36,7 @@ _SUPPORTED = (
 )
 # The decoder projections that FP8 covers: the embedding, the norms and lm_head never are.
 _PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
+    r"^model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)\.weight$"
 )
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$")
 
@@ -128,6 +128,8 @@ def weight_format(model_dir: str | Path, quantization: str = "auto") -> WeightFo
     if not isinstance(config, dict):
         raise ValueError(f"checkpoint {model_dir}: quantization_config must be an object")
     method = config.get("quant_method")
+    if method is None and (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        method = "bitsandbytes"  # transformers' older BitsAndBytesConfig omits the method
     if method == "fp8":
         block = _block(config.get("weight_block_size"), model_dir, "weight_block_size")
         return WeightFormat("fp8", block)

@@ -107,6 +107,7 @@ class WorkerRuntime:
         self.front = TextFront(self.tokenizer, self.config.limits, self.engine.max_model_len)
         loaded = time.perf_counter()
         mc = self.engine.model_config
+        log.info("model %s", mc.describe_path())
         self.eos_token_ids = tuple(
             dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids())
         )
