@@ -8,8 +8,9 @@ import random
 import pytest
 from conftest import run_to_completion
 
+from tandem.engine.admission import PromptNeverFitsError, PromptTooLongError
 from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine, PromptNeverFitsError, PromptTooLongError
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
 
 

@@ -35,6 +35,7 @@ from tandem.engine.messages import (
     StepOutput,
     SwapWeights,
     WeightsChecksum,
+    WeightsInfo,
     coalesce,
 )
 
@@ -91,6 +92,11 @@ class EngineCore:
     ):
         self.engine = engine
         self.loop = loop
+        # What the IO side may know without asking (fixed), and what it learns from the replies
+        # of the commands that change it: the weights served, the memory released.
+        self.facts = engine.facts()
+        self.weights: WeightsInfo = engine.weights_info()
+        self.released_tags: list[str] = engine.released_tags
         # Called on the loop with each batch of KV events (the worker's KV block feed), as on_stats.
         self.on_kv_events = on_kv_events
         # Called on the loop with each step's iteration stats (the worker's metrics), off the engine thread.
@@ -159,7 +165,38 @@ class EngineCore:
         """Runs a command on the engine thread between steps and returns its reply."""
         future = self.loop.create_future()
         self._commands.put((command, future))
-        return await future
+        reply = await future
+        if isinstance(command, (SwapWeights, CopyWeights)):
+            self.weights = reply
+        elif isinstance(command, (ReleaseMemory, ResumeMemory)):
+            self.released_tags = reply
+        return reply
+
+    async def load_weights(self, path: str, fingerprint: str) -> WeightsInfo:
+        """Reads a checkpoint's weights off both the loop and the engine thread (steps go on),
+        then serves them from the engine thread."""
+        model = await asyncio.to_thread(self.engine.runner.load_weights, path)
+        try:
+            return await self.call(SwapWeights(model, path, fingerprint))
+        finally:
+            del model
+
+    async def write_weights(self, open_update: Callable) -> None:
+        """Weights written in place: open_update(model, device) opens them (IPC handles, NIXL
+        reads) off the loop, as an update with `.updates` (CopyWeights'); the engine thread copies
+        them in. Refused on a tensor-parallel engine."""
+        runner = self.engine.runner
+        runner.require_single_rank("update_weights")
+        update = await asyncio.to_thread(open_update, runner.model, runner.device)
+        try:
+            await self.call(CopyWeights(update.updates))
+        finally:
+            del update
+
+    def close(self) -> None:
+        """Stops the engine thread and the engine's other ranks."""
+        self.stop()
+        self.engine.close()
 
     @property
     def num_active(self) -> int:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.admission import EngineLimits
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase
@@ -85,6 +87,8 @@ class HoldSteps:
 
 @dataclass(frozen=True)
 class ReleaseMemory:
+    """Reply: the memory tags released now."""
+
     tags: list[str]
 
 
@@ -95,6 +99,8 @@ class ResumeMemory:
 
 @dataclass(frozen=True)
 class SwapWeights:
+    """Reply: the WeightsInfo of the new weights."""
+
     model: Any
     source: str
     fingerprint: str  # checkpoint_fingerprint(source), taken before the load
@@ -109,6 +115,28 @@ class CopyWeights:
 
     updates: list
     finalize: bool = False
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """Which weights the engine serves (the reply of every command that changes them)."""
+
+    weights_id: str  # KvHandoff.weights_id (model_runner.weights_id)
+    version: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the worker's IO side knows of its engine without asking it, fixed from the start;
+    what changes (the weights, released memory) it learns from the replies of the commands
+    that change it (engine_core.EngineCore)."""
+
+    limits: EngineLimits
+    model_config: ModelConfig
+    dtype: str  # of the weights, a torch dtype's name ("bfloat16")
+    cache_dtype: str  # of the KV pool's elements
+    device: str
+    kv_layout: dict  # kv_layout.kv_layout(): what a handoff's KV must match
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import unavailable
@@ -22,7 +24,6 @@ from tandem.engine.messages import (
     CopyWeights,
     ReleaseMemory,
     ResumeMemory,
-    SwapWeights,
     WeightsChecksum,
 )
 from tandem.worker.ipc_weights import HandleError, device_uuid, weight_update
@@ -138,51 +139,41 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise ValueError(
             f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker"
         )
-    if "model" in rt.engine.released_tags:
+    if "model" in rt.core.released_tags:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
     await rt.core.call(CheckIdle("update_weights", unless_held=True))  # fail before a slow load
     fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
-    model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.core.call(SwapWeights(model, path, fingerprint))
-    del model
+    weights = await rt.core.load_weights(path, fingerprint)
     await asyncio.to_thread(return_freed_memory)  # the old weights
-    return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
+    return f"{rt.worker_id}: weights from {path} (version {weights.version})"
 
 
 async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
     """A bucket of weights by IPC handles or NIXL written in place, or (finalize) the update
     closed."""
-    if "model" in rt.engine.released_tags:
+    if "model" in rt.core.released_tags:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
     if request.WhichOneof("source") == "finalize":
-        await rt.core.call(CopyWeights([], finalize=True))
+        weights = await rt.core.call(CopyWeights([], finalize=True))
         await asyncio.to_thread(_collect_ipc)
-        return f"{rt.worker_id}: weights finalized (version {rt.engine.runner.weights_version})"
+        return f"{rt.worker_id}: weights finalized (version {weights.version})"
     await rt.core.call(
         CheckIdle("update_weights", unless_held=True)
     )  # fail before the handles are opened
-    runner = rt.engine.runner
-    runner.require_single_rank("update_weights")
     by_nixl = request.WhichOneof("source") == "nixl_weights"
+    if by_nixl:
+        open_update = functools.partial(nixl_weight_update, request.nixl_weights)
+    else:
+        open_update = functools.partial(weight_update, dict(request.ipc_handles.handles))
     try:
-        if by_nixl:
-            update = await asyncio.to_thread(
-                nixl_weight_update, request.nixl_weights, runner.model, runner.device
-            )
-        else:
-            update = await asyncio.to_thread(
-                weight_update, dict(request.ipc_handles.handles), runner.model, runner.device
-            )
+        await rt.core.write_weights(open_update)
     except HandleError as exc:
         raise ValueError(str(exc)) from None
-    try:
-        await rt.core.call(CopyWeights(update.updates))
     finally:
-        del update
         await asyncio.to_thread(_collect_ipc)
     how = "NIXL" if by_nixl else "IPC handles"
     return f"{rt.worker_id}: weights written from {how} (finalize with update_weights(None))"
@@ -213,11 +204,12 @@ async def collective_rpc(
         result = json_format.MessageToDict(state, preserving_proto_field_name=True)
         result["role"] = rt.role.label
         # The key of this worker's handles in update_weights (TensorRT-LLM's device UUID).
-        result["device_uuid"] = device_uuid(rt.engine.runner.device)
+        result["device_uuid"] = device_uuid(torch.device(rt.core.facts.device))
     elif method == "weights_checksum":
         result = await rt.core.call(WeightsChecksum())
     else:
-        result = json_format.MessageToDict(rt.kv_capacity(), preserving_proto_field_name=True)
+        capacity = await rt.kv_capacity()
+        result = json_format.MessageToDict(capacity, preserving_proto_field_name=True)
     value = struct_pb2.Value()
     json_format.ParseDict({"worker_id": rt.worker_id, "result": result}, value)
     return value

@@ -36,7 +36,7 @@ class Guides:
                 self._compiler = GuideCompiler(
                     backend.to_str(),
                     encoded,
-                    self.rt.engine.model_config.vocab_size,
+                    self.rt.core.facts.model_config.vocab_size,
                     list(self.rt.eos_token_ids),
                 )
         return self._compiler.compile(kind, value)

@@ -9,6 +9,8 @@ import os
 import time
 import uuid
 
+import torch
+
 from tandem.common.auth import derive_key
 from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import PreconditionError, unavailable
@@ -25,7 +27,6 @@ from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora_adapter import AdapterNotFoundError, AdapterStore, LoRAAdapter
 from tandem.engine.messages import CheckIdle, ReadCounters
-from tandem.engine.sampling_options import SamplingOptions
 from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
 from tandem.prefill.context import ContextPhase
 from tandem.prefill.lease_keeper import LeaseKeeper
@@ -55,7 +56,8 @@ class WorkerRuntime:
         # The pause in force (pause_generation), None while generating.
         self.pause_mode: PauseMode | None = None
         self.startup_metrics: dict[str, float] = {}
-        self.engine: LLMEngine | None = None
+        # The engine thread (engine_core.EngineCore): everything the worker asks of its engine
+        # goes through it, as messages, or is read from its facts.
         self.core: EngineCore | None = None
         # The router's KV index feed (SubscribeKvBlocks), once the engine is loaded.
         self.kv_feed: KvBlockFeed | None = None
@@ -103,10 +105,20 @@ class WorkerRuntime:
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
-        self.front = TextFront(self.tokenizer, self.config.limits, self.engine.max_model_len)
+        engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
         loaded = time.perf_counter()
-        mc = self.engine.model_config
+        seconds = await asyncio.to_thread(engine.warm_up)
+        if seconds:
+            log.info("attention kernel variants compiled in %.1f s", seconds)
+        self.core = EngineCore(
+            engine,
+            asyncio.get_running_loop(),
+            on_stats=self.metrics.observe_step,
+            on_kv_events=lambda events: self.kv_feed.observe(events),
+        )
+        facts = self.core.facts
+        self.front = TextFront(self.tokenizer, self.config.limits, facts.limits.max_model_len)
+        mc = facts.model_config
         self.eos_token_ids = tuple(
             dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids())
         )
@@ -116,27 +128,18 @@ class WorkerRuntime:
             self.adapters = AdapterStore(
                 mc,
                 engine_config.max_lora_rank,
-                self.engine.runner.dtype,
+                getattr(torch, facts.dtype),
                 capacity=2 * engine_config.max_loras,
             )
         self.bos_token_id = mc.bos_token_id
-        await asyncio.to_thread(self._warm_up)
         self.kv_feed = KvBlockFeed(
-            self.engine.block_manager.block_size,
+            facts.limits.block_size,
             lambda int_id: self.adapters.fingerprint(int_id) if self.adapters else None,
-        )
-        self.core = EngineCore(
-            self.engine,
-            asyncio.get_running_loop(),
-            on_stats=self.metrics.observe_step,
-            on_kv_events=self.kv_feed.observe,
         )
         if self.leases is not None:
             self.leases.attach(self.core)
         self.handoff_format = (
-            HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
-            if self.signing_key
-            else None
+            HandoffFormat(facts.kv_layout, self.signing_key) if self.signing_key else None
         )
         if self.role.has_transceiver:
             await asyncio.to_thread(self.start_transceiver)
@@ -182,7 +185,7 @@ class WorkerRuntime:
 
     @property
     def kv_layout_hash(self) -> str:
-        return layout_hash(self.engine.runner.kv_layout) if self.engine is not None else ""
+        return layout_hash(self.core.facts.kv_layout) if self.core is not None else ""
 
     def start_transceiver(self) -> None:
         """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
@@ -192,9 +195,11 @@ class WorkerRuntime:
         agent_name = (
             f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
         )
+        # The one place the IO side holds engine memory: the agent registers the KV pool (with the
+        # engine core in a process of its own, the agent moves there, beside the pool).
         self.transceiver = KvTransceiver(
             agent_name,
-            self.engine.runner.kv_pools,
+            self.core.engine.runner.kv_pools,
             self.kv_layout_hash,
             progress_thread=self.config.nixl_progress_thread,
         )
@@ -212,7 +217,7 @@ class WorkerRuntime:
                 self.handoff_format,
                 self.worker_id,
                 agent_name,
-                lambda: self.engine.runner.weights_id,
+                lambda: self.core.weights.weights_id,
             )
         else:
             cfg = self.config
@@ -228,7 +233,7 @@ class WorkerRuntime:
                 on_pulled=self.metrics.observe_kv_pull,
                 load_failure_policy=self.config.kv_load_failure_policy,
                 room_wait_s=self.config.kv_room_wait_s,
-                weights_id=lambda: self.engine.runner.weights_id,
+                weights_id=lambda: self.core.weights.weights_id,
             )
 
     def stop_transceiver(self) -> None:
@@ -243,37 +248,12 @@ class WorkerRuntime:
             self.transceiver.close()
         self.transceiver = self.poller = self._peers = None
 
-    def _warm_up(self) -> None:
-        """One prefill and one decode step so the first real request does not pay for lazy init;
-        the attention kernel's eager variants compiled before any request can need one."""
-        engine = self.engine
-        seconds = engine.runner.precompile_kernels()
-        if seconds:
-            log.info("attention kernel variants compiled in %.1f s", seconds)
-        engine.add_request(
-            "warmup",
-            [min(1, engine.model_config.vocab_size - 1)] * 4,
-            SamplingOptions(max_tokens=2, ignore_eos=True),
-        )
-        while engine.num_unfinished:
-            engine.step()
-        if engine.proposer is not None:
-            engine.proposer.reset()
-        c = engine.counters
-        c.num_steps = c.num_prompt_tokens_computed = c.num_generated_tokens = 0
-        c.num_draft_tokens = c.num_accepted_draft_tokens = c.num_drafted_steps = 0
-        engine.block_manager.num_prefix_query_tokens = (
-            engine.block_manager.num_prefix_hit_tokens
-        ) = 0
-
     def request_stop(self) -> None:
         self.server.request_stop()
 
     async def close(self) -> None:
         if self.core is not None:
-            self.core.stop()
-        if self.engine is not None:
-            self.engine.close()
+            self.core.close()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()
@@ -293,7 +273,7 @@ class WorkerRuntime:
         )
         if self.paused and not continues_in_flight:
             raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
-        released = self.engine.released_tags
+        released = self.core.released_tags
         if released:
             raise unavailable(
                 f"memory {released} is released (Release); call Resume({released}) first"
@@ -303,13 +283,14 @@ class WorkerRuntime:
         """Refuses `what` while requests run or KV handoffs wait (checked on the engine thread)."""
         await self.core.call(CheckIdle(what))
 
-    def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
-        bm = self.engine.block_manager
+    async def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
+        limits = self.core.facts.limits
+        snap = await self.core.call(ReadCounters())
         return llm_pb2.KvCacheCapacity(
-            max_num_blocks=bm.num_blocks,
-            tokens_per_block=bm.block_size,
-            max_num_tokens=bm.num_blocks * bm.block_size,
-            num_free_blocks=bm.num_free_blocks,
+            max_num_blocks=limits.num_blocks,
+            tokens_per_block=limits.block_size,
+            max_num_tokens=limits.num_blocks * limits.block_size,
+            num_free_blocks=snap.num_free_blocks,
         )
 
     async def load_adapter(self, request: llm_pb2.GenerateRequest) -> LoRAAdapter | None:
@@ -356,7 +337,7 @@ class WorkerRuntime:
             llm_id=self.llm_id,
             model=os.path.abspath(self.config.engine.model_dir),
             role=self.role.label,
-            max_model_len=self.engine.max_model_len if self.engine else 0,
+            max_model_len=self.core.facts.limits.max_model_len if self.core else 0,
         )
         info.disaggregated_params.update(
             {
