@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
@@ -28,6 +28,7 @@ from tandem.engine.messages import (
     EngineFailure,
     FreeBlocks,
     HoldSteps,
+    Lease,
     ReadCounters,
     ReleaseMemory,
     RemoteKvArrived,
@@ -40,6 +41,19 @@ from tandem.engine.messages import (
 )
 
 log = logging.getLogger("tandem.engine_core")
+
+
+class LeaseTable(Protocol):
+    """Who keeps the KV of finished context phases for the decode side (the prefill's lease
+    keeper). open() runs on the loop as the output that hands the blocks off is delivered, so a
+    handoff's blocks are never owned by nobody (an output nobody takes is abandoned at once);
+    the table gives them back with FreeBlocks when the lease ends."""
+
+    def open(self, request_id: str, block_ids: list[int]) -> Lease: ...
+
+    def abandon(self, lease_id: int) -> None:
+        """The output that carried the lease reached nobody (its request was aborted meanwhile)."""
+
 
 _STOP = object()
 
@@ -89,9 +103,12 @@ class EngineCore:
         stats_history: int = 1000,
         on_stats: Callable[[dict], None] | None = None,
         on_kv_events: Callable[[list[dict]], None] | None = None,
+        leases: LeaseTable | None = None,
     ):
+        """leases: a prefill worker's lease table, which takes the KV its context phases hand off."""
         self.engine = engine
         self.loop = loop
+        self.leases = leases
         # What the IO side may know without asking (fixed), and what it learns from the replies
         # of the commands that change it: the weights served, the memory released.
         self.facts = engine.facts()
@@ -319,9 +336,11 @@ class EngineCore:
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
+        if isinstance(item, StepOutput) and item.kept_block_ids is not None:
+            item.lease = self.leases.open(request_id, item.kept_block_ids)
         if stream is None:  # aborted meanwhile
             if isinstance(item, StepOutput) and item.lease is not None:
-                self.engine.leases.abandon(item.lease.lease_id)
+                self.leases.abandon(item.lease.lease_id)  # its blocks go back at once
             return
         if isinstance(item, EngineFailure) or item.finished:
             self._streams.pop(request_id, None)

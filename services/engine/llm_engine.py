@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -22,7 +21,6 @@ from tandem.engine.messages import (
     EngineFacts,
     EngineSnapshot,
     ImportPlan,
-    Lease,
     StepOutput,
     WeightsInfo,
     coalesce,
@@ -34,20 +32,6 @@ from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
 from tandem.engine.speculative import Proposer
-
-
-class LeaseTable(Protocol):
-    """Who keeps the KV of finished context phases for the decode side (the prefill's lease
-    keeper). open() runs on the engine thread at the moment the blocks leave the engine, so a
-    handoff's blocks are never owned by nobody; the table gives them back with FreeBlocks."""
-
-    def open(self, request_id: str, block_ids: list[int]) -> Lease: ...
-
-    def abandon(self, lease_id: int) -> None:
-        """The output that carried the lease reached nobody (its request was aborted meanwhile)."""
-
-    @property
-    def num_leases(self) -> int: ...
 
 
 @dataclass
@@ -91,7 +75,9 @@ class EngineCounters:
 class LLMEngine:
     MEMORY_TAGS = ("model", "kv_cache")
 
-    def __init__(self, config: EngineConfig, leases: LeaseTable | None = None):
+    def __init__(self, config: EngineConfig, hands_off: bool = False):
+        """hands_off: the engine runs context_only requests, whose KV it keeps for the decode side
+        (a prefill worker's: StepOutput.kept_block_ids) until FreeBlocks gives it back."""
         self.config = config
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
@@ -123,8 +109,9 @@ class LLMEngine:
         # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
         self.proposer = self._proposer(spec)
         self.overlap_scheduling = config.overlap_scheduling and spec is None
-        # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
-        self.leases = leases
+        self.hands_off = hands_off
+        # Block groups handed off (kept for the decode side) and not freed yet.
+        self.num_handed_off = 0
         # True when the last step found nothing it could run (everything waits for blocks).
         self.last_step_was_idle = False
         # The batches of the step being run (the one scheduled, and the one in flight when
@@ -187,7 +174,7 @@ class LLMEngine:
             len(prompt_token_ids) + len(output_token_ids), list(prompt_token_ids) + output_token_ids
         )
         self.check_options(options)
-        if phase is Phase.CONTEXT_ONLY and self.leases is None:
+        if phase is Phase.CONTEXT_ONLY and not self.hands_off:
             raise PreconditionError(
                 "this engine keeps no KV leases (not a prefill worker): it cannot run "
                 "context_only requests"
@@ -337,14 +324,16 @@ class LLMEngine:
         return True
 
     def free_blocks(self, block_ids: list[int]) -> None:
-        """A lease ended: its blocks return to the pool (and stay findable by the prefix cache)."""
+        """Handed-off blocks come back (their lease ended, or their output reached nobody): they
+        return to the pool and stay findable by the prefix cache."""
         self.block_manager.free(block_ids)
+        self.num_handed_off -= 1
 
     # -- admin: memory and weights (RL flows: pause, release, update weights, resume) --
     def require_idle(self, what: str, held: bool = False) -> None:
         """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
         weights in the current pool. held: the requests are frozen (pause_generation, keep)."""
-        busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
+        busy = len(self._seqs) + self.num_handed_off
         if busy:
             kept = " (paused in mode 'keep', they hold their KV: pause in mode 'abort')"
             raise PreconditionError(
@@ -739,12 +728,12 @@ class LLMEngine:
                 FinishReason.LENGTH
             )  # the whole KV pool cannot hold the next step's KV
         # A context_only sequence ends here with its first token, whether or not that token ends it
-        # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.
-        lease = None
+        # (finish_reason says); its KV leaves the engine, kept for a decode worker to pull.
+        kept = None
         if seq.phase is Phase.CONTEXT_ONLY:
-            lease = self.leases.open(seq.request_id, seq.block_table)
-            seq.block_table, seq.block_hashes = [], []
-        finished = seq.finish_reason is not None or lease is not None
+            kept, seq.block_table, seq.block_hashes = seq.block_table, [], []
+            self.num_handed_off += 1
+        finished = seq.finish_reason is not None or kept is not None
         if finished:
             self._finish(seq)
         first = seq.num_output_tokens == 1
@@ -758,7 +747,7 @@ class LLMEngine:
             seq.stop_token_id,
             seq.num_prompt_tokens,
             seq.num_cached_prompt_tokens,
-            lease,
+            kept,
             [ranks],
             seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
         )

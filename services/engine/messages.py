@@ -172,11 +172,15 @@ class StepOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    # Set when a context_only sequence hands off: its KV blocks, now under this lease
-    # (finish_reason still says whether its first token ended it).
-    lease: Lease | None = None
+    # Set by the engine when a context_only sequence hands off: the KV blocks it keeps for the
+    # decode side (finish_reason still says whether its first token ended it), until a FreeBlocks
+    # gives them back.
+    kept_block_ids: list[int] | None = None
     # Vocabulary ranks of the new_logprobs entries, one dict per token (None where not asked).
     new_ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
+    # the loop, as the output is delivered).
+    lease: Lease | None = None
     # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
     # sequence's first output only.
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None

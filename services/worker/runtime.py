@@ -105,7 +105,7 @@ class WorkerRuntime:
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
-        engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
+        engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases is not None)
         loaded = time.perf_counter()
         seconds = await asyncio.to_thread(engine.warm_up)
         if seconds:
@@ -115,6 +115,7 @@ class WorkerRuntime:
             asyncio.get_running_loop(),
             on_stats=self.metrics.observe_step,
             on_kv_events=lambda events: self.kv_feed.observe(events),
+            leases=self.leases,
         )
         facts = self.core.facts
         self.front = TextFront(self.tokenizer, self.config.limits, facts.limits.max_model_len)
