@@ -104,11 +104,19 @@ class EngineCore:
         on_stats: Callable[[dict], None] | None = None,
         on_kv_events: Callable[[list[dict]], None] | None = None,
         leases: LeaseTable | None = None,
+        weight_openers: dict[str, Callable] | None = None,
+        on_undelivered: Callable[[str, list[int]], None] | None = None,
     ):
-        """leases: a prefill worker's lease table, which takes the KV its context phases hand off."""
+        """leases: a prefill worker's lease table, which takes the KV its context phases hand off
+        (without one, in an engine core process, the IO process's table takes it:
+        on_undelivered(request_id, block_ids) then hands back the blocks of an output nobody took).
+        weight_openers: kind -> open(payload, model, device), the in-place weight updates
+        (update_weights by IPC handles or NIXL) the engine takes (write_weights)."""
         self.engine = engine
         self.loop = loop
         self.leases = leases
+        self.weight_openers = weight_openers or {}
+        self.on_undelivered = on_undelivered
         # What the IO side may know without asking (fixed), and what it learns from the replies
         # of the commands that change it: the weights served, the memory released.
         self.facts = engine.facts()
@@ -178,16 +186,27 @@ class EngineCore:
         """Queues a command without waiting for it (safe from any thread)."""
         self._commands.put((command, None))
 
-    async def call(self, command) -> Any:
-        """Runs a command on the engine thread between steps and returns its reply."""
+    def submit(self, command) -> asyncio.Future:
+        """Queues a command at once (in order with send and add_request); its reply resolves the
+        future."""
         future = self.loop.create_future()
         self._commands.put((command, future))
-        reply = await future
+        if isinstance(command, (SwapWeights, CopyWeights, ReleaseMemory, ResumeMemory)):
+            future.add_done_callback(lambda f: self._learn(command, f))
+        return future
+
+    async def call(self, command) -> Any:
+        """Runs a command on the engine thread between steps and returns its reply."""
+        return await self.submit(command)
+
+    def _learn(self, command, future: asyncio.Future) -> None:
+        """What a reply says of the weights served or the memory released."""
+        if future.cancelled() or future.exception() is not None:
+            return
         if isinstance(command, (SwapWeights, CopyWeights)):
-            self.weights = reply
-        elif isinstance(command, (ReleaseMemory, ResumeMemory)):
-            self.released_tags = reply
-        return reply
+            self.weights = future.result()
+        else:
+            self.released_tags = future.result()
 
     async def load_weights(self, path: str, fingerprint: str) -> WeightsInfo:
         """Reads a checkpoint's weights off both the loop and the engine thread (steps go on),
@@ -198,13 +217,15 @@ class EngineCore:
         finally:
             del model
 
-    async def write_weights(self, open_update: Callable) -> None:
-        """Weights written in place: open_update(model, device) opens them (IPC handles, NIXL
-        reads) off the loop, as an update with `.updates` (CopyWeights'); the engine thread copies
-        them in. Refused on a tensor-parallel engine."""
+    async def write_weights(self, kind: str, payload) -> None:
+        """Weights written in place: weight_openers[kind](payload, model, device) opens them (IPC
+        handles, NIXL reads) off the loop, as an update with `.updates` (CopyWeights'); the engine
+        thread copies them in. Refused on a tensor-parallel engine."""
         runner = self.engine.runner
         runner.require_single_rank("update_weights")
-        update = await asyncio.to_thread(open_update, runner.model, runner.device)
+        update = await asyncio.to_thread(
+            self.weight_openers[kind], payload, runner.model, runner.device
+        )
         try:
             await self.call(CopyWeights(update.updates))
         finally:
@@ -336,11 +357,14 @@ class EngineCore:
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
-        if isinstance(item, StepOutput) and item.kept_block_ids is not None:
-            item.lease = self.leases.open(request_id, item.kept_block_ids)
-        if stream is None:  # aborted meanwhile
-            if isinstance(item, StepOutput) and item.lease is not None:
-                self.leases.abandon(item.lease.lease_id)  # its blocks go back at once
+        kept = item.kept_block_ids if isinstance(item, StepOutput) else None
+        if kept is not None and self.leases is not None:
+            item.lease = self.leases.open(request_id, kept)
+        if stream is None:  # aborted meanwhile: nobody takes the handoff, its blocks go back
+            if kept is not None and self.leases is not None:
+                self.leases.abandon(item.lease.lease_id)
+            elif kept is not None and self.on_undelivered is not None:
+                self.on_undelivered(request_id, kept)
             return
         if isinstance(item, EngineFailure) or item.finished:
             self._streams.pop(request_id, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,8 +25,7 @@ from tandem.engine.messages import (
     ResumeMemory,
     WeightsChecksum,
 )
-from tandem.worker.ipc_weights import HandleError, device_uuid, weight_update
-from tandem.worker.nixl_weights import nixl_weight_update
+from tandem.worker.ipc_weights import HandleError, device_uuid
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
@@ -165,12 +163,11 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
         CheckIdle("update_weights", unless_held=True)
     )  # fail before the handles are opened
     by_nixl = request.WhichOneof("source") == "nixl_weights"
-    if by_nixl:
-        open_update = functools.partial(nixl_weight_update, request.nixl_weights)
-    else:
-        open_update = functools.partial(weight_update, dict(request.ipc_handles.handles))
     try:
-        await rt.core.write_weights(open_update)
+        if by_nixl:
+            await rt.core.write_weights("nixl", request.nixl_weights.SerializeToString())
+        else:
+            await rt.core.write_weights("ipc", dict(request.ipc_handles.handles))
     except HandleError as exc:
         raise ValueError(str(exc)) from None
     finally:

@@ -38,6 +38,7 @@ from tandem.worker.config import WorkerConfig
 from tandem.worker.kv_feed import KvBlockFeed
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
+from tandem.worker.weight_openers import WEIGHT_OPENERS
 
 log = logging.getLogger("tandem.worker")
 
@@ -116,6 +117,7 @@ class WorkerRuntime:
             on_stats=self.metrics.observe_step,
             on_kv_events=lambda events: self.kv_feed.observe(events),
             leases=self.leases,
+            weight_openers=WEIGHT_OPENERS,
         )
         facts = self.core.facts
         self.front = TextFront(self.tokenizer, self.config.limits, facts.limits.max_model_len)
