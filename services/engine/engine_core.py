@@ -236,6 +236,12 @@ class EngineCore:
         self.stop()
         self.engine.close()
 
+    async def aclose(self) -> None:
+        self.close()
+
+    def send_guide_info(self, tokenizer_info: str) -> None:
+        """Compiled guides reach this engine as they are: nothing to send."""
+
     @property
     def num_active(self) -> int:
         return len(self._streams)

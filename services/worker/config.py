@@ -25,6 +25,8 @@ class WorkerConfig(ServerConfig):
     # How long a decode whose pool has no room for a handoff's prompt waits for room (blocks
     # freed by finishing requests) before it gives up on the pull, within the lease.
     kv_room_wait_s: float = 10.0
+    # The engine core in a process of its own (worker/core_process.py).
+    engine_process: bool = False
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
@@ -38,6 +40,12 @@ class WorkerConfig(ServerConfig):
             raise ValueError(
                 f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
                 f"{self.kv_load_failure_policy!r}"
+            )
+        if self.engine_process and self.role.has_transceiver:
+            raise ValueError(
+                f"--engine-process runs aggregated workers (role both) for now: a {self.role.label} "
+                "worker's NIXL agent must live beside the KV pool, in the engine core process, "
+                "which is not built yet; serve it without --engine-process"
             )
         # The cluster token keys the HMAC of KV handoffs: a prefill or decode worker needs one.
         if self.role.has_transceiver and not self.cluster_token:

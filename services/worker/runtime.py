@@ -90,6 +90,8 @@ class WorkerRuntime:
         self.handoff_outcomes = HandoffOutcomes(self.worker_id, metrics.observe_handoff_outcome)
         self._transceiver_generation = 0
         self._num_bytes_received = 0
+        # Why the worker must exit non-zero (its engine core process died), else None.
+        self.failure: str | None = None
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
         # LoRA adapters read from disk (None with --max-loras 0).
@@ -106,19 +108,22 @@ class WorkerRuntime:
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
-        engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases is not None)
-        loaded = time.perf_counter()
-        seconds = await asyncio.to_thread(engine.warm_up)
-        if seconds:
-            log.info("attention kernel variants compiled in %.1f s", seconds)
-        self.core = EngineCore(
-            engine,
-            asyncio.get_running_loop(),
-            on_stats=self.metrics.observe_step,
-            on_kv_events=lambda events: self.kv_feed.observe(events),
-            leases=self.leases,
-            weight_openers=WEIGHT_OPENERS,
-        )
+        if self.config.engine_process:
+            loaded = await self._spawn_core()
+        else:
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases is not None)
+            loaded = time.perf_counter()
+            seconds = await asyncio.to_thread(engine.warm_up)
+            if seconds:
+                log.info("attention kernel variants compiled in %.1f s", seconds)
+            self.core = EngineCore(
+                engine,
+                asyncio.get_running_loop(),
+                on_stats=self.metrics.observe_step,
+                on_kv_events=lambda events: self.kv_feed.observe(events),
+                leases=self.leases,
+                weight_openers=WEIGHT_OPENERS,
+            )
         facts = self.core.facts
         self.front = TextFront(self.tokenizer, self.config.limits, facts.limits.max_model_len)
         mc = facts.model_config
@@ -155,6 +160,27 @@ class WorkerRuntime:
             "deterministic": self.config.engine.deterministic,
         }
         self.ready.set()
+
+    async def _spawn_core(self) -> float:
+        """The engine core in a process of its own (--engine-process); returns when it is up,
+        with the time its load ended (its warm-up is the rest of the start)."""
+        from tandem.worker.core_client import RemoteEngineCore
+
+        capacity = 2 * self.config.engine.max_loras
+        core = await RemoteEngineCore.spawn(self.config.engine, self.leases is not None, capacity)
+        core.on_stats = self.metrics.observe_step
+        core.on_kv_events = lambda events: self.kv_feed.observe(events)
+        core.leases = self.leases
+        core.on_death = self._core_died
+        self.core = core
+        log.info("engine core process %d up (warm-up %.1f s)", core.pid, core.warmup_s)
+        return time.perf_counter() - core.warmup_s
+
+    def _core_died(self, why: str) -> None:
+        """The engine core process is gone: NOT_SERVING (readiness and liveness) at once, and out;
+        the worker exits non-zero for its supervisor to restart it."""
+        self.failure = why
+        asyncio.ensure_future(self.server.fail(why))
 
     async def _load_encoder(self, started: float) -> None:
         from tandem.worker.encoder import EncoderRuntime
@@ -256,7 +282,7 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         if self.core is not None:
-            self.core.close()
+            await self.core.aclose()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()
@@ -391,6 +417,7 @@ class WorkerRuntime:
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
             num_queued_prompt_tokens=snap.num_queued_prompt_tokens,
+            engine_core_pid=getattr(self.core, "pid", os.getpid()),
             num_leases_opened=keeper.num_opened if keeper else 0,
             lora_adapters=[
                 types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)

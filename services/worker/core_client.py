@@ -1,0 +1,315 @@
+"""The IO process's handle on an engine core in a process of its own (worker/core_process.py):
+the interface of engine_core.EngineCore (add_request, register, abort, send, submit/call,
+facts, weights, the stats and KV-event buffers), over two ZeroMQ IPC sockets.
+
+When the core process dies, every request it held fails UNAVAILABLE (the router moves its
+stream to another worker with the tokens so far), every call in flight fails, and on_death
+runs: the worker goes NOT_SERVING and exits non-zero (its supervisor or Kubernetes restarts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tandem.common.errors import unavailable
+from tandem.engine import wire
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine_core import JsonBuffer, LeaseTable
+from tandem.engine.messages import (
+    AddRequest,
+    EngineFailure,
+    FreeBlocks,
+    ReleaseMemory,
+    ResumeMemory,
+    StepOutput,
+    WeightsInfo,
+)
+from tandem.worker.core_process import (
+    Abort,
+    Failed,
+    GuideInfo,
+    KvEvents,
+    LoadWeights,
+    Outputs,
+    Ready,
+    Register,
+    Reply,
+    Start,
+    Stats,
+    Stop,
+    Undelivered,
+    WriteWeights,
+)
+
+log = logging.getLogger("tandem.worker")
+
+# How long the core may take to stop (its engine thread and tensor-parallel ranks) before a kill.
+STOP_TIMEOUT_S = 10.0
+
+
+class RemoteEngineCore:
+    """Built by spawn(); the IO side of one engine core process."""
+
+    def __init__(self, loop, process, context, inbox, outbox, directory, ready: Ready):
+        self.loop = loop
+        self.process = process
+        self._context, self._inbox, self._outbox = context, inbox, outbox
+        self._directory = directory
+        self.pid = ready.pid
+        self.facts = ready.facts
+        self.weights: WeightsInfo = ready.weights
+        self.released_tags: list[str] = ready.released_tags
+        self.warmup_s = ready.warmup_s
+        self.iteration_stats = JsonBuffer(1000)
+        self.kv_events = JsonBuffer(10000)
+        self.on_stats: Callable[[dict], None] | None = None
+        self.on_kv_events: Callable[[list[dict]], None] | None = None
+        self.on_death: Callable[[str], None] | None = None
+        self.leases: LeaseTable | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, tuple[asyncio.Future, Any]] = {}
+        self._tags = itertools.count(1)
+        self._closing = False
+        self._guide_info_sent = False
+        self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+
+    @classmethod
+    async def spawn(
+        cls, config: EngineConfig, hands_off: bool, adapter_capacity: int = 0
+    ) -> RemoteEngineCore:
+        """Starts the core process, hands it the config and waits until it has loaded and warmed
+        up its engine (a failure there is raised here, with the core's own message)."""
+        loop = asyncio.get_running_loop()
+        directory = tempfile.mkdtemp(prefix="tandem-core-")  # 0700: only this user connects
+        inbox_address = f"ipc://{directory}/commands"
+        outbox_address = f"ipc://{directory}/outputs"
+        context = zmq.asyncio.Context()
+        inbox, outbox = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+        inbox.bind(inbox_address)
+        outbox.bind(outbox_address)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tandem.worker.core_process",
+            "--inbox",
+            inbox_address,
+            "--outbox",
+            outbox_address,
+            env=dict(os.environ),
+        )
+        inbox.send(wire.encode(Start(config, hands_off, adapter_capacity)))
+        recv = asyncio.ensure_future(outbox.recv())
+        exited = asyncio.ensure_future(process.wait())
+        await asyncio.wait([recv, exited], return_when=asyncio.FIRST_COMPLETED)
+        if not recv.done():
+            recv.cancel()
+            context.destroy(linger=0)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise RuntimeError(f"the engine core process exited with {process.returncode} at start")
+        exited.cancel()
+        message, _ = wire.decode(recv.result())
+        if isinstance(message, Failed):
+            await process.wait()
+            context.destroy(linger=0)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise RuntimeError(f"the engine core failed to start: {message.error}")
+        core = cls(loop, process, context, inbox, outbox, directory, message)
+        core._reader = asyncio.ensure_future(core._read())
+        core._watcher = asyncio.ensure_future(core._watch())
+        return core
+
+    # -- EngineCore's interface --
+    def start(self) -> None:
+        """The core process runs from spawn() on."""
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    def add_request(self, command: AddRequest, stream: asyncio.Queue) -> None:
+        self.register_local(command.request_id, stream)
+        self._send(command)
+
+    def register_local(self, request_id: str, stream: asyncio.Queue) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running on this worker")
+        self._streams[request_id] = stream
+
+    def register(self, request_id: str, stream: asyncio.Queue) -> None:
+        self.register_local(request_id, stream)
+        self._send(Register(request_id))
+
+    def abort(self, request_id: str) -> bool:
+        known = self._streams.pop(request_id, None) is not None
+        self._send(Abort(request_id))
+        return known
+
+    def send(self, command) -> None:
+        """Safe from any thread, as EngineCore.send (the lease keeper's expiry may run off the loop)."""
+        if self.loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            running = False
+        if running:
+            self._send(command)
+        else:
+            self.loop.call_soon_threadsafe(self._send, command)
+
+    def submit(self, command) -> asyncio.Future:
+        return self._call(command)
+
+    async def call(self, command) -> Any:
+        return await self._call(command)
+
+    async def load_weights(self, path: str, fingerprint: str) -> WeightsInfo:
+        self.weights = await self._call(LoadWeights(path, fingerprint))
+        return self.weights
+
+    async def write_weights(self, kind: str, payload) -> None:
+        await self._call(WriteWeights(kind, payload))
+
+    def send_guide_info(self, tokenizer_info: str) -> None:
+        """The tokenizer's xgrammar TokenizerInfo, once, before the first compiled guide."""
+        if not self._guide_info_sent:
+            self._guide_info_sent = True
+            self._send(GuideInfo(tokenizer_info))
+
+    def stop(self) -> None:
+        self._closing = True
+
+    def close(self) -> None:
+        """Stops the core (Stop, then a kill after STOP_TIMEOUT_S) and lets go of the sockets."""
+        self._closing = True
+        if self.process.returncode is None:
+            try:
+                self._inbox.send(wire.encode(Stop()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        asyncio.ensure_future(self._reap())
+
+    async def aclose(self) -> None:
+        self.close()
+        await self._reap()
+
+    async def _reap(self) -> None:
+        if self.process.returncode is None:
+            try:
+                await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        for task in (self._reader, self._watcher):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if not self._context.closed:
+            self._context.destroy(linger=0)
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    # -- frames --
+    def _send(self, obj, tag: int = 0) -> None:
+        if self.process.returncode is not None:
+            raise unavailable("the engine core process is gone")
+        self._inbox.send(wire.encode(obj, tag), copy=False)
+
+    def _call(self, command) -> asyncio.Future:
+        future = self.loop.create_future()
+        if self.process.returncode is not None:
+            future.set_exception(unavailable("the engine core process is gone"))
+            return future
+        tag = next(self._tags)
+        self._calls[tag] = (future, command)
+        self._send(command, tag)
+        return future
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self._outbox.recv()
+            message, tag = wire.decode(frame)
+            if isinstance(message, Outputs):
+                for request_id, kind, payload in message.items:
+                    self._put(request_id, wire.unpack(kind, payload))
+            elif isinstance(message, Reply):
+                self._reply(tag, message)
+            elif isinstance(message, Stats):
+                self.iteration_stats.push([message.record])
+                if self.on_stats is not None:
+                    self.on_stats(message.record)
+            elif isinstance(message, KvEvents):
+                self.kv_events.push(message.events)
+                if self.on_kv_events is not None:
+                    self.on_kv_events(message.events)
+            elif isinstance(message, Undelivered):
+                self._undelivered(message.request_id, message.block_ids)
+
+    def _put(self, request_id: str, item) -> None:
+        """As EngineCore._put, on the IO side: the lease table opens a handoff's lease here."""
+        stream = self._streams.get(request_id)
+        kept = item.kept_block_ids if isinstance(item, StepOutput) else None
+        if kept is not None and self.leases is not None:
+            item.lease = self.leases.open(request_id, kept)
+        if stream is None:  # aborted meanwhile: nobody takes the handoff, its blocks go back
+            if kept is not None:
+                self._undelivered_lease(item)
+            return
+        if isinstance(item, EngineFailure) or item.finished:
+            self._streams.pop(request_id, None)
+        stream.put_nowait(item)
+
+    def _undelivered_lease(self, item: StepOutput) -> None:
+        if item.lease is not None:
+            self.leases.abandon(item.lease.lease_id)
+        else:
+            self._send(FreeBlocks(item.kept_block_ids))
+
+    def _undelivered(self, request_id: str, block_ids: list[int]) -> None:
+        """The core dropped a handoff's output (its request was aborted there first)."""
+        if self.leases is None:
+            self._send(FreeBlocks(block_ids))
+            return
+        self.leases.abandon(self.leases.open(request_id, block_ids).lease_id)
+
+    def _reply(self, tag: int, reply: Reply) -> None:
+        future, command = self._calls.pop(tag, (None, None))
+        if future is None or future.done():
+            return
+        if not reply.ok:
+            future.set_exception(reply.value)
+            return
+        value = wire.unpack(*reply.value)
+        if isinstance(command, (ReleaseMemory, ResumeMemory)):
+            self.released_tags = value
+        elif isinstance(value, WeightsInfo):
+            self.weights = value
+        future.set_result(value)
+
+    async def _watch(self) -> None:
+        """The core's exit: what it held fails, the worker is told (on_death)."""
+        code = await self.process.wait()
+        if self._closing:
+            return
+        why = f"the engine core process (pid {self.pid}) exited with {code}"
+        log.error("%s: failing its %d request(s)", why, len(self._streams))
+        error = unavailable(f"{why}; the worker is going away")
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put_nowait(EngineFailure(error))
+        calls, self._calls = self._calls, {}
+        for future, _ in calls.values():
+            if not future.done():
+                future.set_exception(error)
+        if self.on_death is not None:
+            self.on_death(why)

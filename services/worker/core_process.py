@@ -1,0 +1,346 @@
+"""A worker's engine core in a process of its own (--engine-process): the scheduler, the model
+runner and the KV pool run here, the worker's IO process (gRPC, sessions, text, admin, leases)
+talks to it over two ZeroMQ IPC sockets in engine/wire.py's frames (vLLM v1's EngineCore
+process). The GPU never waits on the IO process's interpreter: this process's only other
+thread is the loop that moves frames, a small fraction of the IO side's work.
+
+The IO process (worker/core_client.py) binds both sockets in a directory only its user can
+open and starts this process with their addresses; the first frame it sends is Start (the
+engine's config), the first this process sends is Ready (the engine's facts) or Failed. Then
+commands come in order (fire-and-forget, or tagged calls answered by Reply) and outputs go out
+batched per step, with the iteration stats and KV events. This process dies with its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tandem.engine import wire
+from tandem.engine.config import EngineConfig
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.lora_adapter import AdapterStore
+from tandem.engine.messages import AddRequest, EngineFacts, WeightsInfo
+from tandem.worker.weight_openers import WEIGHT_OPENERS
+
+log = logging.getLogger("tandem.engine_core")
+
+
+# -- the process protocol (beside engine/messages.py's commands and outputs) --
+@dataclasses.dataclass(frozen=True)
+class Start:
+    config: EngineConfig
+    hands_off: bool
+    # LoRA adapters the core keeps on the host (lora_adapter.AdapterStore), 0: none.
+    adapter_capacity: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    facts: EngineFacts
+    weights: WeightsInfo
+    released_tags: list[str]
+    pid: int
+    warmup_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Register:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadWeights:
+    path: str
+    fingerprint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteWeights:
+    kind: str
+    payload: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class GuideInfo:
+    """The tokenizer's xgrammar TokenizerInfo (serialized), sent before the first guide."""
+
+    tokenizer_info: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    ok: bool
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """One step's outputs: [request_id, kind, payload] each (StepOutput or EngineFailure)."""
+
+    items: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    record: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class KvEvents:
+    events: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Undelivered:
+    request_id: str
+    block_ids: list[int]
+
+
+wire.register(
+    Start,
+    Ready,
+    Failed,
+    Register,
+    Abort,
+    LoadWeights,
+    WriteWeights,
+    GuideInfo,
+    Stop,
+    Reply,
+    Outputs,
+    Stats,
+    KvEvents,
+    Undelivered,
+)
+
+
+class _Outbox:
+    """Frames to the IO process, sent from the loop; a step's outputs go as one frame."""
+
+    def __init__(self, socket: zmq.asyncio.Socket, loop: asyncio.AbstractEventLoop):
+        self.socket = socket
+        self.loop = loop
+        self._items: list = []
+
+    def send(self, obj, tag: int = 0) -> None:
+        self.socket.send(wire.encode(obj, tag), copy=False)
+
+    def output(self, request_id: str, item) -> None:
+        if not self._items:
+            self.loop.call_soon(self._flush)  # after the rest of this step's outputs
+        self._items.append([request_id, *wire.pack(item)])
+
+    def _flush(self) -> None:
+        items, self._items = self._items, []
+        self.send(Outputs(items))
+
+
+class _Stream:
+    """What EngineCore puts a request's outputs on: the outbox, under the request's id."""
+
+    __slots__ = ("request_id", "outbox")
+
+    def __init__(self, request_id: str, outbox: _Outbox):
+        self.request_id = request_id
+        self.outbox = outbox
+
+    def put_nowait(self, item) -> None:
+        self.outbox.output(self.request_id, item)
+
+
+class CoreServer:
+    """The core's side: frames in, EngineCore's commands; its outputs, frames out."""
+
+    def __init__(self, core: EngineCore, outbox: _Outbox, start: Start):
+        self.core = core
+        self.outbox = outbox
+        self.adapters = (
+            AdapterStore(
+                core.engine.model_config,
+                start.config.max_lora_rank,
+                core.engine.runner.dtype,
+                start.adapter_capacity,
+            )
+            if start.adapter_capacity
+            else None
+        )
+        self._tokenizer_info = None
+
+    async def serve(self, inbox: zmq.asyncio.Socket) -> None:
+        while True:
+            message, tag = wire.decode(await inbox.recv())
+            if isinstance(message, Stop):
+                return
+            try:
+                await self._take(message, tag)
+            except Exception as exc:  # noqa: BLE001 - the IO side gets it as the call's error
+                if tag:
+                    self.outbox.send(Reply(False, exc), tag)
+                else:
+                    log.exception("engine core command %s failed", type(message).__name__)
+
+    async def _take(self, message, tag: int) -> None:
+        core = self.core
+        if isinstance(message, AddRequest):
+            message = await self._resolve(message)
+            if message.remote_kv:  # a call: its reply is the ImportPlan
+                self._answer(core.submit(message), tag)
+            else:
+                core.add_request(message, _Stream(message.request_id, self.outbox))
+        elif isinstance(message, Register):
+            core.register(message.request_id, _Stream(message.request_id, self.outbox))
+        elif isinstance(message, Abort):
+            core.abort(message.request_id)
+        elif isinstance(message, GuideInfo):
+            self._tokenizer_info = _tokenizer_info(message.tokenizer_info)
+        elif isinstance(message, LoadWeights):
+            self._answer(
+                asyncio.ensure_future(core.load_weights(message.path, message.fingerprint)), tag
+            )
+        elif isinstance(message, WriteWeights):
+            self._answer(
+                asyncio.ensure_future(core.write_weights(message.kind, message.payload)), tag
+            )
+        elif tag:
+            self._answer(core.submit(message), tag)
+        else:
+            core.send(message)
+
+    def _answer(self, future: asyncio.Future, tag: int) -> None:
+        def reply(f: asyncio.Future) -> None:
+            if f.cancelled():
+                self.outbox.send(Reply(False, RuntimeError("cancelled")), tag)
+            elif f.exception() is not None:
+                self.outbox.send(Reply(False, f.exception()), tag)
+            else:
+                self.outbox.send(Reply(True, wire.pack(f.result())), tag)
+
+        future.add_done_callback(reply)
+
+    async def _resolve(self, command: AddRequest) -> AddRequest:
+        """The command's adapter and guide as the engine takes them (read and rebuilt here)."""
+        changes = {}
+        ref = command.adapter
+        if isinstance(ref, wire.AdapterRef):
+            if self.adapters is None:
+                raise ValueError("this engine core keeps no LoRA adapters")
+            changes["adapter"] = await asyncio.to_thread(
+                self.adapters.load, ref.name, ref.int_id, ref.path
+            )
+        guide = command.options.guide
+        if isinstance(guide, wire.GuideJson):
+            compiled = _xgrammar().CompiledGrammar.deserialize_json(
+                guide.json, self._tokenizer_info
+            )
+            changes["options"] = dataclasses.replace(command.options, guide=compiled)
+        return dataclasses.replace(command, **changes) if changes else command
+
+
+def _xgrammar():
+    import xgrammar
+
+    return xgrammar
+
+
+def _tokenizer_info(serialized: str):
+    return _xgrammar().TokenizerInfo.deserialize_json(serialized)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the IO process goes (prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _main(inbox_address: str, outbox_address: str) -> None:
+    loop = asyncio.get_running_loop()
+    context = zmq.asyncio.Context()
+    inbox, out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(inbox_address)
+    out.connect(outbox_address)
+    outbox = _Outbox(out, loop)
+    start, _ = wire.decode(await inbox.recv())
+    try:
+        engine = await asyncio.to_thread(LLMEngine, start.config, start.hands_off)
+        warmup_s = await asyncio.to_thread(_warm_up, engine)
+    except Exception as exc:  # noqa: BLE001 - the IO process reports it and exits
+        outbox.send(Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        await asyncio.sleep(0.5)  # let the frame go
+        raise SystemExit(1) from None
+    core = EngineCore(
+        engine,
+        loop,
+        on_stats=lambda record: outbox.send(Stats(record)),
+        on_kv_events=lambda events: outbox.send(KvEvents(events)),
+        weight_openers=WEIGHT_OPENERS,
+        on_undelivered=lambda request_id, block_ids: outbox.send(
+            Undelivered(request_id, block_ids)
+        ),
+    )
+    server = CoreServer(core, outbox, start)
+    core.start()
+    outbox.send(Ready(core.facts, core.weights, core.released_tags, os.getpid(), warmup_s))
+    try:
+        await server.serve(inbox)
+    finally:
+        core.close()
+        context.destroy(linger=1000)
+
+
+def _warm_up(engine: LLMEngine) -> float:
+    import time
+
+    started = time.perf_counter()
+    seconds = engine.warm_up()
+    if seconds:
+        log.info("attention kernel variants compiled in %.1f s", seconds)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a tandem worker's engine core (internal)")
+    parser.add_argument("--inbox", required=True)
+    parser.add_argument("--outbox", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s"
+    )
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the IO process stops it (Stop, then a kill)
+    asyncio.run(_main(args.inbox, args.outbox))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
