@@ -147,18 +147,50 @@ def test_weights_and_memory_are_managed_through_the_core(cluster, model_dirs, tm
         assert llm.generate("weights", params, use_tqdm=False).outputs[0].token_ids == old
 
 
-def test_a_prefill_or_decode_worker_refuses_the_flag_at_start(model_dirs):
-    from tandem.common.roles import Role
-    from tandem.engine.config import EngineConfig
-    from tandem.worker.config import WorkerConfig
+def test_a_split_cluster_of_engine_processes_hands_off_over_nixl(model_dirs, oracle):
+    """Prefill and decode each with their core (and its NIXL agent) in a process of their own:
+    the decode pulls the prefill's KV (no recompute), the leases end confirmed, a released and
+    resumed pool comes back under a new agent and pulls again."""
+    ref = oracle(model_dirs["llama"])
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--engine-process"],
+        env={"TANDEM_ADMIN_TOKEN": TOKEN},
+    ) as cluster:
+        prefill, decode = cluster.workers
+        prompts = [ref.tokenizer.encode(f"split over processes {i} " * (3 + i)) for i in range(3)]
+        params = SamplingParams(max_tokens=16, ignore_eos=True, return_perf_metrics=True)
 
-    with pytest.raises(ValueError, match="aggregated workers"):
-        WorkerConfig(
-            role=Role.DECODE,
-            engine=EngineConfig(str(model_dirs["llama"])),
-            cluster_token="a-cluster-token-of-enough-length",
-            engine_process=True,
-        )
+        def generate():
+            with LLM(cluster.address, auth_token=TOKEN) as llm:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            for prompt, out in zip(prompts, outs):
+                seq = out.outputs[0]
+                assert seq.token_ids == ref.greedy(prompt, 16)
+                assert seq.request_perf_metrics.kv_handoff.outcome == "pulled"
+
+        generate()
+        state = worker_state(decode.address)
+        assert state.kv_bytes_received > 0 and state.engine_core_pid != decode.process.pid
+        before = worker_state(prefill.address)
+        assert before.engine_core_pid != prefill.process.pid
+
+        async def admin(call):
+            llm = AsyncLLM(decode.address, **cluster.worker_client_kwargs(), auth_token=TOKEN)
+            try:
+                return await call(llm)
+            finally:
+                llm.close()
+
+        asyncio.run(admin(lambda a: a.release(["kv_cache"])))
+        asyncio.run(admin(lambda a: a.resume(["kv_cache"])))
+        generate()
+        deadline = time.monotonic() + 10
+        while worker_state(prefill.address).num_leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = worker_state(prefill.address)
+        assert after.num_leases == 0 and after.num_free_blocks == after.num_total_blocks
+        assert after.lease_endings["pulled"] >= 6
 
 
 def test_a_dead_core_takes_its_worker_out_and_its_streams_move(model_dirs, oracle):

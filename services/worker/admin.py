@@ -105,7 +105,7 @@ async def release(rt: WorkerRuntime, tags) -> str:
         await rt.core.call(ReleaseMemory(tags))
     except BaseException:
         if stopped:  # a request slipped in: put things back as they were
-            await asyncio.to_thread(rt.start_transceiver)
+            await rt.open_transceiver()
         raise
     await asyncio.to_thread(return_freed_memory)
     return f"{rt.worker_id}: released {tags}{_noops(noops)}"
@@ -117,7 +117,7 @@ async def resume(rt: WorkerRuntime, tags) -> str:
         return f"{rt.worker_id}: resumed nothing{_noops(noops)}"
     await rt.core.call(ResumeMemory(tags))
     if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
-        await asyncio.to_thread(rt.start_transceiver)
+        await rt.open_transceiver()
     await asyncio.to_thread(return_freed_memory)  # what loading the weights used on the way
     return f"{rt.worker_id}: resumed {tags}{_noops(noops)}"
 

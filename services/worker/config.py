@@ -41,12 +41,6 @@ class WorkerConfig(ServerConfig):
                 f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, got "
                 f"{self.kv_load_failure_policy!r}"
             )
-        if self.engine_process and self.role.has_transceiver:
-            raise ValueError(
-                f"--engine-process runs aggregated workers (role both) for now: a {self.role.label} "
-                "worker's NIXL agent must live beside the KV pool, in the engine core process, "
-                "which is not built yet; serve it without --engine-process"
-            )
         # The cluster token keys the HMAC of KV handoffs: a prefill or decode worker needs one.
         if self.role.has_transceiver and not self.cluster_token:
             raise ValueError(

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,25 +36,38 @@ from tandem.engine.messages import (
     StepOutput,
     WeightsInfo,
 )
+from tandem.kvtransfer.poller import PendingRead, ReadDone
+from tandem.kvtransfer.state import TransceiverState
 from tandem.worker.core_process import (
+    AbandonRead,
     Abort,
+    AddPeer,
     Failed,
     GuideInfo,
     KvEvents,
     LoadWeights,
+    Notification,
     Outputs,
+    PostRead,
+    ReadFinished,
+    ReadSettled,
     Ready,
     Register,
     Reply,
     Start,
+    StartTransceiver,
     Stats,
     Stop,
+    StopTransceiver,
+    TransceiverInfo,
     Undelivered,
     WriteWeights,
 )
 
 log = logging.getLogger("tandem.worker")
 
+# How often the lease table's expiry runs (the in-process poller ticks every 0.5-20 ms).
+_EXPIRY_TICK_S = 0.01
 # How long the core may take to stop (its engine thread and tensor-parallel ranks) before a kill.
 STOP_TIMEOUT_S = 10.0
 
@@ -84,6 +98,11 @@ class RemoteEngineCore:
         self._guide_info_sent = False
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._reads: dict[int, PendingRead] = {}
+        self._read_ids = itertools.count(1)
+        self._expiry: asyncio.Task | None = None
+        # The lease table's NIXL notifications (on the loop here; on the poller thread in-process).
+        self.on_notification: Callable[[str, bytes], None] | None = None
 
     @classmethod
     async def spawn(
@@ -182,6 +201,19 @@ class RemoteEngineCore:
     async def write_weights(self, kind: str, payload) -> None:
         await self._call(WriteWeights(kind, payload))
 
+    async def start_transceiver(self, agent_name: str, progress_thread: bool) -> RemotePoller:
+        """The NIXL agent over the core's KV pool, in the core; the poller that reaches it."""
+        info: TransceiverInfo = await self._call(StartTransceiver(agent_name, progress_thread))
+        if self.leases is not None and self._expiry is None:
+            self._expiry = asyncio.ensure_future(self._expire_leases())
+        return RemotePoller(self, RemoteTransceiver(info))
+
+    async def _expire_leases(self) -> None:
+        """The lease table's clock (the poller thread's tick, in-process)."""
+        while True:
+            self.leases.expire(time.time())
+            await asyncio.sleep(_EXPIRY_TICK_S)
+
     def send_guide_info(self, tokenizer_info: str) -> None:
         """The tokenizer's xgrammar TokenizerInfo, once, before the first compiled guide."""
         if not self._guide_info_sent:
@@ -212,7 +244,7 @@ class RemoteEngineCore:
             except asyncio.TimeoutError:
                 self.process.kill()
                 await self.process.wait()
-        for task in (self._reader, self._watcher):
+        for task in (self._reader, self._watcher, self._expiry):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         if not self._context.closed:
@@ -254,6 +286,15 @@ class RemoteEngineCore:
                     self.on_kv_events(message.events)
             elif isinstance(message, Undelivered):
                 self._undelivered(message.request_id, message.block_ids)
+            elif isinstance(message, ReadFinished):
+                self._read_finished(message)
+            elif isinstance(message, ReadSettled):
+                pending = self._reads.pop(message.read_id, None)
+                if pending is not None and not pending.settled.done():
+                    pending.settled.set_result(True)
+            elif isinstance(message, Notification):
+                if self.on_notification is not None:
+                    self.on_notification(message.peer, message.message)
 
     def _put(self, request_id: str, item) -> None:
         """As EngineCore._put, on the IO side: the lease table opens a handoff's lease here."""
@@ -268,6 +309,15 @@ class RemoteEngineCore:
         if isinstance(item, EngineFailure) or item.finished:
             self._streams.pop(request_id, None)
         stream.put_nowait(item)
+
+    def _read_finished(self, message: ReadFinished) -> None:
+        pending = self._reads.get(message.read_id)
+        if pending is None or pending.done.done():
+            return
+        if message.error is not None:
+            pending.done.set_exception(message.error)
+        else:
+            pending.done.set_result(ReadDone(message.nbytes, message.seconds))
 
     def _undelivered_lease(self, item: StepOutput) -> None:
         if item.lease is not None:
@@ -307,9 +357,89 @@ class RemoteEngineCore:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put_nowait(EngineFailure(error))
+        reads, self._reads = self._reads, {}
+        for pending in reads.values():
+            if not pending.done.done():
+                pending.done.set_exception(error)
+            if not pending.settled.done():
+                pending.settled.set_result(True)
         calls, self._calls = self._calls, {}
         for future, _ in calls.values():
             if not future.done():
                 future.set_exception(error)
         if self.on_death is not None:
             self.on_death(why)
+
+
+class RemoteTransceiver:
+    """What the IO side reads of the core's transceiver (fixed while it runs)."""
+
+    def __init__(self, info: TransceiverInfo):
+        self._state = info.state
+        self.local_state = TransceiverState.from_bytes(info.state)
+        self.agent_name = self.local_state.agent_name
+        self.block_nbytes = info.block_nbytes
+
+    def get_state(self) -> bytes:
+        return self._state
+
+    def close(self) -> None:
+        """The core closes it (StopTransceiver)."""
+
+
+class RemotePoller:
+    """kvtransfer.poller.TransferPoller's interface, for a transceiver in the core process."""
+
+    def __init__(self, core: RemoteEngineCore, transceiver: RemoteTransceiver):
+        self.core = core
+        self.transceiver = transceiver
+        self.loop = core.loop
+
+    def start(self) -> None:
+        """The core started its poller with the transceiver."""
+
+    def stop(self) -> None:
+        """The core aborts the READs in flight and closes the agent (in order with what follows)."""
+        if self.core.process.returncode is None:
+            self.core._send(StopTransceiver())
+
+    def add_peer(self, state: bytes) -> asyncio.Future:
+        return self.core._call(AddPeer(state))
+
+    def read(
+        self,
+        peer_name: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        notify: bytes,
+        timeout_s: float,
+    ) -> PendingRead:
+        read_id = next(self.core._read_ids)
+        pending = PendingRead(
+            self.loop.create_future(),
+            self.loop.create_future(),
+            time.monotonic() + timeout_s,
+            read_id=read_id,
+        )
+        self.core._reads[read_id] = pending
+        self.core._send(
+            PostRead(
+                read_id,
+                peer_name,
+                list(remote_block_ids),
+                list(local_block_ids),
+                notify,
+                timeout_s,
+            )
+        )
+        return pending
+
+    async def settle(self, pending: PendingRead, timeout_s: float = 2.0) -> None:
+        """As TransferPoller.settle: waits until the READ holds nothing of our blocks, aborting it
+        (in the core) after timeout_s."""
+        try:
+            await asyncio.wait_for(asyncio.shield(pending.settled), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("a KV READ did not settle in %.1f s; aborting it", timeout_s)
+            self.core._send(AbandonRead(pending.read_id))
+            await asyncio.shield(pending.settled)

@@ -30,9 +30,12 @@ import zmq.asyncio
 from tandem.engine import wire
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora_adapter import AdapterStore
 from tandem.engine.messages import AddRequest, EngineFacts, WeightsInfo
+from tandem.kvtransfer import KvTransceiver, TransferPoller
+from tandem.kvtransfer.state import TransceiverState
 from tandem.worker.weight_openers import WEIGHT_OPENERS
 
 log = logging.getLogger("tandem.engine_core")
@@ -95,6 +98,69 @@ class Stop:
     pass
 
 
+# -- the KV transceiver, which lives beside the pool (here) --
+@dataclasses.dataclass(frozen=True)
+class StartTransceiver:
+    """A NIXL agent over the KV pool and the thread that polls it. Reply: TransceiverInfo."""
+
+    agent_name: str
+    progress_thread: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TransceiverInfo:
+    state: bytes  # GetDataTransceiverState's bytes
+    block_nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StopTransceiver:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class AddPeer:
+    """Reply: the peer's TransceiverState."""
+
+    state: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PostRead:
+    read_id: int
+    peer_name: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    notify: bytes
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AbandonRead:
+    read_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadFinished:
+    """A READ's end: done (nbytes, seconds) or its error."""
+
+    read_id: int
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSettled:
+    read_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Notification:
+    peer: str
+    message: bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class Reply:
     ok: bool
@@ -139,6 +205,16 @@ wire.register(
     Stats,
     KvEvents,
     Undelivered,
+    StartTransceiver,
+    TransceiverInfo,
+    StopTransceiver,
+    AddPeer,
+    TransceiverState,
+    PostRead,
+    AbandonRead,
+    ReadFinished,
+    ReadSettled,
+    Notification,
 )
 
 
@@ -193,6 +269,9 @@ class CoreServer:
             else None
         )
         self._tokenizer_info = None
+        self.transceiver: KvTransceiver | None = None
+        self.poller: TransferPoller | None = None
+        self._reads: dict[int, object] = {}
 
     async def serve(self, inbox: zmq.asyncio.Socket) -> None:
         while True:
@@ -219,6 +298,18 @@ class CoreServer:
             core.register(message.request_id, _Stream(message.request_id, self.outbox))
         elif isinstance(message, Abort):
             core.abort(message.request_id)
+        elif isinstance(message, StartTransceiver):
+            self._answer(asyncio.ensure_future(self._start_transceiver(message)), tag)
+        elif isinstance(message, StopTransceiver):
+            self._stop_transceiver()
+        elif isinstance(message, AddPeer):
+            self._answer(self.poller.add_peer(message.state), tag)
+        elif isinstance(message, PostRead):
+            self._post_read(message)
+        elif isinstance(message, AbandonRead):
+            pending = self._reads.get(message.read_id)
+            if pending is not None:
+                pending.abandon = True
         elif isinstance(message, GuideInfo):
             self._tokenizer_info = _tokenizer_info(message.tokenizer_info)
         elif isinstance(message, LoadWeights):
@@ -233,6 +324,61 @@ class CoreServer:
             self._answer(core.submit(message), tag)
         else:
             core.send(message)
+
+    async def _start_transceiver(self, message: StartTransceiver) -> TransceiverInfo:
+        engine = self.core.engine
+        self.transceiver = await asyncio.to_thread(
+            KvTransceiver,
+            message.agent_name,
+            engine.runner.kv_pools,
+            layout_hash(self.core.facts.kv_layout),
+            progress_thread=message.progress_thread,
+        )
+        loop, outbox = self.core.loop, self.outbox
+
+        def notified(peer: str, notification: bytes) -> None:  # on the poller thread
+            loop.call_soon_threadsafe(outbox.send, Notification(peer, notification))
+
+        # Peers may be reading our blocks while handed-off KV is out (the IO side's leases).
+        self.poller = TransferPoller(
+            self.transceiver, loop, notified, lambda now: engine.num_handed_off > 0
+        )
+        self.poller.start()
+        return TransceiverInfo(self.transceiver.get_state(), self.transceiver.block_nbytes)
+
+    def _stop_transceiver(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        if self.transceiver is not None:
+            self.transceiver.close()
+        self.transceiver = self.poller = None
+
+    def _post_read(self, message: PostRead) -> None:
+        read_id, outbox = message.read_id, self.outbox
+        if self.poller is None:
+            outbox.send(ReadFinished(read_id, error=RuntimeError("no KV transceiver is running")))
+            outbox.send(ReadSettled(read_id))
+            return
+        pending = self._reads[read_id] = self.poller.read(
+            message.peer_name,
+            message.remote_block_ids,
+            message.local_block_ids,
+            message.notify,
+            message.timeout_s,
+        )
+
+        def done(f: asyncio.Future) -> None:
+            if f.exception() is not None:
+                outbox.send(ReadFinished(read_id, error=f.exception()))
+            else:
+                outbox.send(ReadFinished(read_id, f.result().nbytes, f.result().seconds))
+
+        def settled(_: asyncio.Future) -> None:
+            self._reads.pop(read_id, None)
+            outbox.send(ReadSettled(read_id))
+
+        pending.done.add_done_callback(done)
+        pending.settled.add_done_callback(settled)
 
     def _answer(self, future: asyncio.Future, tag: int) -> None:
         def reply(f: asyncio.Future) -> None:
@@ -314,6 +460,7 @@ async def _main(inbox_address: str, outbox_address: str) -> None:
     try:
         await server.serve(inbox)
     finally:
+        server._stop_transceiver()
         core.close()
         context.destroy(linger=1000)
 

@@ -150,7 +150,7 @@ class WorkerRuntime:
             HandoffFormat(facts.kv_layout, self.signing_key) if self.signing_key else None
         )
         if self.role.has_transceiver:
-            await asyncio.to_thread(self.start_transceiver)
+            await self.open_transceiver()
         self.core.start()
         self.startup_metrics = {
             "model_load_s": loaded - started,
@@ -216,16 +216,28 @@ class WorkerRuntime:
     def kv_layout_hash(self) -> str:
         return layout_hash(self.core.facts.kv_layout) if self.core is not None else ""
 
-    def start_transceiver(self) -> None:
+    async def open_transceiver(self) -> None:
         """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
         A new agent name each time, so peers that cached the old one (before a release of the
-        pool) fetch the new state."""
+        pool) fetch the new state. The agent lives beside the pool: in this process with the
+        engine thread, in the engine core process with --engine-process."""
         self._transceiver_generation += 1
         agent_name = (
             f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
         )
-        # The one place the IO side holds engine memory: the agent registers the KV pool (with the
-        # engine core in a process of its own, the agent moves there, beside the pool).
+        keeper = self.leases
+        if self.config.engine_process:
+            self.core.on_notification = keeper.on_notification if keeper else None
+            self.poller = await self.core.start_transceiver(
+                agent_name, self.config.nixl_progress_thread
+            )
+            self.transceiver = self.poller.transceiver
+        else:
+            await asyncio.to_thread(self._start_local_transceiver, agent_name)
+        self._start_phases(agent_name)
+
+    def _start_local_transceiver(self, agent_name: str) -> None:
+        # The one place the IO side holds engine memory: the agent registers the KV pool.
         self.transceiver = KvTransceiver(
             agent_name,
             self.core.engine.runner.kv_pools,
@@ -240,6 +252,9 @@ class WorkerRuntime:
             on_tick=keeper.expire if keeper else None,
         )
         self.poller.start()
+
+    def _start_phases(self, agent_name: str) -> None:
+        keeper = self.leases
         if self.role is Role.PREFILL:
             self.phases.context = ContextPhase(
                 keeper,
