@@ -9,8 +9,10 @@ In-process: an LLMEngine alone runs the batch (every sequence decoding) and the 
 is taken over --steps steps. Served: a router and one aggregated worker; the client streams
 --streams requests at once (ignore_eos, long enough to outlast the window) and, once all decode,
 the worker's step count over --window seconds gives the served step period (GetWorkerState's
-num_steps: every step the engine ran, whatever its cost). The ratio served / in-process is what
-the serving path adds to a step: the engine thread waiting on the gRPC side's interpreter.
+num_steps: every step the engine ran, whatever its cost); beside it in brackets, the steps' own
+time as the worker's iteration stats report it (iterLatencyMS). The ratio served / in-process is
+what the serving path adds to a step: the engine thread waiting on the gRPC side's interpreter.
+Run it on an otherwise idle machine: the in-process and served runs take turns.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tandem.client import AsyncLLM, SamplingParams
+from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.engine.checkpoints import tiny_model_dir
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -85,8 +87,9 @@ def _state(address: str) -> worker_pb2.WorkerState:
         )
 
 
-def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, float]:
-    """(step period ms, generated tokens/s) while `streams` requests stream through the router."""
+def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, float, float]:
+    """(step period ms, generated tokens/s, the steps' own mean time ms: iterLatencyMS) while
+    `streams` requests stream through the router."""
     worker_args = {"both-1": ["--engine-process"]} if engine_process else {}
     with LocalCluster(
         roles=["both"], engine_args=_engine_args(args, streams), worker_args=worker_args
@@ -106,11 +109,13 @@ def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, flo
             try:
                 while (await asyncio.to_thread(_state, worker)).num_generated_tokens < 5 * streams:
                     await asyncio.sleep(0.05)
+                await asyncio.to_thread(stats.get_stats, 0.1)  # what came before the window
                 first = await asyncio.to_thread(_state, worker)
                 started = time.perf_counter()
                 await asyncio.sleep(args.window)
                 last = await asyncio.to_thread(_state, worker)
                 seconds = time.perf_counter() - started
+                records = await asyncio.to_thread(stats.get_stats, 0.1)
             finally:
                 for task in tasks:
                     task.cancel()
@@ -118,9 +123,11 @@ def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, flo
                 llm.close()
             steps = last.num_steps - first.num_steps
             tokens = last.num_generated_tokens - first.num_generated_tokens
-            return seconds / max(1, steps) * 1e3, tokens / seconds
+            compute = statistics.mean(r["iterLatencyMS"] for r in records) if records else 0.0
+            return seconds / max(1, steps) * 1e3, tokens / seconds, compute
 
-        return asyncio.run(run())
+        with LLM(worker, **cluster.worker_client_kwargs()) as stats:
+            return asyncio.run(run())
 
 
 def main() -> None:
@@ -141,8 +148,8 @@ def main() -> None:
         f"{args.repeats}; served: router + one aggregated worker, streaming clients"
     )
     print(
-        "| streams | in-process step ms | served step ms, engine thread | ratio | tok/s "
-        "| served step ms, engine process | ratio | tok/s |"
+        "| streams | in-process step ms | engine thread: served step ms (its own ms) | ratio "
+        "| tok/s | engine process: served step ms (its own ms) | ratio | tok/s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for streams in (int(s) for s in args.streams.split(",")):
@@ -150,15 +157,12 @@ def main() -> None:
         rows = {}
         for mode in (False, True):
             runs = [served_step_ms(args, streams, mode) for _ in range(args.repeats)]
-            rows[mode] = (
-                statistics.median(r[0] for r in runs),
-                statistics.median(r[1] for r in runs),
-            )
-        thread, process = rows[False], rows[True]
-        print(
-            f"| {streams} | {alone:.2f} | {thread[0]:.2f} | {thread[0] / alone:.2f}x | "
-            f"{thread[1]:,.0f} | {process[0]:.2f} | {process[0] / alone:.2f}x | {process[1]:,.0f} |"
-        )
+            rows[mode] = [statistics.median(r[i] for r in runs) for i in range(3)]
+        cells = [
+            f"{period:.2f} ({own:.2f}) | {period / alone:.2f}x | {rate:,.0f}"
+            for period, rate, own in (rows[False], rows[True])
+        ]
+        print(f"| {streams} | {alone:.2f} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
