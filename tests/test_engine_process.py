@@ -154,7 +154,13 @@ def test_a_split_cluster_of_engine_processes_hands_off_over_nixl(model_dirs, ora
     ref = oracle(model_dirs["llama"])
     with LocalCluster(
         roles=["prefill", "decode"],
-        engine_args=["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--engine-process"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "128",
+            "--engine-process",
+        ],
         env={"TANDEM_ADMIN_TOKEN": TOKEN},
     ) as cluster:
         prefill, decode = cluster.workers

@@ -107,9 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--engine-process",
             action="store_true",
-            help="run the engine core (scheduler, model runner, KV pool) in a process of its own "
-            "beside this worker's gRPC process, so serving never waits on the gRPC side's "
-            "interpreter (aggregated workers, role both, for now)",
+            help="run the engine core (scheduler, model runner, KV pool and, on a prefill or "
+            "decode worker, its NIXL agent) in a process of its own beside this worker's gRPC "
+            "process, so serving never waits on the gRPC side's interpreter",
         )
         p.add_argument(
             "--kv-room-wait-seconds",
