@@ -114,6 +114,34 @@ def test_guided_decoding_crosses_as_a_serialized_grammar(cluster):
     assert text.split(" ")[0] in ("yes", "no") and len(text.split(" ")[1]) == 3
 
 
+def test_lora_adapters_are_read_by_the_core(cluster, model_dirs, tmp_path):
+    """The IO side names the adapter; the core reads it itself and gives peft's tokens. An
+    adapter the workers cannot read fails its request with a message, nothing hangs."""
+    from lora_adapters import PeftOracle, write_adapter
+
+    from tandem.client import LoRARequest
+
+    model_dir = model_dirs["llama"]
+    adapter = LoRARequest(
+        "core-adapter", 7, str(write_adapter(model_dir, tmp_path / "a7", seed=7, rank=4, std=0.2))
+    )
+    prompt = [1, 57, 12, 230, 9, 41, 77, 3, 150, 18, 66]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with LLM(_process_worker(cluster).address, **cluster.worker_client_kwargs()) as llm:
+        out = llm.generate(prompt, params, lora_request=adapter, use_tqdm=False)
+        assert out.outputs[0].token_ids == PeftOracle(model_dir).greedy(
+            prompt, 12, adapter.lora_path
+        )
+        with pytest.raises(RequestError) as err:
+            llm.generate(
+                prompt,
+                params,
+                lora_request=LoRARequest("nowhere", 8, str(tmp_path / "missing")),
+                use_tqdm=False,
+            )
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_weights_and_memory_are_managed_through_the_core(cluster, model_dirs, tmp_path):
     from tandem.engine.checkpoints import write_tiny_checkpoint
 
@@ -133,6 +161,7 @@ def test_weights_and_memory_are_managed_through_the_core(cluster, model_dirs, tm
         old = llm.generate("weights", params, use_tqdm=False).outputs[0].token_ids
         asyncio.run(admin(lambda a: a.pause_generation()))
         asyncio.run(admin(lambda a: a.update_weights(str(other))))
+        asyncio.run(admin(lambda a: a.update_weights(None)))  # finalize: crosses as CopyWeights
         asyncio.run(admin(lambda a: a.resume_generation()))
         new = llm.generate("weights", params, use_tqdm=False).outputs[0].token_ids
         assert new != old
@@ -258,13 +287,14 @@ def _not_serving_after(address: str) -> float:
 
 
 def test_frames_carry_outputs_errors_and_tensors_unchanged():
-    from tandem.common.exceptions import PreconditionError
+    from tandem.common.errors import unavailable
+    from tandem.common.exceptions import PreconditionError, RetryLaterError
     from tandem.engine import wire
     from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
     from tandem.engine.perf_metrics import SequencePerf
     from tandem.engine.sampling_options import SamplingOptions
     from tandem.engine.sequence import FinishReason, Phase
-    from tandem.worker.core_process import Outputs, Reply
+    from tandem.worker.core_protocol import Outputs, Reply
 
     command = AddRequest(
         "r1",
@@ -306,7 +336,19 @@ def test_frames_carry_outputs_errors_and_tensors_unchanged():
     assert type(failure.error) is ValueError and str(failure.error) == "bad"
     reply, _ = wire.decode(wire.encode(Reply(False, PreconditionError("paused"))))
     assert type(reply.value) is PreconditionError
-    # Only tandem's and built-in exception classes are rebuilt; anything else is named.
-    assert type(wire.rebuild_error("os", "system", "x")) is RuntimeError
+    # Errors keep their class, message and attributes: the retry hint, the gRPC status.
+    retry, _ = wire.decode(wire.encode(Reply(False, RetryLaterError("pool full", 2.5))))
+    assert type(retry.value) is RetryLaterError and retry.value.retry_after_s == 2.5
+    assert str(retry.value) == str(RetryLaterError("pool full", 2.5))
+    status, _ = wire.decode(wire.encode(Reply(False, unavailable("core gone"))))
+    assert status.value.code == grpc.StatusCode.UNAVAILABLE and status.value.message == "core gone"
+    # A scalar tensor crosses too.
+    scalar = wire.unpack(
+        *wire.pack(StepOutput("r", [], [], 0.0, False, context_logits=logits[0, 0]))
+    )
+    assert torch.equal(scalar.context_logits, logits[0, 0])
+    # Only registered classes are rebuilt (nothing a frame names is imported); others are named.
+    assert type(wire.rebuild_error("os.system", "x", {})) is RuntimeError
+    assert "os.system: x" in str(wire.rebuild_error("os.system", "x", {}))
     with pytest.raises(TypeError, match="does not cross"):
         wire.encode(StepOutput("r", [], [], 0.0, False, context_logits=object()))

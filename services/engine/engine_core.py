@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.memory import collect_ipc, return_freed_memory
 from tandem.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -238,6 +239,13 @@ class EngineCore:
 
     async def aclose(self) -> None:
         self.close()
+
+    async def trim_memory(self, ipc: bool = False) -> None:
+        """Hands what the engine freed back to the OS (and, ipc, lets go of the handles a weight
+        update opened)."""
+        await asyncio.to_thread(return_freed_memory)
+        if ipc:
+            await asyncio.to_thread(collect_ipc)
 
     def send_guide_info(self, tokenizer_info: str) -> None:
         """Compiled guides reach this engine as they are: nothing to send."""

@@ -14,6 +14,7 @@ from tandem.engine.admission import EngineLimits
 from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.device import device_uuid
 from tandem.engine.draft_model import DraftModelProposer
 from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.lora_adapter import LoRAAdapter
@@ -374,6 +375,7 @@ class LLMEngine:
             dtype,
             dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
             str(runner.device),
+            device_uuid(runner.device),
             runner.kv_layout,
         )
 

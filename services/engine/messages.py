@@ -136,6 +136,8 @@ class EngineFacts:
     dtype: str  # of the weights, a torch dtype's name ("bfloat16")
     cache_dtype: str  # of the KV pool's elements
     device: str
+    # The device's key in update_weights' IPC handles (device.device_uuid).
+    device_uuid: str
     kv_layout: dict  # kv_layout.kv_layout(): what a handoff's KV must match
 
 
@@ -272,6 +274,7 @@ def coalesce(earlier: list[StepOutput], later: list[StepOutput]) -> list[StepOut
             "finished",
             "finish_reason",
             "stop_token_id",
+            "kept_block_ids",
             "lease",
             "beams",
             "perf",

@@ -6,20 +6,30 @@ LoRA adapter (by name, id and path: the core reads it itself) and a compiled gui
 JSON) travel as MessagePack extensions.
 
 Both ends are processes of one worker, connected over IPC sockets in a directory only their
-user can open; an exception crosses as its class's name and message, and is rebuilt only as a
-tandem or built-in exception class."""
+user can open; an exception crosses as its class's name, message and plain attributes, and is
+rebuilt only as a class registered here (register_error), never by importing what a frame
+names."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import torch
 
+from tandem.common.exceptions import (
+    IncompatibleHandoffError,
+    PreconditionError,
+    ResourceExhaustedError,
+    RetryLaterError,
+)
 from tandem.engine import messages
+from tandem.engine.admission import PromptNeverFitsError, PromptTooLongError
 from tandem.engine.beam_search import BeamResult
+from tandem.engine.block_manager import NoFreeBlocksError
+from tandem.engine.lora_adapter import AdapterNotFoundError, LoRAAdapter
 
 _TENSOR, _ERROR, _ADAPTER, _GUIDE = 1, 2, 3, 4
 
@@ -40,21 +50,61 @@ class GuideJson:
     json: str
 
 
+# Exceptions that cross as their own class, by "module.qualname": how each is made again from
+# (message, attributes). Anything else arrives as a RuntimeError that names it.
+_ERRORS: dict[str, Callable[[str, dict], BaseException]] = {}
+
+
+def register_error(cls: type[BaseException], make: Callable | None = None) -> None:
+    """An exception class rebuilt as itself; make(message, attributes) where its constructor
+    takes more than a message (default: the message, then its plain attributes set back)."""
+
+    def rebuild(message: str, attrs: dict) -> BaseException:
+        error = cls.__new__(cls)
+        BaseException.__init__(error, message)
+        for name, value in attrs.items():
+            setattr(error, name, value)
+        return error
+
+    _ERRORS[f"{cls.__module__}.{cls.__qualname__}"] = make or rebuild
+
+
+def _error_attrs(error: BaseException) -> dict:
+    """What an exception carries beside its message: plain attributes (retry_after_s), and a
+    gRPC status code by its name."""
+    attrs = {
+        k: v
+        for k, v in vars(error).items()
+        if isinstance(v, (bool, int, float, str)) and not k.startswith("_")
+    }
+    code = getattr(error, "code", None)
+    if code is not None and hasattr(code, "name"):
+        attrs["code"] = code.name
+    return attrs
+
+
+def rebuild_error(name: str, message: str, attrs: dict) -> BaseException:
+    """The exception a peer raised: its own class when registered, else a RuntimeError naming it."""
+    make = _ERRORS.get(name)
+    if make is None:
+        return RuntimeError(f"{name}: {message}")
+    try:
+        return make(message, attrs)
+    except Exception:  # noqa: BLE001 - a frame must decode whatever the attributes say
+        return RuntimeError(f"{name}: {message}")
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach().contiguous().cpu()
         header = msgspec.msgpack.encode([str(tensor.dtype).removeprefix("torch."), tensor.shape])
-        data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        flat = tensor.reshape(-1)
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return msgspec.msgpack.Ext(_TENSOR, len(header).to_bytes(4, "little") + header + data)
     if isinstance(obj, BaseException):
         cls = type(obj)
-        return msgspec.msgpack.Ext(
-            _ERROR, msgspec.msgpack.encode([cls.__module__, cls.__qualname__, str(obj)])
-        )
-    if hasattr(obj, "fingerprint") and hasattr(obj, "int_id") and hasattr(obj, "weights"):
-        return msgspec.msgpack.Ext(
-            _ADAPTER, msgspec.msgpack.encode([obj.name, obj.int_id, obj.path])
-        )
+        frame = [f"{cls.__module__}.{cls.__qualname__}", str(obj), _error_attrs(obj)]
+        return msgspec.msgpack.Ext(_ERROR, msgspec.msgpack.encode(frame))
     if hasattr(obj, "serialize_json"):  # xgrammar.CompiledGrammar
         return msgspec.msgpack.Ext(_GUIDE, obj.serialize_json().encode())
     raise TypeError(f"{type(obj).__name__} does not cross to the engine core")
@@ -78,19 +128,26 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     raise ValueError(f"unknown MessagePack extension {code}")
 
 
-def rebuild_error(module: str, qualname: str, message: str) -> BaseException:
-    """The exception a peer raised: its own class when that is a tandem or built-in exception,
-    else a RuntimeError that names it."""
-    if module == "builtins" or module.startswith("tandem."):
-        try:
-            cls = importlib.import_module(module)
-            for part in qualname.split("."):
-                cls = getattr(cls, part)
-            if isinstance(cls, type) and issubclass(cls, Exception):
-                return cls(message)
-        except (ImportError, AttributeError, TypeError):
-            pass
-    return RuntimeError(f"{module}.{qualname}: {message}")
+for _cls in (
+    ValueError,
+    TypeError,
+    RuntimeError,
+    NotImplementedError,
+    KeyError,
+    LookupError,
+    IndexError,
+    TimeoutError,
+    MemoryError,
+    ResourceExhaustedError,
+    RetryLaterError,
+    PreconditionError,
+    IncompatibleHandoffError,
+    PromptTooLongError,
+    PromptNeverFitsError,
+    NoFreeBlocksError,
+    AdapterNotFoundError,
+):
+    register_error(_cls)
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -114,6 +171,7 @@ register(
     messages.ReleaseMemory,
     messages.ResumeMemory,
     messages.ReadCounters,
+    messages.CopyWeights,
     messages.WeightsChecksum,
     messages.StepOutput,
     messages.EngineFailure,
@@ -134,6 +192,10 @@ def pack(obj: Any) -> list:
         raise TypeError(f"{kind} is not a message the engine core takes")
     if isinstance(obj, messages.EngineFailure):
         return [kind, {"error": obj.error}]
+    if isinstance(obj, messages.AddRequest) and isinstance(obj.adapter, LoRAAdapter):
+        # By reference: the core reads the adapter itself (a dataclass would cross whole).
+        ref = msgspec.msgpack.encode([obj.adapter.name, obj.adapter.int_id, obj.adapter.path])
+        obj = dataclasses.replace(obj, adapter=msgspec.msgpack.Ext(_ADAPTER, ref))
     return [kind, obj]
 
 

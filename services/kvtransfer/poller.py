@@ -144,6 +144,15 @@ class TransferPoller:
             pending.transfer.abort()
             if not self.loop.is_closed():
                 self._finish(pending, TransferError("the transceiver is closing"))
+        while True:  # what was asked but not run (a READ not posted, a peer not added)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(
+                    _resolve, item[1], None, TransferError("the transceiver is closing")
+                )
 
     def _round(self) -> None:
         self._poll_reads()

@@ -7,12 +7,9 @@ anything changes, and the swap itself runs on the engine thread between steps.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from google.protobuf import json_format, struct_pb2
 
 from tandem.common.errors import unavailable
@@ -25,34 +22,13 @@ from tandem.engine.messages import (
     ResumeMemory,
     WeightsChecksum,
 )
-from tandem.worker.ipc_weights import HandleError, device_uuid
+from tandem.worker.ipc_weights import HandleError
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
 
 # collective_rpc runs only these, with JSON arguments (never pickle).
 COLLECTIVE_RPC_METHODS = ("get_worker_state", "weights_checksum", "kv_cache_capacity")
-
-
-def _load_libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _load_libc()
-
-
-def return_freed_memory() -> None:
-    """Hands memory freed by a release back to the OS. glibc keeps what a thread other than the
-    main one frees (the engine thread frees the weights and the pool) in that thread's arena:
-    without a trim a worker reports 0 bytes released while its RSS stays, and grows with every
-    release/resume cycle."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 # TensorRT-LLM's memory tags (tensorrt_llm/_torch/virtual_memory.py, ExecutorMemoryType) and what
@@ -107,7 +83,7 @@ async def release(rt: WorkerRuntime, tags) -> str:
         if stopped:  # a request slipped in: put things back as they were
             await rt.open_transceiver()
         raise
-    await asyncio.to_thread(return_freed_memory)
+    await rt.core.trim_memory()
     return f"{rt.worker_id}: released {tags}{_noops(noops)}"
 
 
@@ -118,7 +94,7 @@ async def resume(rt: WorkerRuntime, tags) -> str:
     await rt.core.call(ResumeMemory(tags))
     if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
         await rt.open_transceiver()
-    await asyncio.to_thread(return_freed_memory)  # what loading the weights used on the way
+    await rt.core.trim_memory()  # what loading the weights used on the way
     return f"{rt.worker_id}: resumed {tags}{_noops(noops)}"
 
 
@@ -144,7 +120,7 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
     await rt.core.call(CheckIdle("update_weights", unless_held=True))  # fail before a slow load
     fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
     weights = await rt.core.load_weights(path, fingerprint)
-    await asyncio.to_thread(return_freed_memory)  # the old weights
+    await rt.core.trim_memory()  # the old weights
     return f"{rt.worker_id}: weights from {path} (version {weights.version})"
 
 
@@ -157,7 +133,7 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
         )
     if request.WhichOneof("source") == "finalize":
         weights = await rt.core.call(CopyWeights([], finalize=True))
-        await asyncio.to_thread(_collect_ipc)
+        await rt.core.trim_memory(ipc=True)
         return f"{rt.worker_id}: weights finalized (version {weights.version})"
     await rt.core.call(
         CheckIdle("update_weights", unless_held=True)
@@ -171,20 +147,9 @@ async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
     except HandleError as exc:
         raise ValueError(str(exc)) from None
     finally:
-        await asyncio.to_thread(_collect_ipc)
+        await rt.core.trim_memory(ipc=True)
     how = "NIXL" if by_nixl else "IPC handles"
     return f"{rt.worker_id}: weights written from {how} (finalize with update_weights(None))"
-
-
-def _collect_ipc() -> None:
-    """Lets go of the trainer's memory the handles opened."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
 
 
 async def collective_rpc(
@@ -201,7 +166,7 @@ async def collective_rpc(
         result = json_format.MessageToDict(state, preserving_proto_field_name=True)
         result["role"] = rt.role.label
         # The key of this worker's handles in update_weights (TensorRT-LLM's device UUID).
-        result["device_uuid"] = device_uuid(torch.device(rt.core.facts.device))
+        result["device_uuid"] = rt.core.facts.device_uuid
     elif method == "weights_checksum":
         result = await rt.core.call(WeightsChecksum())
     else:

@@ -38,7 +38,7 @@ from tandem.engine.messages import (
 )
 from tandem.kvtransfer.poller import PendingRead, ReadDone
 from tandem.kvtransfer.state import TransceiverState
-from tandem.worker.core_process import (
+from tandem.worker.core_protocol import (
     AbandonRead,
     Abort,
     AddPeer,
@@ -60,6 +60,7 @@ from tandem.worker.core_process import (
     Stop,
     StopTransceiver,
     TransceiverInfo,
+    TrimMemory,
     Undelivered,
     WriteWeights,
 )
@@ -101,6 +102,7 @@ class RemoteEngineCore:
         self._reads: dict[int, PendingRead] = {}
         self._read_ids = itertools.count(1)
         self._expiry: asyncio.Task | None = None
+        self._reaping: asyncio.Future | None = None
         # The lease table's NIXL notifications (on the loop here; on the poller thread in-process).
         self.on_notification: Callable[[str, bytes], None] | None = None
 
@@ -118,34 +120,34 @@ class RemoteEngineCore:
         inbox, outbox = context.socket(zmq.PUSH), context.socket(zmq.PULL)
         inbox.bind(inbox_address)
         outbox.bind(outbox_address)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tandem.worker.core_process",
-            "--inbox",
-            inbox_address,
-            "--outbox",
-            outbox_address,
-            env=dict(os.environ),
-        )
-        inbox.send(wire.encode(Start(config, hands_off, adapter_capacity)))
-        recv = asyncio.ensure_future(outbox.recv())
-        exited = asyncio.ensure_future(process.wait())
-        await asyncio.wait([recv, exited], return_when=asyncio.FIRST_COMPLETED)
-        if not recv.done():
-            recv.cancel()
+        process = None
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "tandem.worker.core_process",
+                "--inbox",
+                inbox_address,
+                "--outbox",
+                outbox_address,
+                "--parent",
+                str(os.getpid()),
+                env=dict(os.environ),
+            )
+            inbox.send(wire.encode(Start(config, hands_off, adapter_capacity)))
+            message = await _first_frame(outbox, process)
+            if isinstance(message, Failed):
+                raise RuntimeError(f"the engine core failed to start: {message.error}")
+        except BaseException:
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
             context.destroy(linger=0)
             shutil.rmtree(directory, ignore_errors=True)
-            raise RuntimeError(f"the engine core process exited with {process.returncode} at start")
-        exited.cancel()
-        message, _ = wire.decode(recv.result())
-        if isinstance(message, Failed):
-            await process.wait()
-            context.destroy(linger=0)
-            shutil.rmtree(directory, ignore_errors=True)
-            raise RuntimeError(f"the engine core failed to start: {message.error}")
+            raise
         core = cls(loop, process, context, inbox, outbox, directory, message)
         core._reader = asyncio.ensure_future(core._read())
+        core._reader.add_done_callback(core._reader_ended)
         core._watcher = asyncio.ensure_future(core._watch())
         return core
 
@@ -211,8 +213,15 @@ class RemoteEngineCore:
     async def _expire_leases(self) -> None:
         """The lease table's clock (the poller thread's tick, in-process)."""
         while True:
-            self.leases.expire(time.time())
+            try:
+                self.leases.expire(time.time())
+            except Exception:  # noqa: BLE001 - the clock must keep ticking
+                log.exception("lease expiry")
             await asyncio.sleep(_EXPIRY_TICK_S)
+
+    async def trim_memory(self, ipc: bool = False) -> None:
+        """In the core, where the memory was freed (or the handles opened)."""
+        await self._call(TrimMemory(ipc))
 
     def send_guide_info(self, tokenizer_info: str) -> None:
         """The tokenizer's xgrammar TokenizerInfo, once, before the first compiled guide."""
@@ -220,25 +229,22 @@ class RemoteEngineCore:
             self._guide_info_sent = True
             self._send(GuideInfo(tokenizer_info))
 
-    def stop(self) -> None:
-        self._closing = True
-
     def close(self) -> None:
         """Stops the core (Stop, then a kill after STOP_TIMEOUT_S) and lets go of the sockets."""
+        if self._reaping is None:
+            self._reaping = asyncio.ensure_future(self._reap())
+
+    async def aclose(self) -> None:
+        self.close()
+        await self._reaping
+
+    async def _reap(self) -> None:
         self._closing = True
         if self.process.returncode is None:
             try:
                 self._inbox.send(wire.encode(Stop()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        asyncio.ensure_future(self._reap())
-
-    async def aclose(self) -> None:
-        self.close()
-        await self._reap()
-
-    async def _reap(self) -> None:
-        if self.process.returncode is None:
             try:
                 await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT_S)
             except asyncio.TimeoutError:
@@ -247,54 +253,86 @@ class RemoteEngineCore:
         for task in (self._reader, self._watcher, self._expiry):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
+        self._fail_pending(unavailable("the worker is stopping"))
         if not self._context.closed:
             self._context.destroy(linger=0)
         shutil.rmtree(self._directory, ignore_errors=True)
 
     # -- frames --
+    @property
+    def _gone(self) -> bool:
+        return self.process.returncode is not None or self._context.closed
+
     def _send(self, obj, tag: int = 0) -> None:
-        if self.process.returncode is not None:
-            raise unavailable("the engine core process is gone")
-        self._inbox.send(wire.encode(obj, tag), copy=False)
+        """Sends a frame; once the core is gone, nothing (what waits on it fails with its end)."""
+        frame = wire.encode(obj, tag)
+        if not self._gone:
+            self._inbox.send(frame, copy=False)
 
     def _call(self, command) -> asyncio.Future:
         future = self.loop.create_future()
-        if self.process.returncode is not None:
+        if self._gone:
             future.set_exception(unavailable("the engine core process is gone"))
             return future
         tag = next(self._tags)
+        try:
+            frame = wire.encode(command, tag)
+        except Exception as exc:  # noqa: BLE001 - the caller's error, as an answer would be
+            future.set_exception(exc)
+            return future
         self._calls[tag] = (future, command)
-        self._send(command, tag)
+        self._inbox.send(frame, copy=False)
         return future
 
     async def _read(self) -> None:
         while True:
             frame = await self._outbox.recv()
-            message, tag = wire.decode(frame)
-            if isinstance(message, Outputs):
-                for request_id, kind, payload in message.items:
+            try:
+                self._take(*wire.decode(frame))
+            except Exception:  # noqa: BLE001 - one bad frame or callback must not stop the rest
+                log.exception("a frame from the engine core failed")
+
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        """The reader stops only when the worker closes; otherwise nothing would reach any
+        request again: the core is taken down, and its end runs as a death."""
+        if self._closing or task.cancelled():
+            return
+        log.error("the engine core's reader ended (%r): stopping the core", task.exception())
+        if self.process.returncode is None:
+            self.process.kill()
+
+    def _take(self, message, tag: int) -> None:
+        if isinstance(message, Outputs):
+            for request_id, kind, payload in message.items:
+                try:
                     self._put(request_id, wire.unpack(kind, payload))
-            elif isinstance(message, Reply):
-                self._reply(tag, message)
-            elif isinstance(message, Stats):
-                self.iteration_stats.push([message.record])
-                if self.on_stats is not None:
-                    self.on_stats(message.record)
-            elif isinstance(message, KvEvents):
-                self.kv_events.push(message.events)
-                if self.on_kv_events is not None:
-                    self.on_kv_events(message.events)
-            elif isinstance(message, Undelivered):
-                self._undelivered(message.request_id, message.block_ids)
-            elif isinstance(message, ReadFinished):
-                self._read_finished(message)
-            elif isinstance(message, ReadSettled):
-                pending = self._reads.pop(message.read_id, None)
-                if pending is not None and not pending.settled.done():
-                    pending.settled.set_result(True)
-            elif isinstance(message, Notification):
-                if self.on_notification is not None:
-                    self.on_notification(message.peer, message.message)
+                except Exception:  # noqa: BLE001 - the other requests' outputs still go
+                    log.exception("the engine core's output for %s failed", request_id)
+        else:
+            self._take_other(message, tag)
+
+    def _take_other(self, message, tag: int) -> None:
+        if isinstance(message, Reply):
+            self._reply(tag, message)
+        elif isinstance(message, Stats):
+            self.iteration_stats.push([message.record])
+            if self.on_stats is not None:
+                self.on_stats(message.record)
+        elif isinstance(message, KvEvents):
+            self.kv_events.push(message.events)
+            if self.on_kv_events is not None:
+                self.on_kv_events(message.events)
+        elif isinstance(message, Undelivered):
+            self._undelivered(message.request_id, message.block_ids)
+        elif isinstance(message, ReadFinished):
+            self._read_finished(message)
+        elif isinstance(message, ReadSettled):
+            pending = self._reads.pop(message.read_id, None)
+            if pending is not None and not pending.settled.done():
+                pending.settled.set_result(True)
+        elif isinstance(message, Notification):
+            if self.on_notification is not None:
+                self.on_notification(message.peer, message.message)
 
     def _put(self, request_id: str, item) -> None:
         """As EngineCore._put, on the IO side: the lease table opens a handoff's lease here."""
@@ -353,10 +391,20 @@ class RemoteEngineCore:
             return
         why = f"the engine core process (pid {self.pid}) exited with {code}"
         log.error("%s: failing its %d request(s)", why, len(self._streams))
-        error = unavailable(f"{why}; the worker is going away")
+        try:
+            self._fail_pending(unavailable(f"{why}; the worker is going away"))
+        finally:
+            if self.on_death is not None:
+                self.on_death(why)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Every request, call and READ waiting on the core ends with error."""
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put_nowait(EngineFailure(error))
+        for request_id, stream in streams.items():
+            try:
+                stream.put_nowait(EngineFailure(error))
+            except Exception:  # noqa: BLE001 - the others must end too
+                log.exception("failing request %s", request_id)
         reads, self._reads = self._reads, {}
         for pending in reads.values():
             if not pending.done.done():
@@ -367,8 +415,6 @@ class RemoteEngineCore:
         for future, _ in calls.values():
             if not future.done():
                 future.set_exception(error)
-        if self.on_death is not None:
-            self.on_death(why)
 
 
 class RemoteTransceiver:
@@ -400,8 +446,7 @@ class RemotePoller:
 
     def stop(self) -> None:
         """The core aborts the READs in flight and closes the agent (in order with what follows)."""
-        if self.core.process.returncode is None:
-            self.core._send(StopTransceiver())
+        self.core._send(StopTransceiver())
 
     def add_peer(self, state: bytes) -> asyncio.Future:
         return self.core._call(AddPeer(state))
@@ -443,3 +488,17 @@ class RemotePoller:
             log.warning("a KV READ did not settle in %.1f s; aborting it", timeout_s)
             self.core._send(AbandonRead(pending.read_id))
             await asyncio.shield(pending.settled)
+
+
+async def _first_frame(outbox: zmq.asyncio.Socket, process) -> Any:
+    """The core's first frame (Ready or Failed), or an error if it exits before sending one."""
+    recv = asyncio.ensure_future(outbox.recv())
+    exited = asyncio.ensure_future(process.wait())
+    try:
+        await asyncio.wait([recv, exited], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        exited.cancel()
+    if not recv.done():
+        recv.cancel()
+        raise RuntimeError(f"the engine core process exited with {process.returncode} at start")
+    return wire.decode(recv.result())[0]

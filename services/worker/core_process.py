@@ -22,200 +22,47 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from tandem.engine import wire
-from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora_adapter import AdapterStore
-from tandem.engine.messages import AddRequest, EngineFacts, WeightsInfo
+from tandem.engine.messages import AddRequest, EngineFailure
 from tandem.kvtransfer import KvTransceiver, TransferPoller
-from tandem.kvtransfer.state import TransceiverState
+from tandem.kvtransfer.errors import TransceiverClosedError
+from tandem.worker.core_protocol import (
+    AbandonRead,
+    Abort,
+    AddPeer,
+    Failed,
+    GuideInfo,
+    KvEvents,
+    LoadWeights,
+    Notification,
+    Outputs,
+    PostRead,
+    ReadFinished,
+    ReadSettled,
+    Ready,
+    Register,
+    Reply,
+    Start,
+    StartTransceiver,
+    Stats,
+    Stop,
+    StopTransceiver,
+    TransceiverInfo,
+    TrimMemory,
+    Undelivered,
+    WriteWeights,
+)
 from tandem.worker.weight_openers import WEIGHT_OPENERS
 
 log = logging.getLogger("tandem.engine_core")
-
-
-# -- the process protocol (beside engine/messages.py's commands and outputs) --
-@dataclasses.dataclass(frozen=True)
-class Start:
-    config: EngineConfig
-    hands_off: bool
-    # LoRA adapters the core keeps on the host (lora_adapter.AdapterStore), 0: none.
-    adapter_capacity: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Ready:
-    facts: EngineFacts
-    weights: WeightsInfo
-    released_tags: list[str]
-    pid: int
-    warmup_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Register:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadWeights:
-    path: str
-    fingerprint: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteWeights:
-    kind: str
-    payload: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class GuideInfo:
-    """The tokenizer's xgrammar TokenizerInfo (serialized), sent before the first guide."""
-
-    tokenizer_info: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Stop:
-    pass
-
-
-# -- the KV transceiver, which lives beside the pool (here) --
-@dataclasses.dataclass(frozen=True)
-class StartTransceiver:
-    """A NIXL agent over the KV pool and the thread that polls it. Reply: TransceiverInfo."""
-
-    agent_name: str
-    progress_thread: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class TransceiverInfo:
-    state: bytes  # GetDataTransceiverState's bytes
-    block_nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class StopTransceiver:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class AddPeer:
-    """Reply: the peer's TransceiverState."""
-
-    state: bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class PostRead:
-    read_id: int
-    peer_name: str
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-    notify: bytes
-    timeout_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class AbandonRead:
-    read_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadFinished:
-    """A READ's end: done (nbytes, seconds) or its error."""
-
-    read_id: int
-    nbytes: int = 0
-    seconds: float = 0.0
-    error: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadSettled:
-    read_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Notification:
-    peer: str
-    message: bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Reply:
-    ok: bool
-    value: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Outputs:
-    """One step's outputs: [request_id, kind, payload] each (StepOutput or EngineFailure)."""
-
-    items: list
-
-
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    record: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class KvEvents:
-    events: list
-
-
-@dataclasses.dataclass(frozen=True)
-class Undelivered:
-    request_id: str
-    block_ids: list[int]
-
-
-wire.register(
-    Start,
-    Ready,
-    Failed,
-    Register,
-    Abort,
-    LoadWeights,
-    WriteWeights,
-    GuideInfo,
-    Stop,
-    Reply,
-    Outputs,
-    Stats,
-    KvEvents,
-    Undelivered,
-    StartTransceiver,
-    TransceiverInfo,
-    StopTransceiver,
-    AddPeer,
-    TransceiverState,
-    PostRead,
-    AbandonRead,
-    ReadFinished,
-    ReadSettled,
-    Notification,
-)
 
 
 class _Outbox:
@@ -232,11 +79,23 @@ class _Outbox:
     def output(self, request_id: str, item) -> None:
         if not self._items:
             self.loop.call_soon(self._flush)  # after the rest of this step's outputs
-        self._items.append([request_id, *wire.pack(item)])
+        self._items.append([request_id, item])
 
     def _flush(self) -> None:
         items, self._items = self._items, []
-        self.send(Outputs(items))
+        try:
+            self.send(Outputs([[request_id, *wire.pack(item)] for request_id, item in items]))
+        except Exception:  # noqa: BLE001 - one output that does not encode fails its request only
+            log.exception("a step's outputs did not encode; sending them one by one")
+            self.send(Outputs([_packed(request_id, item) for request_id, item in items]))
+
+
+def _packed(request_id: str, item) -> list:
+    try:
+        return [request_id, *wire.pack(item)]
+    except Exception as exc:  # noqa: BLE001 - the request fails, the others go on
+        failure = EngineFailure(RuntimeError(f"an output did not encode: {exc}"))
+        return [request_id, *wire.pack(failure)]
 
 
 class _Stream:
@@ -280,9 +139,11 @@ class CoreServer:
                 return
             try:
                 await self._take(message, tag)
-            except Exception as exc:  # noqa: BLE001 - the IO side gets it as the call's error
+            except Exception as exc:  # noqa: BLE001 - whoever sent it hears of it
                 if tag:
                     self.outbox.send(Reply(False, exc), tag)
+                elif isinstance(message, AddRequest):  # its stream waits for an output
+                    self.outbox.output(message.request_id, EngineFailure(exc))
                 else:
                     log.exception("engine core command %s failed", type(message).__name__)
 
@@ -303,6 +164,8 @@ class CoreServer:
         elif isinstance(message, StopTransceiver):
             self._stop_transceiver()
         elif isinstance(message, AddPeer):
+            if self.poller is None:
+                raise TransceiverClosedError("this worker's KV transceiver is not running")
             self._answer(self.poller.add_peer(message.state), tag)
         elif isinstance(message, PostRead):
             self._post_read(message)
@@ -311,7 +174,9 @@ class CoreServer:
             if pending is not None:
                 pending.abandon = True
         elif isinstance(message, GuideInfo):
-            self._tokenizer_info = _tokenizer_info(message.tokenizer_info)
+            self._tokenizer_info = await asyncio.to_thread(_tokenizer_info, message.tokenizer_info)
+        elif isinstance(message, TrimMemory):
+            self._answer(asyncio.ensure_future(core.trim_memory(message.ipc)), tag)
         elif isinstance(message, LoadWeights):
             self._answer(
                 asyncio.ensure_future(core.load_weights(message.path, message.fingerprint)), tag
@@ -387,7 +252,10 @@ class CoreServer:
             elif f.exception() is not None:
                 self.outbox.send(Reply(False, f.exception()), tag)
             else:
-                self.outbox.send(Reply(True, wire.pack(f.result())), tag)
+                try:
+                    self.outbox.send(Reply(True, wire.pack(f.result())), tag)
+                except Exception as exc:  # noqa: BLE001 - a reply that does not encode
+                    self.outbox.send(Reply(False, exc), tag)
 
         future.add_done_callback(reply)
 
@@ -403,8 +271,8 @@ class CoreServer:
             )
         guide = command.options.guide
         if isinstance(guide, wire.GuideJson):
-            compiled = _xgrammar().CompiledGrammar.deserialize_json(
-                guide.json, self._tokenizer_info
+            compiled = await asyncio.to_thread(
+                _xgrammar().CompiledGrammar.deserialize_json, guide.json, self._tokenizer_info
             )
             changes["options"] = dataclasses.replace(command.options, guide=compiled)
         return dataclasses.replace(command, **changes) if changes else command
@@ -479,11 +347,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="a tandem worker's engine core (internal)")
     parser.add_argument("--inbox", required=True)
     parser.add_argument("--outbox", required=True)
+    parser.add_argument("--parent", type=int, required=True, help="the worker's pid")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s"
     )
     _die_with_parent()
+    if os.getppid() != args.parent:  # the worker went while this process was importing
+        sys.exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the IO process stops it (Stop, then a kill)
     asyncio.run(_main(args.inbox, args.outbox))
     sys.exit(0)
