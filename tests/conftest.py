@@ -126,6 +126,7 @@ class ImmediateEngineThread:
 
     def __init__(self, engine):
         self.engine = engine
+        self.facts = engine.facts()
 
     def send(self, command) -> None:
         self.engine.free_blocks(command.block_ids)

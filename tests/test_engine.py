@@ -8,8 +8,9 @@ import random
 import pytest
 from conftest import run_to_completion
 
+from tandem.engine.admission import PromptNeverFitsError, PromptTooLongError
 from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine, PromptNeverFitsError, PromptTooLongError
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
 
 
@@ -190,7 +191,7 @@ def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model
 
     keeper = LeaseKeeper(lease_seconds=60)
     engine = LLMEngine(
-        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), leases=keeper
+        EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=16), hands_off=True
     )
     keeper.attach(ImmediateEngineThread(engine))
     opts = SamplingOptions(max_tokens=8, ignore_eos=True)
@@ -201,8 +202,8 @@ def test_a_late_release_does_not_free_a_newer_lease_of_the_same_request_id(model
         while engine.num_unfinished:
             out += engine.step()
         (handoff,) = out
-        assert handoff.lease is not None and handoff.lease.block_ids
-        return handoff.lease
+        assert handoff.kept_block_ids
+        return keeper.open("same-id", handoff.kept_block_ids)
 
     old = context_only()
     assert not keeper.expire(old.expires_at + 2) and keeper.endings["expired"] == 1

@@ -947,3 +947,18 @@ def test_golden_render(chart, case):
     assert text == golden.read_text(), (
         f"{golden.name} differs from the render: review, then TANDEM_UPDATE_GOLDEN=1"
     )
+
+
+def test_engine_process_is_a_role_value_rendered_as_its_flag(chart):
+    def flags(values):
+        return {
+            c["name"]: "--engine-process" in c["args"]
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert set(flags({}).values()) == {False}
+    rendered = flags({"decode": {"engineProcess": True}})
+    assert rendered["decode"] and not rendered["prefill"]
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"prefill": {"engineProcess": "yes"}})

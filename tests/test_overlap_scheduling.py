@@ -122,7 +122,7 @@ def test_a_context_only_request_hands_off_without_an_extra_step(model_dirs):
             max_num_seqs=4,
             max_num_batched_tokens=24,
         ),
-        leases=keeper,
+        hands_off=True,
     )
     keeper.attach(ImmediateEngineThread(engine))
     engine.add_request(
@@ -135,8 +135,9 @@ def test_a_context_only_request_hands_off_without_an_extra_step(model_dirs):
     while engine.num_unfinished:
         outs += engine.step()
     (handoff,) = outs
-    assert handoff.lease is not None and handoff.lease.block_ids and engine.counters.num_steps == 1
+    assert handoff.kept_block_ids and engine.counters.num_steps == 1
+    lease = keeper.open("p", handoff.kept_block_ids)
     assert (
-        keeper.release(handoff.lease.lease_id, LeaseEnd.PULLED)
+        keeper.release(lease.lease_id, LeaseEnd.PULLED)
         and engine.block_manager.num_free_blocks == 64
     )

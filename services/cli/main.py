@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
             "pools; 0: never)",
         )
         p.add_argument(
+            "--engine-process",
+            action="store_true",
+            help="run the engine core (scheduler, model runner, KV pool and, on a prefill or "
+            "decode worker, its NIXL agent) in a process of its own beside this worker's gRPC "
+            "process, so serving never waits on the gRPC side's interpreter",
+        )
+        p.add_argument(
             "--kv-room-wait-seconds",
             type=float,
             default=10.0,
@@ -435,6 +442,7 @@ def _serve(args) -> int:
         nixl_progress_thread=args.nixl_progress_thread,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_room_wait_s=args.kv_room_wait_seconds,
+        engine_process=args.engine_process,
         admin_token=args.admin_token,
         kv_pull_floor=PullFloor(
             args.kv_pull_floor_gbps,

@@ -131,6 +131,16 @@ class GrpcServer:
         for name in [""] + self.service_names:
             await self.health.set(name, status)
 
+    async def fail(self, why: str) -> None:
+        """The process cannot serve any more (why): readiness and liveness NOT_SERVING at once,
+        and a stop without a drain."""
+        log.error("%s: NOT_SERVING, stopping", why)
+        self._draining = True
+        await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stop.set()
+        self._force_stop.set()
+
     def request_stop(self) -> None:
         """Starts the drain; a second request (a second Ctrl-C) cuts it short."""
         if self._stop.is_set():

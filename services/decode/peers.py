@@ -68,9 +68,7 @@ class PeerCache:
                 reply = await llm.GetDataTransceiverState(
                     llm_pb2.GetDataTransceiverStateRequest(), timeout=10
                 )
-                state = await self.poller.call(
-                    lambda transceiver: transceiver.add_peer(reply.state)
-                )
+                state = await self.poller.add_peer(reply.state)
                 local = self.poller.transceiver.local_state
                 self._lanes[endpoint] = (
                     state.agent_name,

@@ -16,10 +16,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.engine.iteration_stats import iteration_stats
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.memory import collect_ipc, return_freed_memory
 from tandem.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -28,6 +29,7 @@ from tandem.engine.messages import (
     EngineFailure,
     FreeBlocks,
     HoldSteps,
+    Lease,
     ReadCounters,
     ReleaseMemory,
     RemoteKvArrived,
@@ -35,10 +37,24 @@ from tandem.engine.messages import (
     StepOutput,
     SwapWeights,
     WeightsChecksum,
+    WeightsInfo,
     coalesce,
 )
 
 log = logging.getLogger("tandem.engine_core")
+
+
+class LeaseTable(Protocol):
+    """Who keeps the KV of finished context phases for the decode side (the prefill's lease
+    keeper). open() runs on the loop as the output that hands the blocks off is delivered, so a
+    handoff's blocks are never owned by nobody (an output nobody takes is abandoned at once);
+    the table gives them back with FreeBlocks when the lease ends."""
+
+    def open(self, request_id: str, block_ids: list[int]) -> Lease: ...
+
+    def abandon(self, lease_id: int) -> None:
+        """The output that carried the lease reached nobody (its request was aborted meanwhile)."""
+
 
 _STOP = object()
 
@@ -88,9 +104,25 @@ class EngineCore:
         stats_history: int = 1000,
         on_stats: Callable[[dict], None] | None = None,
         on_kv_events: Callable[[list[dict]], None] | None = None,
+        leases: LeaseTable | None = None,
+        weight_openers: dict[str, Callable] | None = None,
+        on_undelivered: Callable[[str, list[int]], None] | None = None,
     ):
+        """leases: a prefill worker's lease table, which takes the KV its context phases hand off
+        (without one, in an engine core process, the IO process's table takes it:
+        on_undelivered(request_id, block_ids) then hands back the blocks of an output nobody took).
+        weight_openers: kind -> open(payload, model, device), the in-place weight updates
+        (update_weights by IPC handles or NIXL) the engine takes (write_weights)."""
         self.engine = engine
         self.loop = loop
+        self.leases = leases
+        self.weight_openers = weight_openers or {}
+        self.on_undelivered = on_undelivered
+        # What the IO side may know without asking (fixed), and what it learns from the replies
+        # of the commands that change it: the weights served, the memory released.
+        self.facts = engine.facts()
+        self.weights: WeightsInfo = engine.weights_info()
+        self.released_tags: list[str] = engine.released_tags
         # Called on the loop with each batch of KV events (the worker's KV block feed), as on_stats.
         self.on_kv_events = on_kv_events
         # Called on the loop with each step's iteration stats (the worker's metrics), off the engine thread.
@@ -155,11 +187,68 @@ class EngineCore:
         """Queues a command without waiting for it (safe from any thread)."""
         self._commands.put((command, None))
 
-    async def call(self, command) -> Any:
-        """Runs a command on the engine thread between steps and returns its reply."""
+    def submit(self, command) -> asyncio.Future:
+        """Queues a command at once (in order with send and add_request); its reply resolves the
+        future."""
         future = self.loop.create_future()
         self._commands.put((command, future))
-        return await future
+        if isinstance(command, (SwapWeights, CopyWeights, ReleaseMemory, ResumeMemory)):
+            future.add_done_callback(lambda f: self._learn(command, f))
+        return future
+
+    async def call(self, command) -> Any:
+        """Runs a command on the engine thread between steps and returns its reply."""
+        return await self.submit(command)
+
+    def _learn(self, command, future: asyncio.Future) -> None:
+        """What a reply says of the weights served or the memory released."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        if isinstance(command, (SwapWeights, CopyWeights)):
+            self.weights = future.result()
+        else:
+            self.released_tags = future.result()
+
+    async def load_weights(self, path: str, fingerprint: str) -> WeightsInfo:
+        """Reads a checkpoint's weights off both the loop and the engine thread (steps go on),
+        then serves them from the engine thread."""
+        model = await asyncio.to_thread(self.engine.runner.load_weights, path)
+        try:
+            return await self.call(SwapWeights(model, path, fingerprint))
+        finally:
+            del model
+
+    async def write_weights(self, kind: str, payload) -> None:
+        """Weights written in place: weight_openers[kind](payload, model, device) opens them (IPC
+        handles, NIXL reads) off the loop, as an update with `.updates` (CopyWeights'); the engine
+        thread copies them in. Refused on a tensor-parallel engine."""
+        runner = self.engine.runner
+        runner.require_single_rank("update_weights")
+        update = await asyncio.to_thread(
+            self.weight_openers[kind], payload, runner.model, runner.device
+        )
+        try:
+            await self.call(CopyWeights(update.updates))
+        finally:
+            del update
+
+    def close(self) -> None:
+        """Stops the engine thread and the engine's other ranks."""
+        self.stop()
+        self.engine.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def trim_memory(self, ipc: bool = False) -> None:
+        """Hands what the engine freed back to the OS (and, ipc, lets go of the handles a weight
+        update opened)."""
+        await asyncio.to_thread(return_freed_memory)
+        if ipc:
+            await asyncio.to_thread(collect_ipc)
+
+    def send_guide_info(self, tokenizer_info: str) -> None:
+        """Compiled guides reach this engine as they are: nothing to send."""
 
     @property
     def num_active(self) -> int:
@@ -282,9 +371,14 @@ class EngineCore:
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
-        if stream is None:  # aborted meanwhile
-            if isinstance(item, StepOutput) and item.lease is not None:
-                self.engine.leases.abandon(item.lease.lease_id)
+        kept = item.kept_block_ids if isinstance(item, StepOutput) else None
+        if kept is not None and self.leases is not None:
+            item.lease = self.leases.open(request_id, kept)
+        if stream is None:  # aborted meanwhile: nobody takes the handoff, its blocks go back
+            if kept is not None and self.leases is not None:
+                self.leases.abandon(item.lease.lease_id)
+            elif kept is not None and self.on_undelivered is not None:
+                self.on_undelivered(request_id, kept)
             return
         if isinstance(item, EngineFailure) or item.finished:
             self._streams.pop(request_id, None)

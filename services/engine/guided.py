@@ -51,6 +51,8 @@ class GuideCompiler:
             add_prefix_space=metadata["add_prefix_space"],
         )
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        # What rebuilds this compiler's grammars in another process (CompiledGrammar.deserialize_json).
+        self.tokenizer_info_json = info.serialize_json()
 
     def compile(self, kind: str, value):
         """A compiled grammar for a guide; a guide xgrammar cannot compile is a ValueError."""

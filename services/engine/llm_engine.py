@@ -6,18 +6,26 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from tandem.common.exceptions import PreconditionError, ResourceExhaustedError
+from tandem.common.exceptions import PreconditionError
+from tandem.engine.admission import EngineLimits
 from tandem.engine.beam_search import BeamGroup
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
+from tandem.engine.device import device_uuid
 from tandem.engine.draft_model import DraftModelProposer
 from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.lora_adapter import LoRAAdapter
-from tandem.engine.messages import EngineSnapshot, ImportPlan, Lease, StepOutput, coalesce
+from tandem.engine.messages import (
+    EngineFacts,
+    EngineSnapshot,
+    ImportPlan,
+    StepOutput,
+    WeightsInfo,
+    coalesce,
+)
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampler import SampledBatch
@@ -25,28 +33,6 @@ from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
 from tandem.engine.speculative import Proposer
-
-
-class PromptTooLongError(ValueError):
-    """The prompt exceeds the model's context length (INVALID_ARGUMENT)."""
-
-
-class PromptNeverFitsError(ResourceExhaustedError):
-    """The prompt needs more KV blocks than the whole pool has (RESOURCE_EXHAUSTED)."""
-
-
-class LeaseTable(Protocol):
-    """Who keeps the KV of finished context phases for the decode side (the prefill's lease
-    keeper). open() runs on the engine thread at the moment the blocks leave the engine, so a
-    handoff's blocks are never owned by nobody; the table gives them back with FreeBlocks."""
-
-    def open(self, request_id: str, block_ids: list[int]) -> Lease: ...
-
-    def abandon(self, lease_id: int) -> None:
-        """The output that carried the lease reached nobody (its request was aborted meanwhile)."""
-
-    @property
-    def num_leases(self) -> int: ...
 
 
 @dataclass
@@ -90,7 +76,9 @@ class EngineCounters:
 class LLMEngine:
     MEMORY_TAGS = ("model", "kv_cache")
 
-    def __init__(self, config: EngineConfig, leases: LeaseTable | None = None):
+    def __init__(self, config: EngineConfig, hands_off: bool = False):
+        """hands_off: the engine runs context_only requests, whose KV it keeps for the decode side
+        (a prefill worker's: StepOutput.kept_block_ids) until FreeBlocks gives it back."""
         self.config = config
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
@@ -109,13 +97,22 @@ class LLMEngine:
             config.max_num_samples - config.max_num_seqs,
         )
         self.counters = EngineCounters()
+        # What requests are checked against, here and (a copy) on the worker's IO side.
+        self.limits = EngineLimits(
+            self.max_model_len,
+            config.block_size,
+            self.runner.num_blocks,
+            self.model_config.vocab_size,
+            config.tensor_parallel_size,
+        )
         spec = config.speculative
         # Speculative decoding's drafts come from the tokens so far: a step's ids are read before
         # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
         self.proposer = self._proposer(spec)
         self.overlap_scheduling = config.overlap_scheduling and spec is None
-        # Only a prefill worker's engine has one: context_only sequences need somewhere to leave their KV.
-        self.leases = leases
+        self.hands_off = hands_off
+        # Block groups handed off (kept for the decode side) and not freed yet.
+        self.num_handed_off = 0
         # True when the last step found nothing it could run (everything waits for blocks).
         self.last_step_was_idle = False
         # The batches of the step being run (the one scheduled, and the one in flight when
@@ -154,55 +151,11 @@ class LLMEngine:
 
     # -- admission --
     def check_prompt(self, num_prompt_tokens: int, vocab_ids: list[int] | None = None) -> None:
-        """Raises the error a prompt of that length would meet; the worker calls it before queueing."""
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if num_prompt_tokens >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens; the model's context is {self.max_model_len} "
-                f"tokens and at least one must be left to generate"
-            )
-        if self.block_manager.num_blocks_for(num_prompt_tokens + 1) > self.block_manager.num_blocks:
-            raise PromptNeverFitsError(
-                f"the prompt needs {self.block_manager.num_blocks_for(num_prompt_tokens + 1)} KV blocks; "
-                f"the pool has {self.block_manager.num_blocks}"
-            )
-        if vocab_ids:
-            bad = [t for t in vocab_ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token ids out of vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}"
-                )
+        """Raises the error a prompt of that length would meet (admission.EngineLimits)."""
+        self.limits.check_prompt(num_prompt_tokens, vocab_ids)
 
     def check_options(self, options: SamplingOptions) -> None:
-        """Token ids in the options index the logits: out of range they would fail a whole step."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in options.stop_token_ids + options.eos_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
-        bad = [t for word in options.bad_words for t in word if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
-        if options.embedding_bias and len(options.embedding_bias) != vocab:
-            raise ValueError(
-                f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}"
-            )
-        if self.config.tensor_parallel_size > 1:
-            # Rank 0 alone reads prompt rows (a gathered LM head) and copies forked beams' KV.
-            asked = [
-                name
-                for name, on in (
-                    ("prompt_logprobs", bool(options.prompt_logprobs)),
-                    ("return_context_logits", options.return_context_logits),
-                    ("use_beam_search", options.beam_width > 1),
-                )
-                if on
-            ]
-            if asked:
-                raise NotImplementedError(
-                    f"{', '.join(asked)} on a tensor-parallel worker is not supported yet; "
-                    "send it to a worker with --tensor-parallel-size 1"
-                )
+        self.limits.check_options(options)
 
     def _new_sequence(
         self,
@@ -222,7 +175,7 @@ class LLMEngine:
             len(prompt_token_ids) + len(output_token_ids), list(prompt_token_ids) + output_token_ids
         )
         self.check_options(options)
-        if phase is Phase.CONTEXT_ONLY and self.leases is None:
+        if phase is Phase.CONTEXT_ONLY and not self.hands_off:
             raise PreconditionError(
                 "this engine keeps no KV leases (not a prefill worker): it cannot run "
                 "context_only requests"
@@ -372,14 +325,16 @@ class LLMEngine:
         return True
 
     def free_blocks(self, block_ids: list[int]) -> None:
-        """A lease ended: its blocks return to the pool (and stay findable by the prefix cache)."""
+        """Handed-off blocks come back (their lease ended, or their output reached nobody): they
+        return to the pool and stay findable by the prefix cache."""
         self.block_manager.free(block_ids)
+        self.num_handed_off -= 1
 
     # -- admin: memory and weights (RL flows: pause, release, update weights, resume) --
     def require_idle(self, what: str, held: bool = False) -> None:
         """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
         weights in the current pool. held: the requests are frozen (pause_generation, keep)."""
-        busy = len(self._seqs) + (self.leases.num_leases if self.leases is not None else 0)
+        busy = len(self._seqs) + self.num_handed_off
         if busy:
             kept = " (paused in mode 'keep', they hold their KV: pause in mode 'abort')"
             raise PreconditionError(
@@ -402,12 +357,29 @@ class LLMEngine:
         for seq in self._seqs.values():
             seq.caches_blocks = False
 
-    def swap_weights(self, model, source: str, fingerprint: str, held: bool = False) -> None:
+    def swap_weights(self, model, source: str, fingerprint: str, held: bool = False) -> WeightsInfo:
         self._weights_may_change(held)
         self.runner.swap_weights(model, source, fingerprint)
         self._forget_kv_of_old_weights()
+        return self.weights_info()
 
-    def copy_weights(self, updates: list, finalize: bool, held: bool = False) -> None:
+    def weights_info(self) -> WeightsInfo:
+        return WeightsInfo(self.runner.weights_id, self.runner.weights_version)
+
+    def facts(self) -> EngineFacts:
+        runner, config = self.runner, self.config
+        dtype = str(runner.dtype).removeprefix("torch.")
+        return EngineFacts(
+            self.limits,
+            self.model_config,
+            dtype,
+            dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+            str(runner.device),
+            device_uuid(runner.device),
+            runner.kv_layout,
+        )
+
+    def copy_weights(self, updates: list, finalize: bool, held: bool = False) -> WeightsInfo:
         """Tensors written into the served weights in place (messages.CopyWeights)."""
         self._weights_may_change(held)
         if "model" in self.released_tags:
@@ -416,8 +388,9 @@ class LLMEngine:
             )
         self.runner.copy_weights(updates, finalize)
         self._forget_kv_of_old_weights()
+        return self.weights_info()
 
-    def release_memory(self, tags: list[str], held: bool = False) -> None:
+    def release_memory(self, tags: list[str], held: bool = False) -> list[str]:
         """Frees the memory behind tags. Refused while requests run or leases are out."""
         self.runner.require_single_rank("release")
         self.require_idle("release", held)
@@ -430,8 +403,9 @@ class LLMEngine:
             self.runner.release_weights()
         if self.proposer is not None:
             self.proposer.release_memory(tags)
+        return self.released_tags
 
-    def resume_memory(self, tags: list[str]) -> None:
+    def resume_memory(self, tags: list[str]) -> list[str]:
         self.runner.require_single_rank("resume")
         if "model" in tags:
             self.runner.restore_weights()
@@ -439,6 +413,28 @@ class LLMEngine:
             self.runner.restore_kv_cache()
         if self.proposer is not None:
             self.proposer.resume_memory(tags)
+        return self.released_tags
+
+    def warm_up(self) -> float:
+        """One prefill and one decode step so the first real request does not pay for lazy init;
+        the attention kernel's eager variants compiled before any request can need one. The
+        counters start at zero after it. Returns the seconds the kernel variants took."""
+        seconds = self.runner.precompile_kernels()
+        self.add_request(
+            "warmup",
+            [min(1, self.model_config.vocab_size - 1)] * 4,
+            SamplingOptions(max_tokens=2, ignore_eos=True),
+        )
+        while self.num_unfinished:
+            self.step()
+        if self.proposer is not None:
+            self.proposer.reset()
+        c = self.counters
+        c.num_steps = c.num_prompt_tokens_computed = c.num_generated_tokens = 0
+        c.num_draft_tokens = c.num_accepted_draft_tokens = c.num_drafted_steps = 0
+        bm = self.block_manager
+        bm.num_prefix_query_tokens = bm.num_prefix_hit_tokens = 0
+        return seconds
 
     def close(self) -> None:
         """Stops the engine's other tensor-parallel ranks (and a draft model's), if it has any."""
@@ -734,12 +730,12 @@ class LLMEngine:
                 FinishReason.LENGTH
             )  # the whole KV pool cannot hold the next step's KV
         # A context_only sequence ends here with its first token, whether or not that token ends it
-        # (finish_reason says); its KV leaves the engine under a lease for a decode worker to pull.
-        lease = None
+        # (finish_reason says); its KV leaves the engine, kept for a decode worker to pull.
+        kept = None
         if seq.phase is Phase.CONTEXT_ONLY:
-            lease = self.leases.open(seq.request_id, seq.block_table)
-            seq.block_table, seq.block_hashes = [], []
-        finished = seq.finish_reason is not None or lease is not None
+            kept, seq.block_table, seq.block_hashes = seq.block_table, [], []
+            self.num_handed_off += 1
+        finished = seq.finish_reason is not None or kept is not None
         if finished:
             self._finish(seq)
         first = seq.num_output_tokens == 1
@@ -753,7 +749,7 @@ class LLMEngine:
             seq.stop_token_id,
             seq.num_prompt_tokens,
             seq.num_cached_prompt_tokens,
-            lease,
+            kept,
             [ranks],
             seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
         )

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.admission import EngineLimits
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase
@@ -85,6 +87,8 @@ class HoldSteps:
 
 @dataclass(frozen=True)
 class ReleaseMemory:
+    """Reply: the memory tags released now."""
+
     tags: list[str]
 
 
@@ -95,6 +99,8 @@ class ResumeMemory:
 
 @dataclass(frozen=True)
 class SwapWeights:
+    """Reply: the WeightsInfo of the new weights."""
+
     model: Any
     source: str
     fingerprint: str  # checkpoint_fingerprint(source), taken before the load
@@ -109,6 +115,30 @@ class CopyWeights:
 
     updates: list
     finalize: bool = False
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """Which weights the engine serves (the reply of every command that changes them)."""
+
+    weights_id: str  # KvHandoff.weights_id (model_runner.weights_id)
+    version: int
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the worker's IO side knows of its engine without asking it, fixed from the start;
+    what changes (the weights, released memory) it learns from the replies of the commands
+    that change it (engine_core.EngineCore)."""
+
+    limits: EngineLimits
+    model_config: ModelConfig
+    dtype: str  # of the weights, a torch dtype's name ("bfloat16")
+    cache_dtype: str  # of the KV pool's elements
+    device: str
+    # The device's key in update_weights' IPC handles (device.device_uuid).
+    device_uuid: str
+    kv_layout: dict  # kv_layout.kv_layout(): what a handoff's KV must match
 
 
 @dataclass(frozen=True)
@@ -144,11 +174,15 @@ class StepOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    # Set when a context_only sequence hands off: its KV blocks, now under this lease
-    # (finish_reason still says whether its first token ended it).
-    lease: Lease | None = None
+    # Set by the engine when a context_only sequence hands off: the KV blocks it keeps for the
+    # decode side (finish_reason still says whether its first token ended it), until a FreeBlocks
+    # gives them back.
+    kept_block_ids: list[int] | None = None
     # Vocabulary ranks of the new_logprobs entries, one dict per token (None where not asked).
     new_ranks: list[dict[int, int] | None] = field(default_factory=list)
+    # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
+    # the loop, as the output is delivered).
+    lease: Lease | None = None
     # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
     # sequence's first output only.
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None
@@ -240,6 +274,7 @@ def coalesce(earlier: list[StepOutput], later: list[StepOutput]) -> list[StepOut
             "finished",
             "finish_reason",
             "stop_token_id",
+            "kept_block_ids",
             "lease",
             "beams",
             "perf",

@@ -51,6 +51,8 @@ class PendingRead:
     deadline: float
     transfer: Transfer | None = None
     abandon: bool = field(default=False)
+    # Its id when the READ runs in an engine core process (worker/core_client.RemotePoller).
+    read_id: int = 0
 
 
 class TransferPoller:
@@ -88,6 +90,11 @@ class TransferPoller:
         future = self.loop.create_future()
         self._calls.put((fn, future))
         return future
+
+    def add_peer(self, state: bytes) -> asyncio.Future:
+        """Loads a peer's transceiver state (GetDataTransceiverState's bytes); the future has the
+        TransceiverState."""
+        return self.call(lambda transceiver: transceiver.add_peer(state))
 
     def read(
         self,
@@ -137,6 +144,15 @@ class TransferPoller:
             pending.transfer.abort()
             if not self.loop.is_closed():
                 self._finish(pending, TransferError("the transceiver is closing"))
+        while True:  # what was asked but not run (a READ not posted, a peer not added)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(
+                    _resolve, item[1], None, TransferError("the transceiver is closing")
+                )
 
     def _round(self) -> None:
         self._poll_reads()

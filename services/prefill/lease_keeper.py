@@ -97,10 +97,10 @@ class LeaseKeeper:
     def admit(self, request_id: str, client: str, num_prompt_tokens: int) -> None:
         """Counts a client's context phase against its share of the pool before it runs; refused
         (RetryLaterError) when the client's, or all clients', unclaimed handoffs would pin more."""
-        bm = self._core.engine.block_manager
-        num_blocks = bm.num_blocks_for(num_prompt_tokens + 1)
-        per_client = int(bm.num_blocks * self.max_unclaimed_fraction_per_client)
-        overall = int(bm.num_blocks * self.max_unclaimed_fraction)
+        limits = self._core.facts.limits
+        num_blocks = limits.num_blocks_for(num_prompt_tokens + 1)
+        per_client = int(limits.num_blocks * self.max_unclaimed_fraction_per_client)
+        overall = int(limits.num_blocks * self.max_unclaimed_fraction)
         with self._lock:
             if self._held[client] + num_blocks > per_client:
                 who, limit, mine = "this client's", per_client, True
@@ -117,7 +117,7 @@ class LeaseKeeper:
         retry_after = min(expiries, default=time.time() + 1.0) + EXPIRY_GRACE_S - time.time()
         raise RetryLaterError(
             f"context_only handoffs not yet pulled would pin more than {limit} of the "
-            f"{bm.num_blocks} KV blocks ({who} share): pull or release them first",
+            f"{limits.num_blocks} KV blocks ({who} share): pull or release them first",
             max(0.1, min(retry_after, self.lease_seconds + EXPIRY_GRACE_S)),
         )
 

@@ -7,8 +7,6 @@ anything changes, and the swap itself runs on the engine thread between steps.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,38 +20,15 @@ from tandem.engine.messages import (
     CopyWeights,
     ReleaseMemory,
     ResumeMemory,
-    SwapWeights,
     WeightsChecksum,
 )
-from tandem.worker.ipc_weights import HandleError, device_uuid, weight_update
-from tandem.worker.nixl_weights import nixl_weight_update
+from tandem.worker.ipc_weights import HandleError
 
 if TYPE_CHECKING:
     from tandem.worker.runtime import WorkerRuntime
 
 # collective_rpc runs only these, with JSON arguments (never pickle).
 COLLECTIVE_RPC_METHODS = ("get_worker_state", "weights_checksum", "kv_cache_capacity")
-
-
-def _load_libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _load_libc()
-
-
-def return_freed_memory() -> None:
-    """Hands memory freed by a release back to the OS. glibc keeps what a thread other than the
-    main one frees (the engine thread frees the weights and the pool) in that thread's arena:
-    without a trim a worker reports 0 bytes released while its RSS stays, and grows with every
-    release/resume cycle."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 # TensorRT-LLM's memory tags (tensorrt_llm/_torch/virtual_memory.py, ExecutorMemoryType) and what
@@ -106,9 +81,9 @@ async def release(rt: WorkerRuntime, tags) -> str:
         await rt.core.call(ReleaseMemory(tags))
     except BaseException:
         if stopped:  # a request slipped in: put things back as they were
-            await asyncio.to_thread(rt.start_transceiver)
+            await rt.open_transceiver()
         raise
-    await asyncio.to_thread(return_freed_memory)
+    await rt.core.trim_memory()
     return f"{rt.worker_id}: released {tags}{_noops(noops)}"
 
 
@@ -118,8 +93,8 @@ async def resume(rt: WorkerRuntime, tags) -> str:
         return f"{rt.worker_id}: resumed nothing{_noops(noops)}"
     await rt.core.call(ResumeMemory(tags))
     if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
-        await asyncio.to_thread(rt.start_transceiver)
-    await asyncio.to_thread(return_freed_memory)  # what loading the weights used on the way
+        await rt.open_transceiver()
+    await rt.core.trim_memory()  # what loading the weights used on the way
     return f"{rt.worker_id}: resumed {tags}{_noops(noops)}"
 
 
@@ -138,65 +113,43 @@ async def update_weights(rt: WorkerRuntime, request) -> str:
         raise ValueError(
             f"checkpoint_path {path!r} is not a checkpoint directory (no config.json) on this worker"
         )
-    if "model" in rt.engine.released_tags:
+    if "model" in rt.core.released_tags:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
     await rt.core.call(CheckIdle("update_weights", unless_held=True))  # fail before a slow load
     fingerprint = await asyncio.to_thread(checkpoint_fingerprint, path)
-    model = await asyncio.to_thread(rt.engine.runner.load_weights, path)
-    await rt.core.call(SwapWeights(model, path, fingerprint))
-    del model
-    await asyncio.to_thread(return_freed_memory)  # the old weights
-    return f"{rt.worker_id}: weights from {path} (version {rt.engine.runner.weights_version})"
+    weights = await rt.core.load_weights(path, fingerprint)
+    await rt.core.trim_memory()  # the old weights
+    return f"{rt.worker_id}: weights from {path} (version {weights.version})"
 
 
 async def _update_weights_by_handles(rt: WorkerRuntime, request) -> str:
     """A bucket of weights by IPC handles or NIXL written in place, or (finalize) the update
     closed."""
-    if "model" in rt.engine.released_tags:
+    if "model" in rt.core.released_tags:
         raise unavailable(
             "the model weights are released; call resume(['model']) before update_weights"
         )
     if request.WhichOneof("source") == "finalize":
-        await rt.core.call(CopyWeights([], finalize=True))
-        await asyncio.to_thread(_collect_ipc)
-        return f"{rt.worker_id}: weights finalized (version {rt.engine.runner.weights_version})"
+        weights = await rt.core.call(CopyWeights([], finalize=True))
+        await rt.core.trim_memory(ipc=True)
+        return f"{rt.worker_id}: weights finalized (version {weights.version})"
     await rt.core.call(
         CheckIdle("update_weights", unless_held=True)
     )  # fail before the handles are opened
-    runner = rt.engine.runner
-    runner.require_single_rank("update_weights")
     by_nixl = request.WhichOneof("source") == "nixl_weights"
     try:
         if by_nixl:
-            update = await asyncio.to_thread(
-                nixl_weight_update, request.nixl_weights, runner.model, runner.device
-            )
+            await rt.core.write_weights("nixl", request.nixl_weights.SerializeToString())
         else:
-            update = await asyncio.to_thread(
-                weight_update, dict(request.ipc_handles.handles), runner.model, runner.device
-            )
+            await rt.core.write_weights("ipc", dict(request.ipc_handles.handles))
     except HandleError as exc:
         raise ValueError(str(exc)) from None
-    try:
-        await rt.core.call(CopyWeights(update.updates))
     finally:
-        del update
-        await asyncio.to_thread(_collect_ipc)
+        await rt.core.trim_memory(ipc=True)
     how = "NIXL" if by_nixl else "IPC handles"
     return f"{rt.worker_id}: weights written from {how} (finalize with update_weights(None))"
-
-
-def _collect_ipc() -> None:
-    """Lets go of the trainer's memory the handles opened."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
 
 
 async def collective_rpc(
@@ -213,11 +166,12 @@ async def collective_rpc(
         result = json_format.MessageToDict(state, preserving_proto_field_name=True)
         result["role"] = rt.role.label
         # The key of this worker's handles in update_weights (TensorRT-LLM's device UUID).
-        result["device_uuid"] = device_uuid(rt.engine.runner.device)
+        result["device_uuid"] = rt.core.facts.device_uuid
     elif method == "weights_checksum":
         result = await rt.core.call(WeightsChecksum())
     else:
-        result = json_format.MessageToDict(rt.kv_capacity(), preserving_proto_field_name=True)
+        capacity = await rt.kv_capacity()
+        result = json_format.MessageToDict(capacity, preserving_proto_field_name=True)
     value = struct_pb2.Value()
     json_format.ParseDict({"worker_id": rt.worker_id, "result": result}, value)
     return value

@@ -78,3 +78,5 @@ async def serve_worker(config: WorkerConfig) -> None:
         await server.close()  # stopped already after a drain; still serving if the load failed
         metrics.close()
         unfreeze_heap()
+    if runtime.failure:
+        raise SystemExit(f"tandem worker: {runtime.failure}")

@@ -25,6 +25,8 @@ class WorkerConfig(ServerConfig):
     # How long a decode whose pool has no room for a handoff's prompt waits for room (blocks
     # freed by finishing requests) before it gives up on the pull, within the lease.
     kv_room_wait_s: float = 10.0
+    # The engine core in a process of its own (worker/core_process.py).
+    engine_process: bool = False
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:

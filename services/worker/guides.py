@@ -23,7 +23,11 @@ class Guides:
         kind = params.guided_decoding.WhichOneof("guide")
         if kind is None or (kind == "json_object" and not params.guided_decoding.json_object):
             return None
-        return await asyncio.to_thread(self._compile, kind, getattr(params.guided_decoding, kind))
+        compiled = await asyncio.to_thread(
+            self._compile, kind, getattr(params.guided_decoding, kind)
+        )
+        self.rt.core.send_guide_info(self._compiler.tokenizer_info_json)
+        return compiled
 
     def _compile(self, kind: str, value):
         with self._lock:
@@ -36,7 +40,7 @@ class Guides:
                 self._compiler = GuideCompiler(
                     backend.to_str(),
                     encoded,
-                    self.rt.engine.model_config.vocab_size,
+                    self.rt.core.facts.model_config.vocab_size,
                     list(self.rt.eos_token_ids),
                 )
         return self._compiler.compile(kind, value)

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing import reductions
 
+from tandem.engine.device import CPU_DEVICE_UUID, device_uuid
 from tandem.engine.loader import hf_parameter_slices, is_ignored_tensor
 
 # The most tensors one update carries.
 MAX_TENSORS = 100_000
-# The device key of a CPU worker (a GPU's is "GPU-" + its UUID, TensorRT-LLM's get_device_uuid).
-CPU_DEVICE_UUID = "CPU"
 # What the handles may name: (module, name).
 _GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
@@ -58,13 +57,6 @@ _MAX_STORAGE_BYTES = 1 << 40
 
 class HandleError(ValueError):
     """The handles are not what update_weights takes (INVALID_ARGUMENT; nothing changed)."""
-
-
-def device_uuid(device: torch.device) -> str:
-    """This worker's key in the handles (collective_rpc('get_worker_state') reports it)."""
-    if device.type == "cuda":
-        return "GPU-" + str(torch.cuda.get_device_properties(device.index or 0).uuid)
-    return CPU_DEVICE_UUID
 
 
 def _refuse(what: str):

@@ -241,18 +241,14 @@ class _WorkerCollector(Collector):
 
     def _cache_config(self, labels: list[str]):
         """vLLM's cache_config_info: the KV cache's settings as labels of a gauge of 1."""
-        engine = self.runtime.engine
-        if engine is None:  # loading, or an encoder-only model
+        core = self.runtime.core
+        if core is None:  # loading, or an encoder-only model
             return
-        config, runner = engine.config, engine.runner
+        config, facts = self.runtime.config.engine, core.facts
         settings = {
             "block_size": str(config.block_size),
-            "num_gpu_blocks": str(runner.num_blocks),
-            "cache_dtype": (
-                str(runner.dtype).removeprefix("torch.")
-                if config.kv_cache_dtype == "auto"
-                else config.kv_cache_dtype
-            ),
+            "num_gpu_blocks": str(facts.limits.num_blocks),
+            "cache_dtype": facts.cache_dtype,
             "enable_prefix_caching": str(config.enable_prefix_caching),
             "kv_cache_memory_gb": str(config.kv_cache_memory_gb),
         }

@@ -180,7 +180,7 @@ class WorkerRequest:
             state.options,
             len(self.prompt_token_ids),
             self.first_tokens,
-            self.core.engine.max_model_len,
+            self.core.facts.limits.max_model_len,
         )
         if reason is None:
             return False

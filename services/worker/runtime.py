@@ -9,6 +9,8 @@ import os
 import time
 import uuid
 
+import torch
+
 from tandem.common.auth import derive_key
 from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import PreconditionError, unavailable
@@ -25,7 +27,6 @@ from tandem.engine.kv_layout import layout_hash
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora_adapter import AdapterNotFoundError, AdapterStore, LoRAAdapter
 from tandem.engine.messages import CheckIdle, ReadCounters
-from tandem.engine.sampling_options import SamplingOptions
 from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
 from tandem.prefill.context import ContextPhase
 from tandem.prefill.lease_keeper import LeaseKeeper
@@ -37,6 +38,7 @@ from tandem.worker.config import WorkerConfig
 from tandem.worker.kv_feed import KvBlockFeed
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.phases import PhasePicker
+from tandem.worker.weight_openers import WEIGHT_OPENERS
 
 log = logging.getLogger("tandem.worker")
 
@@ -55,7 +57,8 @@ class WorkerRuntime:
         # The pause in force (pause_generation), None while generating.
         self.pause_mode: PauseMode | None = None
         self.startup_metrics: dict[str, float] = {}
-        self.engine: LLMEngine | None = None
+        # The engine thread (engine_core.EngineCore): everything the worker asks of its engine
+        # goes through it, as messages, or is read from its facts.
         self.core: EngineCore | None = None
         # The router's KV index feed (SubscribeKvBlocks), once the engine is loaded.
         self.kv_feed: KvBlockFeed | None = None
@@ -87,6 +90,8 @@ class WorkerRuntime:
         self.handoff_outcomes = HandoffOutcomes(self.worker_id, metrics.observe_handoff_outcome)
         self._transceiver_generation = 0
         self._num_bytes_received = 0
+        # Why the worker must exit non-zero (its engine core process died), else None.
+        self.failure: str | None = None
         # Set instead of engine when the model is encoder-only (Encode, not Generate).
         self.encoder = None
         # LoRA adapters read from disk (None with --max-loras 0).
@@ -103,10 +108,25 @@ class WorkerRuntime:
         if is_encoder_only(self.config.engine.model_dir):
             return await self._load_encoder(started)
         self.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.config.engine.model_dir)
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases)
-        self.front = TextFront(self.tokenizer, self.config.limits, self.engine.max_model_len)
-        loaded = time.perf_counter()
-        mc = self.engine.model_config
+        if self.config.engine_process:
+            loaded = await self._spawn_core()
+        else:
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases is not None)
+            loaded = time.perf_counter()
+            seconds = await asyncio.to_thread(engine.warm_up)
+            if seconds:
+                log.info("attention kernel variants compiled in %.1f s", seconds)
+            self.core = EngineCore(
+                engine,
+                asyncio.get_running_loop(),
+                on_stats=self.metrics.observe_step,
+                on_kv_events=lambda events: self.kv_feed.observe(events),
+                leases=self.leases,
+                weight_openers=WEIGHT_OPENERS,
+            )
+        facts = self.core.facts
+        self.front = TextFront(self.tokenizer, self.config.limits, facts.limits.max_model_len)
+        mc = facts.model_config
         log.info("model %s", mc.describe_path())
         self.eos_token_ids = tuple(
             dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids())
@@ -117,30 +137,21 @@ class WorkerRuntime:
             self.adapters = AdapterStore(
                 mc,
                 engine_config.max_lora_rank,
-                self.engine.runner.dtype,
+                getattr(torch, facts.dtype),
                 capacity=2 * engine_config.max_loras,
             )
         self.bos_token_id = mc.bos_token_id
-        await asyncio.to_thread(self._warm_up)
         self.kv_feed = KvBlockFeed(
-            self.engine.block_manager.block_size,
+            facts.limits.block_size,
             lambda int_id: self.adapters.fingerprint(int_id) if self.adapters else None,
-        )
-        self.core = EngineCore(
-            self.engine,
-            asyncio.get_running_loop(),
-            on_stats=self.metrics.observe_step,
-            on_kv_events=self.kv_feed.observe,
         )
         if self.leases is not None:
             self.leases.attach(self.core)
         self.handoff_format = (
-            HandoffFormat(self.engine.runner.kv_layout, self.signing_key)
-            if self.signing_key
-            else None
+            HandoffFormat(facts.kv_layout, self.signing_key) if self.signing_key else None
         )
         if self.role.has_transceiver:
-            await asyncio.to_thread(self.start_transceiver)
+            await self.open_transceiver()
         self.core.start()
         self.startup_metrics = {
             "model_load_s": loaded - started,
@@ -150,6 +161,27 @@ class WorkerRuntime:
             "deterministic": self.config.engine.deterministic,
         }
         self.ready.set()
+
+    async def _spawn_core(self) -> float:
+        """The engine core in a process of its own (--engine-process); returns when it is up,
+        with the time its load ended (its warm-up is the rest of the start)."""
+        from tandem.worker.core_client import RemoteEngineCore
+
+        capacity = 2 * self.config.engine.max_loras
+        core = await RemoteEngineCore.spawn(self.config.engine, self.leases is not None, capacity)
+        core.on_stats = self.metrics.observe_step
+        core.on_kv_events = lambda events: self.kv_feed.observe(events)
+        core.leases = self.leases
+        core.on_death = self._core_died
+        self.core = core
+        log.info("engine core process %d up (warm-up %.1f s)", core.pid, core.warmup_s)
+        return time.perf_counter() - core.warmup_s
+
+    def _core_died(self, why: str) -> None:
+        """The engine core process is gone: NOT_SERVING (readiness and liveness) at once, and out;
+        the worker exits non-zero for its supervisor to restart it."""
+        self.failure = why
+        asyncio.ensure_future(self.server.fail(why))
 
     async def _load_encoder(self, started: float) -> None:
         from tandem.worker.encoder import EncoderRuntime
@@ -183,19 +215,33 @@ class WorkerRuntime:
 
     @property
     def kv_layout_hash(self) -> str:
-        return layout_hash(self.engine.runner.kv_layout) if self.engine is not None else ""
+        return layout_hash(self.core.facts.kv_layout) if self.core is not None else ""
 
-    def start_transceiver(self) -> None:
+    async def open_transceiver(self) -> None:
         """A NIXL agent over the KV pool, the thread that polls it, and the phases that use it.
         A new agent name each time, so peers that cached the old one (before a release of the
-        pool) fetch the new state."""
+        pool) fetch the new state. The agent lives beside the pool: in this process with the
+        engine thread, in the engine core process with --engine-process."""
         self._transceiver_generation += 1
         agent_name = (
             f"{self.role.label}-{self.worker_id}-{self.llm_id[:8]}-{self._transceiver_generation}"
         )
+        keeper = self.leases
+        if self.config.engine_process:
+            self.core.on_notification = keeper.on_notification if keeper else None
+            self.poller = await self.core.start_transceiver(
+                agent_name, self.config.nixl_progress_thread
+            )
+            self.transceiver = self.poller.transceiver
+        else:
+            await asyncio.to_thread(self._start_local_transceiver, agent_name)
+        self._start_phases(agent_name)
+
+    def _start_local_transceiver(self, agent_name: str) -> None:
+        # The one place the IO side holds engine memory: the agent registers the KV pool.
         self.transceiver = KvTransceiver(
             agent_name,
-            self.engine.runner.kv_pools,
+            self.core.engine.runner.kv_pools,
             self.kv_layout_hash,
             progress_thread=self.config.nixl_progress_thread,
         )
@@ -207,13 +253,16 @@ class WorkerRuntime:
             on_tick=keeper.expire if keeper else None,
         )
         self.poller.start()
+
+    def _start_phases(self, agent_name: str) -> None:
+        keeper = self.leases
         if self.role is Role.PREFILL:
             self.phases.context = ContextPhase(
                 keeper,
                 self.handoff_format,
                 self.worker_id,
                 agent_name,
-                lambda: self.engine.runner.weights_id,
+                lambda: self.core.weights.weights_id,
             )
         else:
             cfg = self.config
@@ -229,7 +278,7 @@ class WorkerRuntime:
                 on_pulled=self.metrics.observe_kv_pull,
                 load_failure_policy=self.config.kv_load_failure_policy,
                 room_wait_s=self.config.kv_room_wait_s,
-                weights_id=lambda: self.engine.runner.weights_id,
+                weights_id=lambda: self.core.weights.weights_id,
             )
 
     def stop_transceiver(self) -> None:
@@ -244,37 +293,12 @@ class WorkerRuntime:
             self.transceiver.close()
         self.transceiver = self.poller = self._peers = None
 
-    def _warm_up(self) -> None:
-        """One prefill and one decode step so the first real request does not pay for lazy init;
-        the attention kernel's eager variants compiled before any request can need one."""
-        engine = self.engine
-        seconds = engine.runner.precompile_kernels()
-        if seconds:
-            log.info("attention kernel variants compiled in %.1f s", seconds)
-        engine.add_request(
-            "warmup",
-            [min(1, engine.model_config.vocab_size - 1)] * 4,
-            SamplingOptions(max_tokens=2, ignore_eos=True),
-        )
-        while engine.num_unfinished:
-            engine.step()
-        if engine.proposer is not None:
-            engine.proposer.reset()
-        c = engine.counters
-        c.num_steps = c.num_prompt_tokens_computed = c.num_generated_tokens = 0
-        c.num_draft_tokens = c.num_accepted_draft_tokens = c.num_drafted_steps = 0
-        engine.block_manager.num_prefix_query_tokens = (
-            engine.block_manager.num_prefix_hit_tokens
-        ) = 0
-
     def request_stop(self) -> None:
         self.server.request_stop()
 
     async def close(self) -> None:
         if self.core is not None:
-            self.core.stop()
-        if self.engine is not None:
-            self.engine.close()
+            await self.core.aclose()
         if self.encoder is not None:
             self.encoder.close()
         self.stop_transceiver()
@@ -294,7 +318,7 @@ class WorkerRuntime:
         )
         if self.paused and not continues_in_flight:
             raise unavailable("generation is paused (PauseGeneration); call ResumeGeneration first")
-        released = self.engine.released_tags
+        released = self.core.released_tags
         if released:
             raise unavailable(
                 f"memory {released} is released (Release); call Resume({released}) first"
@@ -304,13 +328,14 @@ class WorkerRuntime:
         """Refuses `what` while requests run or KV handoffs wait (checked on the engine thread)."""
         await self.core.call(CheckIdle(what))
 
-    def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
-        bm = self.engine.block_manager
+    async def kv_capacity(self) -> llm_pb2.KvCacheCapacity:
+        limits = self.core.facts.limits
+        snap = await self.core.call(ReadCounters())
         return llm_pb2.KvCacheCapacity(
-            max_num_blocks=bm.num_blocks,
-            tokens_per_block=bm.block_size,
-            max_num_tokens=bm.num_blocks * bm.block_size,
-            num_free_blocks=bm.num_free_blocks,
+            max_num_blocks=limits.num_blocks,
+            tokens_per_block=limits.block_size,
+            max_num_tokens=limits.num_blocks * limits.block_size,
+            num_free_blocks=snap.num_free_blocks,
         )
 
     async def load_adapter(self, request: llm_pb2.GenerateRequest) -> LoRAAdapter | None:
@@ -357,7 +382,7 @@ class WorkerRuntime:
             llm_id=self.llm_id,
             model=os.path.abspath(self.config.engine.model_dir),
             role=self.role.label,
-            max_model_len=self.engine.max_model_len if self.engine else 0,
+            max_model_len=self.core.facts.limits.max_model_len if self.core else 0,
         )
         info.disaggregated_params.update(
             {
@@ -408,6 +433,7 @@ class WorkerRuntime:
             lease_endings=dict(keeper.endings) if keeper else {},
             num_waiting_for_remote_kv=snap.num_waiting_for_remote_kv,
             num_queued_prompt_tokens=snap.num_queued_prompt_tokens,
+            engine_core_pid=getattr(self.core, "pid", os.getpid()),
             num_leases_opened=keeper.num_opened if keeper else 0,
             lora_adapters=[
                 types_pb2.LoRARequest(lora_name=name, lora_int_id=int_id, lora_path=path)

@@ -161,15 +161,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         (None: the router's own split); sink: what takes its outputs instead of its queue
         (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
         tokens the request carries (a public Generate's does)."""
-        engine = self.rt.engine
         options = sampling_options(
             request.sampling_params, self.rt.eos_token_ids, self._encode_plain
         )
         if guide is not None:
             options = dataclasses.replace(options, guide=guide)
         prompt_ids = list(request.prompt.token_ids.ids)
-        engine.check_prompt(len(prompt_ids), prompt_ids)
-        engine.check_options(options)
+        limits = self.rt.core.facts.limits
+        limits.check_prompt(len(prompt_ids), prompt_ids)
+        limits.check_options(options)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
@@ -222,7 +222,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         params = request.sampling_params
         add_special = params.add_special_tokens if params.HasField("add_special_tokens") else True
         ids, text = await self.rt.front.encode_prompt(request.prompt, add_special)
-        self.rt.engine.check_prompt(len(ids), ids)
+        self.rt.core.facts.limits.check_prompt(len(ids), ids)
         out = types_pb2.PreprocessedInputs(
             prompt_token_ids=ids, disaggregated_params=request.disaggregated_params
         )
@@ -242,7 +242,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
 
     async def GetKvCacheCapacity(self, request, context):
-        return self.rt.kv_capacity()
+        return await self.rt.kv_capacity()
 
     async def GetServerInfo(self, request, context):
         return await self.rt.server_info()

@@ -84,6 +84,9 @@ spec:
             {{- with $spec.speculativeConfig }}
             - --speculative-config={{ toJson . }}
             {{- end }}
+            {{- if $spec.engineProcess }}
+            - --engine-process
+            {{- end }}
             {{- if $spec.hostKvCacheGb }}
             - --host-kv-cache-gb={{ $spec.hostKvCacheGb }}
             {{- end }}

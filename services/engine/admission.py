@@ -1,0 +1,79 @@
+"""What a request is checked against before it is queued: the engine's limits as plain data.
+The worker's IO side checks a request against them without touching the engine, and the engine
+checks what reaches it against the same ones (one check each, in one place)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.common.exceptions import ResourceExhaustedError
+from tandem.engine.sampling_options import SamplingOptions
+
+
+class PromptTooLongError(ValueError):
+    """The prompt exceeds the model's context length (INVALID_ARGUMENT)."""
+
+
+class PromptNeverFitsError(ResourceExhaustedError):
+    """The prompt needs more KV blocks than the whole pool has (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    tensor_parallel_size: int = 1
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_prompt(self, num_prompt_tokens: int, vocab_ids: list[int] | None = None) -> None:
+        """Raises the error a prompt of that length (and, given, of those ids) would meet."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; the model's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        needed = self.num_blocks_for(num_prompt_tokens + 1)
+        if needed > self.num_blocks:
+            raise PromptNeverFitsError(
+                f"the prompt needs {needed} KV blocks; the pool has {self.num_blocks}"
+            )
+        if vocab_ids:
+            bad = [t for t in vocab_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:8]}")
+
+    def check_options(self, options: SamplingOptions) -> None:
+        """Token ids in the options index the logits: out of range they would fail a whole step."""
+        vocab = self.vocab_size
+        bad = [t for t in options.stop_token_ids + options.eos_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids / end_id out of vocabulary [0, {vocab}): {bad[:8]}")
+        bad = [t for word in options.bad_words for t in word if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"bad_token_ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        if options.embedding_bias and len(options.embedding_bias) != vocab:
+            raise ValueError(
+                f"embedding_bias has {len(options.embedding_bias)} values; the vocabulary has {vocab}"
+            )
+        if self.tensor_parallel_size > 1:
+            # Rank 0 alone reads prompt rows (a gathered LM head) and copies forked beams' KV.
+            asked = [
+                name
+                for name, on in (
+                    ("prompt_logprobs", bool(options.prompt_logprobs)),
+                    ("return_context_logits", options.return_context_logits),
+                    ("use_beam_search", options.beam_width > 1),
+                )
+                if on
+            ]
+            if asked:
+                raise NotImplementedError(
+                    f"{', '.join(asked)} on a tensor-parallel worker is not supported yet; "
+                    "send it to a worker with --tensor-parallel-size 1"
+                )
