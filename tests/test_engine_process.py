@@ -61,7 +61,7 @@ def test_the_core_is_another_process_and_serves_transformers_tokens(cluster, mod
         for mine, other in zip(seq.logprobs, their.outputs[0].logprobs, strict=True):
             assert mine.keys() == other.keys()
             for token in mine:
-                assert mine[token].logprob == pytest.approx(other[token].logprob, abs=1e-5)
+                assert mine[token].logprob == pytest.approx(other[token].logprob, abs=1e-4)
     assert stats and all("iterLatencyMS" in s for s in stats)
 
 
