@@ -10,6 +10,8 @@
 # fp8check: bench/fp8_check.py (FP8 weights and KV on the device against the CPU reference).
 # det: --deterministic against the default mode, and batch invariance (bench/deterministic.py).
 # multiturn: the host KV tier's multi-turn TTFT (bench/multiturn.py), sessions outgrowing the pool.
+# proc: the served rows with the engine core in its own process (--engine-process) beside the
+#   default, and bench/engine_process.py's served step against in-process (issue 28).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
 set -u
 source bench/gpu_env.sh || exit 1
@@ -94,4 +96,16 @@ if has multiturn; then  # issue 36: 32 sessions of ~0.5-1k tokens against a 4,09
   ckpt && timeout "${MULTITURN_S:-240}" python3 bench/multiturn.py --device cuda --model "$CKPT" \
     --sessions 32 --turns 4 --first-prompt 512 --question 64 --answer 32 --pool-blocks 256 \
     --host-gb 8 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/multiturn.txt" | tail -14
+fi
+if has proc; then  # issue 28: the engine core process against the engine thread, same run
+  for variant in "thread:" "process:--engine-process"; do
+    name=${variant%%:*}; flags=${variant#*:}
+    mkdir -p "$OUT/serve-$name"
+    timeout "${PROC_S:-170}" python3 bench/serve.py --phases serve --rows "${PROC_ROWS:-bs1,c64,offline}" \
+      --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
+      | tee "$OUT/serve-$name.txt" | tail -12
+  done
+  ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \
+    --streams 64,256 --repeats 1 --window 5 --num-blocks 16384 2>&1 | grep -v "NIXL\|Loading weights" \
+    | tee "$OUT/engine-process.txt" | tail -6
 fi
