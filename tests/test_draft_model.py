@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import run_to_completion
 from test_overlap_scheduling import _mixed_options
-from test_speculative import _engine, _full_run, _repetitive_prompts
+from test_speculative import _engine, _repetitive_prompts, assert_same_as_plain
 
 from tandem.engine.sampling_options import SamplingOptions
 
@@ -28,15 +28,7 @@ def test_a_draft_models_drafts_give_the_tokens_of_plain_decoding(model_dirs, dra
     prompts = _repetitive_prompts(10 + k, 7)
     options = _mixed_options(prompts, stop_token=17)
     engine = _engine(model_dirs["llama"], _draft(model_dirs[draft], k))
-    got = _full_run(engine, prompts, options)
-    plain = _full_run(_engine(model_dirs["llama"], None), prompts, options)
-    for rid in prompts:
-        assert got[rid][0] == plain[rid][0], rid
-        for mine, theirs in zip(got[rid][1], plain[rid][1], strict=True):
-            assert (mine or {}).keys() == (theirs or {}).keys(), rid
-            for token, value in (mine or {}).items():
-                assert value == pytest.approx(theirs[token], abs=1e-4), rid
-        assert got[rid][2] == pytest.approx(plain[rid][2], abs=1e-3)
+    assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
     c = engine.counters
     assert c.num_draft_tokens > 0
     if draft == "llama":

@@ -54,15 +54,11 @@ def _full_run(engine, prompts, options):
     return got
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_drafts_give_the_tokens_of_plain_decoding(model_dirs, method, k):
-    prompts = _repetitive_prompts(k, 9)
-    options = _mixed_options(prompts, stop_token=17)
-    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1}
-    engine = _engine(model_dirs["llama"], spec)
+def assert_same_as_plain(engine, model_dir, prompts, options) -> None:
+    """engine (drafting) gives each request plain decoding's tokens, logprobs and cumulative
+    logprob."""
     got = _full_run(engine, prompts, options)
-    plain = _full_run(_engine(model_dirs["llama"], None), prompts, options)
+    plain = _full_run(_engine(model_dir, None), prompts, options)
     for rid in prompts:
         assert got[rid][0] == plain[rid][0], rid
         for mine, theirs in zip(got[rid][1], plain[rid][1], strict=True):
@@ -70,6 +66,16 @@ def test_drafts_give_the_tokens_of_plain_decoding(model_dirs, method, k):
             for token, value in (mine or {}).items():
                 assert value == pytest.approx(theirs[token], abs=1e-4), rid
         assert got[rid][2] == pytest.approx(plain[rid][2], abs=1e-3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_drafts_give_the_tokens_of_plain_decoding(model_dirs, method, k):
+    prompts = _repetitive_prompts(k, 9)
+    options = _mixed_options(prompts, stop_token=17)
+    spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], spec)
+    assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
     c = engine.counters
     assert c.num_draft_tokens > 0 and c.num_accepted_draft_tokens > 0
     assert engine.block_manager.num_free_blocks == 96
