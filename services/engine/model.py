@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; with moe.py's sparse MoE block in
+place of the MLP: Mixtral, Qwen2-MoE, Qwen3-MoE) over the paged KV cache.
 
 Flat batches: every tensor is [num_tokens, ...] with no padding; AttentionMetadata says
 which rows belong to which sequence. q/k/v and gate/up are fused into one matmul each.
@@ -19,6 +20,7 @@ from torch import nn
 
 from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.moe import SparseMoeBlock
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
 from tandem.kernels import dispatch as kernels
 from tandem.kernels.attention_metadata import AttentionMetadata
@@ -189,7 +191,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, tp, fp8_group_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index, tp, fp8_group_size)
+        is_sparse = config.moe is not None and config.moe.is_sparse(layer_index)
+        self.mlp = (SparseMoeBlock if is_sparse else MLP)(config, layer_index, tp, fp8_group_size)
 
     def forward(
         self, hidden, residual, positions, cos_sin, meta, kv_layer, lora=None

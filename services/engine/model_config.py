@@ -9,12 +9,15 @@ from typing import Any
 
 import torch
 
+from tandem.engine.moe_config import MOE_ARCHITECTURES, MoEConfig, parse_moe
+
 # model_type -> architecture name in config.json; the whole Llama family shares one graph.
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -71,6 +74,7 @@ class ModelConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # None: a dense model (moe_config.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -87,7 +91,7 @@ class ModelConfig:
     @property
     def has_o_proj_bias(self) -> bool:
         # Qwen2 puts biases on q/k/v only; Llama's `attention_bias` covers o_proj too.
-        return self.attention_bias and self.model_type != "qwen2"
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -113,6 +117,8 @@ class ModelConfig:
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if model_type == "qwen2":
             attention_bias = True  # hard-wired in Qwen2; its config has no flag for it
+        elif model_type == "qwen2_moe":
+            attention_bias = bool(raw.get("qkv_bias", True))
         else:
             attention_bias = bool(raw.get("attention_bias", False))
         return cls(
@@ -130,10 +136,11 @@ class ModelConfig:
             max_position_embeddings=int(_require(raw, "max_position_embeddings")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=str(dtype).removeprefix("torch."),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
+            moe=parse_moe(model_type, raw),
         )
 
     @classmethod

@@ -1,0 +1,112 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers' implementation
+of the same tiny checkpoints, which transformers itself writes (moe_checkpoints.py): logits of the
+engine's model, greedy tokens served aggregated and split, routing and tensor-parallel cuts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from moe_checkpoints import MOE_MODEL_TYPES, write_tiny_moe_checkpoint
+from test_model import PagedRunner, hf_logits, random_tokens
+
+from tandem.engine.loader import hf_parameter_slices, load_model
+from tandem.engine.model_config import ModelConfig
+from tandem.engine.moe import SparseMoeBlock
+from tandem.kernels.moe import route
+
+ATOL = 1e-4
+
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {t: write_tiny_moe_checkpoint(root / t, t, seed=1) for t in MOE_MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def hf_models(moe_dirs):
+    return {
+        t: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for t, d in moe_dirs.items()
+    }
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_prefill_and_decode_logits_match_transformers(moe_dirs, hf_models, model_type):
+    model, config = load_model(moe_dirs[model_type])
+    tokens = random_tokens(config, 30, seed=4)
+    runner = PagedRunner(model, config, block_size=4)
+    got = [runner.step([(0, tokens[:21])])]
+    got += [runner.step([(0, [token])]) for token in tokens[21:]]
+    torch.testing.assert_close(
+        torch.cat(got), hf_logits(hf_models[model_type], tokens), atol=ATOL, rtol=0
+    )
+
+
+def test_config_reads_each_familys_routing(moe_dirs):
+    mixtral = ModelConfig.from_pretrained(moe_dirs["mixtral"]).moe
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (
+        6,
+        2,
+        True,
+    )
+    assert mixtral.moe_intermediate_size == 96 and mixtral.float32_routing_weights
+    qwen3 = ModelConfig.from_pretrained(moe_dirs["qwen3_moe"])
+    assert qwen3.qk_norm and qwen3.moe.sparse_layers == (1, 2) and qwen3.moe.norm_topk_prob
+    qwen2 = ModelConfig.from_pretrained(moe_dirs["qwen2_moe"])
+    assert qwen2.moe.shared_expert_intermediate_size == 80 and not qwen2.moe.norm_topk_prob
+    assert qwen2.attention_bias and not qwen2.has_o_proj_bias
+    model, _ = load_model(moe_dirs["qwen3_moe"])
+    assert not isinstance(model.layers[0].mlp, SparseMoeBlock)  # mlp_only_layers
+    assert isinstance(model.layers[1].mlp, SparseMoeBlock)
+
+
+def test_route_matches_transformers_routers():
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 16, generator=gen)
+    for norm in (False, True):
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=norm
+        )
+        router = Qwen3MoeTopKRouter(config)
+        router.weight.data = torch.randn(8, 16, generator=gen)
+        _, weights, ids = router(hidden)
+        got_weights, got_ids = route(hidden @ router.weight.T, 3, norm)
+        assert torch.equal(got_ids, ids)
+        torch.testing.assert_close(got_weights, weights)
+    mixtral = MixtralTopKRouter(
+        transformers.MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2)
+    )
+    mixtral.weight.data = torch.randn(8, 16, generator=gen)
+    _, weights, ids = mixtral(hidden)
+    got_weights, got_ids = route(hidden @ mixtral.weight.T, 2, True)
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_weights, weights)
+
+
+def test_weight_update_slices_cover_every_expert(moe_dirs):
+    model, config = load_model(moe_dirs["qwen2_moe"])
+    slices = hf_parameter_slices(model)
+    block = "model.layers.1.mlp"
+    assert slices[f"{block}.experts.3.up_proj.weight"] == (
+        "layers.1.mlp.experts.gate_up_proj",
+        (2 * 3 + 1) * 32,
+        (2 * 3 + 2) * 32,
+    )
+    assert slices[f"{block}.experts.2.down_proj.weight"] == (
+        "layers.1.mlp.experts.down_proj",
+        2 * 64,
+        3 * 64,
+    )
+    assert slices[f"{block}.shared_expert.up_proj.weight"][1:] == (80, 160)
+
+
+def test_fp8_experts_are_refused_before_any_read(moe_dirs):
+    with pytest.raises(ValueError, match="FP8 weights are not supported for mixtral's experts"):
+        load_model(moe_dirs["mixtral"], quantization="fp8")
