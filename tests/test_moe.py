@@ -7,12 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import run_to_completion
 from moe_checkpoints import MOE_MODEL_TYPES, write_tiny_moe_checkpoint
 from test_model import PagedRunner, hf_logits, random_tokens
 
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import hf_parameter_slices, load_model
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.moe import SparseMoeBlock
+from tandem.engine.parallel import TensorParallel
+from tandem.engine.sampling_options import SamplingOptions
 from tandem.kernels.moe import route
 
 ATOL = 1e-4
@@ -110,3 +115,62 @@ def test_weight_update_slices_cover_every_expert(moe_dirs):
 def test_fp8_experts_are_refused_before_any_read(moe_dirs):
     with pytest.raises(ValueError, match="FP8 weights are not supported for mixtral's experts"):
         load_model(moe_dirs["mixtral"], quantization="fp8")
+
+
+class _PartialSum(TensorParallel):
+    """A rank whose all-reduce leaves its partial result: the test adds the ranks' results up."""
+
+    def all_reduce(self, x):
+        return x
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_tensor_parallel_expert_shards_sum_to_the_full_block(moe_dirs, model_type):
+    full, config = load_model(moe_dirs[model_type])
+    layer = config.moe.sparse_layers[-1]
+    x = torch.randn(11, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    want = full.layers[layer].mlp(x)
+    partial = []
+    for rank in range(2):
+        shard, _ = load_model(moe_dirs[model_type], tp=_PartialSum(rank, 2))
+        block = shard.layers[layer].mlp
+        assert block.experts.intermediate_size == config.moe.moe_intermediate_size // 2
+        partial.append(block(x))
+    torch.testing.assert_close(sum(partial), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_tp2_engine_gives_transformers_greedy_tokens(moe_dirs, hf_models):
+    """Two ranks (gloo, one follower process), each a slice of every expert and of the shared
+    expert: Qwen2-MoE's greedy tokens equal transformers'."""
+    engine = LLMEngine(
+        EngineConfig(
+            str(moe_dirs["qwen2_moe"]),
+            block_size=4,
+            num_blocks=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            tensor_parallel_size=2,
+            max_loras=0,
+        )
+    )
+    try:
+        prompts = {f"r{i}": random_tokens(engine.model_config, 6 + 9 * i, seed=i) for i in range(3)}
+        got = run_to_completion(engine, prompts, SamplingOptions(max_tokens=8, ignore_eos=True))
+    finally:
+        engine.close()
+    for rid, ids in prompts.items():
+        assert got[rid] == _hf_greedy(hf_models["qwen2_moe"], ids, 8), rid
+
+
+def _hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
