@@ -164,13 +164,55 @@ def test_tp2_engine_gives_transformers_greedy_tokens(moe_dirs, hf_models):
 
 
 def _hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' argmax tokens, one full forward each, past any EOS (as ignore_eos)."""
+    tokens = list(ids)
     with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=0,
+        for _ in range(max_new_tokens):
+            tokens.append(int(hf_model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(ids) :]
+
+
+def _prompts(config: ModelConfig) -> list[list[int]]:
+    return [[1] + random_tokens(config, n, seed=n) for n in (3, 17, 29)]
+
+
+def test_engine_with_chunked_prefill_gives_transformers_greedy_tokens(moe_dirs, hf_models):
+    """Mixtral in one engine: a 16-token budget chunks the prompts, decodes batch together."""
+    engine = LLMEngine(
+        EngineConfig(
+            str(moe_dirs["mixtral"]),
+            block_size=4,
+            num_blocks=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
         )
-    return out[0, len(ids) :].tolist()
+    )
+    prompts = dict(enumerate(_prompts(engine.model_config)))
+    got = run_to_completion(engine, prompts, SamplingOptions(max_tokens=10, ignore_eos=True))
+    for rid, ids in prompts.items():
+        assert got[rid] == _hf_greedy(hf_models["mixtral"], ids, 10), rid
+
+
+@pytest.mark.timeout(150)
+def test_served_split_and_aggregated_give_transformers_greedy_tokens(moe_dirs, hf_models):
+    """Qwen3-MoE behind a router: prefill + decode (the KV moved by NIXL) and an aggregated worker."""
+    from tandem.client import LLM, SamplingParams
+    from tandem.testing.cluster import LocalCluster, client_kwargs_for
+
+    model_dir = moe_dirs["qwen3_moe"]
+    prompts = _prompts(ModelConfig.from_pretrained(model_dir))
+    expected = [_hf_greedy(hf_models["qwen3_moe"], p, 8) for p in prompts]
+    engine_args = ["--model", str(model_dir), "--num-blocks", "64", "--block-size", "4"]
+    with LocalCluster(
+        roles=["prefill", "decode", "both"], engine_args=engine_args, metrics=False
+    ) as cluster:
+        for address in (cluster.address, cluster.workers[2].address):
+            with LLM(address, **client_kwargs_for(address)) as llm:
+                outs = [
+                    llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts
+                ]
+            assert [list(out.outputs[0].token_ids) for out in outs] == expected, address
+            if address == cluster.address:  # the router split each request
+                decode = cluster.workers[1].address
+                assert all(out.metrics.served_by[-1] == decode for out in outs)
+                assert all(out.metrics.kv_transfer_bytes > 0 for out in outs)
