@@ -76,6 +76,7 @@ _SHAPE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "qk_norm",
+    "moe",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
