@@ -229,7 +229,12 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H] through its top-k experts' SwiGLU MLPs (w_gate_up [E, 2I, H], w_down [E, H, I]),
     weighted and summed per token: one grouped GEMM per projection on the Triton backend
-    (moe_triton.py), the per-expert torch loop otherwise (moe.py)."""
+    (moe_triton.py), the per-expert torch loop otherwise (moe.py). Under
+    batch_invariant.batch_invariant(): the torch loop with fixed row tiles on every backend."""
+    if batch_invariant.is_enabled():
+        return moe_reference.fused_moe(
+            x, w_gate_up, w_down, topk_weights, topk_ids, linear=batch_invariant.linear
+        )
     if backend_for(x.device) == "triton":
         return _triton_module("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return moe_reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)

@@ -9,6 +9,8 @@ transformers' experts module does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,10 +35,12 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """x [T, H] through the experts topk_ids [T, k] picks, each output scaled by its weight
     (topk_weights [T, k], float32 or x's dtype: the product is rounded to x's dtype once) and
-    summed per token -> [T, H] in x's dtype."""
+    summed per token -> [T, H] in x's dtype. linear: the GEMM (batch_invariant.linear under
+    --deterministic: a token's rows then do not depend on who else chose its experts)."""
     out = torch.zeros_like(x)
     num_experts = w_gate_up.shape[0]
     # Which (token, slot) pairs each expert serves, from one sort rather than E comparisons.
@@ -51,8 +55,8 @@ def fused_moe(
         pairs = order[start : start + count]
         start += count
         tokens = pairs // top_k
-        act = silu_and_mul(F.linear(x.index_select(0, tokens), w_gate_up[expert]))
-        y = F.linear(act, w_down[expert])
+        act = silu_and_mul(linear(x.index_select(0, tokens), w_gate_up[expert]))
+        y = linear(act, w_down[expert])
         scale = topk_weights.reshape(-1).index_select(0, pairs)
         out.index_add_(0, tokens, (y.float() * scale.float()[:, None]).to(x.dtype))
     return out

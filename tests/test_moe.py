@@ -216,3 +216,15 @@ def test_served_split_and_aggregated_give_transformers_greedy_tokens(moe_dirs, h
                 decode = cluster.workers[1].address
                 assert all(out.metrics.served_by[-1] == decode for out in outs)
                 assert all(out.metrics.kv_transfer_bytes > 0 for out in outs)
+
+
+def test_deterministic_mode_keeps_a_tokens_moe_output_whatever_its_batch(moe_dirs):
+    from tandem.kernels.batch_invariant import batch_invariant
+
+    model, config = load_model(moe_dirs["qwen3_moe"])
+    block = model.layers[1].mlp
+    x = torch.randn(45, config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with batch_invariant(), torch.inference_mode():
+        batched = block(x)
+        for row in (0, 17, 44):
+            assert torch.equal(block(x[row : row + 1]), batched[row : row + 1]), row
