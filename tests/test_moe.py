@@ -194,15 +194,20 @@ def test_engine_with_chunked_prefill_gives_transformers_greedy_tokens(moe_dirs, 
 
 
 @pytest.mark.timeout(150)
-def test_served_split_and_aggregated_give_transformers_greedy_tokens(moe_dirs, hf_models):
-    """Qwen3-MoE behind a router: prefill + decode (the KV moved by NIXL) and an aggregated worker."""
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_served_split_and_aggregated_give_transformers_greedy_tokens(
+    moe_dirs, hf_models, model_type
+):
+    """Behind a router: prefill + decode (the KV moved by NIXL) and an aggregated worker, a
+    16-token budget chunking the longer prompts."""
     from tandem.client import LLM, SamplingParams
     from tandem.testing.cluster import LocalCluster, client_kwargs_for
 
-    model_dir = moe_dirs["qwen3_moe"]
+    model_dir = moe_dirs[model_type]
     prompts = _prompts(ModelConfig.from_pretrained(model_dir))
-    expected = [_hf_greedy(hf_models["qwen3_moe"], p, 8) for p in prompts]
+    expected = [_hf_greedy(hf_models[model_type], p, 8) for p in prompts]
     engine_args = ["--model", str(model_dir), "--num-blocks", "64", "--block-size", "4"]
+    engine_args += ["--max-num-batched-tokens", "16"]
     with LocalCluster(
         roles=["prefill", "decode", "both"], engine_args=engine_args, metrics=False
     ) as cluster:
