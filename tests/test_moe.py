@@ -233,3 +233,39 @@ def test_deterministic_mode_keeps_a_tokens_moe_output_whatever_its_batch(moe_dir
         batched = block(x)
         for row in (0, 17, 44):
             assert torch.equal(block(x[row : row + 1]), batched[row : row + 1]), row
+
+
+def test_lora_adapters_on_attention_equal_transformers_peft(moe_dirs, tmp_path):
+    """A MoE model takes adapters on q/k/v/o (its dense layer 0 included); one on the experts'
+    projections is refused when loaded."""
+    from lora_adapters import PeftOracle, write_adapter
+
+    from tandem.engine.lora_adapter import AdapterStore
+
+    model_dir = moe_dirs["qwen3_moe"]
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    path = write_adapter(model_dir, tmp_path / "qkvo", seed=3, rank=4, targets=targets, std=0.2)
+    engine = LLMEngine(
+        EngineConfig(str(model_dir), num_blocks=64, block_size=4, max_loras=2, max_lora_rank=8)
+    )
+    store = AdapterStore(engine.model_config, 8, engine.runner.dtype, capacity=2)
+    adapter = store.load("qkvo", 1, str(path))
+    greedy = SamplingOptions(max_tokens=6, eos_token_ids=(2,))
+    requests = {}
+    for i, prompt in enumerate(_prompts(engine.model_config)[:2]):
+        requests[f"lora{i}"] = (prompt, path)
+        requests[f"base{i}"] = (prompt, None)
+        engine.add_request(f"lora{i}", prompt, greedy, adapter=adapter)
+        engine.add_request(f"base{i}", prompt, greedy)
+    got = {rid: [] for rid in requests}
+    while engine.num_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    oracle = PeftOracle(model_dir)
+    for rid, (prompt, adapter_path) in requests.items():
+        assert got[rid] == oracle.greedy(prompt, 6, adapter_path), rid
+    assert got["lora0"] != got["base0"] or got["lora1"] != got["base1"]
+    mlp = ("gate_proj", "up_proj")
+    experts = write_adapter(model_dir, tmp_path / "mlp", seed=4, targets=mlp, std=0.2)
+    with pytest.raises(ValueError, match="mlp.*is not a LoRA factor"):
+        store.load("mlp", 2, str(experts))
