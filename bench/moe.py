@@ -239,7 +239,9 @@ def served_rows(device, shape: dict, num_layers: int, copy_gbs: float) -> None:
     for batch in (1, 32):
         for i in range(batch):
             prompt = [rng.randrange(3, 300) for _ in range(64)]
-            engine.add_request(f"b{batch}-{i}", prompt, SamplingOptions(max_tokens=10_000))
+            engine.add_request(
+                f"b{batch}-{i}", prompt, SamplingOptions(max_tokens=1000, ignore_eos=True)
+            )
         for _ in range(3):  # prefill, then decode steps (graphs captured at start-up)
             engine.step()
         num = 20

@@ -4,6 +4,8 @@ engine's model, greedy tokens served aggregated and split, routing and tensor-pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -16,7 +18,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.loader import hf_parameter_slices, load_model
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.moe import SparseMoeBlock
-from tandem.engine.parallel import TensorParallel
+from tandem.engine.parallel import TensorParallel, check_divisible
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.kernels.moe import route
 
@@ -64,6 +66,9 @@ def test_config_reads_each_familys_routing(moe_dirs):
     qwen2 = ModelConfig.from_pretrained(moe_dirs["qwen2_moe"])
     assert qwen2.moe.shared_expert_intermediate_size == 80 and not qwen2.moe.norm_topk_prob
     assert qwen2.attention_bias and not qwen2.has_o_proj_bias
+    odd = dataclasses.replace(qwen2, moe=dataclasses.replace(qwen2.moe, moe_intermediate_size=31))
+    with pytest.raises(ValueError, match="moe_intermediate_size=31"):
+        check_divisible(odd, 2)
     model, _ = load_model(moe_dirs["qwen3_moe"])
     assert not isinstance(model.layers[0].mlp, SparseMoeBlock)  # mlp_only_layers
     assert isinstance(model.layers[1].mlp, SparseMoeBlock)
@@ -269,3 +274,24 @@ def test_lora_adapters_on_attention_equal_transformers_peft(moe_dirs, tmp_path):
     experts = write_adapter(model_dir, tmp_path / "mlp", seed=4, targets=mlp, std=0.2)
     with pytest.raises(ValueError, match="mlp.*is not a LoRA factor"):
         store.load("mlp", 2, str(experts))
+
+
+def test_config_as_qwen_publishes_it_and_its_refusals():
+    from tandem.engine.moe_config import parse_moe
+
+    raw = {
+        "num_hidden_layers": 6,
+        "num_experts": 128,  # Qwen's own configs: num_experts, not num_local_experts
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
+    moe = parse_moe("qwen3_moe", raw)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.sparse_layers) == (128, 8, (1, 5))
+    assert not moe.has_shared_expert and parse_moe("qwen3", raw) is None
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and"):
+        parse_moe("qwen3_moe", {**raw, "num_experts": 8, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        parse_moe("qwen2_moe", {**raw, "moe_intermediate_size": None})
