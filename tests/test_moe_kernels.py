@@ -28,6 +28,7 @@ CASES = [
     (37, 64, 96, 6, 2, (16, 32, 32, 4)),
     (20, 32, 16, 16, 4, (32, 16, 16, 2)),
     (9, 40, 24, 3, 1, None),
+    (12, 32, 16, 64, 8, None),  # Qwen3-MoE-like routing: many experts, top-8, few tokens each
 ]
 
 
