@@ -167,6 +167,26 @@ def tile_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     return block_m, 64, 64, 4
 
 
+def precompile_variants(
+    w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+) -> None:
+    """Launches fused_moe once per row tile tile_config can pick (1, 17 and 33 pairs an expert),
+    with the layer's weights, top-k and routing-weight dtype, so that serving compiles no variant
+    (a compile mid-serving stalls every request for about a second)."""
+    num_experts, hidden, device = w_gate_up.shape[0], w_gate_up.shape[2], w_gate_up.device
+    for pairs_per_expert in (1, 17, 33):
+        num_tokens = -(-pairs_per_expert * num_experts // top_k)
+        # Row r takes experts r*k .. r*k+k-1 (mod E): distinct within a row, as top-k's are.
+        ids = torch.arange(num_tokens * top_k, device=device).remainder(num_experts)
+        fused_moe(
+            torch.zeros(num_tokens, hidden, dtype=w_gate_up.dtype, device=device),
+            w_gate_up,
+            w_down,
+            torch.ones(num_tokens, top_k, dtype=weights_dtype, device=device),
+            ids.view(num_tokens, top_k),
+        )
+
+
 def align_tiles(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

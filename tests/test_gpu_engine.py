@@ -427,3 +427,24 @@ def test_moe_graphs_match_eager_and_transformers(tmp_path, model_type):
     assert graphed.runner.graphs.is_captured
     assert got == run_to_completion(_engine(model_dir, enforce_eager=True), prompts, greedy)
     assert got == _hf_greedy(model_dir, prompts, 16, eos=2)
+
+
+def test_no_moe_variant_compiles_after_the_warm_up(tmp_path):
+    """precompile_kernels compiles the fused MoE kernel's row tiles: prompts of any length and
+    decode batches of any size launch no new variant."""
+    from moe_checkpoints import write_tiny_moe_checkpoint
+
+    from tandem.kernels import moe_triton
+
+    model_dir = write_tiny_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=2)
+    engine = _engine(model_dir, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512)
+    engine.runner.precompile_kernels()
+    kernels = (moe_triton._gate_up_kernel, moe_triton._down_kernel)
+    before = [_num_compiled(k) for k in kernels]
+    rng = random.Random(6)
+    prompts = {
+        f"m{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 400))]
+        for i in range(12)
+    }
+    run_to_completion(engine, prompts, SamplingOptions(max_tokens=8, ignore_eos=True))
+    assert [_num_compiled(k) for k in kernels] == before

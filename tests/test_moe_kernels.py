@@ -114,3 +114,10 @@ def test_the_engines_moe_block_on_the_triton_backend(monkeypatch):
         monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
         got = block(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_precompile_launches_every_row_tile():
+    x, w_gate_up, w_down, _, _ = _inputs(1, 16, 8, 8, 2, torch.float32, 0)
+    tiles = {moe_triton.tile_config(-(-n * 8 // 2) * 2, 8)[0] for n in (1, 17, 33)}
+    assert tiles == {16, 32, 64}
+    moe_triton.precompile_variants(w_gate_up, w_down, 2, torch.float32)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.common.exceptions import PreconditionError
+from tandem.engine import moe
 from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
@@ -253,8 +254,8 @@ class ModelRunner:
                 )
 
     def precompile_kernels(self) -> float:
-        """Compiles the attention variants eager steps can launch (paged_attention_triton), so no
-        compile stalls serving; returns the seconds it took (0 where Triton does not run)."""
+        """Compiles the attention variants eager steps can launch (paged_attention_triton) and the
+        MoE kernel's (moe_triton), so no compile stalls serving; returns the seconds it took (0 where Triton does not run)."""
         if self.device.type != "cuda" or backend_for(self.device) != "triton":
             return 0.0
         from tandem.kernels.paged_attention_triton import precompile_eager_variants
@@ -263,6 +264,7 @@ class ModelRunner:
         precompile_eager_variants(
             self.kv_cache[:, 0], self.model.layers[0].self_attn.num_heads, self.dtype
         )
+        moe.precompile(self.model)  # the MoE kernel's row tiles (nothing for a dense model)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 

@@ -105,6 +105,18 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
+def precompile(model: nn.Module) -> None:
+    """Compiles the fused MoE kernel's variants for model's sparse layers (they share one shape)
+    before serving; a no-op for a dense model. Only where the Triton backend runs."""
+    from tandem.kernels import moe_triton
+
+    block = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+    if block is not None:
+        w_gate_up, w_down = block.experts.stacked()
+        dtype = torch.float32 if block.float32_routing_weights else w_down.dtype
+        moe_triton.precompile_variants(w_gate_up, w_down, block.top_k, dtype)
+
+
 def _layer_and_rest(engine_name: str) -> tuple[int, str] | None:
     parts = engine_name.split(".", 3)
     if len(parts) < 4 or parts[0] != "layers" or parts[2] != "mlp":
