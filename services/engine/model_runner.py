@@ -255,7 +255,8 @@ class ModelRunner:
 
     def precompile_kernels(self) -> float:
         """Compiles the attention variants eager steps can launch (paged_attention_triton) and the
-        MoE kernel's (moe_triton), so no compile stalls serving; returns the seconds it took (0 where Triton does not run)."""
+        MoE kernel's (moe_triton), so no compile stalls serving; returns the seconds it took (0
+        where Triton does not run)."""
         if self.device.type != "cuda" or backend_for(self.device) != "triton":
             return 0.0
         from tandem.kernels.paged_attention_triton import precompile_eager_variants
