@@ -11,6 +11,8 @@
 # det: --deterministic against the default mode, and batch invariance (bench/deterministic.py).
 # multiturn: the host KV tier's multi-turn TTFT (bench/multiturn.py), sessions outgrowing the pool.
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
+# moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
+# Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -94,4 +96,8 @@ if has multiturn; then  # issue 36: 32 sessions of ~0.5-1k tokens against a 4,09
   ckpt && timeout "${MULTITURN_S:-240}" python3 bench/multiturn.py --device cuda --model "$CKPT" \
     --sessions 32 --turns 4 --first-prompt 512 --question 64 --answer 32 --pool-blocks 256 \
     --host-gb 8 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/multiturn.txt" | tail -14
+fi
+if has moe; then  # issue 29: grouped-GEMM MoE kernel vs torch, per token count, and a served row
+  timeout "${MOE_S:-300}" python3 bench/moe.py --device cuda --served-layers "${MOE_LAYERS:-4}" 2>&1 \
+    | grep -v "NIXL\|Loading weights" | tee "$OUT/moe.txt" | tail -20
 fi
