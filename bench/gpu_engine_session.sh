@@ -13,6 +13,8 @@
 # proc: the served rows with the engine core in its own process (--engine-process) beside the
 #   default, and bench/engine_process.py's served step against in-process (issue 28).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
+# moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
+# Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
 set -u
 source bench/gpu_env.sh || exit 1
 PARTS=${PARTS:-tests fidelity lora serve kernels pull}
@@ -108,4 +110,8 @@ if has proc; then  # issue 28: the engine core process against the engine thread
   ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \
     --streams 64,256 --repeats 1 --window 5 --num-blocks 16384 2>&1 | grep -v "NIXL\|Loading weights" \
     | tee "$OUT/engine-process.txt" | tail -6
+fi
+if has moe; then  # issue 29: grouped-GEMM MoE kernel vs torch, per token count, and a served row
+  timeout "${MOE_S:-300}" python3 bench/moe.py --device cuda --served-layers "${MOE_LAYERS:-4}" 2>&1 \
+    | grep -v "NIXL\|Loading weights" | tee "$OUT/moe.txt" | tail -20
 fi

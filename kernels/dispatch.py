@@ -20,6 +20,7 @@ from tandem.kernels import fp8 as fp8_reference
 from tandem.kernels import fused as fused_reference
 from tandem.kernels import greedy as greedy_reference
 from tandem.kernels import lora as lora_reference
+from tandem.kernels import moe as moe_reference
 from tandem.kernels import paged_attention as reference
 from tandem.kernels.attention_metadata import AttentionMetadata
 
@@ -224,3 +225,23 @@ def fp8_silu_mul_linear(
     if _takes_gemv(gate_up, weight) and not batch_invariant.is_enabled():
         return _triton_module("gemv_triton").fp8_silu_mul_gemv(gate_up, weight, weight_scale)
     return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H] through its top-k experts' SwiGLU MLPs (w_gate_up [E, 2I, H], w_down [E, H, I]),
+    weighted and summed per token: one grouped GEMM per projection on the Triton backend
+    (moe_triton.py), the per-expert torch loop otherwise (moe.py). Under
+    batch_invariant.batch_invariant(): the torch loop with fixed row tiles on every backend."""
+    if batch_invariant.is_enabled():
+        return moe_reference.fused_moe(
+            x, w_gate_up, w_down, topk_weights, topk_ids, linear=batch_invariant.linear
+        )
+    if backend_for(x.device) == "triton":
+        return _triton_module("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return moe_reference.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)

@@ -359,3 +359,92 @@ def test_no_attention_variant_compiles_after_the_warm_up(model_dirs):
         _num_compiled(kernel._attention_kernel),
         _num_compiled(kernel._merge_splits_kernel),
     ) == before
+
+
+def test_fused_moe_matches_the_reference_on_qwen3_30b_a3b_shapes():
+    """The grouped-GEMM MoE kernel (moe_triton.py) against the torch loop (moe.py): Qwen3-30B-A3B's
+    layer (hidden 2048, 128 experts, top-8, intermediate 768) in bf16 for a decode row up to a
+    prefill chunk, a small float32 one, and a CUDA graph captured with one routing replayed with
+    another (the grid depends on the token count only)."""
+    from tandem.kernels import moe, moe_triton
+
+    gen = torch.Generator("cuda").manual_seed(2)
+
+    def layer(hidden, experts, inter, dtype):
+        w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda")
+        w_down = torch.randn(experts, hidden, inter, generator=gen, device="cuda")
+        return (w_gate_up * hidden**-0.5).to(dtype), (w_down * inter**-0.5).to(dtype)
+
+    def routing(tokens, experts, top_k):
+        logits = torch.randn(tokens, experts, generator=gen, device="cuda")
+        return moe.route(logits, top_k, renormalize=True)
+
+    w_gate_up, w_down = layer(2048, 128, 768, torch.bfloat16)
+    for tokens in (1, 37, 300):
+        x = torch.randn(tokens, 2048, generator=gen, device="cuda").bfloat16()
+        weights, ids = routing(tokens, 128, 8)
+        got = moe_triton.fused_moe(x, w_gate_up, w_down, weights, ids)
+        want = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    small_gate_up, small_down = layer(96, 6, 40, torch.float32)
+    x = torch.randn(19, 96, generator=gen, device="cuda")
+    weights, ids = routing(19, 6, 2)
+    torch.testing.assert_close(
+        moe_triton.fused_moe(x, small_gate_up, small_down, weights, ids),
+        moe.fused_moe(x, small_gate_up, small_down, weights, ids),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    x = torch.randn(16, 2048, generator=gen, device="cuda").bfloat16()
+    weights, ids = routing(16, 128, 8)
+    moe_triton.fused_moe(x, w_gate_up, w_down, weights, ids)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_triton.fused_moe(x, w_gate_up, w_down, weights, ids)
+    new_weights, new_ids = routing(16, 128, 8)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.testing.assert_close(out, moe_triton.fused_moe(x, w_gate_up, w_down, weights, ids))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_graphs_match_eager_and_transformers(tmp_path, model_type):
+    """A tiny MoE checkpoint written by transformers, served with decode graphs (the fused MoE
+    kernel inside them) and eagerly: transformers' greedy tokens."""
+    from moe_checkpoints import write_tiny_moe_checkpoint
+
+    model_dir = write_tiny_moe_checkpoint(tmp_path / model_type, model_type, seed=1)
+    rng = random.Random(5)
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(3, 40))]
+        for i in range(7)
+    }
+    greedy = {rid: SamplingOptions(max_tokens=16, eos_token_ids=(2,)) for rid in prompts}
+    graphed = _engine(model_dir)
+    got = run_to_completion(graphed, prompts, greedy)
+    assert graphed.runner.graphs.is_captured
+    assert got == run_to_completion(_engine(model_dir, enforce_eager=True), prompts, greedy)
+    assert got == _hf_greedy(model_dir, prompts, 16, eos=2)
+
+
+def test_no_moe_variant_compiles_after_the_warm_up(tmp_path):
+    """precompile_kernels compiles the fused MoE kernel's row tiles: prompts of any length and
+    decode batches of any size launch no new variant."""
+    from moe_checkpoints import write_tiny_moe_checkpoint
+
+    from tandem.kernels import moe_triton
+
+    model_dir = write_tiny_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=2)
+    engine = _engine(model_dir, dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512)
+    engine.runner.precompile_kernels()
+    kernels = (moe_triton._gate_up_kernel, moe_triton._down_kernel)
+    before = [_num_compiled(k) for k in kernels]
+    rng = random.Random(6)
+    prompts = {
+        f"m{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 400))]
+        for i in range(12)
+    }
+    run_to_completion(engine, prompts, SamplingOptions(max_tokens=8, ignore_eos=True))
+    assert [_num_compiled(k) for k in kernels] == before

@@ -2,10 +2,10 @@
 rank's share of each (safetensors' get_slice reads just those bytes from the mapped file).
 
 A rank's share is the cut parallel.shard_parameter makes of the full engine parameter: its rows
-of each part of a column-parallel projection (q/k/v, gate/up; fused in the file too for Phi-3),
-its columns of a row-parallel weight (o_proj, down_proj), its vocabulary rows of the embedding
-and the LM head (zero-padded to the equal share), a row-parallel bias on rank 0 only (zeros
-elsewhere), norms whole.
+of each part of a column-parallel projection (q/k/v, gate/up; fused in the file too for Phi-3;
+every MoE expert's gate/up), its columns of a row-parallel weight (o_proj, down_proj, every
+expert's down), its vocabulary rows of the embedding and the LM head (zero-padded to the equal
+share), a row-parallel bias on rank 0 only (zeros elsewhere), norms and MoE routers whole.
 """
 
 from __future__ import annotations
@@ -84,7 +84,13 @@ def read_rank_share(
     """Rank tp.rank's share of engine parameter `name` (loader naming), made of the HF tensors
     `parts`, read slice by slice: equal to shard_parameter(name, cat(parts whole), ...)."""
     module = name.rsplit(".", 1)[0]
-    if module.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
+    # A MoE block's (moe.py): every expert's gate|up rows, or its down columns, part by part.
+    moe_rows = name.endswith(("mlp.experts.gate_up_proj", "mlp.shared_expert.gate_up_proj.weight"))
+    if name.endswith(("mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")):
+        return torch.cat(
+            [files.columns(p, *shard_range(files.shape(p)[1], tp.rank, tp.size)) for p in parts]
+        )
+    if moe_rows or module.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
         if len(parts) == 1:  # fused in the file too: the rank's rows of each sub-part
             ranges, offset = [], 0
             for rows in _fused_part_rows(config, module):

@@ -15,6 +15,7 @@ import torch
 from tandem.engine.checkpoint_reader import CheckpointFiles, read_rank_share
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.moe import hf_tensor_names as moe_hf_tensor_names
 from tandem.engine.parallel import TensorParallel, check_divisible, shard_parameter
 from tandem.engine.quant_formats import to_engine_tensors, weight_format
 from tandem.kernels.fp8 import FP8
@@ -51,7 +52,7 @@ def _expected_hf_names(model: CausalLM) -> dict[str, tuple[str, ...]]:
     fused_in_checkpoint = model.config.model_type in _FUSED_IN_CHECKPOINT
     for name, _ in model.named_parameters():
         module, leaf = name.rsplit(".", 1)
-        parts = None
+        parts = moe_hf_tensor_names(name, model.config)
         for fused, sources in () if fused_in_checkpoint else _FUSED.items():
             if module.endswith(fused):
                 prefix = module[: -len(fused)]
@@ -80,10 +81,13 @@ def hf_parameter_slices(model: CausalLM) -> dict[str, tuple[str, int, int]]:
             slices[parts[0]] = (name, 0, shapes[name][0])
             continue
         module = name.rsplit(".", 1)[0]
-        fused = next(f for f in _FUSED if module.endswith(f))
+        fused = next((f for f in _FUSED if module.endswith(f)), None)
+        # A fused parameter of a MoE block (moe.py) is made of equal parts: experts, gate|up.
+        sources = _FUSED[fused] if fused else [None] * len(parts)
         start = 0
-        for hf, source in zip(parts, _FUSED[fused]):
-            end = start + _part_rows(model.config, source)
+        for hf, source in zip(parts, sources):
+            rows = shapes[name][0] // len(parts)
+            end = start + (_part_rows(model.config, source) if source else rows)
             slices[hf] = (name, start, end)
             start = end
         if start != shapes[name][0]:

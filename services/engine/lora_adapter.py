@@ -70,6 +70,8 @@ def lora_modules(config: ModelConfig) -> dict[str, LoRAModule]:
         LoRAModule("gate_up_proj", ("gate_proj", "up_proj"), hidden, (0, inter, 2 * inter)),
         LoRAModule("down_proj", ("down_proj",), inter, (0, hidden)),
     )
+    if config.moe is not None:  # a MoE layer's experts take no adapters (moe.py): attention only
+        modules = modules[:2]
     return {m.kind: m for m in modules}
 
 

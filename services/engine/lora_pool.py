@@ -171,7 +171,10 @@ class LoRABatch:
         self.meta = meta
 
     def apply(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y [T, out] (the base projection of x [T, in]) += the LoRA of each token's adapter, in place."""
+        """y [T, out] (the base projection of x [T, in]) += the LoRA of each token's adapter, in place.
+        A kind the pool does not hold (the MLPs of a MoE model: lora_adapter.lora_modules) adds nothing."""
+        if kind not in self.pool.modules:
+            return
         buf = kernels.lora_shrink(x, self.pool.a[kind][layer], self.meta)
         kernels.lora_expand(
             buf, self.pool.b[kind][layer], self.meta, y, self.pool.modules[kind].slice_bounds

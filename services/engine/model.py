@@ -1,6 +1,7 @@
 """The decoder over the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text),
-Phi-3, OLMo 2, Granite. One graph; ModelConfig says where a family departs from Llama, and
-family_layers.py holds the residual arrangements other than Llama's (Gemma's, OLMo 2's).
+Phi-3, OLMo 2, Granite; Mixtral, Qwen2-MoE, Qwen3-MoE (moe.py's sparse MoE block in place of the
+MLP). One graph; ModelConfig says where a family departs from Llama, and family_layers.py holds
+the residual arrangements other than Llama's (Gemma's, OLMo 2's).
 
 Flat batches: every tensor is [num_tokens, ...] with no padding; AttentionMetadata says
 which rows belong to which sequence. q/k/v and gate/up are fused into one matmul each.
@@ -20,6 +21,7 @@ from torch import nn
 
 from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.moe import SparseMoeBlock
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
 from tandem.engine.rope import rope_cos_sin_table
 from tandem.kernels import dispatch as kernels
@@ -218,7 +220,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index, tp, fp8_group_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_index, tp, fp8_group_size)
+        # Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's sparse block in place of the MLP.
+        is_sparse = config.moe is not None and config.moe.is_sparse(layer_index)
+        self.mlp = (SparseMoeBlock if is_sparse else MLP)(config, layer_index, tp, fp8_group_size)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.moe_config import MOE_ARCHITECTURES, MoEConfig, parse_moe
 from tandem.engine.rope import parse_scaling
 
 # model_type -> architecture name in config.json. One decoder graph serves them all; the fields
@@ -23,8 +24,11 @@ SUPPORTED_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    **MOE_ARCHITECTURES,
 }
 _GEMMA = ("gemma2", "gemma3_text")
+# Qwen2/Qwen3 and their MoE variants: a sliding window only with use_sliding_window.
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,10 +77,16 @@ def _layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         return types
     model_type = raw.get("model_type")
-    if model_type in ("mistral", "phi3"):
+    # Qwen3-MoE's config in transformers has no max_window_layers: every layer slides.
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return ["sliding_attention"] * num_layers
+    first = int(raw.get("max_window_layers") or 0)
+    if model_type == "qwen2_moe":  # transformers' own rule: every other layer below the bound
+        return [
+            "sliding_attention" if (i + 1) % 2 and i < first else "full_attention"
+            for i in range(num_layers)
+        ]
     if model_type in ("qwen2", "qwen3"):
-        first = int(raw.get("max_window_layers") or 0)
         return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if model_type == "gemma2":
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
@@ -93,9 +103,9 @@ def _layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """Each layer's sliding window in tokens, 0 for full attention. Qwen2/Qwen3 window only with
     use_sliding_window (their configs carry a sliding_window either way)."""
     window = raw.get("sliding_window")
-    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+    if raw.get("model_type") in _QWEN and not raw.get("use_sliding_window"):
         window = None
-    if raw.get("model_type") not in ("mistral", "phi3", "qwen2", "qwen3", *_GEMMA):
+    if raw.get("model_type") not in ("mistral", "phi3", "mixtral", *_QWEN, *_GEMMA):
         window = None
     if not window:
         return (0,) * num_layers
@@ -178,6 +188,7 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # The sliding layers' own rope (theta, scaling), Gemma 3; None: every layer uses the global one.
     local_rope: tuple[float, dict[str, Any] | None] | None = None
+    moe: MoEConfig | None = None  # None: a dense model (moe_config.py)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -232,6 +243,13 @@ class ModelConfig:
             notes.append(f"soft-caps {self.attn_softcap:g}/{self.final_softcap:g}")
         if self.norm_style != "pre":
             notes.append(f"{self.norm_style} norms")
+        if self.moe is not None:
+            shared = ", a shared expert" if self.moe.has_shared_expert else ""
+            notes.append(
+                f"MoE: {self.moe.num_experts} experts, top-{self.moe.num_experts_per_tok} on "
+                f"{len(self.moe.sparse_layers)} of {self.num_layers} layers{shared}, fused "
+                f"grouped GEMM on CUDA"
+            )
         detail = f" ({', '.join(notes)})" if notes else ""
         return f"{self.model_type}: tandem's native decoder, paged attention{detail}"
 
@@ -253,7 +271,7 @@ class ModelConfig:
     @property
     def has_o_proj_bias(self) -> bool:
         # Qwen2 puts biases on q/k/v only; Llama's `attention_bias` covers o_proj too.
-        return self.attention_bias and self.model_type != "qwen2"
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -283,6 +301,8 @@ class ModelConfig:
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if model_type == "qwen2":
             attention_bias = True  # hard-wired in Qwen2; its config has no flag for it
+        elif model_type == "qwen2_moe":
+            attention_bias = bool(raw.get("qkv_bias", True))
         else:
             attention_bias = bool(raw.get("attention_bias", False))
         return cls(
@@ -300,13 +320,14 @@ class ModelConfig:
             max_position_embeddings=int(_require(raw, "max_position_embeddings")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _GEMMA)),
             attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "olmo2"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
             dtype=str(dtype).removeprefix("torch."),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             layer_windows=_layer_windows(raw, num_layers),
             local_rope=_local_rope(raw, head_dim),
             **_family_fields(model_type, raw, hidden_size),
+            moe=parse_moe(model_type, raw),
         )
 
     @classmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.common.exceptions import PreconditionError
+from tandem.engine import moe
 from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import DecodeGraphs
@@ -76,6 +77,7 @@ _SHAPE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "qk_norm",
+    "moe",
 )
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -263,8 +265,9 @@ class ModelRunner:
                 )
 
     def precompile_kernels(self) -> float:
-        """Compiles the attention variants eager steps can launch (paged_attention_triton), so no
-        compile stalls serving; returns the seconds it took (0 where Triton does not run)."""
+        """Compiles the attention variants eager steps can launch (paged_attention_triton) and the
+        MoE kernel's (moe_triton), so no compile stalls serving; returns the seconds it took (0
+        where Triton does not run)."""
         if self.device.type != "cuda" or backend_for(self.device) != "triton":
             return 0.0
         from tandem.kernels.paged_attention_triton import precompile_eager_variants
@@ -276,6 +279,7 @@ class ModelRunner:
             self.dtype,
             self.model_config.attention_scorings,
         )
+        moe.precompile(self.model)  # the MoE kernel's row tiles (nothing for a dense model)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 

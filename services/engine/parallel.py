@@ -4,7 +4,9 @@ Megatron's split: q/k/v and gate/up are column-parallel (each rank owns whole he
 the intermediate size), o_proj and down_proj are row-parallel (each rank multiplies its slice and an
 all-reduce sums the partial products), the embedding and the LM head are vocab-parallel (each rank
 owns ceil(vocab / size) rows, zero-padded at the end; lookups outside a rank's rows give zeros that
-the all-reduce fills, logits are all-gathered). Norms and rotary tables are replicated.
+the all-reduce fills, logits are all-gathered). Norms and rotary tables are replicated. MoE
+experts (moe.py) are cut like the dense MLP, each rank a slice of every expert's intermediate
+size; the router is replicated.
 
 Every cut here is a pure function of (tensor, rank, size) so the math is tested without processes.
 A TensorParallel of size 1 is the identity: no collective runs and no tensor is copied.
@@ -66,8 +68,13 @@ def check_divisible(config: ModelConfig, size: int) -> None:
     group outnumbers them is not implemented)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-        value = getattr(config, name)
+    sizes = {
+        name: getattr(config, name) for name in ("num_heads", "num_kv_heads", "intermediate_size")
+    }
+    if config.moe is not None:  # every expert is cut along its intermediate size
+        sizes["moe_intermediate_size"] = config.moe.moe_intermediate_size
+        sizes["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
+    for name, value in sizes.items():
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size={size} does not divide the model's {name}={value}: each rank "
@@ -130,6 +137,16 @@ def shard_parameter(
     if size == 1:
         return tensor
     leaf = name.rsplit(".", 1)[-1]
+    if config.moe is not None and ".mlp." in name:
+        moe = config.moe
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E * 2I, H]: each expert's gate, up
+            return shard_fused(
+                tensor, [moe.moe_intermediate_size] * (2 * moe.num_experts), rank, size
+            )
+        if name.endswith("mlp.shared_expert.gate_up_proj.weight"):
+            return shard_fused(tensor, [moe.shared_expert_intermediate_size] * 2, rank, size)
+        if name.endswith(("mlp.experts.down_proj", "mlp.shared_expert.down_proj.weight")):
+            return shard_columns(tensor, rank, size)  # [E * H, I]: every expert's columns at once
     if name.endswith("self_attn.qkv_proj." + leaf):
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         return shard_fused(tensor, [q, kv, kv], rank, size)
