@@ -9,8 +9,9 @@ In-process: an LLMEngine alone runs the batch (every sequence decoding) and the 
 is taken over --steps steps. Served: a router and one aggregated worker; the client streams
 --streams requests at once (ignore_eos, long enough to outlast the window) and, once all decode,
 the worker's step count over --window seconds gives the served step period (GetWorkerState's
-num_steps: every step the engine ran, whatever its cost); beside it in brackets, the steps' own
-time as the worker's iteration stats report it (iterLatencyMS). The ratio served / in-process is
+num_steps: every step the engine ran, whatever its cost); beside it in brackets, the worker's
+iterLatencyMS (from a step's launch to its outputs: with overlap scheduling two steps overlap, so
+it runs up to twice the period). The ratio served / in-process is
 what the serving path adds to a step: the engine thread waiting on the gRPC side's interpreter.
 Run it on an otherwise idle machine: the in-process and served runs take turns.
 """
