@@ -749,9 +749,9 @@ class LLMEngine:
             seq.stop_token_id,
             seq.num_prompt_tokens,
             seq.num_cached_prompt_tokens,
-            kept,
-            [ranks],
-            seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
+            kept_block_ids=kept,
+            new_ranks=[ranks],
+            prompt_logprobs=seq.prompt_logprobs if first and seq.options.prompt_logprobs else None,
         )
         out.first_scheduled_at = seq.first_scheduled_at
         if first and seq.context_logits:

@@ -180,9 +180,6 @@ class StepOutput:
     kept_block_ids: list[int] | None = None
     # Vocabulary ranks of the new_logprobs entries, one dict per token (None where not asked).
     new_ranks: list[dict[int, int] | None] = field(default_factory=list)
-    # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
-    # the loop, as the output is delivered).
-    lease: Lease | None = None
     # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
     # sequence's first output only.
     prompt_logprobs: list[tuple[dict[int, float], dict[int, int]]] | None = None
@@ -197,6 +194,9 @@ class StepOutput:
     # The sequence's perf metrics so far (engine/perf_metrics.SequencePerf) on each of its outputs,
     # when its options ask for them (return_perf_metrics); the worker sends the last one.
     perf: SequencePerf | None = None
+    # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
+    # the loop, as the output is delivered; never set by the engine).
+    lease: Lease | None = None
 
 
 @dataclass
