@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.engine.checkpoints import tiny_model_dir
@@ -78,6 +81,10 @@ def in_process_step_ms(args, streams: int) -> float:
         engine.step()
     seconds = time.perf_counter() - started
     engine.close()
+    del engine  # the served cluster that comes next needs the device's memory back
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return seconds / args.steps * 1e3
 
 

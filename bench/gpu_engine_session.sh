@@ -25,8 +25,8 @@ PARTS=${PARTS:-tests fidelity lora serve kernels pull}
 } 2>&1 | tee "$OUT/session.txt"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  timeout "${PYTEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_lora_gpu.py \
-    $(ls tests/test_tensor_parallel_gpu.py 2>/dev/null) 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
+  timeout "${PYTEST_S:-130}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider ${PYTEST_FILES:-tests/test_gpu_engine.py tests/test_lora_gpu.py \
+    $(ls tests/test_tensor_parallel_gpu.py 2>/dev/null)} 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
 fi
 if has fidelity; then  # issue 9's server features on the GPU against the CPU
   timeout "${FIDELITY_S:-120}" python3 bench/gpu_fidelity_check.py 2>&1 | grep -v NIXL | tee "$OUT/fidelity.txt" | tail -20
@@ -82,7 +82,7 @@ if has fp8; then  # issue 30: the same rows per precision, one cluster each
     if [ -n "${FP8_ONLY:-}" ] && [ "$name" != "$FP8_ONLY" ]; then continue; fi
     mkdir -p "$OUT/serve-$name"
     timeout "${FP8_S:-170}" python3 bench/serve.py --phases serve --rows "${FP8_ROWS:-bs1,c64,offline,ttft}" \
-      --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
+      --engine-extra="$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
       | tee "$OUT/serve-$name.txt" | tail -12
   done
 fi
@@ -104,7 +104,7 @@ if has proc; then  # issue 28: the engine core process against the engine thread
     name=${variant%%:*}; flags=${variant#*:}
     mkdir -p "$OUT/serve-$name"
     timeout "${PROC_S:-170}" python3 bench/serve.py --phases serve --rows "${PROC_ROWS:-bs1,c64,offline}" \
-      --engine-extra "$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
+      --engine-extra="$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
       | tee "$OUT/serve-$name.txt" | tail -12
   done
   ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \

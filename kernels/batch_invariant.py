@@ -15,6 +15,13 @@ tile walks past a row does not change the row.
 
 The rest of the decoder is row-wise already on the CPU (RMSNorm's mean, the sampler's softmax,
 log-sum-exp and sorts reduce within a row; measured bitwise equal for 1 to 256 rows).
+
+On a GPU the torch schedule above is not enough: cuBLAS picks its batched-GEMM kernel by the
+number of items, and torch's CUDA reductions split a row's sum differently with the number of
+rows. There attention runs the Triton kernel with one launch configuration and one key segment
+for every step (a row's keys in the same tiles, in the same order, in a decode step or in any
+prefill chunk), and GEMMs run in calls of GPU_ROW_TILE rows; the norms, SwiGLU, rotary and the
+greedy draw are Triton kernels of one program per row already.
 """
 
 from __future__ import annotations
@@ -27,8 +34,13 @@ import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 
-# Rows per GEMM call. 16 rows keep a decode step's padding small and a prefill's calls few.
+# Rows per attention tile of the torch schedule, and per GEMM call on the CPU: 16 rows keep a
+# decode step's padding small and a prefill's calls few.
 ROW_TILE = 16
+# Rows per GEMM call on a GPU: a cuBLAS call of up to 64 rows reads the weights once at about the
+# cost of one row (memory-bound), so a decode batch of up to 64 pays one weight read a step, not
+# one per 16 rows (measured on an H100: 16-row tiles ran a 64-sequence decode 4x slower).
+GPU_ROW_TILE = 64
 # Keys per attention chunk, from position 0 of the sequence.
 KV_CHUNK = 128
 
@@ -50,17 +62,24 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
+def gemm_row_tile(device: torch.device) -> int:
+    """Rows per GEMM call on `device`: fixed per device type, whatever the step holds."""
+    return GPU_ROW_TILE if device.type == "cuda" else ROW_TILE
+
+
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn over x [T, K] in calls of exactly ROW_TILE rows (zero-padded), concatenated: [T, N]."""
+    """fn over x [T, K] in calls of exactly gemm_row_tile rows (zero-padded), concatenated:
+    [T, N]."""
     num_rows = x.shape[0]
     if num_rows == 0:
         return fn(x)
-    padded_rows = -(-num_rows // ROW_TILE) * ROW_TILE
+    tile = gemm_row_tile(x.device)
+    padded_rows = -(-num_rows // tile) * tile
     if padded_rows != num_rows:
         x = torch.cat([x, x.new_zeros(padded_rows - num_rows, *x.shape[1:])])
     else:
         x = x.contiguous()
-    tiles = [fn(x[start : start + ROW_TILE]) for start in range(0, padded_rows, ROW_TILE)]
+    tiles = [fn(x[start : start + tile]) for start in range(0, padded_rows, tile)]
     return torch.cat(tiles)[:num_rows]
 
 
@@ -164,7 +183,19 @@ def paged_attention(
     that depends on each row's position alone: the rows of a KV head (its query heads at each
     position) in tiles of ROW_TILE, keys in chunks of KV_CHUNK from position 0, float32
     throughout. Sequences of one tile per KV head (decodes, short chunks) share one bmm per
-    chunk; a longer one runs its tiles against its own keys, one tile at a time."""
+    chunk; a longer one runs its tiles against its own keys, one tile at a time.
+
+    On the Triton backend: the GPU kernel with its schedule pinned (one launch configuration for
+    every step, keys walked from position 0 in one segment), whose rows do not depend on their
+    neighbours either; it reads no host-side list, so decode CUDA graphs capture it."""
+    from tandem.kernels.dispatch import backend_for
+
+    if backend_for(kv_layer.device) == "triton":
+        from tandem.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            query, kv_layer, meta, scale, kv_scales, window, softcap, batch_invariant=True
+        )
     starts = meta.host_query_start_loc()
     seq_lens = meta.host_seq_lens()
     group = query.shape[1] // kv_layer.shape[-2]

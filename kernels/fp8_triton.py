@@ -25,13 +25,17 @@ def to_e4m3_grid(x, inv_scale):
     # e4m3's largest magnitude, written here: a compiled kernel reads no global that is not a
     # tl.constexpr (the interpreter does, which is how a global here went unnoticed on the CPU).
     x = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
     # e4m3 keeps 3 mantissa bits down to 2^-6; below, subnormals are spaced 2^-9.
     step_exponent = tl.maximum(exponent, -6) - 3
     # Adding 1.5 * 2^(23 + step_exponent) leaves no float32 bit below the step: the add rounds.
     magic = (((step_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)) * 1.5
     rounded = (tl.abs(x) + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)  # -0.0 stays -0.0, as torch's cast keeps it
+    # x's sign bit on the magnitude: a negative value that rounds to zero is -0.0, as torch's
+    # cast gives (a compiled kernel negates as 0 - x, which turns +0.0 into +0.0, not -0.0).
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -486,6 +486,7 @@ def paged_attention_triton(
     softcap: float = 0.0,
     *,
     num_kv_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal GQA attention of each sequence's new tokens over its whole paged KV.
 
@@ -493,6 +494,9 @@ def paged_attention_triton(
     query sees its last `window` keys only; softcap > 0: scores capped (paged_attention.py).
     `num_kv_splits` overrides the key-segment count (tests); else `meta.num_kv_splits` (fixed per
     captured CUDA graph), else one is picked per grid size and context length.
+    batch_invariant (--deterministic): one launch configuration for every step (the decode one)
+    and one key segment, so a row's keys are walked in the same tiles and order whatever the
+    step holds (tiles past a row's position are masked for it and leave it exactly as it was).
     """
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
@@ -530,11 +534,11 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    config = launch_config(meta.max_query_len > 1, dim_pad)
+    config = launch_config(meta.max_query_len > 1 and not batch_invariant, dim_pad)
     block_q = max(1, config.rows // group_pad)
     tile_n = config.tile_n
     num_q_blocks = triton.cdiv(meta.max_query_len, block_q)
-    num_splits = num_kv_splits or meta.num_kv_splits
+    num_splits = 1 if batch_invariant else num_kv_splits or meta.num_kv_splits
     if num_splits is None:
         # NUM_SPLITS is a compile-time constant: one value per batch shape would JIT-compile new
         # kernels while serving (seconds each on an H200). Powers of two bound that to a handful;

@@ -48,7 +48,8 @@ OPTIONS = {
 CASES = [(0, 16), (0, 64), (2, 64), (20, 16), (63, 512)]
 
 
-def _engine(model_dir, deterministic: bool, budget: int) -> LLMEngine:
+def _engine(model_dir, deterministic: bool, budget: int, **config) -> LLMEngine:
+    """config: more EngineConfig fields (test_deterministic_gpu.py: device and dtype)."""
     return LLMEngine(
         EngineConfig(
             str(model_dir),
@@ -57,6 +58,7 @@ def _engine(model_dir, deterministic: bool, budget: int) -> LLMEngine:
             max_num_seqs=64,
             max_num_batched_tokens=budget,
             deterministic=deterministic,
+            **config,
         )
     )
 
@@ -80,7 +82,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingOptions
     return {rid: (t, lp, torch.stack(lg) if lg else None) for rid, (t, lp, lg) in got.items()}
 
 
-def _target_run(model_dir, deterministic, name, num_others, budget):
+def _target_run(model_dir, deterministic, name, num_others, budget, **config):
     """The target among num_others others; the first of them, sharing its prefix, arrives first:
     under a small budget the target reads those blocks from the prefix cache."""
     others = {
@@ -94,7 +96,7 @@ def _target_run(model_dir, deterministic, name, num_others, budget):
     requests = dict(list(others.items())[:1])
     requests["target"] = (TARGET, OPTIONS[name], [])
     requests.update(others)
-    engine = _engine(model_dir, deterministic, budget)
+    engine = _engine(model_dir, deterministic, budget, **config)
     got = _run(engine, requests)["target"]
     if (num_others, budget) == (20, 16):
         assert engine.target_cached > 0, "the case meant to hit the prefix cache did not"

@@ -236,6 +236,24 @@ def test_gemvs_match_cublas_on_llama_8b_shapes():
     _close_bf16(gemv_triton.silu_mul_gemv(gate_up, down), gemv.silu_mul_gemv(gate_up, down))
 
 
+def _same_bytes(got_q, want_q, x, scale) -> None:
+    """The FP8 bytes equal; else the first few that differ, with what produced them."""
+    differ = (got_q.view(torch.uint8) != want_q.view(torch.uint8)).nonzero().tolist()
+    if not differ:
+        return
+    group = x.shape[1] // scale.shape[1]
+    lines = []
+    for row, col in differ[:6]:
+        value, s = x[row, col].float(), scale[row, col // group]
+        lines.append(
+            f"[{row},{col}] x={value.item()!r} scale={s.item()!r} x/scale={(value / s).item()!r} "
+            f"x*(1/scale)={(value * (1 / s)).item()!r} torch={want_q[row, col].float().item()!r} "
+            f"(0x{want_q.view(torch.uint8)[row, col].item():02x}) "
+            f"kernel={got_q[row, col].float().item()!r} (0x{got_q.view(torch.uint8)[row, col].item():02x})"
+        )
+    raise AssertionError(f"{len(differ)} of {x.numel()} FP8 bytes differ:\n" + "\n".join(lines))
+
+
 def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     """The FP8 GEMVs (weight-only dequantization) within bf16 output rounding of the dequantized
     product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's."""
@@ -254,7 +272,7 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
             want_q, want_s = fp8.quantize_rows(acts, groups)
             got_q, got_s = fp8_triton.quantize_rows(acts, groups)
             assert torch.equal(got_s, want_s)
-            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+            _same_bytes(got_q, want_q, acts, want_s)
     gate_up = torch.randn(1, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
     for groups in (1, 14336 // 128):  # row-scaled and block-scaled down_proj
         w, s = fp8.quantize_rows(

@@ -87,6 +87,34 @@ def test_split_kv_matches_reference(case, num_kv_splits):
     assert_matches_reference(*batch, num_kv_splits=num_kv_splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_pinned_schedule_gives_a_row_the_same_bits_in_any_step(dtype):
+    """--deterministic's schedule (batch_invariant=True): each sequence's rows alone are bitwise
+    its rows in a step of decodes and prefill chunks, and a chunk's last row is bitwise that row
+    computed as a decode step; it still computes attention (against the reference)."""
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 32
+    shape = [(1, 70), (12, 40), (1, 5), (30, 30), (1, 130), (3, 200)]
+    query, kv_layer, meta = make_batch(
+        block_size, num_heads, num_kv_heads, head_dim, shape, dtype, seed=11
+    )
+    scale = head_dim**-0.5
+    batched = paged_attention_triton(query, kv_layer, meta, scale, batch_invariant=True)
+    expected = reference.paged_attention(query.float(), kv_layer.float(), meta, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batched.float(), expected, atol=tol, rtol=tol)
+    starts = meta.query_start_loc.tolist()
+    for b, (query_len, seq_len) in enumerate(shape):
+        table = meta.block_tables[b, : triton.cdiv(seq_len, block_size)].tolist()
+        rows, want = query[starts[b] : starts[b + 1]], batched[starts[b] : starts[b + 1]]
+        alone = AttentionMetadata.build([query_len], [seq_len], [table], block_size)
+        assert torch.equal(
+            paged_attention_triton(rows, kv_layer, alone, scale, batch_invariant=True), want
+        )
+        last = AttentionMetadata.build([1], [seq_len], [table], block_size)
+        got = paged_attention_triton(rows[-1:], kv_layer, last, scale, batch_invariant=True)
+        assert torch.equal(got, want[-1:]), (query_len, seq_len)
+
+
 def test_store_kv_matches_reference_on_strided_inputs():
     gen = torch.Generator().manual_seed(3)
     num_tokens, num_kv_heads, head_dim, block_size = 9, 2, 32, 4

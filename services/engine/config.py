@@ -95,8 +95,8 @@ class EngineConfig:
         False,
         "batch-invariant numerics: a request's tokens, logprobs and logits are bitwise the same "
         "whatever it is batched with, however its prompt is chunked, aggregated or split "
-        "(greedy and seeded sampling; fixed-shape GEMM tiles and attention chunks, no CUDA "
-        "graphs; LoRA requests refused)",
+        "(greedy and seeded sampling; fixed-shape GEMM tiles and a fixed attention schedule; "
+        "LoRA requests refused)",
     )
 
     speculative_config: str = _flag(

@@ -246,8 +246,8 @@ class ModelRunner:
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
         # A follower rank's copy of those draws (rank 0 broadcasts them).
         self._follower_tokens: torch.Tensor | None = None
-        if config.enforce_eager or config.deterministic:
-            pass  # the batch-invariant attention walks host-side chunk lists: eager only
+        if config.enforce_eager or (config.deterministic and backend_for(self.device) != "triton"):
+            pass  # the torch batch-invariant attention walks host-side chunk lists: eager only
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
             log.warning(
                 "decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly"
@@ -540,7 +540,9 @@ class ModelRunner:
         """The captured function: the decode forward of batch_size rows from the input buffers (and
         the adapters of their LoRA indices)."""
         splits = None
-        if self.device.type == "cuda":
+        if self.config.deterministic:
+            splits = 1  # the batch-invariant schedule: one key segment (paged_attention_triton)
+        elif self.device.type == "cuda":
             from tandem.kernels.paged_attention_triton import graph_num_splits
 
             splits = graph_num_splits(batch_size, self.num_local_kv_heads, self.device)
