@@ -28,6 +28,7 @@ from tandem.engine.checkpoints import resolve_model, tiny_model_dir
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.kernels import batch_invariant
 
 WORKLOADS = {
     # name: (requests, prompt length range, new tokens, what the rate counts)
@@ -67,7 +68,18 @@ def main() -> None:
     parser.add_argument(
         "--alone", type=int, default=8, help="c64 requests also run alone (batch invariance)"
     )
+    parser.add_argument(
+        "--gpu-row-tile",
+        type=int,
+        default=None,
+        help="rows per GEMM call of the deterministic mode on a GPU (an experiment: the engine "
+        f"uses batch_invariant.GPU_ROW_TILE = {batch_invariant.GPU_ROW_TILE})",
+    )
     args = parser.parse_args()
+    if args.gpu_row_tile is not None:
+        if args.gpu_row_tile < 1:
+            parser.error("--gpu-row-tile must be >= 1")
+        batch_invariant.GPU_ROW_TILE = args.gpu_row_tile
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -96,7 +108,10 @@ def main() -> None:
         for deterministic in (False, True)
     }
     vocab_size = engines[False].model_config.vocab_size
-    print(f"model {model_dir}, device {args.device}, best of {args.repeats} after a warm-up")
+    print(
+        f"model {model_dir}, device {args.device}, best of {args.repeats} after a warm-up, "
+        f"deterministic GEMM row tile {batch_invariant.gemm_row_tile(engines[True].runner.device)}"
+    )
     print("| workload | default tok/s | deterministic tok/s | ratio | tokens equal |")
     print("| --- | --- | --- | --- | --- |")
     for name in names:

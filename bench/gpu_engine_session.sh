@@ -91,8 +91,13 @@ ckpt() {  # the 8B-shaped random checkpoint bench/serve.py writes (kept between 
   python3 -c "import sys, torch; from pathlib import Path; sys.path.insert(0, 'bench'); from serve import SHAPES, write_checkpoint; write_checkpoint(Path('$CKPT'), SHAPES['llama-3.1-8b'], torch.device('cuda:0'))"
 }
 if has det; then  # issue 33: the deterministic mode's cost and its batch invariance on the GPU
-  ckpt && timeout "${DET_S:-240}" python3 bench/deterministic.py --device cuda --model "$CKPT" \
-    --repeats "${DET_REPEATS:-2}" 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/deterministic.txt" | tail -10
+  # DET_TILES="128 256": the same rows again per GEMM row tile (bench/deterministic.py --gpu-row-tile).
+  for tile in ${DET_TILES:-default}; do
+    tile_flag=$([ "$tile" = default ] || echo "--gpu-row-tile $tile")
+    ckpt && timeout "${DET_S:-240}" python3 bench/deterministic.py --device cuda --model "$CKPT" \
+      --repeats "${DET_REPEATS:-2}" --alone "${DET_ALONE:-8}" $tile_flag 2>&1 | grep -v "NIXL\|Loading weights" \
+      | tee "$OUT/deterministic-$tile.txt" | tail -10
+  done
 fi
 if has multiturn; then  # issue 36: 32 sessions of ~0.5-1k tokens against a 4,096-token device pool
   ckpt && timeout "${MULTITURN_S:-240}" python3 bench/multiturn.py --device cuda --model "$CKPT" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Source on a device machine (the device tool): installs the carried wheels in .whl (`make gpu-wheels`)
-# (nixl + nixl-cu13 for Python 3.12, grpc health/reflection, protobuf) and maps the
+# (nixl + nixl-cu13 for Python 3.12, grpc health/reflection, protobuf, pyzmq + msgspec for
+# --engine-process; py-spy when added by hand: with it .whl outgrows a call's 64 MiB) and maps the
 # source tree onto the tandem namespace, without pip-installing the project.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 mkdir -p /tmp/ns/tandem

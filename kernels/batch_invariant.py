@@ -37,10 +37,12 @@ from tandem.kernels.attention_metadata import AttentionMetadata
 # Rows per attention tile of the torch schedule, and per GEMM call on the CPU: 16 rows keep a
 # decode step's padding small and a prefill's calls few.
 ROW_TILE = 16
-# Rows per GEMM call on a GPU: a cuBLAS call of up to 64 rows reads the weights once at about the
-# cost of one row (memory-bound), so a decode batch of up to 64 pays one weight read a step, not
-# one per 16 rows (measured on an H100: 16-row tiles ran a 64-sequence decode 4x slower).
-GPU_ROW_TILE = 64
+# Rows per GEMM call on a GPU. A cuBLAS call of a few hundred rows still costs about one read of
+# the weights, and every tile of a step reads them again: measured on an H100 with the 8B shape
+# (bench/deterministic.py --gpu-row-tile, bench/RESULTS.md), 64 / 128 / 256 rows gave the
+# default's 0.78 / 0.75 / 0.64x at batch 1, 0.50 / 0.64 / 0.71x at 64 concurrent and
+# 0.24 / 0.42 / 0.70x on prefill: 256 rows, the best over the rows together.
+GPU_ROW_TILE = 256
 # Keys per attention chunk, from position 0 of the sequence.
 KV_CHUNK = 128
 
