@@ -373,3 +373,64 @@ def test_tandem_up_hands_tls_and_the_cluster_token_to_its_children(pki, model_di
     finally:
         os.killpg(up.pid, signal.SIGINT)
         assert up.wait(timeout=60) == 0
+
+
+def test_a_client_aborts_its_request_through_another_router(pki, model_dirs, tmp_path):
+    """Two routers with client certificates: the client's Abort on the router that does not
+    carry its stream reaches the request (the workers know its client), another client's does
+    not, and the stream ends cancelled with every block free."""
+    import asyncio
+
+    from tandem.client import AsyncLLM
+
+    tls = TlsConfig(str(pki["node"].cert), str(pki["node"].key), str(pki["ca"].cert))
+    # gRPC names a TLS peer by its certificate's subject alternative names: one name a client.
+    client = pki["ca"].issue(tmp_path, "client-a", hosts=("client-a.example",))
+    other_client = pki["ca"].issue(tmp_path, "client-b", hosts=("client-b.example",))
+
+    def identity(cert):
+        return {
+            "root_certificates": pki["ca"].cert.read_bytes(),
+            "certificate_chain": cert.cert.read_bytes(),
+            "private_key": cert.key.read_bytes(),
+        }
+
+    with LocalCluster(
+        roles=["both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "8",
+        ],
+        tls=tls,
+    ) as c:
+        second = c.add_router("router-2", [])
+
+        async def go():
+            streaming = await AsyncLLM(c.address, **identity(client))
+            same_client = await AsyncLLM(second.address, **identity(client))
+            stranger = await AsyncLLM(second.address, **identity(other_client))
+            try:
+                result = streaming.generate_async(
+                    [1, 5, 9], SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+                )
+                verdicts = []
+                async for out in result:
+                    if not verdicts and len(out.outputs[0].token_ids) >= 4:
+                        verdicts.append(await stranger.abort(result.request_id))
+                        verdicts.append(await same_client.abort(result.request_id))
+                        verdicts.append(await same_client.abort("no-such-request"))
+                return out, verdicts
+            finally:
+                for llm in (streaming, same_client, stranger):
+                    llm.close()
+
+        out, verdicts = asyncio.run(asyncio.wait_for(go(), 120))
+        assert verdicts == [False, True, False]
+        assert out.outputs[0].finish_reason == "cancelled"
+        assert len(out.outputs[0].token_ids) < 1500
+        with LLM(c.address, **identity(client)) as llm:
+            assert_all_blocks_free(llm)

@@ -13,7 +13,7 @@ from google.protobuf import struct_pb2
 
 from tandem.common import tracing
 from tandem.common.auth import ADMIN_METHODS
-from tandem.common.callers import caller_of, may_abort
+from tandem.common.callers import CLIENT_METADATA, caller_of, holds_admin_token, may_abort
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
@@ -153,11 +153,28 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
 
     async def Abort(self, request, context):
         route = self.routes.get(request.request_id)
+        if route is None:
+            return llm_pb2.AbortResponse(aborted=await self._abort_elsewhere(request, context))
         # Another client's request is none of this caller's business: it is answered as unknown.
-        if route is None or not may_abort(context, route.client, self.config.admin_token):
+        if not may_abort(context, route.client, self.config.admin_token):
             return llm_pb2.AbortResponse(aborted=False)
         await route.abort()
         return llm_pb2.AbortResponse(aborted=True)
+
+    async def _abort_elsewhere(self, request, context) -> bool:
+        """An id this router does not carry may run through another router of the cluster (a
+        client spread over several): the workers hold its legs and the client each was made
+        for, so the Abort goes to every ready worker naming this caller (or with the admin
+        token, when the caller holds it); the router carrying the request then ends its stream
+        as aborted."""
+        metadata = [(CLIENT_METADATA, caller_of(context))]
+        if holds_admin_token(context, self.config.admin_token):
+            metadata += self.pool.admin_metadata
+        replies = await asyncio.gather(
+            *(w.llm.Abort(request, metadata=metadata, timeout=5) for w in self.pool.ready_workers),
+            return_exceptions=True,
+        )
+        return any(isinstance(r, llm_pb2.AbortResponse) and r.aborted for r in replies)
 
     async def _any(self, method: str, request):
         return await getattr(self.pool.pick(None).llm, method)(request)

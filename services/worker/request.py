@@ -126,6 +126,9 @@ class WorkerRequest:
         # its context phase's handoff is for (None: the router's own split).
         self.owner = ""
         self.client: str | None = None
+        # The client the request is made for, on every leg (a split's too): an Abort that another
+        # router passes on names it (WorkerServicer.Abort).
+        self.requester: str | None = None
         self.stream: asyncio.Queue = asyncio.Queue()
         self.metrics = RequestMetricsState()
         # W3C trace context of the request's span here (common/tracing.py; empty: untraced).

@@ -11,7 +11,16 @@ import uuid
 from google.protobuf import json_format
 
 from tandem.common import tracing
-from tandem.common.callers import SPLIT_METADATA, caller_of, client_of, may_abort, metadata_value
+from tandem.common.auth import is_loopback_peer
+from tandem.common.callers import (
+    CLIENT_METADATA,
+    SPLIT_METADATA,
+    caller_of,
+    client_of,
+    holds_admin_token,
+    may_abort,
+    metadata_value,
+)
 from tandem.common.engine_messages import generate_request
 from tandem.common.errors import PreconditionError, invalid, unavailable
 from tandem.common.logs import bind
@@ -61,10 +70,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def Generate(self, request: llm_pb2.GenerateRequest, context):
         bind(request_id=request.request_id, worker=self.rt.worker_id)
         tracker, text_request, adapter, guide = await self._prepare(request)
-        client = None if metadata_value(context, SPLIT_METADATA) else client_of(context)
+        requester = client_of(context)
+        client = None if metadata_value(context, SPLIT_METADATA) else requester
         with self._running(
             text_request.engine_request, caller_of(context), client, adapter, guide
         ) as worker_request:
+            worker_request.requester = requester
             async for msg in self._messages(text_request, tracker, worker_request):
                 yield msg
                 worker_request.delivered()
@@ -84,10 +95,14 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 "a session carries token ids only: set sampling_params.detokenize=false and leave "
                 "stop strings and exclude_input_from_output to the caller's text front"
             )
-        client = None if submit.split else submit.client or owner
+        requester = submit.client or owner
+        client = None if submit.split else requester
         sink = OutputSink(text_request, tracker, stream, submit.tag)
         echo = submit.request.return_first_gen_tokens
-        with self._running(text_request.engine_request, owner, client, adapter, guide, sink, echo):
+        with self._running(
+            text_request.engine_request, owner, client, adapter, guide, sink, echo
+        ) as worker_request:
+            worker_request.requester = requester
             await sink.wait()  # each output went out as the engine handed it over
 
     @staticmethod
@@ -204,13 +219,42 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return self.rt.front.tokenizer.encode(text, False)
 
     async def Abort(self, request, context):
-        worker_request = self.requests.get(request.request_id)
-        if worker_request is None or not may_abort(
-            context, worker_request.owner, self.rt.config.admin_token
-        ):
+        """The caller that started the request (its router) aborts it; so does another router
+        that passes on a client's Abort it could not place, naming the client: then every leg
+        of the request here made for that client stops (its n > 1 sequences `id/i`, a retried
+        context phase `id#...`), or every one for an admin token holder."""
+        admin_token = self.rt.config.admin_token
+        if metadata_value(context, CLIENT_METADATA) is None:  # the router carrying it, or an admin
+            worker_request = self.requests.get(request.request_id)
+            if worker_request is None or not may_abort(context, worker_request.owner, admin_token):
+                return llm_pb2.AbortResponse(aborted=False)
+            worker_request.cancel()
+            return llm_pb2.AbortResponse(aborted=True)
+        # Passed on by another router, which shares the carrying router's identity on this plane:
+        # the client it names decides, not the caller.
+        named = self._named_client(context)
+        admin = holds_admin_token(context, admin_token)
+        if named is None and not admin:
             return llm_pb2.AbortResponse(aborted=False)
-        worker_request.cancel()
-        return llm_pb2.AbortResponse(aborted=True)
+        rid = request.request_id
+        legs = [
+            r
+            for key, r in self.requests.items()
+            if (key == rid or key.startswith((f"{rid}/", f"{rid}#")))
+            and (admin or r.requester == named)
+        ]
+        for leg in legs:
+            leg.cancel()
+        return llm_pb2.AbortResponse(aborted=bool(legs))
+
+    def _named_client(self, context) -> str | None:
+        """The client a router names on a call (CLIENT_METADATA), trusted as far as the caller is:
+        from cluster peers (with a cluster token this worker refuses every call without it) or,
+        in a cluster without one, from this host only."""
+        named = metadata_value(context, CLIENT_METADATA)
+        if named and (self.rt.config.cluster_token or is_loopback_peer(context.peer())):
+            return named
+        return None
 
     async def abort_all(self) -> int:
         requests = list(self.requests.values())
