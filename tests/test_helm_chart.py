@@ -628,6 +628,9 @@ def test_service_monitor_scrapes_every_service(chart):
         {"openai": {"toolCallParser": "mistral"}},
         {"openai": {"loraModules": ["no-equals-sign"]}},
         {"decode": {"hostKvCacheGb": -1}},
+        {"kvTransfer": {"ucxTransports": "rc; rm -rf /"}},
+        {"kvTransfer": {"rdmaResources": {"rdma/hca": 0}}},
+        {"kvTransfer": {"hostNetwork": "yes"}},
     ],
     ids=lambda bad: repr(bad),
 )
@@ -657,6 +660,56 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_kv_transfer_renders_nothing_by_default_and_the_rdma_values_where_asked(chart):
+    """Plain TCP between nodes needs no value; an RDMA setup reaches every worker pod (and no other
+    pod): the UCX transports and devices, the device plugin's resource beside the GPUs, IPC_LOCK
+    added to a container that still drops every other capability, and the node's network."""
+
+    def worker_pods(values):
+        return {
+            d["spec"]["template"]["spec"]["containers"][0]["name"]: d["spec"]["template"]["spec"]
+            for d in by_kind(objects(chart, values), "StatefulSet")
+        }
+
+    for pod in worker_pods({}).values():
+        container = pod["containers"][0]
+        assert not {"UCX_TLS", "UCX_NET_DEVICES"} & _env(container).keys()
+        assert "add" not in container["securityContext"]["capabilities"]
+        assert "hostNetwork" not in pod
+    rdma = {
+        "kvTransfer": {
+            "ucxTransports": "rc,sm,self,cuda_copy,cuda_ipc",
+            "ucxNetDevices": "mlx5_0:1,mlx5_1:1",
+            "rdmaResources": {"rdma/rdma_shared_device_a": 1},
+            "ipcLock": True,
+            "hostNetwork": True,
+        },
+        "decode": {"resources": {"limits": {"memory": "64Gi"}}},
+    }
+    pods = worker_pods(rdma)
+    assert set(pods) == {"prefill", "decode"}
+    for name, pod in pods.items():
+        container = pod["containers"][0]
+        env = _env(container)
+        assert env["UCX_TLS"] == "rc,sm,self,cuda_copy,cuda_ipc"
+        assert env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
+        for kind in ("limits", "requests"):
+            assert container["resources"][kind]["rdma/rdma_shared_device_a"] == 1, (name, kind)
+            assert container["resources"][kind]["nvidia.com/gpu"] == 1, (name, kind)
+        assert container["securityContext"]["capabilities"] == {
+            "drop": ["ALL"],
+            "add": ["IPC_LOCK"],
+        }
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pods["decode"]["containers"][0]["resources"]["limits"]["memory"] == "64Gi"
+    for other in containers(objects(chart, rdma)):
+        if other["name"] not in pods:  # the router (and the OpenAI front) keep the defaults
+            assert (
+                "UCX_TLS" not in _env(other)
+                and "add" not in other["securityContext"]["capabilities"]
+            )
 
 
 def test_a_host_kv_tier_is_rendered_only_where_a_role_asks_for_one(chart):

@@ -4,12 +4,23 @@
 {{- $spec := index $root.Values .component }}
 {{- $name := include "tandem.componentName" . }}
 {{- $model := $root.Values.model }}
+{{- $kv := $root.Values.kvTransfer }}
 {{- $resources := deepCopy $spec.resources }}
 {{- if eq $spec.device "cuda" }}
 {{- $gpus := max (int $spec.gpus) (int $spec.tensorParallelSize) }}
 {{- /* merge writes into its first argument: a fresh dict each time */}}
 {{- $_ := set $resources "limits" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.limits)) }}
 {{- $_ := set $resources "requests" (merge (dict "nvidia.com/gpu" $gpus) (default dict $resources.requests)) }}
+{{- end }}
+{{- with $kv.rdmaResources }}
+{{- $_ := set $resources "limits" (merge (deepCopy .) (default dict $resources.limits)) }}
+{{- $_ := set $resources "requests" (merge (deepCopy .) (default dict $resources.requests)) }}
+{{- end }}
+{{- $securityContext := deepCopy $root.Values.securityContext }}
+{{- if $kv.ipcLock }}
+{{- $capabilities := default dict $securityContext.capabilities }}
+{{- $_ := set $capabilities "add" (append (default list $capabilities.add) "IPC_LOCK" | uniq) }}
+{{- $_ := set $securityContext "capabilities" $capabilities }}
 {{- end }}
 apiVersion: v1
 kind: Service
@@ -52,6 +63,10 @@ spec:
       {{- with include "tandem.metricsAnnotations" (dict "root" $root "port" $spec.metricsPort) }}{{ . | trim | nindent 6 }}{{- end }}
     spec:
       {{- include "tandem.podCommon" (dict "root" $root "spec" $spec "component" .component "preStopSeconds" 0) | nindent 6 }}
+      {{- if $kv.hostNetwork }}
+      hostNetwork: true
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
       containers:
         - name: {{ .component }}
           image: {{ include "tandem.image" $root }}
@@ -116,6 +131,14 @@ spec:
             - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
               value: {{ . | quote }}
             {{- end }}
+            {{- with $kv.ucxTransports }}
+            - name: UCX_TLS
+              value: {{ . | quote }}
+            {{- end }}
+            {{- with $kv.ucxNetDevices }}
+            - name: UCX_NET_DEVICES
+              value: {{ . | quote }}
+            {{- end }}
             {{- with $spec.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -128,7 +151,7 @@ spec:
             {{- toYaml . | nindent 12 }}
           {{- end }}
           securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
+            {{- toYaml $securityContext | nindent 12 }}
           volumeMounts:
             {{- include "tandem.scratchMounts" $root | nindent 12 }}
             {{- if ne $model.source "image" }}
