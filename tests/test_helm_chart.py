@@ -7,6 +7,7 @@ TANDEM_UPDATE_GOLDEN=1 rewrites tests/golden/helm/*.yaml from the current chart.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib.util
 import json
 import os
@@ -660,6 +661,30 @@ def test_the_cuda_ipc_get_path_is_the_codes_default_and_values_override_it(chart
         "prefill": "auto",
         "decode": "n",
     }
+
+
+def test_the_charts_router_values_default_to_the_routers_own_and_name_its_policies():
+    """Each router value that is one of RouterConfig's flags (the flag's name in camelCase) has
+    the router's default, and the schema's routing pattern allows exactly policies.py's names:
+    the defaults and the policy names live in the code, the chart follows them."""
+    from tandem.router.config import RouterConfig
+    from tandem.router.policies import Policy
+
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["router"]
+    checked = []
+    for field in dataclasses.fields(RouterConfig):
+        if "help" not in field.metadata:
+            continue  # the server's settings, not flags of this config
+        words = (field.metadata["flag"] or "--" + field.name.replace("_", "-"))[2:].split("-")
+        key = words[0] + "".join(w.title() for w in words[1:])
+        if key in values:
+            assert values[key] == field.default, key
+            checked.append(key)
+    assert len(checked) >= 8, checked
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    pattern = schema["properties"]["router"]["properties"]["routing"]["pattern"]
+    named = set(re.findall(r"\(([a-z|-]+)\)\|\(\(prefill", pattern)[0].split("|"))
+    assert named == {p.value for p in Policy}
 
 
 def test_kv_transfer_renders_nothing_by_default_and_the_rdma_values_where_asked(chart):

@@ -1,6 +1,7 @@
 """Command-line flags built from config dataclasses' field metadata (the one definition):
-EngineConfig's for every engine-running command, RequestLimits' for every server. `tandem serve`
-and `tandem up` parse them, and `tandem up` passes a config on to its processes."""
+EngineConfig's for every engine-running command, RequestLimits' for every server, RouterConfig's
+for the router (and `tandem up`). `tandem serve` and `tandem up` parse them, and `tandem up`
+passes a config on to its processes."""
 
 from __future__ import annotations
 
@@ -11,17 +12,22 @@ import typing
 
 from tandem.common.limits import RequestLimits
 from tandem.engine.config import EngineConfig
+from tandem.router.config import DISCOVERY_FIELDS, RouterConfig
 
 
-def _fields(cls):
+def _fields(cls, skip: tuple[str, ...] = ()):
+    """(field, flag, type) of each of cls's flag fields (those with flag_field's metadata), but
+    the skipped ones."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or f.name in skip:
+            continue
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         yield f, flag, hints[f.name]
 
 
-def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
-    for f, flag, kind in _fields(cls):
+def _add_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    for f, flag, kind in _fields(cls, skip):
         meta = f.metadata
         if kind is bool:  # the flag flips the default
             action = "store_false" if f.default else "store_true"
@@ -32,28 +38,35 @@ def _add_flags(parser: argparse.ArgumentParser, cls) -> None:
                 if typing.get_origin(kind) in (typing.Union, types.UnionType)
                 else kind
             )
+            shown = ",".join(f.default) if isinstance(f.default, tuple) else f.default
             parser.add_argument(
                 flag,
                 dest=f.name,
-                type=base,
                 default=f.default,
-                help=f"{meta['help']} (default: {f.default})",
+                help=f"{meta['help']} (default: {shown})",
                 metavar=flag.lstrip("-").replace("-", "_").upper(),
-                **meta["argparse"],
+                **{"type": base, **meta["argparse"]},
             )
 
 
-def _argv(config) -> list[str]:
-    """The flags that make a process run with config."""
+def _flag_values(cls, values: dict, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that set cls's fields to `values` (field name -> value; a default sets none)."""
     argv = []
-    for f, flag, kind in _fields(type(config)):
-        value = getattr(config, f.name)
+    for f, flag, kind in _fields(cls, skip):
+        value = values[f.name]
         if kind is bool:
             if value != f.default:
                 argv.append(flag)
         elif value is not None and value != f.default:
-            argv += [flag, str(value)]
+            argv += [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
     return argv
+
+
+def _argv(config) -> list[str]:
+    """The flags that make a process run with config."""
+    return _flag_values(
+        type(config), {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    )
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +75,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_limit_flags(parser: argparse.ArgumentParser) -> None:
     _add_flags(parser, RequestLimits)
+
+
+def add_router_flags(parser: argparse.ArgumentParser, discovery: bool = True) -> None:
+    """RouterConfig's own flags (the server's are added apart); discovery=False: not the worker
+    discovery ones (`tandem up` wires its own workers)."""
+    _add_flags(parser, RouterConfig, () if discovery else DISCOVERY_FIELDS)
+
+
+def router_settings(args: argparse.Namespace) -> dict:
+    """RouterConfig's own fields as the parsed flags set them (`tandem serve router`)."""
+    return {f.name: getattr(args, f.name) for f, _, _ in _fields(RouterConfig)}
+
+
+def router_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give a router what `tandem up`'s router flags set (no discovery ones)."""
+    values = {f.name: getattr(args, f.name) for f, _, _ in _fields(RouterConfig, DISCOVERY_FIELDS)}
+    return _flag_values(RouterConfig, values, DISCOVERY_FIELDS)
 
 
 def engine_config(args: argparse.Namespace, resolve_model) -> EngineConfig:

@@ -7,7 +7,14 @@ import asyncio
 import os
 import sys
 
-from tandem.cli.flags import add_engine_flags, add_limit_flags, engine_config, request_limits
+from tandem.cli.flags import (
+    add_engine_flags,
+    add_limit_flags,
+    add_router_flags,
+    engine_config,
+    request_limits,
+    router_settings,
+)
 from tandem.cli.security_flags import (
     add_client_tls_flags,
     add_server_security_flags,
@@ -144,61 +151,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=50051)
-    router.add_argument("--workers", default="", help="comma-separated worker addresses host:port")
-    router.add_argument(
-        "--workers-dns",
-        default="",
-        help="comma-separated DNS names [ROLE=]HOST:PORT whose addresses are the workers (a "
-        "Kubernetes headless service per role), re-resolved every --dns-interval seconds",
-    )
-    router.add_argument(
-        "--dns-interval", type=float, default=5.0, help="seconds between DNS resolutions"
-    )
-    router.add_argument(
-        "--hosts-file",
-        default=None,
-        help="resolve --workers-dns names from this file of 'NAME HOST:PORT' lines instead of DNS",
-    )
-    router.add_argument(
-        "--routing",
-        default="kv",
-        help="pick policy per role: kv, least-load, round-robin or conversation; one for all "
-        "roles or e.g. prefill=kv,decode=least-load (default: kv)",
-    )
-    router.add_argument(
-        "--kv-overlap-weight",
-        type=float,
-        default=1.0,
-        help="kv policy: weight of the blocks to compute against the blocks running (Dynamo's "
-        "overlap_score_weight)",
-    )
-    router.add_argument(
-        "--disagg-min-uncached-tokens",
-        type=int,
-        default=0,
-        help="run a request whole on a decode worker when the uncached part of its prompt is "
-        "shorter than this (0: always split when prefill workers exist)",
-    )
-    router.add_argument(
-        "--disagg-prefill-queue-tokens",
-        type=int,
-        default=0,
-        help="run requests whole on decode workers while every prefill worker has this many "
-        "prompt tokens queued (0: never)",
-    )
-    router.add_argument(
-        "--stream-interval",
-        type=int,
-        default=1,
-        help="streamed tokens per message to a client (the first and the last go at once); "
-        "more: fewer gRPC writes per token, each token later by up to that many - 1 steps",
-    )
-    router.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=4096,
-        help="Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint",
-    )
     router.add_argument(
         "--admin-token",
         default=os.environ.get("TANDEM_ADMIN_TOKEN"),
@@ -311,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(up)
     add_limit_flags(up)
-    add_router_flags(up)
+    add_router_flags(up, discovery=False)
 
     gen = sub.add_parser("generate", help="stream a completion from a router")
     gen.add_argument("prompt")
@@ -341,32 +293,6 @@ def _parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="the tiny random model of the fast tests instead"
     )
     return parser
-
-
-def add_router_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--health-interval",
-        type=float,
-        default=1.0,
-        help="seconds between health checks of a worker",
-    )
-    parser.add_argument(
-        "--health-timeout",
-        type=float,
-        default=1.0,
-        help="seconds a worker has to answer a health check before it counts as down",
-    )
-    parser.add_argument(
-        "--stream-progress-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a stream may go without a message before its worker is probed; a worker that "
-        "does not answer the probe in --health-timeout is hung and its streams move on",
-    )
-
-
-def _split(values: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in values.split(",") if v.strip())
 
 
 def _engine_config(args):
@@ -403,7 +329,6 @@ def _serve(args) -> int:
         config = RouterConfig(
             host=args.host,
             port=args.port,
-            health_interval_s=args.health_interval,
             admin_token=args.admin_token,
             drain_seconds=args.drain_seconds,
             keepalive_seconds=args.keepalive_seconds,
@@ -411,19 +336,8 @@ def _serve(args) -> int:
             cluster_token=args.cluster_token,
             tls=tls_config(args),
             health_port=args.health_port,
-            health_timeout_s=args.health_timeout,
-            stream_progress_timeout_s=args.stream_progress_timeout,
             limits=request_limits(args),
-            workers=_split(args.workers),
-            workers_dns=_split(args.workers_dns),
-            dns_interval_s=args.dns_interval,
-            hosts_file=args.hosts_file,
-            routing=args.routing,
-            kv_overlap_weight=args.kv_overlap_weight,
-            disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
-            disagg_prefill_queue_tokens=args.disagg_prefill_queue_tokens,
-            max_in_flight=args.max_in_flight,
-            stream_interval=args.stream_interval,
+            **router_settings(args),
         )
         from tandem.common import loop
 

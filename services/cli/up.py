@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.cli.flags import engine_argv, limits_argv, request_limits
+from tandem.cli.flags import engine_argv, limits_argv, request_limits, router_argv
 from tandem.cli.security_flags import tls_config
 from tandem.testing.cluster import LocalCluster
 from tandem.testing.supervisor import RestartPolicy, Supervisor
@@ -47,15 +47,7 @@ def up(args, engine) -> int:
         )
         return 2
     limits = limits_argv(request_limits(args))
-    router_args = [
-        "--health-interval",
-        str(args.health_interval),
-        "--health-timeout",
-        str(args.health_timeout),
-        "--stream-progress-timeout",
-        str(args.stream_progress_timeout),
-        *limits,
-    ]
+    router_args = [*router_argv(args), *limits]
     # Tokens reach the processes in their environment, not on their (world-readable) command line.
     env = {"TANDEM_ADMIN_TOKEN": args.admin_token} if args.admin_token else None
     # Each decode's policy for a handoff whose KV it cannot load (the other roles pull none).

@@ -12,17 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tandem.common.flag_fields import flag_field
 from tandem.v1 import types_pb2
 
 # The engine refuses more top log-probabilities than this (engine/sampling_options.py).
 ENGINE_MAX_LOGPROBS = 20
 
 
-def _flag(default, help: str, **argparse_kwargs):
-    """A field that is also a flag of `tandem serve` and `tandem up` (cli/flags.py builds them)."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "flag": None, "argparse": argparse_kwargs}
-    )
+# A field that is also a flag of `tandem serve` and `tandem up` (cli/flags.py builds them).
+_flag = flag_field
 
 
 @dataclasses.dataclass(frozen=True)

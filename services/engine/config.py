@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from tandem.common.flag_fields import flag_field
 from tandem.engine.speculative import SpeculativeConfig
 
 # Draft rows a step samples at most (speculative decoding): each is a row of the vocabulary in
@@ -12,12 +13,9 @@ from tandem.engine.speculative import SpeculativeConfig
 MAX_DRAFT_ROWS = 1024
 
 
-def _flag(default, help: str, flag: str | None = None, **argparse_kwargs):
-    """A field that is also a command-line flag of every engine-running command (tandem serve,
-    tandem up): services/cli/flags.py builds the flags from this metadata, the one definition."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "flag": flag, "argparse": argparse_kwargs}
-    )
+# A field that is also a command-line flag of every engine-running command (tandem serve,
+# tandem up): services/cli/flags.py builds the flags from this metadata, the one definition.
+_flag = flag_field
 
 
 @dataclasses.dataclass(frozen=True)

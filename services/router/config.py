@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tandem.common.flag_fields import flag_field, split_list
 from tandem.common.roles import Role
 from tandem.common.server_config import ServerConfig
 from tandem.router.discovery import parse_dns_targets
@@ -13,37 +14,76 @@ from tandem.router.policies import Policy, parse_routing
 MAX_STREAM_INTERVAL = 256
 
 
+# The fields whoever starts the router sets for it (`tandem up` wires its own workers): the
+# flags of `tandem serve router` only.
+DISCOVERY_FIELDS = ("workers", "workers_dns", "dns_interval_s", "hosts_file")
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig(ServerConfig):
-    # Worker addresses (host:port); each worker reports its own role.
-    workers: tuple[str, ...] = ()
-    # DNS names (host:port, optionally ROLE=host:port) whose addresses are the workers: a
-    # Kubernetes headless service per role, re-resolved every dns_interval_s.
-    workers_dns: tuple[str, ...] = ()
-    dns_interval_s: float = 5.0
-    # Resolve the DNS names from this file ("NAME HOST:PORT" lines) instead of DNS.
-    hosts_file: str | None = None
-    # Pick policy per role (policies.py): "kv", or "prefill=kv,decode=least-load,both=round-robin".
-    routing: str = "kv"
-    # Dynamo's overlap_score_weight: blocks to compute count this much against blocks running.
-    kv_overlap_weight: float = 1.0
-    # Conditional disaggregation (TensorRT-LLM's max_local_prefill_length): a request whose
-    # uncached prompt part is shorter than this runs whole on a decode worker; 0: always split.
-    disagg_min_uncached_tokens: int = 0
-    # ... as does every request while each prefill worker has at least this many prompt tokens
-    # queued (the prefill pool is saturated); 0: never.
-    disagg_prefill_queue_tokens: int = 0
-    # Generate calls served at once; past it a call is refused RESOURCE_EXHAUSTED with a retry hint.
-    max_in_flight: int = 4096
-    # Seconds between health polls of the workers.
-    health_interval_s: float = 1.0
-    # Seconds a worker has to answer a health check (or a stalled stream's probe) before it is down.
-    health_timeout_s: float = 1.0
-    # Seconds a stream may go without a message before its worker is probed.
-    stream_progress_timeout_s: float = 10.0
-    # A streamed request's messages to its client carry at least this many new tokens each
-    # (the first and the last go at once): fewer gRPC writes per token. 1: every step's tokens.
-    stream_interval: int = 1
+    """The router's own settings (the server's are ServerConfig's): each field is also its flag
+    of `tandem serve router` (and, but for DISCOVERY_FIELDS, of `tandem up`), and where the chart
+    has it, the router value of the flag's name in camelCase (checked by a test)."""
+
+    workers: tuple[str, ...] = flag_field(
+        (), "comma-separated worker addresses host:port", type=split_list
+    )
+    workers_dns: tuple[str, ...] = flag_field(
+        (),
+        "comma-separated DNS names [ROLE=]HOST:PORT whose addresses are the workers (a "
+        "Kubernetes headless service per role), re-resolved every --dns-interval seconds",
+        type=split_list,
+    )
+    dns_interval_s: float = flag_field(
+        5.0, "seconds between DNS resolutions", flag="--dns-interval"
+    )
+    hosts_file: str | None = flag_field(
+        None, "resolve --workers-dns names from this file of 'NAME HOST:PORT' lines instead of DNS"
+    )
+    routing: str = flag_field(
+        "kv",
+        "pick policy per role: kv, least-load, round-robin or conversation; one for all roles or "
+        "e.g. prefill=kv,decode=least-load",
+    )
+    kv_overlap_weight: float = flag_field(
+        1.0,
+        "kv policy: weight of the blocks to compute against the blocks running (Dynamo's "
+        "overlap_score_weight)",
+    )
+    # Conditional disaggregation (TensorRT-LLM's max_local_prefill_length).
+    disagg_min_uncached_tokens: int = flag_field(
+        0,
+        "run a request whole on a decode worker when the uncached part of its prompt is shorter "
+        "than this (0: always split when prefill workers exist)",
+    )
+    disagg_prefill_queue_tokens: int = flag_field(
+        0,
+        "run requests whole on decode workers while every prefill worker has this many prompt "
+        "tokens queued (0: never)",
+    )
+    max_in_flight: int = flag_field(
+        4096,
+        "Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint",
+    )
+    health_interval_s: float = flag_field(
+        1.0, "seconds between health checks of a worker", flag="--health-interval"
+    )
+    health_timeout_s: float = flag_field(
+        1.0,
+        "seconds a worker has to answer a health check before it counts as down",
+        flag="--health-timeout",
+    )
+    stream_progress_timeout_s: float = flag_field(
+        10.0,
+        "seconds a stream may go without a message before its worker is probed; a worker that "
+        "does not answer the probe in --health-timeout is hung and its streams move on",
+        flag="--stream-progress-timeout",
+    )
+    stream_interval: int = flag_field(
+        1,
+        "streamed tokens per message to a client (the first and the last go at once); more: "
+        "fewer gRPC writes per token, each token later by up to that many - 1 steps",
+    )
 
     def __post_init__(self):
         super().__post_init__()

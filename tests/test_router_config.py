@@ -1,0 +1,48 @@
+"""The router's flags come from RouterConfig's fields (one definition of each name, default and
+help): `tandem serve router` parses them into the config, and `tandem up` takes the same ones
+but worker discovery and passes those it was given on to its router."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cli.flags import router_argv, router_settings
+from tandem.cli.main import _parser
+from tandem.router.config import RouterConfig
+
+
+def test_router_flags_reach_the_config_and_tandem_up_passes_them_on():
+    args = _parser().parse_args(
+        [
+            "serve",
+            "router",
+            "--workers",
+            "10.0.0.1:50052, 10.0.0.2:50052",
+            "--routing",
+            "prefill=kv,decode=least-load",
+            "--health-interval",
+            "2.5",
+            "--max-in-flight",
+            "7",
+        ]
+    )
+    config = RouterConfig(**router_settings(args))
+    assert config.workers == ("10.0.0.1:50052", "10.0.0.2:50052")
+    assert config.routing == "prefill=kv,decode=least-load"
+    assert (config.health_interval_s, config.max_in_flight) == (2.5, 7)
+    assert config.stream_progress_timeout_s == RouterConfig.stream_progress_timeout_s
+
+    up = _parser().parse_args(["up", "--routing", "round-robin", "--stream-interval", "4"])
+    argv = router_argv(up)
+    assert argv == ["--routing", "round-robin", "--stream-interval", "4"]  # defaults: no flag
+    served = router_settings(_parser().parse_args(["serve", "router", "--workers", "a:1", *argv]))
+    assert (served["routing"], served["stream_interval"]) == ("round-robin", 4)
+    with pytest.raises(SystemExit):  # tandem up wires its own workers
+        _parser().parse_args(["up", "--workers", "a:1"])
+
+
+def test_a_bad_router_setting_is_refused_with_its_name():
+    settings = router_settings(_parser().parse_args(["serve", "router", "--workers", "a:1"]))
+    for name, bad in [("routing", "fastest"), ("max_in_flight", 0), ("stream_interval", 257)]:
+        with pytest.raises(ValueError, match=name if name != "routing" else "fastest"):
+            RouterConfig(**{**settings, name: bad})
