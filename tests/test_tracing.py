@@ -10,6 +10,7 @@ import secrets
 import threading
 import time
 
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
@@ -96,6 +97,45 @@ def test_a_split_request_is_one_trace_of_router_prefill_pull_and_decode(model_di
     assert prefill["parent"] == decode["parent"] == router["span_id"]
     assert (prefill["service"], decode["service"]) == ("tandem-prefill", "tandem-decode")
     assert pull["parent"] == decode["span_id"]
+
+
+def test_the_openai_front_traces_between_its_client_and_the_router(model_dirs, receiver, tmp_path):
+    """An HTTP client's traceparent: the front's span is its child and the router's span the
+    front's (one trace from the HTTP request to the workers)."""
+    from test_openai import openai_front
+
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    with (
+        LocalCluster(
+            roles=["both"],
+            engine_args=["--model", str(model_dirs["llama"]), "--block-size", "8"],
+            env={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        ) as cluster,
+        openai_front(cluster, tmp_path / "front.log", "--otlp-traces-endpoint", endpoint) as (
+            base,
+            _,
+        ),
+    ):
+        trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": 3},
+            headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        want = {"tandem.openai /v1/completions", "tandem.router.generate", "tandem.generate"}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == trace_id}
+            if want <= set(spans):
+                break
+            time.sleep(0.1)
+        assert want <= set(spans), spans
+    front, router = spans["tandem.openai /v1/completions"], spans["tandem.router.generate"]
+    assert front["parent"] == client_span and front["service"] == "tandem-openai"
+    assert router["parent"] == front["span_id"]
 
 
 def test_a_bad_endpoint_is_refused_and_tracing_is_off_without_one():

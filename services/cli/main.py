@@ -162,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     add_limit_flags(router)
     front = serve_sub.add_parser("openai", help="an OpenAI-compatible HTTP front for a router")
     front.add_argument("--target", default="127.0.0.1:50051", help="the router's host:port")
+    front.add_argument("--otlp-traces-endpoint", default=argparse.SUPPRESS, help=tracing_help)
     front.add_argument("--host", default="127.0.0.1")
     front.add_argument("--port", type=int, default=8000)
     front.add_argument(

@@ -15,12 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.client.credentials import channel_credentials
+from tandem.common import tracing
 from tandem.openai.chat import chat_completions
 from tandem.openai.completions import completions
 from tandem.openai.config import FrontConfig
 from tandem.openai.embeddings import EmbeddingRequest, embeddings
 from tandem.openai.errors import OpenAIError, error_response, from_exception
-from tandem.openai.front import Front
+from tandem.openai.front import TRACE_CONTEXT_HEADERS, Front, trace_headers
 from tandem.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -205,10 +206,21 @@ class _GuardAndCount:
                 status["code"] = message["status"]
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_counted)
-        finally:
-            counter.labels(path, str(status["code"])).inc()
+        # The client's W3C trace context (traceparent, tracestate) goes on to the router in each
+        # request's trace_headers; with --otlp-traces-endpoint the front's own span sits between
+        # (one per HTTP request, over its whole response: a stream's too).
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name in TRACE_CONTEXT_HEADERS
+        }
+        with tracing.span(f"tandem.openai {path}", headers, **{"http.method": scope.get("method")}):
+            token = trace_headers.set(headers)
+            try:
+                await self.app(scope, receive, send_counted)
+            finally:
+                trace_headers.reset(token)
+                counter.labels(path, str(status["code"])).inc()
 
 
 def _version() -> str:

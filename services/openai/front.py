@@ -4,6 +4,7 @@ plumbing around a generation (context-length check, disconnects, SSE framing, me
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -19,6 +20,14 @@ from tandem.openai.config import FrontConfig
 from tandem.openai.errors import OpenAIError, from_exception
 from tandem.openai.metrics import FrontMetrics
 from tandem.openai.streams import MergedStream
+
+# The W3C trace context headers an HTTP client may send (https://www.w3.org/TR/trace-context/).
+TRACE_CONTEXT_HEADERS = (b"traceparent", b"tracestate")
+# The current HTTP request's trace context for the router (app.py sets it per request): the
+# client's, or the front's own span's when the front traces.
+trace_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "trace_headers", default=None
+)
 
 log = logging.getLogger("tandem.openai")
 # How often a non-streaming request looks whether its client is still there.
@@ -122,6 +131,7 @@ async def generate(
             streaming=stream,
             lora_request=lora_request,
             request_id=f"{response_id}-{i}" if response_id is not None else None,
+            trace_headers=trace_headers.get() or None,
         )
         for i, p in enumerate(prompts)
     ]
