@@ -69,6 +69,13 @@ def gemm_row_tile(device: torch.device) -> int:
     return GPU_ROW_TILE if device.type == "cuda" else ROW_TILE
 
 
+def schedule_id(device: torch.device, backend: str) -> str:
+    """Names the schedule a deterministic worker on `device` computes with (part of its KV layout:
+    two schedules give other bits, so their workers do not hand KV to each other)."""
+    attention = "triton-pinned" if backend == "triton" else f"torch-chunk{KV_CHUNK}"
+    return f"{device.type}/{attention}/gemm-rows{gemm_row_tile(device)}"
+
+
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn over x [T, K] in calls of exactly gemm_row_tile rows (zero-padded), concatenated:
     [T, N]."""

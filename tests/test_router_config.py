@@ -34,9 +34,15 @@ def test_router_flags_reach_the_config_and_tandem_up_passes_them_on():
 
     up = _parser().parse_args(["up", "--routing", "round-robin", "--stream-interval", "4"])
     argv = router_argv(up)
-    assert argv == ["--routing", "round-robin", "--stream-interval", "4"]  # defaults: no flag
+    # Every setting, defaults too (the launcher's own faster health polls must not win).
+    assert argv[argv.index("--health-interval") + 1] == "1.0"
     served = router_settings(_parser().parse_args(["serve", "router", "--workers", "a:1", *argv]))
     assert (served["routing"], served["stream_interval"]) == ("round-robin", 4)
+    assert served == {**router_settings(args), "workers": ("a:1",), "routing": "round-robin"} | {
+        "stream_interval": 4,
+        "health_interval_s": 1.0,
+        "max_in_flight": 4096,
+    }
     with pytest.raises(SystemExit):  # tandem up wires its own workers
         _parser().parse_args(["up", "--workers", "a:1"])
 

@@ -89,9 +89,12 @@ def router_settings(args: argparse.Namespace) -> dict:
 
 
 def router_argv(args: argparse.Namespace) -> list[str]:
-    """The flags that give a router what `tandem up`'s router flags set (no discovery ones)."""
-    values = {f.name: getattr(args, f.name) for f, _, _ in _fields(RouterConfig, DISCOVERY_FIELDS)}
-    return _flag_values(RouterConfig, values, DISCOVERY_FIELDS)
+    """Every flag `tandem up` passes its router (its router flags but discovery, defaults too:
+    they win over the faster health polls the test clusters' launcher sets by default)."""
+    argv = []
+    for f, flag, _ in _fields(RouterConfig, DISCOVERY_FIELDS):
+        argv += [flag, str(getattr(args, f.name))]
+    return argv
 
 
 def engine_config(args: argparse.Namespace, resolve_model) -> EngineConfig:

@@ -20,12 +20,16 @@ CLIENT_METADATA = "tandem-client"
 SPLIT_METADATA = "tandem-split"
 
 
+# How caller_of names a caller with an authenticated TLS identity (its certificate's names).
+TLS_IDENTITY_PREFIX = "tls:"
+
+
 def caller_of(context: grpc.aio.ServicerContext) -> str:
     """The identity of the connection a call came on."""
     identities = context.peer_identities()
     if identities:
         # Printable ASCII: the router passes it on as a metadata value.
-        return "tls:" + ",".join(
+        return TLS_IDENTITY_PREFIX + ",".join(
             i.decode("ascii", errors="replace").replace("\ufffd", "?") for i in identities
         )
     return context.peer()

@@ -16,13 +16,16 @@ def kv_layout(
     block_size: int,
     quantization: str = "auto",
     deterministic: bool = False,
+    deterministic_schedule: str = "",
 ) -> dict:
     """The fields that must agree for one worker's KV blocks to be usable by another. The model's
     config.json digest stands for "the same model": same shapes with other weights would be wrong KV
     (so does quantization: FP8 weights quantized at load compute other KV than the checkpoint's).
     dtype_name is the KV pool's dtype: an FP8 pool's bytes mean nothing to a bf16 one.
     deterministic: KV computed with batch-dependent numerics would make a --deterministic decode
-    continue differently from its aggregated run, silently: the two modes do not hand off."""
+    continue differently from its aggregated run, silently: the two modes do not hand off; nor do
+    two deterministic workers whose batch-invariant schedules differ (deterministic_schedule,
+    batch_invariant.schedule_id: a CPU's and a GPU's compute other bits)."""
     config_digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
     return {
         "model_config_sha256": config_digest,
@@ -34,6 +37,7 @@ def kv_layout(
         "block_size": block_size,
         "quantization": quantization,
         "deterministic": deterministic,
+        "deterministic_schedule": deterministic_schedule if deterministic else "",
     }
 
 

@@ -40,7 +40,7 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
-from tandem.kernels.batch_invariant import batch_invariant
+from tandem.kernels.batch_invariant import batch_invariant, schedule_id
 from tandem.kernels.dispatch import backend_for, check_settings
 from tandem.kernels.fp8 import FP8
 
@@ -246,8 +246,22 @@ class ModelRunner:
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
         # A follower rank's copy of those draws (rank 0 broadcasts them).
         self._follower_tokens: torch.Tensor | None = None
-        if config.enforce_eager or (config.deterministic and backend_for(self.device) != "triton"):
-            pass  # the torch batch-invariant attention walks host-side chunk lists: eager only
+        if (
+            config.deterministic
+            and self.device.type == "cuda"
+            and backend_for(self.device) != "triton"
+        ):
+            raise ValueError(
+                "--deterministic on a GPU needs the Triton kernels (the torch ones change their "
+                "schedule with the batch there): install triton and leave TANDEM_ATTENTION_BACKEND "
+                "unset"
+            )
+        if config.enforce_eager or (
+            config.deterministic and (backend_for(self.device) != "triton" or self.model_config.moe)
+        ):
+            # The torch batch-invariant attention walks host-side chunk lists, and the MoE's
+            # batch-invariant expert loop reads its expert counts on the host: eager only.
+            pass
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
             log.warning(
                 "decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly"
@@ -463,6 +477,7 @@ class ModelRunner:
             self.block_size,
             self.weights_method,
             self.config.deterministic,
+            schedule_id(self.device, backend_for(self.device)),
         )
 
     @functools.cached_property

@@ -257,7 +257,9 @@ class Sampler:
         if logits is raw:  # nothing changed the logits: one pass finds the argmax and the lse
             chosen, token_logprobs, lse = kernels.greedy_draw(raw)
         else:
-            lse = torch.logsumexp(raw, dim=-1)
+            # The lse from the same kernel (one program per row on a GPU, where torch's
+            # logsumexp splits a row differently with the number of rows: --deterministic).
+            _, _, lse = kernels.greedy_draw(raw)
             chosen = logits.argmax(dim=-1)
         is_greedy = all(o.is_greedy for o in options)
         if not is_greedy:

@@ -13,7 +13,13 @@ from google.protobuf import struct_pb2
 
 from tandem.common import tracing
 from tandem.common.auth import ADMIN_METHODS
-from tandem.common.callers import CLIENT_METADATA, caller_of, holds_admin_token, may_abort
+from tandem.common.callers import (
+    CLIENT_METADATA,
+    TLS_IDENTITY_PREFIX,
+    caller_of,
+    holds_admin_token,
+    may_abort,
+)
 from tandem.common.errors import PreconditionError, RetryLaterError, RpcError, unavailable
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
@@ -167,13 +173,22 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         for, so the Abort goes to every ready worker naming this caller (or with the admin
         token, when the caller holds it); the router carrying the request then ends its stream
         as aborted."""
-        metadata = [(CLIENT_METADATA, caller_of(context))]
-        if holds_admin_token(context, self.config.admin_token):
+        caller = caller_of(context)
+        admin = holds_admin_token(context, self.config.admin_token)
+        if not (admin or caller.startswith(TLS_IDENTITY_PREFIX)):
+            # Without a certificate a client is its connection here, and a peer address as this
+            # router sees it may be another client's as another router sees it (NAT, proxies).
+            return False
+        metadata = [(CLIENT_METADATA, caller)]
+        if admin:
             metadata += self.pool.admin_metadata
         replies = await asyncio.gather(
             *(w.llm.Abort(request, metadata=metadata, timeout=5) for w in self.pool.ready_workers),
             return_exceptions=True,
         )
+        for worker, reply in zip(self.pool.ready_workers, replies):
+            if isinstance(reply, BaseException):
+                log.info("Abort(%s) passed on to %s: %s", request.request_id, worker.address, reply)
         return any(isinstance(r, llm_pb2.AbortResponse) and r.aborted for r in replies)
 
     async def _any(self, method: str, request):

@@ -1,10 +1,14 @@
 """Runs a rendered Helm release's pods under Docker the way a one-node kubelet would, offline.
 
-Every pod's container gets its exact image, command, args, env, securityContext and volumes; all
-pods share one network namespace (a `--network none` holder container) whose /etc/hosts resolves
-every Service and pod DNS name to 127.0.0.1, so the chart's own addresses work unchanged. What a
-real cluster adds is out of reach here and refused loudly rather than faked: kube-proxy port
-translation (a Service port must equal its target port), PVC/hostPath/configMap volumes, GPUs.
+Every pod's container gets its exact image, command, args, env, securityContext and volumes. A
+"node" is one network namespace (a holder container) whose /etc/hosts resolves every Service and
+pod DNS name, so the chart's own addresses work unchanged: one node (the default) is a
+`--network none` namespace where every name is 127.0.0.1; several are namespaces on an internal
+Docker bridge, each with its own address, every name resolving to the address of the node its
+pods run on, so calls and KV transfers between nodes cross a real (virtual) network over TCP.
+What a real cluster adds is out of reach here and refused loudly rather than faked: kube-proxy
+port translation (a Service port must equal its target port; a Service's pods on one node),
+PVC/hostPath/configMap volumes, GPUs.
 Probes are polled from inside the namespace as kubelet does; termination runs the preStop hook,
 sends SIGTERM and waits terminationGracePeriodSeconds before a SIGKILL.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import re
 import threading
 import time
@@ -55,6 +60,8 @@ class Release:
 
     pods: list[Pod] = field(default_factory=list)
     dns_names: set[str] = field(default_factory=set)
+    # Each DNS name's pods (a Service's selected ones, a StatefulSet pod's own name).
+    dns_pods: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_manifests(
@@ -63,19 +70,31 @@ class Release:
         release = cls()
         suffixes = ("", f".{namespace}", f".{namespace}.svc", f".{namespace}.svc.{cluster_domain}")
         workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
-        for svc in (d for d in docs if d["kind"] == "Service"):
-            name = svc["metadata"]["name"]
-            release.dns_names |= {name + s for s in suffixes}
-            _check_ports_map_one_to_one(svc, workloads)
+        pods_of = {}
         for workload in workloads:
             name, spec = workload["metadata"]["name"], workload["spec"]
+            pods_of[name] = []
             for i in range(spec["replicas"]):
                 pod = Pod(f"{name}-{i}", spec["template"]["spec"])
                 release.pods.append(pod)
+                pods_of[name].append(pod.name)
                 if workload["kind"] == "StatefulSet":
-                    release.dns_names.add(
-                        f"{pod.name}.{spec['serviceName']}.{namespace}.svc.{cluster_domain}"
-                    )
+                    dns = f"{pod.name}.{spec['serviceName']}.{namespace}.svc.{cluster_domain}"
+                    release.dns_names.add(dns)
+                    release.dns_pods[dns] = [pod.name]
+        for svc in (d for d in docs if d["kind"] == "Service"):
+            name = svc["metadata"]["name"]
+            _check_ports_map_one_to_one(svc, workloads)
+            selected = [
+                pod
+                for w in workloads
+                if svc["spec"]["selector"].items()
+                <= w["spec"]["template"]["metadata"]["labels"].items()
+                for pod in pods_of[w["metadata"]["name"]]
+            ]
+            for suffix in suffixes:
+                release.dns_names.add(name + suffix)
+                release.dns_pods[name + suffix] = selected
         return release
 
 
@@ -182,7 +201,9 @@ def docker_run_kwargs(pod: Pod, network_of: str, secrets: dict[str, dict[str, st
 
 
 class PodRunner:
-    """Starts, probes and terminates a Release's pods; `with` removes every container it made."""
+    """Starts, probes and terminates a Release's pods; `with` removes every container (and the
+    network) it made. nodes: pod name -> node name (default: every pod on one node); the first
+    node's namespace is where exec() runs (a client pod's place)."""
 
     def __init__(
         self,
@@ -190,45 +211,113 @@ class PodRunner:
         image: str,
         release: Release,
         secrets: dict[str, dict[str, str]],
+        nodes: dict[str, str] | None = None,
     ):
         self.client, self.image, self.release, self.secrets = client, image, release, secrets
-        self.holder = None
+        self.node_of = {pod.name: (nodes or {}).get(pod.name, "node-0") for pod in release.pods}
+        self.holders: dict[str, object] = {}  # node name -> its namespace's holder container
+        self.addresses: dict[str, str] = {}  # node name -> its address on the bridge
+        self.network = None
+
+    @property
+    def holder(self):
+        return next(iter(self.holders.values()))
 
     def __enter__(self) -> PodRunner:
-        self.holder = self.client.containers.run(
-            self.image,
-            entrypoint=["sleep", "infinity"],
-            network_mode="none",
-            read_only=True,
-            detach=True,
-            extra_hosts={name: "127.0.0.1" for name in sorted(self.release.dns_names)},
-            name=f"{CONTAINER_PREFIX}-netns",
-            user="10001:10001",
-            cap_drop=["ALL"],
-        )
+        nodes = list(dict.fromkeys(self.node_of[pod.name] for pod in self.release.pods))
+        if len(nodes) == 1:
+            self.holders[nodes[0]] = self._holder(nodes[0], network_mode="none")
+        else:
+            self.network, subnet = self._bridge()
+            for i, node in enumerate(nodes):
+                self.addresses[node] = f"{subnet}.{10 + i}"
+            for node in nodes:
+                self.holders[node] = self._holder(node)
         for pod in self.release.pods:
+            holder = self.holders[self.node_of[pod.name]]
             pod.container = self.client.containers.run(
-                **docker_run_kwargs(pod, self.holder.id, self.secrets)
+                **docker_run_kwargs(pod, holder.id, self.secrets)
             )
         return self
+
+    def _bridge(self):
+        """An internal bridge network (no way out) on a free /24: (network, its first 3 octets)."""
+        for third in random.sample(range(16, 250), 20):
+            subnet = f"172.30.{third}"
+            try:
+                network = self.client.networks.create(
+                    f"{CONTAINER_PREFIX}-nodes",
+                    driver="bridge",
+                    internal=True,
+                    ipam=docker.types.IPAMConfig(
+                        pool_configs=[docker.types.IPAMPool(subnet=f"{subnet}.0/24")]
+                    ),
+                )
+                return network, subnet
+            except docker.errors.APIError as exc:
+                if "overlap" not in str(exc).lower():
+                    raise
+        raise RuntimeError("no free 172.30.x.0/24 subnet for the nodes' bridge")
+
+    def _resolve(self, name: str) -> str:
+        if not self.addresses:
+            return "127.0.0.1"
+        nodes = {self.node_of[pod] for pod in self.release.dns_pods.get(name, [])}
+        if len(nodes) != 1:
+            raise ValueError(f"{name} resolves to pods on {sorted(nodes) or 'no'} nodes; one here")
+        return self.addresses[nodes.pop()]
+
+    def _holder(self, node: str, network_mode: str | None = None):
+        """The node's network namespace: a container that sleeps, with the release's names."""
+        api = self.client.api
+        host_config = api.create_host_config(
+            network_mode=network_mode or self.network.name,
+            read_only=True,
+            cap_drop=["ALL"],
+            extra_hosts={name: self._resolve(name) for name in sorted(self.release.dns_names)},
+        )
+        networking = (
+            None
+            if network_mode
+            else api.create_networking_config(
+                {self.network.name: api.create_endpoint_config(ipv4_address=self.addresses[node])}
+            )
+        )
+        created = api.create_container(
+            self.image,
+            entrypoint=["sleep", "infinity"],
+            user="10001:10001",
+            name=f"{CONTAINER_PREFIX}-netns-{node}",
+            host_config=host_config,
+            networking_config=networking,
+        )
+        api.start(created["Id"])
+        return self.client.containers.get(created["Id"])
 
     def __exit__(self, *exc) -> None:
         for pod in self.release.pods:
             if pod.container is not None:
                 remove(pod.container)
-        if self.holder is not None:
-            remove(self.holder)
+        for holder in self.holders.values():
+            remove(holder)
+        if self.network is not None:
+            self.network.remove()
 
-    def exec(self, argv: list[str]) -> str:
-        """A command inside the pods' network namespace (as a client pod in the cluster would run it)."""
-        result = self.holder.exec_run(argv)
+    def exec_on(self, node: str, argv: list[str]) -> str:
+        """A command inside a node's network namespace."""
+        result = self.holders[node].exec_run(argv)
         if result.exit_code != 0:
             raise RuntimeError(
                 f"{argv[:3]} failed ({result.exit_code}): {result.output.decode(errors='replace')}"
             )
         return result.output.decode()
 
-    def probe(self, probe: dict) -> bool:
+    def exec(self, argv: list[str]) -> str:
+        """A command inside the first node's network namespace (as a client pod there would run it)."""
+        return self.exec_on(next(iter(self.holders)), argv)
+
+    def probe(self, probe: dict, pod: Pod | None = None) -> bool:
+        """The probe from inside pod's node (kubelet probes the pod's own address)."""
         grpc_probe = probe["grpc"]
         argv = [
             "python3",
@@ -238,7 +327,8 @@ class PodRunner:
             grpc_probe.get("service", ""),
             str(probe.get("timeoutSeconds", 1)),
         ]
-        return self.holder.exec_run(argv).output.decode().strip() == "SERVING"
+        holder = self.holders[self.node_of[pod.name]] if pod is not None else self.holder
+        return holder.exec_run(argv).output.decode().strip() == "SERVING"
 
     def wait_ready(self, timeout: float) -> None:
         """Kubelet's order: the startup probe every periodSeconds until it passes (failureThreshold
@@ -256,8 +346,8 @@ class PodRunner:
                 )
                 if self.exited(pod) or time.monotonic() - started > timeout:
                     break
-                if self.probe(startup):
-                    if self.probe(readiness):
+                if self.probe(startup, pod):
+                    if self.probe(readiness, pod):
                         pod.ready_after_s = time.monotonic() - started
                     return
             errors.append(f"{pod.name} never passed its startup probe:\n{logs(pod.container)}")

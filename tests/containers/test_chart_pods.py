@@ -1,7 +1,9 @@
 """The chart's pods, run for real: render deploy/helm/tandem with values-cpu.yaml, run each pod's
-exact command, args, env, securityContext and volumes under Docker in one network namespace with
+exact command, args, env, securityContext and volumes under Docker on two "nodes" (two network
+namespaces on an internal bridge: the router and the prefill on one, the decode on the other) with
 the Services' DNS names resolved there (pod_runner.py), wait for the gRPC startup probes as kubelet
-would, serve a request through the router Service's name, then delete the pods as kubelet would
+would, serve a request through the router Service's name with its KV pulled from the prefill's
+node over TCP (the chart's default KV transport values), then delete the pods as kubelet would
 (preStop, SIGTERM, termination grace) with a stream in flight on the decode pod."""
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ with grpc.insecure_channel(target) as channel:
 print(json.dumps({"token_ids": tokens, "finish_reason": reason}), flush=True)
 """
 
+# This namespace's ESTABLISHED TCP connections as (local port, remote address, remote port).
+CONNECTIONS_SCRIPT = r"""
+import json, socket, struct
+found = []
+for line in open("/proc/net/tcp").read().splitlines()[1:]:
+    fields = line.split()
+    if fields[3] != "01":
+        continue
+    (_, local_port), (remote_ip, remote_port) = (f.split(":") for f in fields[1:3])
+    found.append([int(local_port, 16), socket.inet_ntoa(struct.pack("<I", int(remote_ip, 16))), int(remote_port, 16)])
+print(json.dumps(found))
+"""
+
 
 def _render(image: str) -> list[dict]:
     repository, tag = image.split(":", 1)
@@ -69,6 +84,49 @@ def _router_target(docs: list[dict]) -> str:
     )
 
 
+def _assert_kv_crossed_nodes_over_tcp(runner: PodRunner, pods: dict, docs: list[dict]) -> None:
+    """The decode pulled the request's KV (its kv_pull_bytes counter), and its node holds an
+    outgoing TCP connection to the prefill's node on a port no Service or container declares:
+    UCX's own listener, i.e. the KV moved over TCP between the two namespaces."""
+    metrics_port = next(
+        p["containerPort"] for p in pods["decode"].main["ports"] if p["name"] == "metrics"
+    )
+    decode_host = next(
+        n for n in runner.release.dns_pods if n.startswith(pods["decode"].name + ".")
+    )
+    scraped = runner.exec(
+        [
+            "python3",
+            "-c",
+            "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())",
+            f"http://{decode_host}:{metrics_port}/metrics",
+        ]
+    )
+    pulled = [
+        float(line.rsplit(" ", 1)[1])
+        for line in scraped.splitlines()
+        if line.startswith("tandem:kv_pull_bytes_total{")
+    ]
+    assert pulled and sum(pulled) > 0, "the decode pulled no KV"
+    declared = {
+        p["containerPort"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+    connections = json.loads(runner.exec_on("b", ["python3", "-c", CONNECTIONS_SCRIPT]))
+    kv_links = [
+        (local, remote, port)
+        for local, remote, port in connections
+        if remote == runner.addresses["a"] and local not in declared and port not in declared
+    ]
+    assert kv_links, (
+        f"no TCP connection from the decode's node to UCX on the prefill's: {connections}"
+    )
+    print(f"[chart-pods] KV pulled across nodes: {sum(pulled):.0f} bytes, TCP links {kv_links}")
+
+
 def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracle, model_dirs):
     started = time.monotonic()
     client = docker_client()
@@ -78,7 +136,9 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
     pods = _by_component(release)
     assert sorted(pods) == ["decode", "prefill", "router"]
     target = _router_target(docs)
-    with PodRunner(client, image, release, SECRETS | rendered_secrets(docs)) as runner:
+    nodes = {pods["router"].name: "a", pods["prefill"].name: "a", pods["decode"].name: "b"}
+    secrets = SECRETS | rendered_secrets(docs)
+    with PodRunner(client, image, release, secrets, nodes) as runner:
         runner.wait_ready(READY_TIMEOUT_S)
         print("[chart-pods] ready after", {p.name: round(p.ready_after_s, 1) for p in release.pods})
 
@@ -89,6 +149,7 @@ def test_chart_pods_serve_through_the_router_service_and_drain_on_deletion(oracl
             ).splitlines()[-1]
         )
         assert served["token_ids"] == oracle(model_dirs["llama"]).greedy(prompt, 16)
+        _assert_kv_crossed_nodes_over_tcp(runner, pods, docs)
 
         # Delete the decode pod while it streams: the stream ends whole, the process exits 0 in its grace.
         stream = runner.holder.client.api.exec_create(
