@@ -6,12 +6,13 @@ port)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
 from test_metrics import scrape, value
 
-from tandem.client import LLM, SamplingParams
+from tandem.client import LLM, AsyncLLM, SamplingParams
 from tandem.client.transport import channel_target
 from tandem.testing.cluster import LocalCluster
 
@@ -56,6 +57,7 @@ def test_a_client_spreads_over_two_routers_and_keeps_serving_when_one_goes(model
                 value(scrape(r), "tandem:request_success_total") for r in routers
             ]  # both took some of the 12
             assert all(n >= 2 for n in served) and sum(served) == 12, served
+            _a_plaintext_abort_stays_with_its_connection(f"127.0.0.1:{port}", f"127.0.0.2:{port}")
             cluster.router.process.kill()
             cluster.router.process.wait(10)
             for _ in range(6):  # every call answered, by the router left
@@ -63,3 +65,29 @@ def test_a_client_spreads_over_two_routers_and_keeps_serving_when_one_goes(model
                     llm.generate([1, 5, 9, 13], params, use_tqdm=False).outputs[0].token_ids == want
                 )
         assert value(scrape(second), "tandem:request_success_total") == served[1] + 6
+
+
+def _a_plaintext_abort_stays_with_its_connection(first: str, second: str) -> None:
+    """Without a client certificate a client is its connection: another connection's Abort of
+    its request, on another router, is refused (aborted: false) and the stream runs on; its own
+    connection's Abort ends it."""
+
+    async def go():
+        owner, other = await AsyncLLM(first), await AsyncLLM(second)
+        try:
+            result = owner.generate_async(
+                [1, 5, 9], SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+            )
+            verdicts = []
+            async for out in result:
+                if not verdicts and len(out.outputs[0].token_ids) >= 4:
+                    verdicts.append(await other.abort(result.request_id))
+                    verdicts.append(await owner.abort(result.request_id))
+            return out, verdicts
+        finally:
+            owner.close()
+            other.close()
+
+    out, verdicts = asyncio.run(asyncio.wait_for(go(), 60))
+    assert verdicts == [False, True]
+    assert out.outputs[0].finish_reason == "cancelled"
