@@ -223,8 +223,9 @@ def test_unsupported_model_type_is_rejected(tmp_path):
     model_dir = write_tiny_checkpoint(tmp_path, "llama")
     raw = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
+    # tandem's own decoder (the transformers path takes it with model_impl auto or transformers).
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
-        ModelConfig.from_pretrained(model_dir)
+        ModelConfig.from_pretrained(model_dir, "tandem")
     del raw["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
         ModelConfig.from_dict(raw)

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from tandem.common.flag_fields import flag_field
+from tandem.engine.model_config import MODEL_IMPLS
 from tandem.engine.speculative import SpeculativeConfig
 
 # Draft rows a step samples at most (speculative decoding): each is a row of the vocabulary in
@@ -58,6 +59,15 @@ class EngineConfig:
         "KV pool dtype: auto (the model dtype) or fp8 (float8_e4m3fn with a per-layer scale, "
         "the checkpoint's k_scale/v_scale or 1.0: twice the blocks of bf16 in the same memory)",
         choices=["auto", "fp8"],
+    )
+    model_impl: str = _flag(
+        "auto",
+        "the model code: tandem (the native decoder, for the families it has), transformers "
+        "(transformers' own modules over tandem's paged KV cache: any decoder-only model whose "
+        "attention goes through transformers' attention interface; no LoRA, FP8, tensor "
+        "parallelism, CUDA graphs, --deterministic or draft model) or auto (tandem's when it has "
+        "the model_type, else transformers')",
+        choices=list(MODEL_IMPLS),
     )
     device: str = _flag("cpu", "cpu, cuda or cuda:N")
     seed: int = _flag(0, "seed of unseeded sampling")
@@ -165,6 +175,8 @@ class EngineConfig:
         for name in ("quantization", "kv_cache_dtype"):
             if getattr(self, name) not in ("auto", "fp8"):
                 raise ValueError(f"{name} must be auto or fp8, got {getattr(self, name)!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"

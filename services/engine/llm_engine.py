@@ -182,7 +182,8 @@ class LLMEngine:
             )
         if adapter is not None and self.runner.lora_pool is None:
             raise PreconditionError(
-                f"this worker serves no LoRA adapters (--max-loras 0): {adapter.describe()}"
+                f"this worker serves no LoRA adapters (--max-loras 0, or a model on the "
+                f"transformers path): {adapter.describe()}"
             )
         if adapter is not None and self.config.deterministic:
             raise PreconditionError(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.common.exceptions import PreconditionError
 from tandem.engine.checkpoint_reader import CheckpointFiles, read_rank_share
 from tandem.engine.model import CausalLM
 from tandem.engine.model_config import ModelConfig
@@ -74,6 +75,11 @@ def hf_parameter_slices(model: CausalLM) -> dict[str, tuple[str, int, int]]:
     """HF tensor name -> (engine parameter, first row, end row): where each tensor of an HF
     checkpoint lands in a single-rank model's parameters (a fused parameter holds its parts one
     after the other along dim 0). What an in-place weight update writes through."""
+    if model.config.impl == "transformers":
+        raise PreconditionError(
+            "update_weights by IPC handles is not supported on the transformers model path: "
+            "update from a checkpoint directory"
+        )
     shapes = {name: param.shape for name, param in model.named_parameters()}
     slices: dict[str, tuple[str, int, int]] = {}
     for name, parts in _expected_hf_names(model).items():
@@ -115,14 +121,22 @@ def load_model(
     device: str | torch.device = "cpu",
     tp: TensorParallel = TensorParallel(),
     quantization: str = "auto",
+    model_impl: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """tp: the rank whose share of the weights to keep (parallel.py): a rank reads only its share
     of each tensor (checkpoint_reader.py), except from an FP8 checkpoint, whose block scales are
     cut with their weights after a whole read. quantization "fp8": FP8 projections even from a
     model-dtype checkpoint (an FP8 checkpoint loads as FP8 either way). The model's
-    `checkpoint_bytes_read` says how many bytes of tensors this rank read."""
+    `checkpoint_bytes_read` says how many bytes of tensors this rank read. model_impl
+    (model_config.MODEL_IMPLS): a model on the transformers path loads through hf_model.py (one
+    rank, the checkpoint's own weight format)."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_pretrained(model_dir, model_impl)
+    if config.impl == "transformers":
+        # Imported here: it imports transformers, which the native path does without.
+        from tandem.engine.hf_model import load_transformers_model
+
+        return load_transformers_model(model_dir, config, dtype, device), config
     check_divisible(config, tp.size)
     fmt = weight_format(model_dir, quantization)  # an unsupported one is refused before any read
     dtype = dtype or config.torch_dtype

@@ -31,6 +31,10 @@ _GEMMA = ("gemma2", "gemma3_text")
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Which model code runs a checkpoint (EngineConfig.model_impl): "tandem" (model.py, the native
+# decoder, for SUPPORTED_ARCHITECTURES), "transformers" (hf_model.py: transformers' own modules
+# over tandem's paged KV cache) or "auto" (tandem's when it has the family, else transformers').
+MODEL_IMPLS = ("auto", "tandem", "transformers")
 
 
 def _require(raw: dict[str, Any], key: str) -> Any:
@@ -189,6 +193,10 @@ class ModelConfig:
     # The sliding layers' own rope (theta, scaling), Gemma 3; None: every layer uses the global one.
     local_rope: tuple[float, dict[str, Any] | None] | None = None
     moe: MoEConfig | None = None  # None: a dense model (moe_config.py)
+    # "tandem": model.py builds the decoder from the fields above. "transformers": hf_model.py
+    # runs transformers' own modules, and only the sizes, the ids and the logits' scalings here
+    # are read (transformers_config.py).
+    impl: str = "tandem"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -197,7 +205,9 @@ class ModelConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {sorted(_DTYPES)}")
-        if self.hidden_act not in _ACTIVATIONS:
+        if self.impl not in MODEL_IMPLS[1:]:
+            raise ValueError(f"impl must be one of {MODEL_IMPLS[1:]}, got {self.impl!r}")
+        if self.impl == "tandem" and self.hidden_act not in _ACTIVATIONS:
             raise ValueError(
                 f"unsupported activation {self.hidden_act!r}; supported: {list(_ACTIVATIONS)}"
             )
@@ -229,6 +239,11 @@ class ModelConfig:
 
     def describe_path(self) -> str:
         """One line for the logs: the family, the path it runs on and what departs from Llama."""
+        if self.impl == "transformers":
+            return (
+                f"{self.model_type}: transformers' implementation (--model-impl transformers) on "
+                f"tandem's paged attention, eager steps"
+            )
         notes = []
         windows = [w for w in self.layer_windows if w]
         if windows:
@@ -331,8 +346,19 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+    def from_pretrained(cls, model_dir: str | Path, model_impl: str = "auto") -> ModelConfig:
+        """model_impl (MODEL_IMPLS): "auto" takes tandem's decoder for the families it has and
+        transformers' implementation for the others."""
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json in {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        native = raw.get("model_type") in SUPPORTED_ARCHITECTURES
+        if model_impl == "transformers" or (model_impl == "auto" and not native):
+            # Imported here: it imports transformers, which the native path does without.
+            from tandem.engine.transformers_config import transformers_model_config
+
+            return transformers_model_config(model_dir)
+        return cls.from_dict(raw)

@@ -119,7 +119,8 @@ def _serving_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | 
     no fast float16 GEMM: float32 there (a converted quantized GGUF file is float16)."""
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
-    if device.type == "cpu" and ModelConfig.from_pretrained(config.model_dir).dtype == "float16":
+    model_config = ModelConfig.from_pretrained(config.model_dir, config.model_impl)
+    if device.type == "cpu" and model_config.dtype == "float16":
         return torch.float32
     return None
 
@@ -154,8 +155,12 @@ class ModelRunner:
         if (
             tp is None
         ):  # what the model cannot do is refused here, before weights load or any rank starts
-            model_config = ModelConfig.from_pretrained(config.model_dir)
+            model_config = ModelConfig.from_pretrained(config.model_dir, config.model_impl)
             _check_context_length(model_config, config.max_model_len)
+            if model_config.impl == "transformers":
+                from tandem.engine.hf_model import check_engine_config
+
+                check_engine_config(config)
             if config.tensor_parallel_size > 1:
                 check_divisible(model_config, config.tensor_parallel_size)
                 self.followers = FollowerRanks(config)
@@ -183,6 +188,7 @@ class ModelRunner:
             device=self.device,
             tp=self.tp,
             quantization=config.quantization,
+            model_impl=config.model_impl,
         )
         # The activations' dtype (the embedding's; FP8 projections hold their own).
         self.dtype = self.model.embed_tokens.weight.dtype
@@ -218,7 +224,8 @@ class ModelRunner:
             )
         max_num_seqs = config.max_num_seqs
         self.lora_pool = None
-        if config.max_loras:
+        # The transformers path has no LoRA kernels in its projections: no pool, lora_request refused.
+        if config.max_loras and self.model_config.impl == "tandem":
             self.lora_pool = LoRAPool(
                 lora_modules(self.model_config),
                 self.model_config.num_layers,
@@ -262,6 +269,11 @@ class ModelRunner:
             # The torch batch-invariant attention walks host-side chunk lists, and the MoE's
             # batch-invariant expert loop reads its expert counts on the host: eager only.
             pass
+        elif self.model_config.impl == "transformers":
+            # transformers' modules were never checked for capture (host syncs, shape-dependent
+            # branches): its steps run eagerly.
+            if self.device.type == "cuda":
+                log.info("the transformers model path runs decode steps eagerly (no CUDA graphs)")
         elif self.device.type == "cuda" and backend_for(self.device) != "triton":
             log.warning(
                 "decode CUDA graphs need the Triton kernels (the torch reference syncs); running eagerly"
@@ -289,7 +301,7 @@ class ModelRunner:
         started = time.perf_counter()
         precompile_eager_variants(
             self.kv_cache[:, 0],
-            self.model.layers[0].self_attn.num_heads,
+            self.model_config.num_heads // self.tp.size,
             self.dtype,
             self.model_config.attention_scorings,
         )
@@ -378,6 +390,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=self.device,
                 quantization=self.config.quantization,
+                model_impl=self.config.model_impl,
             )
 
     def release_kv_cache(self) -> None:
@@ -397,6 +410,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             quantization=self.config.quantization,
+            model_impl=self.config.model_impl,
         )
         mismatch = [
             f"{name}: serving {getattr(self.model_config, name)!r}, checkpoint {getattr(config, name)!r}"

@@ -132,7 +132,7 @@ class WorkerRuntime:
             dict.fromkeys(mc.eos_token_ids + self.tokenizer.generation_eos_ids())
         )
         engine_config = self.config.engine
-        if engine_config.max_loras:
+        if engine_config.max_loras and mc.impl == "tandem":  # no adapters on the transformers path
             # Twice the device slots on the host: an adapter evicted from the device comes back without a read.
             self.adapters = AdapterStore(
                 mc,
@@ -352,7 +352,8 @@ class WorkerRuntime:
             )
         if self.adapters is None:
             raise PreconditionError(
-                f"this worker serves no LoRA adapters (--max-loras 0); cannot run adapter "
+                f"this worker serves no LoRA adapters (--max-loras 0, or a model on the "
+                f"transformers path); cannot run adapter "
                 f"{lora.lora_name!r}"
             )
         try:
