@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import run_to_completion
+from conftest import assert_all_blocks_free, run_to_completion, split_or_aggregated_client
 from lora_adapters import write_adapter
 
+from tandem.client import SamplingParams
 from tandem.common.exceptions import PreconditionError
 from tandem.engine.checkpoints import write_tiny_checkpoint
 from tandem.engine.config import EngineConfig
@@ -29,6 +30,7 @@ from tandem.engine.lora_adapter import AdapterStore
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.tiny_tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS
+from tandem.testing.cluster import LocalCluster
 
 transformers.logging.set_verbosity_error()
 
@@ -137,7 +139,7 @@ def test_config_reads_the_sizes(architecture):
     assert config.num_kv_heads == {"gpt_bigcode": 1, "gpt_neox": 4}.get(name, 2)
     assert config.vocab_size == hf.vocab_size
     assert config.eos_token_ids == (SPECIAL_TOKENS.index(EOS),)
-    assert "transformers' implementation" in config.describe_path()
+    assert config.describe_path().startswith(f"{name}: the transformers path")
 
 
 @pytest.mark.parametrize("num_blocks, budget", [(64, 16), (14, 7)])
@@ -172,6 +174,36 @@ def test_prefix_cache_hits_match_transformers(architecture, oracle):
     assert second == ref.greedy(shared + [50, 51, 52], NUM_NEW)
 
 
+@pytest.fixture(scope="module")
+def served_neox(tmp_path_factory):
+    config_class, extra = ARCHITECTURES["gpt_neox"]
+    model_dir = write_checkpoint(tmp_path_factory.mktemp("served-neox"), config_class, **extra)
+    engine_args = ["--model", str(model_dir), "--num-blocks", "64", "--block-size", "4"]
+    engine_args += ["--max-num-batched-tokens", "16"]
+    with LocalCluster(roles=["prefill", "decode", "both"], engine_args=engine_args) as cluster:
+        yield model_dir, cluster
+
+
+@pytest.mark.parametrize("which", ["split", "aggregated"])
+def test_served_split_and_aggregated(served_neox, oracle, which):
+    """Real processes: the prefill worker's KV (in tandem's pool, written by transformers'
+    layers) handed off to the decode worker continues as transformers does, cold and over the
+    prefix cache; each worker logs the path its model takes."""
+    model_dir, cluster = served_neox
+    for worker in cluster.workers:
+        assert "model gpt_neox: the transformers path" in worker.log_path.read_text(
+            errors="replace"
+        )
+    ref = oracle(model_dir)
+    prompts = list(_prompts(ref.model.config.vocab_size, seed=3, num=3).values())
+    expected = [ref.greedy(ids, 10) for ids in prompts]
+    with split_or_aggregated_client(cluster, which) as llm:
+        for attempt in ("cold", "prefix cached"):
+            outs = llm.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+            assert [out.outputs[0].token_ids for out in outs] == expected, attempt
+        assert_all_blocks_free(llm)
+
+
 def test_model_impl_transformers_on_llama_matches_the_native_path(model_dirs, oracle):
     model_dir = model_dirs["llama"]
     ref = oracle(model_dir)
@@ -184,6 +216,22 @@ def test_model_impl_transformers_on_llama_matches_the_native_path(model_dirs, or
     tokens = run_to_completion(forced, prompts, _GREEDY)
     assert tokens == run_to_completion(native, prompts, _GREEDY)
     assert tokens == {rid: ref.greedy(ids, NUM_NEW) for rid, ids in prompts.items()}
+
+
+def test_ngram_drafts_verify_on_the_path(model_dirs):
+    """Prompt lookup's drafts are verified in one forward of several rows per sequence (as a
+    prefill chunk is): the tokens of plain decoding, in fewer steps."""
+    model_dir = model_dirs["llama"]
+    prompts = {"a": [1, 5, 6, 7, 5, 6, 7, 5, 6], "b": [1, 9, 10, 11, 9, 10, 11]}
+    options = SamplingOptions(max_tokens=48, ignore_eos=True)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    drafted = _engine(model_dir, model_impl="transformers", speculative_config=spec)
+    plain = _engine(model_dir, model_impl="transformers")
+    assert run_to_completion(drafted, prompts, options) == run_to_completion(
+        plain, prompts, options
+    )
+    assert drafted.counters.num_accepted_draft_tokens > 0
+    assert drafted.counters.num_steps < plain.counters.num_steps
 
 
 def _config_only(out_dir: Path, config) -> Path:

@@ -79,10 +79,12 @@ def paged_attention(
         query.shape[0] != 1
         or key.shape[1] != kv_layer.shape[3]
         or key.shape[3] != kv_layer.shape[4]
+        or value.shape[3] != kv_layer.shape[4]
     ):
         raise ValueError(
-            f"layer {layer}: keys {tuple(key.shape)} do not fit the KV pool's "
-            f"[heads {kv_layer.shape[3]}, head_dim {kv_layer.shape[4]}] (config.json's sizes)"
+            f"layer {layer}: keys {tuple(key.shape)} and values {tuple(value.shape)} do not fit "
+            f"the KV pool's [heads {kv_layer.shape[3]}, head_dim {kv_layer.shape[4]}] "
+            f"(config.json's sizes)"
         )
     q = query[0].transpose(0, 1).to(kv_layer.dtype).contiguous()  # [T, Hq, D]
     k = key[0].transpose(0, 1).contiguous()

@@ -241,8 +241,8 @@ class ModelConfig:
         """One line for the logs: the family, the path it runs on and what departs from Llama."""
         if self.impl == "transformers":
             return (
-                f"{self.model_type}: transformers' implementation (--model-impl transformers) on "
-                f"tandem's paged attention, eager steps"
+                f"{self.model_type}: the transformers path, transformers' implementation on "
+                f"tandem's paged attention (eager steps; no LoRA, FP8 or tensor parallelism)"
             )
         notes = []
         windows = [w for w in self.layer_windows if w]
