@@ -9,6 +9,7 @@ transformers' `generate` on the same checkpoint with its own (SDPA) attention.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -23,9 +24,9 @@ from tandem.client import SamplingParams
 from tandem.common.exceptions import PreconditionError
 from tandem.engine.checkpoints import write_tiny_checkpoint
 from tandem.engine.config import EngineConfig
-from tandem.engine.hf_model import TransformersCausalLM
+from tandem.engine.hf_model import TransformersCausalLM, check_logits
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.loader import hf_parameter_slices
+from tandem.engine.loader import hf_parameter_slices, load_model
 from tandem.engine.lora_adapter import AdapterStore
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.sampling_options import SamplingOptions
@@ -140,6 +141,18 @@ def test_config_reads_the_sizes(architecture):
     assert config.vocab_size == hf.vocab_size
     assert config.eos_token_ids == (SPECIAL_TOKENS.index(EOS),)
     assert config.describe_path().startswith(f"{name}: the transformers path")
+
+
+def test_logits_the_head_scales_are_checked_at_load(architecture):
+    """load checks compute_logits against transformers' whole forward: Cohere's logit_scale
+    left out would be served wrong, so a config without it is refused."""
+    name, model_dir = architecture
+    model, config = load_model(model_dir)
+    check_logits(model)
+    if name == "cohere":
+        model.config = dataclasses.replace(config, logits_scaling=1.0)
+        with pytest.raises(ValueError, match="changes its logits after lm_head"):
+            check_logits(model)
 
 
 @pytest.mark.parametrize("num_blocks, budget", [(64, 16), (14, 7)])

@@ -179,7 +179,42 @@ def load_transformers_model(
             f"{config.model_type}: {bidirectional[0]} is not causal attention (is_causal False); "
             f"the transformers path runs decoder-only causal LMs"
         )
-    return TransformersCausalLM(hf_model.to(device).eval(), config)
+    model = TransformersCausalLM(hf_model.to(device).eval(), config)
+    check_logits(model)
+    return model
+
+
+@torch.inference_mode()
+def check_logits(model: TransformersCausalLM, num_tokens: int = 4) -> None:
+    """Runs a few tokens through transformers' whole causal-LM forward and through tandem's split
+    of it (the body, then compute_logits), both over a scratch KV pool: a model whose forward
+    does not hand its kwargs down to attention, or whose head does something to the logits that
+    compute_logits does not, is refused at load, not served wrong."""
+    config = model.config
+    device = model.lm_head.weight.device
+    ids = torch.arange(num_tokens, device=device) % config.vocab_size
+    positions = torch.arange(num_tokens, device=device)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0]], num_tokens, device)
+    pool_shape = (1, config.num_layers, 2, num_tokens, config.num_kv_heads, config.head_dim)
+    pool = torch.zeros(pool_shape, dtype=model.lm_head.weight.dtype, device=device)
+    ours = model.compute_logits(model(ids, positions, meta, pool))
+    theirs = (
+        model.hf_model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            tandem_step=PagedStep(meta, pool),
+        )
+        .logits[0]
+        .float()
+    )
+    tolerance = 1e-2 * float(theirs.abs().max()) + 1e-5
+    if not torch.allclose(ours, theirs, rtol=0.0, atol=tolerance):
+        raise ValueError(
+            f"{config.model_type}: transformers' {type(model.hf_model).__name__} changes its "
+            f"logits after lm_head in a way the transformers path does not reproduce (largest "
+            f"difference {float((ours - theirs).abs().max()):.3g}): not served"
+        )
 
 
 def check_engine_config(config: EngineConfig) -> None:
