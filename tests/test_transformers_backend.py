@@ -148,6 +148,7 @@ def test_logits_the_head_scales_are_checked_at_load(architecture):
     left out would be served wrong, so a config without it is refused."""
     name, model_dir = architecture
     model, config = load_model(model_dir)
+    assert all(name.startswith("hf_model.") for name in model.state_dict())
     check_logits(model)
     if name == "cohere":
         model.config = dataclasses.replace(config, logits_scaling=1.0)

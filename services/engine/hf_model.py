@@ -107,10 +107,17 @@ class TransformersCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, config: ModelConfig) -> None:
         super().__init__()
-        self.hf_model = hf_model
+        self.hf_model = hf_model  # the one child: state_dict names each weight once
         self.config = config
-        self.decoder = hf_model.base_model  # the body: embeddings, layers, final norm
-        self.lm_head = hf_model.get_output_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The body: embeddings, layers, final norm."""
+        return self.hf_model.base_model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf_model.get_output_embeddings()
 
     @property
     def embed_tokens(self) -> nn.Module:
