@@ -64,6 +64,7 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             )
         w.refused = refused
     if ready:
+        w.queued_prefill_peak = w.queued_prefill_tokens  # the report's window opens
         try:
             state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
             if state.instance_id != w.instance_id:
@@ -72,11 +73,11 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             w.lora_adapters = list(state.lora_adapters)
             w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
             # The report counts this router's own queued work too (it is counted fresh here):
-            # what is left over is the other routers'. A report that lingers after our own work
-            # finished would otherwise hold a worker as loaded until the next poll.
-            w.others_prefill_tokens = max(
-                0, state.num_queued_prompt_tokens - w.queued_prefill_tokens
-            )
+            # what is left over is the other routers'. Taken off at its peak over the poll: work
+            # of ours the report counted that finished before the reply came would otherwise
+            # hold the worker as loaded by others until the next poll (a phantom that sent a
+            # shared prefix's next users to a worker without its KV).
+            w.read_state_report(state.num_queued_prompt_tokens)
         except grpc.aio.AioRpcError:
             # The state waits for the engine thread between steps; a slow step leaves the last
             # adapters in place. A worker whose role is still unknown cannot be picked yet, nor

@@ -111,7 +111,7 @@ class Route:
         prefill_tokens = 0 if pulls else self.placement.uncached_tokens(worker.address, block_size)
         blocks = self.placement.num_blocks(block_size)
         worker.in_flight += 1
-        worker.queued_prefill_tokens += prefill_tokens
+        worker.queue_prefill(prefill_tokens)
         worker.active_blocks += blocks
         try:
             session, tag, inbox = await worker.session.attach(
@@ -142,7 +142,7 @@ class Route:
                             return
                         self._last_message_at = time.monotonic()
                         if prefill_tokens:
-                            worker.queued_prefill_tokens -= prefill_tokens
+                            worker.queue_prefill(-prefill_tokens)
                             prefill_tokens = 0
                         ended = msg.finished
                         yield msg
@@ -166,7 +166,7 @@ class Route:
                 self.cut = None
         finally:
             worker.in_flight -= 1
-            worker.queued_prefill_tokens -= prefill_tokens
+            worker.queue_prefill(-prefill_tokens)
             worker.active_blocks -= blocks
 
     async def _watch(self, worker: WorkerHandle) -> bool:
