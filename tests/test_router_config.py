@@ -1,6 +1,7 @@
-"""The router's flags come from RouterConfig's fields (one definition of each name, default and
-help): `tandem serve router` parses them into the config, and `tandem up` takes the same ones
-but worker discovery and passes those it was given on to its router."""
+"""Settings of the servers: the router's flags come from RouterConfig's fields (one definition of
+each name, default and help): `tandem serve router` parses them into the config, and `tandem up`
+takes the same ones but worker discovery and passes them on to its router; a worker bound to a
+wildcard advertises a host its peers reach."""
 
 from __future__ import annotations
 
@@ -52,3 +53,22 @@ def test_a_bad_router_setting_is_refused_with_its_name():
     for name, bad in [("routing", "fastest"), ("max_in_flight", 0), ("stream_interval", 257)]:
         with pytest.raises(ValueError, match=name if name != "routing" else "fastest"):
             RouterConfig(**{**settings, name: bad})
+
+
+def test_a_worker_bound_to_a_wildcard_advertises_a_reachable_host(monkeypatch):
+    """A prefill names itself in its handoffs: bound to 0.0.0.0 (the chart's pods) it must name a
+    host a decode on another node reaches (tests/containers/test_chart_pods.py pulls across two
+    network namespaces), never the wildcard; an explicit --advertise-host wins."""
+    import socket
+
+    from tandem.common.server import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "decode-0.tandem.ns.svc") == "decode-0.tandem.ns.svc"
+    monkeypatch.setattr(socket, "getfqdn", lambda: "llm-prefill-0.llm-prefill.ns.svc.cluster.local")
+    assert advertised_host("0.0.0.0") == "llm-prefill-0.llm-prefill.ns.svc.cluster.local"
+    monkeypatch.setattr(socket, "getfqdn", lambda: "c0ffee")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert advertised_host("::") == "10.1.2.3"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
+    assert advertised_host("0.0.0.0") not in ("0.0.0.0", "127.0.1.1", "")

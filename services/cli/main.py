@@ -94,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=50052)
         p.add_argument(
+            "--advertise-host",
+            default=None,
+            help="the host other workers reach this one at (a prefill names it in its KV "
+            "handoffs; default: --host, or, for a wildcard --host such as 0.0.0.0, this host's "
+            "DNS name or address: a Kubernetes pod's)",
+        )
+        p.add_argument(
             "--admin-token",
             default=os.environ.get("TANDEM_ADMIN_TOKEN"),
             help="bearer token admin RPCs must carry (default: $TANDEM_ADMIN_TOKEN; none: open)",
@@ -354,6 +361,7 @@ def _serve(args) -> int:
         engine=_engine_config(args),
         host=args.host,
         port=args.port,
+        advertise_host=args.advertise_host,
         nixl_progress_thread=args.nixl_progress_thread,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_room_wait_s=args.kv_room_wait_seconds,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import logging
 import signal
+import socket
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -207,6 +209,36 @@ class GrpcServer:
         await self.server.stop(0)
         if self.health_server is not None:
             await self.health_server.stop(0)
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+def advertised_host(bind_host: str, advertise_host: str | None = None) -> str:
+    """The host peers reach a server at: advertise_host when given, else the bind host unless it
+    is a wildcard, else this host's own name when it is a DNS name (a StatefulSet pod's FQDN,
+    which kubelet's /etc/hosts gives), else its address (the hostname's, or the one the default
+    route leaves from), else the bare host name: anything but 0.0.0.0, which a peer on another
+    host would take for itself."""
+    if advertise_host:
+        return advertise_host
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    fqdn = socket.getfqdn()
+    if "." in fqdn and not fqdn.startswith("localhost"):
+        return fqdn
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 9))  # no packet leaves: the route picks the source
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:

@@ -15,6 +15,8 @@ from tandem.engine.config import EngineConfig
 class WorkerConfig(ServerConfig):
     role: Role
     engine: EngineConfig
+    # The host other workers reach this one at (advertised_host): a prefill's handoffs name it.
+    advertise_host: str | None = None
     # NIXL's UCX progress thread: READs progress without polling, at the price of a busy core.
     nixl_progress_thread: bool = False
     # The KV pull rate under which a decode warns of a slow lane to a prefill on its host.

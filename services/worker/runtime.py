@@ -16,7 +16,7 @@ from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import PreconditionError, unavailable
 from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
-from tandem.common.server import GrpcServer
+from tandem.common.server import GrpcServer, advertised_host
 from tandem.decode.generation import GenerationPhase
 from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import PeerCache
@@ -51,7 +51,10 @@ class WorkerRuntime:
         self.metrics = metrics
         self.role = config.role
         self.server = server
-        self.worker_id = server.address
+        # How this worker names itself to its peers (a prefill's handoffs carry it: the decode
+        # calls back there), reachable from another host, unlike a wildcard bind address.
+        port = server.address.rpartition(":")[2]
+        self.worker_id = f"{advertised_host(config.host, config.advertise_host)}:{port}"
         self.llm_id = uuid.uuid4().hex
         self.ready = ready
         # The pause in force (pause_generation), None while generating.

@@ -107,7 +107,10 @@ def _assert_kv_crossed_nodes_over_tcp(runner: PodRunner, pods: dict, docs: list[
         for line in scraped.splitlines()
         if line.startswith("tandem:kv_pull_bytes_total{")
     ]
-    assert pulled and sum(pulled) > 0, "the decode pulled no KV"
+    handoffs = [line for line in scraped.splitlines() if "kv_handoff" in line or "kv_pull" in line]
+    assert pulled and sum(pulled) > 0, (
+        f"the decode pulled no KV: {handoffs}\n{logs(pods['decode'].container)[-4000:]}"
+    )
     declared = {
         p["containerPort"]
         for d in docs
