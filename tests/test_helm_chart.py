@@ -687,6 +687,20 @@ def test_the_charts_router_values_default_to_the_routers_own_and_name_its_polici
     assert named == {p.value for p in Policy}
 
 
+def test_the_model_implementation_is_one_engine_value_for_every_worker(chart):
+    def impls(values):
+        return {
+            c["name"]: flag(c, "model-impl")
+            for c in containers(objects(chart, values))
+            if c["name"] not in ("router", "openai")
+        }
+
+    assert set(impls({}).values()) == {None}  # auto: the worker's default
+    assert set(impls({"engine": {"modelImpl": "transformers"}}).values()) == {"transformers"}
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"engine": {"modelImpl": "vllm"}})
+
+
 def test_kv_transfer_renders_nothing_by_default_and_the_rdma_values_where_asked(chart):
     """Plain TCP between nodes needs no value; an RDMA setup reaches every worker pod (and no other
     pod): the UCX transports and devices, the device plugin's resource beside the GPUs, IPC_LOCK

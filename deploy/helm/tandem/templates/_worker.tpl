@@ -83,6 +83,9 @@ spec:
             {{- if $root.Values.engine.deterministic }}
             - --deterministic
             {{- end }}
+            {{- with $root.Values.engine.modelImpl }}{{ if ne . "auto" }}
+            - --model-impl={{ . }}
+            {{- end }}{{ end }}
             {{- if gt (int $spec.numBlocks) 0 }}
             - --num-blocks={{ int $spec.numBlocks }}
             {{- else }}
