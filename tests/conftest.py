@@ -88,6 +88,23 @@ def run_to_completion(engine, prompts: dict[str, list[int]], options) -> dict[st
     return outputs
 
 
+async def abort_while_streaming(owner, aborts) -> tuple:
+    """Streams a long request through `owner` (an AsyncLLM) and, once it has produced a few
+    tokens, awaits each of `aborts` (callables of the request id: other clients' abort calls) in
+    order: (the last output, their answers)."""
+    from tandem.client import SamplingParams
+
+    result = owner.generate_async(
+        [1, 5, 9], SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+    )
+    verdicts = []
+    async for out in result:
+        if not verdicts and len(out.outputs[0].token_ids) >= 4:
+            for abort in aborts:
+                verdicts.append(await abort(result.request_id))
+    return out, verdicts
+
+
 def wait_all_blocks_free(llm, timeout: float = 10.0) -> dict:
     """Polls every worker until its free blocks equal its total; returns the last capacity per worker."""
     deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ import asyncio
 import socket
 
 import pytest
+from conftest import abort_while_streaming
 from test_metrics import scrape, value
 
 from tandem.client import LLM, AsyncLLM, SamplingParams
@@ -75,15 +76,7 @@ def _a_plaintext_abort_stays_with_its_connection(first: str, second: str) -> Non
     async def go():
         owner, other = await AsyncLLM(first), await AsyncLLM(second)
         try:
-            result = owner.generate_async(
-                [1, 5, 9], SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
-            )
-            verdicts = []
-            async for out in result:
-                if not verdicts and len(out.outputs[0].token_ids) >= 4:
-                    verdicts.append(await other.abort(result.request_id))
-                    verdicts.append(await owner.abort(result.request_id))
-            return out, verdicts
+            return await abort_while_streaming(owner, [other.abort, owner.abort])
         finally:
             owner.close()
             other.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import abort_while_streaming, assert_all_blocks_free
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_disagg import worker_state
 from tls_certs import make_authority
@@ -414,16 +414,14 @@ def test_a_client_aborts_its_request_through_another_router(pki, model_dirs, tmp
             same_client = await AsyncLLM(second.address, **identity(client))
             stranger = await AsyncLLM(second.address, **identity(other_client))
             try:
-                result = streaming.generate_async(
-                    [1, 5, 9], SamplingParams(max_tokens=1500, ignore_eos=True), streaming=True
+                return await abort_while_streaming(
+                    streaming,
+                    [
+                        stranger.abort,
+                        same_client.abort,
+                        lambda _: same_client.abort("no-such-request"),
+                    ],
                 )
-                verdicts = []
-                async for out in result:
-                    if not verdicts and len(out.outputs[0].token_ids) >= 4:
-                        verdicts.append(await stranger.abort(result.request_id))
-                        verdicts.append(await same_client.abort(result.request_id))
-                        verdicts.append(await same_client.abort("no-such-request"))
-                return out, verdicts
             finally:
                 for llm in (streaming, same_client, stranger):
                     llm.close()

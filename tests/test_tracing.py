@@ -59,6 +59,18 @@ class _Receiver(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", free_port()), Handler)
 
 
+def _spans(receiver: _Receiver, trace_id: str, want: set[str]) -> dict[str, dict]:
+    """The trace's spans by name, once every wanted one reached the receiver (20 s at most)."""
+    deadline = time.monotonic() + 20
+    while True:
+        spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == trace_id}
+        if want <= set(spans) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert want <= set(spans), spans
+    return spans
+
+
 @pytest.fixture(scope="module")
 def receiver():
     server = _Receiver()
@@ -83,14 +95,11 @@ def test_a_split_request_is_one_trace_of_router_prefill_pull_and_decode(model_di
                 trace_headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
             ).result()
         assert len(out.outputs[0].token_ids) == 4
-        want = {"tandem.router.generate", "tandem.prefill", "tandem.kv_pull", "tandem.decode"}
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == trace_id}
-            if want <= set(spans):
-                break
-            time.sleep(0.1)
-        assert want <= set(spans), spans
+        spans = _spans(
+            receiver,
+            trace_id,
+            {"tandem.router.generate", "tandem.prefill", "tandem.kv_pull", "tandem.decode"},
+        )
     router, prefill = spans["tandem.router.generate"], spans["tandem.prefill"]
     decode, pull = spans["tandem.decode"], spans["tandem.kv_pull"]
     assert router["parent"] == client_span and router["service"] == "tandem-router"
@@ -125,14 +134,11 @@ def test_the_openai_front_traces_between_its_client_and_the_router(model_dirs, r
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
-        want = {"tandem.openai /v1/completions", "tandem.router.generate", "tandem.generate"}
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            spans = {s["name"]: s for s in receiver.spans if s["trace_id"] == trace_id}
-            if want <= set(spans):
-                break
-            time.sleep(0.1)
-        assert want <= set(spans), spans
+        spans = _spans(
+            receiver,
+            trace_id,
+            {"tandem.openai /v1/completions", "tandem.router.generate", "tandem.generate"},
+        )
     front, router = spans["tandem.openai /v1/completions"], spans["tandem.router.generate"]
     assert front["parent"] == client_span and front["service"] == "tandem-openai"
     assert router["parent"] == front["span_id"]
