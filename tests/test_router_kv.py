@@ -302,19 +302,21 @@ def test_the_kv_policy_weighs_the_prefill_work_every_router_queued():
 
 
 def test_our_work_that_finished_during_a_poll_is_not_counted_as_another_routers():
-    """A state poll's report counted a request of ours that finished before the reply came: what
-    is taken off the report is the most we had queued since the poll went out, so no phantom
-    load is left on the worker (it sent a shared prefix's next users elsewhere)."""
+    """A state poll's report counts our prompts whole (their prefix-cached part too) and may count
+    a request of ours that finished before the reply came: what is taken off the report is the
+    most of our whole prompts there since the poll went out, so no phantom load is left on the
+    worker (it sent a shared prefix's next users elsewhere)."""
     from tandem.common.roles import Role
     from tandem.router.workers import WorkerHandle
 
     w = WorkerHandle("a:1", None, None, None, None, role=Role.PREFILL, ready=True)
-    w.queue_prefill(300)  # ours, queued before the poll
-    w.queued_prefill_peak = w.queued_prefill_tokens  # the poll goes out
-    w.queue_prefill(200)  # ours, sent while it is on its way
-    w.queue_prefill(-300)
-    w.queue_prefill(-200)  # both computed before the reply
-    w.read_state_report(500 + 64)  # the worker counted both, and 64 tokens of another router's
+    w.queue_prefill(16, 80)  # ours before the poll: an 80-token prompt, 64 of them cached there
+    w.open_state_poll()
+    w.queue_prefill(200, 200)  # ours, sent while the poll is on its way
+    assert w.queued_prefill_tokens == 216  # the pick weighs what will be computed
+    w.queue_prefill(-16, -80)
+    w.queue_prefill(-200, -200)  # both computed before the reply
+    w.read_state_report(280 + 64)  # the worker counted both whole, and 64 of another router's
     assert (w.others_prefill_tokens, w.prefill_load) == (64, 64)
 
 

@@ -64,7 +64,7 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             )
         w.refused = refused
     if ready:
-        w.queued_prefill_peak = w.queued_prefill_tokens  # the report's window opens
+        w.open_state_poll()  # the report's window opens
         try:
             state = await w.internal.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=5.0)
             if state.instance_id != w.instance_id:

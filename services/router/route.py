@@ -109,9 +109,11 @@ class Route:
         block_size = self.pool.kv_index.block_size
         pulls = request.disaggregated_params.opaque_state != b""
         prefill_tokens = 0 if pulls else self.placement.uncached_tokens(worker.address, block_size)
+        # What the worker's state report counts of it until its first message: the whole prompt.
+        prompt_tokens = 0 if pulls else len(self.placement.token_ids)
         blocks = self.placement.num_blocks(block_size)
         worker.in_flight += 1
-        worker.queue_prefill(prefill_tokens)
+        worker.queue_prefill(prefill_tokens, prompt_tokens)
         worker.active_blocks += blocks
         try:
             session, tag, inbox = await worker.session.attach(
@@ -141,9 +143,9 @@ class Route:
                         if msg is None:  # the worker's end of the request
                             return
                         self._last_message_at = time.monotonic()
-                        if prefill_tokens:
-                            worker.queue_prefill(-prefill_tokens)
-                            prefill_tokens = 0
+                        if prefill_tokens or prompt_tokens:
+                            worker.queue_prefill(-prefill_tokens, -prompt_tokens)
+                            prefill_tokens = prompt_tokens = 0
                         ended = msg.finished
                         yield msg
             except grpc.aio.AioRpcError:
@@ -166,7 +168,7 @@ class Route:
                 self.cut = None
         finally:
             worker.in_flight -= 1
-            worker.queue_prefill(-prefill_tokens)
+            worker.queue_prefill(-prefill_tokens, -prompt_tokens)
             worker.active_blocks -= blocks
 
     async def _watch(self, worker: WorkerHandle) -> bool:

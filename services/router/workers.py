@@ -68,10 +68,13 @@ class WorkerHandle:
     # Prompt tokens other routers had queued there at the last state poll: the worker's report
     # less what this router had sent there then (its own count is fresher and stays exact).
     others_prefill_tokens: int = 0
-    # The most this router had queued there since the current state poll was sent: the worker's
-    # report was taken at some moment in between, so this (not the count when the reply comes,
-    # when a request it counted may have finished) is what to take off it.
-    queued_prefill_peak: int = 0
+    # This router's prompts there as the worker's report counts them (whole prompts, their
+    # prefix-cached part too, until their first message), and the most of them since the current
+    # state poll was sent: the report was taken at some moment in between, so this (not the
+    # count when the reply comes, when a request it counted may have finished) is what to take
+    # off it.
+    reported_prompt_tokens: int = 0
+    reported_prompt_peak: int = 0
     # Free KV blocks at the last state poll (None: not known yet).
     num_free_blocks: int | None = None
     # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
@@ -108,14 +111,19 @@ class WorkerHandle:
     def can_decode(self) -> bool:
         return self.role.can_decode
 
-    def queue_prefill(self, tokens: int) -> None:
-        """This router sends `tokens` prompt tokens here to be computed (negative: they were)."""
+    def queue_prefill(self, tokens: int, prompt_tokens: int) -> None:
+        """This router sends a prompt of `prompt_tokens` here, `tokens` of them to be computed
+        (negative: they were)."""
         self.queued_prefill_tokens += tokens
-        self.queued_prefill_peak = max(self.queued_prefill_peak, self.queued_prefill_tokens)
+        self.reported_prompt_tokens += prompt_tokens
+        self.reported_prompt_peak = max(self.reported_prompt_peak, self.reported_prompt_tokens)
+
+    def open_state_poll(self) -> None:
+        self.reported_prompt_peak = self.reported_prompt_tokens
 
     def read_state_report(self, num_queued_prompt_tokens: int) -> None:
         """The other routers' share of the prompt tokens a state poll found queued here."""
-        self.others_prefill_tokens = max(0, num_queued_prompt_tokens - self.queued_prefill_peak)
+        self.others_prefill_tokens = max(0, num_queued_prompt_tokens - self.reported_prompt_peak)
 
     @property
     def prefill_load(self) -> int:
