@@ -96,7 +96,7 @@ gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 		--platform manylinux2014_x86_64 --no-deps -d .whl nixl==1.5.1 nixl-cu13==1.5.1 \
 		grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 protobuf==7.36.2 \
-		pyzmq==27.3.0 msgspec==0.23.0
+		pyzmq==27.3.0 msgspec==0.23.0 gguf==0.19.0
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.egg-info

@@ -6,13 +6,17 @@
 # pull1: KV pulls between two processes on cuda:0, tandem's default beside UCX's (issue 41);
 # split1: the split served from one GPU beside the aggregated worker (bench/split_one_gpu.py).
 # wsync: update_weights by CUDA IPC handles against the checkpoint path (bench/weight_sync.py).
-# fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra; FP8_ONLY=name: one of bf16, fp8w, fp8wkv).
+# fp8: the served rows in bf16, with FP8 weights, and with FP8 weights + FP8 KV (bench/serve.py --engine-extra; FP8_ONLY="names": of bf16, fp8w, fp8wkv).
 # fp8check: bench/fp8_check.py (FP8 weights and KV on the device against the CPU reference).
 # det: --deterministic against the default mode, and batch invariance (bench/deterministic.py).
 # multiturn: the host KV tier's multi-turn TTFT (bench/multiturn.py), sessions outgrowing the pool.
 # proc: the served rows with the engine core in its own process (--engine-process) beside the
 #   default, and bench/engine_process.py's served step against in-process (issue 28).
 # spec: speculative decoding (ngram, suffix) against plain decoding, SmolLM2 (bench/spec_decode.py).
+# smol: SmolLM2's GGUF (the real chat model the spec rows need), carried in pieces over calls on one
+#   warm machine: a call that carries .smol/partNN keeps it in /tmp/smol; once every piece of
+#   .smol/sha's file is there, they are joined and checked (`split -b 50000000 -d FILE .smol/part`).
+# e2e: the handover taken apart on one GPU, prefill and decode two processes on cuda:0 (bench/disagg_e2e.py).
 # moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
 # Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
 set -u
@@ -24,6 +28,10 @@ PARTS=${PARTS:-tests fidelity lora serve kernels pull}
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
 } 2>&1 | tee "$OUT/session.txt"
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+CKPT=/dev/shm/tandem-llama-3.1-8b-bf16
+ckpt() {  # the 8B-shaped random checkpoint bench/serve.py writes (kept between parts)
+  python3 -c "import sys, torch; from pathlib import Path; sys.path.insert(0, 'bench'); from serve import SHAPES, write_checkpoint; write_checkpoint(Path('$CKPT'), SHAPES['llama-3.1-8b'], torch.device('cuda:0'))"
+}
 if has tests; then
   timeout "${PYTEST_S:-130}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider ${PYTEST_FILES:-tests/test_gpu_engine.py tests/test_lora_gpu.py \
     $(ls tests/test_tensor_parallel_gpu.py 2>/dev/null)} 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25
@@ -61,7 +69,7 @@ if has pull1; then  # one GPU: the transceiver's default (CUDA IPC get path on) 
   done
 fi
 if has wsync; then  # update_weights by CUDA IPC handles (issue 32): one GPU, trainer and worker on it
-  timeout "${WSYNC_S:-420}" python3 bench/weight_sync.py --device cuda --shape llama-3.1-8b \
+  ckpt && timeout "${WSYNC_S:-420}" python3 bench/weight_sync.py --device cuda --model "$CKPT" \
     --paths "${WSYNC_PATHS:-ipc,checkpoint}" --repeats "${WSYNC_REPEATS:-2}" 2>&1 \
     | grep -v "NIXL\|Loading weights\|Writing model" | tee "$OUT/weight-sync.txt" | tail -8
 fi
@@ -69,9 +77,21 @@ if has split1; then
   timeout "${SPLIT1_S:-420}" python3 bench/split_one_gpu.py ${SPLIT1_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" \
     | tee "$OUT/split-one-gpu.txt" | tail -25
 fi
+SMOL=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+if has smol; then
+  mkdir -p /tmp/smol && cp .smol/* /tmp/smol/ 2>/dev/null
+  if [ ! -f "$SMOL" ] && [ -f /tmp/smol/sha ] && [ -f /tmp/smol/part00 ] && [ -f /tmp/smol/part01 ]; then
+    cat /tmp/smol/part0* > "$SMOL" && (cd /tmp/smol && sed "s|  .*|  $SMOL|" sha | sha256sum -c) || rm -f "$SMOL"
+  fi
+  ls -la /tmp/smol
+fi
+if has e2e; then  # issue 39: prefill and decode on one GPU, two processes
+  ckpt && timeout "${E2E_S:-300}" python3 bench/disagg_e2e.py --prefill-device cuda:0 --decode-device cuda:0 \
+    --model "$CKPT" ${E2E_ARGS:---prompt-len 1024 --num-requests 16} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/disagg-e2e-1gpu.txt" | tail -30
+fi
 if has spec; then  # issue 31: needs a real chat model there (SPEC_ARGS="--model DIR"): a random checkpoint loops
   timeout "${SPEC_S:-300}" python3 bench/spec_decode.py --device cuda --max-tokens "${SPEC_TOKENS:-256}" \
-    --batch "${SPEC_BATCH:-32}" ${SPEC_ARGS:-} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/spec-decode.txt" | tail -16
+    --batch "${SPEC_BATCH:-32}" ${SPEC_ARGS:---model $SMOL} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/spec-decode.txt" | tail -16
 fi
 if has fp8check; then  # issue 30: the device's FP8 tokens against the CPU reference
   timeout "${FP8CHECK_S:-150}" python3 bench/fp8_check.py 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/fp8-check.txt" | tail -20
@@ -79,17 +99,13 @@ fi
 if has fp8; then  # issue 30: the same rows per precision, one cluster each
   for variant in "bf16:" "fp8w:--quantization fp8" "fp8wkv:--quantization fp8 --kv-cache-dtype fp8"; do
     name=${variant%%:*}; flags=${variant#*:}
-    if [ -n "${FP8_ONLY:-}" ] && [ "$name" != "$FP8_ONLY" ]; then continue; fi
+    if [ -n "${FP8_ONLY:-}" ] && [[ " $FP8_ONLY " != *" $name "* ]]; then continue; fi
     mkdir -p "$OUT/serve-$name"
     timeout "${FP8_S:-170}" python3 bench/serve.py --phases serve --rows "${FP8_ROWS:-bs1,c64,offline,ttft}" \
       --engine-extra="$flags" --out "$OUT/serve-$name" 2>&1 | grep -v "NIXL\|Loading weights" \
       | tee "$OUT/serve-$name.txt" | tail -12
   done
 fi
-CKPT=/dev/shm/tandem-llama-3.1-8b-bf16
-ckpt() {  # the 8B-shaped random checkpoint bench/serve.py writes (kept between parts)
-  python3 -c "import sys, torch; from pathlib import Path; sys.path.insert(0, 'bench'); from serve import SHAPES, write_checkpoint; write_checkpoint(Path('$CKPT'), SHAPES['llama-3.1-8b'], torch.device('cuda:0'))"
-}
 if has det; then  # issue 33: the deterministic mode's cost and its batch invariance on the GPU
   # DET_TILES="128 256": the same rows again per GEMM row tile (bench/deterministic.py --gpu-row-tile).
   for tile in ${DET_TILES:-default}; do
