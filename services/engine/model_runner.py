@@ -554,16 +554,18 @@ class ModelRunner:
         self.synchronize()
 
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
-        """The decode graph that runs this batch: one new token per sequence, each one sampling."""
+        """The decode graph that runs this batch: one new token per sequence, each one sampling,
+        or (speculative decoding) a sequence's last token and its drafts, a row each: row j
+        attends to the keys up to its own position, which is a decode row (step_inputs.pack)."""
         if self.graphs is None:
             return None
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if (
-                num_new != 1
+                num_new != 1 + len(seq.draft_token_ids)
                 or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens
             ):
                 return None
-        return self.graphs.size_for(len(batch.seqs))
+        return self.graphs.size_for(sum(batch.num_new_tokens))
 
     def _decode_logits(self, batch_size: int, with_lora: bool = False) -> torch.Tensor:
         """The captured function: the decode forward of batch_size rows from the input buffers (and

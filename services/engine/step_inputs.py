@@ -228,7 +228,8 @@ class InputBuffers:
         pending_sources: dict | None = None,
     ) -> PackedStep:
         """Fills a host buffer with the batch's inputs. With graph_size (a decode batch: one new token
-        per sequence, all sampling), rows past the batch are padding: they store no KV and attend
+        per sequence, or a sequence's last token and its drafts as rows of their own, all
+        sampling), rows past the batch are padding: they store no KV and attend
         to one key of block 0, and their logits are ignored. A sequence whose next token is still
         in flight (num_pending_tokens) gets a placeholder id and its row in pending_sources."""
         host = self.host_buffer()
@@ -274,19 +275,28 @@ class InputBuffers:
                 positions += range(start, end)
                 slots += _slots(table, start, end, bs).tolist()
             row += num_new
-            starts.append(row)
-            seq_lens.append(end)
+            if drafts and graph_size:
+                # Verified in a decode graph: each row is a query of its own over the keys up to
+                # its position (the rows before it stored theirs first), as a plain decode step
+                # of that position computes it.
+                starts += range(row - num_new + 1, row + 1)
+                seq_lens += range(start + 1, end + 1)
+                tables += [table] * num_new
+                table_lengths += [len(table)] * num_new
+            else:
+                starts.append(row)
+                seq_lens.append(end)
+                tables.append(table)
+                table_lengths.append(len(table))
             if drafts:
                 sample_rows += range(row - num_new, row)
                 sample_indices += [i] * num_new
             elif end == num_known + seq.num_pending_tokens:
                 sample_rows.append(row - 1)
                 sample_indices.append(i)
-            tables.append(table)
-            table_lengths.append(len(table))
             lora_slot = seq.lora_slot
             seq_slots.append(-1 if lora_slot is None else lora_slot)
-        num_seqs = len(tables)
+        num_seqs = len(tables)  # in a decode graph a drafted sequence's rows count one each
         num_rows = graph_size or num_seqs
         num_tokens = graph_size or starts[-1]
         num_samples = graph_size or len(sample_rows)
