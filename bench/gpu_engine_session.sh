@@ -80,6 +80,8 @@ fi
 SMOL=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 if has smol; then
   mkdir -p /tmp/smol && cp .smol/* /tmp/smol/ 2>/dev/null
+  ls .smol/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .smol/*.whl  # gguf, to convert it
   if [ ! -f "$SMOL" ] && [ -f /tmp/smol/sha ] && [ -f /tmp/smol/part00 ] && [ -f /tmp/smol/part01 ]; then
     cat /tmp/smol/part0* > "$SMOL" && (cd /tmp/smol && sed "s|  .*|  $SMOL|" sha | sha256sum -c) || rm -f "$SMOL"
   fi

@@ -3,10 +3,13 @@
 # (nixl + nixl-cu13 for Python 3.12, grpc health/reflection, protobuf, pyzmq + msgspec for
 # --engine-process; py-spy when added by hand: with it .whl outgrows a call's 64 MiB) and maps the
 # source tree onto the tandem namespace, without pip-installing the project.
-# A later call on the same warm machine need not carry the wheels again (they stay installed).
-if [ ! -f /tmp/site/.tandem-installed ] || [ -d .whl ]; then
+# A later call on the same warm machine need not carry the wheels again (they stay installed in
+# /tmp/site).
+# A call that needs none of them (the engine alone: bench/spec_decode.py) may carry none.
+if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-  touch /tmp/site/.tandem-installed
+elif [ ! -d /tmp/site ]; then
+  echo "gpu_env.sh: no .whl carried: the cluster parts (nixl, grpc health) will not import" >&2
 fi
 mkdir -p /tmp/ns/tandem
 for m in engine prefill decode router worker common kvtransfer cli text testing openai rl; do ln -sfn "$PWD/services/$m" "/tmp/ns/tandem/$m"; done

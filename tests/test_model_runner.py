@@ -80,6 +80,8 @@ def test_capture_ladder():
     assert capture_sizes(1) == [1]
     assert capture_sizes(12) == [1, 2, 4, 8, 12]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    # Speculative decoding's draft rows past the sequences: every 64.
+    assert capture_sizes(200, dense_until=32) == [1, 2, 4, 8, 16, 32, 96, 160, 200]
     graphs = DecodeGraphs(lambda size: None, lambda size: None, 40, torch.device("cpu"))
     assert [graphs.size_for(n) for n in (1, 3, 9, 33, 40, 41)] == [1, 4, 16, 40, 40, None]
 

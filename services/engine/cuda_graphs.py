@@ -21,10 +21,13 @@ import torch
 log = logging.getLogger("tandem.cuda_graphs")
 
 
-def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_batch_size (which is always one)."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
-    return sizes + [max_batch_size]
+def capture_sizes(max_batch_size: int, dense_until: int | None = None) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to dense_until (default max_batch_size, which is always one),
+    then every 64 (the rows past the sequences a step holds: speculative decoding's draft rows)."""
+    dense_until = min(dense_until or max_batch_size, max_batch_size)
+    sizes = [s for s in (1, 2, 4, 8) if s < dense_until] + list(range(16, dense_until, 16))
+    sizes += [dense_until] + list(range(dense_until + 64, max_batch_size, 64))
+    return sizes + [max_batch_size] if sizes[-1] != max_batch_size else sizes
 
 
 class DecodeGraphs:
@@ -37,10 +40,11 @@ class DecodeGraphs:
         prepare_dummy: Callable[[int], None],
         max_batch_size: int,
         device: torch.device,
+        dense_until: int | None = None,
     ):
         self.forward = forward
         self.prepare_dummy = prepare_dummy
-        self.sizes = capture_sizes(max_batch_size)
+        self.sizes = capture_sizes(max_batch_size, dense_until)
         self.device = device
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}

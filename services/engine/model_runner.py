@@ -234,9 +234,12 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
+        # A decode graph's rows: one per sequence, and with speculative decoding a drafted
+        # sequence's k + 1 rows each (as many as a step samples at most).
+        graph_rows = max(max_num_seqs, config.max_num_samples)
         self.inputs = InputBuffers(
-            max(config.max_num_batched_tokens, max_num_seqs),
-            max_num_seqs,
+            max(config.max_num_batched_tokens, graph_rows),
+            graph_rows,
             -(-self.max_model_len // self.block_size) + 1,
             self.block_size,
             self.device,
@@ -280,14 +283,19 @@ class ModelRunner:
             )
         else:
             self.graphs = DecodeGraphs(
-                self._decode_logits, self.inputs.fill_dummy, max_num_seqs, self.device
+                self._decode_logits,
+                self.inputs.fill_dummy,
+                graph_rows,
+                self.device,
+                dense_until=max_num_seqs,
             )
             if self.lora_pool is not None:
                 self.lora_graphs = DecodeGraphs(
                     lambda size: self._decode_logits(size, with_lora=True),
                     self.inputs.fill_dummy,
-                    max_num_seqs,
+                    graph_rows,
                     self.device,
+                    dense_until=max_num_seqs,
                 )
 
     def precompile_kernels(self) -> float:
