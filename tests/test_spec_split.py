@@ -180,6 +180,36 @@ def test_a_decode_without_speculation_ignores_the_prefills_drafts(model_dirs, co
         assert_all_blocks_free(llm)
 
 
+def test_drafts_cross_engine_processes_both_ways(model_dirs, copy_heavy):
+    """Prefill and decode with their cores in processes of their own (--engine-process): the
+    drafts come out of the prefill's core on its output and go into the decode's on the request,
+    and the decode's first step still draws the first token's row and 3 accepted drafts."""
+    prompt, want = copy_heavy
+    params = SamplingParams(max_tokens=5, ignore_eos=True, return_perf_metrics=True)
+    with (
+        LocalCluster(
+            roles=["prefill", "decode"],
+            engine_args=[
+                "--model",
+                str(model_dirs["llama"]),
+                *ENGINE_ARGS,
+                "--engine-process",
+                "--speculative-config",
+                SPEC,
+            ],
+        ) as c,
+        LLM(c.address) as llm,
+    ):
+        handoff = _context(llm, prompt, params)
+        assert handoff.draft_tokens == prompt[9:13]
+        out = llm.generate(prompt, params, disaggregated_params=handoff).outputs[0]
+        assert out.token_ids == want[:5]
+        perf = out.request_perf_metrics
+        assert perf.speculative_decoding.total_accepted_draft_tokens == 3
+        assert perf.first_iter == perf.last_iter
+        assert_all_blocks_free(llm)
+
+
 COPY_TEXT = (
     "Copy the sentence exactly.\n"
     "Sentence: The quick brown fox jumps over the lazy dog near the quiet river bank.\n"
