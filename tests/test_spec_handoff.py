@@ -120,7 +120,9 @@ def test_the_decode_verifies_handed_drafts_at_its_first_step(model_dirs, copy_he
     accepted = first.perf.num_accepted_draft_tokens
     assert first.perf.num_draft_tokens == 4 and accepted >= 2
     assert first.new_token_ids == want[1 : 2 + accepted]
-    assert decode.counters.num_drafted_steps >= 1
+    c = decode.counters  # counted as the decode's own drafts are (stats, Prometheus)
+    assert c.num_drafted_steps >= 1 and c.num_draft_tokens >= 4
+    assert c.num_accepted_draft_tokens >= accepted
     assert decode.block_manager.num_free_blocks == 96
     assert prefill.block_manager.num_free_blocks == 96
 

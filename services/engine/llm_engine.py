@@ -579,11 +579,14 @@ class LLMEngine:
         """The drafts to follow each handed-off context phase's first token (its prompt and that
         token are all it has), proposed as the decode's own would be and put on its output: the
         decode verifies them at its first step (DisaggregatedParams.draft_tokens)."""
+        started = time.perf_counter()
         handing_off, self._handing_off = self._handing_off, []
         wants = [(seq, self._draft_room(seq)) for seq, _ in handing_off]
         drafts = self.proposer.propose_all([(seq, k) for seq, k in wants if k > 0])
         for seq, out in handing_off:
             out.draft_token_ids = list(drafts.get(seq, ()))
+        spec = self.counters.last_spec  # the step's drafting time (its draftOverhead)
+        spec["draft_seconds"] = spec.get("draft_seconds", 0.0) + time.perf_counter() - started
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Queues the batch's forward and draws on the device; the bookkeeping runs meanwhile."""
