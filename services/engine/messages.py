@@ -37,13 +37,13 @@ class AddRequest:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     remote_kv: bool = False
-    # A remote_kv sequence's drafts from the context phase (DisaggregatedParams.draft_tokens),
-    # verified at its first step when the engine speculates (ignored otherwise).
-    draft_token_ids: list[int] = field(default_factory=list)
     # The request's LoRA adapter (a lora_adapter.LoRAAdapter loaded off the engine thread), or None.
     adapter: Any = None
     # When the command was sent (its wait in the queue goes into the iteration stats).
     enqueued_at: float = field(default_factory=time.monotonic)
+    # A remote_kv sequence's drafts from the context phase (DisaggregatedParams.draft_tokens),
+    # verified at its first step when the engine speculates (ignored otherwise).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -181,9 +181,6 @@ class StepOutput:
     # decode side (finish_reason still says whether its first token ended it), until a FreeBlocks
     # gives them back.
     kept_block_ids: list[int] | None = None
-    # With kept_block_ids, when the engine speculates: the drafts it proposes to follow the first
-    # token (DisaggregatedParams.draft_tokens), for the decode side to verify at its first step.
-    draft_token_ids: list[int] = field(default_factory=list)
     # Vocabulary ranks of the new_logprobs entries, one dict per token (None where not asked).
     new_ranks: list[dict[int, int] | None] = field(default_factory=list)
     # The prompt's per-position log-probabilities (top prompt_logprobs each, with ranks), on the
@@ -203,6 +200,9 @@ class StepOutput:
     # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
     # the loop, as the output is delivered; never set by the engine).
     lease: Lease | None = None
+    # With kept_block_ids, when the engine speculates: the drafts it proposes to follow the first
+    # token (DisaggregatedParams.draft_tokens), for the decode side to verify at its first step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
