@@ -84,6 +84,38 @@ def test_a_speculating_split_gives_the_plain_aggregated_tokens(cluster, ref, cop
         assert_all_blocks_free(llm)
 
 
+def test_seeded_sampling_through_a_speculating_split_is_the_plain_aggregated_draw(
+    cluster, copy_heavy
+):
+    """Seeded sampled requests stay reproducible: the drafts verified (the prefill's at the first
+    step, the decode's after) keep the target's own seeded draws, so the split gives the plain
+    aggregated worker's tokens and logprobs for each seed."""
+    prompt, _ = copy_heavy
+    both = cluster.workers[2].address
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.7,
+            top_p=0.9,
+            seed=40 + i,
+            ignore_eos=True,
+            logprobs=1,
+            return_perf_metrics=True,
+        )
+        for i in range(3)
+    ]
+    drafted = 0
+    with LLM(cluster.address) as llm, LLM(both, **client_kwargs_for(both)) as plain:
+        for p in params:
+            split = llm.generate(prompt, p).outputs[0]
+            want = plain.generate(prompt, p).outputs[0]
+            assert split.token_ids == want.token_ids
+            assert split.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+            drafted += split.request_perf_metrics.speculative_decoding.total_draft_tokens
+        assert drafted > 0
+        assert_all_blocks_free(llm)
+
+
 def test_the_decodes_first_step_verifies_the_prefills_drafts(cluster, copy_heavy):
     """The context phase's handoff carries the prefill's drafts (what followed the passage the
     first time); a generation_only of max_tokens 5 with them draws its 4 tokens in one step: the
