@@ -635,6 +635,7 @@ class LLMEngine:
     def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
         """Waits for a launched step's draws and appends each to its sequence."""
         outputs: list[StepOutput] = []
+        self._handing_off = []  # none left from a step that failed part-way
         if step.sampled:
             result = step.draws.to_host()
             beams: dict[int, BeamGroup] = {}
