@@ -183,6 +183,7 @@ class GenerationPhase:
                 request.cache_salt,
                 first,
                 remote_kv=True,
+                draft_token_ids=list(request.disagg_in.draft_tokens),
                 adapter=request.adapter,
             )
             plan, reason, waited = await self._reserve(core, add, handoff)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tandem.common.exceptions import ResourceExhaustedError
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.speculative import MAX_SPECULATIVE_TOKENS
 
 
 class PromptTooLongError(ValueError):
@@ -25,6 +26,9 @@ class EngineLimits:
     num_blocks: int
     vocab_size: int
     tensor_parallel_size: int = 1
+    # Draft tokens a step verifies per sequence (speculative decoding); 0: the engine drafts and
+    # verifies none.
+    num_speculative_tokens: int = 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -47,6 +51,27 @@ class EngineLimits:
             bad = [t for t in vocab_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:8]}")
+
+    def check_draft_tokens(self, draft_token_ids: list[int]) -> None:
+        """Drafts handed to a generation phase (DisaggregatedParams.draft_tokens). An engine that
+        verifies drafts takes at most MAX_SPECULATIVE_TOKENS of them (what any worker's
+        --speculative-config may propose), each an id of the vocabulary (its rows index the
+        logits), and verifies the first num_speculative_tokens (a prefill that drafts more than
+        this decode verifies still hands off); one that verifies none ignores them unread."""
+        if not self.num_speculative_tokens or not draft_token_ids:
+            return
+        if len(draft_token_ids) > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"disaggregated_params.draft_tokens has {len(draft_token_ids)} tokens; at most "
+                f"{MAX_SPECULATIVE_TOKENS} are taken (this worker verifies "
+                f"{self.num_speculative_tokens}, its --speculative-config num_speculative_tokens)"
+            )
+        bad = [t for t in draft_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"disaggregated_params.draft_tokens out of vocabulary [0, {self.vocab_size}): "
+                f"{bad[:8]}"
+            )
 
     def check_options(self, options: SamplingOptions) -> None:
         """Token ids in the options index the logits: out of range they would fail a whole step."""

@@ -326,6 +326,7 @@ class EngineCore:
                 command.priority,
                 command.cache_salt,
                 command.adapter,
+                command.draft_token_ids,
             )
             if plan is not None:  # a request refused for room is asked again: it is not new yet
                 self._new_request_waits.append(waited)

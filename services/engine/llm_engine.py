@@ -97,6 +97,7 @@ class LLMEngine:
             config.max_num_samples - config.max_num_seqs,
         )
         self.counters = EngineCounters()
+        spec = config.speculative
         # What requests are checked against, here and (a copy) on the worker's IO side.
         self.limits = EngineLimits(
             self.max_model_len,
@@ -104,8 +105,8 @@ class LLMEngine:
             self.runner.num_blocks,
             self.model_config.vocab_size,
             config.tensor_parallel_size,
+            spec.num_speculative_tokens if spec is not None else 0,
         )
-        spec = config.speculative
         # Speculative decoding's drafts come from the tokens so far: a step's ids are read before
         # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
         self.proposer = self._proposer(spec)
@@ -122,6 +123,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         # The launched step whose draws the host has not read yet (overlap_scheduling).
         self._in_flight: InFlightStep | None = None
+        # Context phases handed off by the step being postprocessed, with their outputs: the
+        # drafts proposed after their first token go with the handoff (speculative decoding).
+        self._handing_off: list[tuple[Sequence, StepOutput]] = []
 
     def _proposer(self, spec):
         if spec is None:
@@ -249,13 +253,17 @@ class LLMEngine:
         priority: float = 0.5,
         cache_salt: str | None = None,
         adapter: LoRAAdapter | None = None,
+        draft_token_ids: list[int] | None = None,
     ) -> ImportPlan | None:
         """A generation_only sequence whose prompt KV comes from a prefill worker: allocates its blocks
         and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
         prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
         into which of ours. None when the pool cannot hold the prompt now (the caller then computes
         the prompt here instead, or asks again later: the answer costs a prefix lookup, nothing
-        more, and never waits for the device)."""
+        more, and never waits for the device). draft_token_ids: the context phase's drafts
+        (DisaggregatedParams.draft_tokens), verified at the sequence's first step when this engine
+        speculates (checked by EngineLimits.check_draft_tokens), ignored when it does not."""
+        self.limits.check_draft_tokens(draft_token_ids or [])
         bm = self.block_manager
         num_prompt = len(prompt_token_ids)
         cached, hashes = bm.match_prefix(
@@ -291,6 +299,8 @@ class LLMEngine:
         if seq.perf is not None:  # the blocks not found here are the ones pulled
             seq.perf.admitted(len(cached), bm.num_blocks_for(seq.num_prompt_tokens))
         seq.status = Status.WAITING_FOR_REMOTE_KV
+        if self.proposer is not None and draft_token_ids:
+            seq.handed_draft_token_ids = list(draft_token_ids)
         self._seqs[request_id] = seq
         num_prompt_blocks = bm.num_blocks_for(seq.num_prompt_tokens)
         return ImportPlan(
@@ -310,6 +320,12 @@ class LLMEngine:
             num_valid = min(num_valid, num_blocks * self.block_manager.block_size)
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = num_valid
         self.block_manager.register_computed(seq)
+        handed, seq.handed_draft_token_ids = seq.handed_draft_token_ids, []
+        if handed and seq.num_uncomputed_tokens == 1:
+            # The whole prompt landed: its first step computes the first token and verifies the
+            # handed drafts after it in one forward (a prompt computed here in part drops them;
+            # this engine's own proposer drafts from its next step on).
+            seq.draft_token_ids = handed[: self._draft_room(seq)]
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -528,30 +544,49 @@ class LLMEngine:
         a beam search or a guide, whose state a rejected draft would have to undo), at most what
         its max_tokens and the context leave room for."""
         started = time.perf_counter()
-        k_max = self.proposer.config.num_speculative_tokens
-        max_len = self.max_model_len
         wants = []
         for seq in self.scheduler.running:
             seq.draft_token_ids = []  # none left from a step that did not schedule it
             if (
                 seq.num_pending_tokens
                 or seq.num_uncomputed_tokens != 1
-                or seq.beam is not None
                 or seq.phase is Phase.CONTEXT_ONLY
-                or seq.options.guide is not None
             ):
                 continue
-            k = min(
-                k_max,
-                seq.options.max_tokens - seq.num_output_tokens - 1,
-                max_len - seq.num_tokens - 1,
-            )
+            k = self._draft_room(seq)
             if k > 0:
                 wants.append((seq, k))
         if wants:
             for seq, drafts in self.proposer.propose_all(wants).items():
                 seq.draft_token_ids = drafts
         self.counters.last_spec = {"draft_seconds": time.perf_counter() - started}
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """How many drafts may follow seq's tokens: at most num_speculative_tokens, and what its
+        max_tokens and the context leave room for; none for a beam search or a guide, whose state
+        a rejected draft would have to undo. A context phase's max_tokens is its own (often 1, as
+        TensorRT-LLM's flow sends it), not the generation's: the decode cuts the drafts to that."""
+        if seq.beam is not None or seq.options.guide is not None:
+            return 0
+        room = min(
+            self.proposer.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1
+        )
+        if seq.phase is not Phase.CONTEXT_ONLY:
+            room = min(room, seq.options.max_tokens - seq.num_output_tokens - 1)
+        return max(0, room)
+
+    def _draft_handoffs(self) -> None:
+        """The drafts to follow each handed-off context phase's first token (its prompt and that
+        token are all it has), proposed as the decode's own would be and put on its output: the
+        decode verifies them at its first step (DisaggregatedParams.draft_tokens)."""
+        started = time.perf_counter()
+        handing_off, self._handing_off = self._handing_off, []
+        wants = [(seq, self._draft_room(seq)) for seq, _ in handing_off]
+        drafts = self.proposer.propose_all([(seq, k) for seq, k in wants if k > 0])
+        for seq, out in handing_off:
+            out.draft_token_ids = list(drafts.get(seq, ()))
+        spec = self.counters.last_spec  # the step's drafting time (its draftOverhead)
+        spec["draft_seconds"] = spec.get("draft_seconds", 0.0) + time.perf_counter() - started
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Queues the batch's forward and draws on the device; the bookkeeping runs meanwhile."""
@@ -600,6 +635,7 @@ class LLMEngine:
     def _postprocess(self, step: InFlightStep) -> list[StepOutput]:
         """Waits for a launched step's draws and appends each to its sequence."""
         outputs: list[StepOutput] = []
+        self._handing_off = []  # none left from a step that failed part-way
         if step.sampled:
             result = step.draws.to_host()
             beams: dict[int, BeamGroup] = {}
@@ -639,6 +675,8 @@ class LLMEngine:
             outputs += [
                 out for group in beams.values() if group.ready for out in self._beam_step(group)
             ]
+            if self._handing_off:
+                self._draft_handoffs()
         self.counters.num_steps += 1
         self.counters.last_step_seconds = time.perf_counter() - step.started
         return outputs
@@ -761,6 +799,12 @@ class LLMEngine:
             out.perf = dataclasses.replace(
                 seq.perf
             )  # a copy: the loop reads it, this thread owns seq
+        if (
+            kept is not None
+            and seq.finish_reason is not FinishReason.STOP
+            and self.proposer is not None
+        ):  # handed off: max_tokens may end a context phase, not the generation after it
+            self._handing_off.append((seq, out))
         return out
 
     def _beam_step(self, group: BeamGroup) -> list[StepOutput]:

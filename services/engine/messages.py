@@ -41,6 +41,9 @@ class AddRequest:
     adapter: Any = None
     # When the command was sent (its wait in the queue goes into the iteration stats).
     enqueued_at: float = field(default_factory=time.monotonic)
+    # A remote_kv sequence's drafts from the context phase (DisaggregatedParams.draft_tokens),
+    # verified at its first step when the engine speculates (ignored otherwise).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,9 @@ class StepOutput:
     # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on
     # the loop, as the output is delivered; never set by the engine).
     lease: Lease | None = None
+    # With kept_block_ids, when the engine speculates: the drafts it proposes to follow the first
+    # token (DisaggregatedParams.draft_tokens), for the decode side to verify at its first step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -275,6 +281,7 @@ def coalesce(earlier: list[StepOutput], later: list[StepOutput]) -> list[StepOut
             "finish_reason",
             "stop_token_id",
             "kept_block_ids",
+            "draft_token_ids",
             "lease",
             "beams",
             "perf",

@@ -145,6 +145,16 @@ class Scheduler:
                 break
             if num_new == _NO_ADAPTER_SLOT:
                 continue
+            if seq.draft_token_ids:
+                # Drafts handed over with a KV import (its first token follows the pulled
+                # prompt): verified after that token, when the step computes nothing else of it.
+                num_drafts = 0
+                if num_new == seq.num_uncomputed_tokens == 1:
+                    num_drafts = self._fit_drafts(seq, num_new, budget, draft_room)
+                else:
+                    seq.draft_token_ids = []
+                num_new += num_drafts
+                draft_room -= num_drafts
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -102,6 +102,9 @@ class Sequence:
     # (engine/speculative.py) that proposes them.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_index: object | None = None
+    # A generation_only sequence's drafts from the context phase (DisaggregatedParams.draft_tokens):
+    # its first step verifies them once its prompt's KV has landed whole.
+    handed_draft_token_ids: list[int] = field(default_factory=list)
     # False once the weights changed under this sequence (an update while paused in keep mode):
     # its KV mixes weights, so none of its blocks enters the prefix cache from then on.
     caches_blocks: bool = True

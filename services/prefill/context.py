@@ -1,6 +1,8 @@
 """The context phase (context_only): run the prompt, sample the first token, and hand the KV
 off: the blocks stay under a lease (lease_keeper.py) and the caller gets a signed handoff
-naming them (kvtransfer/handoff.py), which a decode worker presents to pull them."""
+naming them (kvtransfer/handoff.py), which a decode worker presents to pull them. A worker that
+speculates hands over its drafts to follow the first token too (draft_tokens), which the decode
+verifies at its first step."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class ContextPhase:
         params = types_pb2.DisaggregatedParams(
             request_type=types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
             first_gen_tokens=out.new_token_ids,
+            draft_tokens=out.draft_token_ids,
             ctx_request_id=lease.lease_id,
             ctx_endpoint=self.endpoint,
             opaque_state=self.handoff_format.build(

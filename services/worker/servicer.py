@@ -194,6 +194,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 f"a RequestType"
             )
         phase = REQUEST_PHASES[request.disaggregated_params.request_type]
+        if phase is Phase.GENERATION_ONLY:
+            limits.check_draft_tokens(list(request.disaggregated_params.draft_tokens))
         salt = request.cache_salt if request.HasField("cache_salt") else None
         start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt, adapter)
         worker_request = WorkerRequest(
