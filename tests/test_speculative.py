@@ -129,6 +129,35 @@ def test_verify_steps_replay_the_decode_graphs(model_dirs, method):
     assert eager.counters.num_steps == engine.counters.num_steps
 
 
+def test_no_drafts_past_disable_by_batch_size_and_those_steps_overlap(model_dirs):
+    """vLLM's disable_by_batch_size: while more sequences run than it, no step drafts and steps
+    stay overlapped (one in flight); once the batch shrinks to it, drafts come back; the tokens
+    are plain decoding's throughout."""
+    prompts = _repetitive_prompts(3, 4)
+    lengths = [8, 16, 24, 48]
+    options = {
+        rid: SamplingOptions(max_tokens=n, ignore_eos=True) for rid, n in zip(prompts, lengths)
+    }
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], {**spec, "disable_by_batch_size": 1})
+    seen = []
+    launch = engine._launch
+
+    def spy(batch):
+        running = len(engine.scheduler.running)
+        drafted = any(seq.draft_token_ids for seq in batch.seqs)
+        seen.append((running, drafted, engine._in_flight is not None))
+        return launch(batch)
+
+    engine._launch = spy
+    assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
+    assert not any(drafted for running, drafted, _ in seen if running > 1)
+    assert any(drafted for running, drafted, _ in seen if running == 1)
+    assert any(overlapped for running, _, overlapped in seen if running > 1)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig.parse(json.dumps({**spec, "disable_by_batch_size": 0}))
+
+
 def test_preemption_under_drafts_keeps_the_tokens(model_dirs):
     prompts = _repetitive_prompts(7, 8)
     options = SamplingOptions(max_tokens=30, ignore_eos=True)

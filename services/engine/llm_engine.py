@@ -52,8 +52,8 @@ class InFlightStep:
     @property
     def needs_ids(self) -> bool:
         """The next step cannot run before these ids are on the host: a penalty counts them, a bad
-        word or an n-gram matches them."""
-        return any(seq.options.needs_token_ids for seq in self.sampled)
+        word or an n-gram matches them, verified drafts decide how many tokens a sequence has."""
+        return bool(self.drafts) or any(seq.options.needs_token_ids for seq in self.sampled)
 
 
 @dataclass
@@ -107,10 +107,12 @@ class LLMEngine:
             config.tensor_parallel_size,
             spec.num_speculative_tokens if spec is not None else 0,
         )
-        # Speculative decoding's drafts come from the tokens so far: a step's ids are read before
-        # the next one is scheduled (no overlap), as vLLM's n-gram proposer also needs.
+        # Speculative decoding's drafts come from the tokens so far: a step that drafts reads the
+        # last step's ids first (no overlap then), as vLLM's n-gram proposer also needs; a step
+        # with nothing to draft (a prefill's context phases, a batch past disable_by_batch_size)
+        # stays overlapped.
         self.proposer = self._proposer(spec)
-        self.overlap_scheduling = config.overlap_scheduling and spec is None
+        self.overlap_scheduling = config.overlap_scheduling
         self.hands_off = hands_off
         # Block groups handed off (kept for the decode side) and not freed yet.
         self.num_handed_off = 0
@@ -519,10 +521,14 @@ class LLMEngine:
         computes, and the step reads the ids still in flight on the device. A sequence that the
         late ids end has computed one row to throw away."""
         outputs: list[StepOutput] = []
-        if self._in_flight is not None and self._in_flight.needs_ids:
+        if self.proposer is not None:
+            self.counters.last_spec = {}
+        if self._in_flight is not None and (
+            self._in_flight.needs_ids or self._drafts_need_ids(self._in_flight)
+        ):
             outputs += self._postprocess(
                 self._in_flight
-            )  # penalties count the ids: read them first
+            )  # penalties count the ids, drafts follow them: read them first
             self._in_flight = None
         if self.proposer is not None:
             self._propose_drafts()
@@ -533,11 +539,28 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, self._launch(batch)
         if previous is not None:
             outputs += self._postprocess(previous)
-        if not self.overlap_scheduling and self._in_flight is not None:
+        if self._in_flight is not None and (not self.overlap_scheduling or self._in_flight.drafts):
+            # A step that verifies drafts is read at once: the next one waits for its tokens anyway.
             outputs += self._postprocess(self._in_flight)
             self._in_flight = None
         self.last_step_was_idle = batch.is_empty and not outputs
         return outputs
+
+    def _drafting(self) -> bool:
+        """Whether this step drafts at all: speculation is on and the running batch is within
+        disable_by_batch_size (past it, a verify step's extra rows cost more than they save)."""
+        if self.proposer is None:
+            return False
+        limit = self.proposer.config.disable_by_batch_size
+        return limit is None or len(self.scheduler.running) <= limit
+
+    def _drafts_need_ids(self, step: InFlightStep) -> bool:
+        """Whether a sequence that drew a token in the step in flight may draft next (it needs
+        that token on the host to)."""
+        return self._drafting() and any(
+            seq.phase is not Phase.CONTEXT_ONLY and self._draft_room(seq) > 0
+            for seq in step.sampled
+        )
 
     def _propose_drafts(self) -> None:
         """Draft tokens for each decoding sequence the proposer can serve (not a context phase,
@@ -545,10 +568,12 @@ class LLMEngine:
         its max_tokens and the context leave room for."""
         started = time.perf_counter()
         wants = []
+        drafting = self._drafting()
         for seq in self.scheduler.running:
             seq.draft_token_ids = []  # none left from a step that did not schedule it
             if (
-                seq.num_pending_tokens
+                not drafting
+                or seq.num_pending_tokens
                 or seq.num_uncomputed_tokens != 1
                 or seq.phase is Phase.CONTEXT_ONLY
             ):
@@ -559,7 +584,8 @@ class LLMEngine:
         if wants:
             for seq, drafts in self.proposer.propose_all(wants).items():
                 seq.draft_token_ids = drafts
-        self.counters.last_spec = {"draft_seconds": time.perf_counter() - started}
+        spec = self.counters.last_spec  # this step's: the drafts it verifies may be counted first
+        spec["draft_seconds"] = spec.get("draft_seconds", 0.0) + time.perf_counter() - started
 
     def _draft_room(self, seq: Sequence) -> int:
         """How many drafts may follow seq's tokens: at most num_speculative_tokens, and what its

@@ -18,6 +18,8 @@ without x.
     {"method": "suffix", "num_speculative_tokens": 4}
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
 
+and, with any method, "disable_by_batch_size": N (no drafts while more than N sequences run).
+
 ngram (prompt lookup): the longest n-gram, n from prompt_lookup_max down to prompt_lookup_min,
 that ends the sequence and occurred earlier in it (prompt and output) proposes the tokens that
 followed its latest earlier occurrence. suffix: the same lookup, then, when the sequence has
@@ -54,6 +56,7 @@ _KEYS = {
     "prompt_lookup_min",
     "prompt_lookup_max",
     "model",
+    "disable_by_batch_size",
 }
 
 
@@ -65,6 +68,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # draft_model: the draft checkpoint's directory.
     model: str = ""
+    # No drafts in a step whose running batch holds more sequences than this (vLLM's key): a
+    # large batch's step is compute-bound, where a verify step's extra rows cost more than the
+    # accepted drafts save, and its steps keep overlap scheduling. None: always draft.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig | None:
@@ -125,6 +132,14 @@ class SpeculativeConfig:
                 f"--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 32, "
                 f"got {low} and {high}"
             )
+        disable = raw.get("disable_by_batch_size")
+        if disable is not None and (
+            isinstance(disable, bool) or not isinstance(disable, int) or disable < 1
+        ):
+            raise ValueError(
+                "--speculative-config: disable_by_batch_size must be a whole number >= 1 (or "
+                f"null: always draft), got {disable!r}"
+            )
         model = raw.get("model", "")
         if method == "draft_model":
             check_draft_model(model)
@@ -132,7 +147,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f'--speculative-config: method {method!r} takes no "model" (only draft_model does)'
             )
-        return cls(method, k, low, high, model)
+        return cls(method, k, low, high, model, disable)
 
 
 class NgramIndex:
