@@ -97,13 +97,22 @@ def main() -> None:
         help="also the draft_model method with this checkpoint (the target's vocabulary; "
         "'self': the target itself, every greedy draft accepted: the method's cost at best)",
     )
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the methods' disable_by_batch_size (no drafts while more sequences run)",
+    )
     args = parser.parse_args()
     model_dir = str(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    extra = {}
+    if args.disable_by_batch_size:
+        extra["disable_by_batch_size"] = args.disable_by_batch_size
     methods = {
         "plain": "",
-        "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k}),
-        "suffix": json.dumps({"method": "suffix", "num_speculative_tokens": args.k}),
+        "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k, **extra}),
+        "suffix": json.dumps({"method": "suffix", "num_speculative_tokens": args.k, **extra}),
     }
     if args.draft_model:
         draft = model_dir if args.draft_model == "self" else args.draft_model
@@ -161,7 +170,8 @@ def main() -> None:
                 )
     plain = {(w, b): tps for w, b, name, tps, _, _ in rows if name == "plain"}
     print(
-        f"\nspeculative decoding, {model_dir}, {args.device}, k={args.k}, greedy, "
+        f"\nspeculative decoding, {model_dir}, {args.device}, k={args.k}, "
+        f"disable_by_batch_size={args.disable_by_batch_size}, greedy, "
         f"{args.max_tokens} tokens; tokens equal to plain decoding: "
         + ("checked" if not differ else "NOT in " + "; ".join(differ))
     )

@@ -129,6 +129,28 @@ def test_verify_steps_replay_the_decode_graphs(model_dirs, method):
     assert eager.counters.num_steps == engine.counters.num_steps
 
 
+def test_verify_steps_with_long_contexts_stay_eager(model_dirs, monkeypatch):
+    """Past GRAPH_VERIFY_MAX_EXTRA_KV_BYTES of keys read again by a drafted step's extra rows,
+    the step runs eagerly (its multi-query kernel reads each sequence's keys once)."""
+    from tandem.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "GRAPH_VERIFY_MAX_EXTRA_KV_BYTES", 0)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = _engine(model_dirs["llama"], spec)
+    in_graph = []
+    execute = engine.runner._execute
+
+    def spy(batch):
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            in_graph.append(engine.runner._graph_size(batch) is not None)
+        return execute(batch)
+
+    engine.runner._execute = spy
+    prompts = _repetitive_prompts(5, 3)
+    assert_same_as_plain(engine, model_dirs["llama"], prompts, SamplingOptions(max_tokens=24))
+    assert in_graph and not any(in_graph)
+
+
 def test_no_drafts_past_disable_by_batch_size_and_those_steps_overlap(model_dirs):
     """vLLM's disable_by_batch_size: while more sequences run than it, no step drafts and steps
     stay overlapped (one in flight); once the batch shrinks to it, drafts come back; the tokens

@@ -183,7 +183,10 @@ class GenerationPhase:
                 request.cache_salt,
                 first,
                 remote_kv=True,
-                draft_token_ids=list(request.disagg_in.draft_tokens),
+                # A decode that does not speculate ignores them (a speculating prefill's).
+                draft_token_ids=list(request.disagg_in.draft_tokens)
+                if core.facts.limits.num_speculative_tokens
+                else [],
                 adapter=request.adapter,
             )
             plan, reason, waited = await self._reserve(core, add, handoff)

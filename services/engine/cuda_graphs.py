@@ -47,7 +47,10 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size, dense_until)
         self.device = device
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        # Every graph writes its logits into the rows of one buffer (the largest size's): a
+        # tensor per size kept alive would hold the sum over the ladder (GiBs for a 128k
+        # vocabulary and a long ladder), where the pool reuses everything else.
+        self._logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
 
     @property
@@ -70,14 +73,17 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(device=self.device)
         for size in reversed(self.sizes):
             self.prepare_dummy(size)
-            self.forward(size)  # outside the capture: Triton compiles, cuBLAS picks its kernels
+            logits = self.forward(size)  # outside the capture: Triton compiles, cuBLAS picks
+            if self._logits is None:
+                self._logits = torch.empty_like(logits)
+            del logits
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the worker's other threads may touch CUDA (NIXL, the gRPC loop) meanwhile.
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                self._logits[size] = self.forward(size)
+                self._logits[:size].copy_(self.forward(size))
             pool = graph.pool() if pool is None else pool
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -94,9 +100,9 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             return self.forward(size)
         self._graphs[size].replay()
-        return self._logits[size]
+        return self._logits[:size]
 
     def clear(self) -> None:
         """Forgets the graphs (their weights or KV pool are gone); the next capture() makes new ones."""
         self._graphs.clear()
-        self._logits.clear()
+        self._logits = None

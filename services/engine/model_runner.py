@@ -46,6 +46,11 @@ from tandem.kernels.fp8 import FP8
 
 # weights_source of weights written by IPC handles (update_weights(dict)).
 IPC_SOURCE = "ipc"
+# A drafted step replays a decode graph, each of a sequence's k + 1 rows a decode query that
+# reads all its keys, while their KV bytes read again stay under this (~1.3 ms of HBM on an
+# H100, against the several ms an eager step's launches cost a small model); past it the eager
+# step's multi-query kernel reads each sequence's keys once.
+GRAPH_VERIFY_MAX_EXTRA_KV_BYTES = 4 << 30
 
 log = logging.getLogger("tandem.model_runner")
 
@@ -567,12 +572,16 @@ class ModelRunner:
         attends to the keys up to its own position, which is a decode row (step_inputs.pack)."""
         if self.graphs is None:
             return None
+        extra_keys = 0  # keys a drafted sequence's rows read again, one row past the first each
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if (
                 num_new != 1 + len(seq.draft_token_ids)
                 or seq.num_computed_tokens + 1 != seq.num_tokens + seq.num_pending_tokens
             ):
                 return None
+            extra_keys += (num_new - 1) * seq.num_tokens
+        if extra_keys * self.block_nbytes // self.block_size > GRAPH_VERIFY_MAX_EXTRA_KV_BYTES:
+            return None  # long contexts: the eager step's k + 1-query kernel reads them once
         return self.graphs.size_for(sum(batch.num_new_tokens))
 
     def _decode_logits(self, batch_size: int, with_lora: bool = False) -> torch.Tensor:
