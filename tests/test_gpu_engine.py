@@ -76,6 +76,40 @@ def test_graphs_and_gpu_sampling_match_eager_and_transformers(model_dirs, model)
     assert on_gpu == run_to_completion(_engine(model_dirs[model], device="cpu"), prompts, seeded)
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafted_steps_in_graphs_match_plain_decoding(model_dirs, method):
+    """Speculative decoding on the GPU in float32: drafted steps replay the decode graphs (each
+    of k + 1 rows a decode query) and give plain decoding's tokens, greedy and seeded, with the
+    graphs captured for the draft rows' ladder too."""
+    import json
+
+    rng = random.Random(5)
+    prompts = {}
+    for i in range(10):
+        phrase = [rng.randrange(4, 300) for _ in range(rng.randrange(3, 7))]
+        prompts[f"r{i}"] = [1] + phrase * rng.randrange(2, 6)
+    spec = json.dumps({"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    drafting = _engine(model_dirs["llama"], speculative_config=spec)
+    in_graph = []
+    execute = drafting.runner._execute
+
+    def spy(batch):
+        if any(seq.draft_token_ids for seq in batch.seqs):
+            in_graph.append(drafting.runner._graph_size(batch) is not None)
+        return execute(batch)
+
+    drafting.runner._execute = spy
+    for options in (
+        SamplingOptions(max_tokens=32, ignore_eos=True),
+        SamplingOptions(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7),
+    ):
+        got = run_to_completion(drafting, prompts, options)
+        assert got == run_to_completion(_engine(model_dirs["llama"]), prompts, options)
+    assert drafting.runner.graphs.is_captured and max(drafting.runner.graphs.sizes) > 16
+    assert sum(in_graph) >= len(in_graph) // 2 > 0
+    assert drafting.counters.num_accepted_draft_tokens > 0
+
+
 def _outputs_with_logprobs(engine, prompts, options) -> dict[str, list[tuple[int, dict]]]:
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, options)
