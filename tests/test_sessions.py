@@ -902,7 +902,7 @@ def test_cancels_and_submits_waiting_together_still_fit_the_workers_bound():
 
 
 def test_a_session_that_ends_under_a_request_moves_it_on_whatever_the_workers_health():
-    from tandem.router.failover import worker_gone
+    from tandem.router.relay import worker_gone
 
     broken = inboxes.SessionBroken(grpc.StatusCode.RESOURCE_EXHAUSTED, "message over the limit")
     assert broken.code() == grpc.StatusCode.UNAVAILABLE and "RESOURCE_EXHAUSTED" in broken.details()

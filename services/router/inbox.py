@@ -36,7 +36,7 @@ def stream_failure(
 class SessionBroken(grpc.aio.AioRpcError):
     """The session a request ran on ended under it (the worker went away, or the stream broke):
     the request cannot go on there, whatever the worker's health says, so failover moves it on
-    (router/failover.py). UNAVAILABLE to a client when no worker is left to move it to."""
+    (router/relay.py). UNAVAILABLE to a client when no worker is left to move it to."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(
