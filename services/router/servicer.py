@@ -30,7 +30,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
 from tandem.router.relay import Relay
 from tandem.router.workers import WorkerHandle, WorkerPool
-from tandem.text.front import TextFront
+from tandem.text.front import ClientStream, TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
@@ -129,16 +129,28 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
         try:
             with traced:
-                messages = TextFront.respond(
-                    text_request,
-                    relay.stream(engine_request),
-                    relay.stop,
-                    tracker,
-                    self.config.stream_interval,
-                )
-                async with closing(messages) as messages:
-                    async for msg in messages:
-                        yield msg
+                # TextFront.respond's loop, run in the call's handler: between the relay's
+                # generator and the client's stream a token passes no other layer.
+                client = ClientStream(text_request, tracker, self.config.stream_interval)
+                try:
+                    async with closing(relay.stream(engine_request)) as messages:
+                        async for msg in messages:
+                            out, stops = client.feed(msg)
+                            for index, handoff in stops:  # a stop string ended a sequence
+                                await relay.stop(index, handoff)
+                            out = client.send(out)
+                            if out is not None:
+                                yield out
+                            if client.done:
+                                break
+                    last = client.finish()
+                    if last is not None:
+                        yield last
+                except Exception:
+                    held = client.held()
+                    if held is not None:  # what arrived before the failure is the client's
+                        yield held
+                    raise
             ended = "finished"
         except asyncio.CancelledError:
             ended = "cancelled"
