@@ -19,7 +19,7 @@ from tandem.client import LLM, SamplingParams
 from tandem.common.engine_messages import OutputBuilder, engine_request
 from tandem.common.errors import RpcError
 from tandem.router import inbox as inboxes
-from tandem.router import sessions
+from tandem.router import session_client as sessions
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import internal_pb2, llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 

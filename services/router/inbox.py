@@ -1,5 +1,5 @@
-"""A request's outputs in the router as its session's reader hands them over (sessions.py), and
-what each says to the relay that reads them (message_of): a message, the end, or the error its
+"""A request's outputs in the router as its session's reader hands them over (session_client.py),
+and what each says to the relay that reads them (message_of): a message, the end, or the error its
 own Generate call would have given. The messages are built here, once, from the worker's EngineOutput entries
 (common/engine_messages.OutputBuilder): the entries that arrive while the relay is busy fold
 into one message (a lagging client gets fewer, larger messages)."""

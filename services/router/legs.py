@@ -14,7 +14,7 @@ import grpc
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
 from tandem.router.inbox import Inbox, message_of
-from tandem.router.sessions import OpenSession
+from tandem.router.session_client import OpenSession
 from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
 

@@ -25,9 +25,10 @@ the workers' output batches to the client's stream (token ids; the text front is
                unless the decode ended it itself (every normal end of its phase)
 
 Stop strings (the text front calls stop) and Abort (abort) end a request wherever it is: on its
-worker, or, when the worker does not know it yet, by cutting its leg here. A leg is one request on
-one worker's session (sessions.py), read from its inbox (inbox.py) by the relay's one generator:
-a streamed token passes no other generator between the session's reader and the text front.
+worker, or, when the worker does not know it yet, by cutting its leg here. A leg (legs.py) is one
+request on one worker's session (session_client.py), read from its inbox (inbox.py) by the
+relay's one generator: a streamed token passes no other generator between the session's reader
+and the call's handler, which runs the text front.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class _Sequence:
     split: _Split | None = None
     # What its worker was sent: request, or a resume after a migration.
     current: llm_pb2.GenerateRequest | None = None
-    # The workers it moved off since the phase (re)started.
+    # The workers it moved off since the phase (re)started, and how many times it moved.
     tried: set[str] = field(default_factory=set)
     num_moves: int = 0
     # The cumulative logprob of every token so far: the next worker's logprob_base.

@@ -22,7 +22,7 @@ from tandem.common.errors import RpcError
 from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error, stream_failure
 from tandem.v1 import internal_pb2, llm_pb2, worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger("tandem.router.sessions")
+log = logging.getLogger("tandem.router.session_client")
 
 # Largest SessionRequest the router fills with several submits (within what the worker
 # accepts): a larger submit goes alone in a message, up to the worker's bound.
