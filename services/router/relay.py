@@ -69,7 +69,7 @@ GENERATION_ROLES = (Role.DECODE, Role.BOTH, Role.PREFILL)
 _NORMAL_ENDS = (types_pb2.FINISH_REASON_STOP, types_pb2.FINISH_REASON_LENGTH)
 
 
-@dataclass
+@dataclass(slots=True)
 class Progress:
     """What a single-sequence stream has produced so far: all a migration needs to carry it on."""
 
@@ -84,7 +84,7 @@ class Progress:
     num_migrations: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Split:
     """A split request past its context phase: the handoff its decode phase presents."""
 
@@ -107,7 +107,7 @@ class _Split:
     decode_ended_lease: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     """A single sequence's generation phase (a whole run, or a split's decode side): where it
     runs now and what it has produced."""
@@ -421,8 +421,16 @@ class Relay:
                 leg, failure = None, None
                 try:
                     leg = await self._open(seq.worker, seq.current)
+                    progress = seq.progress
                     while (msg := await leg.next()) is not None:
-                        self._advance(seq, msg)
+                        # The worker sends what it generates, not the tokens the stream already
+                        # has, and its own cumulative logprob.
+                        for out in msg.outputs:
+                            progress.tokens.extend(out.token_ids)
+                            out.cumulative_logprob += progress.logprob_base
+                            seq.last_cumulative = out.cumulative_logprob
+                        if not progress.prompt_token_ids and msg.prompt_token_ids:
+                            progress.prompt_token_ids = list(msg.prompt_token_ids)
                         self._present(seq, msg)
                         yield msg
                 except (grpc.aio.AioRpcError, WorkerStalledError) as exc:
@@ -465,17 +473,6 @@ class Relay:
         wants_perf = request.sampling_params.return_perf_metrics
         return _Sequence(gen, decode, GENERATION_ROLES, progress, wants_perf, split)
 
-    def _advance(self, seq: _Sequence, msg: types_pb2.RequestOutput) -> None:
-        """What a worker's message adds to the stream: the worker sends what it generates, not
-        the tokens the stream already has, and its own cumulative logprob."""
-        progress = seq.progress
-        for out in msg.outputs:
-            progress.tokens.extend(out.token_ids)
-            out.cumulative_logprob += progress.logprob_base
-            seq.last_cumulative = out.cumulative_logprob
-        if not progress.prompt_token_ids and msg.prompt_token_ids:
-            progress.prompt_token_ids = list(msg.prompt_token_ids)
-
     def _present(self, seq: _Sequence, msg: types_pb2.RequestOutput) -> None:
         """A message of the generation phase as the client gets it."""
         split = seq.split
@@ -504,7 +501,8 @@ class Relay:
                     perf_metrics.start_from_router(msg, seq.sent_time, seq.first_token_time)
             if msg.finished:
                 msg.metrics.served_by[:] = self.served_by
-        self._stamped(msg, seq.wants_perf)
+        if seq.wants_perf:
+            perf_metrics.stamp_arrival(msg, self.arrival_time)
 
     def _stamped(self, msg: types_pb2.RequestOutput, wants_perf: bool) -> types_pb2.RequestOutput:
         """msg with the router's arrival time in its perf metrics (when asked for)."""
