@@ -238,7 +238,7 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
     a worker's: the deadline is what is under test, not the worker."""
     from tandem.router.inbox import ENDED, Inbox
     from tandem.router.metrics import RouterMetrics
-    from tandem.router.route import Route
+    from tandem.router.relay import Relay
     from tandem.router.workers import WorkerPool
 
     deadlines = []
@@ -267,8 +267,8 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
         worker = pool.workers[0]
         worker.session = WorkerSession()
         for deadline in (time.monotonic() + 30, None):
-            route = Route(pool, "r", RouterMetrics(), deadline=deadline)
-            async for _ in route.relay(worker, llm_pb2.GenerateRequest()):
+            relay = Relay(pool, "r", RouterMetrics(), deadline=deadline)
+            async for _ in relay.direct(worker, llm_pb2.GenerateRequest()):
                 pass
         await pool.close()
 

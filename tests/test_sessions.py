@@ -19,7 +19,7 @@ from tandem.client import LLM, SamplingParams
 from tandem.common.engine_messages import OutputBuilder, engine_request
 from tandem.common.errors import RpcError
 from tandem.router import inbox as inboxes
-from tandem.router import sessions
+from tandem.router import session_client as sessions
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import internal_pb2, llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
@@ -902,7 +902,7 @@ def test_cancels_and_submits_waiting_together_still_fit_the_workers_bound():
 
 
 def test_a_session_that_ends_under_a_request_moves_it_on_whatever_the_workers_health():
-    from tandem.router.failover import worker_gone
+    from tandem.router.relay import worker_gone
 
     broken = inboxes.SessionBroken(grpc.StatusCode.RESOURCE_EXHAUSTED, "message over the limit")
     assert broken.code() == grpc.StatusCode.UNAVAILABLE and "RESOURCE_EXHAUSTED" in broken.details()

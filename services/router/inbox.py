@@ -1,5 +1,5 @@
-"""A request's outputs in the router as its session's reader hands them over (sessions.py), and
-what each says to the relay that reads them (message_of): a message, the end, or the error its
+"""A request's outputs in the router as its session's reader hands them over (session_client.py),
+and what each says to the relay that reads them (message_of): a message, the end, or the error its
 own Generate call would have given. The messages are built here, once, from the worker's EngineOutput entries
 (common/engine_messages.OutputBuilder): the entries that arrive while the relay is busy fold
 into one message (a lagging client gets fewer, larger messages)."""
@@ -36,7 +36,7 @@ def stream_failure(
 class SessionBroken(grpc.aio.AioRpcError):
     """The session a request ran on ended under it (the worker went away, or the stream broke):
     the request cannot go on there, whatever the worker's health says, so failover moves it on
-    (router/failover.py). UNAVAILABLE to a client when no worker is left to move it to."""
+    (router/relay.py). UNAVAILABLE to a client when no worker is left to move it to."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(

@@ -25,13 +25,12 @@ from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.common.roles import Role
 from tandem.common.streams import closing, merge
-from tandem.router import generate
 from tandem.router.config import RouterConfig
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Placement
-from tandem.router.route import Route
+from tandem.router.relay import Relay
 from tandem.router.workers import WorkerHandle, WorkerPool
-from tandem.text.front import TextFront
+from tandem.text.front import ClientStream, TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2
 
@@ -64,8 +63,8 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.request_stop = request_stop
         self.llm_id = uuid.uuid4().hex
         self.started_at = time.time()
-        # request id -> where it runs now (for Abort).
-        self.routes: dict[str, Route] = {}
+        # request id -> its relay (for Abort).
+        self.routes: dict[str, Relay] = {}
         # The pause in force (pause_generation through this router), None while generating.
         self.pause_mode: PauseMode | None = None
         # The served model's tokenizer, fetched from a worker once one is ready (load_tokenizer).
@@ -111,7 +110,7 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         bind(request_id=request.request_id)
         text_request = await self._text().prepare(request)
         engine_request = text_request.engine_request
-        route = self.routes[request.request_id] = Route(
+        relay = self.routes[request.request_id] = Relay(
             self.pool,
             request.request_id,
             self.metrics,
@@ -130,16 +129,28 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
         try:
             with traced:
-                messages = TextFront.respond(
-                    text_request,
-                    generate.stream(route, engine_request),
-                    route.stop,
-                    tracker,
-                    self.config.stream_interval,
-                )
-                async with closing(messages) as messages:
-                    async for msg in messages:
-                        yield msg
+                # TextFront.respond's loop, run in the call's handler: between the relay's
+                # generator and the client's stream a token passes no other layer.
+                client = ClientStream(text_request, tracker, self.config.stream_interval)
+                try:
+                    async with closing(relay.stream(engine_request)) as messages:
+                        async for msg in messages:
+                            out, stops = client.feed(msg)
+                            for index, handoff in stops:  # a stop string ended a sequence
+                                await relay.stop(index, handoff)
+                            out = client.send(out)
+                            if out is not None:
+                                yield out
+                            if client.done:
+                                break
+                    last = client.finish()
+                    if last is not None:
+                        yield last
+                except Exception:
+                    held = client.held()
+                    if held is not None:  # what arrived before the failure is the client's
+                        yield held
+                    raise
             ended = "finished"
         except asyncio.CancelledError:
             ended = "cancelled"
@@ -158,13 +169,13 @@ class RouterServicer(llm_pb2_grpc.AsyncLLMServicer):
             )
 
     async def Abort(self, request, context):
-        route = self.routes.get(request.request_id)
-        if route is None:
+        relay = self.routes.get(request.request_id)
+        if relay is None:
             return llm_pb2.AbortResponse(aborted=await self._abort_elsewhere(request, context))
         # Another client's request is none of this caller's business: it is answered as unknown.
-        if not may_abort(context, route.client, self.config.admin_token):
+        if not may_abort(context, relay.client, self.config.admin_token):
             return llm_pb2.AbortResponse(aborted=False)
-        await route.abort()
+        await relay.abort()
         return llm_pb2.AbortResponse(aborted=True)
 
     async def _abort_elsewhere(self, request, context) -> bool:

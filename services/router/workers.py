@@ -26,7 +26,7 @@ from tandem.router.policies import (
     Placement,
     Policy,
 )
-from tandem.router.sessions import WorkerSession
+from tandem.router.session_client import WorkerSession
 from tandem.v1 import internal_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
 __all__ = ["ADAPTER_MISS_COST", "LOCAL_ROLES", "WorkerHandle", "WorkerPool"]
@@ -88,7 +88,7 @@ class WorkerHandle:
     # Its health tasks, and the KV block feed's (restarted when another process takes the address).
     tasks: list[asyncio.Task] = field(default_factory=list)
     kv_feed: asyncio.Task | None = None
-    # The session its requests go on (sessions.py); set by the pool.
+    # The session its requests go on (session_client.py); set by the pool.
     session: WorkerSession | None = None
 
     def cancel_tasks(self) -> None:

@@ -3,7 +3,7 @@
 A process that exits is started again with the same role on the same port, after a back-off
 that doubles with each restart in the window; past max_restarts in the window it is left
 down and the rest keep serving (the router routes around it). Meanwhile the router carries
-the dead worker's streams on elsewhere (router/failover.py) and takes the worker back once
+the dead worker's streams on elsewhere (router/relay.py) and takes the worker back once
 its health check passes. The router itself is restarted the same way; clients reconnect.
 A router that exits cleanly (Shutdown) ends the cluster.
 """

@@ -130,50 +130,28 @@ class TextFront:
         tracker: RequestTracker,
         stream_interval: int = 1,
     ) -> AsyncIterator[types_pb2.RequestOutput]:
-        """The client's messages from the producer's token-id messages: text added, stop strings
-        applied (on_stop stops the producer's sequence), merged into one unless streaming (or
-        into messages of stream_interval tokens or more), counted by tracker. One generator: the
-        only layer between the producer and the call's handler."""
-        processor = text_request.processor
-        num_prompt_tokens = len(text_request.prompt_token_ids)
-        unstreamed: list[types_pb2.RequestOutput] | None = None if text_request.streaming else []
-        interval = (
-            TokenInterval(stream_interval)
-            if text_request.streaming and stream_interval > 1
-            else None
-        )
+        """The client's messages from the producer's token-id messages (ClientStream), with
+        on_stop stopping the producer's sequence where a stop string ends it. One generator: the
+        only layer between the producer and the call's handler (the router's handler runs the
+        same loop itself, and so saves this layer)."""
+        stream = ClientStream(text_request, tracker, stream_interval)
         try:
             async with closing(messages) as messages:
                 async for msg in messages:
-                    tracker.saw(msg)
-                    out, stops = processor.feed(msg)
+                    out, stops = stream.feed(msg)
                     for index, handoff in stops:
                         await on_stop(index, handoff)
-                    if out is not None and unstreamed is not None:
-                        unstreamed.append(out)
-                    elif out is not None:
-                        if interval is not None:
-                            out = interval.add(out)
-                        if out is not None:
-                            tracker.counted(out, num_prompt_tokens)
-                            yield out
-                    if processor.done:
+                    out = stream.send(out)
+                    if out is not None:
+                        yield out
+                    if stream.done:
                         break
-            last = processor.finish()
-            if unstreamed is not None:
-                if last is not None:
-                    unstreamed.append(last)
-                last = merge_outputs(unstreamed)
-            elif interval is not None:
-                held = interval.flush() if last is None else interval.add(last)
-                last = held
+            last = stream.finish()
             if last is not None:
-                tracker.counted(last, num_prompt_tokens)
                 yield last
         except Exception:
-            held = interval.flush() if interval is not None else None
+            held = stream.held()
             if held is not None:  # what arrived before the failure is the client's
-                tracker.counted(held, num_prompt_tokens)
                 yield held
             raise
 
@@ -183,3 +161,74 @@ class TextFront:
         if bad:
             raise ValueError(f"token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+
+class ClientStream:
+    """A request's client-facing messages from its producer's token-id messages: text added, stop
+    strings applied, merged into one unless streaming (or into messages of stream_interval tokens
+    or more), counted by tracker. Its owner's loop feeds it each message, stops the sequences
+    feed names, then sends on what send hands back."""
+
+    __slots__ = ("processor", "tracker", "num_prompt_tokens", "unstreamed", "interval")
+
+    def __init__(
+        self, text_request: TextRequest, tracker: RequestTracker, stream_interval: int = 1
+    ):
+        self.processor = text_request.processor
+        self.tracker = tracker
+        self.num_prompt_tokens = len(text_request.prompt_token_ids)
+        # A client that did not ask to stream gets one merged message at the end.
+        self.unstreamed: list[types_pb2.RequestOutput] | None = (
+            None if text_request.streaming else []
+        )
+        self.interval = (
+            TokenInterval(stream_interval)
+            if text_request.streaming and stream_interval > 1
+            else None
+        )
+
+    def feed(self, msg: types_pb2.RequestOutput):
+        """(msg with its text, or None while the text front holds it; the (index, handoff) of
+        each sequence a stop string ended in it: stop them before sending the message on)."""
+        self.tracker.saw(msg)
+        return self.processor.feed(msg)
+
+    def send(self, out: types_pb2.RequestOutput | None) -> types_pb2.RequestOutput | None:
+        """What of out goes to the client now."""
+        if out is None:
+            return None
+        if self.unstreamed is not None:
+            self.unstreamed.append(out)
+            return None
+        if self.interval is not None:
+            out = self.interval.add(out)
+            if out is None:
+                return None
+        self.tracker.counted(out, self.num_prompt_tokens)
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Every sequence has ended (a stop string ends one before its producer does)."""
+        return self.processor.done
+
+    def finish(self) -> types_pb2.RequestOutput | None:
+        """The last message, after the producer's last (or once done)."""
+        last = self.processor.finish()
+        if self.unstreamed is not None:
+            if last is not None:
+                self.unstreamed.append(last)
+            last = merge_outputs(self.unstreamed)
+        elif self.interval is not None:
+            last = self.interval.flush() if last is None else self.interval.add(last)
+        if last is not None:
+            self.tracker.counted(last, self.num_prompt_tokens)
+        return last
+
+    def held(self) -> types_pb2.RequestOutput | None:
+        """After the producer failed: what arrived before the failure and was held back for the
+        stream interval (the client's before the error)."""
+        held = self.interval.flush() if self.interval is not None else None
+        if held is not None:
+            self.tracker.counted(held, self.num_prompt_tokens)
+        return held

@@ -1,10 +1,11 @@
 """The router's end of its sessions (Worker.Session, worker/sessions.py): one bidi stream per
 worker carries every Generate the router runs there, in (SessionRequest: submits and cancels,
 batched while the stream is busy; EngineRequest: token ids) and out (EngineOutputs: their
-EngineOutput entries, a batch per engine step, and each request's end or error status). Route.relay reads a request's outputs from the inbox
-(inbox.py) its tag names here. It is the one way the router's requests reach a worker: a request
-waits for a session that is full, goes alone in a message when it is too large to share one, and
-fails as its own call would (RESOURCE_EXHAUSTED) when it is larger than the worker takes.
+EngineOutput entries, a batch per engine step, and each request's end or error status). A
+request's relay (relay.py) reads its outputs from the inbox (inbox.py) its tag names here. It is
+the one way the router's requests reach a worker: a request waits for a session that is full,
+goes alone in a message when it is too large to share one, and fails as its own call would
+(RESOURCE_EXHAUSTED) when it is larger than the worker takes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tandem.common.errors import RpcError
 from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error, stream_failure
 from tandem.v1 import internal_pb2, llm_pb2, worker_pb2, worker_pb2_grpc
 
-log = logging.getLogger("tandem.router.sessions")
+log = logging.getLogger("tandem.router.session_client")
 
 # Largest SessionRequest the router fills with several submits (within what the worker
 # accepts): a larger submit goes alone in a message, up to the worker's bound.
