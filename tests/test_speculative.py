@@ -243,6 +243,24 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert NgramIndex(2, 3).propose(_seq([5, 6, 7]), 4) == []
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_one_shot_lookup_drafts_what_the_index_drafts(seed):
+    """lookup_once (a handed-off context phase's drafts) proposes NgramIndex's drafts: random
+    prompts over small vocabularies (many matches), some longer than the index's window."""
+    from tandem.engine import speculative
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        vocab = rng.choice([3, 8, 40])
+        length = rng.choice([2, 9, 60, speculative.INDEX_WINDOW + rng.randrange(1, 40)])
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        low = rng.randrange(1, 4)
+        high = rng.randrange(low, 7)
+        k = rng.randrange(1, 6)
+        want = NgramIndex(low, high).propose(_seq(tokens), k)
+        assert speculative.lookup_once(tokens, low, high, k) == want, (length, low, high, k)
+
+
 def test_the_index_covers_a_window_and_prunes_what_left_it():
     from tandem.engine import speculative
 

@@ -80,6 +80,10 @@ class DraftModelProposer:
             )
         self.max_model_len = self.engine.max_model_len
 
+    def propose_once(self, wants: list[tuple]) -> dict:
+        """Drafts for sequences that draft once (handed-off context phases): as propose_all."""
+        return self.propose_all(wants)
+
     def propose_all(self, wants: list[tuple]) -> dict:
         """wants: (sequence, k) pairs. Returns each sequence's drafts (at most k tokens; none for a
         sequence longer than the draft model's context)."""

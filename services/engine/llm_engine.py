@@ -608,7 +608,7 @@ class LLMEngine:
         started = time.perf_counter()
         handing_off, self._handing_off = self._handing_off, []
         wants = [(seq, self._draft_room(seq)) for seq, _ in handing_off]
-        drafts = self.proposer.propose_all([(seq, k) for seq, k in wants if k > 0])
+        drafts = self.proposer.propose_once([(seq, k) for seq, k in wants if k > 0])
         for seq, out in handing_off:
             out.draft_token_ids = list(drafts.get(seq, ()))
         spec = self.counters.last_spec  # the step's drafting time (its draftOverhead)

@@ -586,6 +586,9 @@ class Relay:
             self._client_metrics(split, last.metrics)
             return self._stamped(last, seq.wants_perf)
         gen, handoff = seq.request, split.handoff
+        if list(handoff.first_gen_tokens) != list(seq.progress.tokens):
+            # The new prefill's drafts followed its own first token, not the client's.
+            handoff.ClearField("draft_tokens")
         handoff.first_gen_tokens[:] = seq.progress.tokens  # the tokens the client has
         handoff.ClearField("first_gen_log_probs")
         gen.disaggregated_params.CopyFrom(handoff)
