@@ -180,6 +180,56 @@ def test_no_drafts_past_disable_by_batch_size_and_those_steps_overlap(model_dirs
         SpeculativeConfig.parse(json.dumps({**spec, "disable_by_batch_size": 0}))
 
 
+def test_unseeded_sampling_with_drafts_keeps_the_targets_distribution(model_dirs):
+    """Rejection sampling keeps the target's distribution: thousands of unseeded requests whose
+    second token is verified against a draft (the likeliest token, so it is accepted and
+    rejected): given the first token, the second's frequencies match the target's exact
+    probabilities (transformers' softmax over the top-k logits at the temperature) within 5
+    standard errors each. A draft accepted blindly would put its token at 100%, a rejected
+    position that drew from p without removing the draft at p + (1 - p) p."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["llama"]
+    # After this prompt's likeliest first token (p 0.67) the next is not near-certain (0.80).
+    prompt = [1, 40, 41, 42, 43]
+    temperature, top_k, num = 1.5, 4, 3000
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def exact(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        top = torch.topk(logits, top_k)
+        probs = torch.softmax(top.values / temperature, dim=-1)
+        return dict(zip(top.indices.tolist(), probs.tolist()))
+
+    first = exact(prompt)
+    v = max(first, key=first.get)  # the first token to condition on
+    want = exact(prompt + [v])
+    draft = max(want, key=want.get)
+    assert 0.05 < want[draft] < 0.95  # accepted sometimes, rejected sometimes
+    spec = {"method": "ngram", "num_speculative_tokens": 1}
+    engine = _engine(model_dir, spec, max_num_seqs=64, num_blocks=64 * 4 + 8)
+    # The verification is under test, not the lookup: after v, the draft is `draft`.
+    engine.proposer.propose_all = lambda wants: {
+        seq: [draft] if seq.all_token_ids[-1] == v and seq.num_output_tokens == 1 else []
+        for seq, _ in wants
+    }
+    options = SamplingOptions(max_tokens=3, ignore_eos=True, temperature=temperature, top_k=top_k)
+    got = run_to_completion(engine, {f"r{i}": prompt for i in range(num)}, options)
+    seconds = [tokens[1] for tokens in got.values() if tokens[0] == v]
+    n = len(seconds)
+    assert n > 500, n
+    for token, p in want.items():
+        frequency = seconds.count(token) / n
+        assert abs(frequency - p) <= 5 * (p * (1 - p) / n) ** 0.5, (token, frequency, p)
+    assert set(seconds) <= set(want)
+    c = engine.counters
+    # Most second tokens were verified (the rest drew plainly, their first token in flight).
+    assert n // 2 < c.num_draft_tokens <= n
+    assert 0 < c.num_accepted_draft_tokens < c.num_draft_tokens
+
+
 def test_preemption_under_drafts_keeps_the_tokens(model_dirs):
     prompts = _repetitive_prompts(7, 8)
     options = SamplingOptions(max_tokens=30, ignore_eos=True)
