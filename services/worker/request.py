@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
-from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
+from tandem.engine.sequence_perf import SequencePerf
 from tandem.v1 import types_pb2
-from tandem.worker.perf_metrics import perf_metrics
+from tandem.worker.perf_message import perf_metrics
 
 FINISH_REASONS = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,
