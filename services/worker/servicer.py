@@ -33,10 +33,10 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_g
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
+from tandem.worker.output_processor import WorkerRequest
 from tandem.worker.output_sink import OutputSink
 from tandem.worker.output_streams import OutputStream
 from tandem.worker.phases import REQUEST_PHASES
-from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
 from tandem.worker.session_server import Sessions
 

@@ -1,7 +1,7 @@
 """One Generate on a worker: its n sequences in the engine, their step outputs turned into
 RequestOutput messages of token ids (text is the front's job: tandem.text).
 
-Which lifecycle the request runs is the phase's business (worker/local.py, prefill/context.py,
+Which lifecycle the request runs is the phase's business (worker/phases.py, prefill/context.py,
 decode/generation.py); this class only carries the sequences' state and builds messages.
 """
 
