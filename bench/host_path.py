@@ -30,9 +30,9 @@ from tandem.engine.sequence import Phase
 from tandem.text.front import TextRequest
 from tandem.text.processor import TextOptions, TextProcessor
 from tandem.v1 import llm_pb2
+from tandem.worker.output_processor import WorkerRequest
 from tandem.worker.output_sink import OutputSink
 from tandem.worker.output_streams import OutputStream
-from tandem.worker.request import WorkerRequest
 
 
 class _Core:

@@ -202,8 +202,8 @@ def _worker_state(cluster):
 
 def test_each_process_names_its_instance_in_health_answers_and_the_worker_state(cluster):
     """The router trusts a reopened health Watch only from the process its last state poll saw
-    (router/health.py): a worker's health answers and its state carry the same instance id, and
-    no other process has it."""
+    (router/worker_watch.py): a worker's health answers and its state carry the same instance id,
+    and no other process has it."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from tandem.common.health import INSTANCE_ID_METADATA

@@ -291,9 +291,9 @@ def test_frames_carry_outputs_errors_and_tensors_unchanged():
     from tandem.common.exceptions import PreconditionError, RetryLaterError
     from tandem.engine import wire
     from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
-    from tandem.engine.perf_metrics import SequencePerf
     from tandem.engine.sampling_options import SamplingOptions
     from tandem.engine.sequence import FinishReason, Phase
+    from tandem.engine.sequence_perf import SequencePerf
     from tandem.worker.core_protocol import Outputs, Reply
 
     command = AddRequest(

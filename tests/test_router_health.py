@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.health import InstanceHealthServicer
 from tandem.common.roles import Role
-from tandem.router.health import WATCH_REOPEN_MIN_S
+from tandem.router.worker_watch import WATCH_REOPEN_MIN_S
 from tandem.router.workers import WorkerPool
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 

@@ -817,9 +817,9 @@ def test_a_full_session_refuses_submits_and_bounds_each_message(monkeypatch):
     test_a_request_waits_for_room_on_a_full_session); a message with more submits than the bound
     ends the session before any of them is started."""
     from tandem.common.drain import InFlightCalls
-    from tandem.worker import sessions as worker_sessions
+    from tandem.worker import session_server
 
-    monkeypatch.setattr(worker_sessions, "MAX_REQUESTS_PER_SESSION", 3)
+    monkeypatch.setattr(session_server, "MAX_REQUESTS_PER_SESSION", 3)
 
     async def requests(messages):
         for message in messages:
@@ -827,7 +827,7 @@ def test_a_full_session_refuses_submits_and_bounds_each_message(monkeypatch):
 
     async def run(messages):
         recorder, in_flight = _Recorder(), InFlightCalls()
-        session = worker_sessions.Session("owner", recorder.run, in_flight, recorder.count, 1 << 20)
+        session = session_server.Session("owner", recorder.run, in_flight, recorder.count, 1 << 20)
         reader = asyncio.create_task(session.read(requests(messages)))
         await asyncio.sleep(0.05)
         failed = list(session.stream._failed)

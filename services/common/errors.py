@@ -56,10 +56,6 @@ def unavailable(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, message)
 
 
-def unimplemented(message: str) -> RpcError:
-    return RpcError(grpc.StatusCode.UNIMPLEMENTED, message)
-
-
 _BY_TYPE: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -146,7 +146,7 @@ class GenerationPhase:
         return handoff
 
     def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
-        """request: a worker.request.WorkerRequest of one sequence."""
+        """request: a worker.output_processor.WorkerRequest of one sequence."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
             self._end(request, handoff, Outcome.RELEASED)
             self._release_remote(handoff)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-GUIDE_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
-
 
 def _xgrammar():
     try:

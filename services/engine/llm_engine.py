@@ -27,11 +27,11 @@ from tandem.engine.messages import (
     coalesce,
 )
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampler import SampledBatch
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import FinishReason, Phase, Sequence, Status, natural_finish
+from tandem.engine.sequence_perf import SequencePerf
 from tandem.engine.speculative import Proposer
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from tandem.engine.admission import EngineLimits
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase
+from tandem.engine.sequence_perf import SequencePerf
 
 
 # -- commands: the request path --
@@ -194,7 +194,7 @@ class StepOutput:
     generation_logits: list | None = None
     # When a step first scheduled the sequence (time.monotonic), on each of its outputs.
     first_scheduled_at: float = 0.0
-    # The sequence's perf metrics so far (engine/perf_metrics.SequencePerf) on each of its outputs,
+    # The sequence's perf metrics so far (engine/sequence_perf.SequencePerf) on each of its outputs,
     # when its options ask for them (return_perf_metrics); the worker sends the last one.
     perf: SequencePerf | None = None
     # The lease the worker's lease table opened over kept_block_ids (engine_core.EngineCore, on

@@ -221,10 +221,6 @@ class ModelConfig:
         return self.layer_windows[index] if self.layer_windows else 0
 
     @property
-    def has_sliding_window(self) -> bool:
-        return any(self.layer_windows)
-
-    @property
     def max_context_len(self) -> int:
         """The longest context the rope serves: max_position_embeddings, or as many times more as
         a linear, dynamic or YaRN scaling stretches it (vLLM's rule; llama3 and longrope

@@ -40,7 +40,7 @@ class SamplingOptions:
     # Return the raw logits of every prompt position / of each drawn token.
     return_context_logits: bool = False
     return_generation_logits: bool = False
-    # Record the sequence's performance metrics (engine/perf_metrics.py); off: nothing is recorded.
+    # Record the sequence's performance metrics (engine/sequence_perf.py); off: nothing is recorded.
     return_perf_metrics: bool = False
     # Beam search (use_beam_search): beams searched, returned are n; TensorRT-LLM's defaults.
     beam_width: int = 1

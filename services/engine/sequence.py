@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sequence_perf import SequencePerf
 
 
 class Phase(enum.Enum):

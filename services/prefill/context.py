@@ -32,8 +32,8 @@ class ContextPhase:
         self.weights_id = weights_id
 
     def start(self, request) -> None:
-        """request: a worker.request.WorkerRequest of one sequence. A client's handoff counts
-        against its share of the pool from now on (refused when that is full)."""
+        """request: a worker.output_processor.WorkerRequest of one sequence. A client's handoff
+        counts against its share of the pool from now on (refused when that is full)."""
         if request.client is not None:
             self.keeper.admit(request.request_id, request.client, len(request.prompt_token_ids))
         elif request.disagg_in.HasField("disagg_request_id"):  # the router's own split

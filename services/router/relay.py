@@ -50,7 +50,7 @@ from tandem.common.outputs import cancelled_output, merge_outputs
 from tandem.common.roles import Role
 from tandem.common.sampling import check_several_returns
 from tandem.common.streams import closing, merge
-from tandem.router import perf_metrics
+from tandem.router import perf_merge
 from tandem.router.inbox import SessionBroken
 from tandem.router.legs import Leg, WorkerStalledError
 from tandem.router.metrics import RouterMetrics
@@ -245,7 +245,7 @@ class Relay:
         try:
             while (msg := await leg.next()) is not None:
                 if wants_perf:
-                    perf_metrics.stamp_arrival(msg, self.arrival_time)
+                    perf_merge.stamp_arrival(msg, self.arrival_time)
                 yield msg
         finally:
             leg.close()
@@ -483,7 +483,7 @@ class Relay:
             if seq.wants_perf:
                 for out in msg.outputs:
                     if out.HasField("perf_metrics"):
-                        perf_metrics.combine_split(split.prefill_perf, out.perf_metrics)
+                        perf_merge.combine_split(split.prefill_perf, out.perf_metrics)
             if msg.finished:
                 self._client_metrics(split, msg.metrics)
                 self._count_handoff(split, msg.metrics, seq.progress)
@@ -498,16 +498,16 @@ class Relay:
                 if not seq.first_token_time and any(out.token_ids for out in msg.outputs):
                     seq.first_token_time = time.time()
                 if seq.progress.is_recomputed:
-                    perf_metrics.start_from_router(msg, seq.sent_time, seq.first_token_time)
+                    perf_merge.start_from_router(msg, seq.sent_time, seq.first_token_time)
             if msg.finished:
                 msg.metrics.served_by[:] = self.served_by
         if seq.wants_perf:
-            perf_metrics.stamp_arrival(msg, self.arrival_time)
+            perf_merge.stamp_arrival(msg, self.arrival_time)
 
     def _stamped(self, msg: types_pb2.RequestOutput, wants_perf: bool) -> types_pb2.RequestOutput:
         """msg with the router's arrival time in its perf metrics (when asked for)."""
         if wants_perf:
-            perf_metrics.stamp_arrival(msg, self.arrival_time)
+            perf_merge.stamp_arrival(msg, self.arrival_time)
         return msg
 
     async def _recover(self, seq: _Sequence, exc: BaseException) -> types_pb2.RequestOutput | None:

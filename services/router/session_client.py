@@ -1,4 +1,4 @@
-"""The router's end of its sessions (Worker.Session, worker/sessions.py): one bidi stream per
+"""The router's end of its sessions (Worker.Session, worker/session_server.py): one bidi stream per
 worker carries every Generate the router runs there, in (SessionRequest: submits and cancels,
 batched while the stream is busy; EngineRequest: token ids) and out (EngineOutputs: their
 EngineOutput entries, a batch per engine step, and each request's end or error status). A
@@ -31,7 +31,7 @@ MAX_MESSAGE_BYTES = 64 << 10
 _ENTRY_OVERHEAD = 6
 # A cancel's most bytes in a SessionRequest (a packed 64-bit varint), and the packed field's header.
 _CANCEL_BYTES, _CANCELS_HEADER = 10, 4
-# Requests a session runs at once, when the worker does not say (worker/sessions.py's bound).
+# Requests a session runs at once, when the worker does not say (worker/session_server.py's bound).
 DEFAULT_MAX_REQUESTS = 4096
 
 

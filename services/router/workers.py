@@ -1,6 +1,6 @@
 """The router's view of its workers: channels, roles, readiness, load, the LoRA adapters they
 hold, and the pick (by each role's policy, policies.py). Workers come and go while the router
-runs (discovery.py); each has its own watch tasks (health.py)."""
+runs (discovery.py); each has its own watch tasks (worker_watch.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tandem.common.background import spawn
 from tandem.common.channels import ClusterCredentials
 from tandem.common.errors import unavailable
 from tandem.common.roles import Role
-from tandem.router import health
+from tandem.router import worker_watch
 from tandem.router.kv_index import KvIndex
 from tandem.router.policies import (
     ADAPTER_MISS_COST,
@@ -57,7 +57,7 @@ class WorkerHandle:
     internal: worker_pb2_grpc.WorkerStub
     health: health_pb2_grpc.HealthStub
     role: Role = Role.UNKNOWN
-    # The instance id of the process the last state poll saw there (health.py; '' before any).
+    # The instance id of the process the last state poll saw there ('' before any; worker_watch.py).
     instance_id: str = ""
     ready: bool = False
     in_flight: int = 0
@@ -209,10 +209,10 @@ class WorkerPool:
     def _start_watching(self, w: WorkerHandle) -> None:
         # Tasks per worker: a hung worker's slow answers delay nobody else's.
         w.tasks = [
-            asyncio.create_task(health.poll_forever(self, w)),
-            asyncio.create_task(health.watch_health(self, w)),
+            asyncio.create_task(worker_watch.poll_forever(self, w)),
+            asyncio.create_task(worker_watch.watch_health(self, w)),
         ]
-        w.kv_feed = asyncio.create_task(health.follow_kv_blocks(self, w))
+        w.kv_feed = asyncio.create_task(worker_watch.follow_kv_blocks(self, w))
 
     def meet_new_process(self, w: WorkerHandle, instance_id: str) -> None:
         """A state poll found another process at the worker's address than the last one (a
@@ -234,7 +234,7 @@ class WorkerPool:
             self.kv_index.forget(w.address)
             if w.kv_feed is not None:
                 w.kv_feed.cancel()
-                w.kv_feed = asyncio.create_task(health.follow_kv_blocks(self, w))
+                w.kv_feed = asyncio.create_task(worker_watch.follow_kv_blocks(self, w))
         w.instance_id = instance_id
 
     def set_addresses(self, addresses: set[str]) -> None:

@@ -18,8 +18,8 @@ import asyncio
 from tandem.common.metrics import RequestTracker
 from tandem.engine.messages import StepOutput
 from tandem.text.front import TextRequest
+from tandem.worker.output_processor import WorkerRequest
 from tandem.worker.output_streams import OutputStream
-from tandem.worker.request import WorkerRequest
 
 
 class OutputSink:

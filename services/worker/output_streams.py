@@ -1,7 +1,7 @@
-"""The output half of a session (Worker.Session, sessions.py): the outputs of every request the
-router runs on this worker go out batched, one message per engine step for all of them, instead
-of one message per request per step. gRPC's cost is per message, on both ends: at a batch of
-256 a step cost the worker and the router 256 sends and reads; here it costs one.
+"""The output half of a session (Worker.Session, session_server.py): the outputs of every request
+the router runs on this worker go out batched, one message per engine step for all of them,
+instead of one message per request per step. gRPC's cost is per message, on both ends: at a batch
+of 256 a step cost the worker and the router 256 sends and reads; here it costs one.
 
 A request's outputs are EngineOutput entries (internal.proto): the new token ids of a step, and
 what else the step's message held (common/engine_messages.py). Each request's end goes in the

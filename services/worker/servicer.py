@@ -33,12 +33,12 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_g
 from tandem.worker import admin
 from tandem.worker.convert import check_unsupported, sampling_options
 from tandem.worker.guides import Guides
+from tandem.worker.output_processor import WorkerRequest
 from tandem.worker.output_sink import OutputSink
 from tandem.worker.output_streams import OutputStream
 from tandem.worker.phases import REQUEST_PHASES
-from tandem.worker.request import WorkerRequest
 from tandem.worker.runtime import WorkerRuntime
-from tandem.worker.sessions import Sessions
+from tandem.worker.session_server import Sessions
 
 # A worker's span of a request, by the phase it runs.
 _SPAN_NAMES = {
@@ -83,7 +83,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
     async def run_submitted(
         self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str
     ) -> None:
-        """A request that came on a session (sessions.py): token ids in, its outputs onto the
+        """A request that came on a session (session_server.py): token ids in, its outputs onto the
         session's stream under its tag as the engine hands them over (output_sink.py), then its
         end; what it raises is its status. No text runs here: that is the caller's front's."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)

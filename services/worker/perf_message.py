@@ -1,10 +1,10 @@
 """A sequence's PerfMetrics message (TensorRT-LLM's RequestPerfMetrics) from what the engine
-recorded (engine/perf_metrics.SequencePerf) and what the worker saw of the request: its arrival
+recorded (engine/sequence_perf.SequencePerf) and what the worker saw of the request: its arrival
 and, on a decode worker, the KV pull."""
 
 from __future__ import annotations
 
-from tandem.engine.perf_metrics import SequencePerf
+from tandem.engine.sequence_perf import SequencePerf
 from tandem.v1 import types_pb2
 
 

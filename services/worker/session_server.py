@@ -37,7 +37,7 @@ from tandem.common.interceptors import MalformedRequest
 from tandem.v1 import worker_pb2
 from tandem.worker.output_streams import OutputStream
 
-log = logging.getLogger("tandem.worker.sessions")
+log = logging.getLogger("tandem.worker.session_server")
 
 # Sessions one worker serves at once (one per router is the usual number).
 MAX_SESSIONS = 64

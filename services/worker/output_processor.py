@@ -1,7 +1,7 @@
 """One Generate on a worker: its n sequences in the engine, their step outputs turned into
 RequestOutput messages of token ids (text is the front's job: tandem.text).
 
-Which lifecycle the request runs is the phase's business (worker/local.py, prefill/context.py,
+Which lifecycle the request runs is the phase's business (worker/phases.py, prefill/context.py,
 decode/generation.py); this class only carries the sequences' state and builds messages.
 """
 
@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
-from tandem.engine.perf_metrics import SequencePerf
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
+from tandem.engine.sequence_perf import SequencePerf
 from tandem.v1 import types_pb2
-from tandem.worker.perf_metrics import perf_metrics
+from tandem.worker.perf_message import perf_metrics
 
 FINISH_REASONS = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,

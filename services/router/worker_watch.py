@@ -24,7 +24,7 @@ from tandem.v1 import worker_pb2
 if TYPE_CHECKING:
     from tandem.router.workers import WorkerHandle, WorkerPool
 
-log = logging.getLogger("tandem.router.health")
+log = logging.getLogger("tandem.router.worker_watch")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # A Watch stream that lived shorter than this is reopened only after min(this, the health
