@@ -83,6 +83,8 @@ def test_drafted_steps_in_graphs_match_plain_decoding(model_dirs, method):
     graphs captured for the draft rows' ladder too."""
     import json
 
+    from test_speculative import drafted_steps_in_graphs
+
     rng = random.Random(5)
     prompts = {}
     for i in range(10):
@@ -90,15 +92,7 @@ def test_drafted_steps_in_graphs_match_plain_decoding(model_dirs, method):
         prompts[f"r{i}"] = [1] + phrase * rng.randrange(2, 6)
     spec = json.dumps({"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     drafting = _engine(model_dirs["llama"], speculative_config=spec)
-    in_graph = []
-    execute = drafting.runner._execute
-
-    def spy(batch):
-        if any(seq.draft_token_ids for seq in batch.seqs):
-            in_graph.append(drafting.runner._graph_size(batch) is not None)
-        return execute(batch)
-
-    drafting.runner._execute = spy
+    in_graph = drafted_steps_in_graphs(drafting)
     for options in (
         SamplingOptions(max_tokens=32, ignore_eos=True),
         SamplingOptions(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7),

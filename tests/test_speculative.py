@@ -25,6 +25,24 @@ def _engine(model_dir, spec: dict | None, **kwargs) -> LLMEngine:
     )
 
 
+def drafted_steps_in_graphs(engine) -> list[bool]:
+    """Spies on engine's runner: for each step of decode rows alone (a prompt chunk beside them
+    makes a step eager) that verifies drafts, whether it replays a decode graph."""
+    seen = []
+    execute = engine.runner._execute
+
+    def spy(batch):
+        decoding = all(
+            n == 1 + len(seq.draft_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        )
+        if decoding and any(seq.draft_token_ids for seq in batch.seqs):
+            seen.append(engine.runner._graph_size(batch) is not None)
+        return execute(batch)
+
+    engine.runner._execute = spy
+    return seen
+
+
 def _repetitive_prompts(seed: int, num: int) -> dict[str, list[int]]:
     """Prompts that repeat a phrase: prompt lookup finds drafts in them."""
     rng = random.Random(seed)
@@ -104,21 +122,8 @@ def test_verify_steps_replay_the_decode_graphs(model_dirs, method):
     options = _mixed_options(prompts, stop_token=17)
     spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = _engine(model_dirs["llama"], spec)
-    graph_steps = []
-    execute = engine.runner._execute
-
-    def spy(batch):
-        # Steps of decode rows alone (a prompt's chunk beside them makes a step eager).
-        decoding = all(
-            n == 1 + len(seq.draft_token_ids) for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        )
-        drafted = decoding and any(seq.draft_token_ids for seq in batch.seqs)
-        graph_steps.append((drafted, engine.runner._graph_size(batch) is not None))
-        return execute(batch)
-
-    engine.runner._execute = spy
+    drafted = drafted_steps_in_graphs(engine)
     assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
-    drafted = [graph for has_drafts, graph in graph_steps if has_drafts]
     assert drafted and all(drafted)
     eager = _engine(model_dirs["llama"], spec, enforce_eager=True)
     eager_got = _full_run(eager, prompts, options)
@@ -137,15 +142,7 @@ def test_verify_steps_with_long_contexts_stay_eager(model_dirs, monkeypatch):
     monkeypatch.setattr(model_runner, "GRAPH_VERIFY_MAX_EXTRA_KV_BYTES", 0)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = _engine(model_dirs["llama"], spec)
-    in_graph = []
-    execute = engine.runner._execute
-
-    def spy(batch):
-        if any(seq.draft_token_ids for seq in batch.seqs):
-            in_graph.append(engine.runner._graph_size(batch) is not None)
-        return execute(batch)
-
-    engine.runner._execute = spy
+    in_graph = drafted_steps_in_graphs(engine)
     prompts = _repetitive_prompts(5, 3)
     assert_same_as_plain(engine, model_dirs["llama"], prompts, SamplingOptions(max_tokens=24))
     assert in_graph and not any(in_graph)
