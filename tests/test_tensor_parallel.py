@@ -223,6 +223,46 @@ def test_tp2_refuses_what_its_ranks_cannot_follow(model_dirs, tp2_engines):
         )
 
 
+@pytest.mark.timeout(120)
+def test_tp2_serves_fp8_weights_within_fp8s_own_error(model_dirs):
+    """--quantization fp8 under tensor parallelism: each rank quantizes its shard of every
+    projection (per output channel) and row-parallel layers quantize each rank's slice of the
+    activation with its own per-token scale, so TP=2 is not bitwise TP=1; its first-token
+    logprobs stay within the error FP8 itself has against bf16 on this model (a wrong scale
+    shard would be nats off), and the KV pool holds the same per-rank heads."""
+    model_dir = str(model_dirs["llama"])
+    rng = random.Random(7)
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 383) for _ in range(rng.randrange(3, 40))]
+        for i in range(6)
+    }
+    options = SamplingOptions(max_tokens=1, ignore_eos=True, logprobs=5)
+    kwargs = dict(block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=24)
+
+    def first_logprobs(**extra) -> dict:
+        engine = LLMEngine(EngineConfig(model_dir, max_loras=0, **kwargs, **extra))
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, options)
+        got = {}
+        while engine.num_unfinished:
+            for out in engine.step():
+                got[out.request_id] = out.new_logprobs[0]
+        engine.close()
+        return got
+
+    def worst(a: dict, b: dict) -> float:
+        return max(abs(a[r][t] - b[r][t]) for r in prompts for t in set(a[r]) & set(b[r]))
+
+    bf16 = first_logprobs()
+    fp8 = first_logprobs(quantization="fp8")
+    fp8_tp2 = first_logprobs(quantization="fp8", tensor_parallel_size=2)
+    assert worst(fp8_tp2, fp8) <= max(worst(fp8, bf16), 0.1)
+    same_top = sum(
+        max(fp8[r], key=fp8[r].get) == max(fp8_tp2[r], key=fp8_tp2[r].get) for r in prompts
+    )
+    assert same_top >= len(prompts) - 2
+
+
 _RANK0_SCRIPT = textwrap.dedent("""
     import sys, time
     from tandem.engine.config import EngineConfig
