@@ -149,15 +149,17 @@ def test_kv_head_split_and_refusals_name_the_field():
 
 @pytest.fixture(scope="module")
 def tp2_engines(model_dirs):
-    """One 2-rank engine per model, built on demand and closed at the end of the module."""
-    engines: dict[str, LLMEngine] = {}
+    """One 2-rank engine per model (and extra engine settings), built on demand; the one before
+    is closed (one tensor-parallel engine per process) and the last at the end of the module."""
+    engines: dict[tuple, LLMEngine] = {}
 
-    def get(model: str) -> LLMEngine:
-        if model not in engines:
+    def get(model: str, **extra) -> LLMEngine:
+        key = (model, *sorted(extra.items()))
+        if key not in engines:
             for engine in engines.values():  # one tensor-parallel engine per process
                 engine.close()
             engines.clear()
-            engines[model] = LLMEngine(
+            engines[key] = LLMEngine(
                 EngineConfig(
                     str(model_dirs[model]),
                     block_size=4,
@@ -166,9 +168,10 @@ def tp2_engines(model_dirs):
                     max_num_batched_tokens=24,
                     tensor_parallel_size=2,
                     max_loras=0,
+                    **extra,
                 )
             )
-        return engines[model]
+        return engines[key]
 
     yield get
     for engine in engines.values():
@@ -224,7 +227,7 @@ def test_tp2_refuses_what_its_ranks_cannot_follow(model_dirs, tp2_engines):
 
 
 @pytest.mark.timeout(120)
-def test_tp2_serves_fp8_weights_within_fp8s_own_error(model_dirs):
+def test_tp2_serves_fp8_weights_within_fp8s_own_error(model_dirs, tp2_engines):
     """--quantization fp8 under tensor parallelism: each rank quantizes its shard of every
     projection (per output channel) and row-parallel layers quantize each rank's slice of the
     activation with its own per-token scale, so TP=2 is not bitwise TP=1; its first-token
@@ -239,23 +242,21 @@ def test_tp2_serves_fp8_weights_within_fp8s_own_error(model_dirs):
     options = SamplingOptions(max_tokens=1, ignore_eos=True, logprobs=5)
     kwargs = dict(block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=24)
 
-    def first_logprobs(**extra) -> dict:
-        engine = LLMEngine(EngineConfig(model_dir, max_loras=0, **kwargs, **extra))
+    def first_logprobs(engine) -> dict:
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, options)
         got = {}
         while engine.num_unfinished:
             for out in engine.step():
                 got[out.request_id] = out.new_logprobs[0]
-        engine.close()
         return got
 
     def worst(a: dict, b: dict) -> float:
         return max(abs(a[r][t] - b[r][t]) for r in prompts for t in set(a[r]) & set(b[r]))
 
-    bf16 = first_logprobs()
-    fp8 = first_logprobs(quantization="fp8")
-    fp8_tp2 = first_logprobs(quantization="fp8", tensor_parallel_size=2)
+    bf16 = first_logprobs(LLMEngine(EngineConfig(model_dir, **kwargs)))
+    fp8 = first_logprobs(LLMEngine(EngineConfig(model_dir, quantization="fp8", **kwargs)))
+    fp8_tp2 = first_logprobs(tp2_engines("llama", quantization="fp8"))
     assert worst(fp8_tp2, fp8) <= max(worst(fp8, bf16), 0.1)
     same_top = sum(
         max(fp8[r], key=fp8[r].get) == max(fp8_tp2[r], key=fp8_tp2[r].get) for r in prompts
