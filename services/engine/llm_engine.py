@@ -52,8 +52,8 @@ class InFlightStep:
     @property
     def needs_ids(self) -> bool:
         """The next step cannot run before these ids are on the host: a penalty counts them, a bad
-        word or an n-gram matches them, verified drafts decide how many tokens a sequence has."""
-        return bool(self.drafts) or any(seq.options.needs_token_ids for seq in self.sampled)
+        word or an n-gram matches them. (A step that verifies drafts is never left in flight.)"""
+        return any(seq.options.needs_token_ids for seq in self.sampled)
 
 
 @dataclass
