@@ -1,0 +1,128 @@
+"""The engine's host work per decode step (issues 28 and 39): where the CPU time of a step goes,
+by function, beside the step period, for a few batch sizes; and the first step of a sequence
+whose KV was imported (a split's decode), from an idle engine, against a step in the stream.
+
+In steady decoding the host work of step N+1 overlaps the device's step N (overlap scheduling):
+it costs nothing while it is shorter than the device's step. The first step after idle has
+nothing to hide behind, so its host work adds to the split's time to the second token.
+
+    python bench/step_host.py                                # the tiny model on the CPU
+    python bench/step_host.py --device cuda --model <8B checkpoint> --batches 1,64,256
+
+Prints, per batch size: the step period, and the functions with the most time of their own
+(cProfile; a call that waits for the device shows its wait as its own time: .tolist(),
+synchronize); then the imported sequence's first steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import time
+
+from tandem.engine.checkpoints import tiny_model_dir
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_options import SamplingOptions
+
+
+def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [1] + [rng.randrange(4, min(vocab, 30_000)) for _ in range(length - 1)]
+
+
+def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> None:
+    rng = random.Random(batch)
+    vocab = engine.model_config.vocab_size
+    options = SamplingOptions(max_tokens=100_000, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", _prompt(rng, prompt_len, vocab), options)
+    for _ in range(8):  # the prompts, then decoding only
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    period_ms = (time.perf_counter() - started) / steps * 1e3
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    for i in range(batch):
+        engine.abort_request(f"b{batch}-{i}")
+    while engine.num_unfinished:
+        engine.step()
+    stats = pstats.Stats(profile)
+    total_ms = stats.total_tt / steps * 1e3
+    print(f"\n## batch {batch}: step period {period_ms:.3f} ms; profiled {total_ms:.3f} ms a step")
+    print(f"{'own ms/step':>12} {'calls/step':>11}  function")
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (path, line, name), (_, calls, own, _, _) in rows:
+        where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
+        print(f"{own / steps * 1e3:>12.3f} {calls / steps:>11.1f}  {where}")
+
+
+def first_steps(engine: LLMEngine, prompt_len: int, repeats: int) -> None:
+    """An imported sequence (its blocks reserved, the KV taken as landed) from an idle engine: the
+    step() calls until its first token, against the steps after it."""
+    rng = random.Random(7)
+    vocab = engine.model_config.vocab_size
+    first, later = [], []
+    for r in range(repeats):
+        rid = f"import-{r}"
+        options = SamplingOptions(max_tokens=8, ignore_eos=True)
+        engine.add_remote_kv_request(rid, _prompt(rng, prompt_len, vocab), [5], options)
+        engine.remote_kv_arrived(rid)
+        started = time.perf_counter()
+        got = 0
+        calls = []
+        while engine.num_unfinished:
+            t = time.perf_counter()
+            outs = engine.step()
+            calls.append((time.perf_counter() - t) * 1e3)
+            if outs and not got:
+                first.append((time.perf_counter() - started) * 1e3)
+            got += len(outs)
+        later.extend(calls[2:-1])
+    print(
+        f"\n## an imported sequence ({prompt_len} prompt tokens) from an idle engine, {repeats} times: "
+        f"first token {statistics.median(first):.3f} ms after the KV landed (median); later "
+        f"step() calls {statistics.median(later):.3f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="HF checkpoint (default: the tiny model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--import-len", type=int, default=1024)
+    parser.add_argument("--num-blocks", type=int, default=8192)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine(
+        EngineConfig(
+            args.model or str(tiny_model_dir()),
+            device=args.device,
+            max_num_seqs=max(batches),
+            num_blocks=args.num_blocks,
+            max_num_batched_tokens=8192,
+        )
+    )
+    engine.warm_up()
+    print(f"# host work per decode step: {args.model or 'tiny model'} on {args.device}")
+    first_steps(engine, args.import_len, 10)
+    for batch in batches:
+        profile_batch(engine, batch, args.steps, args.prompt_len, args.top)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
