@@ -177,3 +177,26 @@ def test_fail_without_a_retry_is_unavailable_and_says_why(two_decodes, model_dir
     assert "lease_expiring" in str(error.value) and prefill in str(error.value)
     assert worker_state(failing).kv_handoff_outcomes["failed:lease_expiring"] == before + 1
     _no_leaked_blocks(cluster)
+
+
+def test_held_outputs_reach_the_stream_only_once_the_lease_is_confirmed():
+    """What a pulled sequence's first step draws while ConfirmLease is on the way waits: released
+    in order on a confirm, dropped (with whatever still comes) on a refusal."""
+    from tandem.decode.generation import HeldOutputs
+
+    class Stream(list):
+        put_nowait = list.append
+
+    confirmed = HeldOutputs(Stream())
+    confirmed.put_nowait("first")
+    confirmed.put_nowait("second")
+    assert confirmed.stream == []
+    confirmed.release()
+    confirmed.put_nowait("third")
+    assert confirmed.stream == ["first", "second", "third"]
+    refused = HeldOutputs(Stream())
+    refused.put_nowait("drawn from foreign KV")
+    refused.discard()
+    refused.put_nowait("a late output of the aborted step")
+    refused.release()  # a release after a discard passes nothing on
+    assert refused.stream == []
