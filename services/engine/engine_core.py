@@ -30,6 +30,7 @@ from tandem.engine.messages import (
     FreeBlocks,
     HoldSteps,
     Lease,
+    LeasePrefix,
     ReadCounters,
     ReleaseMemory,
     RemoteKvArrived,
@@ -145,6 +146,7 @@ class EngineCore:
             AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id, c.num_blocks),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
+            LeasePrefix: lambda c: engine.lease_prefix(c.token_ids, c.cache_salt),
             CheckIdle: self._check_idle,
             HoldSteps: self._hold,
             ReleaseMemory: lambda c: engine.release_memory(c.tags, self._held),
@@ -327,6 +329,7 @@ class EngineCore:
                 command.cache_salt,
                 command.adapter,
                 command.draft_token_ids,
+                command.phase,
             )
             if plan is not None:  # a request refused for room is asked again: it is not new yet
                 self._new_request_waits.append(waited)

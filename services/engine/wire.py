@@ -166,6 +166,7 @@ register(
     messages.AbortRequest,
     messages.RemoteKvArrived,
     messages.FreeBlocks,
+    messages.LeasePrefix,
     messages.CheckIdle,
     messages.HoldSteps,
     messages.ReleaseMemory,

@@ -46,6 +46,25 @@ class SpeculativeDecodingMetrics:
 
 
 @dataclass(slots=True)
+class PrefixPull:
+    """tandem's: how a cross-worker prefix pull the router asked for ended. outcome: pulled,
+    partly_pulled, cancelled or computed (reason: nothing_leased, peer_unreachable, incompatible,
+    weights_mismatch, no_room, pull_failed, unconfirmed, cached); source: the peer worker."""
+
+    outcome: str = ""
+    reason: str = ""
+    source: str = ""
+    num_pulled_blocks: int = 0
+    num_cached_blocks: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.PrefixPullMetrics) -> PrefixPull:
+        return cls(
+            msg.outcome, msg.reason, msg.source, msg.num_pulled_blocks, msg.num_cached_blocks
+        )
+
+
+@dataclass(slots=True)
 class KvHandoff:
     """tandem's: how a split request's KV handoff ended on its decode worker. outcome: pulled,
     recomputed (reason: no_room, lease_expiring, pull_failed, peer_unreachable, unconfirmed),
