@@ -177,3 +177,57 @@ def test_lease_prefix_refuses_a_prefix_that_is_not_whole_blocks(cluster):
             worker_pb2.LeasePrefixRequest(token_ids=[9] * BLOCK * 2), timeout=10
         )
         assert reply.num_blocks == 0 and not reply.opaque_state
+
+
+@pytest.fixture(scope="module")
+def split_cluster(model_dirs):
+    """Two prefill workers with --kv-prefix-pulls and a decode worker: the router splits."""
+    with LocalCluster(
+        roles=["prefill", "prefill", "decode"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK),
+        ],
+        worker_args={name: ["--kv-prefix-pulls"] for name in ("prefill-1", "prefill-2")},
+        router_args=["--prefix-pulls", "--prefix-pull-min-blocks", "1"]
+        + ["--prefix-compute-tokens-per-s", "1"],
+    ) as c:
+        yield c
+
+
+def test_a_prefill_pulls_the_prefix_from_the_other_prefill_and_hands_off_the_whole_prompt(
+    split_cluster, model_dirs, oracle
+):
+    ref = oracle(model_dirs["llama"])
+    prefills = sorted(w.address for w in split_cluster.workers if w.role == "prefill")
+    decode = next(w.address for w in split_cluster.workers if w.role == "decode")
+    prefix = _prompt(5, 80)  # 10 full blocks
+
+    def generate(prompt, rank):
+        # Relaxed: the rank names the prefill; the one decode worker is the router's pick.
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+        with LLM(split_cluster.address) as llm:
+            return llm.generate(
+                prompt,
+                params,
+                use_tqdm=False,
+                scheduling_params=SchedulingParams(attention_dp_rank=rank, attention_dp_relax=True),
+            )
+
+    assert generate(prefix, 0).outputs[0].token_ids == ref.greedy(prefix, MAX_TOKENS)
+    time.sleep(0.5)
+    prompt = prefix + _prompt(6, 17)
+    out = generate(prompt, 1)
+    assert out.outputs[0].token_ids == ref.greedy(prompt, MAX_TOKENS)
+    pull = out.metrics.prefix_pull
+    assert (pull.outcome, pull.source, pull.num_pulled_blocks) == ("pulled", prefills[0], 10)
+    assert out.metrics.num_computed_prompt_tokens == len(prompt) - 10 * BLOCK
+    assert out.metrics.kv_handoff.outcome == "pulled"  # the decode pulled the whole prompt's KV
+    source = _wait_idle(prefills[0])
+    assert source.lease_endings["pulled"] >= 2  # the first request's handoff and the prefix lease
+    for address in (*prefills, decode):
+        assert _wait_idle(address).num_free_blocks == NUM_BLOCKS, address

@@ -134,15 +134,17 @@ class PrefixPulls:
             num_landed, nbytes, _, error = await pull_blocks(
                 self.poller, agent, remote, plan.block_ids[: len(remote)], reads
             )
+            if not num_landed:  # nothing to confirm: the lease ends unread (finally)
+                core.abort(rid)
+                in_engine = False
+                return self._compute(request, phase, source, "pull_failed", str(error))
             answer = await self.peers.confirm_lease(handoff, pulled=True)
             lease_open = answer is LeaseAnswer.UNREACHABLE
-            if answer is not LeaseAnswer.CONFIRMED or not num_landed:
-                why = "pull_failed" if error is not None else "unconfirmed"
-                if answer is LeaseAnswer.UNREACHABLE:
-                    why = "peer_unreachable"
+            if answer is not LeaseAnswer.CONFIRMED:
+                why = "unconfirmed" if answer is LeaseAnswer.ENDED else "peer_unreachable"
                 core.abort(rid)  # what was read is dropped uncached: the blocks go back as they are
                 in_engine = False
-                return self._compute(request, phase, source, why, str(error or ""))
+                return self._compute(request, phase, source, why)
             request.metrics.kv_transfer_bytes += nbytes
             outcome = "pulled" if error is None else "partly_pulled"
             if error is not None:

@@ -436,6 +436,8 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
                 f"worker {self.rt.worker_id} does not lease its prefixes to peers: serve it with "
                 f"--kv-prefix-pulls (a prefill or both worker)"
             )
+        if self.rt.paused:  # (PauseGeneration ends every lease; none opens until it is over)
+            return worker_pb2.LeasePrefixResponse()
         return await leases.lease(request, context.time_remaining)
 
     async def SubscribeKvBlocks(self, request, context):
