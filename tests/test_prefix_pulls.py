@@ -55,7 +55,9 @@ def _ranked(cluster) -> list[str]:
 
 
 def _generate(cluster, prompt: list[int], rank: int):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0, return_perf_metrics=True
+    )
     with LLM(cluster.address) as llm:
         return llm.generate(
             prompt,
@@ -97,6 +99,8 @@ def test_a_prefix_on_another_worker_is_pulled_and_only_the_tail_computed(
     assert (pull.outcome, pull.reason, pull.source) == ("pulled", "", source)
     assert pull.num_pulled_blocks == 12 and pull.num_cached_blocks == 0
     assert out.metrics.num_computed_prompt_tokens == len(prompt) - 12 * BLOCK
+    perf = out.outputs[0].request_perf_metrics
+    assert perf.prefix_pull == pull and perf.kv_cache_metrics.num_reused_blocks == 0
     after = worker_state(target)
     assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == 21 + 4
     assert after.prefix_pull_outcomes["pulled"] == before.prefix_pull_outcomes.get("pulled", 0) + 1
@@ -209,7 +213,9 @@ def test_a_prefill_pulls_the_prefix_from_the_other_prefill_and_hands_off_the_who
 
     def generate(prompt, rank):
         # Relaxed: the rank names the prefill; the one decode worker is the router's pick.
-        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+        params = SamplingParams(
+            max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0, return_perf_metrics=True
+        )
         with LLM(split_cluster.address) as llm:
             return llm.generate(
                 prompt,
@@ -227,7 +233,47 @@ def test_a_prefill_pulls_the_prefix_from_the_other_prefill_and_hands_off_the_who
     assert (pull.outcome, pull.source, pull.num_pulled_blocks) == ("pulled", prefills[0], 10)
     assert out.metrics.num_computed_prompt_tokens == len(prompt) - 10 * BLOCK
     assert out.metrics.kv_handoff.outcome == "pulled"  # the decode pulled the whole prompt's KV
+    assert out.outputs[0].request_perf_metrics.prefix_pull == pull
     source = _wait_idle(prefills[0])
     assert source.lease_endings["pulled"] >= 2  # the first request's handoff and the prefix lease
     for address in (*prefills, decode):
         assert _wait_idle(address).num_free_blocks == NUM_BLOCKS, address
+
+
+@pytest.fixture(scope="module")
+def faulty_cluster(model_dirs):
+    """Two aggregated workers whose pulls fail at their second READ (2 blocks a READ)."""
+    with LocalCluster(
+        roles=["both", "both"],
+        engine_args=[
+            "--model",
+            str(model_dirs["llama"]),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK),
+        ],
+        worker_args={name: ["--kv-prefix-pulls"] for name in ("both-1", "both-2")},
+        router_args=["--prefix-pulls", "--prefix-pull-min-blocks", "1"]
+        + ["--prefix-compute-tokens-per-s", "1"],
+        env={"TANDEM_TEST_KV_PULL_FAULT": "2:1"},
+    ) as c:
+        yield c
+
+
+def test_a_prefix_pull_that_fails_part_way_keeps_what_landed(faulty_cluster, model_dirs, oracle):
+    ref = oracle(model_dirs["llama"])
+    source, target = _ranked(faulty_cluster)
+    prefix = _prompt(7, 100)
+    _generate(faulty_cluster, prefix, 0)
+    time.sleep(0.5)
+    prompt = prefix + _prompt(8, 9)
+    out = _generate(faulty_cluster, prompt, 1)
+    assert out.outputs[0].token_ids == ref.greedy(prompt, MAX_TOKENS)
+    pull = out.metrics.prefix_pull
+    assert (pull.outcome, pull.num_pulled_blocks) == ("partly_pulled", 2)
+    assert out.metrics.num_computed_prompt_tokens == len(prompt) - 2 * BLOCK
+    # The lease was confirmed after the READs (what landed is used), and nothing is left held.
+    assert _wait_idle(source).lease_endings["pulled"] == 1
+    assert _wait_idle(source).num_free_blocks == NUM_BLOCKS
+    assert _wait_idle(target).num_free_blocks == NUM_BLOCKS

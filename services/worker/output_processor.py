@@ -437,6 +437,8 @@ class WorkerRequest:
         )
         if m.kv_handoff is not None:
             out.kv_handoff.CopyFrom(m.kv_handoff)
+        if m.prefix_pull is not None:
+            out.prefix_pull.CopyFrom(m.prefix_pull)
         return out
 
     def _apply_beams(

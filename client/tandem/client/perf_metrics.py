@@ -105,6 +105,8 @@ class RequestPerfMetrics:
     iter: int | None = None
     # tandem's: a split request's KV handoff on its decode worker (None: not split).
     kv_handoff: KvHandoff | None = None
+    # tandem's: the cross-worker prefix pull the router asked for (None: none asked).
+    prefix_pull: PrefixPull | None = None
 
     @classmethod
     def from_proto(cls, msg: types_pb2.PerfMetrics) -> RequestPerfMetrics:
@@ -134,4 +136,5 @@ class RequestPerfMetrics:
             msg.last_iter or None,
             msg.iter or None,
             KvHandoff.from_proto(msg.kv_handoff) if msg.HasField("kv_handoff") else None,
+            PrefixPull.from_proto(msg.prefix_pull) if msg.HasField("prefix_pull") else None,
         )

@@ -372,7 +372,7 @@ class KvHandoffMetrics(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., room_wait_s: _Optional[float] = ...) -> None: ...
 
 class PerfMetrics(_message.Message):
-    __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff")
+    __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff", "prefix_pull")
     class TimingMetrics(_message.Message):
         __slots__ = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "kv_cache_transfer_start", "kv_cache_transfer_end", "kv_cache_size")
         ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class PerfMetrics(_message.Message):
     LAST_ITER_FIELD_NUMBER: _ClassVar[int]
     ITER_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_FIELD_NUMBER: _ClassVar[int]
     timing_metrics: PerfMetrics.TimingMetrics
     kv_cache_metrics: PerfMetrics.KvCacheMetrics
     speculative_decoding: PerfMetrics.SpeculativeDecodingMetrics
@@ -426,7 +427,8 @@ class PerfMetrics(_message.Message):
     last_iter: int
     iter: int
     kv_handoff: KvHandoffMetrics
-    def __init__(self, timing_metrics: _Optional[_Union[PerfMetrics.TimingMetrics, _Mapping]] = ..., kv_cache_metrics: _Optional[_Union[PerfMetrics.KvCacheMetrics, _Mapping]] = ..., speculative_decoding: _Optional[_Union[PerfMetrics.SpeculativeDecodingMetrics, _Mapping]] = ..., first_iter: _Optional[int] = ..., last_iter: _Optional[int] = ..., iter: _Optional[int] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ...) -> None: ...
+    prefix_pull: PrefixPullMetrics
+    def __init__(self, timing_metrics: _Optional[_Union[PerfMetrics.TimingMetrics, _Mapping]] = ..., kv_cache_metrics: _Optional[_Union[PerfMetrics.KvCacheMetrics, _Mapping]] = ..., speculative_decoding: _Optional[_Union[PerfMetrics.SpeculativeDecodingMetrics, _Mapping]] = ..., first_iter: _Optional[int] = ..., last_iter: _Optional[int] = ..., iter: _Optional[int] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ..., prefix_pull: _Optional[_Union[PrefixPullMetrics, _Mapping]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params", "context_logits")
