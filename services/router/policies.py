@@ -148,7 +148,11 @@ class Picker:
     ) -> WorkerHandle:
         """The role's pick; for a worker that computes prompts, the peer its prefix may be pulled
         from too (placement.prefix_source), where prefix pulls are on and the cost model says so."""
-        if self.prefix_cost is None or role not in (Role.PREFILL, Role.BOTH):
+        if (
+            self.prefix_cost is None
+            or role not in (Role.PREFILL, Role.BOTH)
+            or not placement.token_ids  # (NO_PLACEMENT, shared, is never written)
+        ):
             return self._choose(role, candidates, placement, now)
         # What each holds before the pick: a KV-aware pick predicts the prompt on its choice.
         before = self.index.overlaps(placement.hashes(self.index), [w.address for w in candidates])
