@@ -242,7 +242,8 @@ def test_a_prefill_pulls_the_prefix_from_the_other_prefill_and_hands_off_the_who
 
 @pytest.fixture(scope="module")
 def faulty_cluster(model_dirs):
-    """Two aggregated workers whose pulls fail at their second READ (2 blocks a READ)."""
+    """Two aggregated workers whose pulls fail at their second READ (2 blocks a READ), each with
+    its engine core in a process of its own (LeasePrefix and the pull's reservation cross it)."""
     with LocalCluster(
         roles=["both", "both"],
         engine_args=[
@@ -253,7 +254,9 @@ def faulty_cluster(model_dirs):
             "--block-size",
             str(BLOCK),
         ],
-        worker_args={name: ["--kv-prefix-pulls"] for name in ("both-1", "both-2")},
+        worker_args={
+            name: ["--kv-prefix-pulls", "--engine-process"] for name in ("both-1", "both-2")
+        },
         router_args=["--prefix-pulls", "--prefix-pull-min-blocks", "1"]
         + ["--prefix-compute-tokens-per-s", "1"],
         env={"TANDEM_TEST_KV_PULL_FAULT": "2:1"},
