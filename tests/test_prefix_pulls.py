@@ -105,7 +105,8 @@ def test_a_prefix_on_another_worker_is_pulled_and_only_the_tail_computed(
     assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == 21 + 4
     assert after.prefix_pull_outcomes["pulled"] == before.prefix_pull_outcomes.get("pulled", 0) + 1
     s_state = _wait_idle(source)
-    assert s_state.num_prefix_leases_opened >= 1 and s_state.lease_endings["pulled"] >= 1
+    assert s_state.leases_prefixes and s_state.num_prefix_leases_opened >= 1
+    assert s_state.lease_endings["pulled"] >= 1
     assert s_state.num_free_blocks == NUM_BLOCKS and not s_state.num_leases
     assert _wait_idle(target).num_free_blocks == NUM_BLOCKS
     # The pulled blocks are W's own cached blocks now: the same prompt again computes only its

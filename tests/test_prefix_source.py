@@ -22,8 +22,9 @@ BLOCK_BYTES = 32 * 2 * 8 * 128 * BLOCK * 2
 class Handle:
     """What the picker and the cost model read of a router's WorkerHandle."""
 
-    def __init__(self, address, layout="L", block_bytes=BLOCK_BYTES):
+    def __init__(self, address, layout="L", block_bytes=BLOCK_BYTES, leases_prefixes=True):
         self.address = address
+        self.leases_prefixes = leases_prefixes
         self.kv_layout_hash = layout
         self.kv_block_bytes = block_bytes
         self.in_flight = 0
@@ -75,7 +76,7 @@ def _index(holdings: dict[str, int], prompt: list[int]) -> KvIndex:
     return index
 
 
-def test_the_source_is_the_peer_of_the_same_layout_that_holds_the_most():
+def test_the_source_is_the_leasing_peer_of_the_same_layout_that_holds_the_most():
     prompt = list(range(1, 64 * BLOCK + 2))  # 64 usable blocks (the last token is computed)
     cost = PrefixPullCost(min_blocks=4)
     w, s, other_layout = Handle("w:1"), Handle("s:1"), Handle("x:1", layout="M")
@@ -89,6 +90,10 @@ def test_the_source_is_the_peer_of_the_same_layout_that_holds_the_most():
     assert choose_source(cost, index, placement, w, [w, s, other_layout], overlap) is None
     # The chosen worker holds the most: nothing to pull.
     assert choose_source(cost, index, placement, s, [w, s], {"w:1": 10, "s:1": 40}) is None
+    # A peer that does not lease its prefixes (no --kv-prefix-pulls) is never named.
+    s.leases_prefixes = False
+    assert choose_source(cost, index, placement, w, [w, s], {"w:1": 10, "s:1": 40}) is None
+    s.leases_prefixes = True
     # An adapter's prompt: a peer leases base-model blocks only.
     adapted = Placement(list(prompt), adapter_id=3)
     assert choose_source(cost, index, adapted, w, [w, s], {"w:1": 10, "s:1": 40}) is None

@@ -70,8 +70,9 @@ def choose_source(
 ) -> worker_pb2.PrefixSource | None:
     """The peer to pull the prompt's prefix from on its way to chosen, or None. overlap:
     address -> leading blocks of the prompt each candidate holds, as known before the pick
-    (the pick itself predicts the prompt on chosen). Only peers of chosen's KV layout; never
-    for an adapter's prompt (a peer leases base-model blocks only)."""
+    (the pick itself predicts the prompt on chosen). Only peers of chosen's KV layout that lease
+    their prefixes (--kv-prefix-pulls); never for an adapter's prompt (a peer leases base-model
+    blocks only)."""
     block_size = index.block_size
     if not block_size or placement.adapter_id is not None or not chosen.kv_layout_hash:
         return None
@@ -80,7 +81,7 @@ def choose_source(
     ours = min(overlap.get(chosen.address, 0), usable)
     best, best_blocks = None, ours
     for w in candidates:
-        if w is chosen or w.kv_layout_hash != chosen.kv_layout_hash:
+        if w is chosen or w.kv_layout_hash != chosen.kv_layout_hash or not w.leases_prefixes:
             continue
         held = min(overlap.get(w.address, 0), usable)
         if held > best_blocks:

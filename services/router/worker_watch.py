@@ -73,6 +73,7 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             w.lora_adapters = list(state.lora_adapters)
             w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
             w.kv_layout_hash = state.kv_layout_hash
+            w.leases_prefixes = state.leases_prefixes
             w.kv_block_bytes = (
                 state.kv_cache_bytes // state.num_total_blocks if state.num_total_blocks else 0
             )

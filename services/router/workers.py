@@ -82,6 +82,8 @@ class WorkerHandle:
     # any): a prefix pulls only between workers of one layout (prefix_source.py).
     kv_layout_hash: str = ""
     kv_block_bytes: int = 0
+    # It leases its cached prefixes to peers (--kv-prefix-pulls), at the last state poll.
+    leases_prefixes: bool = False
     # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
     # adapter was last sent here (it loads the adapter): lora_int_id -> loop time.
     lora_adapters: list[types_pb2.LoRARequest] = field(default_factory=list)

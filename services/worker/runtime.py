@@ -474,6 +474,7 @@ class WorkerRuntime:
             kv_handoff_outcomes=self.handoff_outcomes.counts(),
             prefix_pull_outcomes=dict(self.prefix_pull_outcomes),
             num_prefix_leases_opened=self.prefix_leases.num_opened if self.prefix_leases else 0,
+            leases_prefixes=self.prefix_leases is not None,
             kv_pull_links=[
                 worker_pb2.KvPullLink(**link.report()) for link in self.pull_links.links()
             ],
