@@ -171,6 +171,54 @@ def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
     assert engine.num_unfinished == 0 and engine.block_manager.num_free_blocks == 8
 
 
+def test_an_unconfirmed_import_runs_but_caches_nothing_until_confirmed(model_dirs):
+    """RemoteKvArrived(confirmed=False): the sequence decodes while the decode asks the prefill
+    to confirm the lease, but none of its blocks (the imported prompt's, or one its steps fill)
+    is cached or announced until kv_confirmed(); aborted instead, it leaves nothing cached."""
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=32))
+    bm = engine.block_manager
+    prompt = [1] + list(range(10, 21))  # 12 tokens: 3 full blocks
+    opts = SamplingOptions(max_tokens=6, ignore_eos=True)
+
+    def cached_blocks(tokens):
+        return len(bm.match_prefix(tokens, None, len(tokens), None)[0])
+
+    for confirm in (False, True):
+        rid = f"import-{confirm}"
+        bm.drain_events()
+        engine.add_remote_kv_request(rid, prompt, [30], opts)
+        engine.remote_kv_arrived(rid, confirmed=False)
+        outs = []
+        for _ in range(3):  # the prompt's 12 tokens and 3 drawn ones: a 4th block fills
+            outs += engine.step()
+        assert sum(len(o.new_token_ids) for o in outs) >= 2
+        assert cached_blocks(prompt) == 0 and not bm.drain_events()
+        if not confirm:
+            engine.abort_request(rid)
+            assert cached_blocks(prompt) == 0 and not bm.drain_events()
+            assert bm.num_free_blocks == 32
+            continue
+        engine.kv_confirmed(rid)
+        assert cached_blocks(prompt) == 3
+        assert {e["type"] for e in bm.drain_events()} == {"stored"}
+        while engine.num_unfinished:
+            engine.step()
+        assert bm.num_free_blocks == 32
+    # Finished before the answer: its blocks wait for it, then are cached (or freed uncached).
+    other = [1] + list(range(40, 51))
+    for confirm in (False, True):
+        rid = f"short-{confirm}"
+        engine.add_remote_kv_request(
+            rid, other, [30], SamplingOptions(max_tokens=2, ignore_eos=True)
+        )
+        engine.remote_kv_arrived(rid, confirmed=False)
+        while engine.num_unfinished:
+            engine.step()
+        assert bm.num_free_blocks < 32 and cached_blocks(other) == 0
+        engine.kv_confirmed(rid) if confirm else engine.abort_request(rid)
+        assert bm.num_free_blocks == 32 and cached_blocks(other) == (3 if confirm else 0)
+
+
 def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):
     engine = LLMEngine(
         EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=8, max_model_len=64)

@@ -48,7 +48,7 @@ def test_an_evicted_prefix_is_found_in_the_tier_and_taken_into_fresh_blocks():
             self.num_tokens = len(ids)
             self.block_table, self.block_hashes = [], []
             self.cache_salt, self.lora_fingerprint, self.adapter = None, None, None
-            self.caches_blocks = True
+            self.caches_blocks, self.kv_unconfirmed = True, False
 
         def token_slice(self, a, b):
             return self.all_token_ids[a:b]

@@ -20,6 +20,10 @@ The confirm (Worker/ConfirmLease, after the READ) is what makes the KV ours to u
 still live once the READ completed was live during it, so the blocks read were the handoff's.
 A replayed or stale handoff (its lease ended, its blocks perhaps another request's by now)
 fails the confirm, and what was read is dropped, never cached: the prompt is computed here.
+A whole pull's sequence is scheduled while the confirm is on the way (RemoteKvArrived with
+confirmed=False), so its first step hides the round trip: until the answer its outputs wait in
+HeldOutputs and the engine caches none of its blocks (KvConfirmed lets them in); a refused
+confirm aborts it and drops what it drew before the prompt is computed.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it.
@@ -42,7 +46,7 @@ from tandem.common.errors import KvLoadFailedError, PreconditionError
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES, HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
-from tandem.engine.messages import AddRequest, RemoteKvArrived
+from tandem.engine.messages import AbortRequest, AddRequest, KvConfirmed, RemoteKvArrived
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat
@@ -197,7 +201,9 @@ class GenerationPhase:
                 self._release_remote(handoff)
                 self._not_loaded(request, handoff, reason)
                 return
-            core.register(rid, request.stream)
+            # Outputs wait here until the lease is confirmed (the first step runs meanwhile).
+            held = HeldOutputs(request.stream)
+            core.register(rid, held)
             started = time.perf_counter()
             request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
@@ -217,12 +223,22 @@ class GenerationPhase:
                 self.links.observe(
                     handoff.ctx_endpoint, *self.peers.lane(handoff.ctx_endpoint), nbytes, seconds
                 )
-            # The confirm ends the lease; a live one proves the blocks read were the handoff's.
+            # The confirm ends the lease; a live one proves the blocks read were the handoff's. A
+            # whole pull runs its first step while the confirm is on the way: its blocks stay
+            # out of the cache and its outputs in `held` until the answer.
+            provisional = error is None
+            if provisional:
+                core.send(RemoteKvArrived(rid, confirmed=False))
             answer = await self.peers.confirm_lease(handoff, pulled=True)
             if answer is not LeaseAnswer.CONFIRMED:
+                if provisional:  # what the step computed came from KV that may not be ours
+                    core.abort(rid)
+                    await core.submit(AbortRequest(rid))  # its outputs already sent are in held
+                    held.discard()
                 self._recompute(request, handoff, answer)
                 return
             if error is not None:  # part of the prompt's KV landed: the rest is computed here
+                held.release()
                 self._partly_pulled(request, handoff, plan, num_landed, nbytes, error)
                 return
             request.metrics.kv_transfer_bytes = nbytes
@@ -237,7 +253,8 @@ class GenerationPhase:
                 num_pulled=len(handoff.block_ids) - plan.num_cached_blocks,
                 num_cached=plan.num_cached_blocks,
             )
-            core.send(RemoteKvArrived(rid))
+            core.send(KvConfirmed(rid))
+            held.release()
         except asyncio.CancelledError:
             # Cancelled mid-READ: the abort frees our blocks, so let the READ land first rather than
             # have it write into blocks another request owns by then.
@@ -410,6 +427,38 @@ class GenerationPhase:
         task = asyncio.ensure_future(self.peers.end_lease(handoff))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+
+class HeldOutputs:
+    """A pulled sequence's outputs, kept from its stream until its lease is confirmed: the engine
+    runs the sequence's first step while the decode asks (the step hides the confirm's round
+    trip), and what that step drew reaches the caller only once the KV it read is known to be
+    the handoff's. Registered with the engine in the stream's place (put_nowait, as a queue)."""
+
+    __slots__ = ("stream", "items", "holding")
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.items: list = []
+        self.holding = True
+
+    def put_nowait(self, item) -> None:
+        if self.holding:
+            self.items.append(item)
+        elif self.items is not None:
+            self.stream.put_nowait(item)
+
+    def release(self) -> None:
+        """Passes on what was held, and from now on what comes."""
+        if self.holding:
+            self.holding = False
+            items, self.items = self.items, []
+            for item in items:
+                self.stream.put_nowait(item)
+
+    def discard(self) -> None:
+        """Drops what was held, and whatever still comes (the sequence was aborted)."""
+        self.holding, self.items = False, None
 
 
 async def pull_blocks(

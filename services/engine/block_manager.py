@@ -193,14 +193,16 @@ class BlockManager:
             return
         bs = self.block_size
         for seq in seqs:
-            if seq.caches_blocks and min(seq.num_computed_tokens, seq.num_tokens) // bs > len(
-                seq.block_hashes
+            if (
+                seq.caches_blocks
+                and not seq.kv_unconfirmed
+                and min(seq.num_computed_tokens, seq.num_tokens) // bs > len(seq.block_hashes)
             ):
                 self.register_computed(seq)
 
     def register_computed(self, seq: Sequence) -> None:
         """Hashes seq's newly full, computed blocks into the cache (a "stored" event)."""
-        if not self.enable_prefix_caching or not seq.caches_blocks:
+        if not self.enable_prefix_caching or not seq.caches_blocks or seq.kv_unconfirmed:
             return
         bs = self.block_size
         # A token drawn by a step still in flight may have its KV computed but no id on the host yet.

@@ -29,6 +29,7 @@ from tandem.engine.messages import (
     EngineFailure,
     FreeBlocks,
     HoldSteps,
+    KvConfirmed,
     Lease,
     LeasePrefix,
     ReadCounters,
@@ -144,7 +145,10 @@ class EngineCore:
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
-            RemoteKvArrived: lambda c: engine.remote_kv_arrived(c.request_id, c.num_blocks),
+            RemoteKvArrived: lambda c: engine.remote_kv_arrived(
+                c.request_id, c.num_blocks, c.confirmed
+            ),
+            KvConfirmed: lambda c: engine.kv_confirmed(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
             LeasePrefix: lambda c: engine.lease_prefix(c.token_ids, c.cache_salt),
             CheckIdle: self._check_idle,

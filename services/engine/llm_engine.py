@@ -123,6 +123,9 @@ class LLMEngine:
         self._current_batches: list[ScheduledBatch] = []
         # Every sequence the engine owns: queued, running or WAITING_FOR_REMOTE_KV.
         self._seqs: dict[str, Sequence] = {}
+        # KV imports that finished before their lease was confirmed: their blocks wait for the
+        # answer (kv_confirmed caches then frees them; abort_request frees them uncached).
+        self._unconfirmed_done: dict[str, Sequence] = {}
         # The launched step whose draws the host has not read yet (overlap_scheduling).
         self._in_flight: InFlightStep | None = None
         # Context phases handed off by the step being postprocessed, with their outputs: the
@@ -314,10 +317,14 @@ class LLMEngine:
             block_ids=seq.block_table[len(cached) : num_prompt_blocks],
         )
 
-    def remote_kv_arrived(self, request_id: str, num_blocks: int | None = None) -> None:
+    def remote_kv_arrived(
+        self, request_id: str, num_blocks: int | None = None, confirmed: bool = True
+    ) -> None:
         """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding.
         num_blocks: only the first num_blocks of them hold it (a pull that failed part-way): the
-        rest of the prompt is computed here first, as a prefill continues from a cached prefix."""
+        rest of the prompt is computed here first, as a prefill continues from a cached prefix.
+        confirmed=False: its lease is not confirmed yet; none of its blocks is cached until
+        kv_confirmed()."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV:
             return  # aborted while its KV was on the way
@@ -325,6 +332,7 @@ class LLMEngine:
         if num_blocks is not None:
             num_valid = min(num_valid, num_blocks * self.block_manager.block_size)
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = num_valid
+        seq.kv_unconfirmed = not confirmed
         self.block_manager.register_computed(seq)
         handed, seq.handed_draft_token_ids = seq.handed_draft_token_ids, []
         if handed and seq.num_uncomputed_tokens == 1:
@@ -333,6 +341,19 @@ class LLMEngine:
             # this engine's own proposer drafts from its next step on).
             seq.draft_token_ids = handed[: self._draft_room(seq)]
         self.scheduler.add(seq)
+
+    def kv_confirmed(self, request_id: str) -> None:
+        """The lease of a sequence scheduled with remote_kv_arrived(confirmed=False) is confirmed:
+        its full computed blocks (the imported prompt's and any its steps filled since) enter the
+        prefix cache (a sequence that finished meanwhile: then its blocks go back)."""
+        done = self._unconfirmed_done.pop(request_id, None)
+        seq = done or self._seqs.get(request_id)
+        if seq is None or not seq.kv_unconfirmed:
+            return
+        seq.kv_unconfirmed = False
+        self.block_manager.register_computed(seq)
+        if done is not None:
+            self.block_manager.release(done)
 
     def lease_prefix(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
         """The device blocks of the longest prefix of token_ids (whole blocks) the prefix cache
@@ -356,6 +377,10 @@ class LLMEngine:
         return blocks
 
     def abort_request(self, request_id: str) -> bool:
+        done = self._unconfirmed_done.pop(request_id, None)
+        if done is not None:  # its lease was refused: what it computed is dropped uncached
+            self.block_manager.release(done)
+            return True
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -378,7 +403,7 @@ class LLMEngine:
     def require_idle(self, what: str, held: bool = False) -> None:
         """Refuses `what` while requests run or KV handoffs wait: both hold KV of the current
         weights in the current pool. held: the requests are frozen (pause_generation, keep)."""
-        busy = len(self._seqs) + self.num_handed_off
+        busy = len(self._seqs) + len(self._unconfirmed_done) + self.num_handed_off
         if busy:
             kept = " (paused in mode 'keep', they hold their KV: pause in mode 'abort')"
             raise PreconditionError(
@@ -398,7 +423,7 @@ class LLMEngine:
         the prefix cache forgets it, and the requests running across the change (their KV mixes
         both) cache none of theirs."""
         self.block_manager.reset_prefix_cache()
-        for seq in self._seqs.values():
+        for seq in (*self._seqs.values(), *self._unconfirmed_done.values()):
             seq.caches_blocks = False
 
     def swap_weights(self, model, source: str, fingerprint: str, held: bool = False) -> WeightsInfo:
@@ -907,5 +932,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.finished(seq)
         seq.status = Status.FINISHED
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, keep_blocks=seq.kv_unconfirmed)
+        if seq.kv_unconfirmed:
+            self._unconfirmed_done[seq.request_id] = seq
         self._seqs.pop(seq.request_id, None)

@@ -61,6 +61,19 @@ class RemoteKvArrived:
 
     request_id: str
     num_blocks: int | None = None
+    # False: the KV landed but its lease is not confirmed yet (the decode asks while the sequence
+    # runs its first step): the sequence runs, but none of its blocks enters the prefix cache
+    # until KvConfirmed (what it read may turn out to be another request's KV; the worker then
+    # aborts it and computes the prompt, and holds its outputs until then).
+    confirmed: bool = True
+
+
+@dataclass(frozen=True)
+class KvConfirmed:
+    """The lease of a sequence that RemoteKvArrived(confirmed=False) scheduled is confirmed: its
+    blocks may enter the prefix cache from now on."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

@@ -90,13 +90,15 @@ class Scheduler:
             seq.status = Status.WAITING
             self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues and free its blocks."""
+    def remove(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks (unless
+        keep_blocks: the caller frees them later)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.release(seq)
+        if not keep_blocks:
+            self.block_manager.release(seq)
         self._release_adapter(seq)
 
     def schedule(self) -> ScheduledBatch:

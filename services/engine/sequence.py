@@ -108,6 +108,9 @@ class Sequence:
     # False once the weights changed under this sequence (an update while paused in keep mode):
     # its KV mixes weights, so none of its blocks enters the prefix cache from then on.
     caches_blocks: bool = True
+    # A KV import scheduled before its lease was confirmed (RemoteKvArrived(confirmed=False)):
+    # its blocks stay out of the prefix cache until KvConfirmed.
+    kv_unconfirmed: bool = False
 
     @property
     def lora_fingerprint(self) -> str | None:
