@@ -86,6 +86,8 @@ INTERNAL_CALLS = [
         worker_pb2.ConfirmLeaseRequest(ctx_request_id=1, pulled=True),
     ),
     (worker_pb2_grpc.WorkerStub, "SubscribeKvBlocks", worker_pb2.SubscribeKvBlocksRequest()),
+    # A peer's lease on our cached prefix (cross-worker prefix pulls).
+    (worker_pb2_grpc.WorkerStub, "LeasePrefix", worker_pb2.LeasePrefixRequest(token_ids=[1] * 8)),
     # The router's channel for Generates: a stream of requests (a submit here).
     (
         worker_pb2_grpc.WorkerStub,
@@ -110,7 +112,7 @@ def _call(channel, stub_type, method, request, metadata=()):
 
 
 def test_workers_refuse_every_call_without_the_cluster_token(cluster):
-    """22 calls on each worker (11 RPCs, no token and a wrong one): all refused."""
+    """24 calls on each worker (12 RPCs, no token and a wrong one): all refused."""
     for worker in cluster.workers:
         with grpc.insecure_channel(worker.address) as channel:
             for stub_type, method, request in INTERNAL_CALLS:

@@ -72,3 +72,33 @@ def test_a_worker_bound_to_a_wildcard_advertises_a_reachable_host(monkeypatch):
     assert advertised_host("::") == "10.1.2.3"
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts
     assert advertised_host("0.0.0.0") not in ("0.0.0.0", "127.0.1.1", "")
+
+
+def test_tandem_up_prefix_pulls_reach_the_router_and_the_workers_that_run_prompts(
+    monkeypatch, model_dirs
+):
+    """`tandem up --prefix-pulls`: the router gets the flag (with its cost model's), and every
+    prefill and both worker --kv-prefix-pulls (a decode runs no prompt from its start)."""
+    from tandem.cli import up as up_module
+    from tandem.engine.config import EngineConfig
+
+    started = {}
+
+    class Started(Exception):
+        pass
+
+    def fake_cluster(**kwargs):
+        started.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(up_module, "LocalCluster", fake_cluster)
+    args = _parser().parse_args(
+        ["up", "--prefill", "2", "--decode", "1", "--both", "1", "--prefix-pulls"]
+    )
+    with pytest.raises(Started):
+        up_module.up(args, EngineConfig(model_dir=str(model_dirs["llama"])))
+    assert "--prefix-pulls" in started["router_args"]
+    pulling = {
+        name for name, extra in started["worker_args"].items() if "--kv-prefix-pulls" in extra
+    }
+    assert pulling == {"prefill-1", "prefill-2", "both-1"}

@@ -244,7 +244,16 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
     deadlines = []
 
     class Session:
-        def submit(self, tag, request, client, split, deadline, return_first_gen_tokens=False):
+        def submit(
+            self,
+            tag,
+            request,
+            client,
+            split,
+            deadline,
+            return_first_gen_tokens=False,
+            prefix_source=None,
+        ):
             deadlines.append(deadline)
 
         def detach(self, tag):

@@ -92,8 +92,12 @@ def router_argv(args: argparse.Namespace) -> list[str]:
     """Every flag `tandem up` passes its router (its router flags but discovery, defaults too:
     they win over the faster health polls the test clusters' launcher sets by default)."""
     argv = []
-    for f, flag, _ in _fields(RouterConfig, DISCOVERY_FIELDS):
-        argv += [flag, str(getattr(args, f.name))]
+    for f, flag, kind in _fields(RouterConfig, DISCOVERY_FIELDS):
+        value = getattr(args, f.name)
+        if kind is bool:  # a switch: named only where it flips its default
+            argv += [flag] if value != f.default else []
+        else:
+            argv += [flag, str(value)]
     return argv
 
 

@@ -126,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
             "process, so serving never waits on the gRPC side's interpreter",
         )
         p.add_argument(
+            "--kv-prefix-pulls",
+            action="store_true",
+            help="cross-worker prefix pulls (prefill and both workers; needs the cluster token): "
+            "lease this worker's cached prefixes to peers (LeasePrefix), and pull a prompt's "
+            "prefix from the peer the router names instead of computing it (the router decides "
+            "by its cost model: --prefix-pull-*)",
+        )
+        p.add_argument(
             "--kv-room-wait-seconds",
             type=float,
             default=10.0,
@@ -366,6 +374,7 @@ def _serve(args) -> int:
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_room_wait_s=args.kv_room_wait_seconds,
         engine_process=args.engine_process,
+        kv_prefix_pulls=args.kv_prefix_pulls,
         admin_token=args.admin_token,
         kv_pull_floor=PullFloor(
             args.kv_pull_floor_gbps,

@@ -58,6 +58,12 @@ def up(args, engine) -> int:
             decode_args += ["--kv-load-failure-policy", args.kv_load_failure_policy]
         if args.kv_room_wait_seconds is not None:
             decode_args += ["--kv-room-wait-seconds", str(args.kv_room_wait_seconds)]
+    if (
+        args.prefix_pulls
+    ):  # the router's --prefix-pulls: the workers that run prompts serve and pull
+        for role in ("prefill", "both"):
+            for index in range(1, roles.count(role) + 1):
+                worker_args.setdefault(f"{role}-{index}", []).append("--kv-prefix-pulls")
     cluster = LocalCluster(
         roles=roles,
         engine_args=engine_argv(engine) + limits,

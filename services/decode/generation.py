@@ -213,8 +213,8 @@ class GenerationPhase:
                 dict(request.trace_headers),
                 **{"tandem.prefill": handoff.ctx_endpoint, "tandem.num_blocks": len(remote)},
             ):
-                num_landed, nbytes, seconds, error = await self._pull(
-                    agent, remote, plan.block_ids, reads
+                num_landed, nbytes, seconds, error = await pull_blocks(
+                    self.poller, agent, remote, plan.block_ids, reads
                 )
             self.num_bytes_received += nbytes
             if error is not None and (not num_landed or self.load_failure_policy == "fail"):
@@ -290,42 +290,6 @@ class GenerationPhase:
             core.abort(rid)
             self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
-
-    async def _pull(
-        self, agent: str, remote: list[int], local: list[int], reads: list[PendingRead]
-    ) -> tuple[int, int, float, BaseException | None]:
-        """Reads the prefill's blocks into ours, PULL_CHUNK_BLOCKS to a READ, all posted at once
-        (appended to reads as they are), and waits for them all. Returns (how many blocks from
-        the start landed, their bytes, the longest READ's seconds, the first READ's error or
-        None). A READ that failed is settled here; one after it may have landed, but the KV the
-        engine can use is the prefix before the first failure."""
-        chunk, fail_at = _pull_chunking()
-        for index, start in enumerate(range(0, len(remote), chunk)):
-            if index == fail_at:  # test-only fault (TANDEM_TEST_KV_PULL_FAULT)
-                reads.append(_failed_read(f"test fault in READ {index}"))
-                continue
-            reads.append(
-                self.poller.read(
-                    agent,
-                    remote[start : start + chunk],
-                    local[start : start + chunk],
-                    b"",
-                    PULL_TIMEOUT_S,
-                )
-            )
-        results = await asyncio.gather(*(read.done for read in reads), return_exceptions=True)
-        num_landed, nbytes, seconds, error = 0, 0, 0.0, None
-        for index, result in enumerate(results):
-            if isinstance(result, BaseException):
-                error = result
-                break
-            num_landed = min(len(remote), (index + 1) * chunk)
-            nbytes += result.nbytes
-            seconds = max(seconds, result.seconds)
-        if error is not None:
-            for read in reads:
-                await self.poller.settle(read)
-        return num_landed, nbytes, seconds, error
 
     def _partly_pulled(self, request, handoff, plan, num_landed: int, nbytes: int, error) -> None:
         """A pull whose first num_landed blocks landed (and whose lease was confirmed): the
@@ -495,6 +459,48 @@ class HeldOutputs:
     def discard(self) -> None:
         """Drops what was held, and whatever still comes (the sequence was aborted)."""
         self.holding, self.items = False, None
+
+
+async def pull_blocks(
+    poller: TransferPoller,
+    agent: str,
+    remote: list[int],
+    local: list[int],
+    reads: list[PendingRead],
+) -> tuple[int, int, float, BaseException | None]:
+    """Reads a peer's blocks into ours, PULL_CHUNK_BLOCKS to a READ, all posted at once
+    (appended to reads as they are), and waits for them all. Returns (how many blocks from
+    the start landed, their bytes, the longest READ's seconds, the first READ's error or
+    None). A READ that failed is settled here; one after it may have landed, but the KV the
+    engine can use is the prefix before the first failure. Handoffs and prefix pulls
+    (prefix_pull.py) both pull through here."""
+    chunk, fail_at = _pull_chunking()
+    for index, start in enumerate(range(0, len(remote), chunk)):
+        if index == fail_at:  # test-only fault (TANDEM_TEST_KV_PULL_FAULT)
+            reads.append(_failed_read(f"test fault in READ {index}"))
+            continue
+        reads.append(
+            poller.read(
+                agent,
+                remote[start : start + chunk],
+                local[start : start + chunk],
+                b"",
+                PULL_TIMEOUT_S,
+            )
+        )
+    results = await asyncio.gather(*(read.done for read in reads), return_exceptions=True)
+    num_landed, nbytes, seconds, error = 0, 0, 0.0, None
+    for index, result in enumerate(results):
+        if isinstance(result, BaseException):
+            error = result
+            break
+        num_landed = min(len(remote), (index + 1) * chunk)
+        nbytes += result.nbytes
+        seconds = max(seconds, result.seconds)
+    if error is not None:
+        for read in reads:
+            await poller.settle(read)
+    return num_landed, nbytes, seconds, error
 
 
 def _pull_chunking() -> tuple[int, int]:

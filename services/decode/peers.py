@@ -3,7 +3,9 @@ metadata and pool layout) is fetched once, over gRPC, and loaded into our agent;
 when the prefill comes back under a new agent (a restart, a released and resumed pool). The
 same channel, authenticated like every call between tandem processes, confirms leases.
 
-Endpoints come only from handoffs whose signature verified: a client cannot make us dial out.
+Endpoints come only from handoffs whose signature verified, or from a router's prefix source
+(SessionSubmit.prefix_source, on the authenticated internal plane): a client cannot make us dial
+out.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from tandem.v1 import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 log = logging.getLogger("tandem.decode.peers")
 
 CONFIRM_TIMEOUT_S = 5.0
+# A peer that does not answer LeasePrefix this fast is not worth waiting for: the prompt is computed.
+LEASE_PREFIX_TIMEOUT_S = 2.0
 # A lease the decode ends without reading it (ConfirmLease(pulled=false)) is tried this many
 # times while its prefill does not answer, backing off: the router relies on the decode to end it.
 END_LEASE_ATTEMPTS = 3
@@ -82,6 +86,17 @@ class PeerCache:
         """(agent name, within this host, device pools on both sides) of a prefill agent_for()
         has loaded."""
         return self._lanes[endpoint]
+
+    async def lease_prefix(
+        self, endpoint: str, token_ids: list[int], cache_salt: str | None
+    ) -> worker_pb2.LeasePrefixResponse:
+        """Asks the peer at endpoint to lease the leading blocks of token_ids it holds
+        (Worker/LeasePrefix); raises grpc.aio.AioRpcError when it does not answer."""
+        _, worker = self._stubs(endpoint)
+        request = worker_pb2.LeasePrefixRequest(token_ids=token_ids)
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        return await worker.LeasePrefix(request, timeout=LEASE_PREFIX_TIMEOUT_S)
 
     async def confirm_lease(self, handoff: worker_pb2.KvHandoff, pulled: bool) -> LeaseAnswer:
         """Ends the handoff's lease on its prefill (see Worker/ConfirmLease), once."""

@@ -142,13 +142,11 @@ class BlockManager:
             + num_new_blocks
         )
 
-    def take_cached(
-        self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int
-    ) -> None:
-        """Gives seq the cached prefix blocks: their KV counts as computed. num_queried_tokens:
-        how many of its tokens the lookup was for (the prefix cache's queries). Blocks in the host
-        tier get fresh device blocks, their KV owed a copy up (the engine flushes it before the
-        step that reads it), and are the device cache's again."""
+    def take(self, blocks: list[int], hashes: list[int]) -> list[int]:
+        """One more reference to each of match_prefix's blocks (their KV stays put while held);
+        a block in the host tier gets a fresh device block, its KV owed a copy up (the engine
+        flushes it before anything reads the block), and is the device cache's again. Returns
+        the device block ids, in order; free() gives them back."""
         for b in blocks:
             if b == IN_HOST_TIER:
                 continue
@@ -170,6 +168,16 @@ class BlockManager:
             self._block_hash[block] = hashes[i]
             self.events.append(_level_change(hashes[i], 1, 0))
             blocks[i] = block
+        return blocks
+
+    def take_cached(
+        self, seq: Sequence, blocks: list[int], hashes: list[int], num_queried_tokens: int
+    ) -> None:
+        """Gives seq the cached prefix blocks: their KV counts as computed. num_queried_tokens:
+        how many of its tokens the lookup was for (the prefix cache's queries). Blocks in the host
+        tier get fresh device blocks, their KV owed a copy up (the engine flushes it before the
+        step that reads it), and are the device cache's again."""
+        blocks = self.take(blocks, hashes)
         seq.block_table = blocks
         seq.block_hashes = list(hashes)
         seq.num_computed_tokens = len(blocks) * self.block_size

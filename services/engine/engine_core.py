@@ -31,6 +31,7 @@ from tandem.engine.messages import (
     HoldSteps,
     KvConfirmed,
     Lease,
+    LeasePrefix,
     ReadCounters,
     ReleaseMemory,
     RemoteKvArrived,
@@ -149,6 +150,7 @@ class EngineCore:
             ),
             KvConfirmed: lambda c: engine.kv_confirmed(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
+            LeasePrefix: lambda c: engine.lease_prefix(c.token_ids, c.cache_salt),
             CheckIdle: self._check_idle,
             HoldSteps: self._hold,
             ReleaseMemory: lambda c: engine.release_memory(c.tags, self._held),
@@ -331,6 +333,7 @@ class EngineCore:
                 command.cache_salt,
                 command.adapter,
                 command.draft_token_ids,
+                command.phase,
             )
             if plan is not None:  # a request refused for room is asked again: it is not new yet
                 self._new_request_waits.append(waited)

@@ -259,8 +259,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         adapter: LoRAAdapter | None = None,
         draft_token_ids: list[int] | None = None,
+        phase: Phase = Phase.GENERATION_ONLY,
     ) -> ImportPlan | None:
-        """A generation_only sequence whose prompt KV comes from a prefill worker: allocates its blocks
+        """A generation_only sequence whose prompt KV comes from a prefill worker (or, phase
+        context_and_generation / context_only with no first tokens, a prompt whose prefix comes from
+        a peer's prefix cache: decode/prefix_pull.py): allocates its blocks
         and parks it as WAITING_FOR_REMOTE_KV until remote_kv_arrived(). Prompt blocks already in the
         prefix cache are reused; the plan says which of the prefill's blocks still have to be pulled,
         into which of ours. None when the pool cannot hold the prompt now (the caller then computes
@@ -274,7 +277,8 @@ class LLMEngine:
         cached, hashes = bm.match_prefix(
             prompt_token_ids,
             cache_salt,
-            num_prompt,
+            # A prompt run here computes its last token at least (its logits give the first token).
+            num_prompt if phase is Phase.GENERATION_ONLY else num_prompt - 1,
             adapter.fingerprint if adapter is not None else None,
         )
         # Room for the first generated token's KV too: a parked sequence that still needed a block
@@ -286,7 +290,7 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             options,
-            Phase.GENERATION_ONLY,
+            phase,
             priority,
             cache_salt,
             first_token_ids,
@@ -350,6 +354,27 @@ class LLMEngine:
         self.block_manager.register_computed(seq)
         if done is not None:
             self.block_manager.release(done)
+
+    def lease_prefix(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+        """The device blocks of the longest prefix of token_ids (whole blocks) the prefix cache
+        holds, in the device pool or the host tier, held for a peer to read (a cross-worker prefix
+        pull): one more reference each until free_blocks() gives them back, as a handoff's. Blocks
+        in the host tier are copied up into fresh device blocks first (the peer's READ sees device
+        memory only: the tier is not registered with NIXL), within what the pool has free; the
+        lease stops at the first block that finds no room. [] when none is held."""
+        bm = self.block_manager
+        cached, hashes = bm.match_prefix(token_ids, cache_salt, len(token_ids))
+        while cached and not bm.can_allocate(bm.num_free_needed(cached, 0)):
+            cached, hashes = cached[:-1], hashes[:-1]
+        if not cached:
+            return []
+        if self._in_flight is not None:
+            self.runner.synchronize()  # a step in flight must not hold a block about to be read
+        blocks = bm.take(cached, hashes)
+        if self._flush_kv_tier():
+            self.runner.synchronize()  # the copies up land before the peer reads them
+        self.num_handed_off += 1
+        return blocks
 
     def abort_request(self, request_id: str) -> bool:
         done = self._unconfirmed_done.pop(request_id, None)

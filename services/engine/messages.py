@@ -77,6 +77,16 @@ class KvConfirmed:
 
 
 @dataclass(frozen=True)
+class LeasePrefix:
+    """Hold the cached blocks of the longest prefix of token_ids for a peer to pull (a cross-worker
+    prefix pull); the reply is their device block ids ([] when none is cached), given back later
+    by FreeBlocks, as a handoff's."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
 class FreeBlocks:
     """Blocks handed out under a lease (a finished context phase) come back to the pool."""
 

@@ -167,6 +167,7 @@ register(
     messages.RemoteKvArrived,
     messages.KvConfirmed,
     messages.FreeBlocks,
+    messages.LeasePrefix,
     messages.CheckIdle,
     messages.HoldSteps,
     messages.ReleaseMemory,

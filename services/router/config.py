@@ -9,6 +9,7 @@ from tandem.common.roles import Role
 from tandem.common.server_config import ServerConfig
 from tandem.router.discovery import parse_dns_targets
 from tandem.router.policies import Policy, parse_routing
+from tandem.router.prefix_source import PrefixPullCost
 
 # Past this the "stream" is a few messages per request: use a non-streaming Generate instead.
 MAX_STREAM_INTERVAL = 256
@@ -61,6 +62,23 @@ class RouterConfig(ServerConfig):
         "run requests whole on decode workers while every prefill worker has this many prompt "
         "tokens queued (0: never)",
     )
+    # Cross-worker prefix pulls (router/prefix_source.py; the workers need --kv-prefix-pulls).
+    prefix_pulls: bool = flag_field(
+        False,
+        "name, with a request sent to a worker holding less of its prompt's prefix than a peer of "
+        "its role, that peer to pull the prefix from, where the cost model (--prefix-pull-*) "
+        "says a pull beats computing it (every prefill/both worker needs --kv-prefix-pulls)",
+    )
+    prefix_pull_min_blocks: int = flag_field(
+        4, "prefix pulls: the fewest extra KV blocks worth a pull"
+    )
+    prefix_pull_gbps: float = flag_field(
+        10.0, "prefix pulls: the KV pull bandwidth the cost model assumes, GB/s"
+    )
+    prefix_compute_tokens_per_s: float = flag_field(
+        20000.0,
+        "prefix pulls: the prompt tokens per second a worker computes, as the cost model assumes",
+    )
     max_in_flight: int = flag_field(
         4096,
         "Generate calls served at once; more are refused RESOURCE_EXHAUSTED with a retry hint",
@@ -98,6 +116,9 @@ class RouterConfig(ServerConfig):
                 raise ValueError(f"worker address {address!r} is not host:port")
         parse_dns_targets(self.workers_dns)
         parse_routing(self.routing)
+        PrefixPullCost(
+            self.prefix_pull_min_blocks, self.prefix_pull_gbps, self.prefix_compute_tokens_per_s
+        )  # its own checks, on or off
         for name in ("dns_interval_s", "kv_overlap_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -115,6 +136,14 @@ class RouterConfig(ServerConfig):
         for name in ("health_interval_s", "health_timeout_s", "stream_progress_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def prefix_pull_cost(self) -> PrefixPullCost | None:
+        if not self.prefix_pulls:
+            return None
+        return PrefixPullCost(
+            self.prefix_pull_min_blocks, self.prefix_pull_gbps, self.prefix_compute_tokens_per_s
+        )
 
     @property
     def policies(self) -> dict[Role, Policy]:

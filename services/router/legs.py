@@ -40,6 +40,21 @@ class WorkerStalledError(RpcError):
         self.worker = worker
 
 
+def _prefix_source(relay: Relay, worker: WorkerHandle, request: llm_pb2.GenerateRequest):
+    """The peer the router's cost model picked to pull the prompt's prefix from (prefix_source.py),
+    for a leg that computes the prompt from its start; None for any other leg."""
+    if request.disaggregated_params.request_type not in PROMPT_TYPES:
+        return None
+    return relay.placement.prefix_source_for(worker.address)
+
+
+# The request types whose worker computes the prompt from its start.
+PROMPT_TYPES = (
+    types_pb2.REQUEST_TYPE_CONTEXT_AND_GENERATION,
+    types_pb2.REQUEST_TYPE_CONTEXT_ONLY,
+)
+
+
 class Leg:
     """One request on one worker's session: its inbox, the load it puts on the worker while it
     runs (as the pick policies weigh it), and the watchdog that cuts it when the worker hangs."""
@@ -108,7 +123,13 @@ class Leg:
                 return leg
             try:
                 session.submit(
-                    tag, request, relay.client, split, relay.deadline, return_first_gen_tokens
+                    tag,
+                    request,
+                    relay.client,
+                    split,
+                    relay.deadline,
+                    return_first_gen_tokens,
+                    _prefix_source(relay, worker, request),
                 )
             except BaseException:
                 session.detach(tag)

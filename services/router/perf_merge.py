@@ -27,6 +27,8 @@ def combine_split(context: types_pb2.PerfMetrics, generation: types_pb2.PerfMetr
     kv.num_reused_blocks = context_kv.num_reused_blocks
     kv.num_missed_blocks = context_kv.num_missed_blocks
     kv.kv_cache_hit_rate = context_kv.kv_cache_hit_rate
+    if context.HasField("prefix_pull"):  # the prefill ran the prompt, and pulled its prefix
+        generation.prefix_pull.CopyFrom(context.prefix_pull)
 
 
 def start_from_router(

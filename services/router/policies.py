@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from tandem.common.roles import Role
 from tandem.router.kv_index import KvIndex
-from tandem.v1 import llm_pb2
+from tandem.router.prefix_source import PrefixPullCost, choose_source
+from tandem.v1 import llm_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from tandem.router.workers import WorkerHandle
@@ -71,6 +72,13 @@ class Placement:
     _hashes: list[int] | None = None
     # address -> blocks of the prompt it holds, from the last KV-aware pick.
     overlap: dict[str, int] = field(default_factory=dict)
+    # (address, the peer it may pull the prompt's prefix from) of the last pick where the cost
+    # model said a pull wins (prefix_source.py); None: no pull.
+    prefix_source: tuple[str, worker_pb2.PrefixSource] | None = None
+
+    def prefix_source_for(self, address: str) -> worker_pb2.PrefixSource | None:
+        source = self.prefix_source
+        return source[1] if source is not None and source[0] == address else None
 
     @classmethod
     def of(cls, request: llm_pb2.GenerateRequest) -> Placement:
@@ -118,7 +126,10 @@ class Picker:
         index: KvIndex,
         overlap_weight: float = 1.0,
         default: Policy = Policy.KV,
+        prefix_cost: PrefixPullCost | None = None,
     ):
+        """prefix_cost: the cost model of cross-worker prefix pulls (None: none suggested)."""
+        self.prefix_cost = prefix_cost
         self.routing = routing
         self.default = default
         self.index = index
@@ -133,6 +144,24 @@ class Picker:
         return self.routing.get(role, self.default) if role is not None else Policy.LEAST_LOAD
 
     def choose(
+        self, role: Role | None, candidates: list[WorkerHandle], placement: Placement, now: float
+    ) -> WorkerHandle:
+        """The role's pick; for a worker that computes prompts, the peer its prefix may be pulled
+        from too (placement.prefix_source), where prefix pulls are on and the cost model says so."""
+        if (
+            self.prefix_cost is None
+            or role not in (Role.PREFILL, Role.BOTH)
+            or not placement.token_ids  # (NO_PLACEMENT, shared, is never written)
+        ):
+            return self._choose(role, candidates, placement, now)
+        # What each holds before the pick: a KV-aware pick predicts the prompt on its choice.
+        before = self.index.overlaps(placement.hashes(self.index), [w.address for w in candidates])
+        chosen = self._choose(role, candidates, placement, now)
+        source = choose_source(self.prefix_cost, self.index, placement, chosen, candidates, before)
+        placement.prefix_source = (chosen.address, source) if source is not None else None
+        return chosen
+
+    def _choose(
         self, role: Role | None, candidates: list[WorkerHandle], placement: Placement, now: float
     ) -> WorkerHandle:
         # Rotated so that ties go round robin and min() stays stable.

@@ -604,6 +604,8 @@ class Relay:
         metrics.e2e_latency_s = time.monotonic() - split.started
         metrics.num_computed_prompt_tokens = split.prefill_metrics.num_computed_prompt_tokens
         metrics.num_cached_prompt_tokens = split.prefill_metrics.num_cached_prompt_tokens
+        if split.prefill_metrics.HasField("prefix_pull"):
+            metrics.prefix_pull.CopyFrom(split.prefill_metrics.prefix_pull)
 
     def _count_handoff(
         self, split: _Split, metrics: types_pb2.RequestMetrics, progress: Progress

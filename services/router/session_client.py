@@ -89,6 +89,7 @@ class OpenSession:
         split: bool,
         deadline: float | None,
         return_first_gen_tokens: bool = False,
+        prefix_source: worker_pb2.PrefixSource | None = None,
     ) -> None:
         """Queues the request of tag for the worker; RESOURCE_EXHAUSTED (nothing queued), as its
         own call would get, when it is larger than the worker takes in a message. deadline:
@@ -103,6 +104,8 @@ class OpenSession:
             split=split,
             timeout_s=1.0 if deadline is not None else 0.0,
         )
+        if prefix_source is not None:
+            submit.prefix_source.CopyFrom(prefix_source)
         size = submit.ByteSize() + _ENTRY_OVERHEAD
         if size > self.max_request_bytes:
             raise RpcError(

@@ -72,6 +72,11 @@ async def poll(pool: WorkerPool, w: WorkerHandle) -> None:
             w.role = Role(state.role)
             w.lora_adapters = list(state.lora_adapters)
             w.num_free_blocks = state.num_free_blocks if state.num_total_blocks else None
+            w.kv_layout_hash = state.kv_layout_hash
+            w.leases_prefixes = state.leases_prefixes
+            w.kv_block_bytes = (
+                state.kv_cache_bytes // state.num_total_blocks if state.num_total_blocks else 0
+            )
             # The report counts this router's own queued work too (it is counted fresh here):
             # what is left over is the other routers'. Taken off at its peak over the poll: work
             # of ours the report counted that finished before the reply came would otherwise

@@ -26,6 +26,7 @@ from tandem.router.policies import (
     Placement,
     Policy,
 )
+from tandem.router.prefix_source import PrefixPullCost
 from tandem.router.session_client import WorkerSession
 from tandem.v1 import internal_pb2, llm_pb2_grpc, types_pb2, worker_pb2, worker_pb2_grpc
 
@@ -77,6 +78,12 @@ class WorkerHandle:
     reported_prompt_peak: int = 0
     # Free KV blocks at the last state poll (None: not known yet).
     num_free_blocks: int | None = None
+    # Its KV layout hash and the bytes of one KV block, at the last state poll ('' and 0 before
+    # any): a prefix pulls only between workers of one layout (prefix_source.py).
+    kv_layout_hash: str = ""
+    kv_block_bytes: int = 0
+    # It leases its cached prefixes to peers (--kv-prefix-pulls), at the last state poll.
+    leases_prefixes: bool = False
     # The LoRA adapters in the worker's device pool at the last poll, and when a request with an
     # adapter was last sent here (it loads the adapter): lora_int_id -> loop time.
     lora_adapters: list[types_pb2.LoRARequest] = field(default_factory=list)
@@ -147,15 +154,19 @@ class WorkerPool:
         routing: dict[Role, Policy] | None = None,
         kv_overlap_weight: float = 1.0,
         disagg: ConditionalDisagg = ConditionalDisagg(),
+        prefix_cost: PrefixPullCost | None = None,
     ):
-        """credentials: the router's TLS identity and tokens; its channels present them on every call."""
+        """credentials: the router's TLS identity and tokens; its channels present them on every
+        call; prefix_cost: the cost model of cross-worker prefix pulls (None: off)."""
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.credentials = credentials
         # Sent on every admin call to a worker (the channels add it too; explicit where a call is admin).
         self.admin_metadata = bearer_metadata(credentials.admin_token)
         self.kv_index = KvIndex()
-        self.picker = Picker(routing or {}, self.kv_index, kv_overlap_weight)
+        self.picker = Picker(
+            routing or {}, self.kv_index, kv_overlap_weight, prefix_cost=prefix_cost
+        )
         self.disagg = disagg
         self.workers: list[WorkerHandle] = []
         self.changed = asyncio.Event()

@@ -92,7 +92,7 @@ async def resume(rt: WorkerRuntime, tags) -> str:
     if not tags:
         return f"{rt.worker_id}: resumed nothing{_noops(noops)}"
     await rt.core.call(ResumeMemory(tags))
-    if "kv_cache" in tags and rt.role.has_transceiver and rt.transceiver is None:
+    if "kv_cache" in tags and rt.config.has_transceiver and rt.transceiver is None:
         await rt.open_transceiver()
     await rt.core.trim_memory()  # what loading the weights used on the way
     return f"{rt.worker_id}: resumed {tags}{_noops(noops)}"

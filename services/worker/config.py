@@ -29,6 +29,17 @@ class WorkerConfig(ServerConfig):
     kv_room_wait_s: float = 10.0
     # The engine core in a process of its own (worker/core_process.py).
     engine_process: bool = False
+    # Cross-worker prefix pulls (a prefill or both worker): serve LeasePrefix to peers, and pull a
+    # prompt's prefix from the peer the router names instead of computing it.
+    kv_prefix_pulls: bool = False
+
+    @property
+    def pulls_prefixes(self) -> bool:
+        return self.kv_prefix_pulls and self.role.can_prefill
+
+    @property
+    def has_transceiver(self) -> bool:
+        return self.role.has_transceiver or self.pulls_prefixes
 
     def __post_init__(self):
         if not isinstance(self.role, Role) or self.role is Role.UNKNOWN:
@@ -44,7 +55,7 @@ class WorkerConfig(ServerConfig):
                 f"{self.kv_load_failure_policy!r}"
             )
         # The cluster token keys the HMAC of KV handoffs: a prefill or decode worker needs one.
-        if self.role.has_transceiver and not self.cluster_token:
+        if self.has_transceiver and not self.cluster_token:
             raise ValueError(
                 f"a {self.role.label} worker needs the cluster token (--cluster-token or TANDEM_CLUSTER_TOKEN): it signs "
                 "and verifies KV handoffs and authenticates the calls between tandem processes. Give the router and "

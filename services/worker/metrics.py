@@ -135,6 +135,15 @@ class WorkerMetrics(ProcessMetrics):
             if role is Role.DECODE
             else None
         )
+        # Cross-worker prefix pulls by how they ended (decode/prefix_pull.py).
+        self.kv_prefix_pulls = Counter(
+            "tandem:kv_prefix_pulls",
+            "Cross-worker prefix pulls tried here, by outcome (pulled, partly_pulled, cancelled, "
+            "computed) and, for computed, the reason (nothing_leased, peer_unreachable, "
+            "incompatible, weights_mismatch, no_room, pull_failed, unconfirmed, cached).",
+            base + ["outcome", "reason"],
+            registry=reg,
+        )
         self._last_step = 0
 
     def watch(self, runtime) -> None:
@@ -182,6 +191,9 @@ class WorkerMetrics(ProcessMetrics):
     def observe_handoff_outcome(self, outcome: str, reason: str) -> None:
         if self.kv_handoff_outcomes is not None:
             self.kv_handoff_outcomes.labels(*self.labels, outcome, reason).inc()
+
+    def observe_prefix_pull(self, outcome: str, reason: str) -> None:
+        self.kv_prefix_pulls.labels(*self.labels, outcome, reason).inc()
 
     def forget_peer(self, peer: str) -> None:
         """The decode no longer keeps peer's link: its series go too."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
@@ -75,6 +75,8 @@ class RequestMetricsState:
     # and how long it waited for room in the pool first.
     kv_handoff: types_pb2.KvHandoffMetrics | None = None
     room_wait_s: float = 0.0
+    # How its cross-worker prefix pull ended (decode/prefix_pull.py), where the router asked for one.
+    prefix_pull: types_pb2.PrefixPullMetrics | None = None
 
 
 class WorkerRequest:
@@ -139,6 +141,9 @@ class WorkerRequest:
         self.withdraw: Callable[..., None] | None = None
         # Work started on the request's behalf outside the engine (a KV pull), cancelled with it.
         self.tasks: list[asyncio.Task] = []
+        # Set where the router named a peer to pull the prompt's prefix from (decode/prefix_pull.py):
+        # the first submit() loads the prefix there first (an async function of the phase).
+        self.load_prefix: Callable[[Phase], Awaitable[None]] | None = None
         # Run when the call is over (a context phase's admission ends).
         self.on_close: list[Callable[[], None]] = []
         self.sequences: dict[str, SequenceState] = {}
@@ -191,7 +196,12 @@ class WorkerRequest:
         return True
 
     def submit(self, phase: Phase, output_token_ids: list[int] | None = None) -> None:
-        """Queues every sequence in the engine."""
+        """Queues every sequence in the engine (after pulling its prefix, where load_prefix is set:
+        the pull submits it, with or without the prefix)."""
+        if self.load_prefix is not None and not output_token_ids:
+            load, self.load_prefix = self.load_prefix, None
+            self.tasks.append(asyncio.create_task(load(phase)))
+            return
         for state in self.sequences.values():
             self.core.add_request(
                 AddRequest(
@@ -328,6 +338,8 @@ class WorkerRequest:
         metrics.kv_transfer_s = m.kv_transfer_s
         if m.kv_handoff is not None:
             metrics.kv_handoff.CopyFrom(m.kv_handoff)
+        if m.prefix_pull is not None:
+            metrics.prefix_pull.CopyFrom(m.prefix_pull)
 
     def _completion(self, by_seq: dict, state: SequenceState) -> types_pb2.CompletionOutput:
         if state.engine_id not in by_seq:
@@ -425,6 +437,8 @@ class WorkerRequest:
         )
         if m.kv_handoff is not None:
             out.kv_handoff.CopyFrom(m.kv_handoff)
+        if m.prefix_pull is not None:
+            out.prefix_pull.CopyFrom(m.prefix_pull)
         return out
 
     def _apply_beams(

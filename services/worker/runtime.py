@@ -4,6 +4,7 @@ role, the KV transceiver and its poller, readiness and counters."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from tandem.common.server import GrpcServer, advertised_host
 from tandem.decode.generation import GenerationPhase
 from tandem.decode.outcomes import HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import PeerCache
+from tandem.decode.prefix_pull import PrefixPulls
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.bert import is_encoder_only
 from tandem.engine.engine_core import EngineCore
@@ -30,6 +32,7 @@ from tandem.engine.messages import CheckIdle, ReadCounters
 from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
 from tandem.prefill.context import ContextPhase
 from tandem.prefill.lease_keeper import LeaseKeeper
+from tandem.prefill.prefix_leases import PrefixLeases
 from tandem.text.front import TextFront
 from tandem.text.tokenizer import Tokenizer
 from tandem.v1 import llm_pb2, types_pb2, worker_pb2
@@ -79,7 +82,7 @@ class WorkerRuntime:
                 limits.max_unclaimed_kv_fraction,
                 limits.max_unclaimed_kv_fraction_per_client,
             )
-            if config.role.hands_off
+            if config.role.hands_off or config.pulls_prefixes
             else None
         )
         self.transceiver: KvTransceiver | None = None
@@ -92,6 +95,11 @@ class WorkerRuntime:
         # How each handoff that reached a decode ended; it outlives a released and resumed pool too.
         self.handoff_outcomes = HandoffOutcomes(self.worker_id, metrics.observe_handoff_outcome)
         self._transceiver_generation = 0
+        # Cross-worker prefix pulls (--kv-prefix-pulls): the peer side (LeasePrefix) and ours,
+        # while the transceiver runs; how ours ended, since start.
+        self.prefix_leases: PrefixLeases | None = None
+        self.prefix_pulls: PrefixPulls | None = None
+        self.prefix_pull_outcomes: collections.Counter[str] = collections.Counter()
         self._num_bytes_received = 0
         # Why the worker must exit non-zero (its engine core process died), else None.
         self.failure: str | None = None
@@ -114,7 +122,7 @@ class WorkerRuntime:
         if self.config.engine_process:
             loaded = await self._spawn_core()
         else:
-            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.leases is not None)
+            engine = await asyncio.to_thread(LLMEngine, self.config.engine, self.role.hands_off)
             loaded = time.perf_counter()
             seconds = await asyncio.to_thread(engine.warm_up)
             if seconds:
@@ -153,7 +161,7 @@ class WorkerRuntime:
         self.handoff_format = (
             HandoffFormat(facts.kv_layout, self.signing_key) if self.signing_key else None
         )
-        if self.role.has_transceiver:
+        if self.config.has_transceiver:
             await self.open_transceiver()
         self.core.start()
         self.startup_metrics = {
@@ -171,7 +179,7 @@ class WorkerRuntime:
         from tandem.worker.core_client import RemoteEngineCore
 
         capacity = 2 * self.config.engine.max_loras
-        core = await RemoteEngineCore.spawn(self.config.engine, self.leases is not None, capacity)
+        core = await RemoteEngineCore.spawn(self.config.engine, self.role.hands_off, capacity)
         core.on_stats = self.metrics.observe_step
         core.on_kv_events = lambda events: self.kv_feed.observe(events)
         core.leases = self.leases
@@ -259,19 +267,30 @@ class WorkerRuntime:
 
     def _start_phases(self, agent_name: str) -> None:
         keeper = self.leases
-        if self.role is Role.PREFILL:
-            self.phases.context = ContextPhase(
-                keeper,
-                self.handoff_format,
-                self.worker_id,
-                agent_name,
-                lambda: self.core.weights.weights_id,
-            )
-        else:
-            cfg = self.config
+        cfg = self.config
+        weights_id = lambda: self.core.weights.weights_id  # noqa: E731
+        if self.role is not Role.PREFILL or cfg.pulls_prefixes:
             self._peers = PeerCache(
                 self.poller, ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token)
             )
+        if cfg.pulls_prefixes:
+            self.prefix_leases = PrefixLeases(
+                self.core, keeper, self.handoff_format, self.worker_id, agent_name, weights_id
+            )
+            self.prefix_pulls = PrefixPulls(
+                self.worker_id,
+                self.core.facts.limits.block_size,
+                self.poller,
+                self._peers,
+                self.handoff_format,
+                weights_id,
+                self._prefix_pull_ended,
+            )
+        if self.role is Role.PREFILL:
+            self.phases.context = ContextPhase(
+                keeper, self.handoff_format, self.worker_id, agent_name, weights_id
+            )
+        elif self.role is Role.DECODE:
             self.phases.generation = GenerationPhase(
                 self.poller,
                 self._peers,
@@ -284,10 +303,15 @@ class WorkerRuntime:
                 weights_id=lambda: self.core.weights.weights_id,
             )
 
+    def _prefix_pull_ended(self, outcome: str, reason: str) -> None:
+        self.prefix_pull_outcomes[f"{outcome}:{reason}" if reason else outcome] += 1
+        self.metrics.observe_prefix_pull(outcome, reason)
+
     def stop_transceiver(self) -> None:
         if self.phases.generation is not None:
             self._num_bytes_received += self.phases.generation.num_bytes_received
         self.phases.context = self.phases.generation = None
+        self.prefix_leases = self.prefix_pulls = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
         if self.poller is not None:
@@ -448,6 +472,9 @@ class WorkerRuntime:
                 Outcome.RECOMPUTED, Reason.UNCONFIRMED
             ),
             kv_handoff_outcomes=self.handoff_outcomes.counts(),
+            prefix_pull_outcomes=dict(self.prefix_pull_outcomes),
+            num_prefix_leases_opened=self.prefix_leases.num_opened if self.prefix_leases else 0,
+            leases_prefixes=self.prefix_leases is not None,
             kv_pull_links=[
                 worker_pb2.KvPullLink(**link.report()) for link in self.pull_links.links()
             ],

@@ -99,8 +99,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         client = None if submit.split else requester
         sink = OutputSink(text_request, tracker, stream, submit.tag)
         echo = submit.request.return_first_gen_tokens
+        source = submit.prefix_source if submit.HasField("prefix_source") else None
         with self._running(
-            text_request.engine_request, owner, client, adapter, guide, sink, echo
+            text_request.engine_request, owner, client, adapter, guide, sink, echo, source
         ) as worker_request:
             worker_request.requester = requester
             await sink.wait()  # each output went out as the engine handed it over
@@ -134,11 +135,12 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         guide=None,
         sink: OutputSink | None = None,
         return_first_gen_tokens: bool = True,
+        prefix_source: worker_pb2.PrefixSource | None = None,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
         worker_request = self._start(
-            request, owner, client, adapter, guide, sink, return_first_gen_tokens
+            request, owner, client, adapter, guide, sink, return_first_gen_tokens, prefix_source
         )
         self.requests[worker_request.request_id] = worker_request
         # The phase's span: a child of the router's (the traceparent it put in trace_headers),
@@ -170,12 +172,15 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         guide=None,
         sink: OutputSink | None = None,
         return_first_gen_tokens: bool = True,
+        prefix_source: worker_pb2.PrefixSource | None = None,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
         (None: the router's own split); sink: what takes its outputs instead of its queue
         (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
-        tokens the request carries (a public Generate's does)."""
+        tokens the request carries (a public Generate's does); prefix_source: where the router
+        says the prompt's prefix may be pulled from (a session's submit only; ignored by a worker
+        without --kv-prefix-pulls)."""
         options = sampling_options(
             request.sampling_params, self.rt.eos_token_ids, self._encode_plain
         )
@@ -214,6 +219,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         worker_request.client = client
         if sink is not None:
             sink.bind(worker_request)
+        if prefix_source is not None and self.rt.prefix_pulls is not None:
+            self.rt.prefix_pulls.attach(worker_request, prefix_source)
         start(worker_request)
         return worker_request
 
@@ -421,6 +428,17 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         keeper = self.rt.leases
         confirmed = keeper is not None and keeper.confirm(request.ctx_request_id, request.pulled)
         return worker_pb2.ConfirmLeaseResponse(confirmed=confirmed)
+
+    async def LeasePrefix(self, request, context):
+        leases = self.rt.prefix_leases
+        if leases is None:
+            raise PreconditionError(
+                f"worker {self.rt.worker_id} does not lease its prefixes to peers: serve it with "
+                f"--kv-prefix-pulls (a prefill or both worker)"
+            )
+        if self.rt.paused:  # (PauseGeneration ends every lease; none opens until it is over)
+            return worker_pb2.LeasePrefixResponse()
+        return await leases.lease(request, context.time_remaining)
 
     async def SubscribeKvBlocks(self, request, context):
         if self.rt.encode_only:

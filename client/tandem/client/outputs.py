@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.client.params import DisaggregatedParams
-from tandem.client.perf_metrics import KvHandoff, RequestPerfMetrics
+from tandem.client.perf_metrics import KvHandoff, PrefixPull, RequestPerfMetrics
 from tandem.v1 import types_pb2
 
 _FINISH = {
@@ -131,6 +131,8 @@ class RequestMetrics:
     served_by: list[str] = field(default_factory=list)
     # A split request's KV handoff on its decode worker (None: not split).
     kv_handoff: KvHandoff | None = None
+    # The cross-worker prefix pull the router asked for (None: none asked).
+    prefix_pull: PrefixPull | None = None
 
 
 class RequestOutputState:
@@ -220,6 +222,7 @@ class RequestOutputState:
                 m.kv_transfer_s,
                 list(m.served_by),
                 KvHandoff.from_proto(m.kv_handoff) if m.HasField("kv_handoff") else None,
+                PrefixPull.from_proto(m.prefix_pull) if m.HasField("prefix_pull") else None,
             )
 
     def __repr__(self) -> str:

@@ -46,6 +46,25 @@ class SpeculativeDecodingMetrics:
 
 
 @dataclass(slots=True)
+class PrefixPull:
+    """tandem's: how a cross-worker prefix pull the router asked for ended. outcome: pulled,
+    partly_pulled, cancelled or computed (reason: nothing_leased, peer_unreachable, incompatible,
+    weights_mismatch, no_room, pull_failed, unconfirmed, cached); source: the peer worker."""
+
+    outcome: str = ""
+    reason: str = ""
+    source: str = ""
+    num_pulled_blocks: int = 0
+    num_cached_blocks: int = 0
+
+    @classmethod
+    def from_proto(cls, msg: types_pb2.PrefixPullMetrics) -> PrefixPull:
+        return cls(
+            msg.outcome, msg.reason, msg.source, msg.num_pulled_blocks, msg.num_cached_blocks
+        )
+
+
+@dataclass(slots=True)
 class KvHandoff:
     """tandem's: how a split request's KV handoff ended on its decode worker. outcome: pulled,
     recomputed (reason: no_room, lease_expiring, pull_failed, peer_unreachable, unconfirmed),
@@ -86,6 +105,8 @@ class RequestPerfMetrics:
     iter: int | None = None
     # tandem's: a split request's KV handoff on its decode worker (None: not split).
     kv_handoff: KvHandoff | None = None
+    # tandem's: the cross-worker prefix pull the router asked for (None: none asked).
+    prefix_pull: PrefixPull | None = None
 
     @classmethod
     def from_proto(cls, msg: types_pb2.PerfMetrics) -> RequestPerfMetrics:
@@ -115,4 +136,5 @@ class RequestPerfMetrics:
             msg.last_iter or None,
             msg.iter or None,
             KvHandoff.from_proto(msg.kv_handoff) if msg.HasField("kv_handoff") else None,
+            PrefixPull.from_proto(msg.prefix_pull) if msg.HasField("prefix_pull") else None,
         )

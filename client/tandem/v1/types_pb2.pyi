@@ -318,7 +318,7 @@ class CompletionOutput(_message.Message):
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cumulative_logprob: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., disaggregated_params: _Optional[_Union[DisaggregatedParams, _Mapping]] = ..., generation_logits: _Optional[_Iterable[_Union[LogitsRow, _Mapping]]] = ..., perf_metrics: _Optional[_Union[PerfMetrics, _Mapping]] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
-    __slots__ = ("time_to_first_token_s", "e2e_latency_s", "num_cached_prompt_tokens", "num_computed_prompt_tokens", "kv_transfer_bytes", "kv_transfer_s", "served_by", "kv_handoff")
+    __slots__ = ("time_to_first_token_s", "e2e_latency_s", "num_cached_prompt_tokens", "num_computed_prompt_tokens", "kv_transfer_bytes", "kv_transfer_s", "served_by", "kv_handoff", "prefix_pull")
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     E2E_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +327,7 @@ class RequestMetrics(_message.Message):
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_FIELD_NUMBER: _ClassVar[int]
     time_to_first_token_s: float
     e2e_latency_s: float
     num_cached_prompt_tokens: int
@@ -335,7 +336,22 @@ class RequestMetrics(_message.Message):
     kv_transfer_s: float
     served_by: _containers.RepeatedScalarFieldContainer[str]
     kv_handoff: KvHandoffMetrics
-    def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ...) -> None: ...
+    prefix_pull: PrefixPullMetrics
+    def __init__(self, time_to_first_token_s: _Optional[float] = ..., e2e_latency_s: _Optional[float] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_computed_prompt_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_s: _Optional[float] = ..., served_by: _Optional[_Iterable[str]] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ..., prefix_pull: _Optional[_Union[PrefixPullMetrics, _Mapping]] = ...) -> None: ...
+
+class PrefixPullMetrics(_message.Message):
+    __slots__ = ("outcome", "reason", "source", "num_pulled_blocks", "num_cached_blocks")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    reason: str
+    source: str
+    num_pulled_blocks: int
+    num_cached_blocks: int
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., source: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvHandoffMetrics(_message.Message):
     __slots__ = ("outcome", "reason", "prefill", "decode", "num_pulled_blocks", "num_cached_blocks", "room_wait_s")
@@ -356,7 +372,7 @@ class KvHandoffMetrics(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., room_wait_s: _Optional[float] = ...) -> None: ...
 
 class PerfMetrics(_message.Message):
-    __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff")
+    __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff", "prefix_pull")
     class TimingMetrics(_message.Message):
         __slots__ = ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time", "kv_cache_transfer_start", "kv_cache_transfer_end", "kv_cache_size")
         ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +419,7 @@ class PerfMetrics(_message.Message):
     LAST_ITER_FIELD_NUMBER: _ClassVar[int]
     ITER_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_FIELD_NUMBER: _ClassVar[int]
     timing_metrics: PerfMetrics.TimingMetrics
     kv_cache_metrics: PerfMetrics.KvCacheMetrics
     speculative_decoding: PerfMetrics.SpeculativeDecodingMetrics
@@ -410,7 +427,8 @@ class PerfMetrics(_message.Message):
     last_iter: int
     iter: int
     kv_handoff: KvHandoffMetrics
-    def __init__(self, timing_metrics: _Optional[_Union[PerfMetrics.TimingMetrics, _Mapping]] = ..., kv_cache_metrics: _Optional[_Union[PerfMetrics.KvCacheMetrics, _Mapping]] = ..., speculative_decoding: _Optional[_Union[PerfMetrics.SpeculativeDecodingMetrics, _Mapping]] = ..., first_iter: _Optional[int] = ..., last_iter: _Optional[int] = ..., iter: _Optional[int] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ...) -> None: ...
+    prefix_pull: PrefixPullMetrics
+    def __init__(self, timing_metrics: _Optional[_Union[PerfMetrics.TimingMetrics, _Mapping]] = ..., kv_cache_metrics: _Optional[_Union[PerfMetrics.KvCacheMetrics, _Mapping]] = ..., speculative_decoding: _Optional[_Union[PerfMetrics.SpeculativeDecodingMetrics, _Mapping]] = ..., first_iter: _Optional[int] = ..., last_iter: _Optional[int] = ..., iter: _Optional[int] = ..., kv_handoff: _Optional[_Union[KvHandoffMetrics, _Mapping]] = ..., prefix_pull: _Optional[_Union[PrefixPullMetrics, _Mapping]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "outputs", "finished", "prompt_logprobs", "metrics", "disaggregated_params", "context_logits")

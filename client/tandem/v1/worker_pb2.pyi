@@ -29,18 +29,28 @@ class SessionRequest(_message.Message):
     def __init__(self, submits: _Optional[_Iterable[_Union[SessionSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionSubmit(_message.Message):
-    __slots__ = ("tag", "request", "client", "split", "timeout_s")
+    __slots__ = ("tag", "request", "client", "split", "timeout_s", "prefix_source")
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: _internal_pb2.EngineRequest
     client: str
     split: bool
     timeout_s: float
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("address", "num_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    num_blocks: int
+    def __init__(self, address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class SessionFailure(_message.Message):
     __slots__ = ("tag", "code", "details", "retry_pushback_ms", "refused", "reason")
@@ -79,7 +89,7 @@ class WorkerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_sessions", "instance_id", "kv_pull_links", "kv_handoff_outcomes", "num_queued_prompt_tokens", "engine_core_pid")
+    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_sessions", "instance_id", "kv_pull_links", "kv_handoff_outcomes", "num_queued_prompt_tokens", "engine_core_pid", "prefix_pull_outcomes", "num_prefix_leases_opened", "leases_prefixes")
     class LeaseEndingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +98,13 @@ class WorkerState(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class KvHandoffOutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefixPullOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +139,9 @@ class WorkerState(_message.Message):
     KV_HANDOFF_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CORE_PID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_LEASES_OPENED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     kv_layout_hash: str
     num_total_blocks: int
@@ -150,7 +170,10 @@ class WorkerState(_message.Message):
     kv_handoff_outcomes: _containers.ScalarMap[str, int]
     num_queued_prompt_tokens: int
     engine_core_pid: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_pull_links: _Optional[_Iterable[_Union[KvPullLink, _Mapping]]] = ..., kv_handoff_outcomes: _Optional[_Mapping[str, int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., engine_core_pid: _Optional[int] = ...) -> None: ...
+    prefix_pull_outcomes: _containers.ScalarMap[str, int]
+    num_prefix_leases_opened: int
+    leases_prefixes: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_pull_links: _Optional[_Iterable[_Union[KvPullLink, _Mapping]]] = ..., kv_handoff_outcomes: _Optional[_Mapping[str, int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., prefix_pull_outcomes: _Optional[_Mapping[str, int]] = ..., num_prefix_leases_opened: _Optional[int] = ..., leases_prefixes: _Optional[bool] = ...) -> None: ...
 
 class KvPullLink(_message.Message):
     __slots__ = ("peer", "same_host", "device_pools", "num_pulls", "num_bytes", "seconds", "last_gbps", "mean_gbps", "num_below_floor", "best_gbps", "num_judged")
@@ -205,6 +228,22 @@ class ConfirmLeaseResponse(_message.Message):
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     confirmed: bool
     def __init__(self, confirmed: _Optional[bool] = ...) -> None: ...
+
+class LeasePrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "cache_salt")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LeasePrefixResponse(_message.Message):
+    __slots__ = ("num_blocks", "opaque_state")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OPAQUE_STATE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    opaque_state: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., opaque_state: _Optional[bytes] = ...) -> None: ...
 
 class StopSequencesRequest(_message.Message):
     __slots__ = ("request_id", "indices")

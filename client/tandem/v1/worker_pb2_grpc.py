@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
                 _registered_method=True)
+        self.LeasePrefix = channel.unary_unary(
+                '/tandem.v1.Worker/LeasePrefix',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.FromString,
+                _registered_method=True)
         self.SubscribeKvBlocks = channel.unary_stream(
                 '/tandem.v1.Worker/SubscribeKvBlocks',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
@@ -109,6 +114,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeasePrefix(self, request, context):
+        """A peer worker about to run a prompt whose prefix this worker holds in its prefix cache
+        (device or host tier) leases the leading blocks of that prefix it still holds, to pull them
+        instead of computing them (cross-worker prefix pulls, --kv-prefix-pulls). The answer is a
+        handoff as a finished context phase gives (signed, under a lease of the one lease table),
+        ended the same ways: ConfirmLease after the READ, or instead of it, or expiry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubscribeKvBlocks(self, request, context):
         """The router's KV index feed: first every block hash in the prefix cache now (snapshot), then
         the changes as they happen, coalesced while the subscriber lags (a subscriber too far behind
@@ -157,6 +173,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ConfirmLease,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.SerializeToString,
+            ),
+            'LeasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePrefix,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.SerializeToString,
             ),
             'SubscribeKvBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvBlocks,
@@ -279,6 +300,33 @@ class Worker:
             '/tandem.v1.Worker/ConfirmLease',
             tandem_dot_v1_dot_worker__pb2.ConfirmLeaseRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ConfirmLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/LeasePrefix',
+            tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,94 @@
+"""The serving side of cross-worker prefix pulls (Worker/LeasePrefix): a peer about to run a
+prompt whose prefix our prefix cache holds leases the leading blocks we still have, and pulls
+them (decode/prefix_pull.py). The blocks are held in the engine (one more reference each, so
+they can be neither reused nor evicted), under a lease of the one lease table (lease_keeper.py),
+and come back by the same path as a handoff's: ConfirmLease after the peer's READ (or instead
+of it), or expiry. The answer is a handoff in the same signed format as a context phase's,
+bound to the leased prefix's tokens.
+
+Blocks the host tier holds are copied up into fresh device blocks first (LLMEngine.lease_prefix):
+the peer reads device memory only, since only the device pool is registered with NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+from tandem.engine.messages import FreeBlocks, LeasePrefix
+from tandem.kvtransfer.handoff import HandoffFormat
+from tandem.prefill.lease_keeper import LeaseKeeper
+from tandem.v1 import worker_pb2
+
+# The longest prefix a peer may ask for, in tokens (checked before any work).
+MAX_PREFIX_TOKENS = 1 << 16
+
+
+class PrefixLeases:
+    def __init__(
+        self,
+        core,
+        keeper: LeaseKeeper,
+        handoff_format: HandoffFormat,
+        endpoint: str,
+        agent_name: str,
+        weights_id: Callable[[], str] = lambda: "",
+    ):
+        self.core = core
+        self.keeper = keeper
+        self.handoff_format = handoff_format
+        self.endpoint = endpoint
+        self.agent_name = agent_name
+        self.weights_id = weights_id
+        self.num_opened = 0
+        self._ids = itertools.count()
+
+    async def lease(
+        self, request: worker_pb2.LeasePrefixRequest, time_remaining: Callable[[], float | None]
+    ) -> worker_pb2.LeasePrefixResponse:
+        """time_remaining: the call's (None: no deadline); a caller whose deadline passed while
+        the engine looked is not waiting for a lease: none is opened."""
+        token_ids = list(request.token_ids)
+        block_size = self.core.facts.limits.block_size
+        if not token_ids or len(token_ids) % block_size or len(token_ids) > MAX_PREFIX_TOKENS:
+            raise ValueError(
+                f"LeasePrefix takes whole KV blocks of {block_size} tokens, 1 to "
+                f"{MAX_PREFIX_TOKENS} tokens; got {len(token_ids)} tokens"
+            )
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        future = self.core.submit(LeasePrefix(token_ids, salt))
+        try:
+            block_ids = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The caller went away while the engine held the blocks: give them back once it has.
+            future.add_done_callback(self._give_back)
+            raise
+        left = time_remaining()
+        if block_ids and left is not None and left <= 0:
+            self.core.send(FreeBlocks(block_ids))
+            block_ids = []
+        if not block_ids:
+            return worker_pb2.LeasePrefixResponse()
+        # No await between the engine's answer and the lease: every held block is under one.
+        lease = self.keeper.open(f"prefix-lease-{next(self._ids)}", block_ids)
+        self.num_opened += 1
+        leased = token_ids[: len(block_ids) * block_size]
+        return worker_pb2.LeasePrefixResponse(
+            num_blocks=len(block_ids),
+            opaque_state=self.handoff_format.build(
+                self.endpoint,
+                self.agent_name,
+                lease.lease_id,
+                lease.block_ids,
+                lease.expires_at,
+                leased,
+                salt,
+                None,
+                self.weights_id(),
+            ),
+        )
+
+    def _give_back(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None and future.result():
+            self.core.send(FreeBlocks(future.result()))
