@@ -256,6 +256,10 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None
+        # EAGLE-3 (engine/eagle3.py): the target layers whose states each forward keeps, and who
+        # takes them (batch, states) after the forward; () and None when off.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states_hook = None
         # The last step's draws on the device and each drawing sequence's row in them: the next
         # step reads a token still in flight from there, not from the host.
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
@@ -302,6 +306,14 @@ class ModelRunner:
                     self.device,
                     dense_until=max_num_seqs,
                 )
+
+    def enable_aux_hidden_states(self, layer_ids: tuple[int, ...], hook) -> None:
+        """Every forward keeps the states entering layer_ids and hands them to hook(batch, states)
+        (EAGLE-3's drafter). Steps then run eagerly: the decode graphs do not capture them."""
+        self.aux_layer_ids, self.aux_hidden_states_hook = tuple(layer_ids), hook
+        self.model.aux_layer_ids = self.aux_layer_ids
+        self._drop_graphs()
+        self.graphs = self.lora_graphs = None
 
     def precompile_kernels(self) -> float:
         """Compiles the attention variants eager steps can launch (paged_attention_triton) and the
@@ -405,6 +417,7 @@ class ModelRunner:
                 quantization=self.config.quantization,
                 model_impl=self.config.model_impl,
             )
+            self.model.aux_layer_ids = self.aux_layer_ids
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
@@ -439,6 +452,7 @@ class ModelRunner:
     def swap_weights(self, model, source: str, fingerprint: str) -> None:
         """fingerprint: checkpoint_fingerprint(source) taken before the load."""
         self.model = model
+        self.model.aux_layer_ids = self.aux_layer_ids
         self._drop_graphs()
         self.weights_source = source
         self.source_fingerprint = fingerprint
@@ -667,6 +681,8 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send_step(step)
         hidden, logits = self._forward(step, graphs, last_tokens)
+        if self.aux_hidden_states_hook is not None:
+            self.aux_hidden_states_hook(batch, self.model.aux_hidden_states)
         seqs = [batch.seqs[i] for i in step.sample_indices]
         prompt_logprobs = self._prompt_rows(batch, hidden, logits, seqs)
         if not seqs:

@@ -1,0 +1,235 @@
+"""Speculative decoding's eagle3 method: an EAGLE-3 head (engine/eagle3_head.py) drafts over the
+states of three of the target's layers, greedily, k tokens a step for each drafting sequence.
+
+Where the states come from: with eagle3 on, the target model keeps the residual stream entering
+the head's three layers for every row it computes (model.CausalLM.aux_layer_ids) and the runner
+hands them here after each forward (record), turned into the head's hidden size by fc at once.
+Collecting them needs the forward's rows, so the target's decode steps run eagerly with eagle3 on
+(no decode CUDA graphs: capturing the three states in the graphs is not done yet).
+
+The head's own KV, per sequence: K/V for the positions whose target token is accepted (computed
+from the target's states there and the token that followed), in a buffer of the sequence's own
+that grows to at most max_model_len positions and is freed when the sequence ends (finished,
+aborted, or reset). A step first extends it with the positions the target computed since the
+last step (the accepted ones only: rows past the sequence's computed tokens were rejected drafts,
+dropped), which gives the first draft; each later draft is one row over that KV and the step's
+scratch K/V of the drafts before it, which is dropped after the step. A sequence the target
+recomputes (preemption) restarts its head KV where the recompute starts. So what the head holds
+is bounded by max_model_len x (2 x kv heads x head dim) values per sequence the engine holds.
+
+Across the split: a generation_only request arrives with the target's KV and not its states for
+the prompt. The prefill (which computed them) proposes the first drafts with its own head and
+hands them over in draft_tokens; the decode verifies those at its first step and its head starts
+its KV at the first position the decode computes itself, so the head attends to no prompt
+position there (fewer drafts accepted in the first steps, the outputs unchanged: the target
+verifies every draft). A prompt served from the prefix cache starts the head's KV after the cached
+part in the same way.
+
+Drafts are the head's greedy tokens; verification (engine/speculative.py) keeps greedy and seeded
+outputs those of plain decoding. A tensor-parallel target is refused with eagle3 for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tandem.engine.eagle3_head import aux_layer_ids, load_head, read_head_config
+from tandem.engine.sequence import Phase
+
+
+@dataclasses.dataclass
+class _HeadState:
+    """One sequence's head KV (positions [kv_start, kv_start + kv_len)) and the head-size target
+    states of the positions after it not yet in the KV (from `pending_start` on)."""
+
+    kv_start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    kv_len: int
+    pending_start: int
+    pending: list[torch.Tensor]
+    # The last step's first draft position's head outputs, reused when no new position came.
+    first: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def pending_end(self) -> int:
+        return self.pending_start + sum(rows.shape[0] for rows in self.pending)
+
+
+class Eagle3Proposer:
+    """Drafts from an EAGLE-3 head (see the module's docstring)."""
+
+    def __init__(self, spec, runner, max_model_len: int):
+        if runner.tp.is_parallel or runner.config.tensor_parallel_size > 1:
+            raise ValueError(
+                "--speculative-config: method 'eagle3' runs on a single-rank target for now; give "
+                "tensor_parallel_size 1 (or another method)"
+            )
+        if runner.model_config.impl != "tandem":
+            raise ValueError(
+                "--speculative-config: method 'eagle3' needs tandem's own model code for the "
+                "target (the transformers path does not expose its layers' states)"
+            )
+        self.config = spec
+        mc = runner.model_config
+        raw = read_head_config(spec.model)
+        if raw["vocab_size"] != mc.vocab_size:
+            raise ValueError(
+                f"--speculative-config: the EAGLE-3 head {spec.model!r} has a vocabulary of "
+                f"{raw['vocab_size']} tokens, the target {mc.vocab_size}: the head must be "
+                "trained for this target"
+            )
+        target_hidden = raw.get("target_hidden_size") or mc.hidden_size
+        if target_hidden != mc.hidden_size:
+            raise ValueError(
+                f"--speculative-config: hidden-size mismatch: the EAGLE-3 head {spec.model!r} "
+                f"reads a target of hidden size {target_hidden}, this target's is {mc.hidden_size}"
+            )
+        self.layer_ids = aux_layer_ids(raw, mc.num_layers)
+        self.head = load_head(
+            spec.model, raw, mc.hidden_size, max_model_len + 1, runner.dtype, runner.device
+        )
+        if self.head.embed_tokens is None and self.head.hidden_size != mc.hidden_size:
+            raise ValueError(
+                f"--speculative-config: hidden-size mismatch: the EAGLE-3 head {spec.model!r} has "
+                f"hidden size {self.head.hidden_size} and no embed_tokens of its own, so it "
+                f"needs the target's embeddings, whose size is {mc.hidden_size}"
+            )
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self._states: dict = {}
+        # Context phases that finished this step: their drafts for the handoff come next.
+        self._just_finished: dict = {}
+        runner.enable_aux_hidden_states(self.layer_ids, self.record)
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        table = self.head.embed_tokens
+        if table is None:
+            table = self.runner.model.embed_tokens.weight
+        return table[torch.tensor(ids, device=table.device)]
+
+    def record(self, batch, aux: torch.Tensor) -> None:
+        """A forward's aux states [T, 3 * H_target], rows in batch order (runner's hook)."""
+        with torch.inference_mode():
+            hidden = self.head.combine(aux)
+        row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            self._record(seq, seq.num_computed_tokens, hidden[row : row + num_new])
+            row += num_new
+
+    def _record(self, seq, start: int, rows: torch.Tensor) -> None:
+        state = self._states.get(seq)
+        if state is not None and state.kv_start + state.kv_len <= start <= state.pending_end:
+            # Rows past `start` that were recorded earlier are rejected drafts: dropped.
+            kept, end = [], state.pending_start
+            for chunk in state.pending:
+                if end >= start:
+                    break
+                kept.append(chunk[: start - end])
+                end += kept[-1].shape[0]
+            state.pending = kept + [rows]
+            return
+        if state is not None and state.kv_start < start <= state.kv_start + state.kv_len:
+            state.kv_len = start - state.kv_start  # recomputed from here: later KV is stale
+            state.pending_start, state.pending, state.first = start, [rows], None
+            return
+        # New, or restarted before its KV (recompute from an earlier position) or after a gap.
+        head = self.head
+        empty = torch.empty(
+            (0, head.num_kv_heads, head.head_dim), dtype=rows.dtype, device=rows.device
+        )
+        self._states[seq] = _HeadState(start, empty, empty.clone(), 0, start, [rows])
+
+    def _extend_kv(self, state: _HeadState, k: torch.Tensor, v: torch.Tensor) -> None:
+        need = state.kv_len + k.shape[0]
+        if need > state.keys.shape[0]:  # doubling, up to the context length
+            capacity = min(max(need, 2 * state.keys.shape[0], 16), self.max_model_len + 1)
+            capacity = max(capacity, need)
+            for name in ("keys", "values"):
+                old = getattr(state, name)
+                grown = old.new_empty((capacity, *old.shape[1:]))
+                grown[: state.kv_len] = old[: state.kv_len]
+                setattr(state, name, grown)
+        state.keys[state.kv_len : need] = k
+        state.values[state.kv_len : need] = v
+        state.kv_len = need
+
+    @torch.inference_mode()
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to k drafts to follow seq's tokens (its last one not computed by the target yet)."""
+        state = self._states.get(seq) or self._just_finished.get(seq)
+        computed = seq.num_computed_tokens
+        if state is None or seq.num_tokens != computed + 1:
+            return []
+        head = self.head
+        new_start = state.kv_start + state.kv_len
+        if state.pending_start != new_start or state.pending_end < computed:
+            return []  # a gap: the next forward restarts this sequence's state
+        if computed > new_start:
+            # The positions the target computed and kept since the last step: into the KV.
+            hidden = torch.cat(state.pending)[: computed - new_start]
+            embeds = self._embed(seq.token_slice(new_start + 1, computed + 1))
+            positions = torch.arange(new_start, computed, device=hidden.device)
+            normed, stream, keys, values = head(
+                embeds,
+                hidden,
+                positions,
+                state.keys[: state.kv_len],
+                state.values[: state.kv_len],
+            )
+            self._extend_kv(state, keys, values)
+            state.pending_start, state.pending = computed, []
+            state.first = (computed, normed[-1:], stream[-1:])
+        if state.first is None or state.first[0] != computed:
+            return []
+        _, normed, stream = state.first
+        drafts = [int(head.draft_ids(normed)[0])]
+        past_k, past_v = state.keys[: state.kv_len], state.values[: state.kv_len]
+        for j in range(1, k):
+            # Scratch K/V of this step's drafts: never stored in the sequence's state.
+            position = torch.tensor([computed - 1 + j], device=stream.device)
+            normed, stream, keys, values = head(
+                self._embed(drafts[-1:]), stream, position, past_k, past_v
+            )
+            past_k, past_v = torch.cat([past_k, keys]), torch.cat([past_v, values])
+            drafts.append(int(head.draft_ids(normed)[0]))
+        return drafts
+
+    def propose_all(self, wants: list[tuple]) -> dict:
+        """wants: (sequence, k) pairs; each sequence's drafts (at most k tokens, maybe none)."""
+        self._forget_ended()
+        return {seq: self.propose(seq, k) for seq, k in wants}
+
+    def propose_once(self, wants: list[tuple]) -> dict:
+        """Drafts for handed-off context phases (their state is kept until this step's end)."""
+        found = {seq: self.propose(seq, k) for seq, k in wants}
+        self._just_finished.clear()
+        return found
+
+    def _forget_ended(self) -> None:
+        self._just_finished.clear()
+        for seq in [seq for seq in self._states if seq.is_finished]:  # aborted ones too
+            del self._states[seq]
+
+    def finished(self, seq) -> None:
+        """seq ended: its head KV goes (a context phase's stays for its handoff drafts)."""
+        state = self._states.pop(seq, None)
+        if state is not None and seq.phase is Phase.CONTEXT_ONLY:
+            self._just_finished[seq] = state
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._just_finished.clear()
+
+    def release_memory(self, tags: list[str]) -> None:
+        """The head's weights stay (they are small); its KV goes with the target's."""
+        if "kv_cache" in tags:
+            self.reset()
+
+    def resume_memory(self, tags: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.reset()
