@@ -20,7 +20,13 @@ from eagle3_reference import (
     target_aux_states,
 )
 from test_overlap_scheduling import _mixed_options
-from test_speculative import _engine, _full_run, _repetitive_prompts, assert_same_as_plain
+from test_speculative import (
+    _engine,
+    _full_run,
+    _repetitive_prompts,
+    assert_same_as_plain,
+    drafted_steps_in_graphs,
+)
 
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.speculative import SpeculativeConfig
@@ -66,7 +72,9 @@ def test_eagle3_drafts_give_the_tokens_of_plain_decoding(model_dirs, random_head
     prompts = _mixed_prompts(k)
     options = _mixed_options(prompts, stop_token=17)
     engine = _engine(model_dirs["llama"], _spec(random_heads[fmt], k))
+    in_graphs = drafted_steps_in_graphs(engine)
     assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
+    assert in_graphs and all(in_graphs)  # the layers' states come out of the decode graphs
     c = engine.counters
     assert c.num_draft_tokens > 0 and c.num_drafted_steps > 0
     assert engine.block_manager.num_free_blocks == 96
@@ -343,3 +351,27 @@ def test_an_eagle3_split_gives_the_plain_aggregated_tokens(eagle3_cluster):
                 drafted += perf.speculative_decoding.total_draft_tokens
         assert drafted > 0
         assert_all_blocks_free(llm)
+
+
+def test_aborted_sequences_free_their_head_kv(model_dirs, random_heads):
+    """An abort ends a sequence without finished(): its head KV is swept at the next step that
+    drafts, and the others' outputs are plain decoding's."""
+    prompts = _mixed_prompts(3)
+    options = SamplingOptions(max_tokens=16, ignore_eos=True)
+    engine = _engine(model_dirs["llama"], _spec(random_heads["full"], 3))
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, options)
+    got = {rid: [] for rid in prompts}
+    for step in range(200):
+        if step == 4:
+            aborted = next(seq for seq in engine.proposer._states if not seq.is_finished)
+            assert engine.abort_request(aborted.request_id)
+        if not engine.num_unfinished:
+            break
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert not engine.proposer._states
+    plain = _full_run(_engine(model_dirs["llama"], None), prompts, options)
+    for rid in prompts:
+        if rid != aborted.request_id:
+            assert got[rid] == plain[rid][0], rid

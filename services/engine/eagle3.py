@@ -4,8 +4,10 @@ states of three of the target's layers, greedily, k tokens a step for each draft
 Where the states come from: with eagle3 on, the target model keeps the residual stream entering
 the head's three layers for every row it computes (model.CausalLM.aux_layer_ids) and the runner
 hands them here after each forward (record), turned into the head's hidden size by fc at once.
-Collecting them needs the forward's rows, so the target's decode steps run eagerly with eagle3 on
-(no decode CUDA graphs: capturing the three states in the graphs is not done yet).
+Decode and verify steps still replay the decode CUDA graphs: the graphs, captured with eagle3 on,
+also copy the states into one buffer of the runner's (graph_aux_states). The head itself runs
+eagerly, one drafting sequence at a time (k small forwards each): batching the sequences'
+drafting steps is left to do.
 
 The head's own KV, per sequence: K/V for the positions whose target token is accepted (computed
 from the target's states there and the token that followed), in a buffer of the sequence's own
@@ -102,6 +104,7 @@ class Eagle3Proposer:
         self._states: dict = {}
         # Context phases that finished this step: their drafts for the handoff come next.
         self._just_finished: dict = {}
+        self._sweep_at = 64
         runner.enable_aux_hidden_states(self.layer_ids, self.record)
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
@@ -112,6 +115,12 @@ class Eagle3Proposer:
 
     def record(self, batch, aux: torch.Tensor) -> None:
         """A forward's aux states [T, 3 * H_target], rows in batch order (runner's hook)."""
+        # Sequences that ended without finished() (aborted) and handoffs that drafted nothing:
+        # swept once the states outnumber twice what the last sweep kept.
+        self._just_finished.clear()
+        if len(self._states) > self._sweep_at:
+            self._forget_ended()
+            self._sweep_at = 2 * len(self._states) + 64
         with torch.inference_mode():
             hidden = self.head.combine(aux)
         row = 0
@@ -199,6 +208,7 @@ class Eagle3Proposer:
 
     def propose_all(self, wants: list[tuple]) -> dict:
         """wants: (sequence, k) pairs; each sequence's drafts (at most k tokens, maybe none)."""
+        self._just_finished.clear()
         self._forget_ended()
         return {seq: self.propose(seq, k) for seq, k in wants}
 
@@ -209,7 +219,6 @@ class Eagle3Proposer:
         return found
 
     def _forget_ended(self) -> None:
-        self._just_finished.clear()
         for seq in [seq for seq in self._states if seq.is_finished]:  # aborted ones too
             del self._states[seq]
 
