@@ -151,19 +151,22 @@ class Eagle3Proposer:
         )
         self._states[seq] = _HeadState(start, empty, empty.clone(), 0, start, [rows])
 
-    def _extend_kv(self, state: _HeadState, k: torch.Tensor, v: torch.Tensor) -> None:
-        need = state.kv_len + k.shape[0]
-        if need > state.keys.shape[0]:  # doubling, up to the context length
-            capacity = min(max(need, 2 * state.keys.shape[0], 16), self.max_model_len + 1)
-            capacity = max(capacity, need)
-            for name in ("keys", "values"):
-                old = getattr(state, name)
-                grown = old.new_empty((capacity, *old.shape[1:]))
-                grown[: state.kv_len] = old[: state.kv_len]
-                setattr(state, name, grown)
-        state.keys[state.kv_len : need] = k
-        state.values[state.kv_len : need] = v
-        state.kv_len = need
+    def _reserve(self, state: _HeadState, need: int) -> None:
+        """Room for `need` positions in the state's K/V buffers (doubling; past the context
+        length only by the step's scratch rows)."""
+        if need <= state.keys.shape[0]:
+            return
+        capacity = max(min(2 * state.keys.shape[0], self.max_model_len + 1), need, 16)
+        for name in ("keys", "values"):
+            old = getattr(state, name)
+            grown = old.new_empty((capacity, *old.shape[1:]))
+            grown[: state.kv_len] = old[: state.kv_len]
+            setattr(state, name, grown)
+
+    def _write_kv(self, state: _HeadState, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._reserve(state, at + k.shape[0])
+        state.keys[at : at + k.shape[0]] = k
+        state.values[at : at + k.shape[0]] = v
 
     @torch.inference_mode()
     def propose(self, seq, k: int) -> list[int]:
@@ -188,21 +191,24 @@ class Eagle3Proposer:
                 state.keys[: state.kv_len],
                 state.values[: state.kv_len],
             )
-            self._extend_kv(state, keys, values)
+            self._write_kv(state, state.kv_len, keys, values)
+            state.kv_len += keys.shape[0]
             state.pending_start, state.pending = computed, []
             state.first = (computed, normed[-1:], stream[-1:])
         if state.first is None or state.first[0] != computed:
             return []
         _, normed, stream = state.first
         drafts = [int(head.draft_ids(normed)[0])]
-        past_k, past_v = state.keys[: state.kv_len], state.values[: state.kv_len]
+        self._reserve(state, state.kv_len + k)
         for j in range(1, k):
-            # Scratch K/V of this step's drafts: never stored in the sequence's state.
+            # The drafts' scratch K/V goes past kv_len: the next step's accepted positions
+            # overwrite it, and nothing reads past kv_len.
+            past = state.kv_len + j - 1
             position = torch.tensor([computed - 1 + j], device=stream.device)
             normed, stream, keys, values = head(
-                self._embed(drafts[-1:]), stream, position, past_k, past_v
+                self._embed(drafts[-1:]), stream, position, state.keys[:past], state.values[:past]
             )
-            past_k, past_v = torch.cat([past_k, keys]), torch.cat([past_v, values])
+            self._write_kv(state, past, keys, values)
             drafts.append(int(head.draft_ids(normed)[0]))
         return drafts
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.model_config import _parse_rope
 from tandem.engine.rope import rope_cos_sin_table
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -162,9 +163,11 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_to_target", None)
         self.embed_tokens: torch.Tensor | None = None
         self.to(dtype)
+        # The target's parser: rope_theta + rope_scaling or rope_parameters, "type" or "rope_type".
+        theta, scaling = _parse_rope(raw, self.head_dim)
         cos_sin = rope_cos_sin_table(
-            raw.get("rope_theta", 10000.0),
-            raw.get("rope_scaling"),
+            theta,
+            scaling,
             self.head_dim,
             raw.get("max_position_embeddings", max_positions),
             max(max_positions, raw.get("max_position_embeddings", 0)),
