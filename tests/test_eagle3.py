@@ -28,6 +28,7 @@ from test_speculative import (
     drafted_steps_in_graphs,
 )
 
+from tandem.engine.config import EngineConfig
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.engine.speculative import SpeculativeConfig
 
@@ -261,6 +262,13 @@ def test_bad_heads_are_refused_with_what_is_wrong(model_dirs, tmp_path):
     refused(_spec(vocab, 3), "vocabulary of 1000", at_start=True)
     default_layers = _bad(tmp_path / "e", model_dirs, eagle_config=None)
     refused(_spec(default_layers, 3), "eagle_aux_hidden_state_layer_ids", at_start=True)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        EngineConfig(
+            str(model_dirs["llama"]),
+            speculative_config=json.dumps(_spec(_bad(tmp_path / "ok", model_dirs), 3)),
+            tensor_parallel_size=2,
+            max_loras=0,
+        )
     for method in ("eagle", "medusa", "mtp"):
         refused({"method": method, "num_speculative_tokens": 3}, "needs")
     assert AUX_IDS == (0, 1, 2)
