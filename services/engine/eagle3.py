@@ -107,11 +107,13 @@ class Eagle3Proposer:
         self._sweep_at = 64
         runner.enable_aux_hidden_states(self.layer_ids, self.record)
 
-    def _embed(self, ids: list[int]) -> torch.Tensor:
+    def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         table = self.head.embed_tokens
         if table is None:
             table = self.runner.model.embed_tokens.weight
-        return table[torch.tensor(ids, device=table.device)]
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.tensor(ids, device=table.device)
+        return table[ids]
 
     def record(self, batch, aux: torch.Tensor) -> None:
         """A forward's aux states [T, 3 * H_target], rows in batch order (runner's hook)."""
@@ -198,7 +200,8 @@ class Eagle3Proposer:
         if state.first is None or state.first[0] != computed:
             return []
         _, normed, stream = state.first
-        drafts = [int(head.draft_ids(normed)[0])]
+        # Drafts stay on the device until the last one: one read back per sequence, not per draft.
+        drafts = [head.draft_ids(normed)]
         self._reserve(state, state.kv_len + k)
         for j in range(1, k):
             # The drafts' scratch K/V goes past kv_len: the next step's accepted positions
@@ -206,11 +209,11 @@ class Eagle3Proposer:
             past = state.kv_len + j - 1
             position = torch.tensor([computed - 1 + j], device=stream.device)
             normed, stream, keys, values = head(
-                self._embed(drafts[-1:]), stream, position, state.keys[:past], state.values[:past]
+                self._embed(drafts[-1]), stream, position, state.keys[:past], state.values[:past]
             )
             self._write_kv(state, past, keys, values)
-            drafts.append(int(head.draft_ids(normed)[0]))
-        return drafts
+            drafts.append(head.draft_ids(normed))
+        return torch.cat(drafts).tolist()
 
     def propose_all(self, wants: list[tuple]) -> dict:
         """wants: (sequence, k) pairs; each sequence's drafts (at most k tokens, maybe none)."""
