@@ -383,3 +383,28 @@ def test_aborted_sequences_free_their_head_kv(model_dirs, random_heads):
     for rid in prompts:
         if rid != aborted.request_id:
             assert got[rid] == plain[rid][0], rid
+
+
+def test_batched_drafting_is_each_sequences_published_drafts(model_dirs, random_heads, hf_target):
+    """Sequences of different lengths and different numbers of new positions draft together (one
+    padded head forward per draft): each gets the published forward's drafts for itself."""
+    head_dir = random_heads["safetensors"]
+    w = _weights_of(head_dir)
+    embed = hf_target.model.embed_tokens.weight.detach()
+    engine = _engine(model_dirs["llama"], _spec(head_dir, 4))
+    prompts = {"a": [1, 9, 40, 77, 9, 40, 13], "b": [1, 250, 31], "c": [1] + list(range(5, 30))}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingOptions(max_tokens=40))
+    seqs = [engine._seqs[rid] for rid in prompts]
+    checked = 0
+    for _ in range(5):
+        engine.step()
+        if any(s.num_pending_tokens or s.is_finished for s in seqs):
+            continue
+        found = engine.proposer.propose_all([(s, k) for s, k in zip(seqs, (4, 2, 3))])
+        for seq, k in zip(seqs, (4, 2, 3)):
+            tokens = seq.token_slice(0, seq.num_tokens)
+            aux = target_aux_states(hf_target, torch.tensor([tokens[:-1]]))[0]
+            assert found[seq] == reference_drafts(w, embed, aux, tokens, k)[0], seq.request_id
+        checked += 1
+    assert checked >= 3

@@ -6,8 +6,7 @@ the head's three layers for every row it computes (model.CausalLM.aux_layer_ids)
 hands them here after each forward (record), turned into the head's hidden size by fc at once.
 Decode and verify steps still replay the decode CUDA graphs: the graphs, captured with eagle3 on,
 also copy the states into one buffer of the runner's (graph_aux_states). The head itself runs
-eagerly, one drafting sequence at a time (k small forwards each): batching the sequences'
-drafting steps is left to do.
+eagerly, k forwards a step for all drafting sequences at once (padded to the longest).
 
 The head's own KV, per sequence: K/V for the positions whose target token is accepted (computed
 from the target's states there and the token that followed), in a buffer of the sequence's own
@@ -170,60 +169,110 @@ class Eagle3Proposer:
         state.keys[at : at + k.shape[0]] = k
         state.values[at : at + k.shape[0]] = v
 
-    @torch.inference_mode()
     def propose(self, seq, k: int) -> list[int]:
         """Up to k drafts to follow seq's tokens (its last one not computed by the target yet)."""
-        state = self._states.get(seq) or self._just_finished.get(seq)
-        computed = seq.num_computed_tokens
-        if state is None or seq.num_tokens != computed + 1:
-            return []
+        return self._draft([(seq, k)])[seq]
+
+    @torch.inference_mode()
+    def _draft(self, wants: list[tuple]) -> dict:
+        """The drafts of every (sequence, k) in wants, all sequences in each head forward: first
+        the positions each computed and kept since the last step (into its KV; the last one's
+        output is its first draft), then the k - 1 later drafts a row per sequence, their scratch
+        K/V in this step's padded copy of the sequences' KV only."""
+        found = {seq: [] for seq, _ in wants}
+        items = []  # (sequence, k, state, its computed tokens, its positions to add to the KV)
+        for seq, k in wants:
+            state = self._states.get(seq) or self._just_finished.get(seq)
+            computed = seq.num_computed_tokens
+            if state is None or k < 1 or seq.num_tokens != computed + 1:
+                continue
+            new_start = state.kv_start + state.kv_len
+            if state.pending_start != new_start or state.pending_end < computed:
+                continue  # a gap: the next forward restarts this sequence's state
+            num_new = computed - new_start
+            if num_new == 0 and (state.first is None or state.first[0] != computed):
+                continue
+            items.append((seq, k, state, computed, num_new))
+        if not items:
+            return found
         head = self.head
-        new_start = state.kv_start + state.kv_len
-        if state.pending_start != new_start or state.pending_end < computed:
-            return []  # a gap: the next forward restarts this sequence's state
-        if computed > new_start:
-            # The positions the target computed and kept since the last step: into the KV.
-            hidden = torch.cat(state.pending)[: computed - new_start]
-            embeds = self._embed(seq.token_slice(new_start + 1, computed + 1))
-            positions = torch.arange(new_start, computed, device=hidden.device)
-            normed, stream, keys, values = head(
-                embeds,
-                hidden,
-                positions,
-                state.keys[: state.kv_len],
-                state.values[: state.kv_len],
+        some = items[0][2].keys
+        batch, device = len(items), some.device
+        lengths = [state.kv_len for _, _, state, _, _ in items]
+        num_past, most_new = max(lengths), max(item[4] for item in items)
+        most_k = max(item[1] for item in items)
+        shape = (batch, num_past + most_new + most_k, head.num_kv_heads, head.head_dim)
+        keys, values = some.new_zeros(shape), some.new_zeros(shape)
+        for b, (_, _, state, _, _) in enumerate(items):
+            keys[b, : state.kv_len] = state.keys[: state.kv_len]
+            values[b, : state.kv_len] = state.values[: state.kv_len]
+        if most_new:
+            hidden = some.new_zeros((batch, most_new, head.hidden_size))
+            embeds = torch.zeros_like(hidden)
+            positions = torch.zeros((batch, most_new), dtype=torch.long, device=device)
+            for b, (seq, _, state, computed, num_new) in enumerate(items):
+                if num_new:
+                    start = computed - num_new
+                    hidden[b, :num_new] = torch.cat(state.pending)[:num_new]
+                    embeds[b, :num_new] = self._embed(seq.token_slice(start + 1, computed + 1))
+                    positions[b, :num_new] = torch.arange(start, computed, device=device)
+            valid = (
+                torch.arange(num_past, device=device)[None]
+                < torch.tensor(lengths, device=device)[:, None]
             )
-            self._write_kv(state, state.kv_len, keys, values)
-            state.kv_len += keys.shape[0]
-            state.pending_start, state.pending = computed, []
-            state.first = (computed, normed[-1:], stream[-1:])
-        if state.first is None or state.first[0] != computed:
-            return []
-        _, normed, stream = state.first
-        # Drafts stay on the device until the last one: one read back per sequence, not per draft.
+            normed, stream, new_k, new_v = head(
+                embeds, hidden, positions, keys[:, :num_past], values[:, :num_past], valid
+            )
+            for b, (_, _, state, computed, num_new) in enumerate(items):
+                if num_new:
+                    at = state.kv_len
+                    self._write_kv(state, at, new_k[b, :num_new], new_v[b, :num_new])
+                    keys[b, at : at + num_new] = new_k[b, :num_new]
+                    values[b, at : at + num_new] = new_v[b, :num_new]
+                    state.kv_len += num_new
+                    state.pending_start, state.pending = computed, []
+                    state.first = (
+                        computed,
+                        normed[b, num_new - 1 : num_new],
+                        stream[b, num_new - 1 : num_new],
+                    )
+        normed = torch.cat([state.first[1] for _, _, state, _, _ in items])  # [B, H]
+        stream = torch.cat([state.first[2] for _, _, state, _, _ in items])[:, None]
+        # Drafts stay on the device until the last one: one read back a step.
         drafts = [head.draft_ids(normed)]
-        self._reserve(state, state.kv_len + k)
-        for j in range(1, k):
-            # The drafts' scratch K/V goes past kv_len: the next step's accepted positions
-            # overwrite it, and nothing reads past kv_len.
-            past = state.kv_len + j - 1
-            position = torch.tensor([computed - 1 + j], device=stream.device)
-            normed, stream, keys, values = head(
-                self._embed(drafts[-1]), stream, position, state.keys[:past], state.values[:past]
+        lengths = torch.tensor([state.kv_len for _, _, state, _, _ in items], device=device)
+        last = torch.tensor([item[3] - 1 for item in items], device=device)
+        rows = torch.arange(batch, device=device)
+        width = int(lengths.max())
+        for j in range(1, most_k):
+            # Draft j's row sits at its sequence's kv_len + j - 1, in this copy only.
+            past = width + j - 1
+            valid = torch.arange(past, device=device)[None] < (lengths + j - 1)[:, None]
+            normed, stream, new_k, new_v = head(
+                self._embed(drafts[-1])[:, None],
+                stream,
+                (last + j)[:, None],
+                keys[:, :past],
+                values[:, :past],
+                valid,
             )
-            self._write_kv(state, past, keys, values)
-            drafts.append(head.draft_ids(normed))
-        return torch.cat(drafts).tolist()
+            keys[rows, lengths + j - 1] = new_k[:, 0]
+            values[rows, lengths + j - 1] = new_v[:, 0]
+            drafts.append(head.draft_ids(normed[:, 0]))
+        table = torch.stack(drafts, dim=1).tolist()
+        for b, (seq, k, _, _, _) in enumerate(items):
+            found[seq] = table[b][:k]
+        return found
 
     def propose_all(self, wants: list[tuple]) -> dict:
         """wants: (sequence, k) pairs; each sequence's drafts (at most k tokens, maybe none)."""
         self._just_finished.clear()
         self._forget_ended()
-        return {seq: self.propose(seq, k) for seq, k in wants}
+        return self._draft(wants)
 
     def propose_once(self, wants: list[tuple]) -> dict:
         """Drafts for handed-off context phases (their state is kept until this step's end)."""
-        found = {seq: self.propose(seq, k) for seq, k in wants}
+        found = self._draft(wants)
         self._just_finished.clear()
         return found
 

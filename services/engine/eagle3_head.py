@@ -119,9 +119,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half rotation of x [T, heads, D] by per-row cos/sin [T, D/2]."""
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+    """rotate_half rotation of x [..., heads, D] by per-row cos/sin [..., D/2]."""
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(-2)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -241,10 +241,13 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
+        past_valid: torch.Tensor,
     ):
-        """Rows [T] at consecutive positions after the past ones (past_k/past_v [P, kv heads, D],
-        the keys every row sees). Returns (normed [T, H] for the logits, the stream before the
-        final norm [T, H]: the next position's hidden state, the rows' K and V)."""
+        """Rows [B, T] of B sequences (embeds, hidden [B, T, H]; positions [B, T]) after their
+        past keys (past_k/past_v [B, P, kv heads, D], past_valid [B, P]: which a sequence has);
+        each row sees its sequence's valid past and the rows up to itself. Returns (normed
+        [B, T, H] for the logits, the stream before the final norm [B, T, H]: the next position's
+        hidden state, the rows' K and V [B, T, kv heads, D])."""
         if self.norm_before_residual:
             hidden = _rms_norm(hidden, self.hidden_norm, self.eps)
             residual = hidden
@@ -252,24 +255,29 @@ class Eagle3Head(nn.Module):
             residual = hidden
             hidden = _rms_norm(hidden, self.hidden_norm, self.eps)
         x = torch.cat([_rms_norm(embeds, self.input_layernorm, self.eps), hidden], dim=-1)
-        num = x.shape[0]
-        q = self.q_proj(x).view(num, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num, self.num_kv_heads, self.head_dim)
+        batch, num = x.shape[:2]
+        q = self.q_proj(x).view(batch, num, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, num, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num, self.num_kv_heads, self.head_dim)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys, values = torch.cat([past_k, k]), torch.cat([past_v, v])
-        num_past = past_k.shape[0]
-        # Row i sees the past and the rows up to itself.
-        mask = torch.ones(num, num_past + num, dtype=torch.bool, device=x.device).tril(num_past)
+        keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)
+        causal = torch.ones(num, num, dtype=torch.bool, device=x.device).tril()
+        mask = torch.cat(
+            [
+                past_valid[:, None, :].expand(batch, num, past_k.shape[1]),
+                causal[None].expand(batch, num, num),
+            ],
+            dim=-1,
+        )
         group = self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.repeat_interleave(group, dim=1).transpose(0, 1),
-            values.repeat_interleave(group, dim=1).transpose(0, 1),
-            attn_mask=mask,
+            q.transpose(1, 2),
+            keys.repeat_interleave(group, dim=2).transpose(1, 2),
+            values.repeat_interleave(group, dim=2).transpose(1, 2),
+            attn_mask=mask[:, None],
         )
-        out = self.o_proj(out.transpose(0, 1).reshape(num, -1))
+        out = self.o_proj(out.transpose(1, 2).reshape(batch, num, -1))
         stream = out + residual
         mlp_in = _rms_norm(stream, self.post_attention_layernorm, self.eps)
         stream = stream + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in))
