@@ -14,9 +14,11 @@ that grows to at most max_model_len positions and is freed when the sequence end
 aborted, or reset). A step first extends it with the positions the target computed since the
 last step (the accepted ones only: rows past the sequence's computed tokens were rejected drafts,
 dropped), which gives the first draft; each later draft is one row over that KV and the step's
-scratch K/V of the drafts before it, which is dropped after the step. A sequence the target
-recomputes (preemption) restarts its head KV where the recompute starts. So what the head holds
-is bounded by max_model_len x (2 x kv heads x head dim) values per sequence the engine holds.
+scratch K/V of the drafts before it, kept only in the step's padded copy of the sequences' KV
+(dropped after the step: a rejected draft leaves nothing a later step reads). A sequence the
+target recomputes (preemption) restarts its head KV where the recompute starts. So what the
+head holds is bounded by max_model_len x (2 x kv heads x head dim) values per sequence the
+engine holds, and a step's padded copy by the drafting sequences' share of that.
 
 Across the split: a generation_only request arrives with the target's KV and not its states for
 the prompt. The prefill (which computed them) proposes the first drafts with its own head and
@@ -153,8 +155,8 @@ class Eagle3Proposer:
         self._states[seq] = _HeadState(start, empty, empty.clone(), 0, start, [rows])
 
     def _reserve(self, state: _HeadState, need: int) -> None:
-        """Room for `need` positions in the state's K/V buffers (doubling; past the context
-        length only by the step's scratch rows)."""
+        """Room for `need` positions in the state's K/V buffers (doubling, up to the context
+        length)."""
         if need <= state.keys.shape[0]:
             return
         capacity = max(min(2 * state.keys.shape[0], self.max_model_len + 1), need, 16)
