@@ -5,6 +5,7 @@ acceptance (draft tokens accepted / drafted; tokens per step) beside the plain r
     python bench/spec_decode.py                        # SmolLM2-135M (the default model), CPU
     python bench/spec_decode.py --device cuda --model DIR --max-tokens 256
     python bench/spec_decode.py --draft-model DIR      # also the draft_model method (or 'self')
+    python bench/spec_decode.py --eagle3-model DIR     # also the eagle3 method (an EAGLE-3 head)
 
 Workloads, chat-templated: copy-heavy (the model is asked to repeat or edit a passage it was
 given: what prompt lookup is for) and free-form (an open question: drafts rarely match). Every
@@ -15,7 +16,8 @@ what it is for (repeated and agentic requests); on new prompts it is the ngram r
 
 On the GPU the verification step runs eagerly (the decode CUDA graphs hold one token per
 sequence), so a drafted step there costs more than a plain graph step: the GPU row says what
-that leaves of the speed-up.
+that leaves of the speed-up. With eagle3 every target step runs eagerly (the head needs the
+layers' states, which the graphs do not capture yet) and the head drafts one sequence at a time.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ def main() -> None:
         "'self': the target itself, every greedy draft accepted: the method's cost at best)",
     )
     parser.add_argument(
+        "--eagle3-model",
+        default=None,
+        help="also the eagle3 method with this EAGLE-3 head checkpoint (trained for the target)",
+    )
+    parser.add_argument(
         "--disable-by-batch-size",
         type=int,
         default=None,
@@ -118,6 +125,15 @@ def main() -> None:
         draft = model_dir if args.draft_model == "self" else args.draft_model
         methods["draft_model"] = json.dumps(
             {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
+        )
+    if args.eagle3_model:
+        methods["eagle3"] = json.dumps(
+            {
+                "method": "eagle3",
+                "model": args.eagle3_model,
+                "num_speculative_tokens": args.k,
+                **extra,
+            }
         )
     engines = {
         name: LLMEngine(

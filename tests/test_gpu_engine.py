@@ -494,3 +494,34 @@ def test_no_moe_variant_compiles_after_the_warm_up(tmp_path):
     }
     run_to_completion(engine, prompts, SamplingOptions(max_tokens=8, ignore_eos=True))
     assert [_num_compiled(k) for k in kernels] == before
+
+
+def test_eagle3_drafts_in_graphs_match_plain_decoding(model_dirs, tmp_path):
+    """An EAGLE-3 head on the GPU in float32: the decode graphs, captured with the head's three
+    layers' states copied out, replay the drafted steps, and the tokens are plain decoding's,
+    greedy and seeded."""
+    import json
+
+    from eagle3_reference import head_config, random_weights, save_head
+    from test_speculative import drafted_steps_in_graphs
+
+    target = json.loads((model_dirs["llama"] / "config.json").read_text())
+    config = head_config(target, draft_vocab=target["vocab_size"] // 2)
+    head = save_head(tmp_path / "head", config, random_weights(config, 1, target["hidden_size"]))
+    rng = random.Random(5)
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(3, 30))]
+        for i in range(10)
+    }
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    drafting = _engine(model_dirs["llama"], speculative_config=spec)
+    in_graph = drafted_steps_in_graphs(drafting)
+    for options in (
+        SamplingOptions(max_tokens=32, ignore_eos=True),
+        SamplingOptions(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7),
+    ):
+        got = run_to_completion(drafting, prompts, options)
+        assert got == run_to_completion(_engine(model_dirs["llama"]), prompts, options)
+    assert drafting.runner.graphs.is_captured
+    assert sum(in_graph) >= len(in_graph) // 2 > 0
+    assert drafting.counters.num_draft_tokens > 0

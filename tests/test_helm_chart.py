@@ -961,8 +961,11 @@ def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart)
     assert rendered["prefill"] is None and json.loads(rendered["decode"]) == spec
     draft = {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}
     assert json.loads(configs({"decode": {"speculativeConfig": draft}})["decode"]) == draft
+    eagle3 = {"method": "eagle3", "model": "/models/eagle3-head", "num_speculative_tokens": 3}
+    assert json.loads(configs({"decode": {"speculativeConfig": eagle3}})["decode"]) == eagle3
     for bad in (
         {"method": "eagle3", "num_speculative_tokens": 2},
+        {"method": "eagle", "model": "/models/head", "num_speculative_tokens": 2},
         {"method": "ngram"},
         {"method": "draft_model", "num_speculative_tokens": 2},
     ):

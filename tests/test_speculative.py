@@ -338,6 +338,8 @@ def test_the_suffix_table_keeps_tenants_apart():
     "text, message",
     [
         ('{"method": "eagle3", "num_speculative_tokens": 3}', "EAGLE-3"),
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "EAGLE"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "Medusa"),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', 'needs "model"'),
         (
             '{"method": "draft_model", "num_speculative_tokens": 3, "model": "/nowhere"}',

@@ -111,7 +111,7 @@ class EngineConfig:
         "",
         "speculative decoding, vLLM's JSON shape: "
         '\'{"method": "ngram"|"suffix", "num_speculative_tokens": K, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, '
+        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model"|"eagle3", "model": DIR, '
         '"num_speculative_tokens": K}\' (drafts verified in one forward; greedy and seeded outputs '
         "unchanged); empty: none",
     )
@@ -171,7 +171,13 @@ class EngineConfig:
                 f"is not sharded): give --max-loras 0 with --tensor-parallel-size "
                 f"{self.tensor_parallel_size}"
             )
-        self.speculative  # noqa: B018 - parsed here: a bad --speculative-config fails at start
+        spec = self.speculative  # parsed here: a bad --speculative-config fails at start
+        if spec is not None and spec.method == "eagle3" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--speculative-config: method 'eagle3' runs on a single-rank target for now (the "
+                f"head reads the target's layers on one rank): give --tensor-parallel-size 1 "
+                f"(not {self.tensor_parallel_size}) or another method"
+            )
         for name in ("quantization", "kv_cache_dtype"):
             if getattr(self, name) not in ("auto", "fp8"):
                 raise ValueError(f"{name} must be auto or fp8, got {getattr(self, name)!r}")

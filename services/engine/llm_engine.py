@@ -16,6 +16,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
 from tandem.engine.device import device_uuid
 from tandem.engine.draft_model import DraftModelProposer
+from tandem.engine.eagle3 import Eagle3Proposer
 from tandem.engine.kv_tier import HostKvTier
 from tandem.engine.lora_adapter import LoRAAdapter
 from tandem.engine.messages import (
@@ -135,6 +136,8 @@ class LLMEngine:
     def _proposer(self, spec):
         if spec is None:
             return None
+        if spec.method == "eagle3":
+            return Eagle3Proposer(spec, self.runner, self.max_model_len)
         if spec.method != "draft_model":
             return Proposer(spec)
         return DraftModelProposer(

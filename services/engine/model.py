@@ -276,6 +276,11 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.rotary = RotaryEmbedding(config)
+        # EAGLE-3 (engine/eagle3.py): the layers whose input (the residual stream, i.e. the output
+        # of the layer before; len(layers): after the last) each forward keeps, concatenated in
+        # aux_hidden_states [T, len(ids) * hidden_size]. Empty: nothing kept, nothing costs.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -305,11 +310,19 @@ class CausalLM(nn.Module):
             hidden = hidden * multiplier
         residual = None
         cos_sin = (self.rotary.cos_sin, self.rotary.local_cos_sin)
+        aux_ids = self.aux_layer_ids
+        aux = []
         for index, layer in enumerate(self.layers):
+            if index in aux_ids:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(
                 hidden, residual, positions, cos_sin, meta, kv_cache[:, index], lora
             )
-        return self.norm(hidden, residual)[0]
+        normed, stream = self.norm(hidden, residual)
+        if aux_ids:
+            aux += [stream] * aux_ids.count(len(self.layers))
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
+        return normed
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -256,6 +256,13 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.lora_graphs: DecodeGraphs | None = None
+        # EAGLE-3 (engine/eagle3.py): the target layers whose states each forward keeps, who
+        # takes them (batch, states) after the forward, and the rows a decode graph writes them
+        # to (one buffer for every size, as the graphs' logits); () and None when off.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states_hook = None
+        self.graph_aux_states: torch.Tensor | None = None
+        self.graph_rows = graph_rows
         # The last step's draws on the device and each drawing sequence's row in them: the next
         # step reads a token still in flight from there, not from the host.
         self._last_draws: tuple[dict[Sequence, int], torch.Tensor] | None = None
@@ -302,6 +309,18 @@ class ModelRunner:
                     self.device,
                     dense_until=max_num_seqs,
                 )
+
+    def enable_aux_hidden_states(self, layer_ids: tuple[int, ...], hook) -> None:
+        """Every forward keeps the states entering layer_ids and hands them to hook(batch, states)
+        (EAGLE-3's drafter); the decode graphs are captured again with them."""
+        self.aux_layer_ids, self.aux_hidden_states_hook = tuple(layer_ids), hook
+        self.model.aux_layer_ids = self.aux_layer_ids
+        self._drop_graphs()
+        if self.graphs is not None:
+            width = len(self.aux_layer_ids) * self.model_config.hidden_size
+            self.graph_aux_states = torch.empty(
+                (self.graph_rows, width), dtype=self.dtype, device=self.device
+            )
 
     def precompile_kernels(self) -> float:
         """Compiles the attention variants eager steps can launch (paged_attention_triton) and the
@@ -405,6 +424,7 @@ class ModelRunner:
                 quantization=self.config.quantization,
                 model_impl=self.config.model_impl,
             )
+            self.model.aux_layer_ids = self.aux_layer_ids
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
@@ -439,6 +459,7 @@ class ModelRunner:
     def swap_weights(self, model, source: str, fingerprint: str) -> None:
         """fingerprint: checkpoint_fingerprint(source) taken before the load."""
         self.model = model
+        self.model.aux_layer_ids = self.aux_layer_ids
         self._drop_graphs()
         self.weights_source = source
         self.source_fingerprint = fingerprint
@@ -601,6 +622,8 @@ class ModelRunner:
             else None
         )
         hidden = self.model(views["input_ids"], views["positions"], meta, self.kv_cache, lora)
+        if self.graph_aux_states is not None:  # EAGLE-3: the layers' states leave the graph too
+            self.graph_aux_states[:batch_size].copy_(self.model.aux_hidden_states)
         return self.model.compute_logits(hidden)
 
     def _prompt_rows(
@@ -667,6 +690,9 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send_step(step)
         hidden, logits = self._forward(step, graphs, last_tokens)
+        if self.aux_hidden_states_hook is not None:
+            aux = self.model.aux_hidden_states if hidden is not None else self.graph_aux_states
+            self.aux_hidden_states_hook(batch, aux)
         seqs = [batch.seqs[i] for i in step.sample_indices]
         prompt_logprobs = self._prompt_rows(batch, hidden, logits, seqs)
         if not seqs:

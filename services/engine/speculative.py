@@ -17,6 +17,7 @@ without x.
      "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "suffix", "num_speculative_tokens": 4}
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
+    {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 4}
 
 and, with any method, "disable_by_batch_size": N (no drafts while more than N sequences run).
 
@@ -25,8 +26,9 @@ that ends the sequence and occurred earlier in it (prompt and output) proposes t
 followed its latest earlier occurrence. suffix: the same lookup, then, when the sequence has
 none, over the outputs of the requests this engine finished before it (a bounded table of their
 n-grams): agentic and repeated workloads reuse what earlier answers wrote. draft_model: a
-smaller checkpoint with the target's vocabulary drafts greedily (engine/draft_model.py). Methods
-that need a head over the target's hidden states (eagle, eagle3, medusa, mtp) are refused.
+smaller checkpoint with the target's vocabulary drafts greedily (engine/draft_model.py). eagle3:
+an EAGLE-3 head in its published format drafts over three of the target's layers' states
+(engine/eagle3.py). eagle (1/2), medusa and mtp are refused.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ from collections import OrderedDict
 import numpy as np
 
 from tandem.engine.draft_model import check_draft_model
+from tandem.engine.eagle3_head import read_head_config
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle3")
 # Methods of vLLM's shape this engine does not run, and why (the error says so).
 _UNSUPPORTED = {
-    "eagle": "an EAGLE head over the target's hidden states, which this engine does not load",
-    "eagle3": "an EAGLE-3 head over the target's hidden states, which this engine does not load",
+    "eagle": "an EAGLE (1/2) head, which this engine does not load (EAGLE-3 heads: 'eagle3')",
     "medusa": "Medusa heads, which this engine does not load",
     "mtp": "the checkpoint's multi-token-prediction layers, which this engine does not load",
 }
@@ -145,9 +147,12 @@ class SpeculativeConfig:
         model = raw.get("model", "")
         if method == "draft_model":
             check_draft_model(model)
+        elif method == "eagle3":
+            read_head_config(model)
         elif "model" in raw:
             raise ValueError(
-                f'--speculative-config: method {method!r} takes no "model" (only draft_model does)'
+                f'--speculative-config: method {method!r} takes no "model" (only draft_model and '
+                "eagle3 do)"
             )
         return cls(method, k, low, high, model, disable)
 
