@@ -23,18 +23,22 @@ NUM_BLOCKS = 128
 MAX_TOKENS = 8
 
 
+def _engine_args(model_dirs) -> list[str]:
+    return [
+        "--model",
+        str(model_dirs["llama"]),
+        "--num-blocks",
+        str(NUM_BLOCKS),
+        "--block-size",
+        str(BLOCK),
+    ]
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     with LocalCluster(
         roles=["both", "both"],
-        engine_args=[
-            "--model",
-            str(model_dirs["llama"]),
-            "--num-blocks",
-            str(NUM_BLOCKS),
-            "--block-size",
-            str(BLOCK),
-        ],
+        engine_args=_engine_args(model_dirs),
         worker_args={name: ["--kv-prefix-pulls"] for name in ("both-1", "both-2")},
         # Any pull of a block wins here (the model is tiny: its compute is cheap, but the test is
         # of the path, not of the cost model, which test_prefix_source.py covers).
@@ -189,14 +193,7 @@ def split_cluster(model_dirs):
     """Two prefill workers with --kv-prefix-pulls and a decode worker: the router splits."""
     with LocalCluster(
         roles=["prefill", "prefill", "decode"],
-        engine_args=[
-            "--model",
-            str(model_dirs["llama"]),
-            "--num-blocks",
-            str(NUM_BLOCKS),
-            "--block-size",
-            str(BLOCK),
-        ],
+        engine_args=_engine_args(model_dirs),
         worker_args={name: ["--kv-prefix-pulls"] for name in ("prefill-1", "prefill-2")},
         router_args=["--prefix-pulls", "--prefix-pull-min-blocks", "1"]
         + ["--prefix-compute-tokens-per-s", "1"],
@@ -247,14 +244,7 @@ def faulty_cluster(model_dirs):
     its engine core in a process of its own (LeasePrefix and the pull's reservation cross it)."""
     with LocalCluster(
         roles=["both", "both"],
-        engine_args=[
-            "--model",
-            str(model_dirs["llama"]),
-            "--num-blocks",
-            str(NUM_BLOCKS),
-            "--block-size",
-            str(BLOCK),
-        ],
+        engine_args=_engine_args(model_dirs),
         worker_args={
             name: ["--kv-prefix-pulls", "--engine-process"] for name in ("both-1", "both-2")
         },
