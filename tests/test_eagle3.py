@@ -260,6 +260,10 @@ def test_bad_heads_are_refused_with_what_is_wrong(model_dirs, tmp_path):
     refused(_spec(other_target, 3), "hidden-size mismatch", at_start=True)
     vocab = _bad(tmp_path / "d", model_dirs, vocab_size=1000)
     refused(_spec(vocab, 3), "vocabulary of 1000", at_start=True)
+    heads = _bad(tmp_path / "g", model_dirs, num_attention_heads=4, num_key_value_heads=3)
+    refused(_spec(heads, 3), "not a multiple of num_key_value_heads")
+    huge = _bad(tmp_path / "h", model_dirs, intermediate_size=1 << 40)
+    refused(_spec(huge, 3), "intermediate_size")
     default_layers = _bad(tmp_path / "e", model_dirs, eagle_config=None)
     refused(_spec(default_layers, 3), "eagle_aux_hidden_state_layer_ids", at_start=True)
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
@@ -385,9 +389,19 @@ def test_aborted_sequences_free_their_head_kv(model_dirs, random_heads):
             assert got[rid] == plain[rid][0], rid
 
 
-def test_batched_drafting_is_each_sequences_published_drafts(model_dirs, random_heads, hf_target):
+@pytest.mark.parametrize("fold", [False, True], ids=["batched", "folded"])
+def test_batched_drafting_is_each_sequences_published_drafts(
+    model_dirs, random_heads, hf_target, monkeypatch, fold
+):
     """Sequences of different lengths and different numbers of new positions draft together (one
-    padded head forward per draft): each gets the published forward's drafts for itself."""
+    padded head forward per draft): each gets the published forward's drafts for itself. Folded:
+    a sequence with more new positions than the batched forward takes adds them alone first, a
+    few rows a forward (as a long prompt does)."""
+    if fold:
+        from tandem.engine import eagle3
+
+        monkeypatch.setattr(eagle3, "BATCHED_NEW_ROWS", 2)
+        monkeypatch.setattr(eagle3, "FOLD_ROWS", 3)
     head_dir = random_heads["safetensors"]
     w = _weights_of(head_dir)
     embed = hf_target.model.embed_tokens.weight.detach()
@@ -408,3 +422,41 @@ def test_batched_drafting_is_each_sequences_published_drafts(model_dirs, random_
             assert found[seq] == reference_drafts(w, embed, aux, tokens, k)[0], seq.request_id
         checked += 1
     assert checked >= 3
+
+
+def test_states_recorded_while_nothing_drafts_stay_bounded(model_dirs, random_heads, monkeypatch):
+    """Above disable_by_batch_size every step records the layers' states and none drafts: a
+    sequence folds them into its head KV once they pass MAX_PENDING_ROWS (no list growing for
+    ever); when the batch shrinks and drafting resumes, the outputs are still plain decoding's."""
+    from tandem.engine import eagle3
+
+    monkeypatch.setattr(eagle3, "MAX_PENDING_ROWS", 5)
+    prompts = _mixed_prompts(11)
+    options = {
+        rid: SamplingOptions(max_tokens=8 + 4 * i, ignore_eos=True) for i, rid in enumerate(prompts)
+    }
+    spec = {**_spec(random_heads["safetensors"], 3), "disable_by_batch_size": 2}
+    engine = _engine(model_dirs["llama"], spec)
+    most = 0
+    record = engine.proposer._record
+
+    def watched(seq, start, rows):
+        nonlocal most
+        record(seq, start, rows)
+        state = engine.proposer._states.get(seq)
+        if state is not None:
+            most = max(most, sum(chunk.shape[0] for chunk in state.pending))
+
+    monkeypatch.setattr(engine.proposer, "_record", watched)
+    folds = []
+    fold = engine.proposer._fold
+    monkeypatch.setattr(
+        engine.proposer,
+        "_fold",
+        lambda seq, state, upto: (folds.append(upto), fold(seq, state, upto)),
+    )
+    assert_same_as_plain(engine, model_dirs["llama"], prompts, options)
+    assert folds  # the recorded states were folded while nothing drafted
+    assert engine.counters.num_drafted_steps > 0  # drafting resumed once two were left
+    longest_prompt = max(len(ids) for ids in prompts.values())
+    assert most <= max(longest_prompt, eagle3.MAX_PENDING_ROWS) + 8

@@ -215,8 +215,10 @@ def test_an_unconfirmed_import_runs_but_caches_nothing_until_confirmed(model_dir
         while engine.num_unfinished:
             engine.step()
         assert bm.num_free_blocks < 32 and cached_blocks(other) == 0
+        assert engine.num_waiting_for_remote_kv == 1  # a drain waits for its answer
         engine.kv_confirmed(rid) if confirm else engine.abort_request(rid)
         assert bm.num_free_blocks == 32 and cached_blocks(other) == (3 if confirm else 0)
+        assert engine.num_waiting_for_remote_kv == 0
 
 
 def test_resumed_tokens_are_validated_like_the_prompt(model_dirs):

@@ -169,6 +169,14 @@ class PrefixPulls:
             if in_engine:
                 core.abort(rid)
             return self._compute(request, phase, source, "peer_unreachable", str(exc))
+        except Exception as exc:  # noqa: BLE001 - the request fails with exc's status
+            # (the engine refused the reservation, its core is gone): not left waiting.
+            for read in reads:
+                await self.poller.settle(read)
+            if in_engine:
+                core.abort(rid)
+            self._record(request, source, "failed", type(exc).__name__, 0, 0)
+            request.fail(exc)
         finally:
             if lease_open:
                 self._end_lease(handoff)

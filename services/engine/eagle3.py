@@ -18,7 +18,11 @@ scratch K/V of the drafts before it, kept only in the step's padded copy of the 
 (dropped after the step: a rejected draft leaves nothing a later step reads). A sequence the
 target recomputes (preemption) restarts its head KV where the recompute starts. So what the
 head holds is bounded by max_model_len x (2 x kv heads x head dim) values per sequence the
-engine holds, and a step's padded copy by the drafting sequences' share of that.
+engine holds. A step's padded copy holds every drafting sequence's head KV padded to the longest
+(drafting sequences x the longest context: what long contexts at large batches pay; a paged head
+KV is the way past it) and at most BATCHED_NEW_ROWS new positions each: a sequence with more (a
+prompt just computed, or the steps of a batch too large to draft) adds them to its KV alone
+first, FOLD_ROWS a forward, and so does one whose recorded states outgrow MAX_PENDING_ROWS.
 
 Across the split: a generation_only request arrives with the target's KV and not its states for
 the prompt. The prefill (which computed them) proposes the first drafts with its own head and
@@ -40,6 +44,15 @@ import torch
 
 from tandem.engine.eagle3_head import aux_layer_ids, load_head, read_head_config
 from tandem.engine.sequence import Phase
+
+# A sequence with more new positions than this (a prompt, or the steps of a batch too large to
+# draft) adds them to its head KV alone, FOLD_ROWS a forward, before the step's batched forward:
+# that one pads every drafting sequence to the most new positions, so it must stay short.
+BATCHED_NEW_ROWS = 32
+FOLD_ROWS = 64
+# Recorded states waiting for a draft step: past this many a sequence folds them into its KV
+# at once (a batch above disable_by_batch_size records every step and drafts none).
+MAX_PENDING_ROWS = 256
 
 
 @dataclasses.dataclass
@@ -142,6 +155,11 @@ class Eagle3Proposer:
                 kept.append(chunk[: start - end])
                 end += kept[-1].shape[0]
             state.pending = kept + [rows]
+            # Folded up to the last position whose next token is on the host (one drawn by a
+            # step still in flight is not yet).
+            upto = min(start, seq.num_tokens - 1)
+            if upto - state.pending_start > MAX_PENDING_ROWS:
+                self._fold(seq, state, upto)
             return
         if state is not None and state.kv_start < start <= state.kv_start + state.kv_len:
             state.kv_len = start - state.kv_start  # recomputed from here: later KV is stale
@@ -171,6 +189,31 @@ class Eagle3Proposer:
         state.keys[at : at + k.shape[0]] = k
         state.values[at : at + k.shape[0]] = v
 
+    @torch.inference_mode()
+    def _fold(self, seq, state: _HeadState, upto: int) -> None:
+        """Adds the state's pending positions before `upto` to its KV, this sequence alone,
+        FOLD_ROWS rows a forward (what a forward holds is bounded by FOLD_ROWS x its context)."""
+        start = state.kv_start + state.kv_len
+        rows = torch.cat(state.pending)
+        num = upto - start
+        device = rows.device
+        for a in range(0, num, FOLD_ROWS):
+            b = min(num, a + FOLD_ROWS)
+            past = state.kv_len
+            _, _, k, v = self.head(
+                self._embed(seq.token_slice(start + a + 1, start + b + 1))[None],
+                rows[a:b][None],
+                torch.arange(start + a, start + b, device=device)[None],
+                state.keys[None, :past],
+                state.values[None, :past],
+                torch.ones((1, past), dtype=torch.bool, device=device),
+            )
+            self._write_kv(state, past, k[0], v[0])
+            state.kv_len += b - a
+        state.pending_start = upto
+        state.pending = [rows[num:]] if rows.shape[0] > num else []
+        state.first = None
+
     def propose(self, seq, k: int) -> list[int]:
         """Up to k drafts to follow seq's tokens (its last one not computed by the target yet)."""
         return self._draft([(seq, k)])[seq]
@@ -192,6 +235,9 @@ class Eagle3Proposer:
             if state.pending_start != new_start or state.pending_end < computed:
                 continue  # a gap: the next forward restarts this sequence's state
             num_new = computed - new_start
+            if num_new > BATCHED_NEW_ROWS:
+                self._fold(seq, state, computed - 1)
+                num_new = 1
             if num_new == 0 and (state.first is None or state.first[0] != computed):
                 continue
             items.append((seq, k, state, computed, num_new))

@@ -44,6 +44,11 @@ def _refuse(message: str):
     raise ValueError(f"--speculative-config: {message}")
 
 
+# The largest hidden / intermediate size (and head count) a head's config may give (Llama-3.1-405B's
+# intermediate size is 53,248): a bigger one is a broken config, refused before any allocation.
+MAX_HEAD_DIM_SIZE = 1 << 17
+
+
 def read_head_config(model: str) -> dict:
     """The head's config.json, checked for what this loader reads (errors say what is wrong)."""
     if not isinstance(model, str) or not model:
@@ -66,6 +71,16 @@ def read_head_config(model: str) -> dict:
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(raw.get(key), int):
             _refuse(f"EAGLE-3 head {model!r}: config.json lacks {key}")
+    # Sizes are checked before any tensor is made from them: a head is one decoder layer.
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not 0 < raw[key] <= MAX_HEAD_DIM_SIZE:
+            _refuse(f"EAGLE-3 head {model!r}: {key} {raw[key]} is not in 1..{MAX_HEAD_DIM_SIZE}")
+    kv_heads = raw.get("num_key_value_heads", raw["num_attention_heads"])
+    if not isinstance(kv_heads, int) or kv_heads < 1 or raw["num_attention_heads"] % kv_heads:
+        _refuse(
+            f"EAGLE-3 head {model!r}: num_attention_heads {raw['num_attention_heads']} is not a "
+            f"multiple of num_key_value_heads {kv_heads}"
+        )
     return raw
 
 

@@ -156,7 +156,10 @@ class LLMEngine:
 
     @property
     def num_waiting_for_remote_kv(self) -> int:
-        return sum(1 for s in self._seqs.values() if s.status is Status.WAITING_FOR_REMOTE_KV)
+        """KV imports not done with: parked for their KV, or finished before their lease was
+        confirmed (their blocks and last outputs wait for the answer)."""
+        parked = sum(1 for s in self._seqs.values() if s.status is Status.WAITING_FOR_REMOTE_KV)
+        return parked + len(self._unconfirmed_done)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._seqs
@@ -357,6 +360,8 @@ class LLMEngine:
         self.block_manager.register_computed(seq)
         if done is not None:
             self.block_manager.release(done)
+            if self.proposer is not None:
+                self.proposer.finished(done)
 
     def lease_prefix(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
         """The device blocks of the longest prefix of token_ids (whole blocks) the prefix cache
@@ -932,7 +937,9 @@ class LLMEngine:
         return True
 
     def _finish(self, seq: Sequence) -> None:
-        if self.proposer is not None:
+        # An unconfirmed import's tokens may come from another request's KV: the proposer (the
+        # suffix method learns from finished outputs) hears of it once its lease is confirmed.
+        if self.proposer is not None and not seq.kv_unconfirmed:
             self.proposer.finished(seq)
         seq.status = Status.FINISHED
         self.scheduler.remove(seq, keep_blocks=seq.kv_unconfirmed)

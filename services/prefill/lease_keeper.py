@@ -140,12 +140,17 @@ class LeaseKeeper:
             del self._held[claim.client]
 
     # -- the engine's LeaseTable --
-    def open(self, request_id: str, block_ids: list[int]) -> Lease:
+    def open(self, request_id: str | None, block_ids: list[int]) -> Lease:
+        """A lease over block_ids for the request request_id's handoff (its client's claim and the
+        router's split id follow it), or for none (None: a prefix leased to a peer, which no
+        request's id may name)."""
         # Unguessable ids: a lease id is all a release names.
         lease = Lease(secrets.randbits(62) + 1, list(block_ids), time.time() + self.lease_seconds)
         with self._lock:
             self._leases[lease.lease_id] = lease
             self.num_opened += 1
+            if request_id is None:
+                return lease
             disagg_request_id = self._split_ids.pop(request_id, None)
             if disagg_request_id is not None:
                 self._split_leases[disagg_request_id] = lease.lease_id

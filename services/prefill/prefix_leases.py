@@ -13,7 +13,6 @@ the peer reads device memory only, since only the device pool is registered with
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 
 from tandem.engine.messages import FreeBlocks, LeasePrefix
@@ -42,13 +41,16 @@ class PrefixLeases:
         self.agent_name = agent_name
         self.weights_id = weights_id
         self.num_opened = 0
-        self._ids = itertools.count()
 
     async def lease(
-        self, request: worker_pb2.LeasePrefixRequest, time_remaining: Callable[[], float | None]
+        self,
+        request: worker_pb2.LeasePrefixRequest,
+        time_remaining: Callable[[], float | None],
+        paused: Callable[[], bool] = lambda: False,
     ) -> worker_pb2.LeasePrefixResponse:
         """time_remaining: the call's (None: no deadline); a caller whose deadline passed while
-        the engine looked is not waiting for a lease: none is opened."""
+        the engine looked is not waiting for a lease: none is opened. paused: whether the worker
+        is paused now (no lease opens while it is)."""
         token_ids = list(request.token_ids)
         block_size = self.core.facts.limits.block_size
         if not token_ids or len(token_ids) % block_size or len(token_ids) > MAX_PREFIX_TOKENS:
@@ -65,13 +67,15 @@ class PrefixLeases:
             future.add_done_callback(self._give_back)
             raise
         left = time_remaining()
-        if block_ids and left is not None and left <= 0:
+        # A caller whose deadline passed, or a pause that began while the engine looked (it
+        # ended every lease; none opens until it is over): the blocks go back.
+        if block_ids and (left is not None and left <= 0 or paused()):
             self.core.send(FreeBlocks(block_ids))
             block_ids = []
         if not block_ids:
             return worker_pb2.LeasePrefixResponse()
         # No await between the engine's answer and the lease: every held block is under one.
-        lease = self.keeper.open(f"prefix-lease-{next(self._ids)}", block_ids)
+        lease = self.keeper.open(None, block_ids)
         self.num_opened += 1
         leased = token_ids[: len(block_ids) * block_size]
         return worker_pb2.LeasePrefixResponse(

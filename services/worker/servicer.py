@@ -438,7 +438,7 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
             )
         if self.rt.paused:  # (PauseGeneration ends every lease; none opens until it is over)
             return worker_pb2.LeasePrefixResponse()
-        return await leases.lease(request, context.time_remaining)
+        return await leases.lease(request, context.time_remaining, lambda: self.rt.paused)
 
     async def SubscribeKvBlocks(self, request, context):
         if self.rt.encode_only:
