@@ -763,6 +763,17 @@ def test_a_host_kv_tier_is_rendered_only_where_a_role_asks_for_one(chart):
     assert tiers({"decode": {"hostKvCacheGb": 32}})["decode"] == "32"
 
 
+def test_prefix_pulls_turn_on_the_router_and_every_worker_that_leases_prefixes(chart):
+    def args(values):
+        return {c["name"]: c["args"] for c in containers(objects(chart, values))}
+
+    assert not any("--prefix-pulls" in a or "--kv-prefix-pulls" in a for a in args({}).values())
+    on = args({"router": {"prefixPulls": True}, "both": {"replicas": 1}})
+    assert "--prefix-pulls" in on["router"]
+    assert "--kv-prefix-pulls" in on["prefill"] and "--kv-prefix-pulls" in on["both"]
+    assert "--kv-prefix-pulls" not in on["decode"]  # a decode computes no prompt from its start
+
+
 def test_every_component_spreads_across_nodes_unless_told_otherwise(chart):
     def spreads(values):
         return {

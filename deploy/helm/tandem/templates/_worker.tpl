@@ -2,6 +2,7 @@
 {{- define "tandem.worker" -}}
 {{- $root := .root }}
 {{- $spec := index $root.Values .component }}
+{{- $component := .component }}
 {{- $name := include "tandem.componentName" . }}
 {{- $model := $root.Values.model }}
 {{- $kv := $root.Values.kvTransfer }}
@@ -107,6 +108,9 @@ spec:
             {{- end }}
             {{- if $spec.hostKvCacheGb }}
             - --host-kv-cache-gb={{ $spec.hostKvCacheGb }}
+            {{- end }}
+            {{- if and $root.Values.router.prefixPulls (ne $component "decode") }}
+            - --kv-prefix-pulls
             {{- end }}
             {{- if hasKey $spec "kvRoomWaitSeconds" }}
             - --kv-room-wait-seconds={{ $spec.kvRoomWaitSeconds }}
