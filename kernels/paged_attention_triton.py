@@ -36,10 +36,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # Triton 3.9's interpreter multiplies bf16 operands as their raw bits: upcast there only.
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+def _dot(a, b, INTERPRETED: tl.constexpr):
+    # Under Triton's interpreter (CPU tests) tl.dot is numpy's matmul, whose BLAS kernels round
+    # a row by where it sits in the tile (FMA edge kernels), and which multiplies bf16 operands
+    # as their raw bits (Triton 3.9): there the product is summed in float32 in one order for
+    # every row, so a row's bits do not depend on the rows beside it, as on the device.
+    if INTERPRETED:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, input_precision="ieee")
 
 
@@ -123,7 +126,7 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETED_DOT: tl.constexpr,
     IS_FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -139,7 +142,7 @@ def _attend_tile(
     if IS_FP8:
         k = (k.to(tl.float32) * k_scale).to(q.dtype)
         v = (v.to(tl.float32) * v_scale).to(q.dtype)
-    scores = _dot(q, tl.trans(k), UPCAST_DOT) * scale_log2
+    scores = _dot(q, tl.trans(k), INTERPRETED_DOT) * scale_log2
     if HAS_SOFTCAP:
         scores = _soft_cap(scores * (1.0 / _LOG2E), softcap) * _LOG2E
     if MASKED:
@@ -151,7 +154,7 @@ def _attend_tile(
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRETED_DOT)
     return m_new, l_i, acc
 
 
@@ -192,7 +195,7 @@ def _attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETED_DOT: tl.constexpr,
     IS_FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -276,7 +279,7 @@ def _attention_kernel(
             BLOCK_SIZE,
             TILE_N,
             True,
-            UPCAST_DOT,
+            INTERPRETED_DOT,
             IS_FP8,
             HAS_WINDOW,
             HAS_SOFTCAP,
@@ -306,7 +309,7 @@ def _attention_kernel(
             BLOCK_SIZE,
             TILE_N,
             False,
-            UPCAST_DOT,
+            INTERPRETED_DOT,
             IS_FP8,
             HAS_WINDOW,
             HAS_SOFTCAP,
@@ -336,7 +339,7 @@ def _attention_kernel(
             BLOCK_SIZE,
             TILE_N,
             True,
-            UPCAST_DOT,
+            INTERPRETED_DOT,
             IS_FP8,
             HAS_WINDOW,
             HAS_SOFTCAP,
@@ -589,7 +592,7 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
-        UPCAST_DOT=_IS_INTERPRETED and query.dtype != torch.float32,
+        INTERPRETED_DOT=_IS_INTERPRETED,
         IS_FP8=is_fp8,
         HAS_WINDOW=window > 0,
         HAS_SOFTCAP=softcap > 0,
