@@ -19,6 +19,7 @@ from test_disagg import worker_state
 
 from tandem.client import LLM, AsyncLLM, RequestError, SamplingParams
 from tandem.testing.cluster import LocalCluster, channel_to
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 TOKEN = "engine-process-admin"
 
@@ -254,8 +255,7 @@ def test_a_dead_core_takes_its_worker_out_and_its_streams_move(model_dirs, oracl
                     return ids, out
 
                 tasks = [asyncio.create_task(one(p)) for p in prompts]
-                while worker_state(victim.address).num_generated_tokens < 40:
-                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(_wait_for_tokens, victim.address, 40)
                 os.kill(core_pid, signal.SIGKILL)
                 killed_at = time.monotonic()
                 not_serving_after = await asyncio.to_thread(_not_serving_after, victim.address)
@@ -268,6 +268,20 @@ def test_a_dead_core_takes_its_worker_out_and_its_streams_move(model_dirs, oracl
         assert victim.process.wait(15) not in (0, None)
         for prompt, (ids, out) in zip(prompts, results):
             assert ids == out.outputs[0].token_ids == ref.greedy(prompt, 300)
+
+
+def _wait_for_tokens(address: str, num_tokens: int) -> None:
+    """Returns once the worker has generated num_tokens, polled on one channel opened once (a
+    fresh channel per poll costs a handshake each time); run off the event loop."""
+    deadline = time.monotonic() + 60
+    with channel_to(address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        while time.monotonic() < deadline:
+            state = stub.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
+            if state.num_generated_tokens >= num_tokens:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"the worker did not generate {num_tokens} tokens in 60 s")
 
 
 def _not_serving_after(address: str) -> float:

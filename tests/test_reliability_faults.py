@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -156,36 +157,47 @@ def test_streams_move_off_a_hung_decode(model_dirs):
             try:
                 expected = [o.tokens for o in await run_load(llm, prompts[:4], params, 4)]
                 stopped = []
+                load_ended = threading.Event()
+                # one channel per decode, opened once: a poll costs a round trip, not a handshake
+                stubs = [
+                    (w, worker_pb2_grpc.WorkerStub(channel))
+                    for w, channel in zip(decodes, channels)
+                ]
 
-                def active(stub) -> int:
-                    return stub.GetWorkerState(
-                        worker_pb2.WorkerStateRequest(), timeout=10
-                    ).num_active_requests
+                def state(stub) -> worker_pb2.WorkerState:
+                    return stub.GetWorkerState(worker_pb2.WorkerStateRequest(), timeout=10)
 
-                async def hang_a_busy_decode():
-                    # one channel per decode, opened once: a poll costs a round trip, not a handshake
-                    stubs = [
-                        (w, worker_pb2_grpc.WorkerStub(channel))
-                        for w, channel in zip(decodes, channels)
-                    ]
-                    while True:
+                warm = {w.address: state(stub).num_generated_tokens for w, stub in stubs}
+
+                def hang_a_busy_decode() -> None:
+                    # Polled and stopped from this thread, never waiting on the event loop: the
+                    # decode is stopped while it holds 2 streams and none of them is past half its
+                    # tokens (fewer than max_tokens/2 generated on it since the warm-up), so each
+                    # has a long way to go and must move, however slow the machine is.
+                    while not load_ended.is_set():
                         for w, stub in stubs:
-                            if await asyncio.to_thread(active, stub) >= 2:
+                            s = state(stub)
+                            fresh = s.num_generated_tokens - warm[w.address]
+                            if s.num_active_requests >= 2 and fresh < max_tokens // 2:
                                 w.process.send_signal(signal.SIGSTOP)
                                 stopped.append((w, time.monotonic()))
                                 return
-                        await asyncio.sleep(0.005)
+                        time.sleep(0.002)
 
-                hang = asyncio.create_task(hang_a_busy_decode())
-                outcomes = await asyncio.wait_for(run_load(llm, prompts, params, num_requests), 120)
+                hang = asyncio.create_task(asyncio.to_thread(hang_a_busy_decode))
+                try:
+                    outcomes = await asyncio.wait_for(
+                        run_load(llm, prompts, params, num_requests), 120
+                    )
+                finally:
+                    load_ended.set()
+                    await hang
                 if (
-                    not hang.done()
+                    not stopped
                 ):  # bounded: the load ended with no decode ever seen holding 2 streams
-                    hang.cancel()
                     pytest.fail(
                         f"the load of {num_requests} streams ended before a decode held 2 of them"
                     )
-                await hang
                 return expected, outcomes, stopped[0], time.monotonic()
             finally:
                 llm.close()
