@@ -41,10 +41,18 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
         engine.add_request(f"b{batch}-{i}", _prompt(rng, prompt_len, vocab), options)
     for _ in range(8):  # the prompts, then decoding only
         engine.step()
+    device_s = _time_device_work(engine)
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     period_ms = (time.perf_counter() - started) / steps * 1e3
+    forward_ms = device_s.pop() / steps * 1e3
+    _time_device_work(engine, undo=True)
+    if engine.runner.device.type == "cpu":  # the forward and the draws run as they are called
+        print(
+            f"\n## batch {batch}: unprofiled, {period_ms:.3f} ms a step = the forward and the draws "
+            f"{forward_ms:.3f} ms + the engine's host work {period_ms - forward_ms:.3f} ms"
+        )
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -56,12 +64,50 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
         engine.step()
     stats = pstats.Stats(profile)
     total_ms = stats.total_tt / steps * 1e3
-    print(f"\n## batch {batch}: step period {period_ms:.3f} ms; profiled {total_ms:.3f} ms a step")
+    # The device's part, by the functions that launch it or wait for it (on the CPU they run it):
+    # what is left of the profiled step is the engine's own host work.
+    device_ms = sum(
+        cumulative
+        for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items()
+        if (path.endswith("model_runner.py") and name == "_forward")
+        or (path.endswith("sampler.py") and name == "sample")
+        or name == "to_host"
+    ) / steps * 1e3
+    print(
+        f"\n## batch {batch}: step period {period_ms:.3f} ms; profiled {total_ms:.3f} ms a step, "
+        f"of which the forward, the draws and waiting for them {device_ms:.3f} ms; host work "
+        f"{total_ms - device_ms:.3f} ms (cProfile-inflated)"
+    )
     print(f"{'own ms/step':>12} {'calls/step':>11}  function")
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     for (path, line, name), (_, calls, own, _, _) in rows:
         where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
         print(f"{own / steps * 1e3:>12.3f} {calls / steps:>11.1f}  {where}")
+
+
+def _time_device_work(engine: LLMEngine, undo: bool = False) -> list[float]:
+    """Wraps the runner's forward and its sampler's draws in a timer (undo: unwraps them): on the
+    CPU, where they run as they are called, the step's time outside them is host work. Returns a
+    one-element list the seconds accumulate in."""
+    runner = engine.runner
+    if undo:
+        del runner._forward, runner.sampler.sample
+        return []
+    total = [0.0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - started
+
+        return wrapper
+
+    runner._forward = timed(runner._forward)
+    runner.sampler.sample = timed(runner.sampler.sample)
+    return total
 
 
 def first_steps(engine: LLMEngine, prompt_len: int, repeats: int) -> None:

@@ -188,6 +188,51 @@ def test_lease_prefix_refuses_a_prefix_that_is_not_whole_blocks(cluster):
         assert reply.num_blocks == 0 and not reply.opaque_state
 
 
+def test_prefixes_leased_to_peers_pin_at_most_their_share_of_the_pool(cluster):
+    """--max-prefix-lease-kv-fraction (0.25: 32 of 128 blocks): a lease past the share is cut to
+    what is left, then none opens, counted; each ends by ConfirmLease and the blocks come back.
+    The share counts every lease's blocks, also blocks two leases share: a peer cannot hold more
+    leases by asking for the same prefix again."""
+    from tandem.common.limits import RequestLimits
+    from tandem.testing.cluster import channel_to
+    from tandem.v1 import worker_pb2_grpc
+
+    source = _ranked(cluster)[0]
+    prefix = _prompt(5, 41 * BLOCK + 3)  # 41 full blocks cached once it has run
+    _generate(cluster, prefix, 0)
+    _wait_idle(source)
+    ask = worker_pb2.LeasePrefixRequest(token_ids=prefix[: 20 * BLOCK])
+    with channel_to(source) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        before = worker_state(source)
+        replies = [stub.LeasePrefix(ask, timeout=10) for _ in range(3)]
+        assert [r.num_blocks for r in replies] == [20, 12, 0]  # 20 + 12 = 32: the share
+        state = worker_state(source)
+        # Both leases hold the same leading blocks (20 pinned); the share counts each lease's.
+        assert state.num_leases == 2 and state.num_free_blocks == NUM_BLOCKS - 20
+        assert state.num_prefix_leases_trimmed - before.num_prefix_leases_trimmed == 2
+        handoffs = [worker_pb2.KvHandoff.FromString(r.opaque_state) for r in replies[:2]]
+        for handoff in handoffs:
+            confirmed = stub.ConfirmLease(
+                worker_pb2.ConfirmLeaseRequest(ctx_request_id=handoff.ctx_request_id, pulled=False),
+                timeout=10,
+            )
+            assert confirmed.confirmed
+        assert _wait_idle(source).num_free_blocks == NUM_BLOCKS
+        # The share is free again: a whole lease opens.
+        again = stub.LeasePrefix(ask, timeout=10)
+        assert again.num_blocks == 20
+        handoff = worker_pb2.KvHandoff.FromString(again.opaque_state)
+        stub.ConfirmLease(
+            worker_pb2.ConfirmLeaseRequest(ctx_request_id=handoff.ctx_request_id, pulled=False),
+            timeout=10,
+        )
+        assert _wait_idle(source).num_free_blocks == NUM_BLOCKS
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="max_prefix_lease_kv_fraction"):
+            RequestLimits(max_prefix_lease_kv_fraction=bad)
+
+
 @pytest.fixture(scope="module")
 def split_cluster(model_dirs):
     """Two prefill workers with --kv-prefix-pulls and a decode worker: the router splits."""

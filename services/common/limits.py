@@ -4,7 +4,8 @@ The router and every worker check a GenerateRequest with the same limits at thei
 (tandem.text.front), before tokenizing: a request over a limit is refused with
 INVALID_ARGUMENT naming the flag that sets it. gRPC itself refuses a message over
 max_request_bytes (RESOURCE_EXHAUSTED) before it is parsed. The lease bounds are the prefill
-worker's (prefill/lease_keeper.py): unclaimed KV handoffs may pin only part of its pool.
+worker's (prefill/lease_keeper.py): unclaimed KV handoffs may pin only part of its pool, and
+prefixes leased to peers another part (prefill/prefix_leases.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class RequestLimits:
         0.25,
         "prefill: share of the KV pool that one client's unpulled context_only handoffs may pin",
     )
+    max_prefix_lease_kv_fraction: float = _flag(
+        0.25,
+        "a worker with --kv-prefix-pulls: share of its KV pool that prefixes leased to peers "
+        "(LeasePrefix) may pin, all peers together; a lease past it is cut short",
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -63,6 +69,10 @@ class RequestLimits:
         if not 0 < self.max_unclaimed_kv_fraction_per_client <= self.max_unclaimed_kv_fraction <= 1:
             raise ValueError(
                 "need 0 < max_unclaimed_kv_fraction_per_client <= max_unclaimed_kv_fraction <= 1"
+            )
+        if not 0 < self.max_prefix_lease_kv_fraction <= 1:
+            raise ValueError(
+                f"need 0 < max_prefix_lease_kv_fraction <= 1, got {self.max_prefix_lease_kv_fraction}"
             )
 
 

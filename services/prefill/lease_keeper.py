@@ -164,6 +164,9 @@ class LeaseKeeper:
     def abandon(self, lease_id: int) -> None:
         self.release(lease_id, LeaseEnd.UNDELIVERED)
 
+    def is_open(self, lease_id: int) -> bool:
+        return lease_id in self._leases
+
     @property
     def num_leases(self) -> int:
         return len(self._leases)

@@ -8,6 +8,12 @@ bound to the leased prefix's tokens.
 
 Blocks the host tier holds are copied up into fresh device blocks first (LLMEngine.lease_prefix):
 the peer reads device memory only, since only the device pool is registered with NIXL.
+
+Leased prefixes pin blocks until the peer confirms or the lease expires: together they may hold
+at most max_fraction of the pool (--max-prefix-lease-kv-fraction). A lease that would pass it is
+cut to what is left, before the engine looks (nothing at all once the share is held): a prefix
+pull is an optimization, so the peer computes the rest, and this worker's own requests keep the
+pool.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class PrefixLeases:
         endpoint: str,
         agent_name: str,
         weights_id: Callable[[], str] = lambda: "",
+        max_fraction: float = 0.25,
     ):
         self.core = core
         self.keeper = keeper
@@ -41,6 +48,12 @@ class PrefixLeases:
         self.agent_name = agent_name
         self.weights_id = weights_id
         self.num_opened = 0
+        self.num_trimmed = 0  # calls cut short (or answered with nothing) by the share
+        self.max_blocks = int(core.facts.limits.num_blocks * max_fraction)
+        # The blocks of the leases opened here, by lease id, while they are out; and those that
+        # calls the engine is looking at now may take (on the event loop: no lock needed).
+        self._leased: dict[int, int] = {}
+        self._reserved = 0
 
     async def lease(
         self,
@@ -59,6 +72,15 @@ class PrefixLeases:
                 f"{MAX_PREFIX_TOKENS} tokens; got {len(token_ids)} tokens"
             )
         salt = request.cache_salt if request.HasField("cache_salt") else None
+        room = self.max_blocks - self._num_leased_blocks() - self._reserved
+        num_wanted = len(token_ids) // block_size
+        if room < num_wanted:
+            self.num_trimmed += 1
+            if room <= 0:
+                return worker_pb2.LeasePrefixResponse()
+            token_ids = token_ids[: room * block_size]
+            num_wanted = room
+        self._reserved += num_wanted
         future = self.core.submit(LeasePrefix(token_ids, salt))
         try:
             block_ids = await asyncio.shield(future)
@@ -66,6 +88,8 @@ class PrefixLeases:
             # The caller went away while the engine held the blocks: give them back once it has.
             future.add_done_callback(self._give_back)
             raise
+        finally:
+            self._reserved -= num_wanted
         left = time_remaining()
         # A caller whose deadline passed, or a pause that began while the engine looked (it
         # ended every lease; none opens until it is over): the blocks go back.
@@ -77,6 +101,7 @@ class PrefixLeases:
         # No await between the engine's answer and the lease: every held block is under one.
         lease = self.keeper.open(None, block_ids)
         self.num_opened += 1
+        self._leased[lease.lease_id] = len(block_ids)
         leased = token_ids[: len(block_ids) * block_size]
         return worker_pb2.LeasePrefixResponse(
             num_blocks=len(block_ids),
@@ -92,6 +117,12 @@ class PrefixLeases:
                 self.weights_id(),
             ),
         )
+
+    def _num_leased_blocks(self) -> int:
+        """Blocks under the leases opened here that are still out (those that ended: dropped)."""
+        for lease_id in [i for i in self._leased if not self.keeper.is_open(i)]:
+            del self._leased[lease_id]
+        return sum(self._leased.values())
 
     def _give_back(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None and future.result():

@@ -275,7 +275,13 @@ class WorkerRuntime:
             )
         if cfg.pulls_prefixes:
             self.prefix_leases = PrefixLeases(
-                self.core, keeper, self.handoff_format, self.worker_id, agent_name, weights_id
+                self.core,
+                keeper,
+                self.handoff_format,
+                self.worker_id,
+                agent_name,
+                weights_id,
+                cfg.limits.max_prefix_lease_kv_fraction,
             )
             self.prefix_pulls = PrefixPulls(
                 self.worker_id,
@@ -475,6 +481,7 @@ class WorkerRuntime:
             prefix_pull_outcomes=dict(self.prefix_pull_outcomes),
             num_prefix_leases_opened=self.prefix_leases.num_opened if self.prefix_leases else 0,
             leases_prefixes=self.prefix_leases is not None,
+            num_prefix_leases_trimmed=self.prefix_leases.num_trimmed if self.prefix_leases else 0,
             kv_pull_links=[
                 worker_pb2.KvPullLink(**link.report()) for link in self.pull_links.links()
             ],

@@ -89,7 +89,7 @@ class WorkerStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_sessions", "instance_id", "kv_pull_links", "kv_handoff_outcomes", "num_queued_prompt_tokens", "engine_core_pid", "prefix_pull_outcomes", "num_prefix_leases_opened", "leases_prefixes")
+    __slots__ = ("role", "kv_layout_hash", "num_total_blocks", "num_free_blocks", "num_active_requests", "num_prompt_tokens_computed", "num_generated_tokens", "num_steps", "num_leased_blocks", "kv_bytes_received", "paused", "weight_bytes", "kv_cache_bytes", "weights_source", "weights_version", "num_leases", "lease_endings", "num_waiting_for_remote_kv", "num_leases_opened", "lora_adapters", "num_ignored_notifications", "num_unconfirmed_handoffs", "num_sessions", "instance_id", "kv_pull_links", "kv_handoff_outcomes", "num_queued_prompt_tokens", "engine_core_pid", "prefix_pull_outcomes", "num_prefix_leases_opened", "leases_prefixes", "num_prefix_leases_trimmed")
     class LeaseEndingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class WorkerState(_message.Message):
     PREFIX_PULL_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_LEASES_OPENED_FIELD_NUMBER: _ClassVar[int]
     LEASES_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_LEASES_TRIMMED_FIELD_NUMBER: _ClassVar[int]
     role: Role
     kv_layout_hash: str
     num_total_blocks: int
@@ -173,7 +174,8 @@ class WorkerState(_message.Message):
     prefix_pull_outcomes: _containers.ScalarMap[str, int]
     num_prefix_leases_opened: int
     leases_prefixes: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_pull_links: _Optional[_Iterable[_Union[KvPullLink, _Mapping]]] = ..., kv_handoff_outcomes: _Optional[_Mapping[str, int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., prefix_pull_outcomes: _Optional[_Mapping[str, int]] = ..., num_prefix_leases_opened: _Optional[int] = ..., leases_prefixes: _Optional[bool] = ...) -> None: ...
+    num_prefix_leases_trimmed: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., kv_layout_hash: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., paused: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_source: _Optional[str] = ..., weights_version: _Optional[int] = ..., num_leases: _Optional[int] = ..., lease_endings: _Optional[_Mapping[str, int]] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_leases_opened: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_types_pb2.LoRARequest, _Mapping]]] = ..., num_ignored_notifications: _Optional[int] = ..., num_unconfirmed_handoffs: _Optional[int] = ..., num_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., kv_pull_links: _Optional[_Iterable[_Union[KvPullLink, _Mapping]]] = ..., kv_handoff_outcomes: _Optional[_Mapping[str, int]] = ..., num_queued_prompt_tokens: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., prefix_pull_outcomes: _Optional[_Mapping[str, int]] = ..., num_prefix_leases_opened: _Optional[int] = ..., leases_prefixes: _Optional[bool] = ..., num_prefix_leases_trimmed: _Optional[int] = ...) -> None: ...
 
 class KvPullLink(_message.Message):
     __slots__ = ("peer", "same_host", "device_pools", "num_pulls", "num_bytes", "seconds", "last_gbps", "mean_gbps", "num_below_floor", "best_gbps", "num_judged")
