@@ -66,13 +66,17 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
     total_ms = stats.total_tt / steps * 1e3
     # The device's part, by the functions that launch it or wait for it (on the CPU they run it):
     # what is left of the profiled step is the engine's own host work.
-    device_ms = sum(
-        cumulative
-        for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items()
-        if (path.endswith("model_runner.py") and name == "_forward")
-        or (path.endswith("sampler.py") and name == "sample")
-        or name == "to_host"
-    ) / steps * 1e3
+    device_ms = (
+        sum(
+            cumulative
+            for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items()
+            if (path.endswith("model_runner.py") and name == "_forward")
+            or (path.endswith("sampler.py") and name == "sample")
+            or name == "to_host"
+        )
+        / steps
+        * 1e3
+    )
     print(
         f"\n## batch {batch}: step period {period_ms:.3f} ms; profiled {total_ms:.3f} ms a step, "
         f"of which the forward, the draws and waiting for them {device_ms:.3f} ms; host work "
