@@ -17,6 +17,7 @@
 #   warm machine: a call that carries .smol/partNN keeps it in /tmp/smol; once every piece of
 #   .smol/sha's file is there, they are joined and checked (`split -b 50000000 -d FILE .smol/part`).
 # e2e: the handover taken apart on one GPU, prefill and decode two processes on cuda:0 (bench/disagg_e2e.py).
+# stephost: the engine's host work per step (bench/step_host.py), block tables written whole and as new entries.
 # moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
 # Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
 set -u
@@ -133,6 +134,11 @@ if has proc; then  # issue 28: the engine core process against the engine thread
   ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \
     --streams 64,256 --repeats 1 --window 5 --num-blocks 16384 2>&1 | grep -v "NIXL\|Loading weights" \
     | tee "$OUT/engine-process.txt" | tail -6
+fi
+if has stephost; then  # issue 28: the engine's host work per step, the device's block table written whole vs new entries
+  ckpt && timeout "${STEPHOST_S:-200}" python3 bench/step_host.py --device cuda --model "$CKPT" \
+    --batches "${STEPHOST_BATCHES:-64,256}" --prompt-len "${STEPHOST_PROMPT:-512}" --num-blocks 16384 --steps 30 --top 12 --tables both \
+    2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/step-host.txt" | tail -60
 fi
 if has moe; then  # issue 29: grouped-GEMM MoE kernel vs torch, per token count, and a served row
   timeout "${MOE_S:-300}" python3 bench/moe.py --device cuda --served-layers "${MOE_LAYERS:-4}" 2>&1 \

@@ -155,6 +155,12 @@ def main() -> None:
     parser.add_argument("--import-len", type=int, default=1024)
     parser.add_argument("--num-blocks", type=int, default=8192)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--tables",
+        default="new",
+        help="new: the device's block table gets a row's new entries only (the default); "
+        "whole: every entry every step (before); both: each batch size twice, whole first",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(
@@ -169,8 +175,12 @@ def main() -> None:
     engine.warm_up()
     print(f"# host work per decode step: {args.model or 'tiny model'} on {args.device}")
     first_steps(engine, args.import_len, 10)
+    modes = {"new": [True], "whole": [False], "both": [False, True]}[args.tables]
     for batch in batches:
-        profile_batch(engine, batch, args.steps, args.prompt_len, args.top)
+        for incremental in modes:
+            engine.runner.inputs.incremental_tables = incremental
+            print(f"\n# block tables: {'new entries only' if incremental else 'every entry'}")
+            profile_batch(engine, batch, args.steps, args.prompt_len, args.top)
     engine.close()
 
 

@@ -76,6 +76,54 @@ def test_prepare_pads_a_decode_step_to_its_graph():
     assert inputs.sample_indices == [0, 1]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_device_table_gets_only_new_entries_and_stays_exact(seed):
+    """A row that holds the same sequence's table as at the last upload gets only the entries it
+    gained; the device table equals every sequence's table after each step, through growing
+    tables, new tables (a preemption), rows that change hands, padded decode steps and a graph
+    capture between a pack and its upload, as when every entry is written each step."""
+    rng = random.Random(seed)
+    bs, width = 4, 32
+
+    def buffers(incremental: bool) -> InputBuffers:
+        b = InputBuffers(32, 8, width, bs, torch.device("cpu"))
+        b.incremental_tables = incremental
+        return b
+
+    fast, whole = buffers(True), buffers(False)
+    next_block = iter(range(1, 10_000))
+    seqs = []
+    for i in range(6):
+        n = rng.randrange(1, 40)
+        seqs.append(_seq(range(n), n - 1, [next(next_block) for _ in range(-(-n // bs))]))
+    num_fast = num_whole = 0
+    batch_seqs = seqs
+    for step in range(80):
+        if rng.random() < 0.2:  # mostly the same rows step after step, as in steady decoding
+            batch_seqs = rng.sample(seqs, rng.randrange(1, 7))
+        for seq in batch_seqs:
+            if rng.random() < 0.05:  # preempted and back: a new table, the same sequence
+                seq.block_table = [next(next_block) for _ in seq.block_table]
+            seq.output_token_ids.append(rng.randrange(100))
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if len(seq.block_table) * bs < seq.num_tokens:
+                seq.block_table.append(next(next_block))
+        batch = ScheduledBatch(batch_seqs, [1] * len(batch_seqs))
+        graph_size = 8 if rng.random() < 0.5 else None
+        for b in (fast, whole):
+            packed = b.pack(batch, graph_size)
+            if b is fast and rng.random() < 0.1:
+                b.fill_dummy(8)  # a capture between the pack and the upload
+            b.upload(packed)
+            for row, seq in enumerate(batch_seqs):
+                assert b.block_tables[row, : len(seq.block_table)].tolist() == seq.block_table
+            if b is fast:
+                num_fast += packed.counts[4]  # the table entries the step carried
+            else:
+                num_whole += packed.counts[4]
+    assert num_fast < num_whole / 2
+
+
 def test_capture_ladder():
     assert capture_sizes(1) == [1]
     assert capture_sizes(12) == [1, 2, 4, 8, 12]

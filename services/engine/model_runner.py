@@ -251,6 +251,8 @@ class ModelRunner:
             config.max_loras,
             config.max_num_samples,
         )
+        # Followers upload what rank 0 packs into tables of their own: every entry, every step.
+        self.inputs.incremental_tables = self.followers is None
         self.sampler = Sampler(
             self.model_config.vocab_size, config.max_num_samples, self.device, config.seed
         )
@@ -686,6 +688,8 @@ class ModelRunner:
             else self.graphs
         )
         last_rows, last_tokens = self._last_draws or ({}, None)
+        if graph_size is not None:
+            graphs.capture()  # before the pack: a capture writes the device's block table
         step = self.inputs.pack(batch, graph_size, last_rows)
         if self.followers is not None:
             self.followers.send_step(step)

@@ -12,6 +12,14 @@ reads exactly where a step of B rows was written.
 
 Host buffers come in two sets used in turn: filling step N+1's never overwrites the
 bytes of step N's copy, which may still be queued on the stream.
+
+The device table persists between steps: a row that holds the same sequence's table as at the
+last upload gets only the entries appended since (a decode step adds a block per sequence every
+block_size steps, where writing every entry of every row cost a long-context batch of 256
+sequences about a millisecond of host time a step). A sequence's block table only grows while
+it is the same list (a preemption, a fork or a handoff gives it a new one), so the list's
+identity and its length at the upload say which entries the device has. Off for a rank with
+tensor-parallel followers (they upload what rank 0 packed, with tables of their own).
 """
 
 from __future__ import annotations
@@ -115,6 +123,10 @@ class PackedStep:
     sample_indices: list[int]
     graph_size: int | None
     has_lora: bool
+    # The device table's rows after this step's upload: (the row's block-table list, its length);
+    # and the table state the entries were packed against (InputBuffers._tables_epoch).
+    table_rows: list[tuple[list[int], int]] | None = None
+    tables_epoch: int = 0
 
 
 class InputBuffers:
@@ -154,6 +166,12 @@ class InputBuffers:
         pin = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
+        # Pack only the entries a row's table gained since the last upload (see the module's
+        # docstring); what each row of the device table holds, and a count of the times the
+        # device table was written by anything else (which makes the rows unknown).
+        self.incremental_tables = True
+        self._table_rows: list[tuple[list[int], int]] = []
+        self._tables_epoch = 0
 
     def host_buffer(self) -> torch.Tensor:
         """The next of the two host buffers (a tensor-parallel follower fills it with rank 0's step)."""
@@ -208,6 +226,7 @@ class InputBuffers:
         views["seq_lens"].fill_(1)
         views["query_start_loc"].copy_(torch.arange(batch_size + 1, dtype=torch.int32))
         self.block_tables[:batch_size].zero_()
+        self._forget_tables()
         if self.num_lora_slots:  # no token uses an adapter
             views["lora_order"].copy_(torch.arange(batch_size, dtype=torch.int32))
             views["lora_starts"].zero_()
@@ -319,12 +338,23 @@ class InputBuffers:
                 f"a block table of {width} blocks exceeds max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
-        lengths = np.asarray(table_lengths, dtype=np.int64)
-        num_entries = int(lengths.sum())
-        # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table.
+        # Entry j of row i goes to the flat place i * max_blocks_per_seq + j of the device table;
+        # a row that holds the same table as at the last upload gets only its new entries.
+        table_rows = list(zip(tables, table_lengths))
+        known = self._known_entries(table_rows)
+        if known is None:
+            first = np.zeros(num_seqs, dtype=np.int64)
+            entries = list(itertools.chain.from_iterable(tables))
+        else:
+            first = np.asarray(known, dtype=np.int64)
+            entries = list(
+                itertools.chain.from_iterable(t[k:] for t, k in zip(tables, known) if k < len(t))
+            )
+        lengths = np.asarray(table_lengths, dtype=np.int64) - first
+        num_entries = len(entries)
         row_starts = np.cumsum(lengths) - lengths
         places = np.arange(num_entries) + np.repeat(
-            np.arange(num_seqs) * self.max_blocks_per_seq - row_starts, lengths
+            np.arange(num_seqs) * self.max_blocks_per_seq + first - row_starts, lengths
         )
         layout = packed_layout(
             num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots
@@ -348,7 +378,7 @@ class InputBuffers:
             ("sample_rows", sample_rows),
             ("pending_rows", pending_rows),
             ("pending_sources", sources),
-            ("table_entries", list(itertools.chain.from_iterable(tables))),
+            ("table_entries", entries),
             ("table_places", places),
         ]
         if self.num_lora_slots:  # padding rows use no adapter
@@ -375,6 +405,37 @@ class InputBuffers:
             sample_indices,
             graph_size,
             has_lora,
+            table_rows,
+            self._tables_epoch,
+        )
+
+    def _known_entries(self, table_rows: list[tuple[list[int], int]]) -> list[int] | None:
+        """Per row, how many of its table's entries the device table holds already (None: write
+        every entry)."""
+        if not self.incremental_tables or not self._table_rows:
+            return None
+        uploaded = self._table_rows
+        num_uploaded = len(uploaded)
+        known = [0] * len(table_rows)
+        for i, (table, length) in enumerate(table_rows[:num_uploaded]):
+            held, num_held = uploaded[i]
+            if held is table and num_held <= length:
+                known[i] = num_held
+        return known
+
+    def _forget_tables(self) -> None:
+        """The device table was written by something else: every row is unknown."""
+        self._table_rows = []
+        self._tables_epoch += 1
+
+    def _write_whole_tables(self, table_rows: list[tuple[list[int], int]]) -> None:
+        width = self.max_blocks_per_seq
+        entries = [b for table, n in table_rows for b in table[:n]]
+        places = [i * width + j for i, (_, n) in enumerate(table_rows) for j in range(n)]
+        self.block_tables.view(-1).index_copy_(
+            0,
+            torch.tensor(places, dtype=torch.int64).to(self.device),
+            torch.tensor(entries, dtype=torch.int32).to(self.device),
         )
 
     def upload(self, step: PackedStep) -> StepInputs:
@@ -385,6 +446,12 @@ class InputBuffers:
         self.block_tables.view(-1).index_copy_(
             0, views["table_places"].long(), views["table_entries"]
         )
+        if step.table_rows is not None:
+            if step.tables_epoch != self._tables_epoch:
+                # Packed against rows that were overwritten since (a graph capture between the
+                # pack and this upload): every entry of every row, from the tables themselves.
+                self._write_whole_tables(step.table_rows)
+            self._table_rows = step.table_rows if self.incremental_tables else []
         meta = AttentionMetadata(
             slot_mapping=views["slot_mapping"],
             query_start_loc=views["query_start_loc"],
