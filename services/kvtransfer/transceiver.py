@@ -10,6 +10,13 @@ num_kv_heads, head_dim], so block b of every layer is one contiguous byte range
 and a run of consecutive blocks is one contiguous range too: a request needs
 one descriptor per run, not one per block and layer.
 
+Each side's blocks are listed with NIXL once (`prep_xfer_dlist`, one descriptor per rank and
+block: ours at open, a peer's at add_peer), so a READ is two index arrays for `make_prepped_xfer`,
+which merges blocks adjacent on both sides into one descriptor itself, instead of descriptor
+lists that NIXL checks and prepares again on every READ (`initialize_xfer`). That cut preparing
+a READ 2-4x on CPU (bench/kv_read_prep.py); descriptors.py says when the per-READ lists are
+still used.
+
 A tensor-parallel worker registers every rank's pool with its one agent (rank 0 maps the
 followers' pools, engine/kv_share.py) and its state lists them; a READ between workers of
 different TP sizes moves head slices (head_slices.py).
@@ -20,12 +27,17 @@ Not thread-safe: one owner thread (the worker's engine thread) drives it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
-import numpy as np
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle
 
+from tandem.kvtransfer.descriptors import (
+    block_descriptors,
+    block_id_array,
+    count_runs,
+    plan_descriptors,
+    prepped_indices,
+)
 from tandem.kvtransfer.errors import (
     KvTransferError,
     LayoutMismatchError,
@@ -54,6 +66,7 @@ class KvTransceiver:
         *,
         progress_thread: bool = True,
         max_descriptor_bytes: int | None = None,
+        prepared_descriptors: bool = True,
     ):
         """`progress_thread`: NIXL's own UCX progress thread. With it, a READ completes
         whatever the peer is doing; without it, UCX progresses only inside
@@ -62,6 +75,10 @@ class KvTransceiver:
         10 ms floor). The price is a busy core per agent (1.0 CPU-s per s while idle),
         which on a host with ~2 cores starves memcpy; turn it off only where both
         sides poll tightly.
+
+        `prepared_descriptors`: False builds every READ's descriptor lists anew (what a peer of
+        another TP size, or a max_descriptor_bytes cut, always gets); bench/kv_read_prep.py
+        compares the two.
         """
         if not isinstance(agent_name, str) or not agent_name:
             raise ValueError("agent_name must be a non-empty string")
@@ -97,6 +114,8 @@ class KvTransceiver:
         )
         self._layout_hash = layout_hash
         self._peers: dict[str, TransceiverState] = {}
+        # Per peer: its blocks prepared with NIXL, or None where READs build descriptors each time.
+        self._peer_dlists: dict[str, nixl_prepped_dlist_handle | None] = {}
         self._in_flight: set[Transfer] = set()
         apply_ucx_defaults(memory_type)
         self._agent: nixl_agent | None = nixl_agent(
@@ -129,6 +148,21 @@ class KvTransceiver:
         self._max_run_blocks = (
             max(1, max_descriptor_bytes // self.block_nbytes) if max_descriptor_bytes else None
         )
+        self._local_dlist: nixl_prepped_dlist_handle | None = None
+        if prepared_descriptors and self._max_run_blocks is None:
+            try:
+                self._local_dlist = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT",
+                    block_descriptors(self._local.rank_pools, self.num_blocks, self.block_nbytes),
+                    memory_type,
+                )
+            except NIXL_ERRORS as exc:
+                # READs still work, each building its own lists as before prepared lists existed.
+                logger.warning(
+                    "preparing our KV pool's blocks with NIXL failed, READs build descriptors "
+                    "each time: %s",
+                    exc,
+                )
 
     @property
     def agent_name(self) -> str:
@@ -200,6 +234,7 @@ class KvTransceiver:
                 f"state names agent {remote.agent_name!r} but its metadata is agent {loaded_name!r}"
             )
         self._peers[remote.agent_name] = remote
+        self._peer_dlists[remote.agent_name] = self._prep_peer(agent, remote)
         return remote
 
     def remove_peer(self, name: str) -> bool:
@@ -215,6 +250,7 @@ class KvTransceiver:
                 f"peer {name!r} has {num_running} transfers in flight; wait or abort them first"
             )
         del self._peers[name]
+        _release(self._peer_dlists.pop(name, None))
         agent.remove_remote_agent(name)
         return True
 
@@ -237,8 +273,8 @@ class KvTransceiver:
             raise ValueError(
                 f"{len(remote_block_ids)} remote block ids but {len(local_block_ids)} local block ids"
             )
-        _check_block_ids("remote", remote_block_ids, peer.num_blocks)
-        _check_block_ids("local", local_block_ids, self.num_blocks)
+        remote_ids = block_id_array("remote", remote_block_ids, peer.num_blocks)
+        local_ids = block_id_array("local", local_block_ids, self.num_blocks)
         if len(set(local_block_ids)) != len(local_block_ids):
             raise ValueError("local block ids repeat: two reads into one block would race")
         if not remote_block_ids:
@@ -246,46 +282,28 @@ class KvTransceiver:
                 agent.send_notif(peer_name, notify)
             return Transfer.completed(peer_name)
 
-        plan = read_plan(
-            remote_block_ids,
-            local_block_ids,
-            self._geometry,
-            peer.tp_size,
-            self.tp_size,
-            self._max_run_blocks,
-        )
-        remote_pools, local_pools = (
-            np.array(peer.rank_pools, dtype=np.uint64),
-            np.array(self._local.rank_pools, dtype=np.uint64),
-        )
-        remote_descs = np.stack(
-            [
-                remote_pools[plan[:, 0], 0] + plan[:, 1].astype(np.uint64),
-                plan[:, 4].astype(np.uint64),
-                remote_pools[plan[:, 0], 1],
-            ],
-            axis=1,
-        )
-        local_descs = np.stack(
-            [
-                local_pools[plan[:, 2], 0] + plan[:, 3].astype(np.uint64),
-                plan[:, 4].astype(np.uint64),
-                local_pools[plan[:, 2], 1],
-            ],
-            axis=1,
-        )
-        num_bytes = int(plan[:, 4].sum())
+        remote_dlist = self._peer_dlists.get(peer_name)
         try:
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local_descs, self._local.memory_type),
-                agent.get_xfer_descs(remote_descs, peer.memory_type),
-                peer_name,
-                notify,
-            )
+            if remote_dlist is not None:
+                handle = agent.make_prepped_xfer(
+                    "READ",
+                    self._local_dlist,
+                    prepped_indices(local_ids, self.num_blocks, self.tp_size),
+                    remote_dlist,
+                    prepped_indices(remote_ids, peer.num_blocks, peer.tp_size),
+                    notify,
+                )
+                num_descriptors = self.tp_size * count_runs(remote_ids, local_ids)
+                num_bytes = len(local_ids) * self.tp_size * self.block_nbytes
+            else:
+                handle, num_descriptors, num_bytes = self._planned_xfer(
+                    agent, peer, remote_block_ids, local_block_ids, notify
+                )
         except NIXL_ERRORS as exc:
             raise TransferError(f"preparing READ from peer {peer_name!r} failed: {exc}") from exc
-        transfer = Transfer(agent, handle, peer_name, len(plan), num_bytes, self._in_flight.discard)
+        transfer = Transfer(
+            agent, handle, peer_name, num_descriptors, num_bytes, self._in_flight.discard
+        )
         self._in_flight.add(transfer)
         try:
             status = agent.transfer(handle)
@@ -309,11 +327,14 @@ class KvTransceiver:
         for transfer in list(self._in_flight):
             transfer.abort()
         for name in list(self._peers):
+            _release(self._peer_dlists.pop(name, None))
             try:
                 agent.remove_remote_agent(name)
             except NIXL_ERRORS as exc:
                 logger.warning("removing peer %r on close failed: %s", name, exc)
         self._peers.clear()
+        _release(self._local_dlist)
+        self._local_dlist = None
         agent.deregister_memory(self._registration)
         self._registration = None
         self._agent = None
@@ -329,13 +350,64 @@ class KvTransceiver:
             raise TransceiverClosedError(f"transceiver {self.agent_name!r} is closed")
         return self._agent
 
+    def _prep_peer(
+        self, agent: nixl_agent, peer: TransceiverState
+    ) -> nixl_prepped_dlist_handle | None:
+        """The peer's blocks prepared with NIXL, or None where its READs build descriptors each
+        time: another TP size moves head slices, not blocks."""
+        if self._local_dlist is None or peer.tp_size != self.tp_size:
+            return None
+        try:
+            return agent.prep_xfer_dlist(
+                peer.agent_name,
+                block_descriptors(peer.rank_pools, peer.num_blocks, peer.block_nbytes),
+                peer.memory_type,
+            )
+        except NIXL_ERRORS as exc:
+            # Its READs then fail (or not) exactly as they did before prepared lists existed.
+            logger.warning(
+                "preparing the blocks of peer %r failed, its READs build descriptors each time: %s",
+                peer.agent_name,
+                exc,
+            )
+            return None
 
-def _check_block_ids(side: str, block_ids: Sequence[int], num_blocks: int) -> None:
-    for block_id in block_ids:
-        if not isinstance(block_id, (int, np.integer)) or isinstance(block_id, bool):
-            raise ValueError(f"{side} block id {block_id!r} is not an integer")
-        if not 0 <= block_id < num_blocks:
-            raise ValueError(f"{side} block id {block_id} is out of range [0, {num_blocks})")
+    def _planned_xfer(
+        self,
+        agent: nixl_agent,
+        peer: TransceiverState,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        notify: bytes,
+    ) -> tuple[nixl_xfer_handle, int, int]:
+        """A READ from read_plan's descriptors, built for this READ alone: (handle, descriptors,
+        bytes)."""
+        plan = read_plan(
+            remote_block_ids,
+            local_block_ids,
+            self._geometry,
+            peer.tp_size,
+            self.tp_size,
+            self._max_run_blocks,
+        )
+        remote_descs, local_descs = plan_descriptors(plan, peer.rank_pools, self._local.rank_pools)
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local_descs, self._local.memory_type),
+            agent.get_xfer_descs(remote_descs, peer.memory_type),
+            peer.agent_name,
+            notify,
+        )
+        return handle, len(plan), int(plan[:, 4].sum())
+
+
+def _release(dlist: nixl_prepped_dlist_handle | None) -> None:
+    if dlist is None:
+        return
+    try:
+        dlist.release()
+    except NIXL_ERRORS as exc:
+        logger.warning("releasing a prepared NIXL descriptor list failed: %s", exc)
 
 
 def _device_id(pool: torch.Tensor) -> int:
