@@ -22,13 +22,12 @@ measured against ("pull").
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import random
 import statistics
 import time
 
 import torch
-from kv_transfer import PREFILL_NAME, SHAPES, pick_block_ids, prefill_main
+from kv_transfer import PREFILL_NAME, SHAPES, pick_block_ids, start_prefill
 
 from tandem.kvtransfer import KvTransceiver
 
@@ -73,19 +72,7 @@ def main() -> None:
     # Scattered picks need room to scatter in; twice the largest READ.
     pool_blocks = 2 * max(BLOCK_COUNTS)
 
-    context = mp.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    prefill = context.Process(
-        target=prefill_main,
-        args=(child_conn, args.shape, pool_blocks, str(device), args.progress_thread),
-        daemon=True,
-    )
-    prefill.start()
-    child_conn.close()
-    if not conn.poll(120):
-        prefill.kill()
-        raise SystemExit("prefill process did not publish its state within 120 s")
-    state = conn.recv_bytes()
+    prefill, conn, state = start_prefill(args.shape, pool_blocks, str(device), args.progress_thread)
 
     pool = shape.pool(pool_blocks, device)
     transceivers = {

@@ -116,6 +116,24 @@ def prefill_main(
         conn.send_bytes(str(num_notifications).encode())
 
 
+def start_prefill(shape_name: str, num_blocks: int, device: str, progress_thread: bool):
+    """The prefill process (prefill_main, spawned) once it has published its transceiver's
+    state: (the process, our end of its pipe, the state)."""
+    context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    prefill = context.Process(
+        target=prefill_main,
+        args=(child_conn, shape_name, num_blocks, device, progress_thread),
+        daemon=True,
+    )
+    prefill.start()
+    child_conn.close()
+    if not conn.poll(120):
+        prefill.kill()
+        raise SystemExit("prefill process did not publish its state within 120 s")
+    return prefill, conn, conn.recv_bytes()
+
+
 def timed_s(fn, iters: int, warmup: int, reduce=statistics.median) -> float:
     for _ in range(warmup):
         fn()
@@ -234,19 +252,9 @@ def main() -> None:
         for num_tokens in PROMPT_LENGTHS
     }
 
-    context = mp.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    prefill = context.Process(
-        target=prefill_main,
-        args=(child_conn, args.shape, pool_blocks, str(prefill_device), args.progress_thread),
-        daemon=True,
+    prefill, conn, state = start_prefill(
+        args.shape, pool_blocks, str(prefill_device), args.progress_thread
     )
-    prefill.start()
-    child_conn.close()
-    if not conn.poll(120):
-        prefill.kill()
-        raise SystemExit("prefill process did not publish its state within 120 s")
-    state = conn.recv_bytes()
 
     decode_pool = shape.pool(pool_blocks, decode_device)
     transceiver = KvTransceiver(
