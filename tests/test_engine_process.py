@@ -304,7 +304,8 @@ def test_frames_carry_outputs_errors_and_tensors_unchanged():
     from tandem.common.errors import unavailable
     from tandem.common.exceptions import PreconditionError, RetryLaterError
     from tandem.engine import wire
-    from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
+    from tandem.engine.beam_search import BeamResult
+    from tandem.engine.messages import AddRequest, EngineFailure, Lease, StepOutput
     from tandem.engine.sampling_options import SamplingOptions
     from tandem.engine.sequence import FinishReason, Phase
     from tandem.engine.sequence_perf import SequencePerf
@@ -356,6 +357,31 @@ def test_frames_carry_outputs_errors_and_tensors_unchanged():
     assert str(retry.value) == str(RetryLaterError("pool full", 2.5))
     status, _ = wire.decode(wire.encode(Reply(False, unavailable("core gone"))))
     assert status.value.code == grpc.StatusCode.UNAVAILABLE and status.value.message == "core gone"
+    # Every field of an output crosses as it was (a StepOutput is decoded typed): the lease, the
+    # drafts, each token's logits row, a beam search's beams, the scheduling time.
+    full = StepOutput(
+        "r3",
+        [7, 8],
+        [None, {8: -0.25}],
+        -3,  # an int where a float is declared: still a float's value
+        True,
+        FinishReason.STOP,
+        8,
+        4,
+        0,
+        [3],
+        [None, {8: 2}],
+        beams=[BeamResult([7, 8], -1.5, FinishReason.STOP, [-0.5, -1.0])],
+        generation_logits=[logits[0], logits[1]],
+        first_scheduled_at=12.5,
+        lease=Lease(2**61, [3], 99.0),
+        draft_token_ids=[9, 10],
+    )
+    crossed, _ = wire.decode(wire.encode(Outputs([["r3", *wire.pack(full)]])))
+    got = wire.unpack(*crossed.items[0][1:])
+    assert all(torch.equal(a, b) for a, b in zip(got.generation_logits, full.generation_logits))
+    got.generation_logits = full.generation_logits
+    assert got == full and type(got.beams[0]) is BeamResult and got.cumulative_logprob == -3.0
     # A scalar tensor crosses too.
     scalar = wire.unpack(
         *wire.pack(StepOutput("r", [], [], 0.0, False, context_logits=logits[0, 0]))

@@ -187,6 +187,8 @@ register(
 def pack(obj: Any) -> list:
     """[kind, payload]: a registered dataclass by its name and fields, anything else as it is
     (kind "")."""
+    if type(obj) is messages.StepOutput:  # most of what crosses: checked by its exact type only
+        return ["StepOutput", obj]
     if obj is None or not dataclasses.is_dataclass(obj):
         return ["", obj]
     kind = type(obj).__name__
@@ -202,15 +204,26 @@ def pack(obj: Any) -> list:
 
 
 def unpack(kind: str, payload: Any) -> Any:
+    """The object of a frame's [kind, payload] (payload as decode() leaves it: a step's outputs
+    still raw)."""
+    if isinstance(payload, msgspec.Raw):
+        if kind == "StepOutput":
+            return _with_beams(_step_output_decoder.decode(payload))
+        payload = _decoder.decode(payload)
     if not kind:
         return payload
     cls = _TYPES[kind]
     if cls is messages.EngineFailure:
         return messages.EngineFailure(payload["error"])
     value = msgspec.convert(payload, cls, strict=False)
-    if cls is messages.StepOutput and value.beams:
-        value.beams = [msgspec.convert(b, BeamResult, strict=False) for b in value.beams]
-    return value
+    return _with_beams(value) if cls is messages.StepOutput else value
+
+
+def _with_beams(out: messages.StepOutput) -> messages.StepOutput:
+    """A beam search's beams (typed only as a list on StepOutput) as BeamResults."""
+    if out.beams:
+        out.beams = [msgspec.convert(b, BeamResult, strict=False) for b in out.beams]
+    return out
 
 
 def encode(obj: Any, tag: int = 0) -> bytes:
@@ -218,7 +231,18 @@ def encode(obj: Any, tag: int = 0) -> bytes:
     return _encoder.encode([*pack(obj), tag])
 
 
+# A frame is read in two passes: its kind, then its payload by what the kind is. A step's outputs
+# (an Outputs frame: [request id, kind, payload] each, 256 of them a step at 256 sequences) keep
+# their payloads raw, and unpack() reads each StepOutput with a decoder typed for it, which builds
+# the dataclass as it reads: about half the time of decoding to plain values and converting.
+_frame_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw, int])
+_items_decoder = msgspec.msgpack.Decoder(dict[str, list[tuple[str, str, msgspec.Raw]]])
+_step_output_decoder = msgspec.msgpack.Decoder(messages.StepOutput, ext_hook=_ext_hook)
+
+
 def decode(frame: bytes) -> tuple[Any, int]:
-    """(obj, tag) of a frame."""
-    kind, payload, tag = _decoder.decode(frame)
+    """(obj, tag) of a frame; an Outputs frame's items keep their payloads raw (unpack them)."""
+    kind, payload, tag = _frame_decoder.decode(frame)
+    if kind == "Outputs":
+        return _TYPES[kind](_items_decoder.decode(payload)["items"]), tag
     return unpack(kind, payload), tag
