@@ -149,7 +149,7 @@ def test_a_prefill_under_a_new_agent_starts_a_new_link_and_old_links_go():
 
 def test_transceiver_state_reads_version_2_and_bounds_the_host_id():
     from tandem.kvtransfer import TransceiverState
-    from tandem.kvtransfer.state import _LENGTH, _PREFIX, MAGIC
+    from tandem.kvtransfer.state import _LENGTH, _PREFIX, MAGIC, MAX_NUM_BLOCKS
 
     state = TransceiverState("a", b"meta", 4096, 64, 8, "DRAM", 0, "hash", host_id="boot-1")
     assert TransceiverState.from_bytes(state.to_bytes()) == state
@@ -171,6 +171,11 @@ def test_transceiver_state_reads_version_2_and_bounds_the_host_id():
     for bad in ("x" * 254, "boot\n1", "boöt"):
         with pytest.raises(ValueError, match="host_id"):
             TransceiverState("a", b"meta", 4096, 64, 8, "DRAM", 0, "hash", host_id=bad)
+    # A peer's blocks are listed with NIXL when it is added: their count is bounded first.
+    for num_blocks, block_nbytes in ((MAX_NUM_BLOCKS + 1, 64), (1 << 20, 1 << 36)):
+        with pytest.raises(ValueError, match="num_blocks must be at most"):
+            TransceiverState("a", b"meta", 4096, block_nbytes, num_blocks, "DRAM", 0, "hash")
+    TransceiverState("a", b"meta", 4096, 64, MAX_NUM_BLOCKS, "DRAM", 0, "hash")
 
 
 def test_a_lane_whose_every_pull_is_slow_warns_once(caplog):

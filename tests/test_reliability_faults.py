@@ -171,14 +171,16 @@ def test_streams_move_off_a_hung_decode(model_dirs):
 
                 def hang_a_busy_decode() -> None:
                     # Polled and stopped from this thread, never waiting on the event loop: the
-                    # decode is stopped while it holds 2 streams and none of them is past half its
-                    # tokens (fewer than max_tokens/2 generated on it since the warm-up), so each
-                    # has a long way to go and must move, however slow the machine is.
+                    # decode is stopped while it holds 2 streams or more and, on average, they
+                    # are not past half their tokens (counting every token generated on it
+                    # since the warm-up), so one of them at least has a long way to go and
+                    # must move, however slow the machine is.
                     while not load_ended.is_set():
                         for w, stub in stubs:
                             s = state(stub)
                             fresh = s.num_generated_tokens - warm[w.address]
-                            if s.num_active_requests >= 2 and fresh < max_tokens // 2:
+                            active = s.num_active_requests
+                            if active >= 2 and fresh < active * max_tokens // 2:
                                 w.process.send_signal(signal.SIGSTOP)
                                 stopped.append((w, time.monotonic()))
                                 return
@@ -189,9 +191,11 @@ def test_streams_move_off_a_hung_decode(model_dirs):
                     outcomes = await asyncio.wait_for(
                         run_load(llm, prompts, params, num_requests), 120
                     )
-                finally:
+                finally:  # (a failed load's own error is the one raised)
                     load_ended.set()
-                    await hang
+                    (polled,) = await asyncio.gather(hang, return_exceptions=True)
+                if isinstance(polled, BaseException):
+                    raise AssertionError(f"polling the decodes failed: {polled!r}") from polled
                 if (
                     not stopped
                 ):  # bounded: the load ended with no decode ever seen holding 2 streams

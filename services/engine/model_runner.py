@@ -252,7 +252,7 @@ class ModelRunner:
             config.max_num_samples,
         )
         # Followers upload what rank 0 packs into tables of their own: every entry, every step.
-        self.inputs.incremental_tables = self.followers is None
+        self.inputs.incremental_tables = not self.tp.is_parallel
         self.sampler = Sampler(
             self.model_config.vocab_size, config.max_num_samples, self.device, config.seed
         )
@@ -688,8 +688,11 @@ class ModelRunner:
             else self.graphs
         )
         last_rows, last_tokens = self._last_draws or ({}, None)
-        if graph_size is not None:
-            graphs.capture()  # before the pack: a capture writes the device's block table
+        if graph_size is not None and self.followers is None:
+            # Before the pack (a capture writes the device's block table; upload() also rewrites
+            # whole tables packed before one). Not with followers: their capture's collectives
+            # pair with ours only in _forward, after they have the step.
+            graphs.capture()
         step = self.inputs.pack(batch, graph_size, last_rows)
         if self.followers is not None:
             self.followers.send_step(step)

@@ -26,6 +26,9 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 # A host id is a boot id (36 characters) or a host name (at most 253).
 MAX_HOST_ID_CHARS = 253
+# The most KV blocks a pool may have (an 8B model's 80 GB of KV is ~40,000 blocks of 16 tokens;
+# a small model's pool of short blocks a few million): a peer's are listed once when it is added.
+MAX_NUM_BLOCKS = 1 << 24
 MEMORY_TYPES = ("DRAM", "VRAM")
 
 _PREFIX = struct.Struct("!4sHI")
@@ -88,6 +91,12 @@ class TransceiverState:
             raise ValueError(
                 f"base_address, block_nbytes and num_blocks must be positive, got "
                 f"{self.base_address}, {self.block_nbytes}, {self.num_blocks}"
+            )
+        if self.num_blocks > MAX_NUM_BLOCKS or self.num_blocks * self.block_nbytes >= 1 << 56:
+            # A peer's blocks are listed with NIXL when it is added (one descriptor each).
+            raise ValueError(
+                f"num_blocks must be at most {MAX_NUM_BLOCKS} and the pool under 2**56 bytes, got "
+                f"{self.num_blocks} blocks of {self.block_nbytes} bytes"
             )
         if self.device_id < 0:
             raise ValueError(f"device_id must be >= 0, got {self.device_id}")

@@ -363,7 +363,7 @@ class KvTransceiver:
                 block_descriptors(peer.rank_pools, peer.num_blocks, peer.block_nbytes),
                 peer.memory_type,
             )
-        except NIXL_ERRORS as exc:
+        except (*NIXL_ERRORS, MemoryError, OverflowError, ValueError) as exc:
             # Its READs then fail (or not) exactly as they did before prepared lists existed.
             logger.warning(
                 "preparing the blocks of peer %r failed, its READs build descriptors each time: %s",

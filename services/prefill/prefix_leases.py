@@ -13,7 +13,8 @@ Leased prefixes pin blocks until the peer confirms or the lease expires: togethe
 at most max_fraction of the pool (--max-prefix-lease-kv-fraction). A lease that would pass it is
 cut to what is left, before the engine looks (nothing at all once the share is held): a prefix
 pull is an optimization, so the peer computes the rest, and this worker's own requests keep the
-pool.
+pool. A call counts the blocks it asks for while the engine looks (the blocks it gets may be
+fewer), and a call whose caller went away keeps counting until its blocks are sent back.
 """
 
 from __future__ import annotations
@@ -80,16 +81,24 @@ class PrefixLeases:
                 return worker_pb2.LeasePrefixResponse()
             token_ids = token_ids[: room * block_size]
             num_wanted = room
+        # Counted against the share until the blocks are under a lease or on their way back.
         self._reserved += num_wanted
-        future = self.core.submit(LeasePrefix(token_ids, salt))
+        try:
+            future = self.core.submit(LeasePrefix(token_ids, salt))
+        except BaseException:
+            self._reserved -= num_wanted
+            raise
         try:
             block_ids = await asyncio.shield(future)
         except asyncio.CancelledError:
-            # The caller went away while the engine held the blocks: give them back once it has.
-            future.add_done_callback(self._give_back)
+            # The caller went away while the engine held the blocks: give them back once it has,
+            # and only then this call's room (the blocks stay pinned until then).
+            future.add_done_callback(lambda f: self._give_back(f, num_wanted))
             raise
-        finally:
+        except BaseException:
             self._reserved -= num_wanted
+            raise
+        self._reserved -= num_wanted
         left = time_remaining()
         # A caller whose deadline passed, or a pause that began while the engine looked (it
         # ended every lease; none opens until it is over): the blocks go back.
@@ -124,6 +133,9 @@ class PrefixLeases:
             del self._leased[lease_id]
         return sum(self._leased.values())
 
-    def _give_back(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None and future.result():
-            self.core.send(FreeBlocks(future.result()))
+    def _give_back(self, future: asyncio.Future, num_reserved: int) -> None:
+        try:
+            if not future.cancelled() and future.exception() is None and future.result():
+                self.core.send(FreeBlocks(future.result()))
+        finally:
+            self._reserved -= num_reserved

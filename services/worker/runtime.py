@@ -99,6 +99,7 @@ class WorkerRuntime:
         # while the transceiver runs; how ours ended, since start.
         self.prefix_leases: PrefixLeases | None = None
         self.prefix_pulls: PrefixPulls | None = None
+        self._prefix_lease_counts = (0, 0)  # (opened, trimmed) across transceiver restarts
         self.prefix_pull_outcomes: collections.Counter[str] = collections.Counter()
         self._num_bytes_received = 0
         # Why the worker must exit non-zero (its engine core process died), else None.
@@ -283,6 +284,10 @@ class WorkerRuntime:
                 weights_id,
                 cfg.limits.max_prefix_lease_kv_fraction,
             )
+            # Counted since start, not since the transceiver last opened (a memory release).
+            self.prefix_leases.num_opened, self.prefix_leases.num_trimmed = (
+                self._prefix_lease_counts
+            )
             self.prefix_pulls = PrefixPulls(
                 self.worker_id,
                 self.core.facts.limits.block_size,
@@ -317,6 +322,11 @@ class WorkerRuntime:
         if self.phases.generation is not None:
             self._num_bytes_received += self.phases.generation.num_bytes_received
         self.phases.context = self.phases.generation = None
+        if self.prefix_leases is not None:
+            self._prefix_lease_counts = (
+                self.prefix_leases.num_opened,
+                self.prefix_leases.num_trimmed,
+            )
         self.prefix_leases = self.prefix_pulls = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
