@@ -109,7 +109,9 @@ def serving(address: str) -> bool:
 
 
 def test_tandem_up_restarts_a_dead_worker_and_keeps_serving(model_dirs, tmp_path):
-    num_streams, max_tokens = scaled(24, 160), scaled(64, 128)
+    # Streams long enough that most are still running when the last one has started (on a fast
+    # run 64 tokens took 0.3 s and most had ended before the kill).
+    num_streams, max_tokens = scaled(24, 160), scaled(192, 256)
     up = Up(model_dirs["llama"], tmp_path / "up.log")
     try:
         up.wait_for("tandem: serving on", 180)
