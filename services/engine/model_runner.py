@@ -688,11 +688,6 @@ class ModelRunner:
             else self.graphs
         )
         last_rows, last_tokens = self._last_draws or ({}, None)
-        if graph_size is not None and self.followers is None:
-            # Before the pack (a capture writes the device's block table; upload() also rewrites
-            # whole tables packed before one). Not with followers: their capture's collectives
-            # pair with ours only in _forward, after they have the step.
-            graphs.capture()
         step = self.inputs.pack(batch, graph_size, last_rows)
         if self.followers is not None:
             self.followers.send_step(step)
