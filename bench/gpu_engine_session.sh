@@ -120,8 +120,8 @@ if has det; then  # issue 33: the deterministic mode's cost and its batch invari
 fi
 if has multiturn; then  # issue 36: 32 sessions of ~0.5-1k tokens against a 4,096-token device pool
   ckpt && timeout "${MULTITURN_S:-240}" python3 bench/multiturn.py --device cuda --model "$CKPT" \
-    --sessions 32 --turns 4 --first-prompt 512 --question 64 --answer 32 --pool-blocks 256 \
-    --host-gb 8 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/multiturn.txt" | tail -14
+    ${MULTITURN_ARGS:---sessions 32 --turns 4 --first-prompt 512 --question 64 --answer 32 --pool-blocks 256 \
+    --host-gb 8} 2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/multiturn.txt" | tail -14
 fi
 if has proc; then  # issue 28: the engine core process against the engine thread, same run
   for variant in "thread:" "process:--engine-process"; do

@@ -98,6 +98,36 @@ def _run(args, host_gb: float, num_workers: int = 1, pulls: bool = False) -> lis
         return asyncio.run(_sessions(cluster.address, args, bounce=num_workers > 1))
 
 
+def _copy_floor(args) -> str:
+    """On CUDA: pinned host -> device bandwidth, and the copy up of a turn-2 history at it (the
+    tier's floor for a returning session's prefix; bf16 KV)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    if not args.device.startswith("cuda"):
+        return ""
+    host = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=args.device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    gbps = 5 * host.numel() / (time.perf_counter() - started) / 1e9
+    config = json.loads((Path(args.model or default_model_dir()) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    tokens = args.first_prompt + 1 + args.answer
+    history = tokens * per_token
+    return (
+        f"copy floor: pinned host -> device {gbps:.1f} GB/s; a turn-2 history ({tokens} tokens, "
+        f"{history / 2**20:.0f} MiB of bf16 KV) copies up in {history / gbps / 1e6:.1f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,15 +153,21 @@ def main() -> None:
         default=2000.0,
         help="the router's cost model: prompt tokens a worker computes per second",
     )
+    parser.add_argument(
+        "--one-worker-only",
+        action="store_true",
+        help="only the one-worker rows (no tier, host tier): not the two bouncing workers",
+    )
     args = parser.parse_args()
 
+    floor = _copy_floor(args)
     tier = f"host tier {args.host_gb} GiB"
-    results = {
-        "no tier": _run(args, 0),
-        tier: _run(args, args.host_gb),
-        f"2 workers, bouncing, {tier}": _run(args, args.host_gb, 2),
-        f"2 workers, bouncing, {tier} + prefix pulls": _run(args, args.host_gb, 2, pulls=True),
-    }
+    results = {"no tier": _run(args, 0), tier: _run(args, args.host_gb)}
+    if not args.one_worker_only:
+        results[f"2 workers, bouncing, {tier}"] = _run(args, args.host_gb, 2)
+        results[f"2 workers, bouncing, {tier} + prefix pulls"] = _run(
+            args, args.host_gb, 2, pulls=True
+        )
     answers = [[t["answer"] for t in turns] for turns in results.values()]
     same = all(a == answers[0] for a in answers)
     print(
@@ -160,11 +196,16 @@ def main() -> None:
     names = list(later)
     print(
         f"turns 2+: TTFT {later[names[0]] * 1e3:.1f} ms without the tier, "
-        f"{later[names[1]] * 1e3:.1f} ms with it ({later[names[0]] / later[names[1]]:.2f}x lower); "
-        f"sessions bouncing between 2 workers: {later[names[2]] * 1e3:.1f} ms without prefix "
-        f"pulls, {later[names[3]] * 1e3:.1f} ms with them "
-        f"({later[names[2]] / later[names[3]]:.2f}x lower)"
+        f"{later[names[1]] * 1e3:.1f} ms with it ({later[names[0]] / later[names[1]]:.2f}x lower)"
     )
+    if len(names) > 2:
+        print(
+            f"sessions bouncing between 2 workers: {later[names[2]] * 1e3:.1f} ms without prefix "
+            f"pulls, {later[names[3]] * 1e3:.1f} ms with them "
+            f"({later[names[2]] / later[names[3]]:.2f}x lower)"
+        )
+    if floor:
+        print(floor)
     if not same:
         raise SystemExit("the answers differ between configurations")
 

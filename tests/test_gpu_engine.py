@@ -525,3 +525,31 @@ def test_eagle3_drafts_in_graphs_match_plain_decoding(model_dirs, tmp_path):
     assert drafting.runner.graphs.is_captured
     assert sum(in_graph) >= len(in_graph) // 2 > 0
     assert drafting.counters.num_draft_tokens > 0
+
+
+def test_the_host_tier_on_the_gpu_gives_the_tokens_of_no_tier(model_dirs):
+    """The host tier's copies run on a stream of their own (written through when a block is
+    freed, up ahead of the step that reads it): a pool too small for the sessions, sessions one
+    at a time and all at once, float32 so that any KV a copy got wrong shows in the tokens."""
+    from test_host_kv_tier import _turns
+
+    rng = random.Random(7)
+    sessions = [
+        [1] + [rng.randrange(4, 380) for _ in range(rng.randrange(90, 140))] for _ in range(5)
+    ]
+    kwargs = dict(dtype="float32", num_blocks=24, block_size=8, max_num_seqs=8)
+    plain = _engine(model_dirs["llama"], **kwargs)
+    tiered = _engine(model_dirs["llama"], host_kv_cache_gb=0.01, **kwargs)
+    want, _ = _turns(plain, [list(s) for s in sessions], 3)
+    got, cached = _turns(tiered, [list(s) for s in sessions], 3)
+    assert got == want
+    assert all(c >= 88 for c in cached[5:]), cached  # later rounds' histories came from the tier
+    # All at once: copies down of finished sessions overlap other sessions' steps.
+    histories = [s + w for s, w in zip(sessions, want[-5:])]
+    options = {f"b{i}": SamplingOptions(max_tokens=12, ignore_eos=True) for i in range(5)}
+    prompts = {f"b{i}": h for i, h in enumerate(histories)}
+    want_all = run_to_completion(plain, prompts, options)
+    for _ in range(2):
+        assert run_to_completion(tiered, prompts, options) == want_all
+    tier = tiered.block_manager.host_tier
+    assert tier.num_copied_up > 0 and tier.num_copied_down > 0

@@ -23,42 +23,79 @@ def test_the_tier_keeps_the_most_recent_blocks_and_owes_copies_in_order():
     assert tier.offload(103, 9) == 101  # full: the least recently used goes
     assert 101 not in tier and 102 in tier and 103 in tier
     slot = tier.claim(102)
-    # A claimed slot is not reused before its copy up ran, even with the tier full.
+    assert 102 in tier  # a block copied up stays: its KV is still valid
+    # A claimed slot is not reused before its copy up ran, even as the least recently used.
     assert tier.offload(104, 3) == 103
     other = tier.claim(104)
     assert tier.offload(105, 4) == 105  # every slot owed a copy up: nothing goes down now
     tier.copy_up(slot, 5)
     tier.copy_up(other, 6)
-    down, up = tier.take_copies()
+    copies = tier.take_copies()
     # Down first (the slot 104 came up from is read by its copy up after 104 went down).
-    assert down == [(7, 0), (8, 1), (9, 0), (3, 0)] and up == [(slot, 5), (other, 6)]
-    assert tier.offload(106, 6) is None  # the slots came free once their copies up ran
-    assert tier.clear() == [106] and len(tier) == 0
+    assert copies.down == [(7, 0), (8, 1), (9, 0), (3, 0)]
+    assert copies.up == [(slot, 5), (other, 6)]
+    # The device blocks about to be written again whose KV went down (105's did not).
+    assert copies.reused == [7, 8, 9, 3]
+    # Kept after the copy up: storing the block again copies nothing.
+    assert tier.store(102, 11) is None and tier.take_copies() == ([], [], [])
+    assert tier.offload(106, 6) == 104  # the slots came free once their copies up ran
+    assert tier.clear() == [102, 106] and len(tier) == 0
     with pytest.raises(ValueError, match="at least one block"):
         HostKvTier(0)
+
+
+class _Seq:  # what the block manager reads of a sequence
+    def __init__(self, ids):
+        self.all_token_ids = ids
+        self.num_computed_tokens = len(ids)
+        self.num_tokens = len(ids)
+        self.block_table, self.block_hashes = [], []
+        self.cache_salt, self.lora_fingerprint, self.adapter = None, None, None
+        self.caches_blocks, self.kv_unconfirmed = True, False
+
+    def token_slice(self, a, b):
+        return self.all_token_ids[a:b]
+
+
+def test_a_freed_block_is_written_through_and_its_eviction_copies_nothing():
+    bm = BlockManager(4, 2, host_tier=HostKvTier(3))
+    first = _Seq([1, 2, 3, 4])
+    first.block_table = bm.allocate(2)
+    bm.register_computed(first)
+    held, hashes = list(first.block_table), list(first.block_hashes)
+    take = bm.host_tier.take_copies
+    assert take() == ([], [], [])  # held by a request: nothing goes down yet
+    bm.release(first)
+    # Freed: both blocks go down now, while they idle (tail first), and stay cached on the device.
+    copies = take()
+    assert sorted(b for b, _ in copies.down) == sorted(held) and copies.reused == []
+    assert bm.match_prefix([1, 2, 3, 4], None, 4)[0] == held
+    bm.drain_events()
+    other = _Seq([9, 9, 9, 9, 9, 9, 9, 9])
+    other.block_table = bm.allocate(4)  # evicts first's two blocks: no copy, but reused
+    copies = take()
+    assert copies.down == [] and sorted(copies.reused) == sorted(held)
+    assert [e["type"] for e in bm.drain_events()] == ["updated", "updated"]
+    bm.register_computed(other)
+    other_hashes = list(other.block_hashes)
+    bm.release(other)  # 4 blocks down into a 3-slot tier holding 2: first's prefix pushed out
+    copies = take()
+    assert len(copies.down) == 4
+    removed = [h for e in bm.drain_events() if e["type"] == "removed" for h in e["block_hashes"]]
+    # Only what left both tiers is removed: other's blocks pushed out are still on the device.
+    assert sorted(removed) == sorted(hashes)
+    assert all(h in bm.match_prefix(other.all_token_ids, None, 8)[1] for h in other_hashes)
 
 
 def test_an_evicted_prefix_is_found_in_the_tier_and_taken_into_fresh_blocks():
     bm = BlockManager(4, 2, host_tier=HostKvTier(8))
 
-    class Seq:  # what the block manager reads of a sequence
-        def __init__(self, ids):
-            self.all_token_ids = ids
-            self.num_computed_tokens = len(ids)
-            self.num_tokens = len(ids)
-            self.block_table, self.block_hashes = [], []
-            self.cache_salt, self.lora_fingerprint, self.adapter = None, None, None
-            self.caches_blocks, self.kv_unconfirmed = True, False
-
-        def token_slice(self, a, b):
-            return self.all_token_ids[a:b]
-
-    first = Seq([1, 2, 3, 4])
+    first = _Seq([1, 2, 3, 4])
     first.block_table = bm.allocate(2)
     bm.register_computed(first)
     first_hashes = list(first.block_hashes)
     bm.release(first)
-    other = Seq([9, 9, 9, 9, 9, 9, 9, 9])
+    other = _Seq([9, 9, 9, 9, 9, 9, 9, 9])
     other.block_table = bm.allocate(4)  # every block: first's two are evicted, down to the tier
     bm.register_computed(other)
     events = bm.drain_events()
@@ -68,12 +105,11 @@ def test_an_evicted_prefix_is_found_in_the_tier_and_taken_into_fresh_blocks():
     blocks, hashes = bm.match_prefix(first.all_token_ids, None, 4)
     assert blocks == [-1, -1] and hashes == first_hashes
     assert bm.num_free_needed(blocks, 0) == 2
-    again = Seq([1, 2, 3, 4])
+    again = _Seq([1, 2, 3, 4])
     bm.take_cached(again, blocks, hashes, 4)
     assert again.num_computed_tokens == 4 and -1 not in again.block_table
     assert bm.match_prefix(first.all_token_ids, None, 4)[0] == again.block_table  # on the device
-    down, up = bm.host_tier.take_copies()
-    assert [b for _, b in up] == again.block_table
+    assert [b for _, b in bm.host_tier.take_copies().up] == again.block_table
     levels = [
         (e["cache_level"]["old_value"], e["cache_level"]["new_value"])
         for e in bm.drain_events()

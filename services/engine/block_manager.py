@@ -6,7 +6,8 @@ request's cache_salt and LoRA adapter), so equal hashes mean equal prefixes comp
 with equal weights. A freed block keeps
 its hash and stays findable until the allocator reuses it, least recently freed
 first; that is when it leaves the cache (a "removed" KV event), or, with a host tier
-(kv_tier.py), goes down to it ("updated", cache_level 0 -> 1) and stays findable there.
+(kv_tier.py), stays findable there ("updated", cache_level 0 -> 1): the tier took a copy when the
+block was freed (write-through) or takes it now.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class BlockManager:
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free[b] = None
+                if self.host_tier is not None:
+                    self._write_through(b)
 
     # -- prefix cache --
     def match_prefix(
@@ -255,8 +258,21 @@ class BlockManager:
             pushed_out = self.host_tier.offload(h, block)
             if pushed_out != h:
                 self.events.append(_level_change(h, 0, 1))
-            if pushed_out is not None:
-                self.events.append({"type": "removed", "block_hashes": [pushed_out]})
+            self._pushed_out(pushed_out)
+
+    def _write_through(self, block: int) -> None:
+        """A cached block no request holds goes down to the tier now (kv_tier.py), while it
+        idles, so that evicting it later costs no copy."""
+        h = self._block_hash[block]
+        if h is not None and self._by_hash.get(h) == block:
+            pushed_out = self.host_tier.store(h, block)
+            if pushed_out != h:
+                self._pushed_out(pushed_out)
+
+    def _pushed_out(self, block_hash: int | None) -> None:
+        """The tier let block_hash go: it has left the cache unless the device still holds it."""
+        if block_hash is not None and block_hash not in self._by_hash:
+            self.events.append({"type": "removed", "block_hashes": [block_hash]})
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block (their KV is about to become invalid: new weights, a new pool)."""

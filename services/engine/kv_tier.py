@@ -1,24 +1,41 @@
 """A second KV tier below the device pool: host memory (--host-kv-cache-gb).
 
 The device pool's prefix cache forgets a block when the allocator reuses it. With a tier below,
-that block's KV is first copied down (an "updated" KV event, cache_level 0 -> 1, where the
-cache alone would report "removed"), and a later prefix lookup that runs past the device's
-blocks goes on in the tier: the blocks found there get fresh device blocks and are copied back
-up ahead of the step that reads them (cache_level 1 -> 0). The tier is LRU by block hash, the
-same hash chain as the device cache (so a block there is valid for the same prompts, salts,
-adapters and weights), and it holds each hash once: a block copied up leaves it.
+that block's KV is kept here (an "updated" KV event, cache_level 0 -> 1, where the cache alone
+would report "removed"), and a later prefix lookup that runs past the device's blocks goes on in
+the tier: the blocks found there get fresh device blocks and are copied back up ahead of the step
+that reads them (cache_level 1 -> 0). The tier is LRU by block hash, the same hash chain as the
+device cache (so a block there is valid for the same prompts, salts, adapters and weights), and it
+holds each hash once.
+
+Write-through: a cached block is copied down when the device frees it (its request finished; it
+stays cached on the device too), not when the allocator reuses it, so the copy runs while the
+block idles, off the path of the request that reuses its device block (which would otherwise wait
+for the copy down of every block it evicts before its own copies up). A block copied up stays
+here, so a session's history goes down once, not once a turn.
 
 This class is the tier's bookkeeping (pure CPU: slots, LRU, the copies owed); the copies
 themselves are the model runner's (ModelRunner.copy_kv_tier), run in batches when the engine
 flushes them: before a step's forward (the blocks it writes may be ones just evicted; the blocks
 it reads may be ones to copy up) and before a KV pull writes into freshly reserved blocks. A
-store behind the same calls (offload, claim, copy_up, take_copies, clear) could be a disk or a
-remote one (LMCache, Mooncake); host memory is the one built.
+store behind the same calls (store, offload, claim, copy_up, take_copies, clear) could be a disk
+or a remote one (LMCache, Mooncake); host memory is the one built.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
+
+
+class TierCopies(NamedTuple):
+    """One flush's copies: down [(device block, slot)] first, then up [(slot, device block)];
+    reused: device blocks about to be written again whose KV went (or is going) down, so the
+    device must not overwrite them before their copies down have landed."""
+
+    down: list[tuple[int, int]]
+    up: list[tuple[int, int]]
+    reused: list[int]
 
 
 class HostKvTier:
@@ -29,11 +46,11 @@ class HostKvTier:
         # hash -> slot, least recently used first.
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        # Slots whose block is owed a copy up: reusable only once that copy has run (take_copies).
-        self._copying_up: list[int] = []
-        # The copies owed: (device block, slot) down, (slot, device block) up; down ones run first.
+        # Slots owed a copy up: not overwritten before take_copies hands that copy out.
+        self._copying_up: set[int] = set()
         self._down: list[tuple[int, int]] = []
         self._up: list[tuple[int, int]] = []
+        self._reused: list[int] = []
         self.num_copied_down = 0
         self.num_copied_up = 0
 
@@ -43,32 +60,46 @@ class HostKvTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def offload(self, block_hash: int, block: int) -> int | None:
-        """The device is about to reuse block, which holds block_hash's KV: keep a copy here.
+    def store(self, block_hash: int, block: int) -> int | None:
+        """Keeps a copy of device block's KV (block_hash) here; the device block stays valid.
         Returns the hash this pushed out of the tier (its least recently used), or None;
         block_hash itself when every slot is owed a copy up (nothing can go down now)."""
         if block_hash in self._slot_of:
-            # Still here from before (the device computed the block again rather than take it
-            # from the tier, e.g. a prompt's last block): the same hash is the same KV.
+            # Here already (written through before, or copied up and kept): the same hash is
+            # the same KV.
             self._slot_of.move_to_end(block_hash)
             return None
         pushed_out = None
         if self._free_slots:
             slot = self._free_slots.pop()
-        elif self._slot_of:
-            pushed_out, slot = self._slot_of.popitem(last=False)
         else:
-            return block_hash
+            # The least recently used slot that no copy up still reads.
+            pushed_out = next(
+                (h for h, s in self._slot_of.items() if s not in self._copying_up), None
+            )
+            if pushed_out is None:
+                return block_hash
+            slot = self._slot_of.pop(pushed_out)
         self._slot_of[block_hash] = slot
         self._down.append((block, slot))
         self.num_copied_down += 1
         return pushed_out
 
+    def offload(self, block_hash: int, block: int) -> int | None:
+        """The device is about to reuse block, which holds block_hash's KV: keep it here (store),
+        and the device waits for that copy before it writes the block."""
+        pushed_out = self.store(block_hash, block)
+        if pushed_out != block_hash:
+            self._reused.append(block)
+        return pushed_out
+
     def claim(self, block_hash: int) -> int:
-        """Takes block_hash out of the tier (a prefix hit): its slot, kept until the copy up
-        (copy_up) has run, so that nothing offloaded meanwhile overwrites it."""
-        slot = self._slot_of.pop(block_hash)
-        self._copying_up.append(slot)
+        """A prefix hit on block_hash: its slot, most recently used now and not overwritten
+        before its copy up (copy_up) has been handed out. The block stays here: its KV is still
+        valid, and the device's copy going down again later costs nothing."""
+        slot = self._slot_of[block_hash]
+        self._slot_of.move_to_end(block_hash)
+        self._copying_up.add(slot)
         return slot
 
     def copy_up(self, slot: int, block: int) -> None:
@@ -76,13 +107,12 @@ class HostKvTier:
         self._up.append((slot, block))
         self.num_copied_up += 1
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copies owed since the last call, (down, up), for the runner to run in that order."""
-        down, up = self._down, self._up
-        self._down, self._up = [], []
-        self._free_slots.extend(self._copying_up)
-        self._copying_up = []
-        return down, up
+    def take_copies(self) -> TierCopies:
+        """The copies owed since the last call, for the runner to run in order (down, then up)."""
+        copies = TierCopies(self._down, self._up, self._reused)
+        self._down, self._up, self._reused = [], [], []
+        self._copying_up.clear()
+        return copies
 
     def clear(self) -> list[int]:
         """Forgets every block (their KV is no longer valid: new weights); returns their hashes.
@@ -90,6 +120,7 @@ class HostKvTier:
         before any command (a weight update, a release) can run, so none is owed here."""
         hashes = list(self._slot_of)
         self._slot_of.clear()
-        self._down, self._up, self._copying_up = [], [], []
+        self._down, self._up, self._reused = [], [], []
+        self._copying_up.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         return hashes

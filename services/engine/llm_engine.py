@@ -930,10 +930,10 @@ class LLMEngine:
         tier = self.block_manager.host_tier
         if tier is None:
             return False
-        down, up = tier.take_copies()
-        if not down and not up:
+        copies = tier.take_copies()
+        if not copies.down and not copies.up and not copies.reused:
             return False
-        self.runner.copy_kv_tier(down, up)
+        self.runner.copy_kv_tier(copies)
         return True
 
     def _finish(self, seq: Sequence) -> None:

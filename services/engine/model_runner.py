@@ -12,6 +12,7 @@ pays nothing for LoRA).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -28,6 +29,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.guided import allowed_bitmask, new_matcher
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.kv_share import allocate_shared
+from tandem.engine.kv_tier import TierCopies
 from tandem.engine.loader import allocate_kv_cache, kv_cache_shape, load_model
 from tandem.engine.logits_masks import banned_ids
 from tandem.engine.lora_adapter import lora_modules
@@ -215,6 +217,9 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         # The host KV tier's blocks (engine/kv_tier.py), pinned on CUDA; None without a tier.
         self.host_kv = None
+        # Its copy stream (CUDA) and the batches of copies down still running on it.
+        self._tier_stream = None
+        self._tier_pending: collections.deque = collections.deque()
         if config.host_kv_cache_gb:
             num_host = int(config.host_kv_cache_gb * (1 << 30)) // self.block_nbytes
             if num_host < 1:
@@ -429,6 +434,7 @@ class ModelRunner:
             self.model.aux_layer_ids = self.aux_layer_ids
 
     def release_kv_cache(self) -> None:
+        self.synchronize()  # the host tier's copy stream may still read the pool
         self.kv_cache = None
         self._drop_graphs()
         self._empty_device_cache()
@@ -557,11 +563,13 @@ class ModelRunner:
             )
         return num_blocks
 
-    def copy_kv_tier(self, down: list[tuple[int, int]], up: list[tuple[int, int]]) -> None:
-        """The host tier's copies owed since the last flush: down [(device block, host slot)]
-        first, then up [(host slot, device block)]. Queued on the device's stream (ordered before the
-        next forward, after any step in flight); the caller synchronizes before a NIXL pull may
-        write into blocks this frees."""
+    def copy_kv_tier(self, copies: TierCopies) -> None:
+        """The host tier's copies owed since the last flush (kv_tier.TierCopies): down first, then
+        up. On CUDA they run on a copy stream of their own, in order, after the KV queued so far
+        on the device's stream: a block written through goes down while the steps go on, and the
+        device's stream waits only for what the next step needs, the copies up and the copies down
+        of blocks it is about to write again. The caller synchronizes (the whole device) before a
+        NIXL pull may write into blocks this frees."""
         if self.kv_cache is None or self.host_kv is None:
             return
         # FP8 blocks move as bytes.
@@ -570,12 +578,35 @@ class ModelRunner:
             if self.kv_dtype == FP8
             else (self.kv_cache, self.host_kv)
         )
-        # One copy a block (each is contiguous in both): stream-ordered on CUDA, into and out of
-        # pinned memory, with no host-side step that would run before the device's copy landed.
-        for block, slot in down:
-            host[slot].copy_(pool[block], non_blocking=True)
-        for slot, block in up:
-            pool[block].copy_(host[slot], non_blocking=True)
+        if self.device.type != "cuda":
+            for block, slot in copies.down:
+                host[slot].copy_(pool[block])
+            for slot, block in copies.up:
+                pool[block].copy_(host[slot])
+            return
+        stream = self._tier_stream
+        if stream is None:
+            stream = self._tier_stream = torch.cuda.Stream(self.device)
+        # Batches of copies down still running: (their end, the device blocks they read).
+        pending = self._tier_pending
+        while pending and pending[0][0].query():
+            pending.popleft()
+        if copies.down or copies.up:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            # One copy a block (each is contiguous in both), into and out of pinned memory.
+            with torch.cuda.stream(stream):
+                for block, slot in copies.down:
+                    host[slot].copy_(pool[block], non_blocking=True)
+                for slot, block in copies.up:
+                    pool[block].copy_(host[slot], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            if copies.down:
+                pending.append((done, {block for block, _ in copies.down}))
+        # The device's stream waits for the copy stream (up to its last batch) when the next step
+        # reads a block copied up or writes one whose copy down may not have landed yet.
+        if copies.up or any(b in blocks for _, blocks in pending for b in copies.reused):
+            torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV block copies [(source, destination)] (beam forks), queued before any later step; waited
