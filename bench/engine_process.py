@@ -5,15 +5,17 @@ the engine core in a process of its own (--engine-process).
     python bench/engine_process.py                     # the tiny model, CPU, 64 and 256 streams
     python bench/engine_process.py --device cuda --model DIR --streams 256
 
-In-process: an LLMEngine alone runs the batch (every sequence decoding) and the mean step time
-is taken over --steps steps. Served: a router and one aggregated worker; the client streams
---streams requests at once (ignore_eos, long enough to outlast the window) and, once all decode,
-the worker's step count over --window seconds gives the served step period (GetWorkerState's
-num_steps: every step the engine ran, whatever its cost); beside it in brackets, the worker's
-iterLatencyMS (from a step's launch to its outputs: with overlap scheduling two steps overlap, so
-it runs up to twice the period). The ratio served / in-process is
-what the serving path adds to a step: the engine thread waiting on the gRPC side's interpreter.
-Run it on an otherwise idle machine: the in-process and served runs take turns.
+Served: a router and one aggregated worker; the client streams --streams requests at once
+(ignore_eos, long enough to outlast the window) and, once all decode, the worker's step count
+over --window seconds gives the served step period (GetWorkerState's num_steps: every step the
+engine ran, whatever its cost); beside it in brackets, the worker's iterLatencyMS (from a step's
+launch to its outputs: with overlap scheduling two steps overlap, so it runs up to twice the
+period). In-process, after each served run: an LLMEngine alone runs the same batch over the same
+contexts (the same prompts, stepped untimed to the tokens per stream the served window started
+at, then timed over as many steps as the window ran): a step's attention reads every context
+token's KV, so a baseline over shorter contexts would be a faster step, not the same one. The
+ratio served / in-process is what the serving path adds to a step: the engine thread waiting on
+the gRPC side's interpreter. Run it on an otherwise idle machine: the runs take turns.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def _engine_args(args, streams: int) -> list[str]:
     ]
 
 
-def in_process_step_ms(args, streams: int) -> float:
+def in_process_step_ms(args, streams: int, start_tokens: int, steps: int) -> float:
+    """The mean step of `streams` sequences decoding from `start_tokens` generated tokens each,
+    over `steps` steps (the served window's range)."""
     engine = LLMEngine(
         EngineConfig(
             args.model,
@@ -72,12 +76,13 @@ def in_process_step_ms(args, streams: int) -> float:
     )
     engine.warm_up()
     options = SamplingOptions(max_tokens=100_000, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(streams, engine.model_config.vocab_size, 0)):
+    for i, prompt in enumerate(_prompts(streams, engine.model_config.vocab_size, 1)):
         engine.add_request(f"r{i}", prompt, options)
-    for _ in range(5):  # the prompts, then decoding only
-        engine.step()
+    generated = 0
+    while generated < start_tokens * streams:  # the prompts, then decoding to the window's start
+        generated += sum(len(out.new_token_ids) for out in engine.step())
     started = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         engine.step()
     seconds = time.perf_counter() - started
     engine.close()
@@ -85,7 +90,7 @@ def in_process_step_ms(args, streams: int) -> float:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return seconds / args.steps * 1e3
+    return seconds / steps * 1e3
 
 
 def _state(address: str) -> worker_pb2.WorkerState:
@@ -95,9 +100,12 @@ def _state(address: str) -> worker_pb2.WorkerState:
         )
 
 
-def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, float, float]:
-    """(step period ms, generated tokens/s, the steps' own mean time ms: iterLatencyMS) while
-    `streams` requests stream through the router."""
+def served_step_ms(
+    args, streams: int, engine_process: bool
+) -> tuple[float, float, float, int, int]:
+    """(step period ms, generated tokens/s, the steps' own mean time ms: iterLatencyMS, tokens
+    per stream at the window's start, steps in the window) while `streams` requests stream
+    through the router."""
     worker_args = {"both-1": ["--engine-process"]} if engine_process else {}
     with LocalCluster(
         roles=["both"], engine_args=_engine_args(args, streams), worker_args=worker_args
@@ -105,7 +113,7 @@ def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, flo
         worker = cluster.workers[0].address
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
 
-        async def run() -> tuple[float, float]:
+        async def run() -> tuple[float, float, float, int, int]:
             llm = await AsyncLLM(cluster.address)
             params = SamplingParams(max_tokens=100_000, ignore_eos=True, detokenize=False)
 
@@ -132,7 +140,8 @@ def served_step_ms(args, streams: int, engine_process: bool) -> tuple[float, flo
             steps = last.num_steps - first.num_steps
             tokens = last.num_generated_tokens - first.num_generated_tokens
             compute = statistics.mean(r["iterLatencyMS"] for r in records) if records else 0.0
-            return seconds / max(1, steps) * 1e3, tokens / seconds, compute
+            start = first.num_generated_tokens // streams
+            return seconds / max(1, steps) * 1e3, tokens / seconds, compute, start, steps
 
         with LLM(worker, **cluster.worker_client_kwargs()) as stats:
             return asyncio.run(run())
@@ -145,7 +154,6 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: tiny)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--streams", default="64,256")
-    parser.add_argument("--steps", type=int, default=100, help="in-process steps timed")
     parser.add_argument("--window", type=float, default=6.0, help="served seconds measured")
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=2)
@@ -156,21 +164,26 @@ def main() -> None:
         f"{args.repeats}; served: router + one aggregated worker, streaming clients"
     )
     print(
-        "| streams | in-process step ms | engine thread: served step ms (its own ms) | ratio "
-        "| tok/s | engine process: served step ms (its own ms) | ratio | tok/s |"
+        "| streams | tokens per stream over the windows | engine thread: in-process step ms "
+        "| served step ms (its own ms) | ratio | tok/s | engine process: in-process step ms "
+        "| served step ms (its own ms) | ratio | tok/s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for streams in (int(s) for s in args.streams.split(",")):
-        alone = statistics.median(in_process_step_ms(args, streams) for _ in range(args.repeats))
-        rows = {}
+        rows, ranges = {}, []
         for mode in (False, True):
-            runs = [served_step_ms(args, streams, mode) for _ in range(args.repeats)]
-            rows[mode] = [statistics.median(r[i] for r in runs) for i in range(3)]
+            runs = []
+            for _ in range(args.repeats):
+                period, rate, own, start, steps = served_step_ms(args, streams, mode)
+                alone = in_process_step_ms(args, streams, start, steps)
+                runs.append((period, rate, own, alone))
+                ranges.append(f"{start}-{start + steps}")
+            rows[mode] = [statistics.median(r[i] for r in runs) for i in range(4)]
         cells = [
-            f"{period:.2f} ({own:.2f}) | {period / alone:.2f}x | {rate:,.0f}"
-            for period, rate, own in (rows[False], rows[True])
+            f"{alone:.2f} | {period:.2f} ({own:.2f}) | {period / alone:.2f}x | {rate:,.0f}"
+            for period, rate, own, alone in (rows[False], rows[True])
         ]
-        print(f"| {streams} | {alone:.2f} | {cells[0]} | {cells[1]} |")
+        print(f"| {streams} | {', '.join(ranges)} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #   warm machine: a call that carries .smol/partNN keeps it in /tmp/smol; once every piece of
 #   .smol/sha's file is there, they are joined and checked (`split -b 50000000 -d FILE .smol/part`).
 # e2e: the handover taken apart on one GPU, prefill and decode two processes on cuda:0 (bench/disagg_e2e.py).
+# procstep: bench/engine_process.py alone (the served step against in-process over the same contexts).
 # stephost: the engine's host work per step (bench/step_host.py), block tables written whole and as new entries.
 # moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
 # Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
@@ -133,6 +134,11 @@ if has proc; then  # issue 28: the engine core process against the engine thread
   done
   ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \
     --streams 64,256 --repeats 1 --window 5 --num-blocks 16384 2>&1 | grep -v "NIXL\|Loading weights" \
+    | tee "$OUT/engine-process.txt" | tail -6
+fi
+if has procstep; then  # issue 28: bench/engine_process.py alone (proc without the served rows)
+  ckpt && timeout "${PROCSTEP_S:-200}" python3 bench/engine_process.py --device cuda --model "$CKPT" \
+    --streams "${PROCSTEP_STREAMS:-64,256}" --repeats 1 --window 5 --num-blocks 16384 2>&1 | grep -v "NIXL\|Loading weights" \
     | tee "$OUT/engine-process.txt" | tail -6
 fi
 if has stephost; then  # issue 28: the engine's host work per step, the device's block table written whole vs new entries
