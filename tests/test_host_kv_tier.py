@@ -246,3 +246,23 @@ def test_a_block_computed_again_while_in_the_tier_keeps_one_slot(model_dirs):
             for h in e["block_hashes"]
         }
         assert not removed & set(tier._slot_of), turn
+
+
+def test_copies_run_as_ranges_consecutive_on_both_sides():
+    from tandem.engine.kv_tier import runs
+
+    # A session's blocks freed tail first: its slots and blocks run downwards together.
+    assert runs([(9, 3), (8, 2), (7, 1), (4, 0)]) == [(4, 0, 1), (7, 1, 3)]
+    assert runs([(1, 5), (2, 6), (3, 9)]) == [(1, 5, 2), (3, 9, 1)]
+    # Two copies into one destination: the later one alone.
+    assert runs([(1, 5), (2, 5), (3, 6)]) == [(2, 5, 2)]
+    rng = random.Random(4)
+    for _ in range(200):
+        pairs = [(rng.randrange(40), rng.randrange(40)) for _ in range(rng.randrange(1, 30))]
+        want = {dst: src for src, dst in pairs}
+        got = {}
+        for src, dst, n in runs(pairs):
+            for i in range(n):
+                assert dst + i not in got
+                got[dst + i] = src + i
+        assert got == want

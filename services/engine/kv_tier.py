@@ -28,6 +28,25 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 
+def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Copies [(source, destination)] as runs (source, destination, count) of blocks consecutive
+    on both sides, in either order (a session's blocks are freed tail first, so its slots and the
+    device blocks it later gets back often run downwards together). Of two copies into one
+    destination only the later is kept (what it overwrote was let go in between: a slot pushed
+    out of a small tier twice in one batch, a block freed and taken again before its copy up
+    ran), so the runs may copy in any order."""
+    last = {dst: src for src, dst in pairs}
+    out: list[tuple[int, int, int]] = []
+    for src, dst in sorted((src, dst) for dst, src in last.items()):
+        if out:
+            start_src, start_dst, n = out[-1]
+            if src == start_src + n and dst == start_dst + n:
+                out[-1] = (start_src, start_dst, n + 1)
+                continue
+        out.append((src, dst, 1))
+    return out
+
+
 class TierCopies(NamedTuple):
     """One flush's copies: down [(device block, slot)] first, then up [(slot, device block)];
     reused: device blocks about to be written again whose KV went (or is going) down, so the
