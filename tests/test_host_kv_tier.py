@@ -12,7 +12,7 @@ import pytest
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.config import EngineConfig
-from tandem.engine.kv_tier import HostKvTier
+from tandem.engine.kv_tier import HostKvTier, runs
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_options import SamplingOptions
 
@@ -80,7 +80,10 @@ def test_a_freed_block_is_written_through_and_its_eviction_copies_nothing():
     other_hashes = list(other.block_hashes)
     bm.release(other)  # 4 blocks down into a 3-slot tier holding 2: first's prefix pushed out
     copies = take()
-    assert len(copies.down) == 4
+    # 3 slots for 4 blocks: the tail (least recently used) is not kept; the rest go down paired
+    # in block order with their slots (one range: one copy).
+    assert len(copies.down) == 3 and len(runs(copies.down)) == 1
+    assert other_hashes[-1] not in bm.host_tier and other_hashes[0] in bm.host_tier
     removed = [h for e in bm.drain_events() if e["type"] == "removed" for h in e["block_hashes"]]
     # Only what left both tiers is removed: other's blocks pushed out are still on the device.
     assert sorted(removed) == sorted(hashes)
@@ -249,8 +252,6 @@ def test_a_block_computed_again_while_in_the_tier_keeps_one_slot(model_dirs):
 
 
 def test_copies_run_as_ranges_consecutive_on_both_sides():
-    from tandem.engine.kv_tier import runs
-
     # A session's blocks freed tail first: its slots and blocks run downwards together.
     assert runs([(9, 3), (8, 2), (7, 1), (4, 0)]) == [(4, 0, 1), (7, 1, 3)]
     assert runs([(1, 5), (2, 6), (3, 9)]) == [(1, 5, 2), (3, 9, 1)]

@@ -102,14 +102,16 @@ class BlockManager:
     def free(self, blocks: list[int]) -> None:
         # Tail first: the least recently freed is evicted first, and a prefix's root must go last,
         # or one eviction would strand all the blocks that chain from it.
+        idle = []
         for b in reversed(blocks):
             if self._ref_counts[b] <= 0:
                 raise RuntimeError(f"double free of KV block {b}")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
                 self._free[b] = None
-                if self.host_tier is not None:
-                    self._write_through(b)
+                idle.append(b)
+        if self.host_tier is not None and idle:
+            self._write_through(idle)
 
     # -- prefix cache --
     def match_prefix(
@@ -162,15 +164,18 @@ class BlockManager:
         slots = {
             i: self.host_tier.claim(hashes[i]) for i, b in enumerate(blocks) if b == IN_HOST_TIER
         }
-        # After the device blocks are taken: a fresh block must not be one of them.
+        # After the device blocks are taken: a fresh block must not be one of them. Paired with
+        # the slots in order, so that ranges of both copy up as one (kv_tier.runs).
+        fresh = sorted(self.allocate(len(slots)))
+        self.num_new_blocks -= len(slots)  # hits, not new KV
+        for i, block in zip(sorted(slots, key=slots.get), fresh):
+            blocks[i] = block
         for i, slot in slots.items():
-            (block,) = self.allocate(1)
-            self.num_new_blocks -= 1  # a hit, not new KV
+            block = blocks[i]
             self.host_tier.copy_up(slot, block)
             self._by_hash[hashes[i]] = block
             self._block_hash[block] = hashes[i]
             self.events.append(_level_change(hashes[i], 1, 0))
-            blocks[i] = block
         return blocks
 
     def take_cached(
@@ -260,14 +265,16 @@ class BlockManager:
                 self.events.append(_level_change(h, 0, 1))
             self._pushed_out(pushed_out)
 
-    def _write_through(self, block: int) -> None:
-        """A cached block no request holds goes down to the tier now (kv_tier.py), while it
-        idles, so that evicting it later costs no copy."""
-        h = self._block_hash[block]
-        if h is not None and self._by_hash.get(h) == block:
-            pushed_out = self.host_tier.store(h, block)
-            if pushed_out != h:
-                self._pushed_out(pushed_out)
+    def _write_through(self, blocks: list[int]) -> None:
+        """Cached blocks no request holds go down to the tier now (kv_tier.py), while they idle,
+        so that evicting them later costs no copy; tail first, as they were freed."""
+        items = []
+        for block in blocks:
+            h = self._block_hash[block]
+            if h is not None and self._by_hash.get(h) == block:
+                items.append((h, block))
+        for h in self.host_tier.store_many(items):
+            self._pushed_out(h)
 
     def _pushed_out(self, block_hash: int | None) -> None:
         """The tier let block_hash go: it has left the cache unless the device still holds it."""

@@ -104,6 +104,37 @@ class HostKvTier:
         self.num_copied_down += 1
         return pushed_out
 
+    def store_many(self, items: list[tuple[int, int]]) -> list[int]:
+        """store() for each (hash, device block) of items, least recently used first (the order
+        they enter the LRU), with the slots the new ones get paired in block order (ranges of
+        blocks land in ranges of slots: their copies run as one, runs()). Returns the hashes
+        this pushed out of the tier; when every slot is owed a copy up, the earliest items are
+        not kept."""
+        new: dict[int, int] = {}
+        for block_hash, block in items:
+            if block_hash in self._slot_of:
+                self._slot_of.move_to_end(block_hash)
+            else:
+                new[block_hash] = block
+        slots, pushed_out = [], []
+        for _ in new:
+            if self._free_slots:
+                slots.append(self._free_slots.pop())
+                continue
+            victim = next((h for h, s in self._slot_of.items() if s not in self._copying_up), None)
+            if victim is None:
+                break
+            pushed_out.append(victim)
+            slots.append(self._slot_of.pop(victim))
+        kept = list(new.items())[len(new) - len(slots) :]
+        slot_of_block = dict(zip(sorted(b for _, b in kept), sorted(slots)))
+        for block_hash, block in kept:
+            slot = slot_of_block[block]
+            self._slot_of[block_hash] = slot
+            self._down.append((block, slot))
+        self.num_copied_down += len(kept)
+        return pushed_out
+
     def offload(self, block_hash: int, block: int) -> int | None:
         """The device is about to reuse block, which holds block_hash's KV: keep it here (store),
         and the device waits for that copy before it writes the block."""
