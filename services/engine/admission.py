@@ -47,10 +47,9 @@ class EngineLimits:
             raise PromptNeverFitsError(
                 f"the prompt needs {needed} KV blocks; the pool has {self.num_blocks}"
             )
-        if vocab_ids:
+        if vocab_ids and (min(vocab_ids) < 0 or max(vocab_ids) >= self.vocab_size):
             bad = [t for t in vocab_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:8]}")
+            raise ValueError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:8]}")
 
     def check_draft_tokens(self, draft_token_ids: list[int]) -> None:
         """Drafts handed to a generation phase (DisaggregatedParams.draft_tokens). An engine that

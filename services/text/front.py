@@ -106,7 +106,10 @@ class TextFront:
         )
         engine_request = llm_pb2.GenerateRequest()
         engine_request.CopyFrom(request)
-        engine_request.prompt.token_ids.ids[:] = ids
+        if request.prompt.WhichOneof("kind") != "token_ids" or len(ids) != len(
+            request.prompt.token_ids.ids
+        ):  # token ids as given need no copy back (a long prompt's ids are most of the request)
+            engine_request.prompt.token_ids.ids[:] = ids
         engine_request.streaming = True
         engine_params = engine_request.sampling_params
         engine_params.detokenize = False
