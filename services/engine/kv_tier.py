@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+from tandem.common.block_runs import coalesce_runs
+
 
 def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Copies [(source, destination)] as runs (source, destination, count) of blocks consecutive
@@ -36,15 +38,8 @@ def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     out of a small tier twice in one batch, a block freed and taken again before its copy up
     ran), so the runs may copy in any order."""
     last = {dst: src for src, dst in pairs}
-    out: list[tuple[int, int, int]] = []
-    for src, dst in sorted((src, dst) for dst, src in last.items()):
-        if out:
-            start_src, start_dst, n = out[-1]
-            if src == start_src + n and dst == start_dst + n:
-                out[-1] = (start_src, start_dst, n + 1)
-                continue
-        out.append((src, dst, 1))
-    return out
+    ordered = sorted((src, dst) for dst, src in last.items())
+    return coalesce_runs([src for src, _ in ordered], [dst for _, dst in ordered])
 
 
 class TierCopies(NamedTuple):

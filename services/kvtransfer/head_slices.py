@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.common.block_runs import coalesce_runs
+
 
 @dataclass(frozen=True)
 class PoolGeometry:
@@ -39,23 +41,6 @@ class PoolGeometry:
             * self.head_dim
             * self.itemsize
         )
-
-
-def coalesce_runs(remote_block_ids, local_block_ids) -> list[tuple[int, int, int]]:
-    """Group paired ids into (remote_start, local_start, num_blocks) runs.
-
-    A run continues only while both sides advance by exactly one block, since a
-    descriptor is one contiguous range on each side.
-    """
-    runs: list[tuple[int, int, int]] = []
-    for remote_id, local_id in zip(remote_block_ids, local_block_ids):
-        if runs:
-            remote_start, local_start, count = runs[-1]
-            if remote_id == remote_start + count and local_id == local_start + count:
-                runs[-1] = (remote_start, local_start, count + 1)
-                continue
-        runs.append((remote_id, local_id, 1))
-    return runs
 
 
 def split_runs(
