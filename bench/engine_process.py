@@ -90,7 +90,7 @@ def in_process_step_ms(args, streams: int, start_tokens: int, steps: int) -> flo
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return seconds / steps * 1e3
+    return seconds / max(1, steps) * 1e3
 
 
 def _state(address: str) -> worker_pb2.WorkerState:
@@ -178,10 +178,12 @@ def main() -> None:
                 alone = in_process_step_ms(args, streams, start, steps)
                 runs.append((period, rate, own, alone))
                 ranges.append(f"{start}-{start + steps}")
+            # Medians of each column, and of each run's own ratio (its served against its twin).
             rows[mode] = [statistics.median(r[i] for r in runs) for i in range(4)]
+            rows[mode].append(statistics.median(r[0] / r[3] for r in runs))
         cells = [
-            f"{alone:.2f} | {period:.2f} ({own:.2f}) | {period / alone:.2f}x | {rate:,.0f}"
-            for period, rate, own, alone in (rows[False], rows[True])
+            f"{alone:.2f} | {period:.2f} ({own:.2f}) | {ratio:.2f}x | {rate:,.0f}"
+            for period, rate, own, alone, ratio in (rows[False], rows[True])
         ]
         print(f"| {streams} | {', '.join(ranges)} | {cells[0]} | {cells[1]} |")
 

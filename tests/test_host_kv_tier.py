@@ -240,7 +240,9 @@ def test_a_block_computed_again_while_in_the_tier_keeps_one_slot(model_dirs):
         while engine.num_unfinished:
             engine.step()
         tier.take_copies()
-        held = len(tier._slot_of) + len(tier._free_slots) + len(tier._copying_up)
+        # Every slot free or holding a block (a claimed one stays mapped; none is after the copies).
+        assert not tier._copying_up
+        held = len(tier._slot_of) + len(tier._free_slots)
         assert held == tier.num_slots, (turn, held)
         removed = {
             h
@@ -267,3 +269,41 @@ def test_copies_run_as_ranges_consecutive_on_both_sides():
                 assert dst + i not in got
                 got[dst + i] = src + i
         assert got == want
+
+
+def test_a_weight_reset_reports_a_block_held_by_both_tiers_once():
+    bm = BlockManager(4, 2, host_tier=HostKvTier(4))
+    seq = _Seq([1, 2, 3, 4])
+    seq.block_table = bm.allocate(2)
+    bm.register_computed(seq)
+    bm.release(seq)  # written through: both hashes on the device and in the tier
+    bm.drain_events()
+    bm.reset_prefix_cache()
+    (event,) = bm.drain_events()
+    assert event["type"] == "removed" and len(event["block_hashes"]) == 2
+
+
+def test_an_admitted_pull_synchronizes_only_for_blocks_it_reuses(model_dirs):
+    """Copies written through after a request ended do not make the next KV pull wait for the
+    whole device: only blocks it reuses before their copies landed (or copies up) would."""
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dirs["llama"]),
+            device="cpu",
+            block_size=8,
+            num_blocks=64,
+            max_num_seqs=4,
+            host_kv_cache_gb=0.001,
+        )
+    )
+    rng = random.Random(1)
+    options = SamplingOptions(max_tokens=2, ignore_eos=True)
+    engine.add_request("a", [1] + [rng.randrange(4, 380) for _ in range(40)], options)
+    while engine.num_unfinished:
+        engine.step()
+    syncs = []
+    engine.runner.synchronize = lambda: syncs.append(1)
+    other = [1] + [rng.randrange(4, 380) for _ in range(40)]
+    engine.add_remote_kv_request("b", other, [5], options)  # fresh blocks: none cached reused
+    assert syncs == []
+    assert engine.block_manager.host_tier.num_copied_down > 0  # "a" went down meanwhile

@@ -288,7 +288,7 @@ class BlockManager:
             self._block_hash[block] = None
         self._by_hash.clear()
         if self.host_tier is not None:
-            hashes += self.host_tier.clear()
+            hashes = list(dict.fromkeys(hashes + self.host_tier.clear()))  # a block in both: once
         if hashes:
             self.events.append({"type": "removed", "block_hashes": hashes})
 

@@ -161,8 +161,11 @@ class HostKvTier:
 
     def clear(self) -> list[int]:
         """Forgets every block (their KV is no longer valid: new weights); returns their hashes.
-        Copies owed are dropped: the engine flushes them right after the lookup that owed them,
-        before any command (a weight update, a release) can run, so none is owed here."""
+        Copies owed are dropped: copies up are flushed right after the lookup that owed them
+        (before any command, a weight update or a release, can run), and copies down written
+        through since the last flush are of KV no one will ask for again (a copy still running
+        lands in a slot that is free now, and whatever goes into that slot later is queued behind
+        it on the copy stream)."""
         hashes = list(self._slot_of)
         self._slot_of.clear()
         self._down, self._up, self._reused = [], [], []

@@ -309,7 +309,7 @@ class LLMEngine:
         bm.take_cached(seq, cached, hashes, seq.num_prompt_tokens)
         seq.block_table += bm.allocate(num_blocks - len(cached))
         if self._flush_kv_tier():
-            # Evicted blocks copied down before the pull writes into them (outside stream order).
+            # Blocks reused before their copies down landed: the pull writes outside stream order.
             self.runner.synchronize()
         if seq.perf is not None:  # the blocks not found here are the ones pulled
             seq.perf.admitted(len(cached), bm.num_blocks_for(seq.num_prompt_tokens))
@@ -926,15 +926,16 @@ class LLMEngine:
         return []
 
     def _flush_kv_tier(self) -> bool:
-        """Runs the host tier's owed copies (engine/kv_tier.py); whether there were any."""
+        """Runs the host tier's owed copies (engine/kv_tier.py). Returns whether something outside
+        the device's stream order (a NIXL READ or write) must synchronize first: blocks copied up,
+        or blocks reused before their copies down have landed (ModelRunner.copy_kv_tier)."""
         tier = self.block_manager.host_tier
         if tier is None:
             return False
         copies = tier.take_copies()
         if not copies.down and not copies.up and not copies.reused:
             return False
-        self.runner.copy_kv_tier(copies)
-        return True
+        return self.runner.copy_kv_tier(copies)
 
     def _finish(self, seq: Sequence) -> None:
         # An unconfirmed import's tokens may come from another request's KV: the proposer (the

@@ -563,15 +563,16 @@ class ModelRunner:
             )
         return num_blocks
 
-    def copy_kv_tier(self, copies: TierCopies) -> None:
+    def copy_kv_tier(self, copies: TierCopies) -> bool:
         """The host tier's copies owed since the last flush (kv_tier.TierCopies): down first, then
         up. On CUDA they run on a copy stream of their own, in order, after the KV queued so far
-        on the device's stream: a block written through goes down while the steps go on, and the
-        device's stream waits only for what the next step needs, the copies up and the copies down
-        of blocks it is about to write again. The caller synchronizes (the whole device) before a
-        NIXL pull may write into blocks this frees."""
+        on the device's stream: a block written through goes down while the steps go on. The
+        device's stream waits for the copy stream when the next step reads a block copied up or
+        writes one whose copy down may not have landed yet (the copy stream runs in order, so
+        that wait also covers copies down queued before). Returns whether it waits: then a NIXL
+        READ or write outside the stream order must synchronize the device first."""
         if self.kv_cache is None or self.host_kv is None:
-            return
+            return False
         # FP8 blocks move as bytes.
         pool, host = (
             (self.kv_cache.view(torch.uint8), self.host_kv.view(torch.uint8))
@@ -583,11 +584,11 @@ class ModelRunner:
                 host[slot : slot + n].copy_(pool[block : block + n])
             for slot, block, n in runs(copies.up):
                 pool[block : block + n].copy_(host[slot : slot + n])
-            return
+            return False
         stream = self._tier_stream
         if stream is None:
             stream = self._tier_stream = torch.cuda.Stream(self.device)
-        # Batches of copies down still running: (their end, the device blocks they read).
+        # Batches of copies still running: (their end, the device blocks they read or write).
         pending = self._tier_pending
         while pending and pending[0][0].query():
             pending.popleft()
@@ -602,12 +603,17 @@ class ModelRunner:
                     pool[block : block + n].copy_(host[slot : slot + n], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
-            if copies.down:
-                pending.append((done, {block for block, _ in copies.down}))
+            # The device blocks this batch reads (down) or writes (up): one reused before the
+            # batch has run must wait for it.
+            pending.append(
+                (done, {block for block, _ in copies.down} | {block for _, block in copies.up})
+            )
         # The device's stream waits for the copy stream (up to its last batch) when the next step
         # reads a block copied up or writes one whose copy down may not have landed yet.
         if copies.up or any(b in blocks for _, blocks in pending for b in copies.reused):
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            return True
+        return False
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV block copies [(source, destination)] (beam forks), queued before any later step; waited
