@@ -32,7 +32,13 @@ PACKAGES = {
 # the engine and the kernels, which speak no protobuf).
 ALLOWED = {
     "kernels": set(),
-    "engine": {"kernels", "common.exceptions", "common.kv_hash", "common.flag_fields"},
+    "engine": {
+        "kernels",
+        "common.exceptions",
+        "common.kv_hash",
+        "common.block_runs",
+        "common.flag_fields",
+    },
     "kvtransfer": {"engine", "kernels", "common", "v1"},
     "prefill": {"kvtransfer", "engine", "common", "v1"},
     "decode": {"kvtransfer", "engine", "common", "v1"},
