@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from multiturn import pinned_copy_seconds
 
 from tandem.engine.checkpoints import tiny_model_dir
 from tandem.engine.config import EngineConfig
@@ -108,17 +109,8 @@ def main() -> None:
     tokens = args.history + args.new
     floor = ""
     if args.device.startswith("cuda"):
-        host = torch.empty(block_bytes * (args.history // 16), dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty_like(host, device=args.device)
-        for _ in range(3):
-            dev.copy_(host, non_blocking=True)
-        _sync(args.device)
-        started = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        _sync(args.device)
-        floor = (
-            f"; one pinned copy of the same bytes {1e3 * (time.perf_counter() - started):.2f} ms"
-        )
+        seconds = pinned_copy_seconds(block_bytes * (args.history // 16), args.device, iters=1)
+        floor = f"; one pinned copy of the same bytes {1e3 * seconds:.2f} ms"
     print(
         f"{model}, {args.device}: a {args.history}-token history + {args.new} new tokens, "
         f"device pool {args.pool_blocks} blocks, medians of {args.repeats}"

@@ -98,25 +98,31 @@ def _run(args, host_gb: float, num_workers: int = 1, pulls: bool = False) -> lis
         return asyncio.run(_sessions(cluster.address, args, bounce=num_workers > 1))
 
 
+def pinned_copy_seconds(nbytes: int, device: str, iters: int = 5) -> float:
+    """One pinned host -> device copy of nbytes (warmed up, mean of iters): the host tier's
+    floor for copying that much KV up."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / iters
+
+
 def _copy_floor(args) -> str:
     """On CUDA: pinned host -> device bandwidth, and the copy up of a turn-2 history at it (the
     tier's floor for a returning session's prefix; bf16 KV)."""
     import json
     from pathlib import Path
 
-    import torch
-
     if not args.device.startswith("cuda"):
         return ""
-    host = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=args.device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(5):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    gbps = 5 * host.numel() / (time.perf_counter() - started) / 1e9
+    gbps = (512 << 20) / pinned_copy_seconds(512 << 20, args.device) / 1e9
     config = json.loads((Path(args.model or default_model_dir()) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2

@@ -37,7 +37,7 @@ def test_the_tier_keeps_the_most_recent_blocks_and_owes_copies_in_order():
     # The device blocks about to be written again whose KV went down (105's did not).
     assert copies.reused == [7, 8, 9, 3]
     # Kept after the copy up: storing the block again copies nothing.
-    assert tier.store(102, 11) is None and tier.take_copies() == ([], [], [])
+    assert tier.store_many([(102, 11)]) == [] and tier.take_copies() == ([], [], [])
     assert tier.offload(106, 6) == 104  # the slots came free once their copies up ran
     assert tier.clear() == [102, 106] and len(tier) == 0
     with pytest.raises(ValueError, match="at least one block"):

@@ -10,24 +10,12 @@ import os
 import random
 
 import pytest
+from test_host_kv_tier import _Seq
 
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.kv_tier import HostKvTier, runs
 
 RESET = True  # weight resets among the operations (False: a strict race check without them)
-
-
-class _Seq:
-    def __init__(self, ids):
-        self.all_token_ids = ids
-        self.num_computed_tokens = 0
-        self.num_tokens = len(ids)
-        self.block_table, self.block_hashes = [], []
-        self.cache_salt, self.lora_fingerprint, self.adapter = None, None, None
-        self.caches_blocks, self.kv_unconfirmed = True, False
-
-    def token_slice(self, a, b):
-        return self.all_token_ids[a:b]
 
 
 class _Model:
@@ -85,6 +73,15 @@ class _Model:
                 assert block not in srcs, f"{what}: block {block} written before its copy down ran"
             assert block not in dsts, f"{what}: block {block} written while a copy up writes it"
         self.device[block] = value
+
+    def compute(self, seq, what):
+        """seq's uncached blocks get their KV (a forward, or a NIXL pull), hashed as computed."""
+        first_new = len(seq.block_hashes)
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.register_computed(seq)
+        for i in range(first_new, len(seq.block_table)):
+            value = seq.block_hashes[i] if i < len(seq.block_hashes) else ("partial", id(seq))
+            self.device_write(seq.block_table[i], value, what)
 
     def device_read(self, block, want, what):
         for _, dsts, _, _ in self.unordered:
@@ -162,12 +159,7 @@ def test_fuzz_tier_data_and_stream_order(seed):
             model.flush()
             for i, h in enumerate(seq.block_hashes):
                 model.device_read(seq.block_table[i], h, f"step {step} read")
-            first_new = len(seq.block_hashes)
-            seq.num_computed_tokens = len(ids)
-            bm.register_computed(seq)
-            for i in range(first_new, len(seq.block_table)):
-                value = seq.block_hashes[i] if i < len(seq.block_hashes) else ("partial", id(seq))
-                model.device_write(seq.block_table[i], value, f"step {step} forward")
+            model.compute(seq, f"step {step} forward")
             live.append(seq)
         elif op < 0.55:  # a lease (lease_prefix): take, flush, the peer reads
             ids = list(rng.choice(roots))
@@ -181,6 +173,7 @@ def test_fuzz_tier_data_and_stream_order(seed):
             for b, h in zip(blocks, hashes):
                 model.device_read(b, h, f"step {step} lease read")
             s = _Seq(ids)
+            s.num_computed_tokens = 0
             s.block_table = blocks
             live.append(s)
         elif op < 0.65:  # a KV pull into fresh blocks (add_remote_kv_request)
@@ -193,12 +186,7 @@ def test_fuzz_tier_data_and_stream_order(seed):
             bm.take_cached(seq, cached, hashes, len(ids))
             seq.block_table += bm.allocate(n - len(cached))
             model.flush()  # True: synchronize(), as add_remote_kv_request does
-            first_new = len(seq.block_hashes)
-            seq.num_computed_tokens = len(ids)
-            bm.register_computed(seq)
-            for i in range(first_new, len(seq.block_table)):
-                value = seq.block_hashes[i] if i < len(seq.block_hashes) else ("partial", id(seq))
-                model.device_write(seq.block_table[i], value, f"step {step} NIXL pull")
+            model.compute(seq, f"step {step} NIXL pull")
             live.append(seq)
         elif op < 0.72 and live:  # a beam fork of a live sequence
             parent = rng.choice(live)

@@ -18,7 +18,7 @@ This class is the tier's bookkeeping (pure CPU: slots, LRU, the copies owed); th
 themselves are the model runner's (ModelRunner.copy_kv_tier), run in batches when the engine
 flushes them: before a step's forward (the blocks it writes may be ones just evicted; the blocks
 it reads may be ones to copy up) and before a KV pull writes into freshly reserved blocks. A
-store behind the same calls (store, offload, claim, copy_up, take_copies, clear) could be a disk
+store behind the same calls (store_many, offload, claim, copy_up, take_copies, clear) could be a disk
 or a remote one (LMCache, Mooncake); host memory is the one built.
 """
 
@@ -74,37 +74,13 @@ class HostKvTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def store(self, block_hash: int, block: int) -> int | None:
-        """Keeps a copy of device block's KV (block_hash) here; the device block stays valid.
-        Returns the hash this pushed out of the tier (its least recently used), or None;
-        block_hash itself when every slot is owed a copy up (nothing can go down now)."""
-        if block_hash in self._slot_of:
-            # Here already (written through before, or copied up and kept): the same hash is
-            # the same KV.
-            self._slot_of.move_to_end(block_hash)
-            return None
-        pushed_out = None
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            # The least recently used slot that no copy up still reads.
-            pushed_out = next(
-                (h for h, s in self._slot_of.items() if s not in self._copying_up), None
-            )
-            if pushed_out is None:
-                return block_hash
-            slot = self._slot_of.pop(pushed_out)
-        self._slot_of[block_hash] = slot
-        self._down.append((block, slot))
-        self.num_copied_down += 1
-        return pushed_out
-
     def store_many(self, items: list[tuple[int, int]]) -> list[int]:
-        """store() for each (hash, device block) of items, least recently used first (the order
-        they enter the LRU), with the slots the new ones get paired in block order (ranges of
-        blocks land in ranges of slots: their copies run as one, runs()). Returns the hashes
-        this pushed out of the tier; when every slot is owed a copy up, the earliest items are
-        not kept."""
+        """Keeps a copy of each (hash, device block) of items here (the device blocks stay
+        valid), least recently used first (the order they enter the LRU), with the slots the new
+        ones get paired in block order (ranges of blocks land in ranges of slots: their copies run
+        as one, runs()). A hash here already (written through before, or copied up and kept) is
+        the same KV: it only becomes the most recently used. Returns the hashes this pushed out
+        of the tier; when every slot is owed a copy up, the earliest items are not kept."""
         new: dict[int, int] = {}
         for block_hash, block in items:
             if block_hash in self._slot_of:
@@ -116,6 +92,7 @@ class HostKvTier:
             if self._free_slots:
                 slots.append(self._free_slots.pop())
                 continue
+            # The least recently used slot that no copy up still reads.
             victim = next((h for h, s in self._slot_of.items() if s not in self._copying_up), None)
             if victim is None:
                 break
@@ -131,12 +108,15 @@ class HostKvTier:
         return pushed_out
 
     def offload(self, block_hash: int, block: int) -> int | None:
-        """The device is about to reuse block, which holds block_hash's KV: keep it here (store),
-        and the device waits for that copy before it writes the block."""
-        pushed_out = self.store(block_hash, block)
-        if pushed_out != block_hash:
-            self._reused.append(block)
-        return pushed_out
+        """The device is about to reuse block, which holds block_hash's KV: keep it here, and the
+        device waits for that copy before it writes the block. Returns the hash this pushed out
+        of the tier, or None; block_hash itself when every slot is owed a copy up (nothing can go
+        down now)."""
+        pushed_out = self.store_many([(block_hash, block)])
+        if block_hash not in self._slot_of:
+            return block_hash
+        self._reused.append(block)
+        return pushed_out[0] if pushed_out else None
 
     def claim(self, block_hash: int) -> int:
         """A prefix hit on block_hash: its slot, most recently used now and not overwritten

@@ -217,7 +217,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         # The host KV tier's blocks (engine/kv_tier.py), pinned on CUDA; None without a tier.
         self.host_kv = None
-        # Its copy stream (CUDA) and the batches of copies down still running on it.
+        # Its copy stream (CUDA) and the batches of copies still running on it.
         self._tier_stream = None
         self._tier_pending: collections.deque = collections.deque()
         if config.host_kv_cache_gb:
