@@ -37,6 +37,11 @@ SHAPES_8B = {
 }
 SHAPES_TINY = {"qkv": (256, 128), "o": (128, 128), "down": (128, 256)}
 TILES = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8))]
+# An FP8 row is half the bytes of a bf16 one: the same bytes a load take twice the columns.
+TILES_FP8 = [
+    (bn, bk, w)
+    for bn, bk, w in itertools.product((1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8, 16))
+]
 TILES_TINY = [(2, 128, 4), (4, 64, 4)]
 
 
@@ -59,15 +64,19 @@ def _graph_ms(fn, device, copies) -> float:
     return serve.gpu_ms(device, graph.replay, num=30) / copies
 
 
-def sweep(device, shapes, tiles, copy_gbs) -> dict:
-    """Best tile per shape name (and 'down+silu'), printing every row."""
+def sweep(device, shapes, tiles, copy_gbs, fp8: bool = False) -> dict:
+    """Best tile per shape name (and 'down+silu'), printing every row. fp8: the FP8 GEMV over
+    e4m3 weights with one scale a row (--quantization fp8's), against cuBLAS on the bf16 weight
+    (what the FP8 pass is to beat) and its own bytes at the copy rate."""
     from tandem.kernels import dispatch, gemv_triton
+    from tandem.kernels.fp8 import quantize_rows
 
     gen = torch.Generator(device).manual_seed(serve.SEED)
     copies = 8 if device.type == "cuda" else 2
     best = {}
     print(
-        f"one-row GEMMs, {copies} distinct weight copies per graph (ms per GEMM; x copy rate {copy_gbs:.0f} GB/s):"
+        f"one-row {'FP8 (e4m3, a scale a row) ' if fp8 else ''}GEMMs, {copies} distinct weight copies "
+        f"per graph (ms per GEMM; x copy rate {copy_gbs:.0f} GB/s; cuBLAS on the bf16 weight):"
     )
     print(
         f"  {'gemm':<10}{'N x K':>14}{'cuBLAS':>9}{'x copy':>7}{'best tile':>18}{'GEMV':>9}{'x copy':>7}{'default':>9}"
@@ -84,10 +93,17 @@ def sweep(device, shapes, tiles, copy_gbs) -> dict:
             cublas = _graph_ms(
                 lambda i: F.linear(dispatch.silu_and_mul(x), weights[i]), device, copies
             )
-            ours = lambda tile: lambda i: gemv_triton.silu_mul_gemv(x, weights[i], tile=tile)  # noqa: E731
         else:
             cublas = _graph_ms(lambda i: F.linear(x, weights[i]), device, copies)
-            ours = lambda tile: lambda i: gemv_triton.gemv(x, weights[i], tile=tile)  # noqa: E731
+        if fp8:
+            quantized = [quantize_rows(w) for w in weights]
+            del weights
+            weights = quantized
+            kernel = gemv_triton.fp8_silu_mul_gemv if silu else gemv_triton.fp8_gemv
+            ours = lambda tile: lambda i: kernel(x, *weights[i], tile=tile)  # noqa: E731
+        else:
+            kernel = gemv_triton.silu_mul_gemv if silu else gemv_triton.gemv
+            ours = lambda tile: lambda i: kernel(x, weights[i], tile=tile)  # noqa: E731
         times = {}
         for tile in tiles:
             try:
@@ -97,10 +113,10 @@ def sweep(device, shapes, tiles, copy_gbs) -> dict:
         default = _graph_ms(ours(None), device, copies)
         tile, ms = min(times.items(), key=lambda item: item[1])
         best[name] = (tile, ms, cublas)
-        nbytes = N * K * 2
-        rate = lambda t: nbytes / t / 1e6 / copy_gbs  # noqa: E731
+        nbytes = N * K * (1 if fp8 else 2)
+        rate = lambda t, n=nbytes: n / t / 1e6 / copy_gbs  # noqa: E731
         print(
-            f"  {name:<10}{f'{N}x{K}':>14}{cublas:9.4f}{rate(cublas):7.2f}{str(tile):>18}{ms:9.4f}{rate(ms):7.2f}"
+            f"  {name:<10}{f'{N}x{K}':>14}{cublas:9.4f}{rate(cublas, N * K * 2):7.2f}{str(tile):>18}{ms:9.4f}{rate(ms):7.2f}"
             f"{default:9.4f}  "
             + " ".join(f"{t[0]}/{t[1]}/{t[2]}:{v:.4f}" for t, v in sorted(times.items()))
         )
@@ -108,10 +124,16 @@ def sweep(device, shapes, tiles, copy_gbs) -> dict:
     return best
 
 
-def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
+def engine_rows(
+    model_dir: Path, device, vocab: int, floor_ms: float, quantization: str = "auto", tuned=None
+) -> None:
+    """The decode graph's replay and the step at batch 1 with cuBLAS (TANDEM_GEMV=off), the shipped
+    GEMV tiles (on) and, given tuned (the sweep's best tile per shape), those tiles; then the
+    replay's kernels by GPU time (torch.profiler) with the last setting."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions
+    from tandem.kernels import gemv_triton
 
     engine = LLMEngine(
         EngineConfig(
@@ -123,25 +145,37 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
             max_num_batched_tokens=4096,
             max_model_len=4096,
             enable_prefix_caching=False,
+            quantization=quantization,
         )
     )
     runner = engine.runner
     rng = random.Random(serve.SEED)
     prompt = [rng.randrange(3, vocab) for _ in range(128)]
     print(
-        f"engine at batch 1, 128-token prompt (floor {floor_ms:.2f} ms/step = weights / copy rate):"
+        f"engine at batch 1{', ' + quantization + ' weights' if quantization != 'auto' else ''}, 128-token "
+        f"prompt (floor {floor_ms:.2f} ms/step = weights / copy rate):"
     )
     print(
         f"  {'TANDEM_GEMV':<12}{'replay ms':>10}{'x floor':>8}{'step ms':>9}{'tok/s':>8}{'eager ms':>9}  greedy (64 tokens)"
     )
+    shipped = gemv_triton.tile_for
+    settings = [("off", shipped), ("on", shipped)]
+    if tuned:
+        settings.append(
+            (
+                "tuned",
+                lambda N, K, silu=False, **kw: tuned.get((N, K, silu)) or shipped(N, K, silu, **kw),
+            )
+        )
     first = None
-    for setting in ("off", "on", "off", "on"):
-        os.environ["TANDEM_GEMV"] = setting
+    for label, tiles in settings * 2:
+        os.environ["TANDEM_GEMV"] = "off" if label == "off" else "on"
+        gemv_triton.tile_for = tiles
         if runner.graphs is not None:
             runner.graphs.clear()
             runner.graphs.capture()
         engine.add_request(
-            f"greedy-{setting}", prompt, SamplingOptions(max_tokens=64, ignore_eos=True)
+            f"greedy-{label}", prompt, SamplingOptions(max_tokens=64, ignore_eos=True)
         )
         seq = engine.scheduler.waiting[-1]
         while engine.num_unfinished:
@@ -150,7 +184,7 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
         first = first or tokens
         agree = next((i for i, (a, b) in enumerate(zip(tokens, first)) if a != b), len(tokens))
         engine.add_request(
-            f"timed-{setting}", prompt, SamplingOptions(max_tokens=4000, ignore_eos=True)
+            f"timed-{label}", prompt, SamplingOptions(max_tokens=4000, ignore_eos=True)
         )
         for _ in range(3):
             engine.step()
@@ -166,9 +200,34 @@ def engine_rows(model_dir: Path, device, vocab: int, floor_ms: float) -> None:
         for seq in list(engine.scheduler.running):
             engine.abort_request(seq.request_id)
         print(
-            f"  {setting:<12}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}{1e3 / step_ms:8.1f}{eager_ms:9.2f}"
+            f"  {label:<12}{replay:10.3f}{replay / floor_ms:8.2f}{step_ms:9.2f}{1e3 / step_ms:8.1f}{eager_ms:9.2f}"
             f"  {'same as the first' if agree == len(tokens) else f'first differs at token {agree}'}"
         )
+    if device.type == "cuda" and runner.graphs is not None:
+        _kernel_table(device, lambda: runner.graphs.run(1), floor_ms)
+    gemv_triton.tile_for = shipped
+
+
+def _kernel_table(device, replay, floor_ms: float, num: int = 20) -> None:
+    """The replay's kernels by GPU time per step (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num):
+            replay()
+        torch.cuda.synchronize(device)
+    rows = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda e: -e.device_time_total,
+    )
+    total = sum(e.device_time_total for e in rows) / num / 1e3
+    print(
+        f"  kernels of one replay (profiler): {total:.3f} ms of GPU time a step (floor {floor_ms:.2f})"
+    )
+    for e in rows[:14]:
+        print(f"    {e.device_time_total / num / 1e3:8.3f} ms  {e.count // num:4d}x  {e.key[:90]}")
 
 
 def _step_ms(engine, device, num: int) -> float:
@@ -190,6 +249,12 @@ def main() -> None:
     parser.add_argument(
         "--skip-sweep", action="store_true", help="only the engine rows (the shipped tiles)"
     )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the FP8 GEMV (e4m3 weights, a scale a row) and the engine with --quantization fp8; "
+        "the engine rows add the sweep's best tiles ('tuned')",
+    )
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -203,8 +268,18 @@ def main() -> None:
         f"{torch.cuda.get_device_name(device) if on_cuda else 'cpu'}; copy {copy_gbs:.0f} GB/s (read + write)"
     )
     tiny = shape_name == "tiny"
+    shapes = SHAPES_TINY if tiny else SHAPES_8B
+    if args.fp8:  # the lm_head stays in the model dtype under --quantization fp8
+        shapes = {name: nk for name, nk in shapes.items() if name != "lm_head"}
+    best = {}
     if not args.skip_sweep:
-        sweep(device, SHAPES_TINY if tiny else SHAPES_8B, TILES_TINY if tiny else TILES, copy_gbs)
+        tiles = TILES_TINY if tiny else (TILES_FP8 if args.fp8 else TILES)
+        best = sweep(device, shapes, tiles, copy_gbs, fp8=args.fp8)
+    # The tuned map tile_for is swapped for: (N, K, silu) -> the best tile of that shape.
+    tuned = {
+        (*shapes["down" if name == "down+silu" else name], name == "down+silu"): tile
+        for name, (tile, _, _) in best.items()
+    }
     if args.skip_engine:
         return
     base = Path("/dev/shm") if on_cuda else Path(os.environ.get("TANDEM_HOME", "/tmp"))
@@ -212,7 +287,17 @@ def main() -> None:
         Path(args.model_dir or base / f"tandem-{shape_name}-bf16"), shape, device
     )
     floor_ms = serve.decode_bytes(shape) / 1e9 / copy_gbs * 1e3
-    engine_rows(model_dir, device, shape["vocab_size"], floor_ms)
+    if args.fp8:  # the decoder's projections at one byte a weight; the lm_head at two
+        lm_head = 2 * shape["vocab_size"] * shape["hidden_size"]
+        floor_ms = ((serve.decode_bytes(shape) - lm_head) / 2 + lm_head) / 1e9 / copy_gbs * 1e3
+    engine_rows(
+        model_dir,
+        device,
+        shape["vocab_size"],
+        floor_ms,
+        quantization="fp8" if args.fp8 else "auto",
+        tuned=tuned if args.fp8 else None,
+    )
 
 
 if __name__ == "__main__":
