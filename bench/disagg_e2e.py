@@ -6,7 +6,9 @@ the second token taken apart from its perf metrics (prefill = arrival to the fir
 = the first token to the pull's start: the reply, the router, the decode's reserve; pull = the
 READs and the lease's confirm; the decode's first step = the confirm's answer to the second token,
 the step having started while the confirm was on the way) beside the aggregated worker's, called
-directly and behind a router of its own (the hops through a router are not the handover's).
+directly and behind a router of its own (the hops through a router are not the handover's), and
+beside the split through a second router with --no-announce-decode (the decode gets its request
+after the context phase, not at its start: what announcing it saves).
 
     python bench/disagg_e2e.py                                  # CPU
     python bench/disagg_e2e.py --prefill-device cuda:0 --decode-device cuda:1 --progress-thread
@@ -107,6 +109,10 @@ def main() -> None:
 
     with cluster:
         split_two = asyncio.run(handover(cluster.address))
+        # The same split through a router that sends the decode its request only after the
+        # context phase (--no-announce-decode): what announcing it at the start saves.
+        unannounced = cluster.add_router("router-unannounced", ["--no-announce-decode"])
+        unannounced_two = asyncio.run(handover(unannounced.address, routed=True))
         local_two = asyncio.run(handover(cluster.workers[2].address))
         # The aggregated worker and the split never share a cache, so both see every prompt fresh.
         split_seq, _ = asyncio.run(run(cluster.address, concurrent=False))
@@ -180,15 +186,17 @@ def main() -> None:
         return {k: med(v) for k, v in parts.items()}
 
     split_parts, local_parts = segments(split_two), segments(local_two)
+    unannounced_parts = segments(unannounced_two)
     routed_parts = segments(routed_two)
     nbytes = statistics.median(o.metrics.kv_transfer_bytes for o in split_two)
     print(f"\n# the handover, {args.num_requests} requests of 2 tokens one at a time (medians, ms)")
     for name, parts in (
         ("split", split_parts),
+        ("split, --no-announce-decode", unannounced_parts),
         ("aggregated", local_parts),
         ("aggregated behind a router", routed_parts),
     ):
-        print(f"{name:<27}" + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        print(f"{name:<30}" + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     pull_gbps = nbytes / (split_parts["pull"] / 1e3) / 1e9 if split_parts.get("pull") else 0.0
     added = split_parts["time to the second token"] / local_parts["time to the second token"] - 1
     routed_added = (

@@ -260,6 +260,7 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
             deadline,
             return_first_gen_tokens=False,
             prefix_source=None,
+            awaits_handoff=False,
         ):
             deadlines.append(deadline)
 

@@ -806,7 +806,7 @@ class _Recorder:
     def count(self, method, code):
         self.counted.append(code)
 
-    async def run(self, submit, stream, owner):
+    async def run(self, submit, stream, owner, handoff=None):
         self.started.append(submit.tag)
         await asyncio.sleep(30)
 

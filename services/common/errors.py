@@ -38,6 +38,20 @@ class KvLoadFailedError(RpcError):
         self.failure_reason = f"{KV_LOAD_FAILED}:{why}"
 
 
+# The reason an announced generation_only request (SessionSubmit.awaits_handoff) fails with when it
+# failed before its handoff came: nothing of the handoff was used, so the caller may send the
+# whole request again (the router does, to a decode it picks afresh).
+BEFORE_HANDOFF = "before_handoff"
+
+
+def before_handoff(exc: Exception) -> RpcError:
+    """exc's status (status_for) with the reason BEFORE_HANDOFF."""
+    code, details = status_for(exc)
+    error = RpcError(code, details)
+    error.failure_reason = BEFORE_HANDOFF
+    return error
+
+
 def failure_reason(exc: BaseException) -> str:
     """What exc says failed (FAILURE_REASON_METADATA): its own, or a downstream worker's."""
     if isinstance(exc, grpc.aio.AioRpcError):

@@ -213,8 +213,15 @@ class GenerationPhase:
                 dict(request.trace_headers),
                 **{"tandem.prefill": handoff.ctx_endpoint, "tandem.num_blocks": len(remote)},
             ):
+                # The engine schedules the sequence the moment the last READ lands (told from the
+                # poller's thread: one hop fewer), its lease confirm on the way meanwhile.
                 num_landed, nbytes, seconds, error = await pull_blocks(
-                    self.poller, agent, remote, plan.block_ids, reads
+                    self.poller,
+                    agent,
+                    remote,
+                    plan.block_ids,
+                    reads,
+                    lambda: core.send(RemoteKvArrived(rid, confirmed=False)),
                 )
             self.num_bytes_received += nbytes
             if error is not None and (not num_landed or self.load_failure_policy == "fail"):
@@ -226,9 +233,7 @@ class GenerationPhase:
             # The confirm ends the lease; a live one proves the blocks read were the handoff's. A
             # whole pull runs its first step while the confirm is on the way: its blocks stay
             # out of the cache and its outputs in `held` until the answer.
-            provisional = error is None
-            if provisional:
-                core.send(RemoteKvArrived(rid, confirmed=False))
+            provisional = error is None  # (the engine has it: pull_blocks' on_landed)
             answer = await self.peers.confirm_lease(handoff, pulled=True)
             if answer is not LeaseAnswer.CONFIRMED:
                 if provisional:  # what the step computed came from KV that may not be ours
@@ -467,14 +472,27 @@ async def pull_blocks(
     remote: list[int],
     local: list[int],
     reads: list[PendingRead],
+    on_landed: Callable[[], None] | None = None,
 ) -> tuple[int, int, float, BaseException | None]:
     """Reads a peer's blocks into ours, PULL_CHUNK_BLOCKS to a READ, all posted at once
     (appended to reads as they are), and waits for them all. Returns (how many blocks from
     the start landed, their bytes, the longest READ's seconds, the first READ's error or
     None). A READ that failed is settled here; one after it may have landed, but the KV the
     engine can use is the prefix before the first failure. Handoffs and prefix pulls
-    (prefix_pull.py) both pull through here."""
+    (prefix_pull.py) both pull through here. on_landed: called once every READ has landed
+    (on the poller's thread, before this returns; at once when there is nothing to read),
+    never when one fails."""
     chunk, fail_at = _pull_chunking()
+    num_reads = -(-len(remote) // chunk)
+    if on_landed is not None and not num_reads:
+        on_landed()
+    left = [num_reads]  # READs not landed yet; counted down on the poller's one thread
+
+    def landed() -> None:
+        left[0] -= 1
+        if not left[0]:
+            on_landed()
+
     for index, start in enumerate(range(0, len(remote), chunk)):
         if index == fail_at:  # test-only fault (TANDEM_TEST_KV_PULL_FAULT)
             reads.append(_failed_read(f"test fault in READ {index}"))
@@ -486,6 +504,7 @@ async def pull_blocks(
                 local[start : start + chunk],
                 b"",
                 PULL_TIMEOUT_S,
+                landed if on_landed is not None else None,
             )
         )
     results = await asyncio.gather(*(read.done for read in reads), return_exceptions=True)

@@ -53,6 +53,9 @@ class PendingRead:
     abandon: bool = field(default=False)
     # Its id when the READ runs in an engine core process (worker/core_client.RemotePoller).
     read_id: int = 0
+    # Called once it has landed, on the poller's thread, before the loop hears of it (a pull's
+    # last READ tells the engine at once: decode/generation.pull_blocks).
+    on_landed: Callable[[], None] | None = None
 
 
 class TransferPoller:
@@ -103,10 +106,15 @@ class TransferPoller:
         local_block_ids: list[int],
         notify: bytes,
         timeout_s: float,
+        on_landed: Callable[[], None] | None = None,
     ) -> PendingRead:
-        """Posts a READ of the peer's blocks into ours; the peer gets notify once it has landed."""
+        """Posts a READ of the peer's blocks into ours; the peer gets notify once it has landed,
+        and on_landed (on this poller's thread, safe from any thread) is called then."""
         pending = PendingRead(
-            self.loop.create_future(), self.loop.create_future(), time.monotonic() + timeout_s
+            self.loop.create_future(),
+            self.loop.create_future(),
+            time.monotonic() + timeout_s,
+            on_landed=on_landed,
         )
 
         def post(transceiver: KvTransceiver) -> None:
@@ -209,6 +217,11 @@ class TransferPoller:
         self._reads = still
 
     def _finish(self, pending: PendingRead, error: BaseException | None) -> None:
+        if error is None and pending.on_landed is not None:
+            try:
+                pending.on_landed()
+            except Exception:  # noqa: BLE001 - the READ still resolves
+                log.exception("a landed READ's callback failed")
         if error is None:
             transfer = pending.transfer
             self.loop.call_soon_threadsafe(

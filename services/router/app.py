@@ -78,6 +78,7 @@ async def serve_router(config: RouterConfig) -> None:
             config.disagg_min_uncached_tokens, config.disagg_prefill_queue_tokens
         ),
         prefix_cost=config.prefix_pull_cost,
+        announce_decode=config.announce_decode,
     )
     servicer = RouterServicer(pool, server.address, server.request_stop, config, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)

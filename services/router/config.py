@@ -62,6 +62,13 @@ class RouterConfig(ServerConfig):
         "run requests whole on decode workers while every prefill worker has this many prompt "
         "tokens queued (0: never)",
     )
+    announce_decode: bool = flag_field(
+        True,
+        "off: send a split request's generation phase to its decode worker after its context "
+        "phase ends, not when it starts (by default the decode takes it in while the prompt is "
+        "computed and pulls the KV as soon as the handoff comes)",
+        flag="--no-announce-decode",
+    )
     # Cross-worker prefix pulls (router/prefix_source.py; the workers need --kv-prefix-pulls).
     prefix_pulls: bool = flag_field(
         False,

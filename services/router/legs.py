@@ -74,9 +74,16 @@ class Leg:
         "_prefill_tokens",
         "_prompt_tokens",
         "_blocks",
+        "announced",
     )
 
-    def __init__(self, relay: Relay, worker: WorkerHandle, request: llm_pb2.GenerateRequest):
+    def __init__(
+        self,
+        relay: Relay,
+        worker: WorkerHandle,
+        request: llm_pb2.GenerateRequest,
+        announced: bool = False,
+    ):
         self.relay = relay
         self.worker = worker
         self.request_id = request.request_id
@@ -89,10 +96,12 @@ class Leg:
         self.last_message_at = 0.0
         self._items: list = []
         self._is_over = False
+        # Sent with awaits_handoff, its handoff not yet (hand_off): not the relay's current leg.
+        self.announced = announced
         # The prompt tokens the worker computes (until its first message), what its state report
         # counts of them (the whole prompt), and the prompt's blocks (while the leg runs).
         block_size = relay.pool.kv_index.block_size
-        pulls = request.disaggregated_params.opaque_state != b""
+        pulls = announced or request.disaggregated_params.opaque_state != b""
         placement = relay.placement
         self._prefill_tokens = 0 if pulls else placement.uncached_tokens(worker.address, block_size)
         self._prompt_tokens = 0 if pulls else len(placement.token_ids)
@@ -109,11 +118,13 @@ class Leg:
         request: llm_pb2.GenerateRequest,
         split: bool,
         return_first_gen_tokens: bool,
+        announced: bool = False,
     ) -> Leg:
         """Sends request to worker on its session (opened within SESSION_OPEN_TIMEOUT_S, or the
         health timeout when longer): the leg to read it from. A request aborted while the
-        session opened is not sent: its leg says cancelled."""
-        leg = cls(relay, worker, request)
+        session opened is not sent: its leg says cancelled. announced: a split's generation_only
+        request sent while its context phase runs (awaits_handoff); hand_off() completes it."""
+        leg = cls(relay, worker, request, announced)
         try:
             session, tag, inbox = await worker.session.attach(
                 max(relay.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
@@ -130,6 +141,7 @@ class Leg:
                     relay.deadline,
                     return_first_gen_tokens,
                     _prefix_source(relay, worker, request),
+                    announced,
                 )
             except BaseException:
                 session.detach(tag)
@@ -144,6 +156,27 @@ class Leg:
         self.session, self.tag, self.inbox = session, tag, inbox
         self.last_message_at = time.monotonic()
         self.watchdog = asyncio.create_task(self._watch())
+        if not self.announced:
+            self.relay.leg = self
+
+    @property
+    def is_waiting(self) -> bool:
+        """Announced, sent, and nothing back yet (no failure, no cut) from a worker still ready:
+        its handoff may go."""
+        return (
+            self.announced
+            and self.session is not None
+            and self.session.failure is None
+            and not self.inbox.items
+            and self.worker.ready
+        )
+
+    def hand_off(self, params: types_pb2.DisaggregatedParams) -> None:
+        """The announced request's handoff: the worker pulls the KV and goes on; the leg is the
+        relay's current one from now on."""
+        if self.session is not None:  # (None: aborted while the session opened; nothing was sent)
+            self.session.hand_off(self.tag, params)
+        self.announced = False
         self.relay.leg = self
 
     async def next(self) -> types_pb2.RequestOutput | None:
@@ -194,7 +227,8 @@ class Leg:
                 self.cut()
             else:
                 self.session.detach(self.tag)
-            self.relay.leg = None
+            if self.relay.leg is self:
+                self.relay.leg = None
         self.unload()
 
     def unload(self) -> None:

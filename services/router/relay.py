@@ -7,6 +7,9 @@ the workers' output batches to the client's stream (token ids; the text front is
       whole    one sequence on one worker (an aggregated one, else a decode or prefill worker
                that computes the prompt too)                                    -> GENERATE
       split    prefill/decode (pool.should_split; whole instead when it says no)  -> CONTEXT
+               (with --announce-decode, the default, its generation phase goes to the decode
+               worker now, awaiting its handoff: the decode takes it in while the prompt is
+               computed, and the handoff alone crosses after the context phase)
       n > 1    over a split: n single-sequence splits, one child Relay each (seed + i)
 
     CONTEXT    context_only on a prefill worker; one that dies or hangs before its reply is
@@ -14,8 +17,10 @@ the workers' output batches to the client's stream (token ids; the text front is
     HANDOFF    the first token goes to the client before the KV moves; finished in the context
                phase (max_tokens=1, EOS, cancelled): END; aborted or stopped meanwhile: END
     GENERATE   generation_only on a decode worker that pulls the KV (no decode left: another
-               worker computes it again); a decode that could not load the KV (and ended its
-               lease) is retried once on another prefill/decode pair -> CONTEXT, GENERATE
+               worker computes it again): the announced request's handoff, or the request whole;
+               an announced decode that failed before its handoff gets the request whole
+               (another decode if one is ready); a decode that could not load the KV (and ended
+               its lease) is retried once on another prefill/decode pair -> CONTEXT, GENERATE
     MIGRATE    a worker that dies or hangs mid-stream (worker_gone): the stream goes on on
                another worker as generation_only with every token streamed so far and no KV (it
                recomputes them), at most MAX_MIGRATIONS times: the client sees one continuous
@@ -44,7 +49,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.common.background import spawn
-from tandem.common.errors import KV_LOAD_FAILED, RpcError, failure_reason
+from tandem.common.errors import BEFORE_HANDOFF, KV_LOAD_FAILED, RpcError, failure_reason
 from tandem.common.logs import bind
 from tandem.common.outputs import cancelled_output, merge_outputs
 from tandem.common.roles import Role
@@ -178,6 +183,8 @@ class Relay:
         self.served_by: list[str] = []
         # n > 1 over a prefill/decode split: one child relay per sequence.
         self.children: list[Relay] = []
+        # A split's decode leg announced while its context phase runs, until its handoff goes.
+        self.announced: Leg | None = None
 
     def child(self, request_id: str) -> Relay:
         return Relay(
@@ -228,10 +235,33 @@ class Relay:
         while the session opened is not sent: its leg says cancelled). split: the context_only half of
         a request the router splits itself; return_first_gen_tokens: a client's own
         generation_only request, whose output starts with the tokens it carries."""
+        self._follow(worker)
+        return await Leg.open(self, worker, request, split, return_first_gen_tokens)
+
+    def _follow(self, worker: WorkerHandle) -> None:
+        """The request runs on worker now (Abort and stop strings go there)."""
         self.worker = worker
         self.served_by.append(worker.address)
         bind(route=" -> ".join(self.served_by))
-        return await Leg.open(self, worker, request, split, return_first_gen_tokens)
+
+    async def _announce(self, request: llm_pb2.GenerateRequest) -> Leg | None:
+        """A split's generation phase sent to a decode worker as its context phase starts
+        (awaits_handoff): the decode takes it in meanwhile and pulls the KV as soon as
+        _hand_off sends the handoff. None when announcing is off, no decode is ready or its
+        session does not open (the decode is then picked after the context phase)."""
+        if not self.pool.announce_decode or self.cancelled:
+            return None
+        decode = self._pick_or_none((Role.DECODE,), set())
+        if decode is None:
+            return None
+        gen = llm_pb2.GenerateRequest()
+        gen.CopyFrom(request)
+        gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+        try:
+            return await Leg.open(self, decode, gen, False, False, announced=True)
+        except (grpc.aio.AioRpcError, RpcError) as exc:
+            log.info("announcing %s to %s failed: %s", request.request_id, decode.address, exc)
+            return None
 
     async def direct(
         self,
@@ -385,7 +415,12 @@ class Relay:
             is_split, reason = self.pool.should_split(self.placement)
             self.metrics.disagg_decided(is_split, reason)
             if is_split:
-                split = await self._context(request)  # None: no prefill left, it runs whole
+                self.announced = await self._announce(request)
+                try:
+                    split = await self._context(request)  # None: no prefill left, it runs whole
+                finally:
+                    if split is None or not split.handoff.opaque_state:
+                        self._drop_announced()  # failed, or no generation phase to announce
             else:
                 roles = (Role.DECODE,) + LOCAL_ROLES
         if split is not None and not split.handoff.opaque_state:
@@ -420,7 +455,7 @@ class Relay:
             while True:  # GENERATE; after a failed leg, MIGRATE (or the handoff once more)
                 leg, failure = None, None
                 try:
-                    leg = await self._open(seq.worker, seq.current)
+                    leg = self._hand_off(seq) or await self._open(seq.worker, seq.current)
                     progress = seq.progress
                     while (msg := await leg.next()) is not None:
                         # The worker sends what it generates, not the tokens the stream already
@@ -445,6 +480,7 @@ class Relay:
                     yield last
                     return
         finally:  # END
+            self._drop_announced()
             if split is not None and not split.decode_ended_lease:
                 lease_id = split.handoff.ctx_request_id
                 spawn(release_lease(self.pool, split.prefill, lease_id))
@@ -458,7 +494,12 @@ class Relay:
             list(split.handoff.first_gen_tokens),
             first.outputs[0].cumulative_logprob,
         )
-        decode = self._pick_or_none((Role.DECODE,), set())
+        announced = self.announced
+        if announced is not None and announced.is_waiting:
+            decode = announced.worker
+        else:  # (it failed, or its decode went down, while the context phase ran)
+            self._drop_announced()
+            decode = self._pick_or_none((Role.DECODE,), set())
         split.pulls = decode is not None
         if split.pulls:
             gen = llm_pb2.GenerateRequest()
@@ -472,6 +513,21 @@ class Relay:
         split.decode = decode
         wants_perf = request.sampling_params.return_perf_metrics
         return _Sequence(gen, decode, GENERATION_ROLES, progress, wants_perf, split)
+
+    def _hand_off(self, seq: _Sequence) -> Leg | None:
+        """The announced decode leg, now given its handoff (seq's request carries it); None when
+        none was announced or it went already."""
+        leg, self.announced = self.announced, None
+        if leg is not None:
+            self._follow(leg.worker)
+            leg.hand_off(seq.current.disaggregated_params)
+        return leg
+
+    def _drop_announced(self) -> None:
+        """The announced decode leg, if any, is not used: the decode drops its request."""
+        leg, self.announced = self.announced, None
+        if leg is not None:
+            leg.close()
 
     def _present(self, seq: _Sequence, msg: types_pb2.RequestOutput) -> None:
         """A message of the generation phase as the client gets it."""
@@ -514,6 +570,14 @@ class Relay:
         """After a failed leg: MIGRATE when its worker is gone, else, for a decode that could not
         load its KV, the handoff once more on another pair. Returns the last message when the
         request was aborted meanwhile; raises exc when the stream cannot go on."""
+        if failure_reason(exc) == BEFORE_HANDOFF:
+            # The announced decode failed before it took the handoff (nothing of it was used):
+            # the request goes whole to a decode picked now, as it would have unannounced.
+            decode = self._pick_or_none((Role.DECODE,), set())
+            if decode is not None and seq.split is not None:
+                seq.restart(decode)
+                seq.split.decode = decode
+            return None
         try:
             return await self._migrate(seq, exc)
         except grpc.aio.AioRpcError as final:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.common.engine_messages import engine_request
+from tandem.common.engine_messages import engine_request, kv_params
 from tandem.common.errors import RpcError
 from tandem.router.inbox import CUT, ENDED, Inbox, SessionBroken, failure_error, stream_failure
-from tandem.v1 import internal_pb2, llm_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import internal_pb2, llm_pb2, types_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("tandem.router.session_client")
 
@@ -67,6 +67,8 @@ class OpenSession:
         # written yet just drops it.
         self._submits: dict[int, tuple[worker_pb2.SessionSubmit, int, float | None]] = {}
         self._cancels: list[int] = []
+        # Handoffs of announced submits, by tag: each written once its submit has been.
+        self._handoffs: dict[int, worker_pb2.SessionHandoff] = {}
         self._wake = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
         self._writer = asyncio.create_task(self._write())
@@ -90,11 +92,13 @@ class OpenSession:
         deadline: float | None,
         return_first_gen_tokens: bool = False,
         prefix_source: worker_pb2.PrefixSource | None = None,
+        awaits_handoff: bool = False,
     ) -> None:
         """Queues the request of tag for the worker; RESOURCE_EXHAUSTED (nothing queued), as its
         own call would get, when it is larger than the worker takes in a message. deadline:
         time.monotonic(), or None. return_first_gen_tokens: a generation phase's output starts
-        with the tokens its request carries (a client's own generation_only request)."""
+        with the tokens its request carries (a client's own generation_only request);
+        awaits_handoff: a generation_only request whose handoff hand_off() sends later."""
         # timeout_s is set when the submit is written (what is left of the deadline then); a
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(
@@ -103,6 +107,7 @@ class OpenSession:
             client=client,
             split=split,
             timeout_s=1.0 if deadline is not None else 0.0,
+            awaits_handoff=awaits_handoff,
         )
         if prefix_source is not None:
             submit.prefix_source.CopyFrom(prefix_source)
@@ -119,6 +124,11 @@ class OpenSession:
             inbox.request_id = request.request_id
         self._wake.set()
 
+    def hand_off(self, tag: int, params: types_pb2.DisaggregatedParams) -> None:
+        """Queues the handoff of tag's announced request (submitted with awaits_handoff)."""
+        self._handoffs[tag] = worker_pb2.SessionHandoff(tag=tag, kv_params=kv_params(params))
+        self._wake.set()
+
     async def wait_for_room(self) -> None:
         """Until a request leaves the session (or it fails)."""
         self._room.clear()
@@ -133,6 +143,7 @@ class OpenSession:
     def cancel(self, tag: int) -> None:
         """Stops the request of tag on the worker (unless it was never sent) and forgets it here."""
         self.detach(tag)
+        self._handoffs.pop(tag, None)
         if self._submits.pop(tag, None) is None and self.failure is None:
             self._cancels.append(tag)
             self._wake.set()
@@ -147,7 +158,7 @@ class OpenSession:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._submits or self._cancels:
+                while self._submits or self._cancels or self._handoffs:
                     await self.call.write(self._next_message())
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             # The call is over (the reader tells the requests why) or cannot be written any more.
@@ -155,7 +166,9 @@ class OpenSession:
 
     def _next_message(self) -> worker_pb2.SessionRequest:
         """What is waiting, as much as fits in max_message_bytes: cancels first, then submits in
-        order; a submit larger than that goes alone (submit() checked the worker's bound)."""
+        order, then the handoffs whose submits went (in this message or before: the worker takes
+        a message's submits first); a submit larger than that goes alone (submit() checked the
+        worker's bound), and so does a handoff."""
         room = self.max_message_bytes - _CANCELS_HEADER
         num_cancels = min(len(self._cancels), room // _CANCEL_BYTES)
         message = worker_pb2.SessionRequest(cancels=self._cancels[:num_cancels])
@@ -171,6 +184,16 @@ class OpenSession:
             message.submits.append(submit)
             room -= size
             del self._submits[tag]
+        for tag, handoff in list(self._handoffs.items()):
+            if tag in self._submits:
+                continue  # its submit has not gone yet
+            size = handoff.ByteSize() + _ENTRY_OVERHEAD
+            alone = not message.cancels and not message.submits and not message.handoffs
+            if size > room and not alone:
+                break
+            message.handoffs.append(handoff)
+            room -= size
+            del self._handoffs[tag]
         return message
 
     async def _read(self) -> None:

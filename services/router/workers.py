@@ -155,9 +155,12 @@ class WorkerPool:
         kv_overlap_weight: float = 1.0,
         disagg: ConditionalDisagg = ConditionalDisagg(),
         prefix_cost: PrefixPullCost | None = None,
+        announce_decode: bool = True,
     ):
         """credentials: the router's TLS identity and tokens; its channels present them on every
-        call; prefix_cost: the cost model of cross-worker prefix pulls (None: off)."""
+        call; prefix_cost: the cost model of cross-worker prefix pulls (None: off);
+        announce_decode: a split's decode worker gets its request when the context phase
+        starts, and only the handoff when it ends (relay.py)."""
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.credentials = credentials
@@ -168,6 +171,7 @@ class WorkerPool:
             routing or {}, self.kv_index, kv_overlap_weight, prefix_cost=prefix_cost
         )
         self.disagg = disagg
+        self.announce_decode = announce_decode
         self.workers: list[WorkerHandle] = []
         self.changed = asyncio.Event()
         self._started = False

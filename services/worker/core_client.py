@@ -458,7 +458,9 @@ class RemotePoller:
         local_block_ids: list[int],
         notify: bytes,
         timeout_s: float,
+        on_landed: Callable[[], None] | None = None,
     ) -> PendingRead:
+        """As TransferPoller.read; on_landed is called on the loop when the core says it landed."""
         read_id = next(self.core._read_ids)
         pending = PendingRead(
             self.loop.create_future(),
@@ -466,6 +468,12 @@ class RemotePoller:
             time.monotonic() + timeout_s,
             read_id=read_id,
         )
+        if on_landed is not None:
+            pending.done.add_done_callback(
+                lambda done: (
+                    on_landed() if not done.cancelled() and done.exception() is None else None
+                )
+            )
         self.core._reads[read_id] = pending
         self.core._send(
             PostRead(

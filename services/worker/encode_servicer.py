@@ -25,7 +25,7 @@ class EncodeOnlyLLMServicer(WorkerLLMServicer):
         raise self._refuse("Generate")
         yield  # pragma: no cover - makes this a server-streaming handler like the one it overrides
 
-    async def run_submitted(self, submit, stream, owner):
+    async def run_submitted(self, submit, stream, owner, handoff=None):
         raise self._refuse("Generate")
 
     async def Preprocess(self, request, context):

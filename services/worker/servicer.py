@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 import uuid
 
 from google.protobuf import json_format
@@ -21,8 +22,8 @@ from tandem.common.callers import (
     may_abort,
     metadata_value,
 )
-from tandem.common.engine_messages import generate_request
-from tandem.common.errors import PreconditionError, invalid, unavailable
+from tandem.common.engine_messages import disaggregated_params, generate_request
+from tandem.common.errors import PreconditionError, before_handoff, invalid, unavailable
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.engine.messages import HoldSteps
@@ -81,30 +82,58 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 worker_request.delivered()
 
     async def run_submitted(
-        self, submit: worker_pb2.SessionSubmit, stream: OutputStream, owner: str
+        self,
+        submit: worker_pb2.SessionSubmit,
+        stream: OutputStream,
+        owner: str,
+        handoff: asyncio.Future | None = None,
     ) -> None:
         """A request that came on a session (session_server.py): token ids in, its outputs onto the
         session's stream under its tag as the engine hands them over (output_sink.py), then its
-        end; what it raises is its status. No text runs here: that is the caller's front's."""
+        end; what it raises is its status. No text runs here: that is the caller's front's.
+        handoff: an announced generation_only request's (awaits_handoff) KvParams, to come: the
+        request is taken in and checked first, so that the handoff starts its pull at once; what
+        fails it before then fails with the reason before_handoff."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
-        tracker, text_request, adapter, guide = await self._prepare(
-            generate_request(submit.request)
-        )
-        if not text_request.processor.is_passthrough:
-            raise invalid(
-                "a session carries token ids only: set sampling_params.detokenize=false and leave "
-                "stop strings and exclude_input_from_output to the caller's text front"
-            )
+        request = generate_request(submit.request)
+        checked = None
+        if handoff is not None:
+            try:
+                if (
+                    request.disaggregated_params.request_type
+                    != types_pb2.REQUEST_TYPE_GENERATION_ONLY
+                ):
+                    raise invalid("awaits_handoff is for a generation_only request")
+                tracker, text_request, adapter, guide = await self._prepare(request)
+                self._check_passthrough(text_request)
+                checked = self._checked(text_request.engine_request, guide)
+            except Exception as exc:  # noqa: BLE001 - its status, with the reason
+                raise before_handoff(exc) from exc
+            params = text_request.engine_request.disaggregated_params
+            params.CopyFrom(disaggregated_params(await handoff))
+            params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+            tracker.started = time.monotonic()  # its latency here runs from the handoff
+        else:
+            tracker, text_request, adapter, guide = await self._prepare(request)
+            self._check_passthrough(text_request)
         requester = submit.client or owner
         client = None if submit.split else requester
         sink = OutputSink(text_request, tracker, stream, submit.tag)
         echo = submit.request.return_first_gen_tokens
         source = submit.prefix_source if submit.HasField("prefix_source") else None
         with self._running(
-            text_request.engine_request, owner, client, adapter, guide, sink, echo, source
+            text_request.engine_request, owner, client, adapter, guide, sink, echo, source, checked
         ) as worker_request:
             worker_request.requester = requester
             await sink.wait()  # each output went out as the engine handed it over
+
+    @staticmethod
+    def _check_passthrough(text_request) -> None:
+        if not text_request.processor.is_passthrough:
+            raise invalid(
+                "a session carries token ids only: set sampling_params.detokenize=false and leave "
+                "stop strings and exclude_input_from_output to the caller's text front"
+            )
 
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
@@ -136,11 +165,20 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         sink: OutputSink | None = None,
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
+        checked: tuple | None = None,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
         worker_request = self._start(
-            request, owner, client, adapter, guide, sink, return_first_gen_tokens, prefix_source
+            request,
+            owner,
+            client,
+            adapter,
+            guide,
+            sink,
+            return_first_gen_tokens,
+            prefix_source,
+            checked,
         )
         self.requests[worker_request.request_id] = worker_request
         # The phase's span: a child of the router's (the traceparent it put in trace_headers),
@@ -173,6 +211,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         sink: OutputSink | None = None,
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
+        checked: tuple | None = None,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
@@ -180,16 +219,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
         tokens the request carries (a public Generate's does); prefix_source: where the router
         says the prompt's prefix may be pulled from (a session's submit only; ignored by a worker
-        without --kv-prefix-pulls)."""
-        options = sampling_options(
-            request.sampling_params, self.rt.eos_token_ids, self._encode_plain
-        )
-        if guide is not None:
-            options = dataclasses.replace(options, guide=guide)
-        prompt_ids = list(request.prompt.token_ids.ids)
+        without --kv-prefix-pulls); checked: what _checked returned for it already."""
+        options, prompt_ids = checked or self._checked(request, guide)
         limits = self.rt.core.facts.limits
-        limits.check_prompt(len(prompt_ids), prompt_ids)
-        limits.check_options(options)
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
@@ -223,6 +255,19 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             self.rt.prefix_pulls.attach(worker_request, prefix_source)
         start(worker_request)
         return worker_request
+
+    def _checked(self, request: llm_pb2.GenerateRequest, guide=None) -> tuple:
+        """(sampling options, prompt ids) of a token-id request, or the error refusing them."""
+        options = sampling_options(
+            request.sampling_params, self.rt.eos_token_ids, self._encode_plain
+        )
+        if guide is not None:
+            options = dataclasses.replace(options, guide=guide)
+        prompt_ids = list(request.prompt.token_ids.ids)
+        limits = self.rt.core.facts.limits
+        limits.check_prompt(len(prompt_ids), prompt_ids)
+        limits.check_options(options)
+        return options, prompt_ids
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.rt.front.tokenizer.encode(text, False)

@@ -49,7 +49,10 @@ MAX_CANCELS_PER_MESSAGE = 65536
 # The method a session's requests count under (tandem:grpc_server_handled): they are Generates.
 GENERATE_METHOD = "/tandem.v1.AsyncLLM/Generate"
 
-RunSubmitted = Callable[[worker_pb2.SessionSubmit, OutputStream, str], Awaitable[None]]
+# (submit, its stream, the session's owner, the future its handoff comes in: awaits_handoff only)
+RunSubmitted = Callable[
+    [worker_pb2.SessionSubmit, OutputStream, str, "asyncio.Future | None"], Awaitable[None]
+]
 CountStatus = Callable[[str, grpc.StatusCode], None]
 
 
@@ -70,6 +73,8 @@ class Session:
         self._in_flight = in_flight
         self._count = count
         self.tasks: dict[int, asyncio.Task] = {}
+        # Announced requests waiting for their handoff (SessionSubmit.awaits_handoff), by tag.
+        self.handoffs: dict[int, asyncio.Future] = {}
 
     async def read(self, requests) -> None:
         """Starts and stops requests as the caller's messages say; once the caller has sent its
@@ -80,15 +85,21 @@ class Session:
             # Bounded before any work: a message's entries are handled in one turn of the loop.
             if (
                 len(message.submits) > MAX_REQUESTS_PER_SESSION
+                or len(message.handoffs) > MAX_REQUESTS_PER_SESSION
                 or len(message.cancels) > MAX_CANCELS_PER_MESSAGE
             ):
                 raise invalid(
-                    f"Session: a message carries {len(message.submits)} submits and "
-                    f"{len(message.cancels)} cancels (at most {MAX_REQUESTS_PER_SESSION} and "
+                    f"Session: a message carries {len(message.submits)} submits, "
+                    f"{len(message.handoffs)} handoffs and {len(message.cancels)} cancels (at most "
+                    f"{MAX_REQUESTS_PER_SESSION}, {MAX_REQUESTS_PER_SESSION} and "
                     f"{MAX_CANCELS_PER_MESSAGE})"
                 )
             for submit in message.submits:
                 self._start(submit)
+            for handoff in message.handoffs:
+                waiting = self.handoffs.pop(handoff.tag, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(handoff.kv_params)
             for tag in message.cancels:
                 task = self.tasks.get(tag)
                 if task is not None:
@@ -125,7 +136,10 @@ class Session:
             )
         else:
             self._in_flight.count += 1
-            task = self.tasks[tag] = asyncio.create_task(self._serve(submit))
+            handoff = None
+            if submit.awaits_handoff:
+                handoff = self.handoffs[tag] = asyncio.get_running_loop().create_future()
+            task = self.tasks[tag] = asyncio.create_task(self._serve(submit, handoff))
             # Bookkeeping in a done callback, not in _serve: a task cancelled before its first
             # step (a cancel in the same message as its submit) never runs _serve's finally.
             task.add_done_callback(lambda done: self._ended(tag, done))
@@ -136,8 +150,10 @@ class Session:
 
     def _ended(self, tag: int, task: asyncio.Task) -> None:
         self._in_flight.count -= 1
+        announced = False
         if self.tasks.get(tag) is task:
             del self.tasks[tag]
+            announced = self.handoffs.pop(tag, None) is not None  # ended before its handoff
         if task.cancelled():
             code = grpc.StatusCode.CANCELLED
         elif (
@@ -146,15 +162,20 @@ class Session:
             code = grpc.StatusCode.UNKNOWN
         else:
             code = task.result()
+        if announced and code == grpc.StatusCode.CANCELLED:
+            return  # dropped before its handoff (no generation phase came): no call ran
         self._count(GENERATE_METHOD, code)
 
-    async def _serve(self, submit: worker_pb2.SessionSubmit) -> grpc.StatusCode:
+    async def _serve(
+        self, submit: worker_pb2.SessionSubmit, handoff: asyncio.Future | None
+    ) -> grpc.StatusCode:
         """Runs one request to its end; what ends it in error goes on the stream as its status.
-        Returns the status code it ended with."""
+        Returns the status code it ended with. handoff: where an announced request's handoff
+        comes (read() sets it)."""
         deadline = asyncio.timeout(submit.timeout_s or None)
         try:
             async with deadline:
-                await self._run(submit, self.stream, self.owner)
+                await self._run(submit, self.stream, self.owner, handoff)
         except asyncio.CancelledError:
             return grpc.StatusCode.CANCELLED  # the caller cancelled it, or the session ended
         except Exception as exc:  # noqa: BLE001 - every failure becomes the request's status

@@ -21,28 +21,40 @@ ROLE_DECODE: Role
 ROLE_BOTH: Role
 
 class SessionRequest(_message.Message):
-    __slots__ = ("submits", "cancels")
+    __slots__ = ("submits", "cancels", "handoffs")
     SUBMITS_FIELD_NUMBER: _ClassVar[int]
     CANCELS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     submits: _containers.RepeatedCompositeFieldContainer[SessionSubmit]
     cancels: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, submits: _Optional[_Iterable[_Union[SessionSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+    handoffs: _containers.RepeatedCompositeFieldContainer[SessionHandoff]
+    def __init__(self, submits: _Optional[_Iterable[_Union[SessionSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ..., handoffs: _Optional[_Iterable[_Union[SessionHandoff, _Mapping]]] = ...) -> None: ...
+
+class SessionHandoff(_message.Message):
+    __slots__ = ("tag", "kv_params")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    KV_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    kv_params: _internal_pb2.KvParams
+    def __init__(self, tag: _Optional[int] = ..., kv_params: _Optional[_Union[_internal_pb2.KvParams, _Mapping]] = ...) -> None: ...
 
 class SessionSubmit(_message.Message):
-    __slots__ = ("tag", "request", "client", "split", "timeout_s", "prefix_source")
+    __slots__ = ("tag", "request", "client", "split", "timeout_s", "prefix_source", "awaits_handoff")
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AWAITS_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: _internal_pb2.EngineRequest
     client: str
     split: bool
     timeout_s: float
     prefix_source: PrefixSource
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+    awaits_handoff: bool
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., awaits_handoff: _Optional[bool] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("address", "num_blocks")
