@@ -4,8 +4,9 @@ starts (SessionSubmit.awaits_handoff); only the handoff crosses after it (Sessio
 In-process: the worker's Session hands each announced request its handoff, ignores a handoff for
 a tag that is not waiting, and drops (uncounted) an announcement cancelled before its handoff.
 Real processes: the split with and without announcing (--no-announce-decode) gives the aggregated
-worker's greedy tokens and pulls the KV; a request that ends in the context phase, and one whose
-context phase fails, leave the decode with nothing running, no block held and no Generate counted."""
+worker's greedy tokens and pulls the KV; a request that ends in the context phase leaves the
+decode with nothing running, no block held and no Generate counted; a decode that refuses its
+announcement gets the request whole (the error it would have given unannounced)."""
 
 from __future__ import annotations
 
@@ -126,12 +127,20 @@ def split(model_dirs):
             LLM(unannounced.address) as llm_unannounced,
             LLM(c.workers[2].address, **c.worker_client_kwargs()) as aggregated,
         ):
+            # A router opens its session to a worker on first use: the first split of a cold
+            # router is not announced (the session opens meanwhile).
+            for client in (llm, llm_unannounced):
+                client.generate([1, 5, 9], SamplingParams(max_tokens=2), use_tqdm=False)
             yield c, llm, llm_unannounced, aggregated
 
 
 def _decode_generates(cluster) -> float:
     decode = next(s for s in cluster.services if s.role == "decode")
     return value(scrape(decode), "tandem:grpc_server_handled_total", grpc_method="Generate")
+
+
+def _announcements(service, outcome: str) -> float:
+    return value(scrape(service), "tandem:router_decode_announcements_total", outcome=outcome)
 
 
 def _leak_free(cluster) -> None:
@@ -147,28 +156,189 @@ def test_announced_and_unannounced_splits_give_the_aggregated_tokens(split):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in aggregated.generate(prompts, params, use_tqdm=False)]
     before = worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"]
+    unannounced = cluster.service("router-unannounced")
+    handed_off = _announcements(cluster.router, "handed_off")
     for client in (llm, llm_unannounced):
         outs = client.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert all(o.metrics.kv_handoff.outcome == "pulled" for o in outs)
         assert all(o.metrics.served_by[-1] == cluster.workers[1].address for o in outs)
     assert worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"] == before + 12
+    # The default router announced each split; the other one none.
+    assert _announcements(cluster.router, "handed_off") == handed_off + 6
+    assert _announcements(unannounced, "handed_off") == 0
     _leak_free(cluster)
 
 
-def test_an_announcement_the_context_phase_ends_or_fails_is_dropped(split):
+def test_an_announcement_the_context_phase_ends_is_dropped(split):
     cluster, llm, _, _ = split
     generates = _decode_generates(cluster)
+    dropped = _announcements(cluster.router, "dropped")
     # Ends in the context phase: the decode's announced request is dropped, no call counted.
     out = llm.generate([1, 5, 9, 11], SamplingParams(max_tokens=1), use_tqdm=False)
     assert out.metrics.served_by == [cluster.workers[0].address]
-    # The prefill refuses the prompt (its --max-model-len 64): the client gets the prefill's error.
+    assert _announcements(cluster.router, "dropped") == dropped + 1
+    # A prompt over the prefill's --max-model-len 64: refused (the router's front knows the
+    # limit) before any phase, nothing announced.
     with pytest.raises(RequestError) as err:
         llm.generate([1] + [7] * 80, SamplingParams(max_tokens=4), use_tqdm=False)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "64" in err.value.details
     _leak_free(cluster)
     assert _decode_generates(cluster) == generates
+    assert _announcements(cluster.router, "dropped") == dropped + 1
     # The decode still serves the next split.
     out = llm.generate([1, 5, 9, 11], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 6 and out.metrics.kv_handoff.outcome == "pulled"
     assert _decode_generates(cluster) == generates + 1
+
+
+class _FakeCall:
+    """A Session call that records what the router writes and never answers."""
+
+    def __init__(self):
+        self.written: list[worker_pb2.SessionRequest] = []
+        self._never = asyncio.Event()
+
+    async def write(self, message):
+        self.written.append(message)
+
+    async def read(self):
+        await self._never.wait()
+
+    def cancel(self):
+        pass
+
+
+def test_a_handoff_is_written_after_its_submit_and_dropped_with_a_cancel():
+    from tandem.router.session_client import OpenSession
+
+    def gen(tag: int, prompt_len: int) -> llm_pb2.GenerateRequest:
+        request = llm_pb2.GenerateRequest(request_id=f"r{tag}")
+        request.prompt.token_ids.ids.extend(range(1, prompt_len + 1))
+        request.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+        return request
+
+    handoff = types_pb2.DisaggregatedParams(first_gen_tokens=[3], opaque_state=b"x" * 30)
+
+    async def main():
+        call = _FakeCall()
+        # A message holds ~1 KB: the 600-token submit of t2 does not fit after t1's and goes in
+        # the next message; t2's small handoff would fit in the first but waits for its submit.
+        session = OpenSession(
+            call, "s", max_message_bytes=1024, max_request_bytes=1 << 20, takes_handoffs=True
+        )
+        (t1, _), (t2, _), (t3, _) = session.attach(), session.attach(), session.attach()
+        session.submit(t1, gen(t1, 4), "", False, None, awaits_handoff=True)
+        session.submit(t2, gen(t2, 600), "", False, None, awaits_handoff=True)
+        session.submit(t3, gen(t3, 4), "", False, None, awaits_handoff=True)
+        session.hand_off(t2, handoff)
+        session.hand_off(t1, handoff)
+        session.hand_off(t3, handoff)
+        session.cancel(t3)  # its submit and handoff never go
+        await asyncio.sleep(0.05)
+        submitted, handed = [], []
+        for message in call.written:
+            submitted += [s.tag for s in message.submits]
+            for h in message.handoffs:
+                assert h.tag in submitted  # never before its submit
+                handed.append(h.tag)
+                assert list(h.kv_params.first_gen_tokens) == [3]
+        assert sorted(submitted) == [t1, t2] and sorted(handed) == [t1, t2]
+        assert len(call.written) >= 2  # (the case above did arise)
+        assert all(s.awaits_handoff for m in call.written for s in m.submits)
+        session.close()
+
+    asyncio.run(main())
+
+
+class _FakePoller:
+    """pull_blocks' poller: each READ lands (or fails) at once, calling on_landed as the poller's
+    thread would, before its future resolves."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def read(self, agent, remote, local, notify, timeout_s, on_landed=None):
+        from tandem.kvtransfer.errors import TransferError
+        from tandem.kvtransfer.poller import PendingRead, ReadDone
+
+        loop = asyncio.get_running_loop()
+        pending = PendingRead(loop.create_future(), loop.create_future(), 0.0)
+        if self.fail:
+            pending.done.set_exception(TransferError("READ failed"))
+        else:
+            if on_landed is not None:
+                on_landed()
+            pending.done.set_result(ReadDone(len(remote), 0.001))
+        pending.settled.set_result(True)
+        return pending
+
+    async def settle(self, pending, timeout_s=2.0):
+        await pending.settled
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "fail", "cancel", "told"),
+    [(300, False, False, 1), (0, False, False, 1), (300, True, False, 0), (300, False, True, 0)],
+)
+def test_a_pull_tells_the_engine_once_when_its_last_read_lands(
+    monkeypatch, num_blocks, fail, cancel, told
+):
+    """Three READs of at most 128 blocks each (0 blocks: nothing to read, told at once); a failed
+    READ, or a pull cancelled before its READs landed, tells nothing."""
+    import threading
+
+    from tandem.decode import generation
+
+    monkeypatch.delenv(generation.PULL_FAULT_ENV, raising=False)
+    calls = []
+    cancelled = threading.Event()
+    if cancel:
+        cancelled.set()
+
+    async def main():
+        return await generation.pull_blocks(
+            _FakePoller(fail),
+            "peer",
+            list(range(num_blocks)),
+            list(range(num_blocks)),
+            [],
+            lambda: calls.append(1),
+            cancelled,
+        )
+
+    num_landed, _, _, error = asyncio.run(main())
+    assert len(calls) == told
+    assert (error is not None) == fail and num_landed == (0 if fail else num_blocks)
+
+
+def test_a_decode_that_refuses_its_announcement_gets_the_request_whole(model_dirs):
+    """The decode takes shorter prompts than the prefill: it refuses the announced request at
+    once (before its handoff); the context phase still runs, and the router sends the decode the
+    request whole, which meets the same refusal as without announcing: the client gets the
+    decode's INVALID_ARGUMENT, the prefill's lease is released, nothing is left anywhere."""
+    engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=engine_args,
+        worker_args={"decode-1": ["--max-model-len", "64"]},
+    ) as c:
+        unannounced = c.add_router("router-unannounced", ["--no-announce-decode"])
+        for address in (c.address, unannounced.address):  # the routers' sessions open
+            with LLM(address) as llm:
+                llm.generate([1, 5, 9], SamplingParams(max_tokens=2), use_tqdm=False)
+        codes = []
+        for address in (c.address, unannounced.address):
+            with LLM(address) as llm, pytest.raises(RequestError) as err:
+                llm.generate([1] + [7] * 80, SamplingParams(max_tokens=4), use_tqdm=False)
+            codes.append((err.value.code, "64" in err.value.details))
+        assert codes == [(grpc.StatusCode.INVALID_ARGUMENT, True)] * 2
+        assert _announcements(c.router, "resent") == 1
+        for worker in c.workers:
+            state = worker_state(worker.address)
+            assert state.num_free_blocks == state.num_total_blocks and state.num_leases == 0
+        with LLM(c.address) as llm:  # a prompt both take still splits and pulls
+            out = llm.generate(
+                [1, 5, 9, 11], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False
+            )
+        assert len(out.outputs[0].token_ids) == 6 and out.metrics.kv_handoff.outcome == "pulled"

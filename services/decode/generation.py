@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -164,6 +165,8 @@ class GenerationPhase:
         first = request.first_gen_tokens
         # The READs of the pull, once posted (each settled before our blocks can go).
         reads: list[PendingRead] = []
+        # Set when the pull is cancelled: a READ landing after that tells the engine nothing.
+        cancelled = threading.Event()
         ours = self.weights_id()
         if handoff.weights_id and ours and handoff.weights_id != ours:
             # KV of other weights must not continue here (an update reached one worker only).
@@ -222,6 +225,7 @@ class GenerationPhase:
                     plan.block_ids,
                     reads,
                     lambda: core.send(RemoteKvArrived(rid, confirmed=False)),
+                    cancelled,
                 )
             self.num_bytes_received += nbytes
             if error is not None and (not num_landed or self.load_failure_policy == "fail"):
@@ -263,6 +267,7 @@ class GenerationPhase:
         except asyncio.CancelledError:
             # Cancelled mid-READ: the abort frees our blocks, so let the READ land first rather than
             # have it write into blocks another request owns by then.
+            cancelled.set()
             for read in reads:
                 await self.poller.settle(read)
             core.abort(rid)
@@ -473,6 +478,7 @@ async def pull_blocks(
     local: list[int],
     reads: list[PendingRead],
     on_landed: Callable[[], None] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> tuple[int, int, float, BaseException | None]:
     """Reads a peer's blocks into ours, PULL_CHUNK_BLOCKS to a READ, all posted at once
     (appended to reads as they are), and waits for them all. Returns (how many blocks from
@@ -481,7 +487,7 @@ async def pull_blocks(
     engine can use is the prefix before the first failure. Handoffs and prefix pulls
     (prefix_pull.py) both pull through here. on_landed: called once every READ has landed
     (on the poller's thread, before this returns; at once when there is nothing to read),
-    never when one fails."""
+    never when one fails, nor once cancelled is set (the caller's pull was cancelled)."""
     chunk, fail_at = _pull_chunking()
     num_reads = -(-len(remote) // chunk)
     if on_landed is not None and not num_reads:
@@ -490,7 +496,7 @@ async def pull_blocks(
 
     def landed() -> None:
         left[0] -= 1
-        if not left[0]:
+        if not left[0] and not (cancelled is not None and cancelled.is_set()):
             on_landed()
 
     for index, start in enumerate(range(0, len(remote), chunk)):

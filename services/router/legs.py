@@ -118,13 +118,11 @@ class Leg:
         request: llm_pb2.GenerateRequest,
         split: bool,
         return_first_gen_tokens: bool,
-        announced: bool = False,
     ) -> Leg:
         """Sends request to worker on its session (opened within SESSION_OPEN_TIMEOUT_S, or the
         health timeout when longer): the leg to read it from. A request aborted while the
-        session opened is not sent: its leg says cancelled. announced: a split's generation_only
-        request sent while its context phase runs (awaits_handoff); hand_off() completes it."""
-        leg = cls(relay, worker, request, announced)
+        session opened is not sent: its leg says cancelled."""
+        leg = cls(relay, worker, request)
         try:
             session, tag, inbox = await worker.session.attach(
                 max(relay.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
@@ -141,7 +139,6 @@ class Leg:
                     relay.deadline,
                     return_first_gen_tokens,
                     _prefix_source(relay, worker, request),
-                    announced,
                 )
             except BaseException:
                 session.detach(tag)
@@ -152,12 +149,38 @@ class Leg:
         leg.start(session, tag, inbox)
         return leg
 
+    @classmethod
+    def announce(cls, relay: Relay, worker: WorkerHandle, request: llm_pb2.GenerateRequest):
+        """A split's generation_only request sent to worker now, awaiting its handoff (hand_off):
+        the leg, or None when the worker's session is not open, is full or takes no announced
+        requests (nothing waits here: the context phase goes ahead either way)."""
+        attached = worker.session.try_attach(
+            max(relay.pool.health_timeout_s, SESSION_OPEN_TIMEOUT_S)
+        )
+        if attached is None:
+            return None
+        session, tag, inbox = attached
+        leg = cls(relay, worker, request, announced=True)
+        try:
+            session.submit(tag, request, relay.client, False, relay.deadline, awaits_handoff=True)
+        except BaseException:
+            session.detach(tag)
+            leg.unload()
+            raise
+        leg.start(session, tag, inbox)
+        return leg
+
     def start(self, session: OpenSession, tag: int, inbox: Inbox) -> None:
+        """Reads the request's inbox from now on; an announced leg is watched (and becomes the
+        relay's current one) from its handoff on: until then its worker has nothing to send."""
         self.session, self.tag, self.inbox = session, tag, inbox
+        if not self.announced:
+            self._watch_from_now()
+
+    def _watch_from_now(self) -> None:
         self.last_message_at = time.monotonic()
         self.watchdog = asyncio.create_task(self._watch())
-        if not self.announced:
-            self.relay.leg = self
+        self.relay.leg = self
 
     @property
     def is_waiting(self) -> bool:
@@ -174,10 +197,10 @@ class Leg:
     def hand_off(self, params: types_pb2.DisaggregatedParams) -> None:
         """The announced request's handoff: the worker pulls the KV and goes on; the leg is the
         relay's current one from now on."""
+        self.announced = False
         if self.session is not None:  # (None: aborted while the session opened; nothing was sent)
             self.session.hand_off(self.tag, params)
-        self.announced = False
-        self.relay.leg = self
+            self._watch_from_now()
 
     async def next(self) -> types_pb2.RequestOutput | None:
         """The leg's next message (what came since the last, as one), None after its last.
@@ -197,7 +220,12 @@ class Leg:
             raise
         except asyncio.CancelledError:
             watchdog = self.watchdog
-            if watchdog.done() and not watchdog.cancelled() and watchdog.result():
+            if (
+                watchdog is not None
+                and watchdog.done()
+                and not watchdog.cancelled()
+                and watchdog.result()
+            ):
                 raise WorkerStalledError(self.worker) from None
             if not self.relay.cancelled:
                 raise  # the client went away
@@ -220,7 +248,8 @@ class Leg:
 
     def close(self) -> None:
         if self.session is not None:
-            self.watchdog.cancel()
+            if self.watchdog is not None:
+                self.watchdog.cancel()
             if not self.ended:
                 # A request whose last message came is left to end by itself: cancelling it could
                 # reach the worker before it knew the message (a handoff) was delivered.

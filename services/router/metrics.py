@@ -50,6 +50,20 @@ class RouterMetrics(ProcessMetrics):
             registry=reg,
         )
 
+        self.announcements = Counter(
+            "tandem:router_decode_announcements",
+            "Split requests announced to their decode worker at the context phase's start "
+            "(--no-announce-decode off), by how the announcement ended: handed_off (the handoff "
+            "went to it), dropped (no generation phase: the context phase failed, ended the "
+            "request or was aborted), resent (the decode failed before its handoff: the request "
+            "went whole to a decode picked then).",
+            base + ["outcome"],
+            registry=reg,
+        )
+
+    def announcement_ended(self, outcome: str) -> None:
+        self.announcements.labels(*self.labels, outcome).inc()
+
     def kv_handoff_ended(self, prefill: str, decode: str, outcome: str, reason: str) -> None:
         self.kv_handoffs.labels(*self.labels, prefill, decode, outcome, reason).inc()
 

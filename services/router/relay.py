@@ -7,9 +7,9 @@ the workers' output batches to the client's stream (token ids; the text front is
       whole    one sequence on one worker (an aggregated one, else a decode or prefill worker
                that computes the prompt too)                                    -> GENERATE
       split    prefill/decode (pool.should_split; whole instead when it says no)  -> CONTEXT
-               (with --announce-decode, the default, its generation phase goes to the decode
-               worker now, awaiting its handoff: the decode takes it in while the prompt is
-               computed, and the handoff alone crosses after the context phase)
+               (unless --no-announce-decode, its generation phase goes to a decode worker now,
+               awaiting its handoff: the decode takes it in while the prompt is computed, and
+               the handoff alone crosses after the context phase)
       n > 1    over a split: n single-sequence splits, one child Relay each (seed + i)
 
     CONTEXT    context_only on a prefill worker; one that dies or hangs before its reply is
@@ -244,11 +244,12 @@ class Relay:
         self.served_by.append(worker.address)
         bind(route=" -> ".join(self.served_by))
 
-    async def _announce(self, request: llm_pb2.GenerateRequest) -> Leg | None:
+    def _announce(self, request: llm_pb2.GenerateRequest) -> Leg | None:
         """A split's generation phase sent to a decode worker as its context phase starts
         (awaits_handoff): the decode takes it in meanwhile and pulls the KV as soon as
-        _hand_off sends the handoff. None when announcing is off, no decode is ready or its
-        session does not open (the decode is then picked after the context phase)."""
+        _hand_off sends the handoff. None when announcing is off, no decode is ready, or its
+        session is not open, full or takes no announcements (the decode is then picked after
+        the context phase, as unannounced). Nothing here waits."""
         if not self.pool.announce_decode or self.cancelled:
             return None
         decode = self._pick_or_none((Role.DECODE,), set())
@@ -258,9 +259,8 @@ class Relay:
         gen.CopyFrom(request)
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
         try:
-            return await Leg.open(self, decode, gen, False, False, announced=True)
-        except (grpc.aio.AioRpcError, RpcError) as exc:
-            log.info("announcing %s to %s failed: %s", request.request_id, decode.address, exc)
+            return Leg.announce(self, decode, gen)
+        except RpcError:  # larger than the worker takes: the request whole will say so
             return None
 
     async def direct(
@@ -415,7 +415,7 @@ class Relay:
             is_split, reason = self.pool.should_split(self.placement)
             self.metrics.disagg_decided(is_split, reason)
             if is_split:
-                self.announced = await self._announce(request)
+                self.announced = self._announce(request)
                 try:
                     split = await self._context(request)  # None: no prefill left, it runs whole
                 finally:
@@ -497,8 +497,10 @@ class Relay:
         announced = self.announced
         if announced is not None and announced.is_waiting:
             decode = announced.worker
-        else:  # (it failed, or its decode went down, while the context phase ran)
-            self._drop_announced()
+        elif announced is not None:  # it failed, or its decode went down, meanwhile
+            self._drop_announced("resent")
+            decode = self._other_decode(announced.worker)
+        else:
             decode = self._pick_or_none((Role.DECODE,), set())
         split.pulls = decode is not None
         if split.pulls:
@@ -521,13 +523,22 @@ class Relay:
         if leg is not None:
             self._follow(leg.worker)
             leg.hand_off(seq.current.disaggregated_params)
+            self.metrics.announcement_ended("handed_off")
         return leg
 
-    def _drop_announced(self) -> None:
+    def _drop_announced(self, outcome: str = "dropped") -> None:
         """The announced decode leg, if any, is not used: the decode drops its request."""
         leg, self.announced = self.announced, None
         if leg is not None:
             leg.close()
+            self.metrics.announcement_ended(outcome)
+
+    def _other_decode(self, failed: WorkerHandle) -> WorkerHandle | None:
+        """A decode worker other than failed (which refused a request), else failed itself if it
+        is still the only one ready: the request whole meets what it would have unannounced."""
+        return self._pick_or_none((Role.DECODE,), {failed.address}) or self._pick_or_none(
+            (Role.DECODE,), set()
+        )
 
     def _present(self, seq: _Sequence, msg: types_pb2.RequestOutput) -> None:
         """A message of the generation phase as the client gets it."""
@@ -570,11 +581,12 @@ class Relay:
         """After a failed leg: MIGRATE when its worker is gone, else, for a decode that could not
         load its KV, the handoff once more on another pair. Returns the last message when the
         request was aborted meanwhile; raises exc when the stream cannot go on."""
-        if failure_reason(exc) == BEFORE_HANDOFF:
+        if failure_reason(exc) == BEFORE_HANDOFF and seq.split is not None:
             # The announced decode failed before it took the handoff (nothing of it was used):
             # the request goes whole to a decode picked now, as it would have unannounced.
-            decode = self._pick_or_none((Role.DECODE,), set())
-            if decode is not None and seq.split is not None:
+            self.metrics.announcement_ended("resent")
+            decode = self._other_decode(seq.worker)
+            if decode is not None:
                 seq.restart(decode)
                 seq.split.decode = decode
             return None

@@ -47,10 +47,13 @@ class OpenSession:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_requests: int = DEFAULT_MAX_REQUESTS,
         max_request_bytes: int = 0,
+        takes_handoffs: bool = False,
     ):
         """max_message_bytes: what the router fills with several entries; max_request_bytes: the
-        worker's bound on one message (a larger submit cannot be sent; 0: max_message_bytes)."""
+        worker's bound on one message (a larger submit cannot be sent; 0: max_message_bytes);
+        takes_handoffs: the worker takes announced requests (EngineOutputs.takes_handoffs)."""
         self.call = call
+        self.takes_handoffs = takes_handoffs
         self.stream_id = stream_id
         # Called with an entry whose relay is over (a cancelled or failed request's stragglers).
         self.on_orphan = on_orphan
@@ -269,6 +272,24 @@ class WorkerSession:
                 return (session, *attached)
             await session.wait_for_room()  # full (or it failed meanwhile: another opens)
 
+    def try_attach(self, timeout: float) -> tuple[OpenSession, int, Inbox] | None:
+        """attach() without waiting: None unless the session is open, has room and takes
+        announced requests (an announcement must not hold up the context phase). A session not
+        open is opened meanwhile (within timeout), for the requests after this one."""
+        session = self._session
+        if session is None or session.failure is not None:
+            if self._opening is None:
+                self._opening = asyncio.create_task(self._open(timeout))
+                # Its failure is the next attach()'s to report (it opens again).
+                self._opening.add_done_callback(
+                    lambda opening: opening.cancelled() or opening.exception()
+                )
+            return None
+        if not session.takes_handoffs:
+            return None
+        attached = session.attach()
+        return None if attached is None else (session, *attached)
+
     async def _open(self, timeout: float) -> OpenSession:
         try:
             return await self._open_call(timeout)
@@ -305,6 +326,7 @@ class WorkerSession:
             min(MAX_MESSAGE_BYTES, worker_bound),
             first.max_requests or DEFAULT_MAX_REQUESTS,
             worker_bound,
+            first.takes_handoffs,
         )
         return self._session
 

@@ -117,6 +117,7 @@ class OutputStream:
             stream_id=self.stream_id,
             max_request_bytes=self.max_request_bytes,
             max_requests=self.max_requests,
+            takes_handoffs=True,
         )
         try:
             while True:

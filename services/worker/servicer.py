@@ -109,8 +109,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 checked = self._checked(text_request.engine_request, guide)
             except Exception as exc:  # noqa: BLE001 - its status, with the reason
                 raise before_handoff(exc) from exc
+            kv = await handoff
+            try:  # paused or released meanwhile: refused as a request arriving now would be
+                self.rt.check_accepting(types_pb2.REQUEST_TYPE_GENERATION_ONLY)
+            except Exception as exc:  # noqa: BLE001 - its status, with the reason
+                raise before_handoff(exc) from exc
             params = text_request.engine_request.disaggregated_params
-            params.CopyFrom(disaggregated_params(await handoff))
+            params.CopyFrom(disaggregated_params(kv))
             params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
             tracker.started = time.monotonic()  # its latency here runs from the handoff
         else:

@@ -26,7 +26,7 @@ from tandem.v1 import internal_pb2 as tandem_dot_v1_dot_internal__pb2
 from tandem.v1 import types_pb2 as tandem_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x18tandem/v1/internal.proto\x1a\x15tandem/v1/types.proto\"y\n\x0eSessionRequest\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SessionSubmit\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\x12+\n\x08handoffs\x18\x03 \x03(\x0b\x32\x19.tandem.v1.SessionHandoff\"E\n\x0eSessionHandoff\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12&\n\tkv_params\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvParams\"\xc1\x01\n\rSessionSubmit\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05split\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12.\n\rprefix_source\x18\x06 \x01(\x0b\x32\x17.tandem.v1.PrefixSource\x12\x16\n\x0e\x61waits_handoff\x18\x07 \x01(\x08\"3\n\x0cPrefixSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"x\n\x0eSessionFailure\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x19\n\x11retry_pushback_ms\x18\x04 \x01(\x03\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xb7\x01\n\rEngineOutputs\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.EngineOutput\x12\r\n\x05\x65nded\x18\x03 \x03(\x04\x12)\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x19.tandem.v1.SessionFailure\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cmax_requests\x18\x06 \x01(\x05\"\x14\n\x12WorkerStateRequest\"\xcb\t\n\x0bWorkerState\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x16\n\x0ekv_layout_hash\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x05 \x01(\x05\x12\"\n\x1anum_prompt_tokens_computed\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x11\n\tnum_steps\x18\x08 \x01(\x03\x12\x19\n\x11num_leased_blocks\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x03\x12\x16\n\x0eweights_source\x18\x0e \x01(\t\x12\x17\n\x0fweights_version\x18\x0f \x01(\x03\x12\x12\n\nnum_leases\x18\x10 \x01(\x03\x12?\n\rlease_endings\x18\x11 \x03(\x0b\x32(.tandem.v1.WorkerState.LeaseEndingsEntry\x12!\n\x19num_waiting_for_remote_kv\x18\x12 \x01(\x05\x12\x19\n\x11num_leases_opened\x18\x13 \x01(\x03\x12-\n\rlora_adapters\x18\x14 \x03(\x0b\x32\x16.tandem.v1.LoRARequest\x12!\n\x19num_ignored_notifications\x18\x15 \x01(\x03\x12 \n\x18num_unconfirmed_handoffs\x18\x16 \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x17 \x01(\x05\x12\x13\n\x0binstance_id\x18\x18 \x01(\t\x12,\n\rkv_pull_links\x18\x19 \x03(\x0b\x32\x15.tandem.v1.KvPullLink\x12J\n\x13kv_handoff_outcomes\x18\x1a \x03(\x0b\x32-.tandem.v1.WorkerState.KvHandoffOutcomesEntry\x12 \n\x18num_queued_prompt_tokens\x18\x1b \x01(\x03\x12\x17\n\x0f\x65ngine_core_pid\x18\x1c \x01(\x03\x12L\n\x14prefix_pull_outcomes\x18\x1d \x03(\x0b\x32..tandem.v1.WorkerState.PrefixPullOutcomesEntry\x12 \n\x18num_prefix_leases_opened\x18\x1e \x01(\x03\x12\x17\n\x0fleases_prefixes\x18\x1f \x01(\x08\x12!\n\x19num_prefix_leases_trimmed\x18  \x01(\x03\x1a\x33\n\x11LeaseEndingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16KvHandoffOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17PrefixPullOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xe0\x01\n\nKvPullLink\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tsame_host\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_pools\x18\x03 \x01(\x08\x12\x11\n\tnum_pulls\x18\x04 \x01(\x03\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x11\n\tlast_gbps\x18\x07 \x01(\x01\x12\x11\n\tmean_gbps\x18\x08 \x01(\x01\x12\x17\n\x0fnum_below_floor\x18\t \x01(\x03\x12\x11\n\tbest_gbps\x18\n \x01(\x01\x12\x12\n\nnum_judged\x18\x0b \x01(\x03\"E\n\x10ReleaseKvRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\x12\x19\n\x11\x64isagg_request_id\x18\x02 \x01(\x03\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"=\n\x13\x43onfirmLeaseRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\x12\x0e\n\x06pulled\x18\x02 \x01(\x08\")\n\x14\x43onfirmLeaseResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\"O\n\x12LeasePrefixRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x17\n\ncache_salt\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"?\n\x13LeasePrefixResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x14\n\x0copaque_state\x18\x02 \x01(\x0c\";\n\x14StopSequencesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x05\"&\n\x15StopSequencesResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xd6\x02\n\tKvHandoff\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x63tx_endpoint\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0e\x63tx_request_id\x18\x08 \x01(\x03\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\x12\x15\n\rprompt_digest\x18\n \x01(\x0c\x12\x11\n\tsignature\x18\x0b \x01(\x0c\x12,\n\x0clora_request\x18\x0c \x01(\x0b\x32\x16.tandem.v1.LoRARequest\x12\x18\n\x10lora_fingerprint\x18\r \x01(\t\x12\x12\n\nweights_id\x18\x0e \x01(\t\"\x1a\n\x18SubscribeKvBlocksRequest\"\xe2\x01\n\x0eKvBlocksUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x03\x12\x0f\n\x07removed\x18\x03 \x03(\x03\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\x05\x12J\n\x11lora_fingerprints\x18\x05 \x03(\x0b\x32/.tandem.v1.KvBlocksUpdate.LoraFingerprintsEntry\x1a\x37\n\x15LoraFingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x32\xa7\x04\n\x06Worker\x12G\n\x0eGetWorkerState\x12\x1d.tandem.v1.WorkerStateRequest\x1a\x16.tandem.v1.WorkerState\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponse\x12R\n\rStopSequences\x12\x1f.tandem.v1.StopSequencesRequest\x1a .tandem.v1.StopSequencesResponse\x12O\n\x0c\x43onfirmLease\x12\x1e.tandem.v1.ConfirmLeaseRequest\x1a\x1f.tandem.v1.ConfirmLeaseResponse\x12L\n\x0bLeasePrefix\x12\x1d.tandem.v1.LeasePrefixRequest\x1a\x1e.tandem.v1.LeasePrefixResponse\x12U\n\x11SubscribeKvBlocks\x12#.tandem.v1.SubscribeKvBlocksRequest\x1a\x19.tandem.v1.KvBlocksUpdate0\x01\x12\x42\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x18.tandem.v1.EngineOutputs(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x18tandem/v1/internal.proto\x1a\x15tandem/v1/types.proto\"y\n\x0eSessionRequest\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SessionSubmit\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\x12+\n\x08handoffs\x18\x03 \x03(\x0b\x32\x19.tandem.v1.SessionHandoff\"E\n\x0eSessionHandoff\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12&\n\tkv_params\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvParams\"\xc1\x01\n\rSessionSubmit\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12)\n\x07request\x18\x02 \x01(\x0b\x32\x18.tandem.v1.EngineRequest\x12\x0e\n\x06\x63lient\x18\x03 \x01(\t\x12\r\n\x05split\x18\x04 \x01(\x08\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12.\n\rprefix_source\x18\x06 \x01(\x0b\x32\x17.tandem.v1.PrefixSource\x12\x16\n\x0e\x61waits_handoff\x18\x07 \x01(\x08\"3\n\x0cPrefixSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\"x\n\x0eSessionFailure\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x19\n\x11retry_pushback_ms\x18\x04 \x01(\x03\x12\x0f\n\x07refused\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\xcf\x01\n\rEngineOutputs\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.EngineOutput\x12\r\n\x05\x65nded\x18\x03 \x03(\x04\x12)\n\x06\x66\x61iled\x18\x04 \x03(\x0b\x32\x19.tandem.v1.SessionFailure\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x03\x12\x14\n\x0cmax_requests\x18\x06 \x01(\x05\x12\x16\n\x0etakes_handoffs\x18\x07 \x01(\x08\"\x14\n\x12WorkerStateRequest\"\xcb\t\n\x0bWorkerState\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x16\n\x0ekv_layout_hash\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x05 \x01(\x05\x12\"\n\x1anum_prompt_tokens_computed\x18\x06 \x01(\x03\x12\x1c\n\x14num_generated_tokens\x18\x07 \x01(\x03\x12\x11\n\tnum_steps\x18\x08 \x01(\x03\x12\x19\n\x11num_leased_blocks\x18\t \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\n \x01(\x03\x12\x0e\n\x06paused\x18\x0b \x01(\x08\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\r \x01(\x03\x12\x16\n\x0eweights_source\x18\x0e \x01(\t\x12\x17\n\x0fweights_version\x18\x0f \x01(\x03\x12\x12\n\nnum_leases\x18\x10 \x01(\x03\x12?\n\rlease_endings\x18\x11 \x03(\x0b\x32(.tandem.v1.WorkerState.LeaseEndingsEntry\x12!\n\x19num_waiting_for_remote_kv\x18\x12 \x01(\x05\x12\x19\n\x11num_leases_opened\x18\x13 \x01(\x03\x12-\n\rlora_adapters\x18\x14 \x03(\x0b\x32\x16.tandem.v1.LoRARequest\x12!\n\x19num_ignored_notifications\x18\x15 \x01(\x03\x12 \n\x18num_unconfirmed_handoffs\x18\x16 \x01(\x03\x12\x14\n\x0cnum_sessions\x18\x17 \x01(\x05\x12\x13\n\x0binstance_id\x18\x18 \x01(\t\x12,\n\rkv_pull_links\x18\x19 \x03(\x0b\x32\x15.tandem.v1.KvPullLink\x12J\n\x13kv_handoff_outcomes\x18\x1a \x03(\x0b\x32-.tandem.v1.WorkerState.KvHandoffOutcomesEntry\x12 \n\x18num_queued_prompt_tokens\x18\x1b \x01(\x03\x12\x17\n\x0f\x65ngine_core_pid\x18\x1c \x01(\x03\x12L\n\x14prefix_pull_outcomes\x18\x1d \x03(\x0b\x32..tandem.v1.WorkerState.PrefixPullOutcomesEntry\x12 \n\x18num_prefix_leases_opened\x18\x1e \x01(\x03\x12\x17\n\x0fleases_prefixes\x18\x1f \x01(\x08\x12!\n\x19num_prefix_leases_trimmed\x18  \x01(\x03\x1a\x33\n\x11LeaseEndingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x38\n\x16KvHandoffOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x39\n\x17PrefixPullOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xe0\x01\n\nKvPullLink\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tsame_host\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_pools\x18\x03 \x01(\x08\x12\x11\n\tnum_pulls\x18\x04 \x01(\x03\x12\x11\n\tnum_bytes\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\x12\x11\n\tlast_gbps\x18\x07 \x01(\x01\x12\x11\n\tmean_gbps\x18\x08 \x01(\x01\x12\x17\n\x0fnum_below_floor\x18\t \x01(\x03\x12\x11\n\tbest_gbps\x18\n \x01(\x01\x12\x12\n\nnum_judged\x18\x0b \x01(\x03\"E\n\x10ReleaseKvRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\x12\x19\n\x11\x64isagg_request_id\x18\x02 \x01(\x03\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"=\n\x13\x43onfirmLeaseRequest\x12\x16\n\x0e\x63tx_request_id\x18\x01 \x01(\x03\x12\x0e\n\x06pulled\x18\x02 \x01(\x08\")\n\x14\x43onfirmLeaseResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\"O\n\x12LeasePrefixRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x17\n\ncache_salt\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"?\n\x13LeasePrefixResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x14\n\x0copaque_state\x18\x02 \x01(\x0c\";\n\x14StopSequencesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\x05\"&\n\x15StopSequencesResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xd6\x02\n\tKvHandoff\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0c\x63tx_endpoint\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x13\n\x0blayout_json\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x05\x12\x16\n\x0e\x63tx_request_id\x18\x08 \x01(\x03\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\x12\x15\n\rprompt_digest\x18\n \x01(\x0c\x12\x11\n\tsignature\x18\x0b \x01(\x0c\x12,\n\x0clora_request\x18\x0c \x01(\x0b\x32\x16.tandem.v1.LoRARequest\x12\x18\n\x10lora_fingerprint\x18\r \x01(\t\x12\x12\n\nweights_id\x18\x0e \x01(\t\"\x1a\n\x18SubscribeKvBlocksRequest\"\xe2\x01\n\x0eKvBlocksUpdate\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x03\x12\x0f\n\x07removed\x18\x03 \x03(\x03\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\x05\x12J\n\x11lora_fingerprints\x18\x05 \x03(\x0b\x32/.tandem.v1.KvBlocksUpdate.LoraFingerprintsEntry\x1a\x37\n\x15LoraFingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x32\xa7\x04\n\x06Worker\x12G\n\x0eGetWorkerState\x12\x1d.tandem.v1.WorkerStateRequest\x1a\x16.tandem.v1.WorkerState\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponse\x12R\n\rStopSequences\x12\x1f.tandem.v1.StopSequencesRequest\x1a .tandem.v1.StopSequencesResponse\x12O\n\x0c\x43onfirmLease\x12\x1e.tandem.v1.ConfirmLeaseRequest\x1a\x1f.tandem.v1.ConfirmLeaseResponse\x12L\n\x0bLeasePrefix\x12\x1d.tandem.v1.LeasePrefixRequest\x1a\x1e.tandem.v1.LeasePrefixResponse\x12U\n\x11SubscribeKvBlocks\x12#.tandem.v1.SubscribeKvBlocksRequest\x1a\x19.tandem.v1.KvBlocksUpdate0\x01\x12\x42\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x18.tandem.v1.EngineOutputs(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,8 +41,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATE_PREFIXPULLOUTCOMESENTRY']._serialized_options = b'8\001'
   _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._loaded_options = None
   _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3381
-  _globals['_ROLE']._serialized_end=3459
+  _globals['_ROLE']._serialized_start=3405
+  _globals['_ROLE']._serialized_end=3483
   _globals['_SESSIONREQUEST']._serialized_start=86
   _globals['_SESSIONREQUEST']._serialized_end=207
   _globals['_SESSIONHANDOFF']._serialized_start=209
@@ -54,43 +54,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONFAILURE']._serialized_start=529
   _globals['_SESSIONFAILURE']._serialized_end=649
   _globals['_ENGINEOUTPUTS']._serialized_start=652
-  _globals['_ENGINEOUTPUTS']._serialized_end=835
-  _globals['_WORKERSTATEREQUEST']._serialized_start=837
-  _globals['_WORKERSTATEREQUEST']._serialized_end=857
-  _globals['_WORKERSTATE']._serialized_start=860
-  _globals['_WORKERSTATE']._serialized_end=2087
-  _globals['_WORKERSTATE_LEASEENDINGSENTRY']._serialized_start=1919
-  _globals['_WORKERSTATE_LEASEENDINGSENTRY']._serialized_end=1970
-  _globals['_WORKERSTATE_KVHANDOFFOUTCOMESENTRY']._serialized_start=1972
-  _globals['_WORKERSTATE_KVHANDOFFOUTCOMESENTRY']._serialized_end=2028
-  _globals['_WORKERSTATE_PREFIXPULLOUTCOMESENTRY']._serialized_start=2030
-  _globals['_WORKERSTATE_PREFIXPULLOUTCOMESENTRY']._serialized_end=2087
-  _globals['_KVPULLLINK']._serialized_start=2090
-  _globals['_KVPULLLINK']._serialized_end=2314
-  _globals['_RELEASEKVREQUEST']._serialized_start=2316
-  _globals['_RELEASEKVREQUEST']._serialized_end=2385
-  _globals['_RELEASEKVRESPONSE']._serialized_start=2387
-  _globals['_RELEASEKVRESPONSE']._serialized_end=2424
-  _globals['_CONFIRMLEASEREQUEST']._serialized_start=2426
-  _globals['_CONFIRMLEASEREQUEST']._serialized_end=2487
-  _globals['_CONFIRMLEASERESPONSE']._serialized_start=2489
-  _globals['_CONFIRMLEASERESPONSE']._serialized_end=2530
-  _globals['_LEASEPREFIXREQUEST']._serialized_start=2532
-  _globals['_LEASEPREFIXREQUEST']._serialized_end=2611
-  _globals['_LEASEPREFIXRESPONSE']._serialized_start=2613
-  _globals['_LEASEPREFIXRESPONSE']._serialized_end=2676
-  _globals['_STOPSEQUENCESREQUEST']._serialized_start=2678
-  _globals['_STOPSEQUENCESREQUEST']._serialized_end=2737
-  _globals['_STOPSEQUENCESRESPONSE']._serialized_start=2739
-  _globals['_STOPSEQUENCESRESPONSE']._serialized_end=2777
-  _globals['_KVHANDOFF']._serialized_start=2780
-  _globals['_KVHANDOFF']._serialized_end=3122
-  _globals['_SUBSCRIBEKVBLOCKSREQUEST']._serialized_start=3124
-  _globals['_SUBSCRIBEKVBLOCKSREQUEST']._serialized_end=3150
-  _globals['_KVBLOCKSUPDATE']._serialized_start=3153
-  _globals['_KVBLOCKSUPDATE']._serialized_end=3379
-  _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._serialized_start=3324
-  _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._serialized_end=3379
-  _globals['_WORKER']._serialized_start=3462
-  _globals['_WORKER']._serialized_end=4013
+  _globals['_ENGINEOUTPUTS']._serialized_end=859
+  _globals['_WORKERSTATEREQUEST']._serialized_start=861
+  _globals['_WORKERSTATEREQUEST']._serialized_end=881
+  _globals['_WORKERSTATE']._serialized_start=884
+  _globals['_WORKERSTATE']._serialized_end=2111
+  _globals['_WORKERSTATE_LEASEENDINGSENTRY']._serialized_start=1943
+  _globals['_WORKERSTATE_LEASEENDINGSENTRY']._serialized_end=1994
+  _globals['_WORKERSTATE_KVHANDOFFOUTCOMESENTRY']._serialized_start=1996
+  _globals['_WORKERSTATE_KVHANDOFFOUTCOMESENTRY']._serialized_end=2052
+  _globals['_WORKERSTATE_PREFIXPULLOUTCOMESENTRY']._serialized_start=2054
+  _globals['_WORKERSTATE_PREFIXPULLOUTCOMESENTRY']._serialized_end=2111
+  _globals['_KVPULLLINK']._serialized_start=2114
+  _globals['_KVPULLLINK']._serialized_end=2338
+  _globals['_RELEASEKVREQUEST']._serialized_start=2340
+  _globals['_RELEASEKVREQUEST']._serialized_end=2409
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2411
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2448
+  _globals['_CONFIRMLEASEREQUEST']._serialized_start=2450
+  _globals['_CONFIRMLEASEREQUEST']._serialized_end=2511
+  _globals['_CONFIRMLEASERESPONSE']._serialized_start=2513
+  _globals['_CONFIRMLEASERESPONSE']._serialized_end=2554
+  _globals['_LEASEPREFIXREQUEST']._serialized_start=2556
+  _globals['_LEASEPREFIXREQUEST']._serialized_end=2635
+  _globals['_LEASEPREFIXRESPONSE']._serialized_start=2637
+  _globals['_LEASEPREFIXRESPONSE']._serialized_end=2700
+  _globals['_STOPSEQUENCESREQUEST']._serialized_start=2702
+  _globals['_STOPSEQUENCESREQUEST']._serialized_end=2761
+  _globals['_STOPSEQUENCESRESPONSE']._serialized_start=2763
+  _globals['_STOPSEQUENCESRESPONSE']._serialized_end=2801
+  _globals['_KVHANDOFF']._serialized_start=2804
+  _globals['_KVHANDOFF']._serialized_end=3146
+  _globals['_SUBSCRIBEKVBLOCKSREQUEST']._serialized_start=3148
+  _globals['_SUBSCRIBEKVBLOCKSREQUEST']._serialized_end=3174
+  _globals['_KVBLOCKSUPDATE']._serialized_start=3177
+  _globals['_KVBLOCKSUPDATE']._serialized_end=3403
+  _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._serialized_start=3348
+  _globals['_KVBLOCKSUPDATE_LORAFINGERPRINTSENTRY']._serialized_end=3403
+  _globals['_WORKER']._serialized_start=3486
+  _globals['_WORKER']._serialized_end=4037
 # @@protoc_insertion_point(module_scope)

@@ -81,20 +81,22 @@ class SessionFailure(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., retry_pushback_ms: _Optional[int] = ..., refused: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EngineOutputs(_message.Message):
-    __slots__ = ("stream_id", "outputs", "ended", "failed", "max_request_bytes", "max_requests")
+    __slots__ = ("stream_id", "outputs", "ended", "failed", "max_request_bytes", "max_requests", "takes_handoffs")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[_internal_pb2.EngineOutput]
     ended: _containers.RepeatedScalarFieldContainer[int]
     failed: _containers.RepeatedCompositeFieldContainer[SessionFailure]
     max_request_bytes: int
     max_requests: int
-    def __init__(self, stream_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_internal_pb2.EngineOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., max_requests: _Optional[int] = ...) -> None: ...
+    takes_handoffs: bool
+    def __init__(self, stream_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[_internal_pb2.EngineOutput, _Mapping]]] = ..., ended: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[SessionFailure, _Mapping]]] = ..., max_request_bytes: _Optional[int] = ..., max_requests: _Optional[int] = ..., takes_handoffs: _Optional[bool] = ...) -> None: ...
 
 class WorkerStateRequest(_message.Message):
     __slots__ = ()
