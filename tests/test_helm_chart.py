@@ -774,6 +774,19 @@ def test_prefix_pulls_turn_on_the_router_and_every_worker_that_leases_prefixes(c
     assert "--kv-prefix-pulls" not in on["decode"]  # a decode computes no prompt from its start
 
 
+def test_the_router_announces_decodes_unless_the_chart_says_not(chart):
+    from tandem.router.config import RouterConfig
+
+    def router_args(values):
+        return next(c["args"] for c in containers(objects(chart, values)) if c["name"] == "router")
+
+    assert RouterConfig.announce_decode is True  # the chart's default is the router's
+    assert "--no-announce-decode" not in router_args({})
+    assert "--no-announce-decode" in router_args({"router": {"announceDecode": False}})
+    with pytest.raises(helm.HelmValuesError):
+        objects(chart, {"router": {"announceDecode": "no"}})
+
+
 def test_every_component_spreads_across_nodes_unless_told_otherwise(chart):
     def spreads(values):
         return {
