@@ -276,3 +276,57 @@ def test_context_only_needs_a_lease_table(model_dirs):
     with pytest.raises(PreconditionError, match="context_only"):
         engine.add_request("x", [1, 5, 6], SamplingOptions(), phase=Phase.CONTEXT_ONLY)
     assert engine.block_manager.num_free_blocks == 16
+
+
+def test_the_loop_hears_when_a_step_after_an_imports_arrival_is_launched(model_dirs):
+    """EngineCore.watch_launch (the decode asks for the lease confirm then): the future stays
+    pending through the steps before the import's KV arrives, is done once a step after it has
+    been launched, and forget_launch drops one whose arrival never came."""
+    import asyncio
+
+    from tandem.engine.engine_core import EngineCore
+    from tandem.engine.messages import AddRequest, ReadCounters, RemoteKvArrived
+    from tandem.engine.sequence import Phase
+
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=32))
+    opts = SamplingOptions(max_tokens=400, ignore_eos=True)
+
+    async def run():
+        core = EngineCore(engine, asyncio.get_running_loop())
+        assert not core.launches_async and core.watch_launch("x") is None  # a CPU step: none
+        core.launches_async = True  # (as on CUDA, where a launch returns before the step ran)
+        core.start()
+        busy, imported = asyncio.Queue(), asyncio.Queue()
+        try:
+            core.add_request(AddRequest("busy", [1, 5, 6], opts), busy)  # steps keep running
+            await asyncio.wait_for(busy.get(), 10)
+            add = AddRequest(
+                "imp",
+                [1] + list(range(10, 21)),
+                opts,
+                Phase.GENERATION_ONLY,
+                output_token_ids=[30],
+                remote_kv=True,
+            )
+            assert await core.submit(add) is not None
+            launched = core.watch_launch("imp")
+            dropped = core.watch_launch("never-sent")
+            core.forget_launch("never-sent")
+            steps = engine.counters.num_steps
+            while engine.counters.num_steps < steps + 5:
+                await asyncio.sleep(0.005)
+            assert not launched.done()  # steps ran, but none after its arrival
+            core.register("imp", imported)
+            core.send(RemoteKvArrived("imp", confirmed=False))
+            core.send(RemoteKvArrived("never-sent"))
+            await asyncio.wait_for(launched, 10)
+            await asyncio.wait_for(imported.get(), 10)  # it ran
+            assert not dropped.done()
+        finally:
+            core.abort("busy")
+            core.abort("imp")
+            await core.call(ReadCounters())  # the aborts applied
+            core.close()
+
+    asyncio.run(run())
+    assert engine.block_manager.num_free_blocks == 32
