@@ -15,8 +15,12 @@ order: the prefill's step that emitted the first token (eng_step1 of the prefill
 reply leaving it (ses_yield), the router, the decode's session (ses_start), its generation phase
 (dec_run, dec_reserved, dec_agent), the READ on the poller thread (poll_post0: picked up,
 poll_posted: prepared and posted, poll_done: found done), dec_pulled, the engine's arrival and
-step (eng_arrived, eng_step0 / eng_step1: a step's start and end), dec_confirmed, and the second
-token leaving the decode (ses_yield) and reaching the router (rtr_msg).
+step (eng_arrived, eng_step0 / eng_step1: a step's start and end, with its count of outputs: 0 for
+a step whose outputs the next one collects), dec_confirm0 / dec_confirmed (the lease confirm asked /
+answered), and the second token leaving the decode (ses_yield) and reaching the router (rtr_msg).
+On both workers: eng_stats / eng_kvev (the engine thread's stats and KV events after a step),
+eng_putall (the loop takes a step's outputs), snk_msg0 / snk_msg1 / snk_pushed (an output's
+message built and queued on the session).
 """
 
 from __future__ import annotations
