@@ -23,9 +23,7 @@ fails the confirm, and what was read is dropped, never cached: the prompt is com
 A whole pull's sequence is scheduled while the confirm is on the way (RemoteKvArrived with
 confirmed=False), so its first step hides the round trip: until the answer its outputs wait in
 HeldOutputs and the engine caches none of its blocks (KvConfirmed lets them in); a refused
-confirm aborts it and drops what it drew before the prompt is computed. The confirm is asked
-once that step is launched (EngineCore.watch_launch), so that its round trip's Python does not
-share the interpreter with the launch.
+confirm aborts it and drops what it drew before the prompt is computed.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it.
@@ -62,8 +60,6 @@ log = logging.getLogger("tandem.decode")
 # times what the peer's earlier pulls of that many bytes took); with less the decode computes
 # the prompt itself: a lease that ends mid-READ may hand its blocks to another request.
 LEASE_SAFETY_MARGIN_S = 1.0
-# The longest a whole pull's lease confirm waits for the engine to launch its first step.
-LAUNCH_WAIT_S = 0.02
 PULL_TIME_FACTOR = 2.0
 PULL_TIMEOUT_S = 30.0
 # Blocks a READ of a pull moves at most: a pull that fails part-way keeps the KV of the READs
@@ -215,7 +211,6 @@ class GenerationPhase:
             request.metrics.kv_transfer_start = time.time()
             agent = await self.peers.agent_for(handoff)
             remote = list(handoff.block_ids)[plan.num_cached_blocks :]
-            launched = core.watch_launch(rid)
             with tracing.span(
                 "tandem.kv_pull",
                 dict(request.trace_headers),
@@ -223,18 +218,15 @@ class GenerationPhase:
             ):
                 # The engine schedules the sequence the moment the last READ lands (told from the
                 # poller's thread: one hop fewer), its lease confirm on the way meanwhile.
-                try:
-                    num_landed, nbytes, seconds, error = await pull_blocks(
-                        self.poller,
-                        agent,
-                        remote,
-                        plan.block_ids,
-                        reads,
-                        lambda: core.send(RemoteKvArrived(rid, confirmed=False)),
-                        cancelled,
-                    )
-                finally:
-                    core.forget_launch(rid)  # (a failed pull's arrival never came)
+                num_landed, nbytes, seconds, error = await pull_blocks(
+                    self.poller,
+                    agent,
+                    remote,
+                    plan.block_ids,
+                    reads,
+                    lambda: core.send(RemoteKvArrived(rid, confirmed=False)),
+                    cancelled,
+                )
             self.num_bytes_received += nbytes
             if error is not None and (not num_landed or self.load_failure_policy == "fail"):
                 raise error
@@ -246,14 +238,6 @@ class GenerationPhase:
             # whole pull runs its first step while the confirm is on the way: its blocks stay
             # out of the cache and its outputs in `held` until the answer.
             provisional = error is None  # (the engine has it: pull_blocks' on_landed)
-            launch_wait = time.perf_counter()
-            if provisional and launched is not None:
-                # Asked once its first step is launched: the round trip's Python then runs
-                # beside the device's work, not beside the launch's (the GIL), and the answer
-                # still comes well within the step (bounded: a held or full engine may not run
-                # it at once, and the lease was checked to outlast the pull by far more).
-                await asyncio.wait((launched,), timeout=LAUNCH_WAIT_S)
-            launch_wait = time.perf_counter() - launch_wait  # (not the transfer's time)
             answer = await self.peers.confirm_lease(handoff, pulled=True)
             if answer is not LeaseAnswer.CONFIRMED:
                 if provisional:  # what the step computed came from KV that may not be ours
@@ -267,8 +251,8 @@ class GenerationPhase:
                 self._partly_pulled(request, handoff, plan, num_landed, nbytes, error)
                 return
             request.metrics.kv_transfer_bytes = nbytes
-            request.metrics.kv_transfer_s = time.perf_counter() - started - launch_wait
-            request.metrics.kv_transfer_end = time.time() - launch_wait
+            request.metrics.kv_transfer_s = time.perf_counter() - started
+            request.metrics.kv_transfer_end = time.time()
             self.on_pulled(nbytes, request.metrics.kv_transfer_s)
             request.metrics.num_cached_prompt_tokens = len(request.prompt_token_ids)
             self._end(

@@ -142,18 +142,12 @@ class EngineCore:
         self._next_event_id = 0
         # Seconds each request admitted since the last stats record waited in the command queue.
         self._new_request_waits: list[float] = []
-        # request id -> the loop's future for its first step's launch (watch_launch), taken by
-        # the engine thread when the request's KV arrives; then, until the next step is
-        # launched, in _launching.
-        self._launch_watchers: dict[str, asyncio.Future] = {}
-        self._launching: list[asyncio.Future] = []
-        # Whether a step's launch returns before the device has run it (CUDA): only then is
-        # there a launch to watch; on the CPU a step is done when it returns.
-        self.launches_async = engine.runner.device.type == "cuda"
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
-            RemoteKvArrived: self._arrived,
+            RemoteKvArrived: lambda c: engine.remote_kv_arrived(
+                c.request_id, c.num_blocks, c.confirmed
+            ),
             KvConfirmed: lambda c: engine.kv_confirmed(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
             LeasePrefix: lambda c: engine.lease_prefix(c.token_ids, c.cache_salt),
@@ -198,21 +192,6 @@ class EngineCore:
     def send(self, command) -> None:
         """Queues a command without waiting for it (safe from any thread)."""
         self._commands.put((command, None))
-
-    def watch_launch(self, request_id: str) -> asyncio.Future | None:
-        """A future done once the engine has launched a step after request_id's KV arrived
-        (RemoteKvArrived), so that what the loop does next (a lease confirm's round trip) runs
-        beside the device's work rather than the launch's. Made before the arrival is sent;
-        forget_launch drops one whose arrival never came. None where steps do not launch
-        asynchronously (waiting would wait for the whole step)."""
-        if not self.launches_async:
-            return None
-        future = self.loop.create_future()
-        self._launch_watchers[request_id] = future
-        return future
-
-    def forget_launch(self, request_id: str) -> None:
-        self._launch_watchers.pop(request_id, None)
 
     def submit(self, command) -> asyncio.Future:
         """Queues a command at once (in order with send and add_request); its reply resolves the
@@ -332,12 +311,6 @@ class EngineCore:
         if future is not None:
             self.loop.call_soon_threadsafe(_set_result, future, result)
 
-    def _arrived(self, command: RemoteKvArrived) -> None:
-        self.engine.remote_kv_arrived(command.request_id, command.num_blocks, command.confirmed)
-        watcher = self._launch_watchers.pop(command.request_id, None)
-        if watcher is not None:
-            self._launching.append(watcher)
-
     def _check_idle(self, command: CheckIdle) -> None:
         if not (command.unless_held and self._held):
             self.engine.require_idle(command.what, self._held)
@@ -380,7 +353,6 @@ class EngineCore:
 
     def _step(self) -> None:
         outputs: list[StepOutput] = []
-        launching, self._launching = self._launching, []
         try:
             for _ in range(self.tokens_per_step):
                 outputs = coalesce(outputs, self.engine.step())
@@ -394,9 +366,6 @@ class EngineCore:
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, EngineFailure(exc))
             return
-        finally:
-            if launching:
-                self.loop.call_soon_threadsafe(_set_results, launching)
         if outputs:  # one hop to the loop per step, not per output
             self.loop.call_soon_threadsafe(self._put_all, outputs)
         self._record_stats(outputs)
@@ -453,12 +422,6 @@ class EngineCore:
         self.kv_events.push(events)
         if self.on_kv_events is not None:
             self.on_kv_events(events)
-
-
-def _set_results(futures: list[asyncio.Future]) -> None:
-    for future in futures:
-        if not future.done():
-            future.set_result(None)
 
 
 def _set_result(future: asyncio.Future, value) -> None:

@@ -190,12 +190,6 @@ class RemoteEngineCore:
         else:
             self.loop.call_soon_threadsafe(self._send, command)
 
-    def watch_launch(self, request_id: str) -> None:
-        """None: the core process's launches are not told across the frame (EngineCore's)."""
-
-    def forget_launch(self, request_id: str) -> None:
-        """Nothing is watched (watch_launch)."""
-
     def submit(self, command) -> asyncio.Future:
         return self._call(command)
 
