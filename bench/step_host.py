@@ -114,12 +114,15 @@ def _time_device_work(engine: LLMEngine, undo: bool = False) -> list[float]:
     return total
 
 
-def first_steps(engine: LLMEngine, prompt_len: int, repeats: int) -> None:
+def first_steps(engine: LLMEngine, prompt_len: int, repeats: int, top: int = 0) -> None:
     """An imported sequence (its blocks reserved, the KV taken as landed) from an idle engine: the
-    step() calls until its first token, against the steps after it."""
+    step() calls until its first token, against the steps after it; each of the first calls'
+    own time (on CUDA the first call is the launch's host work alone), and with top, the
+    functions with the most own time in the first call (cProfile, after two unprofiled repeats)."""
     rng = random.Random(7)
     vocab = engine.model_config.vocab_size
-    first, later = [], []
+    first, later, by_call = [], [], [[], [], []]
+    profile = cProfile.Profile()
     for r in range(repeats):
         rid = f"import-{r}"
         options = SamplingOptions(max_tokens=8, ignore_eos=True)
@@ -129,18 +132,30 @@ def first_steps(engine: LLMEngine, prompt_len: int, repeats: int) -> None:
         got = 0
         calls = []
         while engine.num_unfinished:
+            profiled = top and r >= 2 and not calls
+            if profiled:
+                profile.enable()
             t = time.perf_counter()
             outs = engine.step()
             calls.append((time.perf_counter() - t) * 1e3)
+            if profiled:
+                profile.disable()
             if outs and not got:
                 first.append((time.perf_counter() - started) * 1e3)
             got += len(outs)
         later.extend(calls[2:-1])
+        for i, ms in enumerate(calls[: len(by_call)]):
+            by_call[i].append(ms)
     print(
         f"\n## an imported sequence ({prompt_len} prompt tokens) from an idle engine, {repeats} times: "
         f"first token {statistics.median(first):.3f} ms after the KV landed (median); later "
-        f"step() calls {statistics.median(later):.3f} ms"
+        f"step() calls {statistics.median(later):.3f} ms; its first step() calls "
+        + " / ".join(f"{statistics.median(c):.3f}" for c in by_call if c)
+        + " ms"
     )
+    if top:
+        print("# the first step() call (the launch), by own time, profiled (inflated by its hooks):")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(top)
 
 
 def main() -> None:
@@ -174,7 +189,7 @@ def main() -> None:
     )
     engine.warm_up()
     print(f"# host work per decode step: {args.model or 'tiny model'} on {args.device}")
-    first_steps(engine, args.import_len, 10)
+    first_steps(engine, args.import_len, 12, args.top)
     modes = {"new": [True], "whole": [False], "both": [False, True]}[args.tables]
     for batch in batches:
         for incremental in modes:
