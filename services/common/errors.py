@@ -5,6 +5,8 @@ Kept free of torch so the router and the client side can import it.
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from tandem.common.exceptions import PreconditionError, ResourceExhaustedError, RetryLaterError  # noqa: F401
@@ -44,12 +46,19 @@ class KvLoadFailedError(RpcError):
 BEFORE_HANDOFF = "before_handoff"
 
 
-def before_handoff(exc: Exception) -> RpcError:
-    """exc's status (status_for) with the reason BEFORE_HANDOFF."""
-    code, details = status_for(exc)
-    error = RpcError(code, details)
-    error.failure_reason = BEFORE_HANDOFF
-    return error
+@contextlib.contextmanager
+def failing_before_handoff(active: bool):
+    """While active, an exception leaving the block becomes its status (status_for) with the
+    reason BEFORE_HANDOFF."""
+    try:
+        yield
+    except Exception as exc:
+        if not active:
+            raise
+        code, details = status_for(exc)
+        error = RpcError(code, details)
+        error.failure_reason = BEFORE_HANDOFF
+        raise error from exc
 
 
 def failure_reason(exc: BaseException) -> str:

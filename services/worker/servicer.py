@@ -23,7 +23,12 @@ from tandem.common.callers import (
     metadata_value,
 )
 from tandem.common.engine_messages import disaggregated_params, generate_request
-from tandem.common.errors import PreconditionError, before_handoff, invalid, unavailable
+from tandem.common.errors import (
+    PreconditionError,
+    failing_before_handoff,
+    invalid,
+    unavailable,
+)
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.engine.messages import HoldSteps
@@ -96,31 +101,28 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         fails it before then fails with the reason before_handoff."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
         request = generate_request(submit.request)
-        checked = None
-        if handoff is not None:
-            try:
-                if (
-                    request.disaggregated_params.request_type
-                    != types_pb2.REQUEST_TYPE_GENERATION_ONLY
-                ):
-                    raise invalid("awaits_handoff is for a generation_only request")
-                tracker, text_request, adapter, guide = await self._prepare(request)
-                self._check_passthrough(text_request)
+        announced, checked = handoff is not None, None
+        with failing_before_handoff(announced):
+            if announced and (
+                request.disaggregated_params.request_type != types_pb2.REQUEST_TYPE_GENERATION_ONLY
+            ):
+                raise invalid("awaits_handoff is for a generation_only request")
+            tracker, text_request, adapter, guide = await self._prepare(request)
+            if not text_request.processor.is_passthrough:
+                raise invalid(
+                    "a session carries token ids only: set sampling_params.detokenize=false and "
+                    "leave stop strings and exclude_input_from_output to the caller's text front"
+                )
+            if announced:
                 checked = self._checked(text_request.engine_request, guide)
-            except Exception as exc:  # noqa: BLE001 - its status, with the reason
-                raise before_handoff(exc) from exc
+        if announced:
             kv = await handoff
-            try:  # paused or released meanwhile: refused as a request arriving now would be
+            with failing_before_handoff(True):  # paused or released meanwhile: refused as now
                 self.rt.check_accepting(types_pb2.REQUEST_TYPE_GENERATION_ONLY)
-            except Exception as exc:  # noqa: BLE001 - its status, with the reason
-                raise before_handoff(exc) from exc
             params = text_request.engine_request.disaggregated_params
             params.CopyFrom(disaggregated_params(kv))
             params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
             tracker.started = time.monotonic()  # its latency here runs from the handoff
-        else:
-            tracker, text_request, adapter, guide = await self._prepare(request)
-            self._check_passthrough(text_request)
         requester = submit.client or owner
         client = None if submit.split else requester
         sink = OutputSink(text_request, tracker, stream, submit.tag)
@@ -131,14 +133,6 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         ) as worker_request:
             worker_request.requester = requester
             await sink.wait()  # each output went out as the engine handed it over
-
-    @staticmethod
-    def _check_passthrough(text_request) -> None:
-        if not text_request.processor.is_passthrough:
-            raise invalid(
-                "a session carries token ids only: set sampling_params.detokenize=false and leave "
-                "stop strings and exclude_input_from_output to the caller's text front"
-            )
 
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
