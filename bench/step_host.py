@@ -154,7 +154,9 @@ def first_steps(engine: LLMEngine, prompt_len: int, repeats: int, top: int = 0) 
         + " ms"
     )
     if top:
-        print("# the first step() call (the launch), by own time, profiled (inflated by its hooks):")
+        print(
+            "# the first step() call (the launch), by own time, profiled (inflated by its hooks):"
+        )
         pstats.Stats(profile).sort_stats("tottime").print_stats(top)
 
 
