@@ -75,6 +75,10 @@ class Session:
         self.tasks: dict[int, asyncio.Task] = {}
         # Announced requests waiting for their handoff (SessionSubmit.awaits_handoff), by tag.
         self.handoffs: dict[int, asyncio.Future] = {}
+        # Tags whose task has begun to run (_serve): until then a cancel frees the tag at once.
+        self._started: set[int] = set()
+        # Tasks cancelled before they ran, their tag freed already -> whether they were announced.
+        self._freed: dict[asyncio.Task, bool] = {}
 
     async def read(self, requests) -> None:
         """Starts and stops requests as the caller's messages say; once the caller has sent its
@@ -104,6 +108,12 @@ class Session:
                 task = self.tasks.get(tag)
                 if task is not None:
                     task.cancel()
+                    if tag not in self._started:
+                        # It never ran (its submit came in this message): nothing of it can reach
+                        # the stream, so its tag is free now for a next message's submit (its
+                        # done callback, two loop turns away, does the rest).
+                        del self.tasks[tag]
+                        self._freed[task] = self.handoffs.pop(tag, None) is not None
         while self.tasks:
             await asyncio.wait(list(self.tasks.values()))
         self.stream.finish()
@@ -150,9 +160,10 @@ class Session:
 
     def _ended(self, tag: int, task: asyncio.Task) -> None:
         self._in_flight.count -= 1
-        announced = False
+        announced = self._freed.pop(task, False)
         if self.tasks.get(tag) is task:
             del self.tasks[tag]
+            self._started.discard(tag)
             announced = self.handoffs.pop(tag, None) is not None  # ended before its handoff
         if task.cancelled():
             code = grpc.StatusCode.CANCELLED
@@ -172,6 +183,7 @@ class Session:
         """Runs one request to its end; what ends it in error goes on the stream as its status.
         Returns the status code it ended with. handoff: where an announced request's handoff
         comes (read() sets it)."""
+        self._started.add(submit.tag)
         deadline = asyncio.timeout(submit.timeout_s or None)
         try:
             async with deadline:
