@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
 from test_disagg import worker_state
 from test_metrics import scrape, value
 
-from tandem.client import LLM, RequestError, SamplingParams
+from tandem.client import LLM, AsyncLLM, RequestError, SamplingParams
 from tandem.common.engine_messages import engine_request
 from tandem.testing.cluster import LocalCluster
 from tandem.v1 import internal_pb2, llm_pb2, types_pb2, worker_pb2
@@ -157,6 +158,9 @@ def test_announced_and_unannounced_splits_give_the_aggregated_tokens(split):
         outs = client.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert all(o.metrics.kv_handoff.outcome == "pulled" for o in outs)
+        # Announced: the decode reserved the blocks while the prompt was computed.
+        early = [o.metrics.kv_handoff.reserved_early for o in outs]
+        assert early == [client is llm] * len(outs)
         assert all(o.metrics.served_by[-1] == cluster.workers[1].address for o in outs)
     assert worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"] == before + 12
     # The default router announced each split; the other one none.
@@ -332,3 +336,67 @@ def test_a_decode_that_refuses_its_announcement_gets_the_request_whole(model_dir
                 [1, 5, 9, 11], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False
             )
         assert len(out.outputs[0].token_ids) == 6 and out.metrics.kv_handoff.outcome == "pulled"
+
+
+def test_the_decode_reserves_an_announced_requests_blocks_while_its_prompt_is_computed(
+    model_dirs,
+):
+    """The prefill computes a 1,000-token prompt 8 tokens a step (125 steps): meanwhile the
+    decode holds the prompt's blocks for the announced request (WAITING_FOR_REMOTE_KV, before any
+    handoff), and the request pulls into them (reserved_early). A pause of the decode drops such a
+    reservation at once (its pool whole when the pause returns, no drain waits on it); the request
+    still ends (its handoff meets the pause: an error or a retry, never a hang) and leaves nothing
+    held; after resume the next one reserves early again."""
+    engine_args = ["--model", str(model_dirs["llama"]), "--block-size", "8", "--num-blocks", "256"]
+    with LocalCluster(
+        roles=["prefill", "decode"],
+        engine_args=engine_args,
+        worker_args={"prefill-1": ["--max-num-batched-tokens", "8"]},
+    ) as c:
+        decode = c.workers[1].address
+        rng = random.Random(3)
+
+        def prompt():
+            return [1] + [rng.randrange(4, 250) for _ in range(999)]
+
+        async def main():
+            llm = await AsyncLLM(c.address)
+            admin = await AsyncLLM(decode, **c.worker_client_kwargs())
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            try:
+                await llm.generate_async([1, 5, 9], params)  # the router's session opens
+                for pause in (False, True):
+                    request = asyncio.ensure_future(llm.generate_async(prompt(), params))
+                    deadline = time.monotonic() + 20
+                    while worker_state(decode).num_waiting_for_remote_kv == 0:
+                        assert not request.done() and time.monotonic() < deadline
+                        await asyncio.sleep(0.005)
+                    state = worker_state(decode)
+                    assert state.num_free_blocks <= state.num_total_blocks - 126  # 1,001 tokens
+                    if not pause:
+                        out = await asyncio.wait_for(request, 30)
+                        assert out.metrics.kv_handoff.outcome == "pulled"
+                        assert out.metrics.kv_handoff.reserved_early
+                        continue
+                    await admin.pause_generation()
+                    # At once: the prompt is still being computed (no drain waited for its handoff).
+                    assert worker_state(c.workers[0].address).num_active_requests == 1
+                    state = worker_state(decode)
+                    assert state.num_free_blocks == state.num_total_blocks
+                    assert state.num_waiting_for_remote_kv == 0
+                    try:
+                        await asyncio.wait_for(request, 30)
+                    except RequestError:
+                        pass
+                    await admin.resume_generation()
+                out = await llm.generate_async(prompt(), params)
+                assert out.metrics.kv_handoff.outcome == "pulled"
+                assert out.metrics.kv_handoff.reserved_early
+            finally:
+                llm.close()
+                admin.close()
+
+        asyncio.run(main())
+        for worker in c.workers:
+            state = worker_state(worker.address)
+            assert state.num_free_blocks == state.num_total_blocks and state.num_leases == 0

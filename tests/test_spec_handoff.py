@@ -65,12 +65,18 @@ def _context(prefill: LLMEngine, rid: str, prompt: list[int], options: SamplingO
     return out
 
 
-def _generation(decode, prefill, rid, prompt, options, ctx_out, drafts) -> list:
+def _generation(decode, prefill, rid, prompt, options, ctx_out, drafts, early=False) -> list:
     """The generation phase on decode from ctx_out's KV (copied from prefill's pool, as the NIXL
-    READ would), handed `drafts`: its outputs, step by step."""
-    plan = decode.add_remote_kv_request(
-        rid, prompt, ctx_out.new_token_ids, options, draft_token_ids=drafts
-    )
+    READ would), handed `drafts`: its outputs, step by step. early: the blocks reserved before
+    the handoff (an announced request's), its first tokens and drafts given when it comes."""
+    if early:
+        plan = decode.add_remote_kv_request(rid, prompt, [], options)
+        assert decode.num_waiting_for_remote_kv == 1
+        decode.handoff_arrived(rid, ctx_out.new_token_ids, drafts)
+    else:
+        plan = decode.add_remote_kv_request(
+            rid, prompt, ctx_out.new_token_ids, options, draft_token_ids=drafts
+        )
     num_prompt_blocks = -(-len(prompt) // prefill.config.block_size)
     source = ctx_out.kept_block_ids[plan.num_cached_blocks : num_prompt_blocks]
     decode.runner.kv_cache[plan.block_ids] = prefill.runner.kv_cache[source]
@@ -104,17 +110,22 @@ def test_a_speculating_prefill_hands_over_its_drafts_after_the_first_token(
     assert plain.draft_token_ids == []
 
 
-def test_the_decode_verifies_handed_drafts_at_its_first_step(model_dirs, copy_heavy):
+@pytest.mark.parametrize("early", [False, True])
+def test_the_decode_verifies_handed_drafts_at_its_first_step(model_dirs, copy_heavy, early):
     """The first decode step computes the first token and the 4 drafts in one forward and keeps
     the draws up to the first rejected draft: the split's tokens are the aggregated plain
-    engine's, several of them from that one step."""
+    engine's, several of them from that one step. The same when the decode reserved the blocks
+    before the handoff came (early: an announced request's), taking the first token and the
+    drafts with it."""
     model = model_dirs["llama"]
     prompt, want = copy_heavy
     options = SamplingOptions(max_tokens=24, ignore_eos=True, return_perf_metrics=True)
     prefill = _engine(model, NGRAM, hands_off=True)
     ctx_out = _context(prefill, "a", prompt, options)
     decode = _engine(model, NGRAM)
-    steps = _generation(decode, prefill, "a", prompt, options, ctx_out, ctx_out.draft_token_ids)
+    steps = _generation(
+        decode, prefill, "a", prompt, options, ctx_out, ctx_out.draft_token_ids, early
+    )
     assert _tokens(ctx_out, steps) == want
     (first,) = steps[0]
     accepted = first.perf.num_accepted_draft_tokens

@@ -142,6 +142,15 @@ def _parser() -> argparse.ArgumentParser:
             "--kv-load-failure-policy says what happens; default: 10)",
         )
         p.add_argument(
+            "--no-kv-early-reserve",
+            dest="kv_early_reserve",
+            action="store_false",
+            help="a decode reserves a split request's KV blocks when its handoff comes, not when "
+            "the router announces the request (by default the blocks are reserved while the "
+            "prompt is computed, when the pool has room, and the pull starts at once; they are "
+            "held for the prefill's time)",
+        )
+        p.add_argument(
             "--kv-load-failure-policy",
             choices=LOAD_FAILURE_POLICIES,
             default="recompute",
@@ -373,6 +382,7 @@ def _serve(args) -> int:
         nixl_progress_thread=args.nixl_progress_thread,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_room_wait_s=args.kv_room_wait_seconds,
+        kv_early_reserve=args.kv_early_reserve,
         engine_process=args.engine_process,
         kv_prefix_pulls=args.kv_prefix_pulls,
         admin_token=args.admin_token,

@@ -26,7 +26,11 @@ HeldOutputs and the engine caches none of its blocks (KvConfirmed lets them in);
 confirm aborts it and drops what it drew before the prompt is computed.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
-are reserved, the scheduler does not run it.
+are reserved, the scheduler does not run it. A request the router announced (it comes while its
+prefill runs, its handoff later) has its blocks reserved then, when the pool has room and no
+handoff waits for it (EarlyReservation; SGLang's decode pre-allocates so too): its handoff then
+pulls without the reserve's round trip to the engine thread. The reservation holds the request's
+blocks for its prefill's time; a request that ends before its handoff drops it, and so does a pause.
 """
 
 from __future__ import annotations
@@ -47,7 +51,14 @@ from tandem.common.errors import KvLoadFailedError, PreconditionError
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES, HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
-from tandem.engine.messages import AbortRequest, AddRequest, KvConfirmed, RemoteKvArrived
+from tandem.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    HandoffArrived,
+    ImportPlan,
+    KvConfirmed,
+    RemoteKvArrived,
+)
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.errors import TransferError
 from tandem.kvtransfer.handoff import HandoffFormat
@@ -108,11 +119,16 @@ class GenerationPhase:
         load_failure_policy: str = "recompute",
         weights_id: Callable[[], str] = lambda: "",
         room_wait_s: float = 10.0,
+        early_reserve: bool = True,
     ):
         """weights_id: the weights this worker serves now (a handoff of others is not used);
-        room_wait_s: how long a handoff waits for room in the pool (within its lease)."""
+        room_wait_s: how long a handoff waits for room in the pool (within its lease);
+        early_reserve: an announced request's blocks are reserved before its handoff comes."""
         self.weights_id = weights_id
         self.room_wait_s = room_wait_s
+        self.early_reserve = early_reserve
+        # The announced requests' reservations not taken by their handoff yet.
+        self._early: set[EarlyReservation] = set()
         # The handoffs waiting for room in the pool, in the order they came (the head asks).
         self._room_line: deque[asyncio.Event] = deque()
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
@@ -150,15 +166,56 @@ class GenerationPhase:
         check_adapter(handoff, adapter)
         return handoff
 
-    def start(self, request, handoff: worker_pb2.KvHandoff) -> None:
-        """request: a worker.output_processor.WorkerRequest of one sequence."""
+    def reserve_early(
+        self,
+        core,
+        request_id: str,
+        prompt_token_ids: list[int],
+        options,
+        priority: float,
+        cache_salt: str | None,
+        adapter=None,
+    ) -> EarlyReservation | None:
+        """An announced request's blocks, asked of the engine now (its handoff comes later), or
+        None: off, a handoff waits for room (it goes first), or not one sequence. The request
+        passes it to start() with its handoff, or drops it."""
+        if not self.early_reserve or self._room_line or options.n != 1:
+            return None
+        add = AddRequest(
+            request_id,
+            prompt_token_ids,
+            options,
+            Phase.GENERATION_ONLY,
+            priority,
+            cache_salt,
+            remote_kv=True,
+            adapter=adapter,
+        )
+        early = EarlyReservation(core, request_id, core.submit(add), self._early)
+        self._early.add(early)
+        return early
+
+    def drop_early(self) -> int:
+        """Drops every reservation not taken yet (a pause); their handoffs reserve as usual."""
+        early = list(self._early)
+        for reservation in early:
+            reservation.drop()
+        return len(early)
+
+    def start(
+        self, request, handoff: worker_pb2.KvHandoff, early: EarlyReservation | None = None
+    ) -> None:
+        """request: a worker.output_processor.WorkerRequest of one sequence; early: its blocks
+        reserved before the handoff came (its caller drops it when this does not take it)."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
             self._end(request, handoff, Outcome.RELEASED)
             self._release_remote(handoff)
             return
-        request.tasks.append(asyncio.create_task(self._run(request, handoff)))
+        request.tasks.append(asyncio.create_task(self._run(request, handoff, early)))
 
-    async def _run(self, request, handoff: worker_pb2.KvHandoff) -> None:
+    async def _run(
+        self, request, handoff: worker_pb2.KvHandoff, early: EarlyReservation | None
+    ) -> None:
         core = request.core
         state = request.only_sequence
         rid = state.engine_id
@@ -168,19 +225,23 @@ class GenerationPhase:
         # Set when the pull is cancelled: a READ landing after that tells the engine nothing.
         cancelled = threading.Event()
         ours = self.weights_id()
-        if handoff.weights_id and ours and handoff.weights_id != ours:
-            # KV of other weights must not continue here (an update reached one worker only).
-            log.warning(
-                "request %s: prefill %s computed its KV with weights %s; this decode serves %s",
-                rid,
-                handoff.ctx_endpoint,
-                handoff.weights_id,
-                ours,
-            )
-            self._release_remote(handoff)
-            self._not_loaded(request, handoff, Reason.WEIGHTS_MISMATCH)
-            return
         try:
+            # The blocks reserved at the announcement, ours now (None: reserved below).
+            reserved = await early.take() if early is not None else None
+            if handoff.weights_id and ours and handoff.weights_id != ours:
+                # KV of other weights must not continue here (an update reached one worker only).
+                log.warning(
+                    "request %s: prefill %s computed its KV with weights %s; this decode serves %s",
+                    rid,
+                    handoff.ctx_endpoint,
+                    handoff.weights_id,
+                    ours,
+                )
+                if reserved is not None:
+                    core.abort(rid)
+                self._release_remote(handoff)
+                self._not_loaded(request, handoff, Reason.WEIGHTS_MISMATCH)
+                return
             add = AddRequest(
                 rid,
                 request.prompt_token_ids,
@@ -196,8 +257,12 @@ class GenerationPhase:
                 else [],
                 adapter=request.adapter,
             )
-            plan, reason, waited = await self._reserve(core, add, handoff)
+            plan, reason, waited = await self._reserve(core, add, handoff, reserved)
             request.metrics.room_wait_s = waited
+            if plan is not None and plan is reserved:  # its first tokens and drafts, checked here
+                core.facts.limits.check_prompt(len(request.prompt_token_ids) + len(first), first)
+                core.send(HandoffArrived(rid, first, add.draft_token_ids))
+                request.metrics.reserved_early = True
             if plan is None:
                 # No room for the prompt's KV now (or no time): the prefill may free its copy at
                 # once, and the prompt is computed here (or the request fails, by the policy).
@@ -326,9 +391,16 @@ class GenerationPhase:
         )
         request.core.send(RemoteKvArrived(rid, num_valid))
 
-    async def _reserve(self, core, add: AddRequest, handoff: worker_pb2.KvHandoff):
+    async def _reserve(
+        self,
+        core,
+        add: AddRequest,
+        handoff: worker_pb2.KvHandoff,
+        reserved: ImportPlan | None = None,
+    ):
         """(the ImportPlan, or None and why not, seconds waited for room): the prompt's blocks
-        reserved in the engine. A pool with no room now is asked again as requests finish, for up
+        reserved in the engine (reserved: at the announcement already; aborted when the lease
+        has no time left). A pool with no room now is asked again as requests finish, for up
         to room_wait_s: pulling once room frees is cheaper than computing the prompt, which
         would wait for the same room. The handoffs that wait do so in line, the one at its head
         asking (backing off) for all: room goes to them in the order they came. A lease about to
@@ -347,7 +419,11 @@ class GenerationPhase:
             return core.call(dataclasses.replace(add, enqueued_at=time.monotonic()))
 
         if not lease_left():
+            if reserved is not None:
+                core.abort(add.request_id)
             return None, Reason.LEASE_EXPIRING, 0.0
+        if reserved is not None:
+            return reserved, Reason.NONE, 0.0
         if not self._room_line:  # nobody waits: ask at once
             plan = await ask()
             if plan is not None or self.room_wait_s <= 0:
@@ -398,6 +474,7 @@ class GenerationPhase:
             num_pulled_blocks=num_pulled,
             num_cached_blocks=num_cached,
             room_wait_s=request.metrics.room_wait_s,
+            reserved_early=request.metrics.reserved_early,
         )
 
     def _not_loaded(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:
@@ -437,6 +514,45 @@ class GenerationPhase:
         task = asyncio.ensure_future(self.peers.end_lease(handoff))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+
+class EarlyReservation:
+    """An announced request's blocks, asked of the engine before its handoff came (the engine's
+    answer, an ImportPlan or None for no room, may still be on the way). Its request takes it
+    when the handoff comes (take) or drops it (drop: the request ended first, or a pause)."""
+
+    __slots__ = ("core", "request_id", "_plan", "_pending")
+
+    def __init__(self, core, request_id: str, plan: asyncio.Future, pending: set):
+        self.core = core
+        self.request_id = request_id
+        self._plan: asyncio.Future | None = plan
+        self._pending = pending  # the phase's reservations not taken yet (this one among them)
+
+    async def take(self) -> ImportPlan | None:
+        """The reserved plan, the request's to end from now on; None when the pool had no room,
+        the engine refused the request (its handoff then meets the same error), or it was
+        dropped."""
+        plan, self._plan = self._plan, None
+        self._pending.discard(self)
+        if plan is None:
+            return None
+        try:
+            return await asyncio.shield(plan)
+        except Exception:  # noqa: BLE001 - reserved after the handoff instead, which says why
+            return None
+
+    def drop(self) -> None:
+        """Frees the blocks, once the engine has reserved them (never a request of the same id
+        that the engine refused this one for). No-op once taken or dropped."""
+        plan, self._plan = self._plan, None
+        self._pending.discard(self)
+        if plan is not None:
+            plan.add_done_callback(self._abort_reserved)
+
+    def _abort_reserved(self, plan: asyncio.Future) -> None:
+        if not plan.cancelled() and plan.exception() is None and plan.result() is not None:
+            self.core.abort(self.request_id)
 
 
 class HeldOutputs:

@@ -28,6 +28,7 @@ from tandem.engine.messages import (
     CopyWeights,
     EngineFailure,
     FreeBlocks,
+    HandoffArrived,
     HoldSteps,
     KvConfirmed,
     Lease,
@@ -147,6 +148,9 @@ class EngineCore:
             AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(
                 c.request_id, c.num_blocks, c.confirmed
+            ),
+            HandoffArrived: lambda c: engine.handoff_arrived(
+                c.request_id, c.first_token_ids, c.draft_token_ids
             ),
             KvConfirmed: lambda c: engine.kv_confirmed(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),

@@ -323,6 +323,19 @@ class LLMEngine:
             block_ids=seq.block_table[len(cached) : num_prompt_blocks],
         )
 
+    def handoff_arrived(
+        self, request_id: str, first_token_ids: list[int], draft_token_ids: list[int]
+    ) -> None:
+        """A sequence reserved before its handoff (add_remote_kv_request with no first tokens)
+        takes the context phase's first tokens and drafts, before its KV arrives (the worker
+        checked them against the same EngineLimits)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV or seq.output_token_ids:
+            return  # aborted meanwhile (a reserved sequence takes its tokens once)
+        seq.output_token_ids = list(first_token_ids)
+        if self.proposer is not None and draft_token_ids:
+            seq.handed_draft_token_ids = list(draft_token_ids)
+
     def remote_kv_arrived(
         self, request_id: str, num_blocks: int | None = None, confirmed: bool = True
     ) -> None:

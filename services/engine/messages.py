@@ -54,6 +54,18 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class HandoffArrived:
+    """The handoff of a sequence reserved before it (AddRequest with remote_kv and no
+    output_token_ids: the decode reserves an announced request's blocks while its prefill runs)
+    came: its first tokens, and the context phase's drafts (ignored by an engine that does not
+    speculate). Sent before the pull's RemoteKvArrived; the worker checked both already."""
+
+    request_id: str
+    first_token_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RemoteKvArrived:
     """A WAITING_FOR_REMOTE_KV sequence's prompt KV has landed in its blocks: schedule it.
     num_blocks: the prompt's first blocks that hold it, when only those landed (the rest of the

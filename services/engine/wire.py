@@ -165,6 +165,7 @@ register(
     messages.AddRequest,
     messages.AbortRequest,
     messages.RemoteKvArrived,
+    messages.HandoffArrived,
     messages.KvConfirmed,
     messages.FreeBlocks,
     messages.LeasePrefix,

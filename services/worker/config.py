@@ -27,6 +27,8 @@ class WorkerConfig(ServerConfig):
     # How long a decode whose pool has no room for a handoff's prompt waits for room (blocks
     # freed by finishing requests) before it gives up on the pull, within the lease.
     kv_room_wait_s: float = 10.0
+    # An announced request's blocks reserved when the router announces it (before its handoff).
+    kv_early_reserve: bool = True
     # The engine core in a process of its own (worker/core_process.py).
     engine_process: bool = False
     # Cross-worker prefix pulls (a prefill or both worker): serve LeasePrefix to peers, and pull a

@@ -75,6 +75,8 @@ class RequestMetricsState:
     # and how long it waited for room in the pool first.
     kv_handoff: types_pb2.KvHandoffMetrics | None = None
     room_wait_s: float = 0.0
+    # Its blocks were reserved when the router announced it, before its handoff came.
+    reserved_early: bool = False
     # How its cross-worker prefix pull ended (decode/prefix_pull.py), where the router asked for one.
     prefix_pull: types_pb2.PrefixPullMetrics | None = None
 

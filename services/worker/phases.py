@@ -15,7 +15,7 @@ import grpc
 
 from tandem.common.errors import RpcError
 from tandem.common.roles import Role
-from tandem.decode.generation import GenerationPhase
+from tandem.decode.generation import EarlyReservation, GenerationPhase
 from tandem.engine.sequence import Phase
 from tandem.prefill.context import ContextPhase
 from tandem.v1 import types_pb2
@@ -56,8 +56,13 @@ class PhasePicker:
         prompt_token_ids: list[int],
         cache_salt: str | None,
         adapter=None,
+        early: EarlyReservation | None = None,
     ) -> Callable:
-        """The function that starts a WorkerRequest of this phase here, or the error refusing it."""
+        """The function that starts a WorkerRequest of this phase here, or the error refusing it.
+        early: an announced request's blocks (reserve_early), for its pull; dropped at once when
+        the request runs no pull (its caller drops it when what is returned is not called)."""
+        if early is not None and not (phase is Phase.GENERATION_ONLY and params.opaque_state):
+            early.drop()
         if phase is Phase.CONTEXT_ONLY:
             if self.context is None:
                 raise RpcError(
@@ -82,5 +87,21 @@ class PhasePicker:
                     f"decode worker",
                 )
             handoff = generation.verify(params, prompt_token_ids, cache_salt, adapter)
-            return lambda request: generation.start(request, handoff)
+            return lambda request: generation.start(request, handoff, early)
         return LocalPhase.start
+
+    def reserve_early(
+        self, core, request_id: str, prompt_token_ids, options, priority, cache_salt, adapter
+    ) -> EarlyReservation | None:
+        """An announced generation_only request's blocks, reserved now (a decode's generation
+        phase, when it can: GenerationPhase.reserve_early), or None."""
+        if self.generation is None:
+            return None
+        return self.generation.reserve_early(
+            core, request_id, prompt_token_ids, options, priority, cache_salt, adapter
+        )
+
+    def drop_early(self) -> None:
+        """Drops the reservations no handoff took yet (a pause aborts what runs)."""
+        if self.generation is not None:
+            self.generation.drop_early()

@@ -311,6 +311,7 @@ class WorkerRuntime:
                 on_pulled=self.metrics.observe_kv_pull,
                 load_failure_policy=self.config.kv_load_failure_policy,
                 room_wait_s=self.config.kv_room_wait_s,
+                early_reserve=self.config.kv_early_reserve,
                 weights_id=lambda: self.core.weights.weights_id,
             )
 

@@ -101,7 +101,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         fails it before then fails with the reason before_handoff."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
         request = generate_request(submit.request)
-        announced, checked = handoff is not None, None
+        announced, checked, early = handoff is not None, None, None
         with failing_before_handoff(announced):
             if announced and (
                 request.disaggregated_params.request_type != types_pb2.REQUEST_TYPE_GENERATION_ONLY
@@ -115,24 +115,50 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 )
             if announced:
                 checked = self._checked(text_request.engine_request, guide)
-        if announced:
-            kv = await handoff
-            with failing_before_handoff(True):  # paused or released meanwhile: refused as now
-                self.rt.check_accepting(types_pb2.REQUEST_TYPE_GENERATION_ONLY)
-            params = text_request.engine_request.disaggregated_params
-            params.CopyFrom(disaggregated_params(kv))
-            params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
-            tracker.started = time.monotonic()  # its latency here runs from the handoff
-        requester = submit.client or owner
-        client = None if submit.split else requester
-        sink = OutputSink(text_request, tracker, stream, submit.tag)
-        echo = submit.request.return_first_gen_tokens
-        source = submit.prefix_source if submit.HasField("prefix_source") else None
-        with self._running(
-            text_request.engine_request, owner, client, adapter, guide, sink, echo, source, checked
-        ) as worker_request:
-            worker_request.requester = requester
-            await sink.wait()  # each output went out as the engine handed it over
+                early = self._reserve_early(text_request.engine_request, checked, adapter)
+        try:
+            if announced:
+                kv = await handoff
+                with failing_before_handoff(True):  # paused or released meanwhile: refused as now
+                    self.rt.check_accepting(types_pb2.REQUEST_TYPE_GENERATION_ONLY)
+                params = text_request.engine_request.disaggregated_params
+                params.CopyFrom(disaggregated_params(kv))
+                params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+                tracker.started = time.monotonic()  # its latency here runs from the handoff
+            requester = submit.client or owner
+            client = None if submit.split else requester
+            sink = OutputSink(text_request, tracker, stream, submit.tag)
+            echo = submit.request.return_first_gen_tokens
+            source = submit.prefix_source if submit.HasField("prefix_source") else None
+            with self._running(
+                text_request.engine_request,
+                owner,
+                client,
+                adapter,
+                guide,
+                sink,
+                echo,
+                source,
+                checked,
+                early,
+            ) as worker_request:
+                worker_request.requester = requester
+                await sink.wait()  # each output went out as the engine handed it over
+        finally:
+            if early is not None:  # (a no-op once its pull took it)
+                early.drop()
+
+    def _reserve_early(self, request: llm_pb2.GenerateRequest, checked: tuple, adapter):
+        """An announced request's blocks, reserved while its prefill runs (a decode worker's
+        generation phase), or None."""
+        rid = request.request_id
+        if not rid or rid in self.requests:  # (_start refuses it later, saying why)
+            return None
+        options, prompt_ids = checked
+        priority, salt = _priority_and_salt(request)
+        return self.rt.phases.reserve_early(
+            self.rt.core, rid, prompt_ids, options, priority, salt, adapter
+        )
 
     @staticmethod
     def _messages(text_request, tracker, worker_request: WorkerRequest):
@@ -165,6 +191,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
+        early=None,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
@@ -178,6 +205,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             return_first_gen_tokens,
             prefix_source,
             checked,
+            early,
         )
         self.requests[worker_request.request_id] = worker_request
         # The phase's span: a child of the router's (the traceparent it put in trace_headers),
@@ -211,6 +239,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
+        early=None,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
@@ -218,7 +247,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
         tokens the request carries (a public Generate's does); prefix_source: where the router
         says the prompt's prefix may be pulled from (a session's submit only; ignored by a worker
-        without --kv-prefix-pulls); checked: what _checked returned for it already."""
+        without --kv-prefix-pulls); checked: what _checked returned for it already; early: its
+        blocks reserved at its announcement (decode/generation.py's EarlyReservation)."""
         options, prompt_ids = checked or self._checked(request, guide)
         limits = self.rt.core.facts.limits
         request_id = request.request_id or uuid.uuid4().hex
@@ -232,15 +262,17 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         phase = REQUEST_PHASES[request.disaggregated_params.request_type]
         if phase is Phase.GENERATION_ONLY:
             limits.check_draft_tokens(list(request.disaggregated_params.draft_tokens))
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        start = self.rt.phases.pick(phase, request.disaggregated_params, prompt_ids, salt, adapter)
+        priority, salt = _priority_and_salt(request)
+        start = self.rt.phases.pick(
+            phase, request.disaggregated_params, prompt_ids, salt, adapter, early
+        )
         worker_request = WorkerRequest(
             self.rt.core,
             request_id,
             prompt_ids,
             options,
             phase,
-            request.priority if request.HasField("priority") else 0.5,
+            priority,
             salt,
             request.disaggregated_params,
             adapter,
@@ -310,6 +342,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return None
 
     async def abort_all(self) -> int:
+        self.rt.phases.drop_early()  # (the announced requests' handoffs meet the pause)
         requests = list(self.requests.values())
         for worker_request in requests:
             worker_request.cancel()
@@ -503,3 +536,9 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         for index in request.indices:
             await worker_request.stop(index)
         return worker_pb2.StopSequencesResponse(found=True)
+
+
+def _priority_and_salt(request: llm_pb2.GenerateRequest) -> tuple[float, str | None]:
+    """A request's scheduling priority (0.5 unset) and cache salt (None unset)."""
+    priority = request.priority if request.HasField("priority") else 0.5
+    return priority, request.cache_salt if request.HasField("cache_salt") else None

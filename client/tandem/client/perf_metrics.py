@@ -78,6 +78,8 @@ class KvHandoff:
     num_cached_blocks: int = 0
     # Seconds the decode waited for room in its KV pool (--kv-room-wait-seconds).
     room_wait_s: float = 0.0
+    # The decode reserved the prompt's blocks when the router announced the request.
+    reserved_early: bool = False
 
     @classmethod
     def from_proto(cls, msg: types_pb2.KvHandoffMetrics) -> KvHandoff:
@@ -89,6 +91,7 @@ class KvHandoff:
             msg.num_pulled_blocks,
             msg.num_cached_blocks,
             msg.room_wait_s,
+            msg.reserved_early,
         )
 
 
