@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import statistics
 import time
 
@@ -44,6 +45,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        help="extra flags for the decode worker, e.g. --decode-args=--no-kv-early-reserve",
+    )
     args = parser.parse_args()
 
     engine = [
@@ -62,7 +68,7 @@ def main() -> None:
         engine_args=engine,
         worker_args={
             "prefill-1": ["--device", args.prefill_device, *extra],
-            "decode-1": ["--device", args.decode_device, *extra],
+            "decode-1": ["--device", args.decode_device, *extra, *shlex.split(args.decode_args)],
             "both-1": ["--device", args.prefill_device],
         },
     )
@@ -141,7 +147,8 @@ def main() -> None:
     print(
         f"# disaggregated e2e: prefill {args.prefill_device} -> decode {args.decode_device}, "
         f"progress thread {'on' if args.progress_thread else 'off'}; {args.num_requests} requests x "
-        f"{args.prompt_len} prompt tokens, {args.max_tokens} output tokens"
+        f"{args.prompt_len} prompt tokens, {args.max_tokens} output tokens; decode flags: "
+        f"{args.decode_args or '(none)'}"
     )
     print(f"# greedy tokens equal to the aggregated worker: {same}/{2 * args.num_requests}")
     print(f"{'mode':<26}{'TTFT ms':>10}{'e2e ms':>10}{'KV pull ms':>12}{'KV MiB':>9}{'wall s':>9}")
@@ -208,6 +215,10 @@ def main() -> None:
         f"token is {added:+.0%} against the aggregated worker's, {routed_added:+.0%} against the "
         f"aggregated worker behind a router (goal on one GPU: the handover adds <= 10% to a "
         f"1024-token TTFT)"
+    )
+    early = sum(o.metrics.kv_handoff.reserved_early for o in split_two)
+    print(
+        f"split requests whose blocks the decode reserved at the announcement: {early}/{len(split_two)}"
     )
     if same != 2 * args.num_requests:
         raise SystemExit("disaggregated outputs differ from the aggregated worker")
