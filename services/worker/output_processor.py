@@ -112,8 +112,10 @@ class WorkerRequest:
         self.first_cumulative = (
             sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
         )
-        if phase is Phase.GENERATION_ONLY:
-            # The context phase had the prompt.
+        if phase is Phase.GENERATION_ONLY and (
+            options.prompt_logprobs is not None or options.return_context_logits
+        ):
+            # The context phase had the prompt. (A replace costs ~50 us: a handoff's path skips it.)
             options = dataclasses.replace(
                 options, prompt_logprobs=None, return_context_logits=False
             )
@@ -171,7 +173,9 @@ class WorkerRequest:
                 if options.seed is None or i == 0
                 else dataclasses.replace(options, seed=options.seed + i)
             )
-            self.sequences[engine_id] = SequenceState(i, engine_id, dataclasses.replace(opts, n=1))
+            if opts.n != 1:
+                opts = dataclasses.replace(opts, n=1)
+            self.sequences[engine_id] = SequenceState(i, engine_id, opts)
 
     @property
     def only_sequence(self) -> SequenceState:
