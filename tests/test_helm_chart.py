@@ -971,6 +971,20 @@ def test_the_room_wait_is_the_workers_default_unless_a_role_sets_it(chart):
         render(chart, {"decode": {"kvRoomWaitSeconds": -1}})
 
 
+def test_the_early_reserve_is_on_unless_a_role_turns_it_off(chart):
+    def off(values):
+        return {
+            c["name"]: "--no-kv-early-reserve" in c["args"]
+            for c in containers(objects(chart, values))
+            if c["name"] != "router"
+        }
+
+    assert not any(off({}).values()) and not any(off({"decode": {"kvEarlyReserve": True}}).values())
+    assert off({"decode": {"kvEarlyReserve": False}})["decode"]
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"decode": {"kvEarlyReserve": "no"}})
+
+
 def test_speculative_decoding_is_a_decode_value_rendered_as_its_json_flag(chart):
     def configs(values):
         return {

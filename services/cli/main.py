@@ -274,6 +274,13 @@ def _parser() -> argparse.ArgumentParser:
         "decode`; default: 10)",
     )
     up.add_argument(
+        "--no-kv-early-reserve",
+        dest="kv_early_reserve",
+        action="store_false",
+        help="each decode reserves a split request's KV blocks when its handoff comes, not while "
+        "the prompt is computed (as on `serve decode`)",
+    )
+    up.add_argument(
         "--kv-load-failure-policy",
         choices=LOAD_FAILURE_POLICIES,
         default="recompute",

@@ -58,6 +58,8 @@ def up(args, engine) -> int:
             decode_args += ["--kv-load-failure-policy", args.kv_load_failure_policy]
         if args.kv_room_wait_seconds is not None:
             decode_args += ["--kv-room-wait-seconds", str(args.kv_room_wait_seconds)]
+        if not args.kv_early_reserve:
+            decode_args.append("--no-kv-early-reserve")
     if (
         args.prefix_pulls
     ):  # the router's --prefix-pulls: the workers that run prompts serve and pull

@@ -115,6 +115,9 @@ spec:
             {{- if hasKey $spec "kvRoomWaitSeconds" }}
             - --kv-room-wait-seconds={{ $spec.kvRoomWaitSeconds }}
             {{- end }}
+            {{- if and (hasKey $spec "kvEarlyReserve") (not $spec.kvEarlyReserve) }}
+            - --no-kv-early-reserve
+            {{- end }}
             {{- if and $spec.kvLoadFailurePolicy (ne $spec.kvLoadFailurePolicy "recompute") }}
             - --kv-load-failure-policy={{ $spec.kvLoadFailurePolicy }}
             {{- end }}
