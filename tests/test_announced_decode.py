@@ -343,7 +343,9 @@ def test_the_decode_reserves_an_announced_requests_blocks_while_its_prompt_is_co
 ):
     """The prefill computes a 1,000-token prompt 8 tokens a step (125 steps): meanwhile the
     decode holds the prompt's blocks for the announced request (WAITING_FOR_REMOTE_KV, before any
-    handoff), and the request pulls into them (reserved_early). A pause of the decode drops such a
+    handoff), and the request pulls into them (reserved_early). Meanwhile a request of the same id
+    sent to the decode is refused as already running (the reservation holds the id: freeing it
+    would leave the pull writing into blocks it no longer has). A pause of the decode drops such a
     reservation at once (its pool whole when the pause returns, no drain waits on it); the request
     still ends (its handoff meets the pause: an error or a retry, never a hang) and leaves nothing
     held; after resume the next one reserves early again."""
@@ -366,7 +368,10 @@ def test_the_decode_reserves_an_announced_requests_blocks_while_its_prompt_is_co
             try:
                 await llm.generate_async([1, 5, 9], params)  # the router's session opens
                 for pause in (False, True):
-                    request = asyncio.ensure_future(llm.generate_async(prompt(), params))
+                    rid = f"announced-{pause}"
+                    request = asyncio.ensure_future(
+                        llm.generate_async(prompt(), params, request_id=rid)
+                    )
                     deadline = time.monotonic() + 20
                     while worker_state(decode).num_waiting_for_remote_kv == 0:
                         assert not request.done() and time.monotonic() < deadline
@@ -374,6 +379,11 @@ def test_the_decode_reserves_an_announced_requests_blocks_while_its_prompt_is_co
                     state = worker_state(decode)
                     assert state.num_free_blocks <= state.num_total_blocks - 126  # 1,001 tokens
                     if not pause:
+                        with pytest.raises(RequestError) as err:
+                            await admin.generate_async([1, 5, 9], params, request_id=rid)
+                        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                        assert "already running" in err.value.details
+                        assert worker_state(decode).num_waiting_for_remote_kv == 1  # still held
                         out = await asyncio.wait_for(request, 30)
                         assert out.metrics.kv_handoff.outcome == "pulled"
                         assert out.metrics.kv_handoff.reserved_early
@@ -400,3 +410,51 @@ def test_the_decode_reserves_an_announced_requests_blocks_while_its_prompt_is_co
         for worker in c.workers:
             state = worker_state(worker.address)
             assert state.num_free_blocks == state.num_total_blocks and state.num_leases == 0
+
+
+def test_a_reservation_is_taken_once_given_back_at_once_and_never_across_new_weights():
+    """EarlyReservation: a drop aborts the id at once, even before the engine answered (the abort
+    follows the reservation in the engine's queue); a taken one is the pull's (a drop after it
+    does nothing); one reserved under other weights is given back (its cached prefix may be the
+    old weights' KV); no room, or a refused request, gives None and nothing to abort."""
+    from tandem.decode.early_reservation import EarlyReservation
+
+    class Core:
+        def __init__(self):
+            self.aborted: list[str] = []
+
+        def abort(self, request_id: str) -> None:
+            self.aborted.append(request_id)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        core, pending = Core(), {}
+
+        def reserve(rid: str, answer=None, answered: bool = True) -> EarlyReservation:
+            plan = loop.create_future()
+            if answered:
+                plan.set_result(answer)
+            return EarlyReservation(core, rid, "weights-1", plan, pending)
+
+        r = reserve("a", answered=False)
+        assert pending == {"a": r}
+        r.drop()
+        assert core.aborted == ["a"] and pending == {}
+        assert await r.take("weights-1") is None
+        b = reserve("b", "plan")
+        assert await b.take("weights-1") == "plan" and pending == {}
+        b.drop()
+        assert core.aborted == ["a"]
+        c = reserve("c", "plan")
+        assert await c.take("weights-2") is None and core.aborted == ["a", "c"] and pending == {}
+        d = reserve("d", None)
+        assert await d.take("weights-1") is None and core.aborted == ["a", "c"]
+        # Refused by the engine (here after the drop): its error is retrieved, nobody's to report.
+        e_plan = loop.create_future()
+        e = EarlyReservation(core, "e", "weights-1", e_plan, pending)
+        e.drop()
+        e_plan.set_exception(ValueError("refused"))
+        await asyncio.sleep(0)
+        assert core.aborted == ["a", "c", "e"] and pending == {}
+
+    asyncio.run(main())

@@ -171,6 +171,35 @@ def test_a_parked_import_never_deadlocks_with_a_preempted_sequence(model_dirs):
     assert engine.num_unfinished == 0 and engine.block_manager.num_free_blocks == 8
 
 
+def test_a_reservation_ahead_of_its_handoff_leaves_headroom_and_takes_its_tokens_on_arrival(
+    model_dirs,
+):
+    """ahead_of_handoff (an announced request, reserved while its prefill runs): refused unless
+    the pool keeps a block for each sequence the scheduler has and a twentieth of itself, where a
+    reservation at the handoff takes the last free block; its first token comes with its
+    arrival, and it decodes as one reserved with it."""
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=40))
+    bm = engine.block_manager
+    opts = SamplingOptions(max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [1, 5, 6], SamplingOptions(max_tokens=40, ignore_eos=True))
+    engine.step()
+    free = bm.num_free_blocks
+    whole = [1] + list(range(10, 10 + 4 * free - 2))  # with its first token: every free block
+    assert engine.add_remote_kv_request("x", whole, [], opts, ahead_of_handoff=True) is None
+    assert engine.add_remote_kv_request("x", whole, [30], opts) is not None
+    engine.abort_request("x")
+    headroom = 1 + 40 // 20  # "a", and a twentieth of the pool
+    fits = whole[: 4 * (free - headroom) - 1]
+    plan = engine.add_remote_kv_request("y", fits, [], opts, ahead_of_handoff=True)
+    assert plan is not None and engine.num_waiting_for_remote_kv == 1
+    engine.remote_kv_arrived("y", first_token_ids=[30])
+    outs = []
+    while engine.num_unfinished:
+        outs += [o for o in engine.step() if o.request_id == "y"]
+    assert engine.has_request("y") is False and sum(len(o.new_token_ids) for o in outs) == 3
+    assert bm.num_free_blocks == 40
+
+
 def test_an_unconfirmed_import_runs_but_caches_nothing_until_confirmed(model_dirs):
     """RemoteKvArrived(confirmed=False): the sequence decodes while the decode asks the prefill
     to confirm the lease, but none of its blocks (the imported prompt's, or one its steps fill)

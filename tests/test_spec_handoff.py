@@ -69,10 +69,9 @@ def _generation(decode, prefill, rid, prompt, options, ctx_out, drafts, early=Fa
     """The generation phase on decode from ctx_out's KV (copied from prefill's pool, as the NIXL
     READ would), handed `drafts`: its outputs, step by step. early: the blocks reserved before
     the handoff (an announced request's), its first tokens and drafts given when it comes."""
-    if early:
-        plan = decode.add_remote_kv_request(rid, prompt, [], options)
+    if early:  # the arrival brings the first tokens and drafts
+        plan = decode.add_remote_kv_request(rid, prompt, [], options, ahead_of_handoff=True)
         assert decode.num_waiting_for_remote_kv == 1
-        decode.handoff_arrived(rid, ctx_out.new_token_ids, drafts)
     else:
         plan = decode.add_remote_kv_request(
             rid, prompt, ctx_out.new_token_ids, options, draft_token_ids=drafts
@@ -81,7 +80,10 @@ def _generation(decode, prefill, rid, prompt, options, ctx_out, drafts, early=Fa
     source = ctx_out.kept_block_ids[plan.num_cached_blocks : num_prompt_blocks]
     decode.runner.kv_cache[plan.block_ids] = prefill.runner.kv_cache[source]
     prefill.free_blocks(ctx_out.kept_block_ids)
-    decode.remote_kv_arrived(rid)
+    if early:
+        decode.remote_kv_arrived(rid, first_token_ids=ctx_out.new_token_ids, draft_token_ids=drafts)
+    else:
+        decode.remote_kv_arrived(rid)
     steps = []
     while decode.num_unfinished:
         steps.append([out for out in decode.step() if out.request_id == rid])

@@ -27,10 +27,9 @@ confirm aborts it and drops what it drew before the prompt is computed.
 
 While its KV is on the way the request is WAITING_FOR_REMOTE_KV in the engine: its blocks
 are reserved, the scheduler does not run it. A request the router announced (it comes while its
-prefill runs, its handoff later) has its blocks reserved then, when the pool has room and no
-handoff waits for it (EarlyReservation; SGLang's decode pre-allocates so too): its handoff then
-pulls without the reserve's round trip to the engine thread. The reservation holds the request's
-blocks for its prefill's time; a request that ends before its handoff drops it, and so does a pause.
+prefill runs, its handoff later) has its blocks reserved then, when the pool has room to spare
+and no handoff waits for room (early_reservation.py): its handoff then pulls without the
+reserve's round trip to the engine thread.
 """
 
 from __future__ import annotations
@@ -48,13 +47,13 @@ import grpc
 
 from tandem.common import tracing
 from tandem.common.errors import KvLoadFailedError, PreconditionError
+from tandem.decode.early_reservation import EarlyReservation
 from tandem.decode.outcomes import LOAD_FAILURE_POLICIES, HandoffOutcomes, Outcome, Reason
 from tandem.decode.peers import LeaseAnswer, PeerCache
 from tandem.decode.pull_links import PullLinks
 from tandem.engine.messages import (
     AbortRequest,
     AddRequest,
-    HandoffArrived,
     ImportPlan,
     KvConfirmed,
     RemoteKvArrived,
@@ -127,8 +126,8 @@ class GenerationPhase:
         self.weights_id = weights_id
         self.room_wait_s = room_wait_s
         self.early_reserve = early_reserve
-        # The announced requests' reservations not taken by their handoff yet.
-        self._early: set[EarlyReservation] = set()
+        # The announced requests' reservations no pull took yet, by request id.
+        self._reservations: dict[str, EarlyReservation] = {}
         # The handoffs waiting for room in the pool, in the order they came (the head asks).
         self._room_line: deque[asyncio.Event] = deque()
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
@@ -177,9 +176,15 @@ class GenerationPhase:
         adapter=None,
     ) -> EarlyReservation | None:
         """An announced request's blocks, asked of the engine now (its handoff comes later), or
-        None: off, a handoff waits for room (it goes first), or not one sequence. The request
+        None: off, a handoff waits for room (it goes first), not one sequence, or the id has a
+        reservation already. options: the generation phase's (for_generation_phase). The request
         passes it to start() with its handoff, or drops it."""
-        if not self.early_reserve or self._room_line or options.n != 1:
+        if (
+            not self.early_reserve
+            or self._room_line
+            or options.n != 1
+            or request_id in self._reservations
+        ):
             return None
         add = AddRequest(
             request_id,
@@ -190,31 +195,38 @@ class GenerationPhase:
             cache_salt,
             remote_kv=True,
             adapter=adapter,
+            ahead_of_handoff=True,
         )
-        early = EarlyReservation(core, request_id, core.submit(add), self._early)
-        self._early.add(early)
-        return early
+        return EarlyReservation(
+            core, request_id, self.weights_id(), core.submit(add), self._reservations
+        )
 
-    def drop_early(self) -> int:
-        """Drops every reservation not taken yet (a pause); their handoffs reserve as usual."""
-        early = list(self._early)
-        for reservation in early:
+    def reservation_for(self, request_id: str) -> EarlyReservation | None:
+        """The pending reservation of that request id (no other request of the id may start)."""
+        return self._reservations.get(request_id)
+
+    def drop_reservations(self) -> None:
+        """Drops every reservation no pull took yet (a pause); their handoffs reserve anew."""
+        for reservation in list(self._reservations.values()):
             reservation.drop()
-        return len(early)
 
     def start(
-        self, request, handoff: worker_pb2.KvHandoff, early: EarlyReservation | None = None
+        self,
+        request,
+        handoff: worker_pb2.KvHandoff,
+        reservation: EarlyReservation | None = None,
     ) -> None:
-        """request: a worker.output_processor.WorkerRequest of one sequence; early: its blocks
-        reserved before the handoff came (its caller drops it when this does not take it)."""
+        """request: a worker.output_processor.WorkerRequest of one sequence; reservation: its
+        blocks reserved before the handoff came (its caller drops it when the pull does not take
+        it)."""
         if request.finish_if_first_tokens_end():  # nothing to generate: the prefill may free the KV
             self._end(request, handoff, Outcome.RELEASED)
             self._release_remote(handoff)
             return
-        request.tasks.append(asyncio.create_task(self._run(request, handoff, early)))
+        request.tasks.append(asyncio.create_task(self._run(request, handoff, reservation)))
 
     async def _run(
-        self, request, handoff: worker_pb2.KvHandoff, early: EarlyReservation | None
+        self, request, handoff: worker_pb2.KvHandoff, reservation: EarlyReservation | None
     ) -> None:
         core = request.core
         state = request.only_sequence
@@ -227,7 +239,7 @@ class GenerationPhase:
         ours = self.weights_id()
         try:
             # The blocks reserved at the announcement, ours now (None: reserved below).
-            reserved = await early.take() if early is not None else None
+            reserved = await reservation.take(ours) if reservation is not None else None
             if handoff.weights_id and ours and handoff.weights_id != ours:
                 # KV of other weights must not continue here (an update reached one worker only).
                 log.warning(
@@ -259,9 +271,9 @@ class GenerationPhase:
             )
             plan, reason, waited = await self._reserve(core, add, handoff, reserved)
             request.metrics.room_wait_s = waited
-            if plan is not None and plan is reserved:  # its first tokens and drafts, checked here
+            if plan is not None and plan is reserved:
+                # Its first tokens come with the arrival: checked here as the AddRequest would be.
                 core.facts.limits.check_prompt(len(request.prompt_token_ids) + len(first), first)
-                core.send(HandoffArrived(rid, first, add.draft_token_ids))
                 request.metrics.reserved_early = True
             if plan is None:
                 # No room for the prompt's KV now (or no time): the prefill may free its copy at
@@ -289,7 +301,9 @@ class GenerationPhase:
                     remote,
                     plan.block_ids,
                     reads,
-                    lambda: core.send(RemoteKvArrived(rid, confirmed=False)),
+                    lambda: core.send(
+                        RemoteKvArrived(rid, None, False, first, add.draft_token_ids)
+                    ),
                     cancelled,
                 )
             self.num_bytes_received += nbytes
@@ -313,7 +327,7 @@ class GenerationPhase:
                 return
             if error is not None:  # part of the prompt's KV landed: the rest is computed here
                 held.release()
-                self._partly_pulled(request, handoff, plan, num_landed, nbytes, error)
+                self._partly_pulled(request, handoff, plan, num_landed, nbytes, error, add)
                 return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
@@ -366,7 +380,9 @@ class GenerationPhase:
             self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
 
-    def _partly_pulled(self, request, handoff, plan, num_landed: int, nbytes: int, error) -> None:
+    def _partly_pulled(
+        self, request, handoff, plan, num_landed: int, nbytes: int, error, add: AddRequest
+    ) -> None:
         """A pull whose first num_landed blocks landed (and whose lease was confirmed): the
         engine computes the rest of the prompt from there (recomputed, pull_failed, with the
         blocks it did pull), not the whole of it."""
@@ -389,7 +405,9 @@ class GenerationPhase:
             num_pulled=num_landed,
             num_cached=plan.num_cached_blocks,
         )
-        request.core.send(RemoteKvArrived(rid, num_valid))
+        request.core.send(
+            RemoteKvArrived(rid, num_valid, True, request.first_gen_tokens, add.draft_token_ids)
+        )
 
     async def _reserve(
         self,
@@ -514,45 +532,6 @@ class GenerationPhase:
         task = asyncio.ensure_future(self.peers.end_lease(handoff))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
-
-
-class EarlyReservation:
-    """An announced request's blocks, asked of the engine before its handoff came (the engine's
-    answer, an ImportPlan or None for no room, may still be on the way). Its request takes it
-    when the handoff comes (take) or drops it (drop: the request ended first, or a pause)."""
-
-    __slots__ = ("core", "request_id", "_plan", "_pending")
-
-    def __init__(self, core, request_id: str, plan: asyncio.Future, pending: set):
-        self.core = core
-        self.request_id = request_id
-        self._plan: asyncio.Future | None = plan
-        self._pending = pending  # the phase's reservations not taken yet (this one among them)
-
-    async def take(self) -> ImportPlan | None:
-        """The reserved plan, the request's to end from now on; None when the pool had no room,
-        the engine refused the request (its handoff then meets the same error), or it was
-        dropped."""
-        plan, self._plan = self._plan, None
-        self._pending.discard(self)
-        if plan is None:
-            return None
-        try:
-            return await asyncio.shield(plan)
-        except Exception:  # noqa: BLE001 - reserved after the handoff instead, which says why
-            return None
-
-    def drop(self) -> None:
-        """Frees the blocks, once the engine has reserved them (never a request of the same id
-        that the engine refused this one for). No-op once taken or dropped."""
-        plan, self._plan = self._plan, None
-        self._pending.discard(self)
-        if plan is not None:
-            plan.add_done_callback(self._abort_reserved)
-
-    def _abort_reserved(self, plan: asyncio.Future) -> None:
-        if not plan.cancelled() and plan.exception() is None and plan.result() is not None:
-            self.core.abort(self.request_id)
 
 
 class HeldOutputs:

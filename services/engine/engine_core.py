@@ -28,7 +28,6 @@ from tandem.engine.messages import (
     CopyWeights,
     EngineFailure,
     FreeBlocks,
-    HandoffArrived,
     HoldSteps,
     KvConfirmed,
     Lease,
@@ -147,10 +146,7 @@ class EngineCore:
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
             RemoteKvArrived: lambda c: engine.remote_kv_arrived(
-                c.request_id, c.num_blocks, c.confirmed
-            ),
-            HandoffArrived: lambda c: engine.handoff_arrived(
-                c.request_id, c.first_token_ids, c.draft_token_ids
+                c.request_id, c.num_blocks, c.confirmed, c.first_token_ids, c.draft_token_ids
             ),
             KvConfirmed: lambda c: engine.kv_confirmed(c.request_id),
             FreeBlocks: lambda c: engine.free_blocks(c.block_ids),
@@ -338,6 +334,7 @@ class EngineCore:
                 command.adapter,
                 command.draft_token_ids,
                 command.phase,
+                command.ahead_of_handoff,
             )
             if plan is not None:  # a request refused for room is asked again: it is not new yet
                 self._new_request_waits.append(waited)

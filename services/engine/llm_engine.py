@@ -266,6 +266,7 @@ class LLMEngine:
         adapter: LoRAAdapter | None = None,
         draft_token_ids: list[int] | None = None,
         phase: Phase = Phase.GENERATION_ONLY,
+        ahead_of_handoff: bool = False,
     ) -> ImportPlan | None:
         """A generation_only sequence whose prompt KV comes from a prefill worker (or, phase
         context_and_generation / context_only with no first tokens, a prompt whose prefix comes from
@@ -276,7 +277,10 @@ class LLMEngine:
         the prompt here instead, or asks again later: the answer costs a prefix lookup, nothing
         more, and never waits for the device). draft_token_ids: the context phase's drafts
         (DisaggregatedParams.draft_tokens), verified at the sequence's first step when this engine
-        speculates (checked by EngineLimits.check_draft_tokens), ignored when it does not."""
+        speculates (checked by EngineLimits.check_draft_tokens), ignored when it does not.
+        ahead_of_handoff: reserved before the handoff came (an announced request, while its prefill
+        runs: no first tokens yet, remote_kv_arrived brings them), so held longer: only while the
+        pool keeps a block free for each sequence the scheduler has and a twentieth of itself."""
         self.limits.check_draft_tokens(draft_token_ids or [])
         bm = self.block_manager
         num_prompt = len(prompt_token_ids)
@@ -290,7 +294,8 @@ class LLMEngine:
         # Room for the first generated token's KV too: a parked sequence that still needed a block
         # could wait behind a preempted sequence that needs the same blocks, forever.
         num_blocks = bm.num_blocks_for(num_prompt + 1)
-        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached))):
+        headroom = self.scheduler.num_unfinished + bm.num_blocks // 20 if ahead_of_handoff else 0
+        if not bm.can_allocate(bm.num_free_needed(cached, num_blocks - len(cached)) + headroom):
             return None
         seq = self._new_sequence(
             request_id,
@@ -323,30 +328,27 @@ class LLMEngine:
             block_ids=seq.block_table[len(cached) : num_prompt_blocks],
         )
 
-    def handoff_arrived(
-        self, request_id: str, first_token_ids: list[int], draft_token_ids: list[int]
-    ) -> None:
-        """A sequence reserved before its handoff (add_remote_kv_request with no first tokens)
-        takes the context phase's first tokens and drafts, before its KV arrives (the worker
-        checked them against the same EngineLimits)."""
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV or seq.output_token_ids:
-            return  # aborted meanwhile (a reserved sequence takes its tokens once)
-        seq.output_token_ids = list(first_token_ids)
-        if self.proposer is not None and draft_token_ids:
-            seq.handed_draft_token_ids = list(draft_token_ids)
-
     def remote_kv_arrived(
-        self, request_id: str, num_blocks: int | None = None, confirmed: bool = True
+        self,
+        request_id: str,
+        num_blocks: int | None = None,
+        confirmed: bool = True,
+        first_token_ids: list[int] | None = None,
+        draft_token_ids: list[int] | None = None,
     ) -> None:
         """The prompt's KV has landed in the reserved blocks: schedule the sequence for decoding.
         num_blocks: only the first num_blocks of them hold it (a pull that failed part-way): the
         rest of the prompt is computed here first, as a prefill continues from a cached prefix.
         confirmed=False: its lease is not confirmed yet; none of its blocks is cached until
-        kv_confirmed()."""
+        kv_confirmed(). first_token_ids, draft_token_ids: the context phase's, for a sequence
+        reserved ahead of its handoff (the worker checked them as add_remote_kv_request would)."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.WAITING_FOR_REMOTE_KV:
             return  # aborted while its KV was on the way
+        if first_token_ids and not seq.output_token_ids:
+            seq.output_token_ids = list(first_token_ids)
+            if self.proposer is not None and draft_token_ids:
+                seq.handed_draft_token_ids = list(draft_token_ids)
         num_valid = seq.num_prompt_tokens
         if num_blocks is not None:
             num_valid = min(num_valid, num_blocks * self.block_manager.block_size)

@@ -44,6 +44,10 @@ class AddRequest:
     # A remote_kv sequence's drafts from the context phase (DisaggregatedParams.draft_tokens),
     # verified at its first step when the engine speculates (ignored otherwise).
     draft_token_ids: list[int] = field(default_factory=list)
+    # A remote_kv sequence reserved before its handoff came (the decode reserves an announced
+    # request's blocks while its prefill runs): no output_token_ids yet (RemoteKvArrived brings
+    # them), and refused (None) unless the pool keeps headroom for the running sequences.
+    ahead_of_handoff: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,18 +55,6 @@ class AbortRequest:
     """Stop a sequence wherever it is (queued, running, waiting for its KV) and free its blocks."""
 
     request_id: str
-
-
-@dataclass(frozen=True)
-class HandoffArrived:
-    """The handoff of a sequence reserved before it (AddRequest with remote_kv and no
-    output_token_ids: the decode reserves an announced request's blocks while its prefill runs)
-    came: its first tokens, and the context phase's drafts (ignored by an engine that does not
-    speculate). Sent before the pull's RemoteKvArrived; the worker checked both already."""
-
-    request_id: str
-    first_token_ids: list[int]
-    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -78,6 +70,10 @@ class RemoteKvArrived:
     # until KvConfirmed (what it read may turn out to be another request's KV; the worker then
     # aborts it and computes the prompt, and holds its outputs until then).
     confirmed: bool = True
+    # The context phase's first tokens and drafts, for a sequence reserved ahead of its handoff
+    # (AddRequest.ahead_of_handoff; checked by the worker); ignored by one that has its tokens.
+    first_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

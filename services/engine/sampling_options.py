@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -150,3 +150,12 @@ class SamplingOptions:
         if not self.ignore_eos:
             ids.update(self.eos_token_ids)
         return frozenset(ids)
+
+
+def for_generation_phase(options: SamplingOptions) -> SamplingOptions:
+    """A generation_only sequence's options: the context phase had the prompt, so no prompt rows
+    (prompt_logprobs, context logits) are computed here. The same object when nothing changes
+    (a replace costs ~50 us: every handoff's path takes this)."""
+    if options.prompt_logprobs is None and not options.return_context_logits:
+        return options
+    return replace(options, prompt_logprobs=None, return_context_logits=False)

@@ -165,7 +165,6 @@ register(
     messages.AddRequest,
     messages.AbortRequest,
     messages.RemoteKvArrived,
-    messages.HandoffArrived,
     messages.KvConfirmed,
     messages.FreeBlocks,
     messages.LeasePrefix,

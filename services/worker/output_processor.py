@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.messages import AddRequest, EngineFailure, StepOutput
-from tandem.engine.sampling_options import SamplingOptions
+from tandem.engine.sampling_options import SamplingOptions, for_generation_phase
 from tandem.engine.sequence import FinishReason, Phase, natural_finish
 from tandem.engine.sequence_perf import SequencePerf
 from tandem.v1 import types_pb2
@@ -112,13 +112,8 @@ class WorkerRequest:
         self.first_cumulative = (
             sum(known) if len(known) == len(self.first_tokens) and None not in known else 0.0
         )
-        if phase is Phase.GENERATION_ONLY and (
-            options.prompt_logprobs is not None or options.return_context_logits
-        ):
-            # The context phase had the prompt. (A replace costs ~50 us: a handoff's path skips it.)
-            options = dataclasses.replace(
-                options, prompt_logprobs=None, return_context_logits=False
-            )
+        if phase is Phase.GENERATION_ONLY:
+            options = for_generation_phase(options)
         self.core = core
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids

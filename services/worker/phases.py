@@ -56,13 +56,10 @@ class PhasePicker:
         prompt_token_ids: list[int],
         cache_salt: str | None,
         adapter=None,
-        early: EarlyReservation | None = None,
+        reservation: EarlyReservation | None = None,
     ) -> Callable:
         """The function that starts a WorkerRequest of this phase here, or the error refusing it.
-        early: an announced request's blocks (reserve_early), for its pull; dropped at once when
-        the request runs no pull (its caller drops it when what is returned is not called)."""
-        if early is not None and not (phase is Phase.GENERATION_ONLY and params.opaque_state):
-            early.drop()
+        reservation: an announced request's blocks (reserve_early), for its pull."""
         if phase is Phase.CONTEXT_ONLY:
             if self.context is None:
                 raise RpcError(
@@ -87,7 +84,7 @@ class PhasePicker:
                     f"decode worker",
                 )
             handoff = generation.verify(params, prompt_token_ids, cache_salt, adapter)
-            return lambda request: generation.start(request, handoff, early)
+            return lambda request: generation.start(request, handoff, reservation)
         return LocalPhase.start
 
     def reserve_early(
@@ -101,7 +98,11 @@ class PhasePicker:
             core, request_id, prompt_token_ids, options, priority, cache_salt, adapter
         )
 
-    def drop_early(self) -> None:
-        """Drops the reservations no handoff took yet (a pause aborts what runs)."""
+    def reservation_for(self, request_id: str) -> EarlyReservation | None:
+        """The pending early reservation of that request id, if any."""
+        return self.generation.reservation_for(request_id) if self.generation else None
+
+    def drop_reservations(self) -> None:
+        """Drops the reservations no pull took yet (a pause aborts what runs)."""
         if self.generation is not None:
-            self.generation.drop_early()
+            self.generation.drop_reservations()

@@ -32,6 +32,7 @@ from tandem.common.errors import (
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
 from tandem.engine.messages import HoldSteps
+from tandem.engine.sampling_options import for_generation_phase
 from tandem.engine.sequence import Phase
 from tandem.prefill.lease_keeper import LeaseEnd
 from tandem.text.front import TextFront
@@ -101,7 +102,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         fails it before then fails with the reason before_handoff."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
         request = generate_request(submit.request)
-        announced, checked, early = handoff is not None, None, None
+        announced, checked, reservation = handoff is not None, None, None
         with failing_before_handoff(announced):
             if announced and (
                 request.disaggregated_params.request_type != types_pb2.REQUEST_TYPE_GENERATION_ONLY
@@ -115,7 +116,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 )
             if announced:
                 checked = self._checked(text_request.engine_request, guide)
-                early = self._reserve_early(text_request.engine_request, checked, adapter)
+                reservation = self._reserve_early(text_request.engine_request, checked, adapter)
         try:
             if announced:
                 kv = await handoff
@@ -140,24 +141,24 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 echo,
                 source,
                 checked,
-                early,
+                reservation,
             ) as worker_request:
                 worker_request.requester = requester
                 await sink.wait()  # each output went out as the engine handed it over
         finally:
-            if early is not None:  # (a no-op once its pull took it)
-                early.drop()
+            if reservation is not None:  # (a no-op once its pull took it)
+                reservation.drop()
 
     def _reserve_early(self, request: llm_pb2.GenerateRequest, checked: tuple, adapter):
         """An announced request's blocks, reserved while its prefill runs (a decode worker's
-        generation phase), or None."""
+        generation phase, not paused), or None."""
         rid = request.request_id
-        if not rid or rid in self.requests:  # (_start refuses it later, saying why)
+        if not rid or rid in self.requests or self.rt.paused:  # (_start refuses a running id)
             return None
         options, prompt_ids = checked
         priority, salt = _priority_and_salt(request)
         return self.rt.phases.reserve_early(
-            self.rt.core, rid, prompt_ids, options, priority, salt, adapter
+            self.rt.core, rid, prompt_ids, for_generation_phase(options), priority, salt, adapter
         )
 
     @staticmethod
@@ -191,7 +192,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
-        early=None,
+        reservation=None,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
@@ -205,7 +206,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             return_first_gen_tokens,
             prefix_source,
             checked,
-            early,
+            reservation,
         )
         self.requests[worker_request.request_id] = worker_request
         # The phase's span: a child of the router's (the traceparent it put in trace_headers),
@@ -239,7 +240,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return_first_gen_tokens: bool = True,
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
-        early=None,
+        reservation=None,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
@@ -247,12 +248,14 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         (output_sink.py); return_first_gen_tokens: a generation_only output starts with the
         tokens the request carries (a public Generate's does); prefix_source: where the router
         says the prompt's prefix may be pulled from (a session's submit only; ignored by a worker
-        without --kv-prefix-pulls); checked: what _checked returned for it already; early: its
-        blocks reserved at its announcement (decode/generation.py's EarlyReservation)."""
+        without --kv-prefix-pulls); checked: what _checked returned for it already; reservation:
+        its blocks reserved at its announcement (decode/early_reservation.py), for its pull."""
         options, prompt_ids = checked or self._checked(request, guide)
         limits = self.rt.core.facts.limits
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        held = self.rt.phases.reservation_for(request_id)
+        if request_id in self.requests or held not in (None, reservation):
+            # (an announced request's reservation holds the id too: see early_reservation.py)
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
         if request.disaggregated_params.request_type not in REQUEST_PHASES:
             raise ValueError(
@@ -263,8 +266,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         if phase is Phase.GENERATION_ONLY:
             limits.check_draft_tokens(list(request.disaggregated_params.draft_tokens))
         priority, salt = _priority_and_salt(request)
+        if reservation is not None and not (
+            phase is Phase.GENERATION_ONLY and request.disaggregated_params.opaque_state
+        ):
+            reservation.drop()  # no pull to take it (a request the context phase ended, say)
+            reservation = None
         start = self.rt.phases.pick(
-            phase, request.disaggregated_params, prompt_ids, salt, adapter, early
+            phase, request.disaggregated_params, prompt_ids, salt, adapter, reservation
         )
         worker_request = WorkerRequest(
             self.rt.core,
@@ -342,7 +350,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         return None
 
     async def abort_all(self) -> int:
-        self.rt.phases.drop_early()  # (the announced requests' handoffs meet the pause)
+        self.rt.phases.drop_reservations()  # (the announced requests' handoffs meet the pause)
         requests = list(self.requests.values())
         for worker_request in requests:
             worker_request.cancel()
