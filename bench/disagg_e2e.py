@@ -8,7 +8,9 @@ READs and the lease's confirm; the decode's first step = the confirm's answer to
 the step having started while the confirm was on the way) beside the aggregated worker's, called
 directly and behind a router of its own (the hops through a router are not the handover's), and
 beside the split through a second router with --no-announce-decode (the decode gets its request
-after the context phase, not at its start: what announcing it saves).
+after the context phase, not at its start: what announcing it saves). Last, split and aggregated
+requests taken in turns (a pair at a time): the passes above run one after the other, and the
+device's and host's drift between them is larger than the handover; in turns it falls on both.
 
     python bench/disagg_e2e.py                                  # CPU
     python bench/disagg_e2e.py --prefill-device cuda:0 --decode-device cuda:1 --progress-thread
@@ -113,6 +115,25 @@ def main() -> None:
         finally:
             llm.close()
 
+    async def interleaved(split_address: str, local_address: str):
+        """(split, aggregated) pairs of 2-token requests taken in turns, each on a fresh prompt:
+        drift between passes (the device's clocks, the host's load) falls on both alike."""
+        split = await AsyncLLM(split_address)
+        local = await AsyncLLM(local_address, **cluster.worker_client_kwargs())
+        two = SamplingParams(max_tokens=2, ignore_eos=True, return_perf_metrics=True)
+        try:
+            for llm in (split, local):
+                await llm.generate_async(fresh_prompts()[0], two)
+            pairs = []
+            for p, q in zip(fresh_prompts(), fresh_prompts()):
+                pairs.append(
+                    (await split.generate_async(p, two), await local.generate_async(q, two))
+                )
+            return pairs
+        finally:
+            split.close()
+            local.close()
+
     with cluster:
         split_two = asyncio.run(handover(cluster.address))
         # The same split through a router that sends the decode its request only after the
@@ -120,6 +141,7 @@ def main() -> None:
         unannounced = cluster.add_router("router-unannounced", ["--no-announce-decode"])
         unannounced_two = asyncio.run(handover(unannounced.address, routed=True))
         local_two = asyncio.run(handover(cluster.workers[2].address))
+        pairs = asyncio.run(interleaved(cluster.address, cluster.workers[2].address))
         # The aggregated worker and the split never share a cache, so both see every prompt fresh.
         split_seq, _ = asyncio.run(run(cluster.address, concurrent=False))
         local_seq, _ = asyncio.run(run(cluster.workers[2].address, concurrent=False))
@@ -215,6 +237,20 @@ def main() -> None:
         f"token is {added:+.0%} against the aggregated worker's, {routed_added:+.0%} against the "
         f"aggregated worker behind a router (goal on one GPU: the handover adds <= 10% to a "
         f"1024-token TTFT)"
+    )
+
+    def second_token_s(out) -> float:
+        t = out.outputs[0].request_perf_metrics.timing_metrics
+        return (t.last_token_time - t.arrival_time).total_seconds()
+
+    ratios = sorted(second_token_s(a) / second_token_s(b) - 1 for a, b in pairs)
+    quartile = len(ratios) // 4
+    print(
+        f"taken in turns, {len(pairs)} pairs: time to the second token split "
+        f"{med([second_token_s(a) for a, _ in pairs]):.2f} ms, aggregated worker "
+        f"{med([second_token_s(b) for _, b in pairs]):.2f} ms; the pairs' ratio "
+        f"{statistics.median(ratios):+.1%} (quartiles {ratios[quartile]:+.1%} .. "
+        f"{ratios[-1 - quartile]:+.1%})"
     )
     early = sum(o.metrics.kv_handoff.reserved_early for o in split_two)
     print(
