@@ -15,7 +15,8 @@ import grpc
 
 from tandem.common.errors import RpcError
 from tandem.common.roles import Role
-from tandem.decode.generation import EarlyReservation, GenerationPhase
+from tandem.decode.early_reservation import EarlyReservation
+from tandem.decode.generation import GenerationPhase
 from tandem.engine.sequence import Phase
 from tandem.prefill.context import ContextPhase
 from tandem.v1 import types_pb2
