@@ -7,9 +7,13 @@ READ without a round trip to the engine thread. The reserved sequence has no fir
 the RemoteKvArrived that schedules it brings them.
 
 A reservation belongs to its request id until the request's pull takes it (take) or it is given
-back (drop: the request ended first, ran no pull, or the decode paused). While it is pending no
-other request of that id may start on the worker (the worker refuses it as already running): an
-abort of the id would free blocks the announced request is about to READ into.
+back (drop: the request ended first, ran no pull, or the decode paused). Another request of that
+id that starts on the worker meanwhile (the router resending the request whole after dropping
+its announcement, or a caller reusing an id) is not refused: the reservation gives way to it
+(dropped first, so that the new request's AddRequest follows the abort in the engine's queue,
+and no abort of the id can free blocks a pull is about to write into), and the announced
+request, when its handoff comes, meets that request as a duplicate id or reserves anew, as it
+would have without reserving early.
 """
 
 from __future__ import annotations

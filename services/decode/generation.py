@@ -202,7 +202,7 @@ class GenerationPhase:
         )
 
     def reservation_for(self, request_id: str) -> EarlyReservation | None:
-        """The pending reservation of that request id (no other request of the id may start)."""
+        """The pending reservation of that request id, if any."""
         return self._reservations.get(request_id)
 
     def drop_reservations(self) -> None:

@@ -253,10 +253,13 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         options, prompt_ids = checked or self._checked(request, guide)
         limits = self.rt.core.facts.limits
         request_id = request.request_id or uuid.uuid4().hex
-        held = self.rt.phases.reservation_for(request_id)
-        if request_id in self.requests or held not in (None, reservation):
-            # (an announced request's reservation holds the id too: see early_reservation.py)
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
+        held = self.rt.phases.reservation_for(request_id)
+        if held is not None and held is not reservation:
+            # An announced request's reservation gives way to a request of its id that starts
+            # (the router's resend of it, say): see early_reservation.py.
+            held.drop()
         if request.disaggregated_params.request_type not in REQUEST_PHASES:
             raise ValueError(
                 f"disaggregated_params.request_type {request.disaggregated_params.request_type} is not "
