@@ -327,7 +327,7 @@ class GenerationPhase:
                 return
             if error is not None:  # part of the prompt's KV landed: the rest is computed here
                 held.release()
-                self._partly_pulled(request, handoff, plan, num_landed, nbytes, error, add)
+                self._partly_pulled(request, handoff, plan, num_landed, nbytes, error)
                 return
             request.metrics.kv_transfer_bytes = nbytes
             request.metrics.kv_transfer_s = time.perf_counter() - started
@@ -380,9 +380,7 @@ class GenerationPhase:
             self._end(request, handoff, Outcome.FAILED)
             request.fail(exc)
 
-    def _partly_pulled(
-        self, request, handoff, plan, num_landed: int, nbytes: int, error, add: AddRequest
-    ) -> None:
+    def _partly_pulled(self, request, handoff, plan, num_landed: int, nbytes: int, error) -> None:
         """A pull whose first num_landed blocks landed (and whose lease was confirmed): the
         engine computes the rest of the prompt from there (recomputed, pull_failed, with the
         blocks it did pull), not the whole of it."""
@@ -405,9 +403,8 @@ class GenerationPhase:
             num_pulled=num_landed,
             num_cached=plan.num_cached_blocks,
         )
-        request.core.send(
-            RemoteKvArrived(rid, num_valid, True, request.first_gen_tokens, add.draft_token_ids)
-        )
+        # (The handed drafts follow a whole prompt only: none here.)
+        request.core.send(RemoteKvArrived(rid, num_valid, True, request.first_gen_tokens))
 
     async def _reserve(
         self,
