@@ -8,9 +8,12 @@ READs and the lease's confirm; the decode's first step = the confirm's answer to
 the step having started while the confirm was on the way) beside the aggregated worker's, called
 directly and behind a router of its own (the hops through a router are not the handover's), and
 beside the split through a second router with --no-announce-decode (the decode gets its request
-after the context phase, not at its start: what announcing it saves). Last, split and aggregated
-requests taken in turns (a pair at a time): the passes above run one after the other, and the
-device's and host's drift between them is larger than the handover; in turns it falls on both.
+after the context phase, not at its start: what announcing it saves) and a third with
+--no-direct-handoff (the prefill does not send the handoff to the announced decode itself: what
+that saves). Last, split and aggregated requests taken in turns (a round at a time: the split
+with and without the direct handoff, then the aggregated worker): the passes above run one after
+the other, and the device's and host's drift between them is larger than the handover; in turns
+it falls on all alike.
 
     python bench/disagg_e2e.py                                  # CPU
     python bench/disagg_e2e.py --prefill-device cuda:0 --decode-device cuda:1 --progress-thread
@@ -115,24 +118,25 @@ def main() -> None:
         finally:
             llm.close()
 
-    async def interleaved(split_address: str, local_address: str):
-        """(split, aggregated) pairs of 2-token requests taken in turns, each on a fresh prompt:
-        drift between passes (the device's clocks, the host's load) falls on both alike."""
-        split = await AsyncLLM(split_address)
+    async def interleaved(split_addresses: list[str], local_address: str):
+        """Rounds of 2-token requests taken in turns, one through each split router then one to
+        the aggregated worker, each on a fresh prompt: drift between passes (the device's
+        clocks, the host's load) falls on all alike."""
+        splits = [await AsyncLLM(address) for address in split_addresses]
         local = await AsyncLLM(local_address, **cluster.worker_client_kwargs())
         two = SamplingParams(max_tokens=2, ignore_eos=True, return_perf_metrics=True)
         try:
-            for llm in (split, local):
+            for llm in (*splits, local):
                 await llm.generate_async(fresh_prompts()[0], two)
-            pairs = []
-            for p, q in zip(fresh_prompts(), fresh_prompts()):
-                pairs.append(
-                    (await split.generate_async(p, two), await local.generate_async(q, two))
+            rounds = []
+            for prompts in zip(*(fresh_prompts() for _ in range(len(splits) + 1))):
+                rounds.append(
+                    [await llm.generate_async(p, two) for llm, p in zip((*splits, local), prompts)]
                 )
-            return pairs
+            return rounds
         finally:
-            split.close()
-            local.close()
+            for llm in (*splits, local):
+                llm.close()
 
     with cluster:
         split_two = asyncio.run(handover(cluster.address))
@@ -140,8 +144,14 @@ def main() -> None:
         # context phase (--no-announce-decode): what announcing it at the start saves.
         unannounced = cluster.add_router("router-unannounced", ["--no-announce-decode"])
         unannounced_two = asyncio.run(handover(unannounced.address, routed=True))
+        # And through a router whose prefill does not send the handoff to the announced decode
+        # itself (--no-direct-handoff): the router's handoff alone, what the direct one saves.
+        via_router = cluster.add_router("router-no-direct", ["--no-direct-handoff"])
+        via_router_two = asyncio.run(handover(via_router.address, routed=True))
         local_two = asyncio.run(handover(cluster.workers[2].address))
-        pairs = asyncio.run(interleaved(cluster.address, cluster.workers[2].address))
+        rounds = asyncio.run(
+            interleaved([cluster.address, via_router.address], cluster.workers[2].address)
+        )
         # The aggregated worker and the split never share a cache, so both see every prompt fresh.
         split_seq, _ = asyncio.run(run(cluster.address, concurrent=False))
         local_seq, _ = asyncio.run(run(cluster.workers[2].address, concurrent=False))
@@ -216,11 +226,13 @@ def main() -> None:
 
     split_parts, local_parts = segments(split_two), segments(local_two)
     unannounced_parts = segments(unannounced_two)
+    via_router_parts = segments(via_router_two)
     routed_parts = segments(routed_two)
     nbytes = statistics.median(o.metrics.kv_transfer_bytes for o in split_two)
     print(f"\n# the handover, {args.num_requests} requests of 2 tokens one at a time (medians, ms)")
     for name, parts in (
         ("split", split_parts),
+        ("split, --no-direct-handoff", via_router_parts),
         ("split, --no-announce-decode", unannounced_parts),
         ("aggregated", local_parts),
         ("aggregated behind a router", routed_parts),
@@ -243,18 +255,23 @@ def main() -> None:
         t = out.outputs[0].request_perf_metrics.timing_metrics
         return (t.last_token_time - t.arrival_time).total_seconds()
 
-    ratios = sorted(second_token_s(a) / second_token_s(b) - 1 for a, b in pairs)
-    quartile = len(ratios) // 4
     print(
-        f"taken in turns, {len(pairs)} pairs: time to the second token split "
-        f"{med([second_token_s(a) for a, _ in pairs]):.2f} ms, aggregated worker "
-        f"{med([second_token_s(b) for _, b in pairs]):.2f} ms; the pairs' ratio "
-        f"{statistics.median(ratios):+.1%} (quartiles {ratios[quartile]:+.1%} .. "
-        f"{ratios[-1 - quartile]:+.1%})"
+        f"taken in turns, {len(rounds)} rounds: time to the second token of the aggregated "
+        f"worker {med([second_token_s(r[-1]) for r in rounds]):.2f} ms"
     )
+    for i, name in enumerate(("split", "split, --no-direct-handoff")):
+        ratios = sorted(second_token_s(r[i]) / second_token_s(r[-1]) - 1 for r in rounds)
+        quartile = len(ratios) // 4
+        print(
+            f"  {name:<28}{med([second_token_s(r[i]) for r in rounds]):.2f} ms; each round's ratio "
+            f"to the aggregated worker's: median {statistics.median(ratios):+.1%} (quartiles "
+            f"{ratios[quartile]:+.1%} .. {ratios[-1 - quartile]:+.1%})"
+        )
     early = sum(o.metrics.kv_handoff.reserved_early for o in split_two)
+    direct = sum(o.metrics.kv_handoff.from_prefill for o in split_two)
     print(
-        f"split requests whose blocks the decode reserved at the announcement: {early}/{len(split_two)}"
+        f"split requests whose blocks the decode reserved at the announcement: {early}/{len(split_two)}; "
+        f"whose handoff came from the prefill itself, ahead of the router's: {direct}/{len(split_two)}"
     )
     if same != 2 * args.num_requests:
         raise SystemExit("disaggregated outputs differ from the aggregated worker")

@@ -41,7 +41,8 @@ def test_the_session_hands_each_announced_request_its_handoff():
 
     async def run(submit, stream, owner, handoff=None):
         assert submit.awaits_handoff == (handoff is not None)
-        got[submit.tag] = await handoff
+        got[submit.tag], from_prefill = await handoff
+        assert not from_prefill
 
     async def main():
         in_flight = InFlightCalls()
@@ -86,6 +87,70 @@ def test_the_session_hands_each_announced_request_its_handoff():
     asyncio.run(main())
 
 
+def test_the_prefills_handoff_goes_first_and_the_routers_must_match_it():
+    """A prefill's handoff (Worker/HandOff) takes the announced request's future by its split id;
+    the router's that follows is ignored when it is the same handoff and cancels the request
+    when it differs; ids nobody awaits, or awaited twice, are not taken."""
+    from tandem.common.drain import InFlightCalls
+    from tandem.decode.awaited_handoffs import AwaitedHandoffs
+    from tandem.worker import session_server
+
+    awaited = AwaitedHandoffs()
+    got: dict[int, tuple] = {}
+    counted: list[grpc.StatusCode] = []
+    release = asyncio.Event()
+
+    async def run(submit, stream, owner, handoff=None):
+        split_id = 100 + submit.tag
+        assert awaited.register(split_id, handoff)
+        assert not awaited.register(split_id, handoff)  # one request per split id
+        try:
+            got[submit.tag] = await handoff
+            await release.wait()
+        finally:
+            awaited.forget(split_id, handoff)
+
+    async def main():
+        session = session_server.Session(
+            "owner", run, InFlightCalls(), lambda method, code: counted.append(code), 1 << 20
+        )
+        messages: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (message := await messages.get()) is not None:
+                yield message
+
+        reader = asyncio.create_task(session.read(requests()))
+        await messages.put(worker_pb2.SessionRequest(submits=[_announced(1), _announced(2)]))
+        await asyncio.sleep(0.05)
+        params = internal_pb2.KvParams(first_gen_tokens=[42], opaque_state=b"signed")
+        other = internal_pb2.KvParams(first_gen_tokens=[43], opaque_state=b"another")
+        assert not awaited.hand_off(999, params)  # nobody awaits it
+        assert awaited.hand_off(101, params) and awaited.hand_off(102, params)
+        assert not awaited.hand_off(101, params)  # taken already
+        await asyncio.sleep(0)
+        assert got[1] == (params, True) and got[2] == (params, True)
+        # The router's handoffs follow: tag 1's is the same (ignored), tag 2's differs.
+        await messages.put(
+            worker_pb2.SessionRequest(
+                handoffs=[
+                    worker_pb2.SessionHandoff(tag=1, kv_params=params),
+                    worker_pb2.SessionHandoff(tag=2, kv_params=other),
+                ]
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert sorted(session.tasks) == [1]  # tag 2 was cancelled
+        release.set()
+        await asyncio.sleep(0.05)
+        assert not session.tasks and len(awaited) == 0
+        assert sorted(counted, key=str) == [grpc.StatusCode.CANCELLED, grpc.StatusCode.OK]
+        await messages.put(None)
+        await asyncio.wait_for(reader, 5)
+
+    asyncio.run(main())
+
+
 def test_a_message_with_too_many_handoffs_ends_the_session(monkeypatch):
     from tandem.common.drain import InFlightCalls
     from tandem.common.errors import RpcError
@@ -114,20 +179,24 @@ def test_a_message_with_too_many_handoffs_ends_the_session(monkeypatch):
 
 @pytest.fixture(scope="module")
 def split(model_dirs):
-    """prefill + decode + an aggregated worker; the default router announces, a second one does not."""
+    """prefill + decode + an aggregated worker; the default router announces (and its prefill
+    hands off to the decode itself), a second one does not announce, a third announces but hands
+    off itself only."""
     engine_args = ["--model", str(model_dirs["llama"]), "--num-blocks", "128", "--block-size", "8"]
     with LocalCluster(roles=["prefill", "decode", "both"], engine_args=engine_args) as c:
         unannounced = c.add_router("router-unannounced", ["--no-announce-decode"])
+        routed = c.add_router("router-no-direct", ["--no-direct-handoff"])
         with (
             LLM(c.address) as llm,
             LLM(unannounced.address) as llm_unannounced,
+            LLM(routed.address) as llm_routed,
             LLM(c.workers[2].address, **c.worker_client_kwargs()) as aggregated,
         ):
             # A router opens its session to a worker on first use: the first split of a cold
             # router is not announced (the session opens meanwhile).
-            for client in (llm, llm_unannounced):
+            for client in (llm, llm_unannounced, llm_routed):
                 client.generate([1, 5, 9], SamplingParams(max_tokens=2), use_tqdm=False)
-            yield c, llm, llm_unannounced, aggregated
+            yield c, llm, llm_unannounced, aggregated, llm_routed
 
 
 def _decode_generates(cluster) -> float:
@@ -146,7 +215,7 @@ def _leak_free(cluster) -> None:
 
 
 def test_announced_and_unannounced_splits_give_the_aggregated_tokens(split):
-    cluster, llm, llm_unannounced, aggregated = split
+    cluster, llm, llm_unannounced, aggregated, llm_routed = split
     rng = random.Random(7)
     prompts = [[1] + [rng.randrange(4, 250) for _ in range(rng.randrange(8, 50))] for _ in range(6)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -154,23 +223,32 @@ def test_announced_and_unannounced_splits_give_the_aggregated_tokens(split):
     before = worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"]
     unannounced = cluster.service("router-unannounced")
     handed_off = _announcements(cluster.router, "handed_off")
-    for client in (llm, llm_unannounced):
+    for client in (llm, llm_unannounced, llm_routed):
         outs = client.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert all(o.metrics.kv_handoff.outcome == "pulled" for o in outs)
         # Announced: the decode reserved the blocks while the prompt was computed.
         early = [o.metrics.kv_handoff.reserved_early for o in outs]
-        assert early == [client is llm] * len(outs)
+        assert early == [client is not llm_unannounced] * len(outs)
+        # Only the default router's prefills send the handoff to the announced decode themselves.
+        if client is not llm:
+            assert not any(o.metrics.kv_handoff.from_prefill for o in outs)
         assert all(o.metrics.served_by[-1] == cluster.workers[1].address for o in outs)
-    assert worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"] == before + 12
-    # The default router announced each split; the other one none.
-    assert _announcements(cluster.router, "handed_off") == handed_off + 6
+    # One at a time, the prefill's handoff comes ahead of the router's (a batch's handoffs race
+    # the router's, which come in one message; on this 2-core machine a few lose).
+    outs = [llm.generate(p, params, use_tqdm=False) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert any(o.metrics.kv_handoff.from_prefill for o in outs)
+    assert worker_state(cluster.workers[1].address).kv_handoff_outcomes["pulled"] == before + 24
+    # The announcing routers announced each split; the other one none.
+    assert _announcements(cluster.router, "handed_off") == handed_off + 12
+    assert _announcements(cluster.service("router-no-direct"), "handed_off") >= 6
     assert _announcements(unannounced, "handed_off") == 0
     _leak_free(cluster)
 
 
 def test_an_announcement_the_context_phase_ends_is_dropped(split):
-    cluster, llm, _, _ = split
+    cluster, llm, _, _, _ = split
     generates = _decode_generates(cluster)
     dropped = _announcements(cluster.router, "dropped")
     # Ends in the context phase: the decode's announced request is dropped, no call counted.

@@ -88,6 +88,12 @@ INTERNAL_CALLS = [
     (worker_pb2_grpc.WorkerStub, "SubscribeKvBlocks", worker_pb2.SubscribeKvBlocksRequest()),
     # A peer's lease on our cached prefix (cross-worker prefix pulls).
     (worker_pb2_grpc.WorkerStub, "LeasePrefix", worker_pb2.LeasePrefixRequest(token_ids=[1] * 8)),
+    # A prefill's handoffs straight to an announced decode: a stream of requests.
+    (
+        worker_pb2_grpc.WorkerStub,
+        "HandOff",
+        worker_pb2.HandOffRequest(disagg_request_id=1, kv_params=internal_pb2.KvParams()),
+    ),
     # The router's channel for Generates: a stream of requests (a submit here).
     (
         worker_pb2_grpc.WorkerStub,
@@ -106,13 +112,13 @@ STREAMS = {"StreamKvCacheEvents", "Generate", "SubscribeKvBlocks", "Session"}
 
 
 def _call(channel, stub_type, method, request, metadata=()):
-    argument = iter([request]) if method == "Session" else request
+    argument = iter([request]) if method in ("Session", "HandOff") else request
     result = getattr(stub_type(channel), method)(argument, metadata=metadata, timeout=10)
     return list(result) if method in STREAMS else result
 
 
 def test_workers_refuse_every_call_without_the_cluster_token(cluster):
-    """24 calls on each worker (12 RPCs, no token and a wrong one): all refused."""
+    """26 calls on each worker (13 RPCs, no token and a wrong one): all refused."""
     for worker in cluster.workers:
         with grpc.insecure_channel(worker.address) as channel:
             for stub_type, method, request in INTERNAL_CALLS:

@@ -785,6 +785,11 @@ def test_the_router_announces_decodes_unless_the_chart_says_not(chart):
     assert "--no-announce-decode" in router_args({"router": {"announceDecode": False}})
     with pytest.raises(helm.HelmValuesError):
         objects(chart, {"router": {"announceDecode": "no"}})
+    assert RouterConfig.direct_handoff is True
+    assert "--no-direct-handoff" not in router_args({})
+    assert "--no-direct-handoff" in router_args({"router": {"directHandoff": False}})
+    with pytest.raises(helm.HelmValuesError):
+        objects(chart, {"router": {"directHandoff": 1}})
 
 
 def test_every_component_spreads_across_nodes_unless_told_otherwise(chart):

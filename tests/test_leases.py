@@ -35,6 +35,7 @@ def cluster(model_dirs):
             str(LEASE_SECONDS),
         ],
     ) as c:
+        c.add_router("router-no-direct", ["--no-direct-handoff"])
         yield c
 
 
@@ -65,10 +66,14 @@ def test_pulled(cluster):
     assert ended_by(cluster, before, "pulled")
 
 
-def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster):
+@pytest.mark.parametrize("direct", [False, True])
+def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster, direct):
     """The router's text front finds a stop string in the context phase's token: no decode phase;
-    the router's ReleaseKv ends the lease at once."""
-    with LLM(cluster.address) as llm:
+    the router's ReleaseKv ends the lease at once. With the prefill's handoff straight to the
+    announced decode (the default router), the decode may have pulled it meanwhile: the lease
+    ends released or pulled, and the decode computes nothing and sends nothing."""
+    address = cluster.address if direct else cluster.service("router-no-direct").address
+    with LLM(address) as llm:
         for i in range(40):  # a prompt whose first token decodes to printable text of its own
             prompt = f"stop at once {i}"
             first = llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False).outputs[0]
@@ -82,10 +87,11 @@ def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster)
         ).outputs[0]
     # The stop string is the whole first token: trimmed from token_ids, as TensorRT-LLM does.
     assert out.finish_reason == "stop" and out.stop_reason == first.text and out.token_ids == []
-    assert ended_by(cluster, before, "released")
-    assert (
-        worker_state(cluster.workers[1].address).num_prompt_tokens_computed == 0
-    )  # no decode phase ran
+    ways = ("released", "pulled") if direct else ("released",)
+    assert wait_for(lambda: any(ended_by(cluster, before, way, 0) for way in ways), 5.0)
+    decode = worker_state(cluster.workers[1].address)
+    assert decode.num_prompt_tokens_computed == 0  # no decode phase computed anything
+    assert wait_for(lambda: worker_state(cluster.workers[1].address).num_active_requests == 0, 5.0)
 
 
 def test_expired_and_decode_fell_back(cluster):

@@ -345,6 +345,36 @@ def test_a_message_that_is_not_a_session_request_ends_the_session_with_invalid_a
     )
 
 
+def test_the_handoff_stream_takes_what_is_awaited_and_refuses_what_does_not_parse(cluster):
+    """Worker/HandOff (a prefill's handoffs straight to a decode): handoffs that no announced
+    request awaits are dropped (num_taken 0); bytes that are not a HandOffRequest end the
+    stream with INVALID_ARGUMENT, and the worker goes on serving."""
+    method = "/tandem.v1.Worker/HandOff"
+
+    async def run(messages):
+        async with _channel(cluster) as channel:
+            hand_off = channel.stream_unary(
+                method,
+                request_serializer=lambda raw: raw,
+                response_deserializer=worker_pb2.HandOffResponse.FromString,
+            )
+            return await hand_off(
+                iter(messages), metadata=cluster.credentials.metadata_for(method, ()), timeout=10
+            )
+
+    unknown = worker_pb2.HandOffRequest(
+        disagg_request_id=12345, kv_params=internal_pb2.KvParams(first_gen_tokens=[7])
+    )
+    assert asyncio.run(run([unknown.SerializeToString()] * 3)).num_taken == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(run([unknown.SerializeToString(), b"\xff\xff\xff"]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid HandOffRequest" in err.value.details()
+    with LLM(cluster.workers[0].address, **cluster.worker_client_kwargs()) as llm:
+        out = llm.generate([1, 5, 9], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_a_tag_used_twice_ends_the_session_and_its_requests(cluster, no_leaked_worker_blocks):
     """Entries of two requests under one tag could not be told apart: a caller that does that is
     broken, and its session ends with every request on it."""

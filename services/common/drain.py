@@ -15,8 +15,11 @@ import grpc
 # Seconds a stopping process drains by default (Kubernetes' default termination grace is 30 s).
 DEFAULT_DRAIN_SECONDS = 30.0
 # Subscriptions (and sessions, whose requests hold the drain themselves:
-# worker/session_server.py) end only when their client leaves: a drain never waits for them.
-SUBSCRIPTIONS = frozenset({"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks", "Session"})
+# worker/session_server.py, and a prefill's stream of handoffs to a decode) end only when their
+# client leaves: a drain never waits for them.
+SUBSCRIPTIONS = frozenset(
+    {"StreamStats", "StreamKvCacheEvents", "SubscribeKvBlocks", "Session", "HandOff"}
+)
 
 
 def holds_drain(method: str) -> bool:

@@ -99,6 +99,10 @@ class Readiness:
             return grpc.stream_stream_rpc_method_handler(
                 unavailable_stream, handler.request_deserializer, handler.response_serializer
             )
+        if handler is not None and handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                unavailable_unary, handler.request_deserializer, handler.response_serializer
+            )
         return grpc.unary_unary_rpc_method_handler(
             unavailable_unary,
             handler.request_deserializer if handler else None,

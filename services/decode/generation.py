@@ -490,6 +490,7 @@ class GenerationPhase:
             num_cached_blocks=num_cached,
             room_wait_s=request.metrics.room_wait_s,
             reserved_early=request.metrics.reserved_early,
+            from_prefill=request.metrics.handoff_from_prefill,
         )
 
     def _not_loaded(self, request, handoff: worker_pb2.KvHandoff, reason: Reason) -> None:

@@ -2,7 +2,8 @@
 off: the blocks stay under a lease (lease_keeper.py) and the caller gets a signed handoff
 naming them (kvtransfer/handoff.py), which a decode worker presents to pull them. A worker that
 speculates hands over its drafts to follow the first token too (draft_tokens), which the decode
-verifies at its first step."""
+verifies at its first step. The router's own split whose generation phase it announced to a decode
+worker gets the handoff sent there too, straight from here (handoff_push.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from tandem.engine.messages import StepOutput
 from tandem.engine.sequence import Phase
 from tandem.kvtransfer.handoff import HandoffFormat
+from tandem.prefill.handoff_push import HandoffPush
 from tandem.prefill.lease_keeper import LeaseEnd, LeaseKeeper
 from tandem.v1 import types_pb2
 
@@ -23,8 +25,11 @@ class ContextPhase:
         endpoint: str,
         agent_name: str,
         weights_id: Callable[[], str] = lambda: "",
+        push: HandoffPush | None = None,
     ):
-        """weights_id: the weights the worker serves now (its handoffs carry it)."""
+        """weights_id: the weights the worker serves now (its handoffs carry it); push: sends
+        a handoff to the decode its request was announced to as well (handoff_push.py)."""
+        self.push = push
         self.keeper = keeper
         self.handoff_format = handoff_format
         self.endpoint = endpoint
@@ -65,6 +70,8 @@ class ContextPhase:
         )
         if request.disagg_in.HasField("disagg_request_id"):
             params.disagg_request_id = request.disagg_in.disagg_request_id
+            if request.hand_off_to and self.push is not None:
+                self.push.send(request.hand_off_to, params.disagg_request_id, params)
         return params
 
     def _withdraw(self, lease_id: int, stopped: bool = False) -> None:

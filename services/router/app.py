@@ -79,6 +79,7 @@ async def serve_router(config: RouterConfig) -> None:
         ),
         prefix_cost=config.prefix_pull_cost,
         announce_decode=config.announce_decode,
+        direct_handoff=config.direct_handoff,
     )
     servicer = RouterServicer(pool, server.address, server.request_stop, config, metrics)
     llm_pb2_grpc.add_AsyncLLMServicer_to_server(servicer, server.server)

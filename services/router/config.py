@@ -69,6 +69,13 @@ class RouterConfig(ServerConfig):
         "computed and pulls the KV as soon as the handoff comes)",
         flag="--no-announce-decode",
     )
+    direct_handoff: bool = flag_field(
+        True,
+        "off: the announced decode worker gets a split's handoff from the router only (by "
+        "default its prefill sends it there too as the context phase ends, Worker/HandOff, so "
+        "the pull starts without the hop through the router)",
+        flag="--no-direct-handoff",
+    )
     # Cross-worker prefix pulls (router/prefix_source.py; the workers need --kv-prefix-pulls).
     prefix_pulls: bool = flag_field(
         False,

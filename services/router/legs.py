@@ -13,7 +13,7 @@ import grpc
 
 from tandem.common.errors import RpcError
 from tandem.common.outputs import cancelled_output
-from tandem.router.inbox import Inbox, message_of
+from tandem.router.inbox import CUT, Inbox, message_of
 from tandem.router.session_client import OpenSession
 from tandem.router.workers import WorkerHandle
 from tandem.v1 import llm_pb2, types_pb2
@@ -118,10 +118,12 @@ class Leg:
         request: llm_pb2.GenerateRequest,
         split: bool,
         return_first_gen_tokens: bool,
+        hand_off_to: str = "",
     ) -> Leg:
         """Sends request to worker on its session (opened within SESSION_OPEN_TIMEOUT_S, or the
         health timeout when longer): the leg to read it from. A request aborted while the
-        session opened is not sent: its leg says cancelled."""
+        session opened is not sent: its leg says cancelled. hand_off_to: a context phase's
+        announced decode (SessionSubmit.hand_off_to)."""
         leg = cls(relay, worker, request)
         try:
             session, tag, inbox = await worker.session.attach(
@@ -139,6 +141,7 @@ class Leg:
                     relay.deadline,
                     return_first_gen_tokens,
                     _prefix_source(relay, worker, request),
+                    hand_off_to=hand_off_to,
                 )
             except BaseException:
                 session.detach(tag)
@@ -184,13 +187,13 @@ class Leg:
 
     @property
     def is_waiting(self) -> bool:
-        """Announced, sent, and nothing back yet (no failure, no cut) from a worker still ready:
-        its handoff may go."""
+        """Announced, sent, and no failure back (outputs may have come: its prefill hands off
+        to it too) from a worker still ready: its handoff may go."""
         return (
             self.announced
             and self.session is not None
             and self.session.failure is None
-            and not self.inbox.items
+            and not any(item is CUT or isinstance(item, BaseException) for item in self.inbox.items)
             and self.worker.ready
         )
 

@@ -230,13 +230,15 @@ class Relay:
         request: llm_pb2.GenerateRequest,
         split: bool = False,
         return_first_gen_tokens: bool = False,
+        hand_off_to: str = "",
     ) -> Leg:
         """Sends request to worker on its session: the leg to read it from (a request aborted
         while the session opened is not sent: its leg says cancelled). split: the context_only half of
         a request the router splits itself; return_first_gen_tokens: a client's own
-        generation_only request, whose output starts with the tokens it carries."""
+        generation_only request, whose output starts with the tokens it carries; hand_off_to: see
+        _context_with_retry."""
         self._follow(worker)
-        return await Leg.open(self, worker, request, split, return_first_gen_tokens)
+        return await Leg.open(self, worker, request, split, return_first_gen_tokens, hand_off_to)
 
     def _follow(self, worker: WorkerHandle) -> None:
         """The request runs on worker now (Abort and stop strings go there)."""
@@ -244,12 +246,13 @@ class Relay:
         self.served_by.append(worker.address)
         bind(route=" -> ".join(self.served_by))
 
-    def _announce(self, request: llm_pb2.GenerateRequest) -> Leg | None:
+    def _announce(self, request: llm_pb2.GenerateRequest, split_id: int) -> Leg | None:
         """A split's generation phase sent to a decode worker as its context phase starts
         (awaits_handoff): the decode takes it in meanwhile and pulls the KV as soon as
         _hand_off sends the handoff. None when announcing is off, no decode is ready, or its
         session is not open, full or takes no announcements (the decode is then picked after
-        the context phase, as unannounced). Nothing here waits."""
+        the context phase, as unannounced). Nothing here waits. split_id: the split's
+        disagg_request_id, under which the prefill may send the handoff to the decode itself."""
         if not self.pool.announce_decode or self.cancelled:
             return None
         decode = self._pick_or_none((Role.DECODE,), set())
@@ -258,6 +261,7 @@ class Relay:
         gen = llm_pb2.GenerateRequest()
         gen.CopyFrom(request)
         gen.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_GENERATION_ONLY
+        gen.disaggregated_params.disagg_request_id = split_id
         try:
             return Leg.announce(self, decode, gen)
         except RpcError:  # larger than the worker takes: the request whole will say so
@@ -282,16 +286,20 @@ class Relay:
 
     # -- CONTEXT and HANDOFF --------------------------------------------------------------------
 
-    async def _context(self, request: llm_pb2.GenerateRequest) -> _Split | None:
-        """The context phase of request on a prefill worker; None when no prefill is left."""
+    async def _context(self, request: llm_pb2.GenerateRequest, split_id: int) -> _Split | None:
+        """The context phase of request on a prefill worker; None when no prefill is left. The
+        prefill sends its handoff to the announced decode too (unless --no-direct-handoff)."""
         started = time.monotonic()
         ctx = llm_pb2.GenerateRequest()
         ctx.CopyFrom(request)
         ctx.streaming = False
         ctx.disaggregated_params.request_type = types_pb2.REQUEST_TYPE_CONTEXT_ONLY
-        ctx.disaggregated_params.disagg_request_id = random.getrandbits(63)
+        ctx.disaggregated_params.disagg_request_id = split_id
         ctx.disaggregated_params.finish_in_context = True
-        context = await self._context_with_retry(ctx)
+        direct = self.announced is not None and self.pool.direct_handoff
+        context = await self._context_with_retry(
+            ctx, hand_off_to=self.announced.worker.address if direct else ""
+        )
         if context is None:
             return None
         prefill, ctx_out = context
@@ -318,11 +326,15 @@ class Relay:
         return split
 
     async def _context_with_retry(
-        self, ctx: llm_pb2.GenerateRequest, tried: set[str] | None = None
+        self, ctx: llm_pb2.GenerateRequest, tried: set[str] | None = None, hand_off_to: str = ""
     ) -> tuple[WorkerHandle, types_pb2.RequestOutput] | None:
         """Runs the context phase; a prefill that dies or hangs is replaced while others remain.
         Returns the prefill and its reply (one message), or None when no prefill is left to
-        run it. tried: prefills not to use."""
+        run it. tried: prefills not to use; hand_off_to: the announced decode, which the prefill
+        sends its handoff to as well. A prefill that failed may have sent it one already (and
+        the decode gone on from its first token): the announcement is dropped before another
+        prefill runs the context phase, whose generation phase then goes to a decode picked
+        after it."""
         tried = set(tried or ())
         while True:
             prefill = self._pick_or_none((Role.PREFILL,), tried)
@@ -330,7 +342,7 @@ class Relay:
                 return None
             out = None
             try:
-                leg = await self._open(prefill, ctx, split=True)
+                leg = await self._open(prefill, ctx, split=True, hand_off_to=hand_off_to)
                 try:
                     # Its one message, or the messages its steps came in, merged.
                     while (msg := await leg.next()) is not None:
@@ -354,6 +366,9 @@ class Relay:
                 self.pool.mark_down(prefill)
                 tried.add(prefill.address)
                 self.metrics.prefill_retried()
+                if hand_off_to:
+                    self._drop_announced()
+                    hand_off_to = ""
             except BaseException:
                 # Cancelled after the reply came: the handoff it carries is nobody else's to release.
                 if _hands_off(out):
@@ -415,9 +430,11 @@ class Relay:
             is_split, reason = self.pool.should_split(self.placement)
             self.metrics.disagg_decided(is_split, reason)
             if is_split:
-                self.announced = self._announce(request)
+                split_id = random.getrandbits(63)  # the split's disagg_request_id
+                self.announced = self._announce(request, split_id)
                 try:
-                    split = await self._context(request)  # None: no prefill left, it runs whole
+                    # None: no prefill left, it runs whole
+                    split = await self._context(request, split_id)
                 finally:
                     if split is None or not split.handoff.opaque_state:
                         self._drop_announced()  # failed, or no generation phase to announce

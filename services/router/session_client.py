@@ -96,12 +96,15 @@ class OpenSession:
         return_first_gen_tokens: bool = False,
         prefix_source: worker_pb2.PrefixSource | None = None,
         awaits_handoff: bool = False,
+        hand_off_to: str = "",
     ) -> None:
         """Queues the request of tag for the worker; RESOURCE_EXHAUSTED (nothing queued), as its
         own call would get, when it is larger than the worker takes in a message. deadline:
         time.monotonic(), or None. return_first_gen_tokens: a generation phase's output starts
         with the tokens its request carries (a client's own generation_only request);
-        awaits_handoff: a generation_only request whose handoff hand_off() sends later."""
+        awaits_handoff: a generation_only request whose handoff hand_off() sends later;
+        hand_off_to: the context_only half of a split announced to the decode at that address,
+        where the prefill sends the handoff too."""
         # timeout_s is set when the submit is written (what is left of the deadline then); a
         # stand-in now, so the size counts the field (a double: the same size whatever its value).
         submit = worker_pb2.SessionSubmit(
@@ -111,6 +114,7 @@ class OpenSession:
             split=split,
             timeout_s=1.0 if deadline is not None else 0.0,
             awaits_handoff=awaits_handoff,
+            hand_off_to=hand_off_to,
         )
         if prefix_source is not None:
             submit.prefix_source.CopyFrom(prefix_source)

@@ -156,11 +156,13 @@ class WorkerPool:
         disagg: ConditionalDisagg = ConditionalDisagg(),
         prefix_cost: PrefixPullCost | None = None,
         announce_decode: bool = True,
+        direct_handoff: bool = True,
     ):
         """credentials: the router's TLS identity and tokens; its channels present them on every
         call; prefix_cost: the cost model of cross-worker prefix pulls (None: off);
         announce_decode: a split's decode worker gets its request when the context phase
-        starts, and only the handoff when it ends (relay.py)."""
+        starts, and only the handoff when it ends (relay.py); direct_handoff: its prefill sends
+        the handoff to the announced decode itself, as well as replying."""
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.credentials = credentials
@@ -172,6 +174,7 @@ class WorkerPool:
         )
         self.disagg = disagg
         self.announce_decode = announce_decode
+        self.direct_handoff = direct_handoff
         self.workers: list[WorkerHandle] = []
         self.changed = asyncio.Event()
         self._started = False

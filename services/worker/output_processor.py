@@ -77,6 +77,8 @@ class RequestMetricsState:
     room_wait_s: float = 0.0
     # Its blocks were reserved when the router announced it, before its handoff came.
     reserved_early: bool = False
+    # Its handoff came from the prefill itself (Worker/HandOff), ahead of the router's.
+    handoff_from_prefill: bool = False
     # How its cross-worker prefix pull ended (decode/prefix_pull.py), where the router asked for one.
     prefix_pull: types_pb2.PrefixPullMetrics | None = None
 
@@ -134,6 +136,9 @@ class WorkerRequest:
         self.metrics = RequestMetricsState()
         # W3C trace context of the request's span here (common/tracing.py; empty: untraced).
         self.trace_headers: dict[str, str] = {}
+        # The router's split, its generation phase announced to a decode worker: that worker's
+        # address, where a context phase sends its handoff too (prefill/context.py); or "".
+        self.hand_off_to = ""
         # Set by a context phase: turns a handed-off output into the caller's DisaggregatedParams,
         # and gives a lease back when its handoff never reaches the caller.
         self.hand_off: Callable[[StepOutput], types_pb2.DisaggregatedParams] | None = None

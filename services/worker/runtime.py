@@ -31,6 +31,7 @@ from tandem.engine.lora_adapter import AdapterNotFoundError, AdapterStore, LoRAA
 from tandem.engine.messages import CheckIdle, ReadCounters
 from tandem.kvtransfer import HandoffFormat, KvTransceiver, TransferPoller
 from tandem.prefill.context import ContextPhase
+from tandem.prefill.handoff_push import HandoffPush
 from tandem.prefill.lease_keeper import LeaseKeeper
 from tandem.prefill.prefix_leases import PrefixLeases
 from tandem.text.front import TextFront
@@ -88,6 +89,7 @@ class WorkerRuntime:
         self.transceiver: KvTransceiver | None = None
         self.poller: TransferPoller | None = None
         self._peers: PeerCache | None = None
+        self._push: HandoffPush | None = None
         # A decode's pull rate per prefill; it outlives a released and resumed pool.
         self.pull_links = PullLinks(
             config.kv_pull_floor, on_pull=metrics.observe_peer_pull, on_forget=metrics.forget_peer
@@ -298,8 +300,11 @@ class WorkerRuntime:
                 self._prefix_pull_ended,
             )
         if self.role is Role.PREFILL:
+            self._push = HandoffPush(
+                ClusterCredentials(cfg.tls, cfg.cluster_token, cfg.admin_token)
+            )
             self.phases.context = ContextPhase(
-                keeper, self.handoff_format, self.worker_id, agent_name, weights_id
+                keeper, self.handoff_format, self.worker_id, agent_name, weights_id, self._push
             )
         elif self.role is Role.DECODE:
             self.phases.generation = GenerationPhase(
@@ -331,6 +336,9 @@ class WorkerRuntime:
         self.prefix_leases = self.prefix_pulls = None
         if self._peers is not None:
             asyncio.ensure_future(self._peers.close())
+        if self._push is not None:
+            asyncio.ensure_future(self._push.close())
+            self._push = None
         if self.poller is not None:
             self.poller.stop()
         if self.transceiver is not None:

@@ -29,8 +29,10 @@ from tandem.common.errors import (
     invalid,
     unavailable,
 )
+from tandem.common.interceptors import MalformedRequest
 from tandem.common.logs import bind
 from tandem.common.pause import PauseMode
+from tandem.decode.awaited_handoffs import AwaitedHandoffs
 from tandem.engine.messages import HoldSteps
 from tandem.engine.sampling_options import for_generation_phase
 from tandem.engine.sequence import Phase
@@ -67,6 +69,7 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         self.rt = runtime
         self.requests: dict[str, WorkerRequest] = {}
         self.guides = Guides(runtime)
+        self.awaited_handoffs = AwaitedHandoffs()
         self.sessions = Sessions(
             self.run_submitted,
             runtime.server.in_flight,
@@ -97,11 +100,30 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         """A request that came on a session (session_server.py): token ids in, its outputs onto the
         session's stream under its tag as the engine hands them over (output_sink.py), then its
         end; what it raises is its status. No text runs here: that is the caller's front's.
-        handoff: an announced generation_only request's (awaits_handoff) KvParams, to come: the
-        request is taken in and checked first, so that the handoff starts its pull at once; what
-        fails it before then fails with the reason before_handoff."""
+        handoff: an announced generation_only request's (awaits_handoff) handoff to come
+        (decode/awaited_handoffs.ArrivedHandoff), from the router or, ahead of it, from its
+        prefill: the request is taken in and checked first, so that the handoff starts its pull
+        at once; what fails it before then fails with the reason before_handoff."""
         bind(request_id=submit.request.request_id, worker=self.rt.worker_id)
         request = generate_request(submit.request)
+        if handoff is None:
+            await self._run_submitted(submit, stream, owner, request, None)
+            return
+        split_id = request.disaggregated_params.disagg_request_id
+        self.awaited_handoffs.register(split_id, handoff)
+        try:
+            await self._run_submitted(submit, stream, owner, request, handoff)
+        finally:
+            self.awaited_handoffs.forget(split_id, handoff)
+
+    async def _run_submitted(
+        self,
+        submit: worker_pb2.SessionSubmit,
+        stream: OutputStream,
+        owner: str,
+        request: llm_pb2.GenerateRequest,
+        handoff: asyncio.Future | None,
+    ) -> None:
         announced, checked, reservation = handoff is not None, None, None
         with failing_before_handoff(announced):
             if announced and (
@@ -118,8 +140,9 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 checked = self._checked(text_request.engine_request, guide)
                 reservation = self._reserve_early(text_request.engine_request, checked, adapter)
         try:
+            from_prefill = False
             if announced:
-                kv = await handoff
+                kv, from_prefill = await handoff
                 with failing_before_handoff(True):  # paused or released meanwhile: refused as now
                     self.rt.check_accepting(types_pb2.REQUEST_TYPE_GENERATION_ONLY)
                 params = text_request.engine_request.disaggregated_params
@@ -144,6 +167,10 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 reservation,
             ) as worker_request:
                 worker_request.requester = requester
+                worker_request.metrics.handoff_from_prefill = from_prefill
+                # The context phase of the router's split, announced to a decode: the handoff
+                # goes there from here too (prefill/context.py).
+                worker_request.hand_off_to = submit.hand_off_to
                 await sink.wait()  # each output went out as the engine handed it over
         finally:
             if reservation is not None:  # (a no-op once its pull took it)
@@ -511,6 +538,16 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ReleaseKvResponse(
             released=keeper.release_split(request.disagg_request_id, LeaseEnd.RELEASED)
         )
+
+    async def HandOff(self, request_iterator, context):
+        taken = 0
+        async for request in request_iterator:
+            if isinstance(request, MalformedRequest):
+                raise invalid(f"HandOff: a message is not a valid HandOffRequest ({request.error})")
+            taken += self.llm.awaited_handoffs.hand_off(
+                request.disagg_request_id, request.kv_params
+            )
+        return worker_pb2.HandOffResponse(num_taken=taken)
 
     async def ConfirmLease(self, request, context):
         keeper = self.rt.leases

@@ -34,6 +34,7 @@ from tandem.common.errors import (
     status_for,
 )
 from tandem.common.interceptors import MalformedRequest
+from tandem.decode.awaited_handoffs import ArrivedHandoff
 from tandem.v1 import worker_pb2
 from tandem.worker.output_streams import OutputStream
 
@@ -101,9 +102,7 @@ class Session:
             for submit in message.submits:
                 self._start(submit)
             for handoff in message.handoffs:
-                waiting = self.handoffs.pop(handoff.tag, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(handoff.kv_params)
+                self._hand_off(handoff)
             for tag in message.cancels:
                 task = self.tasks.get(tag)
                 if task is not None:
@@ -117,6 +116,25 @@ class Session:
         while self.tasks:
             await asyncio.wait(list(self.tasks.values()))
         self.stream.finish()
+
+    def _hand_off(self, handoff: worker_pb2.SessionHandoff) -> None:
+        """The router's handoff of an announced request. One its prefill sent ahead of it
+        (decode/awaited_handoffs.py) is the same handoff; one that differs cancels the request:
+        it could go on from a first token the router did not give its client."""
+        waiting = self.handoffs.pop(handoff.tag, None)
+        if waiting is None or waiting.cancelled():
+            return
+        if not waiting.done():
+            waiting.set_result(ArrivedHandoff(handoff.kv_params, False))
+        elif waiting.result().kv_params.opaque_state != handoff.kv_params.opaque_state:
+            log.error(
+                "tag %d: the router's handoff is not the one its prefill sent ahead of it; the "
+                "request is cancelled",
+                handoff.tag,
+            )
+            task = self.tasks.get(handoff.tag)
+            if task is not None:
+                task.cancel()
 
     def _start(self, submit: worker_pb2.SessionSubmit) -> None:
         tag = submit.tag
@@ -164,7 +182,9 @@ class Session:
         if self.tasks.get(tag) is task:
             del self.tasks[tag]
             self._started.discard(tag)
-            announced = self.handoffs.pop(tag, None) is not None  # ended before its handoff
+            waiting = self.handoffs.pop(tag, None)
+            # Ended before its handoff came (the router's, or its prefill's ahead of it)?
+            announced = waiting is not None and (waiting.cancelled() or not waiting.done())
         if task.cancelled():
             code = grpc.StatusCode.CANCELLED
         elif (

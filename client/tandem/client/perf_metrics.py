@@ -80,6 +80,8 @@ class KvHandoff:
     room_wait_s: float = 0.0
     # The decode reserved the prompt's blocks when the router announced the request.
     reserved_early: bool = False
+    # The handoff came from the prefill itself, ahead of the router's (Worker/HandOff).
+    from_prefill: bool = False
 
     @classmethod
     def from_proto(cls, msg: types_pb2.KvHandoffMetrics) -> KvHandoff:
@@ -92,6 +94,7 @@ class KvHandoff:
             msg.num_cached_blocks,
             msg.room_wait_s,
             msg.reserved_early,
+            msg.from_prefill,
         )
 
 

@@ -354,7 +354,7 @@ class PrefixPullMetrics(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., source: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvHandoffMetrics(_message.Message):
-    __slots__ = ("outcome", "reason", "prefill", "decode", "num_pulled_blocks", "num_cached_blocks", "room_wait_s", "reserved_early")
+    __slots__ = ("outcome", "reason", "prefill", "decode", "num_pulled_blocks", "num_cached_blocks", "room_wait_s", "reserved_early", "from_prefill")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,7 @@ class KvHandoffMetrics(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROOM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     RESERVED_EARLY_FIELD_NUMBER: _ClassVar[int]
+    FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
     outcome: str
     reason: str
     prefill: str
@@ -371,7 +372,8 @@ class KvHandoffMetrics(_message.Message):
     num_cached_blocks: int
     room_wait_s: float
     reserved_early: bool
-    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., room_wait_s: _Optional[float] = ..., reserved_early: _Optional[bool] = ...) -> None: ...
+    from_prefill: bool
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., prefill: _Optional[str] = ..., decode: _Optional[str] = ..., num_pulled_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., room_wait_s: _Optional[float] = ..., reserved_early: _Optional[bool] = ..., from_prefill: _Optional[bool] = ...) -> None: ...
 
 class PerfMetrics(_message.Message):
     __slots__ = ("timing_metrics", "kv_cache_metrics", "speculative_decoding", "first_iter", "last_iter", "iter", "kv_handoff", "prefix_pull")

@@ -39,7 +39,7 @@ class SessionHandoff(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., kv_params: _Optional[_Union[_internal_pb2.KvParams, _Mapping]] = ...) -> None: ...
 
 class SessionSubmit(_message.Message):
-    __slots__ = ("tag", "request", "client", "split", "timeout_s", "prefix_source", "awaits_handoff")
+    __slots__ = ("tag", "request", "client", "split", "timeout_s", "prefix_source", "awaits_handoff", "hand_off_to")
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SessionSubmit(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     AWAITS_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    HAND_OFF_TO_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: _internal_pb2.EngineRequest
     client: str
@@ -54,7 +55,8 @@ class SessionSubmit(_message.Message):
     timeout_s: float
     prefix_source: PrefixSource
     awaits_handoff: bool
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., awaits_handoff: _Optional[bool] = ...) -> None: ...
+    hand_off_to: str
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_internal_pb2.EngineRequest, _Mapping]] = ..., client: _Optional[str] = ..., split: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., awaits_handoff: _Optional[bool] = ..., hand_off_to: _Optional[str] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("address", "num_blocks")
@@ -230,6 +232,20 @@ class ReleaseKvResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class HandOffRequest(_message.Message):
+    __slots__ = ("disagg_request_id", "kv_params")
+    DISAGG_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    disagg_request_id: int
+    kv_params: _internal_pb2.KvParams
+    def __init__(self, disagg_request_id: _Optional[int] = ..., kv_params: _Optional[_Union[_internal_pb2.KvParams, _Mapping]] = ...) -> None: ...
+
+class HandOffResponse(_message.Message):
+    __slots__ = ("num_taken",)
+    NUM_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    num_taken: int
+    def __init__(self, num_taken: _Optional[int] = ...) -> None: ...
 
 class ConfirmLeaseRequest(_message.Message):
     __slots__ = ("ctx_request_id", "pulled")

@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.FromString,
                 _registered_method=True)
+        self.HandOff = channel.stream_unary(
+                '/tandem.v1.Worker/HandOff',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
+                _registered_method=True)
         self.SubscribeKvBlocks = channel.unary_stream(
                 '/tandem.v1.Worker/SubscribeKvBlocks',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKvBlocksRequest.SerializeToString,
@@ -125,6 +130,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandOff(self, request_iterator, context):
+        """A prefill worker hands splits' handoffs straight to the decode worker the router announced
+        each request to (SessionSubmit.hand_off_to), as their context phases end: the decode's pull
+        starts without the hop through the router. One stream per prefill and decode, kept open (a
+        message costs less than a call). The router's own handoff follows on its session and is
+        then ignored; one that no announced request awaits here (ended, or its handoff came
+        already) is dropped. A handoff is verified as the router's would be (signature, layout,
+        prompt digest) before anything it names is used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubscribeKvBlocks(self, request, context):
         """The router's KV index feed: first every block hash in the prefix cache now (snapshot), then
         the changes as they happen, coalesced while the subscriber lags (a subscriber too far behind
@@ -178,6 +196,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.LeasePrefix,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.SerializeToString,
+            ),
+            'HandOff': grpc.stream_unary_rpc_method_handler(
+                    servicer.HandOff,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.HandOffRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.HandOffResponse.SerializeToString,
             ),
             'SubscribeKvBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvBlocks,
@@ -327,6 +350,33 @@ class Worker:
             '/tandem.v1.Worker/LeasePrefix',
             tandem_dot_v1_dot_worker__pb2.LeasePrefixRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.LeasePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOff(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/HandOff',
+            tandem_dot_v1_dot_worker__pb2.HandOffRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.HandOffResponse.FromString,
             options,
             channel_credentials,
             insecure,
