@@ -20,7 +20,10 @@ a step whose outputs the next one collects), dec_confirm0 / dec_confirmed (the l
 answered), and the second token leaving the decode (ses_yield) and reaching the router (rtr_msg).
 On both workers: eng_stats / eng_kvev (the engine thread's stats and KV events after a step),
 eng_putall (the loop takes a step's outputs), snk_msg0 / snk_msg1 / snk_pushed (an output's
-message built and queued on the session).
+message built and queued on the session). The prefill's handoff straight to the decode:
+push_send (queued for the decode's stream), push_yield (taken by gRPC to write), srv_direct (the
+decode has it); srv_started: the decode's request started after its handoff; rtr_ctx0: the
+router sends the context phase.
 """
 
 from __future__ import annotations
