@@ -124,7 +124,8 @@ def test_the_prefills_handoff_goes_first_and_the_routers_must_match_it():
         await messages.put(worker_pb2.SessionRequest(submits=[_announced(1), _announced(2)]))
         await asyncio.sleep(0.05)
         params = internal_pb2.KvParams(first_gen_tokens=[42], opaque_state=b"signed")
-        other = internal_pb2.KvParams(first_gen_tokens=[43], opaque_state=b"another")
+        # The same signed state with another first token (first tokens are not signed).
+        other = internal_pb2.KvParams(first_gen_tokens=[43], opaque_state=b"signed")
         assert not awaited.hand_off(999, params)  # nobody awaits it
         assert awaited.hand_off(101, params) and awaited.hand_off(102, params)
         assert not awaited.hand_off(101, params)  # taken already
@@ -538,5 +539,57 @@ def test_a_reservation_is_taken_once_given_back_at_once_and_never_across_new_wei
         e_plan.set_exception(ValueError("refused"))
         await asyncio.sleep(0)
         assert core.aborted == ["a", "c", "e"] and pending == {}
+
+    asyncio.run(main())
+
+
+def test_the_prefills_handoff_stream_is_opened_again_after_its_decode_ends_it():
+    """handoff_push.py: a stream the decode ends (a restart, a refusal) is forgotten, its
+    consumer ends, and the next handoff to that decode opens another; after close() nothing is
+    sent and nothing is left running."""
+    from tandem.common.channels import ClusterCredentials
+    from tandem.prefill.handoff_push import HandoffPush
+    from tandem.v1 import worker_pb2_grpc
+
+    got: list[int] = []
+
+    class Decode(worker_pb2_grpc.WorkerServicer):
+        async def HandOff(self, request_iterator, context):
+            async for request in request_iterator:
+                got.append(request.disagg_request_id)
+                if request.disagg_request_id == 2:  # ends the stream, as a restart would
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+            return worker_pb2.HandOffResponse(num_taken=0)
+
+    async def main():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(Decode(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        endpoint = f"127.0.0.1:{port}"
+        push = HandoffPush(ClusterCredentials())
+        params = types_pb2.DisaggregatedParams(first_gen_tokens=[5], opaque_state=b"x")
+        try:
+            push.send(endpoint, 1, params)
+            push.send(endpoint, 2, params)
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not push._streams:
+                    break
+            assert got == [1, 2] and not push._streams  # the ended stream is forgotten
+            push.send(endpoint, 3, params)  # a new stream
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if got[-1] == 3:
+                    break
+            assert got == [1, 2, 3]
+            await push.close()
+            push.send(endpoint, 4, params)  # closed: not sent
+            await asyncio.sleep(0.1)
+            assert got == [1, 2, 3] and not push._streams
+        finally:
+            await server.stop(0)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await asyncio.wait_for(asyncio.gather(*others, return_exceptions=True), 5)
 
     asyncio.run(main())

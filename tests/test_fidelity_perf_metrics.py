@@ -172,12 +172,13 @@ def test_a_split_request_combines_both_halves(cluster, streaming):
     # in order only when combined (the decode got the request after the prefill's first token).
     _check_times(perf, before, after)
     t = perf.timing_metrics
-    # The decode pulled the prompt's KV after the prefill drew the first token, before drawing its own.
+    # The decode pulled the prompt's KV after the prefill drew the first token, before drawing its
+    # own. The pull's end is the lease confirm's answer, which the first step does not wait for
+    # (its outputs do): on a loaded machine the answer can come after the token was drawn.
     assert (
         t.first_token_time
         <= t.kv_cache_transfer_start
-        <= t.kv_cache_transfer_end
-        <= t.last_token_time
+        <= min(t.kv_cache_transfer_end, t.last_token_time)
     )
     assert t.kv_cache_size > 0 and t.kv_cache_size == out.metrics.kv_transfer_bytes
     # The decode's steps: the first one drew the second token.

@@ -187,15 +187,16 @@ class Leg:
 
     @property
     def is_waiting(self) -> bool:
-        """Announced, sent, and no failure back (outputs may have come: its prefill hands off
-        to it too) from a worker still ready: its handoff may go."""
-        return (
-            self.announced
-            and self.session is not None
-            and self.session.failure is None
-            and not any(item is CUT or isinstance(item, BaseException) for item in self.inbox.items)
-            and self.worker.ready
-        )
+        """Announced, sent, and no failure back from a worker still ready: its handoff may go.
+        One that has sent outputs already (its prefill handed off to it too) goes on there
+        whatever its health says: it holds the KV, and the lease is likely ended (the
+        watchdog still covers a hang)."""
+        if not self.announced or self.session is None or self.session.failure is not None:
+            return False
+        items = self.inbox.items
+        if any(item is CUT or isinstance(item, BaseException) for item in items):
+            return False
+        return bool(items) or self.worker.ready
 
     def hand_off(self, params: types_pb2.DisaggregatedParams) -> None:
         """The announced request's handoff: the worker pulls the KV and goes on; the leg is the

@@ -165,12 +165,10 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
                 source,
                 checked,
                 reservation,
+                submit.hand_off_to,
+                from_prefill,
             ) as worker_request:
                 worker_request.requester = requester
-                worker_request.metrics.handoff_from_prefill = from_prefill
-                # The context phase of the router's split, announced to a decode: the handoff
-                # goes there from here too (prefill/context.py).
-                worker_request.hand_off_to = submit.hand_off_to
                 await sink.wait()  # each output went out as the engine handed it over
         finally:
             if reservation is not None:  # (a no-op once its pull took it)
@@ -220,6 +218,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
         reservation=None,
+        hand_off_to: str = "",
+        handoff_from_prefill: bool = False,
     ):
         """The started request (_start), known by its id (Abort, StopSequences) until the block
         is left, then closed (aborted in the engine if it still runs)."""
@@ -234,6 +234,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
             prefix_source,
             checked,
             reservation,
+            hand_off_to,
+            handoff_from_prefill,
         )
         self.requests[worker_request.request_id] = worker_request
         # The phase's span: a child of the router's (the traceparent it put in trace_headers),
@@ -268,6 +270,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         prefix_source: worker_pb2.PrefixSource | None = None,
         checked: tuple | None = None,
         reservation=None,
+        hand_off_to: str = "",
+        handoff_from_prefill: bool = False,
     ) -> WorkerRequest:
         """Validates a token-id request and starts it in the phase its request_type asks for.
         owner: the caller that may abort it; client: whom its unclaimed KV handoff counts against
@@ -276,7 +280,10 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         tokens the request carries (a public Generate's does); prefix_source: where the router
         says the prompt's prefix may be pulled from (a session's submit only; ignored by a worker
         without --kv-prefix-pulls); checked: what _checked returned for it already; reservation:
-        its blocks reserved at its announcement (decode/early_reservation.py), for its pull."""
+        its blocks reserved at its announcement (decode/early_reservation.py), for its pull;
+        hand_off_to: a context phase of the router's split announced to the decode at that
+        address, which gets the handoff from here too (prefill/context.py);
+        handoff_from_prefill: a generation phase whose handoff came from its prefill itself."""
         options, prompt_ids = checked or self._checked(request, guide)
         limits = self.rt.core.facts.limits
         request_id = request.request_id or uuid.uuid4().hex
@@ -318,6 +325,8 @@ class WorkerLLMServicer(llm_pb2_grpc.AsyncLLMServicer):
         )
         worker_request.owner = owner
         worker_request.client = client
+        worker_request.hand_off_to = hand_off_to
+        worker_request.metrics.handoff_from_prefill = handoff_from_prefill
         if sink is not None:
             sink.bind(worker_request)
         if prefix_source is not None and self.rt.prefix_pulls is not None:

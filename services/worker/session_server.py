@@ -126,7 +126,7 @@ class Session:
             return
         if not waiting.done():
             waiting.set_result(ArrivedHandoff(handoff.kv_params, False))
-        elif waiting.result().kv_params.opaque_state != handoff.kv_params.opaque_state:
+        elif not _same_handoff(waiting.result().kv_params, handoff.kv_params):
             log.error(
                 "tag %d: the router's handoff is not the one its prefill sent ahead of it; the "
                 "request is cancelled",
@@ -289,3 +289,13 @@ class Sessions:
     def _close(self, session: Session) -> None:
         self._open.pop(session.stream.stream_id, None)
         session.close()
+
+
+def _same_handoff(a, b) -> bool:
+    """The same handoff (KvParams), as far as the decode goes on from it: the signed state, the
+    first tokens and the drafts (the last two are not under the signature)."""
+    return (
+        a.opaque_state == b.opaque_state
+        and a.first_gen_tokens == b.first_gen_tokens
+        and a.draft_tokens == b.draft_tokens
+    )
