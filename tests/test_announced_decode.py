@@ -32,9 +32,28 @@ def _announced(tag: int) -> worker_pb2.SessionSubmit:
     return worker_pb2.SessionSubmit(tag=tag, request=engine_request(request), awaits_handoff=True)
 
 
+async def _two_announced(run, in_flight, counted: list):
+    """A session (run: its RunSubmitted) given announced requests of tags 1 and 2: (the session,
+    the queue its caller's messages go on, None ending them, the reading task)."""
+    from tandem.worker import session_server
+
+    session = session_server.Session(
+        "owner", run, in_flight, lambda method, code: counted.append(code), 1 << 20
+    )
+    messages: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (message := await messages.get()) is not None:
+            yield message
+
+    reader = asyncio.create_task(session.read(requests()))
+    await messages.put(worker_pb2.SessionRequest(submits=[_announced(1), _announced(2)]))
+    await asyncio.sleep(0.05)
+    return session, messages, reader
+
+
 def test_the_session_hands_each_announced_request_its_handoff():
     from tandem.common.drain import InFlightCalls
-    from tandem.worker import session_server
 
     got: dict[int, internal_pb2.KvParams] = {}
     counted: list[grpc.StatusCode] = []
@@ -46,18 +65,7 @@ def test_the_session_hands_each_announced_request_its_handoff():
 
     async def main():
         in_flight = InFlightCalls()
-        session = session_server.Session(
-            "owner", run, in_flight, lambda method, code: counted.append(code), 1 << 20
-        )
-        messages: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (message := await messages.get()) is not None:
-                yield message
-
-        reader = asyncio.create_task(session.read(requests()))
-        await messages.put(worker_pb2.SessionRequest(submits=[_announced(1), _announced(2)]))
-        await asyncio.sleep(0.05)
+        session, messages, reader = await _two_announced(run, in_flight, counted)
         assert sorted(session.handoffs) == [1, 2] and in_flight.count == 2 and not got
         params = internal_pb2.KvParams(first_gen_tokens=[42], ctx_request_id=7)
         await messages.put(
@@ -93,7 +101,6 @@ def test_the_prefills_handoff_goes_first_and_the_routers_must_match_it():
     when it differs; ids nobody awaits, or awaited twice, are not taken."""
     from tandem.common.drain import InFlightCalls
     from tandem.decode.awaited_handoffs import AwaitedHandoffs
-    from tandem.worker import session_server
 
     awaited = AwaitedHandoffs()
     got: dict[int, tuple] = {}
@@ -111,18 +118,7 @@ def test_the_prefills_handoff_goes_first_and_the_routers_must_match_it():
             awaited.forget(split_id, handoff)
 
     async def main():
-        session = session_server.Session(
-            "owner", run, InFlightCalls(), lambda method, code: counted.append(code), 1 << 20
-        )
-        messages: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (message := await messages.get()) is not None:
-                yield message
-
-        reader = asyncio.create_task(session.read(requests()))
-        await messages.put(worker_pb2.SessionRequest(submits=[_announced(1), _announced(2)]))
-        await asyncio.sleep(0.05)
+        session, messages, reader = await _two_announced(run, InFlightCalls(), counted)
         params = internal_pb2.KvParams(first_gen_tokens=[42], opaque_state=b"signed")
         # The same signed state with another first token (first tokens are not signed).
         other = internal_pb2.KvParams(first_gen_tokens=[43], opaque_state=b"signed")
