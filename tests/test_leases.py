@@ -71,7 +71,8 @@ def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster,
     """The router's text front finds a stop string in the context phase's token: no decode phase;
     the router's ReleaseKv ends the lease at once. With the prefill's handoff straight to the
     announced decode (the default router), the decode may have pulled it meanwhile: the lease
-    ends released or pulled, and the decode computes nothing and sends nothing."""
+    ends released, pulled or fallback (the decode's pull cancelled), and the decode computes
+    nothing and sends nothing."""
     address = cluster.address if direct else cluster.service("router-no-direct").address
     with LLM(address) as llm:
         for i in range(40):  # a prompt whose first token decodes to printable text of its own
@@ -87,7 +88,9 @@ def test_released_by_the_router_when_a_stop_string_ends_the_first_token(cluster,
         ).outputs[0]
     # The stop string is the whole first token: trimmed from token_ids, as TensorRT-LLM does.
     assert out.finish_reason == "stop" and out.stop_reason == first.text and out.token_ids == []
-    ways = ("released", "pulled") if direct else ("released",)
+    # With the direct handoff the decode may be pulling when the router drops it: it ends the
+    # lease itself then (fallback: not read), or had pulled it already.
+    ways = ("released", "pulled", "fallback") if direct else ("released",)
     assert wait_for(lambda: any(ended_by(cluster, before, way, 0) for way in ways), 5.0)
     decode = worker_state(cluster.workers[1].address)
     assert decode.num_prompt_tokens_computed == 0  # no decode phase computed anything

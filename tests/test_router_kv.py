@@ -262,6 +262,7 @@ def test_route_gives_worker_calls_what_is_left_of_the_deadline():
             return_first_gen_tokens=False,
             prefix_source=None,
             awaits_handoff=False,
+            hand_off_to="",
         ):
             deadlines.append(deadline)
 
