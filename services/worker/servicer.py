@@ -550,12 +550,19 @@ class WorkerInternalServicer(worker_pb2_grpc.WorkerServicer):
 
     async def HandOff(self, request_iterator, context):
         taken = 0
-        async for request in request_iterator:
-            if isinstance(request, MalformedRequest):
-                raise invalid(f"HandOff: a message is not a valid HandOffRequest ({request.error})")
-            taken += self.llm.awaited_handoffs.hand_off(
-                request.disagg_request_id, request.kv_params
-            )
+        try:
+            async for request in request_iterator:
+                if isinstance(request, MalformedRequest):
+                    raise invalid(
+                        f"HandOff: a message is not a valid HandOffRequest ({request.error})"
+                    )
+                taken += self.llm.awaited_handoffs.hand_off(
+                    request.disagg_request_id, request.kv_params
+                )
+        except asyncio.CancelledError:
+            # The server stops (a drain's end) or the prefill went away: the stream just ends
+            # (the prefill's next handoff opens another, or goes by the router).
+            pass
         return worker_pb2.HandOffResponse(num_taken=taken)
 
     async def ConfirmLease(self, request, context):
