@@ -486,6 +486,8 @@ def serve_rows(
         log(f"aggregated cluster up in {time.perf_counter() - started:.0f} s")
         address = cluster.address
         asyncio.run(_run_requests(address, _prompts(rng, 4, 128, vocab), 16))  # warm-up
+        out["kv_pool"] = _kv_pool(address)
+        log(f"KV pool: {out['kv_pool']}")
         if "bs1" in rows:
             outs, _ = asyncio.run(
                 _run_requests(address, _prompts(rng, 1, 128, vocab), 64 if quick else 256, False)
@@ -616,6 +618,16 @@ def _step_stats(address, full_batch: int = 0) -> dict:
         else None,
         "full_batch_period_ms": _median_period_ms(ends),
     }
+
+
+def _kv_pool(address) -> dict:
+    """What the worker's KV pool holds for its --kv-cache-gb (get_kv_cache_capacity): the FP8 KV
+    cache's row compares it with bf16's."""
+    from tandem.client import LLM
+
+    with LLM(address) as llm:
+        cap = llm.get_kv_cache_capacity()
+    return dict(max_num_blocks=cap["maxNumBlocks"], max_num_tokens=cap["maxNumTokens"])
 
 
 def _split_workload(address, rng, vocab, quick) -> dict:
