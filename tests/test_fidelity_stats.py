@@ -183,3 +183,24 @@ def test_async_stats_end_once_nothing_arrives(cluster):
         type(s["iter"]) is int for s in stats
     )  # one per step of the request
     assert all(type(e["event_id"]) is int for e in events)
+
+
+def test_memory_readings_serve_the_records_of_half_a_second(monkeypatch):
+    """The device is asked for its memory at most once per MEMORY_SAMPLE_S (a driver call per
+    step otherwise); a reading that old is taken again."""
+    from tandem.engine import iteration_stats as stats_module
+
+    readings = []
+
+    def read(device):
+        readings.append(device)
+        return {"cpuMemUsage": len(readings), "gpuMemUsage": 0, "pinnedMemUsage": 0}
+
+    monkeypatch.setattr(stats_module, "_read_memory", read)
+    monkeypatch.setattr(stats_module, "_memory_readings", {})
+    window = stats_module.MEMORY_SAMPLE_S
+    assert stats_module.memory_usage("cpu", now=100.0)["cpuMemUsage"] == 1
+    assert stats_module.memory_usage("cpu", now=100.0 + window / 2)["cpuMemUsage"] == 1
+    assert stats_module.memory_usage("cuda:1", now=100.0 + window / 2)["cpuMemUsage"] == 2
+    assert stats_module.memory_usage("cpu", now=100.0 + window)["cpuMemUsage"] == 3
+    assert readings == ["cpu", "cuda:1", "cpu"]

@@ -4,6 +4,7 @@ cpp/tensorrt_llm/executor/jsonSerialization.cpp), plus tandem's cachedBlocks."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import datetime
 
 import torch
@@ -91,9 +92,29 @@ def _spec_decoding_stats(engine: LLMEngine) -> dict | None:
     }
 
 
-def memory_usage(device: str) -> dict[str, int]:
+# How long a memory reading serves the iteration records after it: asking the device costs a
+# driver call (cudaMemGetInfo) and torch's host-allocator statistics every step otherwise, ~0.4 ms
+# of the engine thread's time per step on an H100 (bench/results/handover-timeline-*: the step's
+# end to its record), with the GIL held. Monitoring needs no fresher figure than this.
+MEMORY_SAMPLE_S = 0.5
+
+_memory_readings: dict[str, tuple[float, dict[str, int]]] = {}
+
+
+def memory_usage(device: str, now: float | None = None) -> dict[str, int]:
     """Bytes in use: this process's resident host memory, the device's used memory (total - free,
-    as TensorRT-LLM's PyTorch backend measures it) and pinned host memory held by torch."""
+    as TensorRT-LLM's PyTorch backend measures it) and pinned host memory held by torch; read at
+    most once per MEMORY_SAMPLE_S per device."""
+    now = time.monotonic() if now is None else now
+    taken = _memory_readings.get(device)
+    if taken is not None and now - taken[0] < MEMORY_SAMPLE_S:
+        return taken[1]
+    reading = _read_memory(device)
+    _memory_readings[device] = (now, reading)
+    return reading
+
+
+def _read_memory(device: str) -> dict[str, int]:
     page_size = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/statm") as f:
         cpu = int(f.read().split()[1]) * page_size
