@@ -16,7 +16,8 @@ reply leaving it (ses_yield), the router, the decode's session (ses_start), its 
 (dec_run, dec_reserved, dec_agent), the READ on the poller thread (poll_post0: picked up,
 poll_posted: prepared and posted, poll_done: found done), dec_pulled, the engine's arrival and
 step (eng_arrived, eng_step0 / eng_step1: a step's start and end, with its count of outputs: 0 for
-a step whose outputs the next one collects), dec_confirm0 / dec_confirmed (the lease confirm asked /
+a step whose outputs the next one collects; eng_step1 is keyed by that count, so the prefill's
+step that hands the first token over reads as `eng_step1 (1 out)`, not as the launch before it), dec_confirm0 / dec_confirmed (the lease confirm asked /
 answered), and the second token leaving the decode (ses_yield) and reaching the router (rtr_msg).
 On both workers: eng_stats / eng_kvev (the engine thread's stats and KV events after a step),
 eng_putall (the loop takes a step's outputs), snk_msg0 / snk_msg1 / snk_pushed (an output's
@@ -58,6 +59,10 @@ def main() -> None:
             if row[3] == "rtr_ctx_done" and row is not lines[i]:
                 break
             key = f"{row[2]}:{row[3]}"
+            if row[3] == "eng_step1" and len(row) > 4:
+                # A step with outputs and one without (a launch whose outputs the next step
+                # collects) are different moments: their first occurrences are kept apart.
+                key += f" ({row[4]} out)"
             ms = (float(row[1]) - t0) * 1e3
             shown.append(f"{ms:8.2f} {row[2]} {row[3]} {' '.join(row[4:])}")
             if key not in seen and -6 < ms < 60:
