@@ -589,3 +589,77 @@ def test_the_prefills_handoff_stream_is_opened_again_after_its_decode_ends_it():
         await asyncio.wait_for(asyncio.gather(*others, return_exceptions=True), 5)
 
     asyncio.run(main())
+
+
+def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_failed_pull():
+    """Under --kv-load-failure-policy fail, the announced decode can fail the pull of the handoff
+    the prefill sent it before the router's handoff comes: that leg is the pair's failed pull (the
+    relay counts it and retries on another pair), not a failed announcement; the router's
+    handoff is not sent to it, and reading it raises the decode's failure."""
+    from tandem.common.errors import BEFORE_HANDOFF, FAILURE_REASON_METADATA, KV_LOAD_FAILED
+    from tandem.router.inbox import stream_failure
+    from tandem.router.legs import Leg
+
+    class Session:
+        def __init__(self):
+            self.handed_off = []
+            self.failure = None
+
+        def hand_off(self, tag, params):
+            self.handed_off.append(tag)
+
+    class Inbox:
+        def __init__(self, items):
+            self.items = items
+
+        async def take(self):
+            items, self.items = self.items, []
+            return items
+
+    class Relay:
+        leg = None
+        cancelled = False
+
+    def leg_with(item) -> Leg:
+        leg = object.__new__(Leg)
+        leg.relay, leg.session, leg.tag, leg.inbox = Relay(), Session(), 7, Inbox([item])
+        leg.announced, leg.watchdog, leg.ended, leg._items, leg._is_over = (
+            True,
+            None,
+            False,
+            [],
+            False,
+        )
+        leg.worker = type("W", (), {"ready": True})()
+        return leg
+
+    async def run():
+        failed = stream_failure(
+            grpc.StatusCode.UNAVAILABLE,
+            "the lease expires",
+            reason=f"{KV_LOAD_FAILED}:lease_expiring",
+        )
+        leg = leg_with(failed)
+        assert leg.failed_loading_kv and not leg.is_waiting
+        leg.hand_off(types_pb2.DisaggregatedParams(opaque_state=b"x"))
+        assert leg.session.handed_off == [] and not leg.announced and leg.relay.leg is leg
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await leg.next()
+        assert (FAILURE_REASON_METADATA, f"{KV_LOAD_FAILED}:lease_expiring") in tuple(
+            raised.value.trailing_metadata()
+        )
+        leg.watchdog.cancel()
+        # A decode that failed before any handoff (refused, paused) is a failed announcement.
+        before = leg_with(
+            stream_failure(grpc.StatusCode.UNAVAILABLE, "paused", reason=BEFORE_HANDOFF)
+        )
+        assert not before.failed_loading_kv and not before.is_waiting
+        # One waiting for its handoff gets the router's.
+        waiting = leg_with(None)
+        waiting.inbox.items = []
+        assert not waiting.failed_loading_kv and waiting.is_waiting
+        waiting.hand_off(types_pb2.DisaggregatedParams(opaque_state=b"x"))
+        assert waiting.session.handed_off == [7]
+        waiting.watchdog.cancel()
+
+    asyncio.run(run())

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tandem.common.errors import RpcError
+from tandem.common.errors import KV_LOAD_FAILED, RpcError, failure_reason
 from tandem.common.outputs import cancelled_output
 from tandem.router.inbox import CUT, Inbox, message_of
 from tandem.router.session_client import OpenSession
@@ -198,12 +198,26 @@ class Leg:
             return False
         return bool(items) or self.worker.ready
 
+    @property
+    def failed_loading_kv(self) -> bool:
+        """Announced, and its worker could not load the KV of the handoff the prefill sent it
+        directly (it failed under --kv-load-failure-policy fail before the router's handoff
+        came): a failed pull of this pair, not a failed announcement."""
+        return self.announced and any(
+            isinstance(item, BaseException)
+            and failure_reason(item).startswith(KV_LOAD_FAILED + ":")
+            for item in self.inbox.items
+        )
+
     def hand_off(self, params: types_pb2.DisaggregatedParams) -> None:
         """The announced request's handoff: the worker pulls the KV and goes on; the leg is the
-        relay's current one from now on."""
+        relay's current one from now on. Nothing is sent to a worker that failed the pull of the
+        prefill's own handoff already: next() raises that failure."""
+        failed = self.failed_loading_kv
         self.announced = False
         if self.session is not None:  # (None: aborted while the session opened; nothing was sent)
-            self.session.hand_off(self.tag, params)
+            if not failed:
+                self.session.hand_off(self.tag, params)
             self._watch_from_now()
 
     async def next(self) -> types_pb2.RequestOutput | None:

@@ -512,7 +512,9 @@ class Relay:
             first.outputs[0].cumulative_logprob,
         )
         announced = self.announced
-        if announced is not None and announced.is_waiting:
+        if announced is not None and (announced.is_waiting or announced.failed_loading_kv):
+            # (A decode that failed the pull of the prefill's own handoff keeps the request: its
+            # failure is the pair's, counted and retried on another pair as any failed pull.)
             decode = announced.worker
         elif announced is not None:  # it failed, or its decode went down, meanwhile
             self._drop_announced("resent")
