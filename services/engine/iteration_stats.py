@@ -92,10 +92,10 @@ def _spec_decoding_stats(engine: LLMEngine) -> dict | None:
     }
 
 
-# How long a memory reading serves the iteration records after it: asking the device costs a
-# driver call (cudaMemGetInfo) and torch's host-allocator statistics every step otherwise, ~0.4 ms
-# of the engine thread's time per step on an H100 (bench/results/handover-timeline-*: the step's
-# end to its record), with the GIL held. Monitoring needs no fresher figure than this.
+# How long a memory reading serves the iteration records after it: asked every step, it is a
+# driver call (cudaMemGetInfo) and torch's host-allocator statistics on the engine thread, GIL
+# held, each step (an H100's timeline put 0.46 ms between a step's end and its record, of which
+# the reading's share is bench/memory_reading.py's to tell). Monitoring needs no fresher figure.
 MEMORY_SAMPLE_S = 0.5
 
 _memory_readings: dict[str, tuple[float, dict[str, int]]] = {}
