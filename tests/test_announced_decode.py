@@ -619,6 +619,7 @@ def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_fa
     class Relay:
         leg = None
         cancelled = False
+        progress_timeout_s = 60.0  # (the watchdog hand_off starts is cancelled before it fires)
 
     def leg_with(item) -> Leg:
         leg = object.__new__(Leg)
@@ -661,5 +662,61 @@ def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_fa
         waiting.hand_off(types_pb2.DisaggregatedParams(opaque_state=b"x"))
         assert waiting.session.handed_off == [7]
         waiting.watchdog.cancel()
+
+    asyncio.run(run())
+
+
+def test_the_relay_retries_a_failed_pull_of_the_prefills_own_handoff_and_counts_each_failure():
+    """The relay's side of the test above: the split's generation phase stays on the decode whose
+    pull of the prefill's own handoff failed (no 'resent' announcement); its failure is counted
+    for that pair and the request goes once more to another pair, whose failure is counted too
+    before the request fails."""
+    import types as pytypes
+
+    from tandem.common.errors import KV_LOAD_FAILED
+    from tandem.router.inbox import stream_failure
+    from tandem.router.legs import Leg
+    from tandem.router.relay import Relay, _Split
+
+    failure = stream_failure(
+        grpc.StatusCode.UNAVAILABLE, "the lease expires", reason=f"{KV_LOAD_FAILED}:lease_expiring"
+    )
+    prefill, decode, other_decode = (
+        pytypes.SimpleNamespace(address=a, ready=True) for a in ("p:1", "d:1", "d:2")
+    )
+    leg = object.__new__(Leg)
+    leg.announced, leg.worker = True, decode
+    leg.session = pytypes.SimpleNamespace(failure=None)
+    leg.inbox = pytypes.SimpleNamespace(items=[failure])
+    counted, dropped = [], []
+
+    async def another_pair(split):
+        split.prefill, split.decode = prefill, other_decode
+        return True
+
+    relay = pytypes.SimpleNamespace(
+        announced=leg,
+        _drop_announced=dropped.append,
+        _other_decode=lambda worker: other_decode,
+        _pick_or_none=lambda roles, exclude: other_decode,
+        metrics=pytypes.SimpleNamespace(kv_handoff_ended=lambda *a: counted.append(a)),
+        _another_pair=another_pair,
+        cancelled=False,
+    )
+    handoff = types_pb2.DisaggregatedParams(opaque_state=b"state", first_gen_tokens=[5])
+    first = types_pb2.RequestOutput(prompt_token_ids=[1, 2, 3])
+    first.outputs.add(cumulative_logprob=-0.5)
+    split = _Split(prefill, llm_pb2.GenerateRequest(), first, handoff, time.monotonic())
+    request = llm_pb2.GenerateRequest(request_id="r")
+    seq = Relay._decode_phase(relay, request, split)
+    assert seq.worker is decode and split.decode is decode and split.pulls and dropped == []
+
+    async def run():
+        assert await Relay._retry_handoff(relay, seq, failure) is None
+        assert counted == [("p:1", "d:1", "failed", "lease_expiring")]
+        assert seq.is_handoff_retried and seq.worker is other_decode
+        with pytest.raises(grpc.aio.AioRpcError):
+            await Relay._retry_handoff(relay, seq, failure)
+        assert counted[1] == ("p:1", "d:2", "failed", "lease_expiring")
 
     asyncio.run(run())

@@ -107,11 +107,9 @@ def memory_usage(device: str, now: float | None = None) -> dict[str, int]:
     most once per MEMORY_SAMPLE_S per device."""
     now = time.monotonic() if now is None else now
     taken = _memory_readings.get(device)
-    if taken is not None and now - taken[0] < MEMORY_SAMPLE_S:
-        return taken[1]
-    reading = _read_memory(device)
-    _memory_readings[device] = (now, reading)
-    return reading
+    if taken is None or now - taken[0] >= MEMORY_SAMPLE_S:
+        taken = _memory_readings[device] = (now, _read_memory(device))
+    return dict(taken[1])
 
 
 def _read_memory(device: str) -> dict[str, int]:

@@ -656,17 +656,13 @@ class Relay:
         """A decode under --kv-load-failure-policy fail could not load the KV (and ended its
         lease): the request goes once more to another prefill/decode pair."""
         split, why = seq.split, failure_reason(exc)
-        if (
-            split is None
-            or seq.is_handoff_retried
-            or not split.pulls
-            or not why.startswith(KV_LOAD_FAILED + ":")
-        ):
+        if split is None or not split.pulls or not why.startswith(KV_LOAD_FAILED + ":"):
             raise exc
+        # Counted for the pair that failed, the retried one too (as its decode counts it).
         self.metrics.kv_handoff_ended(
             split.prefill.address, split.decode.address, "failed", why.partition(":")[2]
         )
-        if not await self._another_pair(split):
+        if seq.is_handoff_retried or not await self._another_pair(split):
             raise exc
         seq.is_handoff_retried = True
         log.warning(
