@@ -17,8 +17,8 @@ reply leaving it (ses_yield), the router, the decode's session (ses_start), its 
 poll_posted: prepared and posted, poll_done: found done), dec_pulled, the engine's arrival and
 step (eng_arrived, eng_step0 / eng_step1: a step's start and end, with its count of outputs: 0 for
 a step whose outputs the next one collects; eng_step1 is keyed by that count, so the prefill's
-step that hands the first token over reads as `eng_step1 (1 out)`, not as the launch before it), dec_confirm0 / dec_confirmed (the lease confirm asked /
-answered), and the second token leaving the decode (ses_yield) and reaching the router (rtr_msg).
+step that hands the first token over reads as `eng_step1 (1 out)`, not as the launch before
+it), dec_confirm0 / dec_confirmed (the lease confirm asked / answered), and the second token leaving the decode (ses_yield) and reaching the router (rtr_msg).
 On both workers: eng_stats / eng_kvev (the engine thread's stats and KV events after a step),
 eng_putall (the loop takes a step's outputs), snk_msg0 / snk_msg1 / snk_pushed (an output's
 message built and queued on the session). The prefill's handoff straight to the decode:

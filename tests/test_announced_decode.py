@@ -591,6 +591,51 @@ def test_the_prefills_handoff_stream_is_opened_again_after_its_decode_ends_it():
     asyncio.run(main())
 
 
+class _FakeSession:
+    """What a Leg asks of its session: the router's handoffs it was given."""
+
+    def __init__(self):
+        self.handed_off = []
+        self.failure = None
+
+    def hand_off(self, tag, params):
+        self.handed_off.append(tag)
+
+
+class _FakeInbox:
+    def __init__(self, items):
+        self.items = items
+
+    async def take(self):
+        items, self.items = self.items, []
+        return items
+
+
+def _announced_leg(items: list, worker=None):
+    """An announced Leg on a fake session and relay, its inbox holding items (a worker's failure,
+    say), without a router around it."""
+    import types as pytypes
+
+    from tandem.router.legs import Leg
+
+    leg = object.__new__(Leg)
+    # (the watchdog hand_off starts is cancelled before it fires)
+    leg.relay = pytypes.SimpleNamespace(leg=None, cancelled=False, progress_timeout_s=60.0)
+    leg.session, leg.tag, leg.inbox = _FakeSession(), 7, _FakeInbox(items)
+    leg.announced, leg.watchdog, leg.ended, leg._items, leg._is_over = True, None, False, [], False
+    leg.worker = worker or pytypes.SimpleNamespace(address="d:1", ready=True)
+    return leg
+
+
+def _kv_load_failure():
+    from tandem.common.errors import KV_LOAD_FAILED
+    from tandem.router.inbox import stream_failure
+
+    return stream_failure(
+        grpc.StatusCode.UNAVAILABLE, "the lease expires", reason=f"{KV_LOAD_FAILED}:lease_expiring"
+    )
+
+
 def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_failed_pull():
     """Under --kv-load-failure-policy fail, the announced decode can fail the pull of the handoff
     the prefill sent it before the router's handoff comes: that leg is the pair's failed pull (the
@@ -598,49 +643,9 @@ def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_fa
     handoff is not sent to it, and reading it raises the decode's failure."""
     from tandem.common.errors import BEFORE_HANDOFF, FAILURE_REASON_METADATA, KV_LOAD_FAILED
     from tandem.router.inbox import stream_failure
-    from tandem.router.legs import Leg
-
-    class Session:
-        def __init__(self):
-            self.handed_off = []
-            self.failure = None
-
-        def hand_off(self, tag, params):
-            self.handed_off.append(tag)
-
-    class Inbox:
-        def __init__(self, items):
-            self.items = items
-
-        async def take(self):
-            items, self.items = self.items, []
-            return items
-
-    class Relay:
-        leg = None
-        cancelled = False
-        progress_timeout_s = 60.0  # (the watchdog hand_off starts is cancelled before it fires)
-
-    def leg_with(item) -> Leg:
-        leg = object.__new__(Leg)
-        leg.relay, leg.session, leg.tag, leg.inbox = Relay(), Session(), 7, Inbox([item])
-        leg.announced, leg.watchdog, leg.ended, leg._items, leg._is_over = (
-            True,
-            None,
-            False,
-            [],
-            False,
-        )
-        leg.worker = type("W", (), {"ready": True})()
-        return leg
 
     async def run():
-        failed = stream_failure(
-            grpc.StatusCode.UNAVAILABLE,
-            "the lease expires",
-            reason=f"{KV_LOAD_FAILED}:lease_expiring",
-        )
-        leg = leg_with(failed)
+        leg = _announced_leg([_kv_load_failure()])
         assert leg.failed_loading_kv and not leg.is_waiting
         leg.hand_off(types_pb2.DisaggregatedParams(opaque_state=b"x"))
         assert leg.session.handed_off == [] and not leg.announced and leg.relay.leg is leg
@@ -651,13 +656,12 @@ def test_a_decode_that_failed_the_prefills_own_handoff_keeps_the_request_as_a_fa
         )
         leg.watchdog.cancel()
         # A decode that failed before any handoff (refused, paused) is a failed announcement.
-        before = leg_with(
-            stream_failure(grpc.StatusCode.UNAVAILABLE, "paused", reason=BEFORE_HANDOFF)
+        before = _announced_leg(
+            [stream_failure(grpc.StatusCode.UNAVAILABLE, "paused", reason=BEFORE_HANDOFF)]
         )
         assert not before.failed_loading_kv and not before.is_waiting
         # One waiting for its handoff gets the router's.
-        waiting = leg_with(None)
-        waiting.inbox.items = []
+        waiting = _announced_leg([])
         assert not waiting.failed_loading_kv and waiting.is_waiting
         waiting.hand_off(types_pb2.DisaggregatedParams(opaque_state=b"x"))
         assert waiting.session.handed_off == [7]
@@ -673,21 +677,13 @@ def test_the_relay_retries_a_failed_pull_of_the_prefills_own_handoff_and_counts_
     before the request fails."""
     import types as pytypes
 
-    from tandem.common.errors import KV_LOAD_FAILED
-    from tandem.router.inbox import stream_failure
-    from tandem.router.legs import Leg
     from tandem.router.relay import Relay, _Split
 
-    failure = stream_failure(
-        grpc.StatusCode.UNAVAILABLE, "the lease expires", reason=f"{KV_LOAD_FAILED}:lease_expiring"
-    )
+    failure = _kv_load_failure()
     prefill, decode, other_decode = (
         pytypes.SimpleNamespace(address=a, ready=True) for a in ("p:1", "d:1", "d:2")
     )
-    leg = object.__new__(Leg)
-    leg.announced, leg.worker = True, decode
-    leg.session = pytypes.SimpleNamespace(failure=None)
-    leg.inbox = pytypes.SimpleNamespace(items=[failure])
+    leg = _announced_leg([failure], decode)
     counted, dropped = [], []
 
     async def another_pair(split):

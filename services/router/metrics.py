@@ -54,10 +54,10 @@ class RouterMetrics(ProcessMetrics):
             "tandem:router_decode_announcements",
             "Split requests announced to their decode worker at the context phase's start "
             "(--no-announce-decode off), by how the announcement ended: handed_off (the handoff "
-            "went to it, or its decode failed the pull of the prefill's own handoff first: a failed "
-            "pull, retried on another pair), dropped (no generation phase: the context phase failed, ended the "
-            "request or was aborted), resent (the decode failed before its handoff: the request "
-            "went whole to a decode picked then).",
+            "went to it, or its decode failed the pull of the prefill's own handoff first: a "
+            "failed pull, retried on another pair), dropped (no generation phase: the context "
+            "phase failed, ended the request or was aborted), resent (the decode failed before "
+            "its handoff: the request went whole to a decode picked then).",
             base + ["outcome"],
             registry=reg,
         )
