@@ -1,9 +1,12 @@
 """Where a prefill step's time goes on the GPU (issue 7's TTFT row), and the GEMM rates behind it.
 
-    python3 bench/prefill_profile.py [--model-dir DIR]   # CUDA; writes bench/serve.py's 8B checkpoint if missing
+    python3 bench/prefill_profile.py [--model-dir DIR] [--quantization fp8 [--kv-cache-dtype fp8]]
+    # CUDA; writes bench/serve.py's 8B checkpoint if missing
 
 1. The 8B layer's GEMMs at 256, 2048 and 8192 rows under each BLAS library PyTorch can pick
-   (cuBLAS, cuBLASLt), in TFLOP/s against the H200's dense bf16 peak (L2 flushed before each).
+   (cuBLAS, cuBLASLt), in TFLOP/s against the H200's dense bf16 peak (L2 flushed before each);
+   with --quantization fp8 also the FP8 product the engine runs (torch._scaled_mm with per-token
+   and per-channel scales) alone and with its activations' quantization, against the FP8 peak.
 2. One fresh 2048-token prompt in the engine (the TTFT row, in-process): its wall time from
    add_request to the first token, and the GPU time of its kernels by kind (torch profiler), so
    that the wall is held against the kernels' sum (what is not kernel time is host time the GPU
@@ -33,6 +36,7 @@ KINDS = (
     ("add+rmsnorm", ("_rms_norm",)),
     ("rope+kv store", ("_rope_store_kv", "_store_kv")),
     ("swiglu", ("_silu",)),
+    ("fp8 quantize", ("_quantize_rows",)),
     ("gemv", ("_gemv",)),
     ("sampler", ("sort", "topk", "softmax", "argmax", "exponential", "_sample", "reduce")),
 )
@@ -87,6 +91,84 @@ def gemm_rates(device: torch.device) -> None:
             + f"   x32 layers: {total['cublas'] * 32:.1f} / {total['cublaslt'] * 32:.1f} ms"
         )
     torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def fp8_gemm_rates(device: torch.device) -> None:
+    """The engine's FP8 product at the 8B layer's shapes: torch._scaled_mm with per-token and
+    per-channel scales (kernels/fp8.py), alone and after the Triton quantization of its
+    activations (what each projection of a prefill step runs), against the dense FP8 peak."""
+    import triton.testing
+
+    from tandem.kernels import dispatch
+    from tandem.kernels.fp8 import quantize_rows
+
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
+    gen = torch.Generator(device).manual_seed(0)
+    weights = {}
+    for name, shape in shapes.items():
+        weights[name] = quantize_rows(
+            torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
+        )
+    print(f"the 8B layer's FP8 products, TFLOP/s (dense FP8 peak {2 * BF16_DENSE_TFLOPS:.0f}):")
+    print(
+        f"  {'rows':>5} {'gemm':<8}{'scaled_mm ms':>14}{'TFLOP/s':>9}{'+quantize ms':>14}{'TFLOP/s':>9}"
+    )
+    for rows in (256, 2048, 8192):
+        total = [0.0, 0.0]
+        for name, (weight, scale) in weights.items():
+            x = torch.randn(rows, weight.shape[1], generator=gen, device=device).bfloat16()
+            quantize = dispatch._triton_module("fp8_triton").quantize_rows
+            xq, x_scale = quantize(x, 1)
+            w_t, w_scale = weight.t(), scale.view(1, -1)
+
+            def product():
+                return torch._scaled_mm(
+                    xq, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16
+                )
+
+            flops = 2 * rows * weight.numel()
+            alone = triton.testing.do_bench(product, warmup=10, rep=50, return_mode="median")
+            whole = triton.testing.do_bench(
+                lambda: dispatch.fp8_linear(x, weight, scale),
+                warmup=10,
+                rep=50,
+                return_mode="median",
+            )
+            total[0] += alone
+            total[1] += whole
+            print(
+                f"  {rows:5d} {name:<8}{alone:14.4f}{flops / alone / 1e9:9.0f}"
+                f"{whole:14.4f}{flops / whole / 1e9:9.0f}"
+            )
+        weight, scale = weights["down"]
+        gate_up = torch.randn(rows, 2 * weight.shape[1], generator=gen, device=device).bfloat16()
+        apart = triton.testing.do_bench(
+            lambda: dispatch.fp8_linear(dispatch.silu_and_mul(gate_up), weight, scale),
+            warmup=10,
+            rep=50,
+            return_mode="median",
+        )
+        fused = triton.testing.do_bench(
+            lambda: dispatch.fp8_silu_mul_linear(gate_up, weight, scale),
+            warmup=10,
+            rep=50,
+            return_mode="median",
+        )
+        print(
+            f"  {rows:5d} swiglu+down: silu_and_mul then quantize + product {apart:.4f} ms, "
+            f"SwiGLU in the quantizer {fused:.4f} ms"
+        )
+        layer_flops = 2 * rows * sum(w.numel() for w, _ in weights.values())
+        print(
+            f"  {rows:5d} {'layer':<8}{total[0]:14.4f}{layer_flops / total[0] / 1e9:9.0f}"
+            f"{total[1]:14.4f}{layer_flops / total[1] / 1e9:9.0f}"
+            f"   x32 layers: {total[0] * 32:.1f} / {total[1] * 32:.1f} ms"
+        )
 
 
 def idle_gaps(prof, window: str) -> None:
@@ -238,6 +320,11 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", default="/dev/shm/tandem-llama-3.1-8b-bf16")
     parser.add_argument("--skip-gemms", action="store_true", help="leave out part 1")
+    parser.add_argument("--quantization", choices=("auto", "fp8"), default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    parser.add_argument(
+        "--skip-decode", action="store_true", help="leave out parts 3 and 4 (the decode steps)"
+    )
     args = parser.parse_args()
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -250,6 +337,8 @@ def main() -> None:
     )
     if not args.skip_gemms:
         gemm_rates(device)
+        if args.quantization == "fp8":
+            fp8_gemm_rates(device)
     shape = SHAPES["llama-3.1-8b"]
     write_checkpoint(Path(args.model_dir), shape, device)
     engine = LLMEngine(
@@ -261,8 +350,11 @@ def main() -> None:
             max_num_seqs=256,
             max_num_batched_tokens=8192,
             max_model_len=4096,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
+    print(f"engine: quantization {args.quantization}, KV cache dtype {args.kv_cache_dtype}")
     rng = random.Random(0)
     vocab = shape["vocab_size"]
     prompt = [rng.randrange(3, vocab) for _ in range(2048)]
@@ -285,6 +377,8 @@ def main() -> None:
         walls.append((time.perf_counter() - start) * 1e3)
     print(f"one fresh 2048-token prompt, no profiler: TTFT in-process {sorted(walls[1:])} ms")
     kernel_breakdown("one fresh 2048-token prompt (TTFT in-process)", one_prompt)
+    if args.skip_decode:
+        return
 
     opts = SamplingOptions(max_tokens=64, ignore_eos=True)
     for i in range(256):

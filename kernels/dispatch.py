@@ -221,9 +221,18 @@ def fp8_linear(
 def fp8_silu_mul_linear(
     gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
-    """silu_and_mul(gate_up) @ an FP8 weight; for one row SwiGLU rides in the FP8 GEMV's loads."""
-    if _takes_gemv(gate_up, weight) and not batch_invariant.is_enabled():
+    """silu_and_mul(gate_up) @ an FP8 weight; for one row SwiGLU rides in the FP8 GEMV's loads,
+    for more on the Triton backend in the activations' quantizer (fp8_triton.py)."""
+    if batch_invariant.is_enabled():
+        return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)
+    if _takes_gemv(gate_up, weight):
         return _triton_module("gemv_triton").fp8_silu_mul_gemv(gate_up, weight, weight_scale)
+    if backend_for(gate_up.device) == "triton" and gate_up.stride(1) == 1 and gate_up.shape[0]:
+        # SwiGLU rides in the activations' quantizer: its model-dtype output is never written.
+        xq, x_scale = _triton_module("fp8_triton").silu_mul_quantize_rows(
+            gate_up, weight_scale.shape[1]
+        )
+        return fp8_reference.fp8_linear_quantized(xq, x_scale, weight, weight_scale, gate_up.dtype)
     return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)
 
 

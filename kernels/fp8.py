@@ -43,11 +43,6 @@ def dequantize_rows(
     return (grouped * scale.float()[..., None]).reshape(rows, cols).to(dtype)
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU writes any float dtype.
-    return torch.bfloat16 if x.is_cuda else x.dtype
-
-
 def _row_scaled_mm(a, b, scale_a, scale_b, out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_mm with per-row (a) and per-column (b) scales. A CPU build before torch 2.13
     takes per-tensor scales only there: the same product through float32 operands instead."""
@@ -69,16 +64,31 @@ def fp8_linear(
     """x [T, K] (model dtype) @ dequantized weight [N, K]^T (+ bias) -> [T, N] in x's dtype, with x
     quantized per token on the fly (dynamic activation scales) by `quantize` (quantize_rows, or
     fp8_triton's one-kernel version of it on CUDA)."""
-    num_tokens, cols = x.shape
-    num_groups = weight_scale.shape[1]
-    if num_tokens == 0:
+    if x.shape[0] == 0:
         return x.new_zeros((0, weight.shape[0]))
-    xq, x_scale = quantize(x, num_groups)
+    xq, x_scale = quantize(x, weight_scale.shape[1])
+    return fp8_linear_quantized(xq, x_scale, weight, weight_scale, x.dtype, bias)
+
+
+def fp8_linear_quantized(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp8_linear's product of activations already quantized: xq float8 [T, K] with scales [T, G]
+    (G = weight_scale's groups) -> [T, N] in dtype."""
+    num_tokens, cols = xq.shape
+    num_groups = weight_scale.shape[1]
+    # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU writes any float dtype.
+    out_dtype = torch.bfloat16 if xq.is_cuda else dtype
     if num_groups == 1:
-        out = _row_scaled_mm(xq, weight.t(), x_scale, weight_scale.view(1, -1), _out_dtype(x))
+        out = _row_scaled_mm(xq, weight.t(), x_scale, weight_scale.view(1, -1), out_dtype)
     else:
         group = cols // num_groups
-        out = torch.zeros(num_tokens, weight.shape[0], dtype=torch.float32, device=x.device)
+        out = torch.zeros(num_tokens, weight.shape[0], dtype=torch.float32, device=xq.device)
         for g in range(num_groups):
             columns = slice(g * group, (g + 1) * group)
             # CUDA writes a row-wise scaled product in bfloat16 only: each group's is rounded
@@ -88,9 +98,9 @@ def fp8_linear(
                 weight[:, columns].t(),
                 x_scale[:, g : g + 1].contiguous(),
                 weight_scale[:, g].reshape(1, -1).contiguous(),
-                _out_dtype(x),
+                out_dtype,
             ).float()
-    out = out.to(x.dtype)
+    out = out.to(dtype)
     return out if bias is None else out + bias
 
 

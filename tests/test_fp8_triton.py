@@ -146,8 +146,74 @@ def test_the_one_kernel_activation_quantizer_matches_the_torch_path_bit_for_bit(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, cols, groups", [(1, 64, 1), (5, 300, 1), (3, 2304, 3), (4, 512, 4)])
+def test_swiglu_quantized_in_one_kernel_is_swiglu_then_the_quantizer_bit_for_bit(
+    rows, cols, groups, dtype
+):
+    """The down projection's input: silu_mul_quantize_rows(gate_up) gives the bytes and scales of
+    quantize_rows(silu_and_mul(gate_up)), the two kernels it replaces."""
+    gen = torch.Generator().manual_seed(rows + cols + groups)
+    gate_up = torch.randn(rows, 2 * cols, generator=gen) * 4
+    gate_up[0, : cols // groups] = 0.0  # a group whose SwiGLU is all zeros
+    gate_up = gate_up.to(dtype)
+    want_q, want_scale = fp8_triton.quantize_rows(fused_triton.silu_and_mul(gate_up), groups)
+    got_q, got_scale = fp8_triton.silu_mul_quantize_rows(gate_up, groups)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert got_q.shape == (rows, cols) and got_scale[0, 0] == 1e-12
+
+
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["rows", "swiglu"])
+def test_a_group_wider_than_one_block_is_read_twice_to_the_same_bytes(monkeypatch, silu_mul):
+    """Groups up to ONE_PASS_MAX columns are read once; wider ones in blocks, twice: both give
+    the torch path's bytes (the limits made small here to run both on small shapes)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 2 * 200, generator=gen) * torch.logspace(-2, 2, 400)).bfloat16()
+    quantize = fp8_triton.silu_mul_quantize_rows if silu_mul else fp8_triton.quantize_rows
+    results = []
+    for one_pass_max in (fp8_triton.ONE_PASS_MAX, 64):
+        monkeypatch.setattr(fp8_triton, "ONE_PASS_MAX", one_pass_max)
+        monkeypatch.setattr(fp8_triton, "TWO_PASS_BLOCK", 32)
+        results.append(quantize(x, 2))
+    source = fused_triton.silu_and_mul(x) if silu_mul else x
+    want_q, want_scale = fp8_reference.quantize_rows(source, 2)
+    for got_q, got_scale in results:
+        assert torch.equal(got_scale, want_scale)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_the_dispatcher_quantizes_swiglu_in_the_quantizer_for_more_than_one_row(monkeypatch):
+    """fp8_silu_mul_linear on the Triton backend: one kernel for SwiGLU and the quantization, then
+    _scaled_mm: the product of silu_and_mul's output through the torch quantizer."""
+    from tandem.kernels import dispatch
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(6, 2 * 128, generator=gen) * 2).bfloat16()
+    calls = []
+    real = fp8_triton.silu_mul_quantize_rows
+    monkeypatch.setattr(
+        fp8_triton, "silu_mul_quantize_rows", lambda *a: calls.append(a[1]) or real(*a)
+    )
+    for groups in (1, 2):
+        weight, scale = fp8_reference.quantize_rows(
+            torch.randn(96, 128, generator=gen) / 12, groups
+        )
+        want = fp8_reference.fp8_linear(fused_triton.silu_and_mul(gate_up), weight, scale)
+        monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
+        got = dispatch.fp8_silu_mul_linear(gate_up, weight, scale)
+        assert got.dtype == torch.bfloat16
+        # The same FP8 activations and scales (the fused quantizer is bit for bit): the same product.
+        assert torch.equal(got, want)
+    assert calls == [1, 2]
+
+
 def test_the_activation_quantizer_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="do not split into 3 scale groups"):
         fp8_triton.quantize_rows(torch.zeros(2, 8), 3)
     with pytest.raises(ValueError, match="K-contiguous"):
         fp8_triton.quantize_rows(torch.zeros(8, 2).t(), 1)
+    with pytest.raises(ValueError, match=r"gate_up must be \[T, 2I\]"):
+        fp8_triton.silu_mul_quantize_rows(torch.zeros(2, 7), 1)
+    with pytest.raises(ValueError, match="do not split into 3 scale groups"):
+        fp8_triton.silu_mul_quantize_rows(torch.zeros(2, 16), 3)

@@ -284,7 +284,8 @@ def _same_bytes(got_q, want_q, x, scale) -> None:
 
 def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     """The FP8 GEMVs (weight-only dequantization) within bf16 output rounding of the dequantized
-    product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's."""
+    product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's, and
+    with SwiGLU in it as the two kernels it replaces."""
     from tandem.kernels import fp8, fp8_triton, gemv, gemv_triton
 
     gen = torch.Generator("cuda").manual_seed(2)
@@ -301,6 +302,15 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
             got_q, got_s = fp8_triton.quantize_rows(acts, groups)
             assert torch.equal(got_s, want_s)
             _same_bytes(got_q, want_q, acts, want_s)
+    # SwiGLU quantized in the quantizer (a prefill step's down_proj input), as the two kernels do.
+    from tandem.kernels import fused_triton
+
+    gate_up = torch.randn(256, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
+    for groups in (1, 14336 // 128):
+        want_q, want_s = fp8_triton.quantize_rows(fused_triton.silu_and_mul(gate_up), groups)
+        got_q, got_s = fp8_triton.silu_mul_quantize_rows(gate_up, groups)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     gate_up = torch.randn(1, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
     for groups in (1, 14336 // 128):  # row-scaled and block-scaled down_proj
         w, s = fp8.quantize_rows(
