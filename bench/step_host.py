@@ -8,6 +8,10 @@ nothing to hide behind, so its host work adds to the split's time to the second 
 
     python bench/step_host.py                                # the tiny model on the CPU
     python bench/step_host.py --device cuda --model <8B checkpoint> --batches 1,64,256
+    python bench/step_host.py --device cuda --model <8B checkpoint> --batches 1 --trace-first
+
+--trace-first: the imported sequence's first step() call under torch.profiler as well (CPU ops
+and the CUDA runtime calls they make, by own time): the host work cProfile shows only as C.
 
 Prints, per batch size: the step period, and the functions with the most time of their own
 (cProfile; a call that waits for the device shows its wait as its own time: .tolist(),
@@ -160,6 +164,46 @@ def first_steps(engine: LLMEngine, prompt_len: int, repeats: int, top: int = 0) 
         pstats.Stats(profile).sort_stats("tottime").print_stats(top)
 
 
+def trace_first_step(engine: LLMEngine, prompt_len: int, repeats: int, top: int) -> None:
+    """The imported sequence's first step() call under torch.profiler, CPU activity with the CUDA
+    runtime's calls (cudaGraphLaunch, cudaMemcpyAsync, synchronizations): their own time summed
+    over `repeats` first calls, so that the C part of the launch is named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(11)
+    vocab = engine.model_config.vocab_size
+    activities = [ProfilerActivity.CPU]
+    if engine.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    walls = []
+    with profile(activities=activities) as prof:
+        for r in range(repeats):
+            rid = f"trace-{r}"
+            options = SamplingOptions(max_tokens=4, ignore_eos=True)
+            engine.add_remote_kv_request(rid, _prompt(rng, prompt_len, vocab), [5], options)
+            engine.remote_kv_arrived(rid)
+            prof.toggle_collection_dynamic(True, activities)
+            started = time.perf_counter()
+            engine.step()
+            walls.append((time.perf_counter() - started) * 1e3)
+            prof.toggle_collection_dynamic(False, activities)
+            while engine.num_unfinished:
+                engine.step()
+    print(
+        f"\n# the imported sequence's first step() call under torch.profiler, {repeats} times: "
+        f"{statistics.median(walls):.3f} ms a call (median, profiled); own CPU time by op, "
+        f"per call:"
+    )
+    rows = sorted(
+        prof.key_averages(), key=lambda e: getattr(e, "self_cpu_time_total", 0), reverse=True
+    )
+    for event in rows[:top]:
+        print(
+            f"  {event.self_cpu_time_total / 1e3 / repeats:8.3f} ms  "
+            f"{event.count / repeats:6.1f} calls  {event.key[:80]}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -172,6 +216,11 @@ def main() -> None:
     parser.add_argument("--import-len", type=int, default=1024)
     parser.add_argument("--num-blocks", type=int, default=8192)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--trace-first",
+        action="store_true",
+        help="also trace the imported sequence's first step() calls with torch.profiler",
+    )
     parser.add_argument(
         "--tables",
         default="new",
@@ -192,6 +241,8 @@ def main() -> None:
     engine.warm_up()
     print(f"# host work per decode step: {args.model or 'tiny model'} on {args.device}")
     first_steps(engine, args.import_len, 12, args.top)
+    if args.trace_first:
+        trace_first_step(engine, args.import_len, 8, args.top)
     modes = {"new": [True], "whole": [False], "both": [False, True]}[args.tables]
     for batch in batches:
         for incremental in modes:
