@@ -177,6 +177,7 @@ def trace_first_step(engine: LLMEngine, prompt_len: int, repeats: int, top: int)
         activities.append(ProfilerActivity.CUDA)
     walls = []
     with profile(activities=activities) as prof:
+        prof.toggle_collection_dynamic(False, activities)  # the first step() calls only
         for r in range(repeats):
             rid = f"trace-{r}"
             options = SamplingOptions(max_tokens=4, ignore_eos=True)

@@ -227,7 +227,7 @@ def fp8_silu_mul_linear(
         return fp8_linear(silu_and_mul(gate_up), weight, weight_scale)
     if _takes_gemv(gate_up, weight):
         return _triton_module("gemv_triton").fp8_silu_mul_gemv(gate_up, weight, weight_scale)
-    if backend_for(gate_up.device) == "triton" and gate_up.stride(1) == 1 and gate_up.shape[0]:
+    if backend_for(gate_up.device) == "triton" and gate_up.stride(1) == 1:
         # SwiGLU rides in the activations' quantizer: its model-dtype output is never written.
         xq, x_scale = _triton_module("fp8_triton").silu_mul_quantize_rows(
             gate_up, weight_scale.shape[1]

@@ -81,6 +81,8 @@ def fp8_linear_quantized(
     """fp8_linear's product of activations already quantized: xq float8 [T, K] with scales [T, G]
     (G = weight_scale's groups) -> [T, N] in dtype."""
     num_tokens, cols = xq.shape
+    if num_tokens == 0:
+        return torch.zeros(0, weight.shape[0], dtype=dtype, device=xq.device)
     num_groups = weight_scale.shape[1]
     # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU writes any float dtype.
     out_dtype = torch.bfloat16 if xq.is_cuda else dtype

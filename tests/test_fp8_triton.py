@@ -208,6 +208,26 @@ def test_the_dispatcher_quantizes_swiglu_in_the_quantizer_for_more_than_one_row(
     assert calls == [1, 2]
 
 
+def test_the_deterministic_mode_keeps_swiglu_out_of_the_quantizer(monkeypatch):
+    """--deterministic runs the batch-invariant row tiles: the fused quantizer is not called, and
+    a strided gate_up (a view of a wider buffer) is read by its row stride."""
+    from tandem.kernels import batch_invariant, dispatch
+
+    gen = torch.Generator().manual_seed(5)
+    wide = (torch.randn(5, 3 * 64, generator=gen) * 2).bfloat16()
+    gate_up = wide[:, : 2 * 64]
+    weight, scale = fp8_reference.quantize_rows(torch.randn(32, 64, generator=gen) / 8, 1)
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
+    want = fp8_reference.fp8_linear(fused_triton.silu_and_mul(gate_up), weight, scale)
+    assert torch.equal(dispatch.fp8_silu_mul_linear(gate_up, weight, scale), want)
+    monkeypatch.setattr(
+        fp8_triton, "silu_mul_quantize_rows", lambda *a: pytest.fail("fused under batch invariance")
+    )
+    with batch_invariant.batch_invariant(True):
+        got = dispatch.fp8_silu_mul_linear(gate_up, weight, scale)
+    assert got.shape == (5, 32)
+
+
 def test_the_activation_quantizer_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="do not split into 3 scale groups"):
         fp8_triton.quantize_rows(torch.zeros(2, 8), 3)

@@ -305,12 +305,20 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     # SwiGLU quantized in the quantizer (a prefill step's down_proj input), as the two kernels do.
     from tandem.kernels import fused_triton
 
-    gate_up = torch.randn(256, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
-    for groups in (1, 14336 // 128):
-        want_q, want_s = fp8_triton.quantize_rows(fused_triton.silu_and_mul(gate_up), groups)
-        got_q, got_s = fp8_triton.silu_mul_quantize_rows(gate_up, groups)
-        assert torch.equal(got_s, want_s)
-        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    # 28,672 columns (a 70B down_proj's input) are wider than one pass: read twice.
+    for inter in (14336, 28672):
+        gate_up = torch.randn(256, 2 * inter, generator=gen, device="cuda").bfloat16() * 2
+        for groups in (1, inter // 128):
+            want_q, want_s = fp8_triton.quantize_rows(fused_triton.silu_and_mul(gate_up), groups)
+            got_q, got_s = fp8_triton.silu_mul_quantize_rows(gate_up, groups)
+            assert torch.equal(got_s, want_s)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+            if groups == 1:  # the plain quantizer on the same width, against torch
+                acts = gate_up[:, :inter]
+                want_q, want_s = fp8.quantize_rows(acts, 1)
+                got_q, got_s = fp8_triton.quantize_rows(acts, 1)
+                assert torch.equal(got_s, want_s)
+                _same_bytes(got_q, want_q, acts, want_s)
     gate_up = torch.randn(1, 2 * 14336, generator=gen, device="cuda").bfloat16() * 2
     for groups in (1, 14336 // 128):  # row-scaled and block-scaled down_proj
         w, s = fp8.quantize_rows(
