@@ -100,6 +100,31 @@ def add_rms_norm(
     return _fused(x.device).add_rms_norm(x, residual, weight, eps)
 
 
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_scale: torch.Tensor,
+) -> tuple[fp8_reference.QuantizedRows, torch.Tensor] | None:
+    """add_rms_norm whose normed rows go straight into the FP8 activation quantizer (one kernel,
+    the model-dtype rows never written) when the FP8 projection after it (weight_scale) would
+    quantize them anyway: the Triton backend, more than one row (one goes to the FP8 GEMV), one
+    scale a row, not batch invariant. None otherwise: the caller runs add_rms_norm."""
+    if (
+        batch_invariant.is_enabled()
+        or weight_scale.shape[1] != 1
+        or x.dim() != 2
+        or x.shape[0] < 2
+        or backend_for(x.device) != "triton"
+    ):
+        return None
+    xq, scale, total = _triton_module("fused_triton").add_rms_norm_quantize(
+        x, residual, weight, eps
+    )
+    return fp8_reference.QuantizedRows(xq, scale, x.dtype), total
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _fused(gate_up.device).silu_and_mul(gate_up)
 

@@ -14,6 +14,8 @@ kernel is the GPU path still to write).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -32,6 +34,17 @@ def quantize_rows(weight: torch.Tensor, num_groups: int = 1) -> tuple[torch.Tens
     scale = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
     quantized = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return quantized.reshape(rows, cols), scale
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations already quantized for an FP8 projection: float8 [T, K] with one float32 scale a
+    row [T, 1] (what the norm before a projection hands it when it quantized in its own kernel:
+    dispatch.add_rms_norm_fp8); dtype is the model's, the projection's output dtype."""
+
+    xq: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def dequantize_rows(

@@ -13,7 +13,7 @@ import triton.language as tl
 from tandem.kernels.launch_checks import FLOAT_DTYPES, require
 
 # float32(1) / float32(448): the reciprocal CUDA torch multiplies by to divide by FP8's maximum.
-_INV_FP8_MAX = float(np.float32(1.0) / np.float32(448.0))
+INV_FP8_MAX = float(np.float32(1.0) / np.float32(448.0))
 
 
 @triton.jit
@@ -53,7 +53,8 @@ def _activation(row_ptr, offs, mask, N_COLS, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(amax, inv_max, RECIPROCAL: tl.constexpr):
+def group_scale(amax, inv_max, RECIPROCAL: tl.constexpr):
+    """A group's scale from its largest magnitude, as torch computes amax / FP8_MAX."""
     if RECIPROCAL:  # CUDA torch divides a tensor by a number as a product with its reciprocal
         return tl.maximum(amax * inv_max, 1e-12)
     return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # the CPU's divides
@@ -87,7 +88,7 @@ def _quantize_rows_kernel(
         offs = tl.arange(0, BLOCK)
         mask = offs < GROUP
         x = _activation(src, offs, mask, N_COLS, SILU_MUL)
-        scale = _group_scale(tl.max(tl.abs(x), axis=0), inv_max, RECIPROCAL)
+        scale = group_scale(tl.max(tl.abs(x), axis=0), inv_max, RECIPROCAL)
         tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
         # Divided and rounded to nearest, as torch divides: a multiply by 1/scale, or the compiled
         # kernel's default approximate division, differs in the last bit (and then in the byte).
@@ -99,7 +100,7 @@ def _quantize_rows_kernel(
             offs = k0 + tl.arange(0, BLOCK)
             x = _activation(src, offs, offs < GROUP, N_COLS, SILU_MUL)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = _group_scale(tl.max(amax, axis=0), inv_max, RECIPROCAL)
+        scale = group_scale(tl.max(amax, axis=0), inv_max, RECIPROCAL)
         tl.store(scale_ptr + row * NUM_GROUPS + group, scale)
         for k0 in range(0, GROUP, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
@@ -163,7 +164,7 @@ def _quantize(
                 group,
                 num_groups,
                 cols,
-                _INV_FP8_MAX,
+                INV_FP8_MAX,
                 RECIPROCAL=x.is_cuda,
                 SILU_MUL=silu_mul,
                 ONE_PASS=one_pass,

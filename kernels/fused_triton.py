@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8_triton import to_e4m3_grid
+from tandem.kernels.fp8_triton import INV_FP8_MAX, group_scale, to_e4m3_grid
 from tandem.kernels.launch_checks import (
     FLOAT_DTYPES,
     check_index,
@@ -59,26 +59,39 @@ def _add_rms_norm_kernel(
     weight_ptr,
     out_ptr,
     total_ptr,
+    scale_ptr,
     stride_x,
     stride_r,
     n_cols,
     eps,
+    inv_max,
     BLOCK_N: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
 ):
+    """(rms_norm(residual + x), residual + x) a row per program. QUANTIZE: the normed row is not
+    written in the model dtype but quantized to e4m3 with one scale a row (out_ptr float8,
+    scale_ptr float32), as fp8_triton.quantize_rows quantizes the written row: bit for bit."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
+    dtype = total_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    total = (residual + x).to(total_ptr.dtype.element_ty)
+    total = (residual + x).to(dtype)
     tl.store(total_ptr + row * n_cols + cols, total, mask=mask)
     total = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(total * total, 0) / n_cols + eps)
-    normed = (total * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (total * rstd).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * n_cols + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    if QUANTIZE:
+        y = (weight * normed).to(dtype).to(tl.float32)
+        scale = group_scale(tl.max(tl.abs(y), axis=0), inv_max, RECIPROCAL)
+        tl.store(scale_ptr + row, scale)
+        q = to_e4m3_grid(tl.math.div_rn(y, scale), 1.0)
+        tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, (weight * normed).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -265,6 +278,23 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(residual + x), residual + x); x and residual [T, N]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _add_rms_norm(x, residual, weight, eps, out, None)
+
+
+def add_rms_norm_quantize(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8_triton.quantize_rows(rms_norm(residual + x)) and residual + x in one kernel: (float8
+    [T, N], float32 scales [T, 1], residual + x), bit for bit as add_rms_norm then the quantizer.
+    The normed rows are never written in the model dtype (an FP8 projection reads them next)."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    out, total = _add_rms_norm(x, residual, weight, eps, out, scale)
+    return out, scale, total
+
+
+def _add_rms_norm(x, residual, weight, eps, out, scale):
     require(
         x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype,
         f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and weight "
@@ -274,8 +304,7 @@ def add_rms_norm(
         x.stride(-1) == 1 and residual.stride(-1) == 1 and weight.shape == (x.shape[1],),
         "x and residual need unit last stride, weight one value per column",
     )
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    total = torch.empty_like(out)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         block, warps = _row_block(x.shape[1])
         _add_rms_norm_kernel[(x.shape[0],)](
@@ -284,11 +313,15 @@ def add_rms_norm(
             weight,
             out,
             total,
+            total if scale is None else scale,
             x.stride(0),
             residual.stride(0),
             x.shape[1],
             eps,
+            INV_FP8_MAX,
             BLOCK_N=block,
+            QUANTIZE=scale is not None,
+            RECIPROCAL=x.is_cuda,
             num_warps=warps,
         )
     return out, total

@@ -208,6 +208,96 @@ def test_the_dispatcher_quantizes_swiglu_in_the_quantizer_for_more_than_one_row(
     assert calls == [1, 2]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, cols", [(1, 64), (5, 300), (4, 2048)])
+def test_the_norm_quantized_in_its_kernel_is_the_norm_then_the_quantizer_bit_for_bit(
+    rows, cols, dtype
+):
+    """add_rms_norm_quantize: the residual sum as add_rms_norm writes it, and the normed rows'
+    FP8 bytes and scales as quantize_rows gives them from add_rms_norm's output."""
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, cols, generator=gen) * torch.logspace(-2, 1, cols)).to(dtype)
+    weight = (torch.rand(cols, generator=gen) + 0.5).to(dtype)
+    residual[0] = -x[0]  # a row whose sum is zero: the smallest scale, zeros
+    normed, want_total = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
+    want_q, want_scale = fp8_triton.quantize_rows(normed, 1)
+    got_q, got_scale, got_total = fused_triton.add_rms_norm_quantize(x, residual, weight, 1e-5)
+    assert torch.equal(got_total, want_total)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert got_scale[0, 0] == 1e-12
+    assert rows == 1 or want_q[1:].float().abs().max() > 0
+
+
+def test_the_norm_quantizes_for_an_fp8_projection_only_where_its_quantizer_would_run(monkeypatch):
+    """dispatch.add_rms_norm_fp8 fuses on the Triton backend for more than one row and one scale
+    a row, outside batch invariance; elsewhere None (the caller runs add_rms_norm), and an FP8
+    projection of what it returns is the projection of add_rms_norm's rows."""
+    from tandem.engine.linear import Fp8Linear, apply_linear
+    from tandem.kernels import batch_invariant, dispatch
+
+    gen = torch.Generator().manual_seed(9)
+    x, residual = (torch.randn(2, 6, 64, generator=gen) * 2).bfloat16()
+    weight = (torch.rand(64, generator=gen) + 0.5).bfloat16()
+    proj = Fp8Linear(64, 48, bias=False, num_groups=1)
+    proj.weight.data, proj.weight_scale.data = fp8_reference.quantize_rows(
+        torch.randn(48, 64, generator=gen) / 8, 1
+    )
+    blocked = fp8_reference.quantize_rows(torch.randn(48, 64, generator=gen) / 8, 2)[1]
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "torch")
+    assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale) is None
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
+    assert dispatch.add_rms_norm_fp8(x[:1], residual[:1], weight, 1e-5, proj.weight_scale) is None
+    assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, blocked) is None
+    with batch_invariant.batch_invariant(True):
+        assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale) is None
+    rows, total = dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale)
+    normed, want_total = dispatch.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, want_total)
+    want = apply_linear(proj, normed)
+    got = apply_linear(proj, rows)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_an_fp8_engine_gives_the_same_tokens_with_the_norms_quantizing(model_dirs, monkeypatch):
+    """--quantization fp8 on the Triton kernels (interpreted): the norms quantizing for the
+    projections after them, or the projections' own quantizers, give the same greedy tokens;
+    the fused norm ran in the prefill steps (more than one row)."""
+    from conftest import run_to_completion
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_options import SamplingOptions
+    from tandem.kernels import dispatch
+
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
+    prompts = {f"r{i}": [1] + list(range(10 + 9 * i, 20 + 13 * i)) for i in range(3)}
+    options = SamplingOptions(max_tokens=5, ignore_eos=True)
+    fused = dispatch.add_rms_norm_fp8
+    calls = []
+    tokens = {}
+    for mode in ("apart", "fused"):
+        monkeypatch.setattr(
+            dispatch,
+            "add_rms_norm_fp8",
+            (lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+            if mode == "fused"
+            else (lambda *a: None),
+        )
+        config = EngineConfig(
+            str(model_dirs["llama"]),
+            block_size=8,
+            num_blocks=32,
+            quantization="fp8",
+            max_loras=0,
+            enforce_eager=True,
+        )
+        tokens[mode] = run_to_completion(LLMEngine(config), prompts, options)
+    assert tokens["fused"] == tokens["apart"]
+    assert any(n > 1 for n in calls)
+
+
 def test_the_deterministic_mode_keeps_swiglu_out_of_the_quantizer(monkeypatch):
     """--deterministic runs the batch-invariant row tiles: the fused quantizer is not called, and
     a strided gate_up (a view of a wider buffer) is read by its row stride."""

@@ -285,7 +285,7 @@ def _same_bytes(got_q, want_q, x, scale) -> None:
 def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     """The FP8 GEMVs (weight-only dequantization) within bf16 output rounding of the dequantized
     product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's, and
-    with SwiGLU in it as the two kernels it replaces."""
+    with SwiGLU or the norm before it in its kernel as the two kernels each replaces."""
     from tandem.kernels import fp8, fp8_triton, gemv, gemv_triton
 
     gen = torch.Generator("cuda").manual_seed(2)
@@ -302,9 +302,17 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
             got_q, got_s = fp8_triton.quantize_rows(acts, groups)
             assert torch.equal(got_s, want_s)
             _same_bytes(got_q, want_q, acts, want_s)
-    # SwiGLU quantized in the quantizer (a prefill step's down_proj input), as the two kernels do.
     from tandem.kernels import fused_triton
 
+    # The norm before qkv / gate_up quantizing in its own kernel, as the norm then the quantizer.
+    x, residual = torch.randn(2, 256, 4096, generator=gen, device="cuda").bfloat16()
+    weight = (torch.rand(4096, generator=gen, device="cuda") + 0.5).bfloat16()
+    normed, want_total = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
+    want_q, want_s = fp8_triton.quantize_rows(normed, 1)
+    got_q, got_s, got_total = fused_triton.add_rms_norm_quantize(x, residual, weight, 1e-5)
+    assert torch.equal(got_total, want_total) and torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    # SwiGLU quantized in the quantizer (a prefill step's down_proj input), as the two kernels do;
     # 28,672 columns (a 70B down_proj's input) are wider than one pass: read twice.
     for inter in (14336, 28672):
         gate_up = torch.randn(256, 2 * inter, generator=gen, device="cuda").bfloat16() * 2

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tandem.kernels import dispatch as kernels
-from tandem.kernels.fp8 import FP8
+from tandem.kernels.fp8 import FP8, QuantizedRows, fp8_linear_quantized
 
 
 class Fp8Linear(nn.Module):
@@ -40,10 +40,23 @@ def build_linear(
     return Fp8Linear(in_features, out_features, bias, num_groups)
 
 
-def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_linear(module: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """x: model-dtype rows, or rows the norm before an Fp8Linear quantized for it (fp8_input)."""
+    if isinstance(x, QuantizedRows):
+        return fp8_linear_quantized(
+            x.xq, x.scale, module.weight, module.weight_scale, x.dtype, module.bias
+        )
     if isinstance(module, Fp8Linear):
         return kernels.fp8_linear(x, module.weight, module.weight_scale, module.bias)
     return kernels.linear(x, module.weight, module.bias)
+
+
+def fp8_input(module: nn.Module, lora) -> Fp8Linear | None:
+    """The projection a norm may quantize its output for (RMSNorm's fp8_for): an Fp8Linear with
+    one scale a row, and no LoRA adapters in the step (they read the model-dtype rows)."""
+    if lora is None and isinstance(module, Fp8Linear) and module.weight_scale.shape[1] == 1:
+        return module
+    return None
 
 
 def apply_silu_mul_linear(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear
+from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear, fp8_input
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.moe import SparseMoeBlock
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
@@ -39,8 +39,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_for=None):
+        """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned.
+        fp8_for: the Fp8Linear that reads the normed rows next (linear.fp8_input): with a residual,
+        they may come back quantized for it (QuantizedRows) where its own quantizer would run."""
         if self.offset:
             total = x if residual is None else residual + x
             normed = total.float()
@@ -49,6 +51,12 @@ class RMSNorm(nn.Module):
             return normed if residual is None else (normed, total)
         if residual is None:
             return kernels.rms_norm(x, self.weight, self.eps)
+        if fp8_for is not None:
+            fused = kernels.add_rms_norm_fp8(
+                x, residual, self.weight, self.eps, fp8_for.weight_scale
+            )
+            if fused is not None:
+                return fused
         return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -233,11 +241,16 @@ class DecoderLayer(nn.Module):
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
-            normed, residual = self.input_layernorm(hidden, residual)
+            normed, residual = self.input_layernorm(
+                hidden, residual, fp8_input(self.self_attn.qkv_proj, lora)
+            )
         attn_out = self.self_attn(normed, positions, cos_sin, meta, kv_layer, lora)
         if self.residual_multiplier != 1.0:
             attn_out = attn_out * self.residual_multiplier
-        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, MLP) else None
+        normed, residual = self.post_attention_layernorm(
+            attn_out, residual, fp8_input(gate_up, lora)
+        )
         out = self.mlp(normed, lora)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
