@@ -168,8 +168,8 @@ def trace_first_step(engine: LLMEngine, prompt_len: int, repeats: int, top: int)
     """The imported sequence's first step() call under torch.profiler, CPU activity with the CUDA
     runtime's calls (cudaGraphLaunch, cudaMemcpyAsync, synchronizations): their own time summed
     over `repeats` first calls, so that the C part of the launch is named. A profiler per call
-    (started before it, stopped after): toggling one profiler's collection drops the runtime's
-    events."""
+    (started before it, stopped after): with one profiler's collection toggled around each call,
+    the runtime's events did not show on the GPU machine (torch 2.11)."""
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
