@@ -98,11 +98,8 @@ def test_rope_store_kv_on_fp8_blocks_matches_the_reference(kv_scales, dtype):
         assert ((got - want).abs() <= want.abs() * 2**-3).all()
 
 
-def test_engine_on_an_fp8_pool_gives_the_same_tokens_through_either_backend(
-    model_dirs, monkeypatch
-):
-    """The whole model (fused rope + FP8 store, attention over FP8 blocks) on the Triton kernels,
-    interpreted, against the torch reference path: the same greedy tokens."""
+def _greedy_tokens(model_dir, max_tokens: int, **config) -> dict[str, list[int]]:
+    """Three prompts' greedy tokens from the tiny model with the given engine settings (eager)."""
     from conftest import run_to_completion
 
     from tandem.engine.config import EngineConfig
@@ -110,19 +107,25 @@ def test_engine_on_an_fp8_pool_gives_the_same_tokens_through_either_backend(
     from tandem.engine.sampling_options import SamplingOptions
 
     prompts = {f"r{i}": [1] + list(range(10 + 9 * i, 20 + 13 * i)) for i in range(3)}
-    options = SamplingOptions(max_tokens=6, ignore_eos=True)
+    engine = LLMEngine(
+        EngineConfig(
+            str(model_dir), block_size=8, num_blocks=32, max_loras=0, enforce_eager=True, **config
+        )
+    )
+    return run_to_completion(
+        engine, prompts, SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+def test_engine_on_an_fp8_pool_gives_the_same_tokens_through_either_backend(
+    model_dirs, monkeypatch
+):
+    """The whole model (fused rope + FP8 store, attention over FP8 blocks) on the Triton kernels,
+    interpreted, against the torch reference path: the same greedy tokens."""
     tokens = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", backend)
-        config = EngineConfig(
-            str(model_dirs["llama"]),
-            block_size=8,
-            num_blocks=32,
-            kv_cache_dtype="fp8",
-            max_loras=0,
-            enforce_eager=True,
-        )
-        tokens[backend] = run_to_completion(LLMEngine(config), prompts, options)
+        tokens[backend] = _greedy_tokens(model_dirs["llama"], 6, kv_cache_dtype="fp8")
     assert tokens["triton"] == tokens["torch"]
 
 
@@ -264,16 +267,9 @@ def test_an_fp8_engine_gives_the_same_tokens_with_the_norms_quantizing(model_dir
     """--quantization fp8 on the Triton kernels (interpreted): the norms quantizing for the
     projections after them, or the projections' own quantizers, give the same greedy tokens;
     the fused norm ran in the prefill steps (more than one row)."""
-    from conftest import run_to_completion
-
-    from tandem.engine.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.engine.sampling_options import SamplingOptions
     from tandem.kernels import dispatch
 
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
-    prompts = {f"r{i}": [1] + list(range(10 + 9 * i, 20 + 13 * i)) for i in range(3)}
-    options = SamplingOptions(max_tokens=5, ignore_eos=True)
     fused = dispatch.add_rms_norm_fp8
     calls = []
     tokens = {}
@@ -285,15 +281,7 @@ def test_an_fp8_engine_gives_the_same_tokens_with_the_norms_quantizing(model_dir
             if mode == "fused"
             else (lambda *a: None),
         )
-        config = EngineConfig(
-            str(model_dirs["llama"]),
-            block_size=8,
-            num_blocks=32,
-            quantization="fp8",
-            max_loras=0,
-            enforce_eager=True,
-        )
-        tokens[mode] = run_to_completion(LLMEngine(config), prompts, options)
+        tokens[mode] = _greedy_tokens(model_dirs["llama"], 5, quantization="fp8")
     assert tokens["fused"] == tokens["apart"]
     assert any(n > 1 for n in calls)
 
