@@ -10,6 +10,10 @@
    copy rate), the peak being a large bf16 GEMM and the rate a large copy, both measured here.
 2. Decode attention (batch x context) over a bf16 pool and an FP8 pool, as KV bytes read per
    second against the copy rate: the torch reference, and on CUDA the Triton kernel too.
+3. The activations' quantizers per token count, against the bytes each must move at the copy
+   rate: a row's quantization (the o projection's input), and on CUDA the kernels that fold it
+   into the op before (add + RMSNorm for q/k/v and gate/up, SwiGLU for down) against that op and
+   the quantizer run apart.
 
 On the CPU the numbers say where the torch path spends its time (the activation quantization and
 the float8 -> float conversions inside _scaled_mm are plain CPU loops; there is no FP8 arithmetic),
@@ -143,6 +147,53 @@ def attention_table(device, batch, context, copy_gbs, repeats) -> None:
             )
 
 
+def quantizer_table(device, hidden: int, inter: int, token_counts, copy_gbs, repeats) -> None:
+    """ms of each quantizer (x = ms / the bytes it must read and write at the copy rate); on CUDA
+    the one-kernel versions beside the two kernels they replace."""
+    from tandem.kernels import dispatch
+    from tandem.kernels import fp8 as fp8_reference
+
+    gen = torch.Generator(device).manual_seed(serve.SEED)
+    print(f"activation quantizers (ms; x = ms / (bytes read + written) at {copy_gbs:.0f} GB/s):")
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+        residual = torch.randn_like(x)
+        weight = torch.rand(hidden, generator=gen, device=device).to(torch.bfloat16) + 0.5
+        gate_up = torch.randn(tokens, 2 * inter, generator=gen, device=device).to(torch.bfloat16)
+        row_bytes = 3 * tokens * hidden  # bf16 in, float8 out
+        norm_bytes = 3 * 2 * tokens * hidden + tokens * hidden  # x, residual in, total out; fp8
+        silu_bytes = 2 * 2 * tokens * inter + tokens * inter  # gate/up in, fp8 out
+        if device.type != "cuda":
+            runs = {"rows (o's input)": (lambda: fp8_reference.quantize_rows(x, 1), row_bytes)}
+        else:
+            fp8 = dispatch._triton_module("fp8_triton")
+            fused = dispatch._triton_module("fused_triton")
+            runs = {
+                "rows (o's input)": (lambda: fp8.quantize_rows(x, 1), row_bytes),
+                "add+norm, then quantize": (
+                    lambda: fp8.quantize_rows(fused.add_rms_norm(x, residual, weight, 1e-5)[0], 1),
+                    norm_bytes + 4 * tokens * hidden,  # the bf16 rows written and read again
+                ),
+                "add+norm quantizing": (
+                    lambda: fused.add_rms_norm_quantize(x, residual, weight, 1e-5),
+                    norm_bytes,
+                ),
+                "swiglu, then quantize": (
+                    lambda: fp8.quantize_rows(fused.silu_and_mul(gate_up), 1),
+                    silu_bytes + 4 * tokens * inter,
+                ),
+                "swiglu in the quantizer": (
+                    lambda: fp8.silu_mul_quantize_rows(gate_up, 1),
+                    silu_bytes,
+                ),
+            }
+        cells = []
+        for name, (fn, nbytes) in runs.items():
+            ms = _timed_ms(device, fn, repeats)
+            cells.append(f"{name} {ms:.4f} x{ms / (nbytes / copy_gbs / 1e6):.1f}")
+        print(f"  T={tokens:<5} " + "; ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -166,6 +217,11 @@ def main() -> None:
     )
     print()
     attention_table(device, 8, 512 if not on_gpu else 4096, copy_gbs, repeats)
+    print()
+    hidden, inter = shapes["o"][1], shapes["down"][1]
+    quantizer_table(
+        device, hidden, inter, (16, 256) if not on_gpu else (256, 2048, 8192), copy_gbs, repeats
+    )
 
 
 if __name__ == "__main__":
