@@ -21,7 +21,8 @@ not what FP8 buys. On an H100/H200 (not run yet: the GPU run issue) it would sho
 memory-bound, FP8 reading half the weight bytes of bf16 (~2x at the copy rate, the 8B decode floor
 from ~3.5 to ~1.8 ms/step); large token counts compute-bound with _scaled_mm at about twice bf16's
 TFLOP/s; the block-scaled loop far behind both (G launches per GEMM: a fused Triton kernel is the
-path); the per-token quantization a separate kernel worth fusing into the preceding norm. On CUDA
+path); the per-token quantization a kernel of its own before o, folded into the norm before
+q/k/v and gate/up and into SwiGLU before down (table 3). On CUDA
 the attention table adds the Triton kernel over both pools: an FP8 pool should read at about
 the bf16 pool's GB/s, so take about half its time at long contexts.
 """
