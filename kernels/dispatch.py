@@ -109,8 +109,9 @@ def add_rms_norm_fp8(
 ) -> tuple[fp8_reference.QuantizedRows, torch.Tensor] | None:
     """add_rms_norm whose normed rows go straight into the FP8 activation quantizer (one kernel,
     the model-dtype rows never written) when the FP8 projection after it (weight_scale) would
-    quantize them anyway: the Triton backend, more than one row (one goes to the FP8 GEMV), one
-    scale a row, not batch invariant. None otherwise: the caller runs add_rms_norm."""
+    quantize them anyway: the Triton backend, more than one row (one goes to the FP8 GEMV unless
+    TANDEM_GEMV=off), one scale a row, not batch invariant. None otherwise: the caller runs
+    add_rms_norm."""
     if (
         batch_invariant.is_enabled()
         or weight_scale.shape[1] != 1

@@ -313,7 +313,7 @@ def _add_rms_norm(x, residual, weight, eps, out, scale):
             weight,
             out,
             total,
-            total if scale is None else scale,
+            total if scale is None else scale,  # (not read without QUANTIZE: any pointer)
             x.stride(0),
             residual.stride(0),
             x.shape[1],

@@ -98,8 +98,9 @@ def test_rope_store_kv_on_fp8_blocks_matches_the_reference(kv_scales, dtype):
         assert ((got - want).abs() <= want.abs() * 2**-3).all()
 
 
-def _greedy_tokens(model_dir, max_tokens: int, **config) -> dict[str, list[int]]:
-    """Three prompts' greedy tokens from the tiny model with the given engine settings (eager)."""
+def _greedy_tokens(model_dir, max_tokens: int, engines=None, **config) -> dict[str, list[int]]:
+    """Three prompts' greedy tokens from the tiny model with the given engine settings (eager);
+    the engine is appended to `engines` when given."""
     from conftest import run_to_completion
 
     from tandem.engine.config import EngineConfig
@@ -112,6 +113,8 @@ def _greedy_tokens(model_dir, max_tokens: int, **config) -> dict[str, list[int]]
             str(model_dir), block_size=8, num_blocks=32, max_loras=0, enforce_eager=True, **config
         )
     )
+    if engines is not None:
+        engines.append(engine)
     return run_to_completion(
         engine, prompts, SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
     )
@@ -237,22 +240,31 @@ def test_the_norm_quantizes_for_an_fp8_projection_only_where_its_quantizer_would
     """dispatch.add_rms_norm_fp8 fuses on the Triton backend for more than one row and one scale
     a row, outside batch invariance; elsewhere None (the caller runs add_rms_norm), and an FP8
     projection of what it returns is the projection of add_rms_norm's rows."""
-    from tandem.engine.linear import Fp8Linear, apply_linear
+    from tandem.engine.linear import Fp8Linear, apply_linear, fp8_input
     from tandem.kernels import batch_invariant, dispatch
 
     gen = torch.Generator().manual_seed(9)
     x, residual = (torch.randn(2, 6, 64, generator=gen) * 2).bfloat16()
     weight = (torch.rand(64, generator=gen) + 0.5).bfloat16()
-    proj = Fp8Linear(64, 48, bias=False, num_groups=1)
+    proj = Fp8Linear(64, 48, bias=True, num_groups=1)  # (Qwen2's q/k/v have a bias)
     proj.weight.data, proj.weight_scale.data = fp8_reference.quantize_rows(
         torch.randn(48, 64, generator=gen) / 8, 1
     )
-    blocked = fp8_reference.quantize_rows(torch.randn(48, 64, generator=gen) / 8, 2)[1]
+    proj.bias.data = torch.randn(48, generator=gen).bfloat16()
+    blocked = Fp8Linear(64, 48, bias=False, num_groups=2)
+    blocked.weight.data, blocked.weight_scale.data = fp8_reference.quantize_rows(
+        torch.randn(48, 64, generator=gen) / 8, 2
+    )
+    # Which projections a norm may quantize for: FP8, one scale a row, no adapters in the step.
+    assert fp8_input(proj, None) is proj
+    assert fp8_input(proj, object()) is None  # a LoRA batch: the adapters read the bf16 rows
+    assert fp8_input(blocked, None) is None
+    assert fp8_input(torch.nn.Linear(64, 48), None) is None
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "torch")
     assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale) is None
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     assert dispatch.add_rms_norm_fp8(x[:1], residual[:1], weight, 1e-5, proj.weight_scale) is None
-    assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, blocked) is None
+    assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, blocked.weight_scale) is None
     with batch_invariant.batch_invariant(True):
         assert dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale) is None
     rows, total = dispatch.add_rms_norm_fp8(x, residual, weight, 1e-5, proj.weight_scale)
@@ -261,6 +273,10 @@ def test_the_norm_quantizes_for_an_fp8_projection_only_where_its_quantizer_would
     want = apply_linear(proj, normed)
     got = apply_linear(proj, rows)
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    # Quantized rows reach only the projection they were made for, or fail saying so.
+    for other in (blocked, torch.nn.Linear(64, 48)):
+        with pytest.raises(TypeError, match="only the Fp8Linear fp8_input chose"):
+            apply_linear(other, rows)
 
 
 def test_an_fp8_engine_gives_the_same_tokens_with_the_norms_quantizing(model_dirs, monkeypatch):
@@ -271,19 +287,26 @@ def test_an_fp8_engine_gives_the_same_tokens_with_the_norms_quantizing(model_dir
 
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     fused = dispatch.add_rms_norm_fp8
-    calls = []
-    tokens = {}
+    fused_for = set()  # the projections whose scales a norm quantized for
+
+    def recorded(x, residual, weight, eps, weight_scale):
+        result = fused(x, residual, weight, eps, weight_scale)
+        if result is not None:
+            fused_for.add(weight_scale.data_ptr())
+        return result
+
+    tokens, engines = {}, []
     for mode in ("apart", "fused"):
         monkeypatch.setattr(
-            dispatch,
-            "add_rms_norm_fp8",
-            (lambda *a: calls.append(a[0].shape[0]) or fused(*a))
-            if mode == "fused"
-            else (lambda *a: None),
+            dispatch, "add_rms_norm_fp8", recorded if mode == "fused" else (lambda *a: None)
         )
-        tokens[mode] = _greedy_tokens(model_dirs["llama"], 5, quantization="fp8")
+        tokens[mode] = _greedy_tokens(model_dirs["llama"], 5, engines, quantization="fp8")
     assert tokens["fused"] == tokens["apart"]
-    assert any(n > 1 for n in calls)
+    # Every layer's gate/up, and q/k/v from the second layer on (the first norm adds no residual).
+    layers = engines[-1].runner.model.layers
+    want = {layer.mlp.gate_up_proj.weight_scale.data_ptr() for layer in layers}
+    want |= {layer.self_attn.qkv_proj.weight_scale.data_ptr() for layer in layers[1:]}
+    assert fused_for == want
 
 
 def test_the_deterministic_mode_keeps_swiglu_out_of_the_quantizer(monkeypatch):

@@ -305,13 +305,16 @@ def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     from tandem.kernels import fused_triton
 
     # The norm before qkv / gate_up quantizing in its own kernel, as the norm then the quantizer.
-    x, residual = torch.randn(2, 256, 4096, generator=gen, device="cuda").bfloat16()
-    weight = (torch.rand(4096, generator=gen, device="cuda") + 0.5).bfloat16()
-    normed, want_total = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
-    want_q, want_s = fp8_triton.quantize_rows(normed, 1)
-    got_q, got_s, got_total = fused_triton.add_rms_norm_quantize(x, residual, weight, 1e-5)
-    assert torch.equal(got_total, want_total) and torch.equal(got_s, want_s)
-    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    # 5,120 columns (a 13B/Qwen-14B width) leave masked lanes; a row whose sum is zero.
+    for hidden in (4096, 5120):
+        x, residual = torch.randn(2, 256, hidden, generator=gen, device="cuda").bfloat16()
+        residual[0] = -x[0]
+        weight = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).bfloat16()
+        normed, want_total = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
+        want_q, want_s = fp8_triton.quantize_rows(normed, 1)
+        got_q, got_s, got_total = fused_triton.add_rms_norm_quantize(x, residual, weight, 1e-5)
+        assert torch.equal(got_total, want_total) and torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     # SwiGLU quantized in the quantizer (a prefill step's down_proj input), as the two kernels do;
     # 28,672 columns (a 70B down_proj's input) are wider than one pass: read twice.
     for inter in (14336, 28672):

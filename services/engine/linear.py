@@ -43,6 +43,11 @@ def build_linear(
 def apply_linear(module: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """x: model-dtype rows, or rows the norm before an Fp8Linear quantized for it (fp8_input)."""
     if isinstance(x, QuantizedRows):
+        if not isinstance(module, Fp8Linear) or module.weight_scale.shape[1] != x.scale.shape[1]:
+            raise TypeError(
+                f"rows quantized with {x.scale.shape[1]} scale(s) a row reached "
+                f"{type(module).__name__}: only the Fp8Linear fp8_input chose may read them"
+            )
         return fp8_linear_quantized(
             x.xq, x.scale, module.weight, module.weight_scale, x.dtype, module.bias
         )

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.linear import apply_linear, apply_silu_mul_linear, build_linear, fp8_input
+from tandem.engine.linear import (
+    Fp8Linear,
+    apply_linear,
+    apply_silu_mul_linear,
+    build_linear,
+    fp8_input,
+)
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.moe import SparseMoeBlock
 from tandem.engine.parallel import TensorParallel, vocab_parallel_embedding, vocab_range
@@ -39,7 +45,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_for=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        fp8_for: Fp8Linear | None = None,
+    ):
         """rms_norm(x); with a residual, the add is folded in and (rms_norm(residual + x), residual + x) returned.
         fp8_for: the Fp8Linear that reads the normed rows next (linear.fp8_input): with a residual,
         they may come back quantized for it (QuantizedRows) where its own quantizer would run."""
