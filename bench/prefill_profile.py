@@ -41,6 +41,13 @@ KINDS = (
     ("gemv", ("_gemv",)),
     ("sampler", ("sort", "topk", "softmax", "argmax", "exponential", "_sample", "reduce")),
 )
+# The 8B layer's projections, (N, K) of each weight.
+LAYER_GEMMS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
 GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90")
 
 
@@ -55,12 +62,6 @@ def kind_of(name: str) -> str:
 def gemm_rates(device: torch.device) -> None:
     import triton.testing
 
-    shapes = {
-        "qkv": (6144, 4096),
-        "o": (4096, 4096),
-        "gate_up": (28672, 4096),
-        "down": (4096, 14336),
-    }
     print("the 8B layer's GEMMs, TFLOP/s (dense bf16 peak 989):")
     print(
         f"  {'rows':>5} {'gemm':<8}"
@@ -69,7 +70,7 @@ def gemm_rates(device: torch.device) -> None:
     gen = torch.Generator(device).manual_seed(0)
     weights = {
         name: torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
-        for name, shape in shapes.items()
+        for name, shape in LAYER_GEMMS.items()
     }
     for rows in (256, 2048, 8192):
         total = {"cublas": 0.0, "cublaslt": 0.0}
@@ -101,20 +102,15 @@ def fp8_gemm_rates(device: torch.device) -> None:
     import triton.testing
 
     from tandem.kernels import dispatch
-    from tandem.kernels.fp8 import quantize_rows
+    from tandem.kernels.fp8 import fp8_linear_quantized, quantize_rows
 
-    shapes = {
-        "qkv": (6144, 4096),
-        "o": (4096, 4096),
-        "gate_up": (28672, 4096),
-        "down": (4096, 14336),
-    }
     gen = torch.Generator(device).manual_seed(0)
     weights = {}
-    for name, shape in shapes.items():
+    for name, shape in LAYER_GEMMS.items():
         weights[name] = quantize_rows(
             torch.randn(*shape, generator=gen, device=device).bfloat16() * 0.02
         )
+    quantize = dispatch._triton_module("fp8_triton").quantize_rows
     print(f"the 8B layer's FP8 products, TFLOP/s (dense FP8 peak {2 * BF16_DENSE_TFLOPS:.0f}):")
     print(
         f"  {'rows':>5} {'gemm':<8}{'scaled_mm ms':>14}{'TFLOP/s':>9}{'+quantize ms':>14}{'TFLOP/s':>9}"
@@ -123,14 +119,10 @@ def fp8_gemm_rates(device: torch.device) -> None:
         total = [0.0, 0.0]
         for name, (weight, scale) in weights.items():
             x = torch.randn(rows, weight.shape[1], generator=gen, device=device).bfloat16()
-            quantize = dispatch._triton_module("fp8_triton").quantize_rows
             xq, x_scale = quantize(x, 1)
-            w_t, w_scale = weight.t(), scale.view(1, -1)
 
             def product():
-                return torch._scaled_mm(
-                    xq, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16
-                )
+                return fp8_linear_quantized(xq, x_scale, weight, scale, torch.bfloat16)
 
             flops = 2 * rows * weight.numel()
             alone = triton.testing.do_bench(product, warmup=10, rep=50, return_mode="median")

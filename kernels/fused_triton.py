@@ -279,7 +279,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(residual + x), residual + x); x and residual [T, N]."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return _add_rms_norm(x, residual, weight, eps, out, None)
+    return out, _add_rms_norm(x, residual, weight, eps, out, None)
 
 
 def add_rms_norm_quantize(
@@ -290,11 +290,11 @@ def add_rms_norm_quantize(
     The normed rows are never written in the model dtype (an FP8 projection reads them next)."""
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    out, total = _add_rms_norm(x, residual, weight, eps, out, scale)
-    return out, scale, total
+    return out, scale, _add_rms_norm(x, residual, weight, eps, out, scale)
 
 
-def _add_rms_norm(x, residual, weight, eps, out, scale):
+def _add_rms_norm(x, residual, weight, eps, out, scale) -> torch.Tensor:
+    """Runs the kernel into out (and scale when quantizing); returns residual + x."""
     require(
         x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype,
         f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and weight "
@@ -324,7 +324,7 @@ def _add_rms_norm(x, residual, weight, eps, out, scale):
             RECIPROCAL=x.is_cuda,
             num_warps=warps,
         )
-    return out, total
+    return total
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
