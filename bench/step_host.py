@@ -12,6 +12,9 @@ nothing to hide behind, so its host work adds to the split's time to the second 
 
 --trace-first: the imported sequence's first step() call under torch.profiler as well (CPU ops
 and the CUDA runtime calls they make, by own time): the host work cProfile shows only as C.
+--parts: the first step() call taken apart by wall clock (schedule, pack, upload, the graph's
+replay, the draws, the rest), back to back and after --idle-ms asleep or spinning (an engine idle
+between requests), beside a step in the stream: no profiler hooks, so the numbers are the call's own.
 
 Prints, per batch size: the step period, and the functions with the most time of their own
 (cProfile; a call that waits for the device shows its wait as its own time: .tolist(),
@@ -203,6 +206,108 @@ def trace_first_step(engine: LLMEngine, prompt_len: int, repeats: int, top: int)
         print(f"  {ms / repeats:8.3f} ms  {counts[key] / repeats:6.1f} calls  {key[:80]}")
 
 
+_PARTS = (  # (label, owner path from the engine, attribute): each wrapped in a wall-clock timer
+    ("schedule", "scheduler", "schedule"),
+    ("pack", "runner.inputs", "pack"),
+    ("upload", "runner.inputs", "upload"),
+    ("replay", "runner.graphs", "run"),
+    ("draws", "runner.sampler", "sample"),
+    ("execute", "runner", "execute"),
+    ("postprocess", "", "_postprocess"),
+)
+
+
+def _wrap_parts(engine: LLMEngine) -> tuple[dict[str, float], callable]:
+    """Wall-clock timers around _PARTS (an instance attribute shadowing each method); returns the
+    seconds by label and a function that removes the timers."""
+    spent = dict.fromkeys([label for label, _, _ in _PARTS], 0.0)
+    owners = []
+    for label, path, name in _PARTS:
+        owner = engine
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr)
+        if owner is None:
+            continue
+        fn = getattr(owner, name)
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+        owners.append((owner, name))
+
+    def undo() -> None:
+        for owner, name in owners:
+            delattr(owner, name)
+
+    return spent, undo
+
+
+def _idle(how: str, ms: float) -> None:
+    """Waits ms: asleep (the core may go idle, as an engine thread blocked on its queue does) or
+    spinning (the core kept busy)."""
+    if how == "asleep":
+        time.sleep(ms / 1e3)
+    else:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            pass
+
+
+def first_step_parts(engine: LLMEngine, prompt_len: int, repeats: int, idle_ms: float) -> None:
+    """The imported sequence's first step() call by part (wall clock, median over repeats): back
+    to back with the sequence before it, after idle_ms asleep and after idle_ms spinning (whether
+    an idle core's wake-up is what the first launch pays), beside its third call (a step in the
+    stream: it waits for the one before, so its 'rest' holds that wait)."""
+    rng = random.Random(13)
+    vocab = engine.model_config.vocab_size
+    spent, undo = _wrap_parts(engine)
+    variants = {"back to back": None, "asleep": "asleep", "spinning": "spinning"}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+    stream: list[dict[str, float]] = []
+    try:
+        for r in range(len(variants) * repeats):
+            name = list(variants)[r % len(variants)]
+            rid = f"parts-{r}"
+            options = SamplingOptions(max_tokens=4, ignore_eos=True)
+            engine.add_remote_kv_request(rid, _prompt(rng, prompt_len, vocab), [5], options)
+            engine.remote_kv_arrived(rid)
+            if variants[name]:
+                _idle(variants[name], idle_ms)
+            call = 0
+            while engine.num_unfinished:
+                for label in spent:
+                    spent[label] = 0.0
+                started = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - started
+                if call in (0, 2):
+                    row = {k: v * 1e3 for k, v in spent.items()} | {"wall": wall * 1e3}
+                    (rows[name] if call == 0 else stream).append(row)
+                call += 1
+    finally:
+        undo()
+    labels = [label for label, _, _ in _PARTS]
+    print(
+        f"\n# the imported sequence's first step() call by part, ms (median of {repeats}; "
+        f"asleep / spinning: for {idle_ms:g} ms before it; 'execute' holds pack, upload, replay "
+        "and draws; 'rest' = wall - schedule - execute - postprocess)"
+    )
+    print(f"{'':>22}" + "".join(f"{label:>12}" for label in labels + ["rest", "wall"]))
+    for name, samples in list(rows.items()) + [("a step in the stream", stream)]:
+        med = {k: statistics.median(s[k] for s in samples) for k in labels + ["wall"]}
+        rest = med["wall"] - med["schedule"] - med["execute"] - med["postprocess"]
+        print(
+            f"{name:>22}"
+            + "".join(f"{med[k]:>12.3f}" for k in labels)
+            + f"{rest:>12.3f}{med['wall']:>12.3f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -219,6 +324,17 @@ def main() -> None:
         "--trace-first",
         action="store_true",
         help="also trace the imported sequence's first step() calls with torch.profiler",
+    )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time the imported sequence's first step() call part by part (wall clock)",
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=50.0,
+        help="--parts: the idle time before the asleep and spinning variants",
     )
     parser.add_argument(
         "--tables",
@@ -240,6 +356,8 @@ def main() -> None:
     engine.warm_up()
     print(f"# host work per decode step: {args.model or 'tiny model'} on {args.device}")
     first_steps(engine, args.import_len, 12, args.top)
+    if args.parts:
+        first_step_parts(engine, args.import_len, 12, args.idle_ms)
     if args.trace_first:
         trace_first_step(engine, args.import_len, 8, args.top)
     modes = {"new": [True], "whole": [False], "both": [False, True]}[args.tables]
