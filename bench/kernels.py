@@ -3,6 +3,8 @@
     python bench/kernels.py            # CUDA: Llama-3.1-8B shapes (32 q / 8 kv heads, head_dim 128, bf16)
     python bench/kernels.py --tiny     # small shapes; on a CPU, Triton runs under TRITON_INTERPRET
     python bench/kernels.py --dense-prefill  # CUDA: also fresh prompts on cuDNN and FlashAttention-2
+    python bench/kernels.py --fresh-prefill  # also fresh prompts over their own keys (the engine's
+                                             # path for them) against the paged kernel, tiles swept
     python bench/kernels.py --linear         # CUDA: also the decode GEMMs under cuBLAS and cuBLASLt
 
 Decode rows report KV bytes read over time (GB/s) against HBM bandwidth; prefill rows
@@ -338,6 +340,85 @@ def dense_prefill_rows(bench: Bench) -> None:
         )
 
 
+FRESH_SWEEP = [  # (block_m, block_n, warps, stages); the first is the kernel's default
+    (128, 64, 8, 3),
+    (128, 64, 8, 2),
+    (128, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 32, 4, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 4, 3),
+]
+
+
+def fresh_prefill_rows(bench: Bench) -> None:
+    """Fresh prompts' attention over their own keys (prefill_attention_triton.py, what the engine
+    runs for a step of fresh prompts) against the paged kernel over the same keys in the pool,
+    with the fresh kernel's tiles swept; TFLOP/s of causal attention against dense bf16. On CUDA
+    also cuDNN's SDPA on dense [B, H, T, D] tensors, one prompt at a time (the kernel rate the
+    engine cannot use: it plans per prompt length). Error: relative to the paged kernel."""
+    from tandem.kernels import prefill_attention_triton as fresh
+
+    on_cuda = bench.device.type == "cuda"
+    print(
+        f"\nfresh prompts' attention (ms, TFLOP/s of causal attention; {BF16_DENSE_TFLOPS:.0f} dense "
+        "bf16 peak); the fresh kernel's tiles (block_m/block_n/warps/stages) swept:"
+    )
+    cases = ([2048], [512] * 16, [4096], [300, 700, 1024]) if on_cuda else ([40], [9, 17])
+    sweep = FRESH_SWEEP if on_cuda else FRESH_SWEEP[:1]
+    for lens in cases:
+        query, kv_layer, meta = bench._batch(16, lens, lens)
+        key, value = (
+            torch.cat(parts)
+            for parts in zip(
+                *(_gather_blocks(kv_layer, meta.block_tables[b], n) for b, n in enumerate(lens))
+            )
+        )
+        flops = bench._causal_flops(lens, lens)
+        scale = bench.head_dim**-0.5
+        name = f"{len(lens)} x {lens[0]}" if len(set(lens)) == 1 else "+".join(map(str, lens))
+        paged = lambda: bench.triton.paged_attention_triton(query, kv_layer, meta, scale)  # noqa: E731
+        expected = paged().float()
+        ms = bench._time(paged)
+        print(f"  {name}: paged kernel {ms:.4f} ms ({flops / ms / 1e9:.1f} TFLOP/s)")
+        for tiles in sweep:
+            config = fresh.FreshConfig(*tiles)
+            run = lambda: fresh.fresh_prefill_attention(  # noqa: E731
+                query, key, value, meta.query_start_loc, max(lens), scale, config
+            )
+            error = float((run().float() - expected).norm() / expected.norm())
+            ms = bench._time(run)
+            tag = " (default)" if tiles == FRESH_SWEEP[0] else ""
+            print(
+                f"    fresh {'/'.join(map(str, tiles)):<14}{ms:9.4f} ms {flops / ms / 1e9:7.1f} "
+                f"TFLOP/s  err {error:.1e}{tag}"
+            )
+        if on_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            starts = meta.host_query_start_loc()
+            dense = [
+                tuple(
+                    t[starts[b] : starts[b + 1]].transpose(0, 1)[None].contiguous()
+                    for t in (query, key, value)
+                )
+                for b in range(len(lens))
+            ]
+
+            def cudnn():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    for q, k, v in dense:
+                        F.scaled_dot_product_attention(
+                            q, k, v, is_causal=True, scale=scale, enable_gqa=True
+                        )
+
+            ms = bench._time(cudnn)
+            print(
+                f"    cuDNN, dense [1, H, T, D] per prompt {ms:.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
+            )
+
+
 def linear_rows(bench: Bench) -> None:
     """The 8B decode GEMMs at small batch under each BLAS library PyTorch can pick (cuBLAS,
     cuBLASLt), as weight bytes read per second against the copy rate."""
@@ -383,6 +464,14 @@ def parse_args() -> argparse.Namespace:
         help="CUDA: also time fresh prompts' attention on cuDNN and FlashAttention-2 (after a gather)",
     )
     parser.add_argument(
+        "--fresh-prefill",
+        action="store_true",
+        help="also time fresh prompts over their own keys against the paged kernel (tiles swept on CUDA)",
+    )
+    parser.add_argument(
+        "--skip-table", action="store_true", help="only the sections asked for, not the main table"
+    )
+    parser.add_argument(
         "--linear", action="store_true", help="CUDA: also time the decode GEMMs per BLAS library"
     )
     return parser.parse_args()
@@ -407,7 +496,7 @@ def main() -> None:
         f"peak, {HBM_COPY_TBS} TB/s measured copy, {BF16_DENSE_TFLOPS:.0f} TFLOP/s bf16 dense"
     )
     rows = []
-    for block_size in shapes.block_sizes:
+    for block_size in [] if args.skip_table else shapes.block_sizes:
         for batch in shapes.decode_batches:
             for context in shapes.decode_contexts:
                 rows.append(bench.decode(block_size, batch, context))
@@ -415,19 +504,25 @@ def main() -> None:
             rows.append(bench.prefill(block_size, prefill_len))
         rows.append(bench.store(block_size, max(shapes.prefill_lens)))
     # A chunk continuing a cached prefix next to decode rows: the engine's mixed steps.
-    rows.append(
-        bench.mixed(shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches))
-    )
-    if run_triton:
+    if not args.skip_table:
+        rows.append(
+            bench.mixed(
+                shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches)
+            )
+        )
+    if run_triton and not args.skip_table:
         hidden, inter = (4096, 14336) if shapes is LLAMA_8B else (64, 128)
         for name in ("add_rms_norm", "silu_and_mul", "rope_store_kv"):
             for num_tokens in (1, 64, 2048) if shapes is LLAMA_8B else (1, 8, 32):
                 rows.append(bench.fused(name, num_tokens, hidden, inter))
-    print_table(rows)
+    if rows:
+        print_table(rows)
     if args.sweep_prefill and run_triton:
         sweep_prefill(bench, max(shapes.prefill_lens))
     if args.dense_prefill and on_cuda:
         dense_prefill_rows(bench)
+    if args.fresh_prefill and run_triton:
+        fresh_prefill_rows(bench)
     if args.linear and on_cuda:
         linear_rows(bench)
 

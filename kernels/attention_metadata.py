@@ -37,6 +37,16 @@ class AttentionMetadata:
             self._host_query_start_loc = self.query_start_loc.tolist()
         return self._host_query_start_loc
 
+    @property
+    def fresh_prompts(self) -> bool:
+        """Every sequence's new tokens are all its tokens (positions 0..len-1, none cached, no
+        earlier chunk) and some sequence has more than one: the step attends only to the keys it
+        computes. Known from the host copies only (False without them: a decode graph's)."""
+        starts, seq_lens = self._host_query_start_loc, self._host_seq_lens
+        if starts is None or seq_lens is None or self.max_query_len <= 1:
+            return False
+        return all(end - start == n for start, end, n in zip(starts, starts[1:], seq_lens))
+
     def host_seq_lens(self) -> list[int]:
         if self._host_seq_lens is None:
             self._host_seq_lens = self.seq_lens.tolist()

@@ -139,10 +139,58 @@ def rope_store_kv(
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    rotated_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding of query and key, the key and value stored to their slots; returns the rotated query."""
+    """Rotary embedding of query and key, the key and value stored to their slots; returns the
+    rotated query (and writes the rotated key to rotated_key, when given)."""
     return _fused(kv_layer.device).rope_store_kv(
-        query, key, value, positions, cos_sin, kv_layer, slot_mapping, kv_scales
+        query, key, value, positions, cos_sin, kv_layer, slot_mapping, kv_scales, rotated_key
+    )
+
+
+def _fresh_prefill_enabled() -> bool:
+    """TANDEM_FRESH_PREFILL=on (the default) or off (every step through the paged kernel); read
+    at each call, like the backend override."""
+    value = os.environ.get("TANDEM_FRESH_PREFILL", "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"TANDEM_FRESH_PREFILL={value!r}; expected on or off")
+    return value == "on"
+
+
+def fresh_prefill(
+    meta: AttentionMetadata,
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> bool:
+    """Whether a step's attention runs over its own keys (prefill_attention_triton.py) instead of
+    the paged pool: fresh prompts only (AttentionMetadata.fresh_prompts), on the Triton backend,
+    a full-attention layer without soft-capping, a pool in the query's dtype (an FP8 pool's
+    prompts see their keys quantized, as the decode will), not batch-invariant, unless
+    TANDEM_FRESH_PREFILL=off."""
+    return (
+        meta.fresh_prompts
+        and window == 0
+        and softcap == 0.0
+        and kv_layer.dtype == query.dtype
+        and not batch_invariant.is_enabled()
+        and backend_for(query.device) == "triton"
+        and _fresh_prefill_enabled()
+    )
+
+
+def fresh_prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention of fresh prompts over their own rotated keys and values: [T, Hq, D]
+    (for a step fresh_prefill() admits; the paged kernel's result within rounding)."""
+    return _triton_module("prefill_attention_triton").fresh_prefill_attention(
+        query, key, value, meta.query_start_loc, meta.max_query_len, scale
     )
 
 
@@ -176,6 +224,7 @@ def check_settings(device: torch.device) -> None:
     value is a ValueError at start-up, not in the middle of a step."""
     backend_for(device)
     _gemv_enabled()
+    _fresh_prefill_enabled()
 
 
 def _gemv_enabled() -> bool:

@@ -62,10 +62,14 @@ def rope_store_kv(
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    rotated_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
     the value to their KV slots (-1: skip; an FP8 pool: divided by kv_scales) and returns the
-    rotated query."""
+    rotated query; rotated_key ([T, Hkv, D]): also written the rotated key, unscaled."""
     cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)
-    store_kv(_rotate(key, cos, sin), value, kv_layer, slot_mapping, kv_scales)
+    key = _rotate(key, cos, sin)
+    store_kv(key, value, kv_layer, slot_mapping, kv_scales)
+    if rotated_key is not None:
+        rotated_key.copy_(key)
     return _rotate(query, cos, sin)

@@ -158,6 +158,7 @@ def _rope_store_kv_kernel(
     kv_ptr,
     slot_ptr,
     q_out_ptr,
+    k_out_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -179,6 +180,7 @@ def _rope_store_kv_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
+    HAS_K_OUT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -205,6 +207,23 @@ def _rope_store_kv_kernel(
         HALF_PAD,
         False,
     )
+    if HAS_K_OUT:  # the rotated key in the model's dtype as well, [T, Hkv, D] contiguous
+        _rotate(
+            k_ptr,
+            k_out_ptr,
+            token * stride_kt,
+            stride_kh,
+            token * NUM_KV_HEADS * 2 * HALF,
+            2 * HALF,
+            cos,
+            sin,
+            1.0,
+            NUM_KV_HEADS,
+            KV_HEADS_PAD,
+            HALF,
+            HALF_PAD,
+            False,
+        )
     slot = tl.load(slot_ptr + token).to(tl.int64)  # int32 slots: block * stride overflows int32
     if slot >= 0:
         # The rotated key goes straight to its cache slot (the layer's strides: [block, k/v, slot, head, dim]).
@@ -352,10 +371,12 @@ def rope_store_kv(
     kv_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    rotated_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotates query [T, Hq, D] and key [T, Hkv, D] by their positions, writes the rotated key and
     the value to their KV slots (-1: skip; an FP8 pool: divided by kv_scales) and returns the
-    rotated query."""
+    rotated query; rotated_key (contiguous [T, Hkv, D] in the key's dtype): also written the
+    rotated key, unscaled."""
     check_kv_layer(kv_layer)
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
     require(
@@ -379,6 +400,14 @@ def rope_store_kv(
         and cos_sin.stride(1) == 1,
         f"cos_sin must be [positions, {head_dim}] in {query.dtype}",
     )
+    if rotated_key is not None:
+        require(
+            rotated_key.shape == key.shape
+            and rotated_key.dtype == key.dtype
+            and rotated_key.device == key.device
+            and rotated_key.is_contiguous(),
+            f"rotated_key must be a contiguous {tuple(key.shape)} {key.dtype} tensor",
+        )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens:
         half = head_dim // 2
@@ -391,6 +420,7 @@ def rope_store_kv(
             kv_layer,
             slot_mapping,
             out,
+            rotated_key if rotated_key is not None else out,  # unused without HAS_K_OUT
             query.stride(0),
             query.stride(1),
             key.stride(0),
@@ -412,6 +442,7 @@ def rope_store_kv(
             HALF_PAD=triton.next_power_of_2(half),
             BLOCK_SIZE=block_size,
             IS_FP8=kv_layer.dtype == torch.float8_e4m3fn,
+            HAS_K_OUT=rotated_key is not None,
             num_warps=4,
         )
     return out

@@ -239,6 +239,72 @@ def test_fused_kernels_match_references_on_llama_8b_shapes():
         _close_bf16(cache, want_cache)
 
 
+def test_fresh_prompts_attention_matches_sdpa_on_llama_8b_shapes():
+    """The fresh-prompt kernel (prefill_attention_triton.py) on the 8B layer's heads, key and
+    value strided views of one qkv projection as the model has them, against SDPA per prompt in
+    float32, with its default tiles and each swept in bench/kernels.py; and the rope kernel's
+    rotated key is the key it stores."""
+    import torch.nn.functional as F
+
+    from tandem.kernels import fused_triton
+    from tandem.kernels import prefill_attention_triton as fresh
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    for lens in ([2048], [300, 700, 1024], [1, 17, 129, 5]):
+        num = sum(lens)
+        qkv = torch.randn(num, (32 + 16) * 128, generator=gen, device="cuda").bfloat16()
+        q, k, v = (t.view(num, -1, 128) for t in qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1))
+        q = q.contiguous()
+        starts = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        want, start = [], 0
+        for n in lens:
+            qs, ks, vs = (t[start : start + n].float().transpose(0, 1) for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(4, 0), vs.repeat_interleave(4, 0)
+            want.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+            start += n
+        want = torch.cat(want)
+        for tiles in [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 3)]:
+            got = fresh.fresh_prefill_attention(
+                q, k, v, starts.cuda(), max(lens), 128**-0.5, fresh.FreshConfig(*tiles)
+            )
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        positions = torch.arange(num, device="cuda")
+        inv_freq = 1.0 / (500000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+        cos_sin = fused.rope_cos_sin(inv_freq, 8192, torch.bfloat16)
+        cache = torch.zeros(num // 16 + 1, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+        slots = torch.arange(num, device="cuda")
+        rotated = torch.empty(num, 8, 128, dtype=torch.bfloat16, device="cuda")
+        fused_triton.rope_store_kv(q, k, v, positions, cos_sin, cache, slots, (1.0, 1.0), rotated)
+        assert torch.equal(rotated, cache[:, 0].flatten(0, 1)[:num])
+
+
+def test_no_fresh_prompt_variant_compiles_after_the_warm_up(model_dirs):
+    """The warm-up's prompt compiles the fresh-prompt kernel and the rope kernel that writes the
+    rotated key out: prompts of any length and batch after it compile neither again."""
+    from tandem.kernels import fused_triton
+    from tandem.kernels import prefill_attention_triton as fresh
+
+    engine = _engine(model_dirs["llama"], max_num_seqs=16, max_num_batched_tokens=512)
+    engine.warm_up()
+    before = (
+        _num_compiled(fresh._fresh_attention_kernel),
+        _num_compiled(fused_triton._rope_store_kv_kernel),
+    )
+    assert before[0] >= 1
+    rng = random.Random(6)
+    for round_ in range(3):
+        prompts = {
+            f"f{round_}-{i}": [1] + [rng.randrange(4, 300) for _ in range(rng.randrange(2, 300))]
+            for i in range(rng.randrange(1, 12))
+        }
+        run_to_completion(engine, prompts, SamplingOptions(max_tokens=3, ignore_eos=True))
+    after = (
+        _num_compiled(fresh._fresh_attention_kernel),
+        _num_compiled(fused_triton._rope_store_kv_kernel),
+    )
+    assert after == before
+
+
 def test_gemvs_match_cublas_on_llama_8b_shapes():
     """One-row GEMVs (gemv_triton.py) on the 8B decode shapes: within bf16 output rounding of cuBLAS,
     and the SwiGLU-fused one within that of SwiGLU then cuBLAS."""
