@@ -35,7 +35,7 @@ class FreshConfig:
     num_stages: int
 
 
-DEFAULT_CONFIG = FreshConfig(128, 64, 8, 3)
+DEFAULT_CONFIG = FreshConfig(64, 64, 4, 3)
 BLOCK_M = DEFAULT_CONFIG.block_m
 
 
@@ -93,19 +93,19 @@ def _fresh_attention_kernel(
     length = tl.load(cu_ptr + seq + 1) - start
     m0 = block * BLOCK_M
     if m0 < length:
-        start = start.to(tl.int64)
+        first = start.to(tl.int64)  # the sequence's first row
         kv_head = head // GROUP
         offs_m = m0 + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, DIM_PAD)
         dim_ok = dims < HEAD_DIM
         rows_ok = offs_m < length
         q = tl.load(
-            q_ptr + (start + offs_m)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+            q_ptr + (first + offs_m)[:, None] * stride_qt + head * stride_qh + dims[None, :],
             mask=rows_ok[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        k_base = k_ptr + start * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + start * stride_vt + kv_head * stride_vh
+        k_base = k_ptr + first * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + first * stride_vt + kv_head * stride_vh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -141,7 +141,7 @@ def _fresh_attention_kernel(
             )
         out = acc / l_i[:, None]
         tl.store(
-            out_ptr + (start + offs_m)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+            out_ptr + (first + offs_m)[:, None] * stride_ot + head * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=rows_ok[:, None] & dim_ok[None, :],
         )
