@@ -27,6 +27,7 @@ class AttentionMetadata:
     # Host copies so the CPU path does not pay a device->host sync in every layer.
     _host_query_start_loc: list[int] | None = field(default=None, repr=False, compare=False)
     _host_seq_lens: list[int] | None = field(default=None, repr=False, compare=False)
+    _fresh: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -41,11 +42,17 @@ class AttentionMetadata:
     def fresh_prompts(self) -> bool:
         """Every sequence's new tokens are all its tokens (positions 0..len-1, none cached, no
         earlier chunk) and some sequence has more than one: the step attends only to the keys it
-        computes. Known from the host copies only (False without them: a decode graph's)."""
-        starts, seq_lens = self._host_query_start_loc, self._host_seq_lens
-        if starts is None or seq_lens is None or self.max_query_len <= 1:
-            return False
-        return all(end - start == n for start, end, n in zip(starts, starts[1:], seq_lens))
+        computes. Known from the host copies only (False without them: a decode graph's); found
+        once a step, asked by every layer."""
+        if self._fresh is None:
+            starts, seq_lens = self._host_query_start_loc, self._host_seq_lens
+            self._fresh = (
+                starts is not None
+                and seq_lens is not None
+                and self.max_query_len > 1
+                and all(end - start == n for start, end, n in zip(starts, starts[1:], seq_lens))
+            )
+        return self._fresh
 
     def host_seq_lens(self) -> list[int]:
         if self._host_seq_lens is None:

@@ -167,7 +167,8 @@ def fresh_prefill(
     """Whether a step's attention runs over its own keys (prefill_attention_triton.py) instead of
     the paged pool: fresh prompts only (AttentionMetadata.fresh_prompts), on the Triton backend,
     a full-attention layer without soft-capping, a pool in the query's dtype (an FP8 pool's
-    prompts see their keys quantized, as the decode will), not batch-invariant, unless
+    prompts see their keys quantized, as the decode will), not batch-invariant, on a GPU a shape
+    its tiles were measured for (prefill_attention_triton.tiled_on_gpu), unless
     TANDEM_FRESH_PREFILL=off."""
     return (
         meta.fresh_prompts
@@ -176,6 +177,10 @@ def fresh_prefill(
         and kv_layer.dtype == query.dtype
         and not batch_invariant.is_enabled()
         and backend_for(query.device) == "triton"
+        and (
+            query.device.type != "cuda"
+            or _triton_module("prefill_attention_triton").tiled_on_gpu(query.shape[-1], query.dtype)
+        )
         and _fresh_prefill_enabled()
     )
 

@@ -3,15 +3,15 @@ position 0 (no cached prefix, no earlier chunk) attends only to the keys it comp
 
 So its keys and values are read from the step's own [T, Hkv, D] tensors rather than gathered
 through the block table: the paged kernel (paged_attention_triton.py) pays 15-18% for the
-gather on such steps (runs 23-24, bench/RESULTS.md). A program owns BLOCK_M query tokens of one
-query head (FlashAttention-2's tiling: a K/V tile serves 128 rows where the paged kernel's
-GQA-grouped tiles serve 64), walks the key tiles left of its diagonal without masks, then the
-diagonal's with the causal mask, in an online softmax in base 2. The heaviest query blocks
-(last in their sequence) are launched first.
+gather on such steps (runs 23-24, bench/RESULTS.md). A program owns block_m query tokens of one
+query head (FlashAttention-2's tiling, where the paged kernel's rows are tokens x the query heads
+of one kv head), walks the key tiles left of its diagonal without masks, then the diagonal's with
+the causal mask, in an online softmax in base 2. Within each (sequence, head) the query blocks
+with the most keys are launched first.
 
 Not for sliding-window or soft-capped layers, FP8 pools (whose keys the decode reads back
-quantized: a prompt must see the same), or the batch-invariant mode: dispatch.fresh_prefill says
-when it runs.
+quantized: a prompt must see the same), the batch-invariant mode, or on a GPU shapes whose tiles
+were not measured (tiled_on_gpu): dispatch.fresh_prefill says when it runs.
 """
 
 from __future__ import annotations
@@ -35,8 +35,16 @@ class FreshConfig:
     num_stages: int
 
 
+# The best of eight settings at every case swept on an H100 (bf16, head_dim 128; bench/RESULTS.md).
 DEFAULT_CONFIG = FreshConfig(64, 64, 4, 3)
 BLOCK_M = DEFAULT_CONFIG.block_m
+
+
+def tiled_on_gpu(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether DEFAULT_CONFIG's tiles were measured for this shape on a GPU: a 2-byte dtype and a
+    head_dim up to 128. Wider heads or float32 need other tiles (their shared memory outgrows
+    some GPUs: float32 at head_dim 256 needs ~340 KB) and go to the paged kernel until measured."""
+    return head_dim <= 128 and torch.empty((), dtype=dtype).element_size() == 2
 
 
 @triton.jit
@@ -106,36 +114,33 @@ def _fresh_attention_kernel(
         )
         k_base = k_ptr + first * stride_kt + kv_head * stride_kh
         v_base = v_ptr + first * stride_vt + kv_head * stride_vh
+        tile = tl.arange(0, BLOCK_N)
+        # Each tile's rows as pointers advanced tile by tile: 64-bit addresses throughout (a row
+        # times a qkv row's stride passes 2**31 at ~150k tokens on the widest models).
+        k_rows = k_base + tile[:, None] * stride_kt
+        v_rows = v_base + tile[:, None] * stride_vt
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         # Left of the diagonal every key is visible and inside the sequence.
         for n in range(0, m0, BLOCK_N):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            k_tile = tl.load(
-                k_base + offs_n[:, None] * stride_kt + dims[None, :],
-                mask=dim_ok[None, :],
-                other=0.0,
-            )
-            v_tile = tl.load(
-                v_base + offs_n[:, None] * stride_vt + dims[None, :],
-                mask=dim_ok[None, :],
-                other=0.0,
-            )
+            offs_n = n + tile
+            k_tile = tl.load(k_rows + dims[None, :], mask=dim_ok[None, :], other=0.0)
+            v_tile = tl.load(v_rows + dims[None, :], mask=dim_ok[None, :], other=0.0)
+            k_rows += BLOCK_N * stride_kt
+            v_rows += BLOCK_N * stride_vt
             m_i, l_i, acc = _step(
                 q, k_tile, v_tile, offs_m, offs_n, m_i, l_i, acc, scale_log2, False, INTERPRETED
             )
         # The diagonal's tiles: causal, and cut at the sequence's end. Every row sees its own key,
         # padding rows (past the end) key m0 at least: no row is all -inf.
         for n in range(m0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
-            offs_n = n + tl.arange(0, BLOCK_N)
+            offs_n = n + tile
             tile_ok = (offs_n < length)[:, None] & dim_ok[None, :]
-            k_tile = tl.load(
-                k_base + offs_n[:, None] * stride_kt + dims[None, :], mask=tile_ok, other=0.0
-            )
-            v_tile = tl.load(
-                v_base + offs_n[:, None] * stride_vt + dims[None, :], mask=tile_ok, other=0.0
-            )
+            k_tile = tl.load(k_rows + dims[None, :], mask=tile_ok, other=0.0)
+            v_tile = tl.load(v_rows + dims[None, :], mask=tile_ok, other=0.0)
+            k_rows += BLOCK_N * stride_kt
+            v_rows += BLOCK_N * stride_vt
             m_i, l_i, acc = _step(
                 q, k_tile, v_tile, offs_m, offs_n, m_i, l_i, acc, scale_log2, True, INTERPRETED
             )
@@ -183,8 +188,10 @@ def fresh_prefill_attention(
         "query, key and value must share dtype and device, with unit stride along the head dim",
     )
     require(
-        config.block_m % config.block_n == 0,
-        f"block_m {config.block_m} must be a multiple of block_n {config.block_n}",
+        all(x >= 16 and x & (x - 1) == 0 for x in (config.block_m, config.block_n))
+        and config.block_m % config.block_n == 0,
+        f"block_m and block_n must be powers of two >= 16, block_m a multiple of block_n; got "
+        f"{config.block_m} and {config.block_n}",
     )
     require(
         query_start_loc.dim() == 1
@@ -215,7 +222,7 @@ def fresh_prefill_attention(
         scale * _LOG2E,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),  # tl.dot's smallest K
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         INTERPRETED=query.device.type != "cuda",

@@ -23,7 +23,13 @@ for _name in ("tandem.kernels.prefill_attention_triton", "tandem.kernels.fused_t
     if _name in sys.modules:  # decorated earlier without the interpreter
         importlib.reload(sys.modules[_name])
 from tandem.kernels import fused_triton  # noqa: E402
-from tandem.kernels.prefill_attention_triton import BLOCK_M, fresh_prefill_attention  # noqa: E402
+from tandem.kernels.prefill_attention_triton import (  # noqa: E402
+    BLOCK_M,
+    DEFAULT_CONFIG,
+    FreshConfig,
+    fresh_prefill_attention,
+    tiled_on_gpu,
+)
 
 
 def _reference(query, key, value, lens, scale):
@@ -60,16 +66,22 @@ CASES = {
     "varlen with one-token prompts": (4, 4, 32, [1, 150, 7, 1, BLOCK_M]),
     "group of three, head_dim 80": (6, 2, 80, [70, 131]),
     "mqa": (4, 1, 32, [200, 3]),
+    "head_dim 8 (padded to tl.dot's 16)": (2, 1, 8, [20, 3]),
 }
 
 
+# The default tiles, and query blocks of two key tiles (a diagonal tile some rows see none of).
+CONFIGS = {"default": DEFAULT_CONFIG, "64/32": FreshConfig(64, 32, 4, 1)}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fresh_prompts_attention_matches_the_reference(case, dtype):
+def test_fresh_prompts_attention_matches_the_reference(case, dtype, config):
     heads, kv_heads, head_dim, lens = CASES[case]
     q, k, v, starts = _step(lens, heads, kv_heads, head_dim, dtype, seed=len(lens))
     scale = head_dim**-0.5
-    got = fresh_prefill_attention(q, k, v, starts, max(lens), scale)
+    got = fresh_prefill_attention(q, k, v, starts, max(lens), scale, CONFIGS[config])
     want = _reference(q, k, v, lens, scale)
     assert got.shape == q.shape and got.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -96,6 +108,9 @@ def test_the_kernel_refuses_what_it_cannot_read():
         fresh_prefill_attention(q, k[:, :, :16], v, starts, 9, 1.0)
     with pytest.raises(ValueError, match="int32"):
         fresh_prefill_attention(q, k, v, starts.long(), 9, 1.0)
+    for tiles in ((64, 48, 4, 1), (64, 8, 4, 1), (32, 64, 4, 1)):
+        with pytest.raises(ValueError, match="powers of two >= 16"):
+            fresh_prefill_attention(q, k, v, starts, 9, 1.0, FreshConfig(*tiles))
     with pytest.raises(ValueError, match="unit stride"):
         fresh_prefill_attention(
             q.transpose(1, 2).contiguous().transpose(1, 2), k, v, starts, 9, 1.0
@@ -149,6 +164,12 @@ def test_fresh_prompts_means_every_sequence_starts_at_position_zero():
     assert not no_host.fresh_prompts
 
 
+def test_the_tiles_are_used_on_a_gpu_only_for_the_shapes_they_were_measured_for():
+    assert tiled_on_gpu(128, torch.bfloat16) and tiled_on_gpu(64, torch.float16)
+    assert not tiled_on_gpu(256, torch.bfloat16)  # Gemma 3's global layers: not measured
+    assert not tiled_on_gpu(128, torch.float32)  # twice the shared memory
+
+
 def test_the_dispatcher_takes_the_fresh_path_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     monkeypatch.delenv("TANDEM_FRESH_PREFILL", raising=False)
@@ -172,29 +193,61 @@ def test_the_dispatcher_takes_the_fresh_path_only_where_it_applies(monkeypatch):
     assert not dispatch.fresh_prefill(fresh, query, pool)
 
 
-def test_an_engine_gives_the_same_tokens_with_fresh_prompts_read_from_the_step(
+def test_an_engine_takes_the_fresh_path_for_fresh_prompts_only_with_the_same_tokens(
     model_dirs, monkeypatch
 ):
-    """The tiny Llama on the Triton kernels (interpreted), fresh prompts' attention on the fresh
-    path or the paged one: the same greedy tokens; the fresh path ran for the prompts (once per
-    layer per prefill step) and never for a decode step or a prompt continuing a cached prefix."""
-    from test_fp8_triton import _greedy_tokens
+    """The tiny Llama on the Triton kernels (interpreted), 16 tokens a step: a 30-token prompt (a
+    fresh first chunk, then a chunk after it), then a prompt sharing its first two blocks (a
+    prefix-cache hit, then a chunk after the cached blocks). With the fresh path on, every step
+    whose sequences all start at position 0 runs it, in every layer, and no other step does;
+    the greedy tokens are those of the paged kernel alone."""
+    from conftest import run_to_completion
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_options import SamplingOptions
 
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
-    kernel = dispatch.fresh_prefill_attention
-    seen = []
+    calls = []  # (kernel, query lengths, sequence lengths), one per layer per step
+    for name in ("fresh_prefill_attention", "paged_attention"):
+        kernel = getattr(dispatch, name)
 
-    def recorded(query, key, value, meta, scale):
-        starts = meta.host_query_start_loc()
-        seen.append(([b - a for a, b in zip(starts, starts[1:])], meta.host_seq_lens()))
-        return kernel(query, key, value, meta, scale)
+        def recorded(query, *args, _kernel=kernel, _name=name, **kwargs):
+            meta = args[2] if _name == "fresh_prefill_attention" else args[1]
+            starts = meta.host_query_start_loc()
+            lens = [b - a for a, b in zip(starts, starts[1:])]
+            calls.append((_name, lens, meta.host_seq_lens()))
+            return _kernel(query, *args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "fresh_prefill_attention", recorded)
-    tokens, engines = {}, []
+        monkeypatch.setattr(dispatch, name, recorded)
+    first = [1] + list(range(40, 69))
+    second = first[:16] + list(range(90, 96))
+    tokens = {}
     for mode in ("off", "on"):
         monkeypatch.setenv("TANDEM_FRESH_PREFILL", mode)
-        tokens[mode] = _greedy_tokens(model_dirs["llama"], 5, engines)
+        calls.clear()
+        engine = LLMEngine(
+            EngineConfig(
+                str(model_dirs["llama"]),
+                block_size=8,
+                num_blocks=64,
+                max_loras=0,
+                enforce_eager=True,
+                max_num_batched_tokens=16,
+            )
+        )
+        options = SamplingOptions(max_tokens=2, ignore_eos=True)
+        tokens[mode] = run_to_completion(engine, {"a": first}, options)
+        tokens[mode] |= run_to_completion(engine, {"b": second}, options)
+        num_layers = len(engine.runner.model.layers)
     assert tokens["on"] == tokens["off"]
-    num_layers = len(engines[-1].runner.model.layers)
-    assert seen and len(seen) % num_layers == 0
-    assert all(query_lens == lens and max(lens) > 1 for query_lens, lens in seen)
+    fresh_steps = [c for c in calls if c[1] == c[2] and max(c[1]) > 1]
+    assert [c for c in calls if c[0] == "fresh_prefill_attention"] == [
+        ("fresh_prefill_attention", [16], [16])
+    ] * num_layers
+    assert fresh_steps == [("fresh_prefill_attention", [16], [16])] * num_layers
+    # The chunk after the first and the chunk after the cached prefix went to the paged kernel.
+    chunks = {
+        (tuple(q), tuple(n)) for kind, q, n in calls if kind == "paged_attention" and max(q) > 1
+    }
+    assert chunks == {((14,), (30,)), ((6,), (22,))}

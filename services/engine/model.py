@@ -176,17 +176,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         kv_scales = (self.k_scale, self.v_scale)
         table = cos_sin[1] if self.uses_local_rope else cos_sin[0]
-        if kernels.fresh_prefill(meta, q, kv_layer, self.window, self.softcap):
-            # Fresh prompts attend to their own keys: read from the step, not gathered by page.
-            rotated_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            q = kernels.rope_store_kv(
-                q, k, v, positions, table, kv_layer, meta.slot_mapping, kv_scales, rotated_k
-            )
+        # Fresh prompts attend to their own keys: read from the step, not gathered by page.
+        fresh = kernels.fresh_prefill(meta, q, kv_layer, self.window, self.softcap)
+        rotated_k = torch.empty(k.shape, dtype=k.dtype, device=k.device) if fresh else None
+        q = kernels.rope_store_kv(
+            q, k, v, positions, table, kv_layer, meta.slot_mapping, kv_scales, rotated_k
+        )
+        if fresh:
             out = kernels.fresh_prefill_attention(q, rotated_k, v, meta, self.scale)
         else:
-            q = kernels.rope_store_kv(
-                q, k, v, positions, table, kv_layer, meta.slot_mapping, kv_scales
-            )
             out = kernels.paged_attention(
                 q, kv_layer, meta, self.scale, kv_scales, self.window, self.softcap
             )
