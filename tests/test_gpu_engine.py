@@ -284,11 +284,14 @@ def test_fresh_prompts_attention_matches_sdpa_on_llama_8b_shapes():
 
 def test_no_fresh_prompt_variant_compiles_after_the_warm_up(model_dirs):
     """The warm-up's prompt compiles the fresh-prompt kernel and the rope kernel that writes the
-    rotated key out: prompts of any length and batch after it compile neither again."""
+    rotated key out: prompts of any length and batch after it compile neither again. (bf16: on a
+    GPU the fresh path runs for 2-byte dtypes only, prefill_attention_triton.tiled_on_gpu.)"""
     from tandem.kernels import fused_triton
     from tandem.kernels import prefill_attention_triton as fresh
 
-    engine = _engine(model_dirs["llama"], max_num_seqs=16, max_num_batched_tokens=512)
+    engine = _engine(
+        model_dirs["llama"], dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512
+    )
     engine.warm_up()
     before = (
         _num_compiled(fresh._fresh_attention_kernel),
