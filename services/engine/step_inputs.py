@@ -381,7 +381,9 @@ class InputBuffers:
             ("table_entries", entries),
             ("table_places", places),
         ]
-        if self.num_lora_slots:  # padding rows use no adapter
+        # Only a step with an adapter reads the LoRA fields (its eager metadata, the LoRA graphs);
+        # without one they are left as they are. Padding rows use no adapter.
+        if has_lora:
             token_slots = np.repeat(np.asarray(seq_slots, dtype=np.int64), batch.num_new_tokens)
             token_slots = np.concatenate(
                 [token_slots, np.full(num_tokens - num_real, -1, dtype=np.int64)]
