@@ -44,7 +44,7 @@ def tiled_on_gpu(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether DEFAULT_CONFIG's tiles were measured for this shape on a GPU: a 2-byte dtype and a
     head_dim up to 128. Wider heads or float32 need other tiles (their shared memory outgrows
     some GPUs: float32 at head_dim 256 needs ~340 KB) and go to the paged kernel until measured."""
-    return head_dim <= 128 and torch.empty((), dtype=dtype).element_size() == 2
+    return head_dim <= 128 and dtype.itemsize == 2
 
 
 @triton.jit
