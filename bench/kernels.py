@@ -340,7 +340,7 @@ def dense_prefill_rows(bench: Bench) -> None:
         )
 
 
-FRESH_SWEEP = [  # (block_m, block_n, warps, stages); the first is the kernel's default
+FRESH_SWEEP = [  # (block_m, block_n, warps, stages), the kernel's DEFAULT_CONFIG among them
     (64, 64, 4, 3),
     (128, 64, 8, 3),
     (128, 64, 8, 2),
@@ -366,7 +366,9 @@ def fresh_prefill_rows(bench: Bench) -> None:
         "bf16 peak); the fresh kernel's tiles (block_m/block_n/warps/stages) swept:"
     )
     cases = ([2048], [512] * 16, [4096], [300, 700, 1024]) if on_cuda else ([40], [9, 17])
-    sweep = FRESH_SWEEP if on_cuda else FRESH_SWEEP[:1]
+    sweep = (
+        [fresh.FreshConfig(*tiles) for tiles in FRESH_SWEEP] if on_cuda else [fresh.DEFAULT_CONFIG]
+    )
     for lens in cases:
         query, kv_layer, meta = bench._batch(16, lens, lens)
         key, value = (
@@ -382,14 +384,14 @@ def fresh_prefill_rows(bench: Bench) -> None:
         expected = paged().float()
         ms = bench._time(paged)
         print(f"  {name}: paged kernel {ms:.4f} ms ({flops / ms / 1e9:.1f} TFLOP/s)")
-        for tiles in sweep:
-            config = fresh.FreshConfig(*tiles)
+        for config in sweep:
             run = lambda: fresh.fresh_prefill_attention(  # noqa: E731
                 query, key, value, meta.query_start_loc, max(lens), scale, config
             )
             error = float((run().float() - expected).norm() / expected.norm())
             ms = bench._time(run)
-            tag = " (default)" if tiles == FRESH_SWEEP[0] else ""
+            tag = " (default)" if config == fresh.DEFAULT_CONFIG else ""
+            tiles = (config.block_m, config.block_n, config.num_warps, config.num_stages)
             print(
                 f"    fresh {'/'.join(map(str, tiles)):<14}{ms:9.4f} ms {flops / ms / 1e9:7.1f} "
                 f"TFLOP/s  err {error:.1e}{tag}"
@@ -477,6 +479,29 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def main_rows(bench: Bench, shapes, run_triton: bool) -> list[dict]:
+    """The main table: decode, prefill and store rows per block size, a mixed step, and on Triton
+    the fused element-wise kernels."""
+    rows = []
+    for block_size in shapes.block_sizes:
+        for batch in shapes.decode_batches:
+            for context in shapes.decode_contexts:
+                rows.append(bench.decode(block_size, batch, context))
+        for prefill_len in shapes.prefill_lens:
+            rows.append(bench.prefill(block_size, prefill_len))
+        rows.append(bench.store(block_size, max(shapes.prefill_lens)))
+    # A chunk continuing a cached prefix next to decode rows: the engine's mixed steps.
+    rows.append(
+        bench.mixed(shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches))
+    )
+    if run_triton:
+        hidden, inter = (4096, 14336) if shapes is LLAMA_8B else (64, 128)
+        for name in ("add_rms_norm", "silu_and_mul", "rope_store_kv"):
+            for num_tokens in (1, 64, 2048) if shapes is LLAMA_8B else (1, 8, 32):
+                rows.append(bench.fused(name, num_tokens, hidden, inter))
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     on_cuda = torch.cuda.is_available()
@@ -495,28 +520,8 @@ def main() -> None:
         f"{shapes.num_kv_heads}, head_dim {shapes.head_dim}, {dtype}; roofline: H200 HBM {HBM_PEAK_TBS} TB/s "
         f"peak, {HBM_COPY_TBS} TB/s measured copy, {BF16_DENSE_TFLOPS:.0f} TFLOP/s bf16 dense"
     )
-    rows = []
-    for block_size in [] if args.skip_table else shapes.block_sizes:
-        for batch in shapes.decode_batches:
-            for context in shapes.decode_contexts:
-                rows.append(bench.decode(block_size, batch, context))
-        for prefill_len in shapes.prefill_lens:
-            rows.append(bench.prefill(block_size, prefill_len))
-        rows.append(bench.store(block_size, max(shapes.prefill_lens)))
-    # A chunk continuing a cached prefix next to decode rows: the engine's mixed steps.
     if not args.skip_table:
-        rows.append(
-            bench.mixed(
-                shapes.block_sizes[0], max(shapes.decode_contexts), max(shapes.decode_batches)
-            )
-        )
-    if run_triton and not args.skip_table:
-        hidden, inter = (4096, 14336) if shapes is LLAMA_8B else (64, 128)
-        for name in ("add_rms_norm", "silu_and_mul", "rope_store_kv"):
-            for num_tokens in (1, 64, 2048) if shapes is LLAMA_8B else (1, 8, 32):
-                rows.append(bench.fused(name, num_tokens, hidden, inter))
-    if rows:
-        print_table(rows)
+        print_table(main_rows(bench, shapes, run_triton))
     if args.sweep_prefill and run_triton:
         sweep_prefill(bench, max(shapes.prefill_lens))
     if args.dense_prefill and on_cuda:

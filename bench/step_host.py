@@ -48,13 +48,13 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
         engine.add_request(f"b{batch}-{i}", _prompt(rng, prompt_len, vocab), options)
     for _ in range(8):  # the prompts, then decoding only
         engine.step()
-    device_s = _time_device_work(engine)
+    device_s, undo = _wrap_parts(engine, _DEVICE_PARTS)
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     period_ms = (time.perf_counter() - started) / steps * 1e3
-    forward_ms = device_s.pop() / steps * 1e3
-    _time_device_work(engine, undo=True)
+    forward_ms = device_s["device"] / steps * 1e3
+    undo()
     if engine.runner.device.type == "cpu":  # the forward and the draws run as they are called
         print(
             f"\n## batch {batch}: unprofiled, {period_ms:.3f} ms a step = the forward and the draws "
@@ -94,31 +94,6 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
     for (path, line, name), (_, calls, own, _, _) in rows:
         where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
         print(f"{own / steps * 1e3:>12.3f} {calls / steps:>11.1f}  {where}")
-
-
-def _time_device_work(engine: LLMEngine, undo: bool = False) -> list[float]:
-    """Wraps the runner's forward and its sampler's draws in a timer (undo: unwraps them): on the
-    CPU, where they run as they are called, the step's time outside them is host work. Returns a
-    one-element list the seconds accumulate in."""
-    runner = engine.runner
-    if undo:
-        del runner._forward, runner.sampler.sample
-        return []
-    total = [0.0]
-
-    def timed(fn):
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                total[0] += time.perf_counter() - started
-
-        return wrapper
-
-    runner._forward = timed(runner._forward)
-    runner.sampler.sample = timed(runner.sampler.sample)
-    return total
 
 
 def first_steps(engine: LLMEngine, prompt_len: int, repeats: int, top: int = 0) -> None:
@@ -206,6 +181,9 @@ def trace_first_step(engine: LLMEngine, prompt_len: int, repeats: int, top: int)
         print(f"  {ms / repeats:8.3f} ms  {counts[key] / repeats:6.1f} calls  {key[:80]}")
 
 
+# On the CPU, where they run as they are called, the forward and the draws are the device's part
+# of a step: its time outside them is host work.
+_DEVICE_PARTS = (("device", "runner", "_forward"), ("device", "runner.sampler", "sample"))
 _PARTS = (  # (label, owner path from the engine, attribute): each wrapped in a wall-clock timer
     ("schedule", "scheduler", "schedule"),
     ("pack", "runner.inputs", "pack"),
@@ -217,12 +195,12 @@ _PARTS = (  # (label, owner path from the engine, attribute): each wrapped in a 
 )
 
 
-def _wrap_parts(engine: LLMEngine) -> tuple[dict[str, float], callable]:
-    """Wall-clock timers around _PARTS (an instance attribute shadowing each method); returns the
-    seconds by label and a function that removes the timers."""
-    spent = dict.fromkeys([label for label, _, _ in _PARTS], 0.0)
+def _wrap_parts(engine: LLMEngine, parts=_PARTS) -> tuple[dict[str, float], callable]:
+    """Wall-clock timers around parts (an instance attribute shadowing each method; parts with one
+    label add up); returns the seconds by label and a function that removes the timers."""
+    spent = dict.fromkeys([label for label, _, _ in parts], 0.0)
     owners = []
-    for label, path, name in _PARTS:
+    for label, path, name in parts:
         owner = engine
         for attr in filter(None, path.split(".")):
             owner = getattr(owner, attr)
