@@ -55,6 +55,11 @@ def main() -> None:
         default="",
         help="extra flags for the decode worker, e.g. --decode-args=--no-kv-early-reserve",
     )
+    parser.add_argument(
+        "--prefill-args",
+        default="",
+        help="extra flags for the prefill worker, e.g. --prefill-args=--engine-process",
+    )
     args = parser.parse_args()
 
     engine = [
@@ -72,7 +77,7 @@ def main() -> None:
         roles=["prefill", "decode", "both"],
         engine_args=engine,
         worker_args={
-            "prefill-1": ["--device", args.prefill_device, *extra],
+            "prefill-1": ["--device", args.prefill_device, *extra, *shlex.split(args.prefill_args)],
             "decode-1": ["--device", args.decode_device, *extra, *shlex.split(args.decode_args)],
             "both-1": ["--device", args.prefill_device],
         },
@@ -179,8 +184,8 @@ def main() -> None:
     print(
         f"# disaggregated e2e: prefill {args.prefill_device} -> decode {args.decode_device}, "
         f"progress thread {'on' if args.progress_thread else 'off'}; {args.num_requests} requests x "
-        f"{args.prompt_len} prompt tokens, {args.max_tokens} output tokens; decode flags: "
-        f"{args.decode_args or '(none)'}"
+        f"{args.prompt_len} prompt tokens, {args.max_tokens} output tokens; prefill flags: "
+        f"{args.prefill_args or '(none)'}; decode flags: {args.decode_args or '(none)'}"
     )
     print(f"# greedy tokens equal to the aggregated worker: {same}/{2 * args.num_requests}")
     print(f"{'mode':<26}{'TTFT ms':>10}{'e2e ms':>10}{'KV pull ms':>12}{'KV MiB':>9}{'wall s':>9}")

@@ -171,6 +171,69 @@ def test_padded_decode_path_equals_eager(model_dirs, oracle, model):
             assert padded[rid] == ref.greedy(ids, 10)
 
 
+def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(model_dirs, monkeypatch):
+    """A decode graph's replay draws every row greedily (the argmax, its log-probability, the lse):
+    the sampler takes those and launches no draw of its own, for greedy rows, rows with logprobs,
+    a penalty or a seeded draw alike; tokens and log-probabilities equal the eager engine's."""
+    from tandem.kernels import dispatch
+
+    rng = random.Random(11)
+    prompts = {
+        f"r{i}": [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 20))]
+        for i in range(6)
+    }
+    variants = [
+        SamplingOptions(max_tokens=8, ignore_eos=True),
+        SamplingOptions(max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingOptions(max_tokens=8, ignore_eos=True, repetition_penalty=1.3),
+        SamplingOptions(max_tokens=8, ignore_eos=True, temperature=0.8, seed=4),
+    ]
+    options = {rid: variants[i % len(variants)] for i, rid in enumerate(prompts)}
+
+    def outputs(enforce_eager):
+        engine = LLMEngine(
+            EngineConfig(
+                str(model_dirs["llama"]),
+                block_size=4,
+                num_blocks=128,
+                max_num_seqs=8,
+                enforce_eager=enforce_eager,
+            )
+        )
+        draws, samples = [], []
+        real_draw, real_sample = dispatch.greedy_draw, engine.runner.sampler.sample
+        monkeypatch.setattr(
+            dispatch, "greedy_draw", lambda logits: draws.append(1) or real_draw(logits)
+        )
+        # Each sampling step: whether the sampler was handed the step's greedy draws.
+        engine.runner.sampler.sample = lambda *a, **k: (
+            samples.append(a[7] is not None) or real_sample(*a, **k)
+        )
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, options[rid])
+        got = {rid: [] for rid in prompts}
+        while engine.num_unfinished:
+            for out in engine.step():
+                got[out.request_id] += [
+                    (
+                        t,
+                        top and {k: round(v, 4) for k, v in top.items()},
+                        round(out.cumulative_logprob, 3),
+                    )
+                    for t, top in zip(out.new_token_ids, out.new_logprobs)
+                ]
+        monkeypatch.setattr(dispatch, "greedy_draw", real_draw)
+        return got, len(draws), samples
+
+    graphed, graph_draws, graph_steps = outputs(enforce_eager=False)
+    eager, eager_draws, eager_steps = outputs(enforce_eager=True)
+    assert graphed == eager
+    # One greedy draw a sampling step on either path: in the graph's replay or in the sampler.
+    assert graph_draws == len(graph_steps) and eager_draws == len(eager_steps)
+    # The prompts' step draws in the sampler, each of the 7 decode steps takes the graph's.
+    assert graph_steps == [False] + [True] * 7 and not any(eager_steps)
+
+
 def test_bind_device_sets_the_thread_current_device(monkeypatch):
     """CUDA's current device is per thread; each step binds the engine's own before launching."""
     calls = []

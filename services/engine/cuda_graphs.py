@@ -3,8 +3,10 @@
 A decode step launches ~10 kernels per layer, and launched one by one from Python
 they cost more CPU time than the GPU spends running them (21-32 ms of CPU for 8 ms
 of GPU work at batch 32, measured on an H200 before graphs). The forward and the
-logits of a decode step are captured once per batch size over the persistent input
-buffers (step_inputs.py); a step then fills the buffers and replays one graph.
+logits of a decode step, and each row's greedy draw (its argmax, log-probability and
+log-sum-exp: every step's sampler starts from them), are captured once per batch size
+over the persistent input buffers (step_inputs.py); a step then fills the buffers and
+replays one graph.
 Prefill and mixed steps stay eager. On the CPU there is nothing to capture: the same
 function runs directly, so CI runs the padded decode path the GPU replays.
 """
@@ -18,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.kernels import dispatch as kernels
+
 log = logging.getLogger("tandem.cuda_graphs")
 
 
@@ -30,9 +34,16 @@ def capture_sizes(max_batch_size: int, dense_until: int | None = None) -> list[i
     return sizes + [max_batch_size] if sizes[-1] != max_batch_size else sizes
 
 
+# A step's greedy draws of its rows, on the device: (ids int64, log-probabilities float32, the
+# rows' log-sum-exp float32), each [rows] (kernels.dispatch.greedy_draw).
+GreedyDraws = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class DecodeGraphs:
     """forward(batch_size) -> logits [batch_size, vocab], computed from the persistent buffers.
-    prepare_dummy(batch_size) fills those buffers with inputs that are safe to run (no KV stored)."""
+    prepare_dummy(batch_size) fills those buffers with inputs that are safe to run (no KV stored).
+    A replay also draws each row greedily (kernels.dispatch.greedy_draw), so a step's launch leaves
+    the sampler no kernel to launch when every row is greedy."""
 
     def __init__(
         self,
@@ -51,6 +62,8 @@ class DecodeGraphs:
         # tensor per size kept alive would hold the sum over the ladder (GiBs for a 128k
         # vocabulary and a long ladder), where the pool reuses everything else.
         self._logits: torch.Tensor | None = None
+        # Each size's greedy draws: the graph's own outputs, kept (a few bytes a row).
+        self._draws: dict[int, GreedyDraws] = {}
         self.capture_seconds = 0.0
 
     @property
@@ -74,6 +87,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.prepare_dummy(size)
             logits = self.forward(size)  # outside the capture: Triton compiles, cuBLAS picks
+            kernels.greedy_draw(logits)
             if self._logits is None:
                 self._logits = torch.empty_like(logits)
             del logits
@@ -83,7 +97,10 @@ class DecodeGraphs:
             with torch.cuda.graph(
                 graph, pool=pool, stream=stream, capture_error_mode="thread_local"
             ):
-                self._logits[:size].copy_(self.forward(size))
+                logits = self.forward(size)
+                self._logits[:size].copy_(logits)
+                self._draws[size] = kernels.greedy_draw(logits)
+                del logits
             pool = graph.pool() if pool is None else pool
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -95,14 +112,18 @@ class DecodeGraphs:
             self.capture_seconds,
         )
 
-    def run(self, size: int) -> torch.Tensor:
-        """Logits [size, vocab] of the step in the buffers."""
+    def run(self, size: int) -> tuple[torch.Tensor, GreedyDraws]:
+        """Logits [size, vocab] of the step in the buffers and their rows' greedy draws. Both are
+        the graph's buffers: the next replay of the size overwrites them, in stream order, so
+        whatever reads them is queued before it."""
         if self.device.type != "cuda":
-            return self.forward(size)
+            logits = self.forward(size)
+            return logits, kernels.greedy_draw(logits)
         self._graphs[size].replay()
-        return self._logits[:size]
+        return self._logits[:size], self._draws[size]
 
     def clear(self) -> None:
         """Forgets the graphs (their weights or KV pool are gone); the next capture() makes new ones."""
         self._graphs.clear()
+        self._draws.clear()
         self._logits = None

@@ -25,7 +25,7 @@ from tandem.common.exceptions import PreconditionError
 from tandem.engine import moe
 from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.config import EngineConfig
-from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.cuda_graphs import DecodeGraphs, GreedyDraws
 from tandem.engine.guided import allowed_bitmask, new_matcher
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.kv_share import allocate_shared
@@ -729,7 +729,7 @@ class ModelRunner:
         step = self.inputs.pack(batch, graph_size, last_rows)
         if self.followers is not None:
             self.followers.send_step(step)
-        hidden, logits = self._forward(step, graphs, last_tokens)
+        hidden, logits, greedy = self._forward(step, graphs, last_tokens)
         if self.aux_hidden_states_hook is not None:
             aux = self.model.aux_hidden_states if hidden is not None else self.graph_aux_states
             self.aux_hidden_states_hook(batch, aux)
@@ -770,6 +770,7 @@ class ModelRunner:
                 for s, o, n, d in zip(seqs, options, drawn, drafted)
             ],
             bitmask,
+            greedy,
         )
         self.tp.broadcast(draws.token_ids)
         self._last_draws = ({seq: row for row, seq in enumerate(seqs)}, draws.token_ids)
@@ -780,7 +781,7 @@ class ModelRunner:
         """A follower rank runs rank 0's step: the same forward, then the ids rank 0 drew."""
         self.bind_device()
         with batch_invariant(self.config.deterministic):
-            _, logits = self._forward(step, self.graphs, self._follower_tokens)
+            _, logits, _ = self._forward(step, self.graphs, self._follower_tokens)
         if logits is None:
             self._follower_tokens = None
             return
@@ -789,9 +790,9 @@ class ModelRunner:
 
     def _forward(
         self, step: PackedStep, graphs: DecodeGraphs | None, last_tokens: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's hidden states (None from a decode graph) and the logits of its sampled rows
-        (None when no row samples: a prefill chunk)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, GreedyDraws | None]:
+        """The step's hidden states (None from a decode graph), the logits of its sampled rows (None
+        when no row samples: a prefill chunk) and, from a decode graph, their greedy draws."""
         if step.graph_size is not None:
             graphs.capture()  # first decode step (with adapters) after start or after new weights / a new pool
         inputs = self.inputs.upload(step)
@@ -799,9 +800,11 @@ class ModelRunner:
             tokens = last_tokens.index_select(0, inputs.pending_sources).to(torch.int32)
             inputs.input_ids.index_copy_(0, inputs.pending_rows.long(), tokens)
         if step.graph_size is not None:
-            return None, graphs.run(step.graph_size)[: len(step.sample_indices)]
+            rows = len(step.sample_indices)
+            logits, greedy = graphs.run(step.graph_size)
+            return None, logits[:rows], tuple(t[:rows] for t in greedy)
         lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
         if not step.sample_indices:
-            return hidden, None
-        return hidden, self.model.compute_logits(hidden[inputs.sample_rows])
+            return hidden, None, None
+        return hidden, self.model.compute_logits(hidden[inputs.sample_rows]), None

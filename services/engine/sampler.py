@@ -217,11 +217,14 @@ class Sampler:
         outputs: list[list[int]],
         blocked: list[frozenset[int]],
         allowed: torch.Tensor | None = None,
+        greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> SampledBatch:
         """logits [R, V] of R sequences. token_indices: which output token each row draws (its
         seeded noise); histories: prompt + output ids of rows with a repetition penalty (else []);
         outputs: output ids (presence/frequency penalties); blocked: ids a row may not draw yet;
-        allowed: an int32 token bitmask [R, ceil(V/32)] of what each row may draw (a guide)."""
+        allowed: an int32 token bitmask [R, ceil(V/32)] of what each row may draw (a guide);
+        greedy: the logits' greedy draws when the step already made them (a decode graph's replay:
+        kernels.dispatch.greedy_draw's (ids, log-probabilities, lse) of these rows)."""
         num_rows = logits.shape[0]
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} rows to sample; the sampler holds {self.max_rows}")
@@ -254,12 +257,11 @@ class Sampler:
                 torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
             ] = float("-inf")
         # Reported log-probabilities are the raw model's (before penalties, blocking and guides).
-        if logits is raw:  # nothing changed the logits: one pass finds the argmax and the lse
-            chosen, token_logprobs, lse = kernels.greedy_draw(raw)
-        else:
-            # The lse from the same kernel (one program per row on a GPU, where torch's
-            # logsumexp splits a row differently with the number of rows: --deterministic).
-            _, _, lse = kernels.greedy_draw(raw)
+        # One pass finds the raw argmax and the lse; the lse always comes from that kernel (one
+        # program per row on a GPU, where torch's logsumexp splits a row differently with the
+        # number of rows: --deterministic).
+        chosen, token_logprobs, lse = greedy if greedy is not None else kernels.greedy_draw(raw)
+        if logits is not raw:  # penalties, blocking, a bias or a guide: the argmax of what is left
             chosen = logits.argmax(dim=-1)
         is_greedy = all(o.is_greedy for o in options)
         if not is_greedy:
