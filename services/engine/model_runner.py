@@ -641,7 +641,9 @@ class ModelRunner:
             ):
                 return None
             extra_keys += (num_new - 1) * seq.num_tokens
-        if extra_keys * self.block_nbytes // self.block_size > GRAPH_VERIFY_MAX_EXTRA_KV_BYTES:
+        if extra_keys and (
+            extra_keys * self.block_nbytes // self.block_size > GRAPH_VERIFY_MAX_EXTRA_KV_BYTES
+        ):
             return None  # long contexts: the eager step's k + 1-query kernel reads them once
         return self.graphs.size_for(sum(batch.num_new_tokens))
 
