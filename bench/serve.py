@@ -258,8 +258,8 @@ def gpu_ms(device: torch.device, fn, num: int = 20) -> float:
 def engine_profile(
     model_dir: Path, device: torch.device, vocab: int, batches=(1, 32, 64, 256)
 ) -> dict:
-    """Per decode step: wall ms, GPU ms of the graph replay and of the sampler; an eager step for
-    comparison; TTFT of a 2048-token prompt in-process; the kernels of an eager bs32 step."""
+    """Per decode step: wall ms, GPU ms of the graph replay (its greedy draw included) and of an
+    eager step's sampler (which makes that draw itself); an eager step for comparison; TTFT of a 2048-token prompt in-process; the kernels of an eager bs32 step."""
     from tandem.engine.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.sampling_options import SamplingOptions

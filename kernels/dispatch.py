@@ -199,12 +199,18 @@ def fresh_prefill_attention(
     )
 
 
-def greedy_draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# A step's greedy draws of its rows, on the device: (ids int64, log-probabilities float32, the
+# rows' log-sum-exp float32), each [rows].
+GreedyDraws = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def greedy_draw(logits: torch.Tensor, out: GreedyDraws | None = None) -> GreedyDraws:
     """float32 logits [R, V] -> (each row's argmax int64, the first on ties; its log-probability; the
-    row's log-sum-exp): one read of the logits on the Triton backend (greedy_triton.py)."""
+    row's log-sum-exp): one read of the logits on the Triton backend (greedy_triton.py). out: three
+    [R] tensors of those dtypes to write them into (a CUDA graph's buffers)."""
     if backend_for(logits.device) == "triton":
-        return _triton_module("greedy_triton").greedy_draw(logits)
-    return greedy_reference.greedy_draw(logits)
+        return _triton_module("greedy_triton").greedy_draw(logits, out=out)
+    return greedy_reference.greedy_draw(logits, out)
 
 
 def lora_shrink(x: torch.Tensor, a_pool: torch.Tensor, meta) -> torch.Tensor:

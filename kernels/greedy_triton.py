@@ -82,10 +82,13 @@ def _merge_kernel(
 
 
 def greedy_draw(
-    logits: torch.Tensor, chunk: int = CHUNK
+    logits: torch.Tensor,
+    chunk: int = CHUNK,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits float32 [R, V] -> (ids int64 [R]: each row's argmax, the first on ties as torch.argmax;
-    logprobs float32 [R]: the id's log-probability; lse float32 [R]: the row's log-sum-exp)."""
+    logprobs float32 [R]: the id's log-probability; lse float32 [R]: the row's log-sum-exp),
+    written into out's three tensors when given (contiguous, [R] each, those dtypes)."""
     require(
         logits.dim() == 2 and logits.dtype == torch.float32,
         f"greedy_draw takes float32 logits [R, V], got {logits.dtype} {tuple(logits.shape)}",
@@ -101,9 +104,22 @@ def greedy_draw(
         f"V = {vocab} needs more than 65535 chunks of {chunk}: a larger chunk",
     )
     device = logits.device
-    ids = torch.empty(num_rows, dtype=torch.int64, device=device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if out is None:
+        ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+        logprobs = torch.empty(num_rows, dtype=torch.float32, device=device)
+        lse = torch.empty(num_rows, dtype=torch.float32, device=device)
+    else:
+        ids, logprobs, lse = out
+        require(
+            all(
+                t.shape == (num_rows,) and t.is_contiguous() and t.device == device
+                for t in (ids, logprobs, lse)
+            )
+            and (ids.dtype, logprobs.dtype, lse.dtype)
+            == (torch.int64, torch.float32, torch.float32),
+            f"greedy_draw's out must be three contiguous [{num_rows}] tensors (int64, float32, "
+            f"float32) on {device}",
+        )
     if num_rows == 0:
         return ids, logprobs, lse
     num_chunks = triton.cdiv(vocab, chunk)

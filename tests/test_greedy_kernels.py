@@ -41,6 +41,28 @@ def test_greedy_draw_matches_torch(rows, vocab, chunk):
     _check(torch.randn(rows, vocab, generator=gen) * 4, chunk)
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_greedy_draw_writes_into_given_tensors(impl):
+    """out= (a decode graph's buffers, allocated outside its pool): the draws land in those rows
+    and nowhere else; a wrong shape or dtype is refused before a launch."""
+    draw = greedy_triton.greedy_draw if impl == "triton" else reference.greedy_draw
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(9)) * 3
+    ids, logprobs, lse = torch.full((5,), -7), torch.full((5,), 9.0), torch.full((5,), 9.0)
+    out = (ids[:3], logprobs[:3], lse[:3])
+    got = draw(logits, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    want = reference.greedy_draw(logits)
+    assert ids[:3].tolist() == want[0].tolist() and ids[3:].tolist() == [-7, -7]
+    torch.testing.assert_close(logprobs[:3], want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:3], want[2], atol=1e-5, rtol=1e-5)
+    assert logprobs[3:].tolist() == [9.0, 9.0] and lse[3:].tolist() == [9.0, 9.0]
+    if impl == "triton":
+        with pytest.raises(ValueError, match="out must be three contiguous"):
+            greedy_triton.greedy_draw(logits, out=(ids[:2], logprobs[:2], lse[:2]))
+        with pytest.raises(ValueError, match="out must be three contiguous"):
+            greedy_triton.greedy_draw(logits, out=(ids[:3].int(), logprobs[:3], lse[:3]))
+
+
 def test_ties_go_to_the_first_index_inside_a_chunk_and_across_chunks():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
     logits[0, [7, 3, 900]] = 50.0  # chunk 0 twice, chunk 7 once: 3 wins
@@ -92,7 +114,9 @@ def test_the_sampler_draws_with_the_kernel_only_when_nothing_changed_the_logits(
     monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "triton")
     calls = []
     monkeypatch.setattr(
-        greedy_triton, "greedy_draw", lambda x: calls.append(x.shape) or reference.greedy_draw(x)
+        greedy_triton,
+        "greedy_draw",
+        lambda x, out=None: calls.append(x.shape) or reference.greedy_draw(x, out),
     )
     vocab = 64
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))

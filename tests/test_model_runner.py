@@ -171,10 +171,30 @@ def test_padded_decode_path_equals_eager(model_dirs, oracle, model):
             assert padded[rid] == ref.greedy(ids, 10)
 
 
-def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(model_dirs, monkeypatch):
+_PLAIN = SamplingOptions(max_tokens=8, ignore_eos=True)
+_LOGPROBS = SamplingOptions(max_tokens=8, ignore_eos=True, logprobs=2)
+_PENALTY = SamplingOptions(max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+_SEEDED = SamplingOptions(max_tokens=8, ignore_eos=True, temperature=0.8, seed=4)
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [
+        # Nothing changes the logits: the graph's ids and log-probabilities go to the host as drawn.
+        [_PLAIN, _LOGPROBS],
+        # A penalty and a random draw beside them: the sampler takes the graph's lse only.
+        [_PLAIN, _LOGPROBS, _PENALTY, _SEEDED],
+    ],
+    ids=["greedy", "mixed"],
+)
+def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(
+    model_dirs, monkeypatch, variants
+):
     """A decode graph's replay draws every row greedily (the argmax, its log-probability, the lse):
-    the sampler takes those and launches no draw of its own, for greedy rows, rows with logprobs,
-    a penalty or a seeded draw alike; tokens and log-probabilities equal the eager engine's."""
+    the sampler takes those and launches no draw of its own; tokens and log-probabilities equal the
+    eager engine's."""
+    import inspect
+
     from tandem.kernels import dispatch
 
     rng = random.Random(11)
@@ -182,12 +202,6 @@ def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(model_di
         f"r{i}": [1] + [rng.randrange(4, 200) for _ in range(rng.randrange(3, 20))]
         for i in range(6)
     }
-    variants = [
-        SamplingOptions(max_tokens=8, ignore_eos=True),
-        SamplingOptions(max_tokens=8, ignore_eos=True, logprobs=2),
-        SamplingOptions(max_tokens=8, ignore_eos=True, repetition_penalty=1.3),
-        SamplingOptions(max_tokens=8, ignore_eos=True, temperature=0.8, seed=4),
-    ]
     options = {rid: variants[i % len(variants)] for i, rid in enumerate(prompts)}
 
     def outputs(enforce_eager):
@@ -200,15 +214,20 @@ def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(model_di
                 enforce_eager=enforce_eager,
             )
         )
-        draws, samples = [], []
+        draws, handed = [], []
         real_draw, real_sample = dispatch.greedy_draw, engine.runner.sampler.sample
+        signature = inspect.signature(real_sample)
         monkeypatch.setattr(
-            dispatch, "greedy_draw", lambda logits: draws.append(1) or real_draw(logits)
+            dispatch,
+            "greedy_draw",
+            lambda logits, out=None: draws.append(1) or real_draw(logits, out),
         )
-        # Each sampling step: whether the sampler was handed the step's greedy draws.
-        engine.runner.sampler.sample = lambda *a, **k: (
-            samples.append(a[7] is not None) or real_sample(*a, **k)
-        )
+
+        def sample(*args, **kwargs):  # whether the sampler was handed the step's greedy draws
+            handed.append(signature.bind(*args, **kwargs).arguments.get("greedy") is not None)
+            return real_sample(*args, **kwargs)
+
+        engine.runner.sampler.sample = sample
         for rid, ids in prompts.items():
             engine.add_request(rid, ids, options[rid])
         got = {rid: [] for rid in prompts}
@@ -223,7 +242,7 @@ def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(model_di
                     for t, top in zip(out.new_token_ids, out.new_logprobs)
                 ]
         monkeypatch.setattr(dispatch, "greedy_draw", real_draw)
-        return got, len(draws), samples
+        return got, len(draws), handed
 
     graphed, graph_draws, graph_steps = outputs(enforce_eager=False)
     eager, eager_draws, eager_steps = outputs(enforce_eager=True)

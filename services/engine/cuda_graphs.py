@@ -4,7 +4,7 @@ A decode step launches ~10 kernels per layer, and launched one by one from Pytho
 they cost more CPU time than the GPU spends running them (21-32 ms of CPU for 8 ms
 of GPU work at batch 32, measured on an H200 before graphs). The forward and the
 logits of a decode step, and each row's greedy draw (its argmax, log-probability and
-log-sum-exp: every step's sampler starts from them), are captured once per batch size
+log-sum-exp: such a step's sampler starts from them), are captured once per batch size
 over the persistent input buffers (step_inputs.py); a step then fills the buffers and
 replays one graph.
 Prefill and mixed steps stay eager. On the CPU there is nothing to capture: the same
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.kernels import dispatch as kernels
+from tandem.kernels.dispatch import GreedyDraws
 
 log = logging.getLogger("tandem.cuda_graphs")
 
@@ -34,16 +35,11 @@ def capture_sizes(max_batch_size: int, dense_until: int | None = None) -> list[i
     return sizes + [max_batch_size] if sizes[-1] != max_batch_size else sizes
 
 
-# A step's greedy draws of its rows, on the device: (ids int64, log-probabilities float32, the
-# rows' log-sum-exp float32), each [rows] (kernels.dispatch.greedy_draw).
-GreedyDraws = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 class DecodeGraphs:
     """forward(batch_size) -> logits [batch_size, vocab], computed from the persistent buffers.
     prepare_dummy(batch_size) fills those buffers with inputs that are safe to run (no KV stored).
     A replay also draws each row greedily (kernels.dispatch.greedy_draw), so a step's launch leaves
-    the sampler no kernel to launch when every row is greedy."""
+    the sampler no kernel to launch when every row is greedy and nothing changes the logits."""
 
     def __init__(
         self,
@@ -62,8 +58,10 @@ class DecodeGraphs:
         # tensor per size kept alive would hold the sum over the ladder (GiBs for a 128k
         # vocabulary and a long ladder), where the pool reuses everything else.
         self._logits: torch.Tensor | None = None
-        # Each size's greedy draws: the graph's own outputs, kept (a few bytes a row).
-        self._draws: dict[int, GreedyDraws] = {}
+        # The rows' greedy draws, one set of buffers for every size like the logits: allocated
+        # outside the graphs' shared pool, where a replay of another size may reuse the memory.
+        self._draws: GreedyDraws | None = None
+        self._draw_rows: dict[int, GreedyDraws] = {}  # each size's rows of them
         self.capture_seconds = 0.0
 
     @property
@@ -90,7 +88,14 @@ class DecodeGraphs:
             kernels.greedy_draw(logits)
             if self._logits is None:
                 self._logits = torch.empty_like(logits)
+                rows = logits.shape[0]
+                self._draws = (
+                    torch.empty(rows, dtype=torch.int64, device=self.device),
+                    torch.empty(rows, dtype=torch.float32, device=self.device),
+                    torch.empty(rows, dtype=torch.float32, device=self.device),
+                )
             del logits
+            self._draw_rows[size] = tuple(t[:size] for t in self._draws)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the worker's other threads may touch CUDA (NIXL, the gRPC loop) meanwhile.
@@ -99,7 +104,7 @@ class DecodeGraphs:
             ):
                 logits = self.forward(size)
                 self._logits[:size].copy_(logits)
-                self._draws[size] = kernels.greedy_draw(logits)
+                kernels.greedy_draw(logits, out=self._draw_rows[size])
                 del logits
             pool = graph.pool() if pool is None else pool
             self._graphs[size] = graph
@@ -113,17 +118,17 @@ class DecodeGraphs:
         )
 
     def run(self, size: int) -> tuple[torch.Tensor, GreedyDraws]:
-        """Logits [size, vocab] of the step in the buffers and their rows' greedy draws. Both are
-        the graph's buffers: the next replay of the size overwrites them, in stream order, so
-        whatever reads them is queued before it."""
+        """Logits [size, vocab] of the step in the buffers and their rows' greedy draws. On CUDA both
+        are the graphs' buffers, shared by every size: the next replay overwrites them, in stream
+        order, so whatever reads them is queued before it."""
         if self.device.type != "cuda":
             logits = self.forward(size)
             return logits, kernels.greedy_draw(logits)
         self._graphs[size].replay()
-        return self._logits[:size], self._draws[size]
+        return self._logits[:size], self._draw_rows[size]
 
     def clear(self) -> None:
         """Forgets the graphs (their weights or KV pool are gone); the next capture() makes new ones."""
         self._graphs.clear()
-        self._draws.clear()
-        self._logits = None
+        self._draw_rows.clear()
+        self._logits = self._draws = None

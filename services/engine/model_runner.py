@@ -25,7 +25,7 @@ from tandem.common.exceptions import PreconditionError
 from tandem.engine import moe
 from tandem.engine.checkpoints import checkpoint_fingerprint
 from tandem.engine.config import EngineConfig
-from tandem.engine.cuda_graphs import DecodeGraphs, GreedyDraws
+from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.guided import allowed_bitmask, new_matcher
 from tandem.engine.kv_layout import kv_layout
 from tandem.engine.kv_share import allocate_shared
@@ -43,7 +43,7 @@ from tandem.engine.sequence import Sequence
 from tandem.engine.step_inputs import InputBuffers, PackedStep
 from tandem.engine.tp_ranks import FollowerRanks
 from tandem.kernels.batch_invariant import batch_invariant, schedule_id
-from tandem.kernels.dispatch import backend_for, check_settings
+from tandem.kernels.dispatch import GreedyDraws, backend_for, check_settings
 from tandem.kernels.fp8 import FP8
 
 # weights_source of weights written by IPC handles (update_weights(dict)).

@@ -21,6 +21,7 @@ import torch
 from tandem.engine.guided import unpack_bitmask
 from tandem.engine.sampling_options import SamplingOptions
 from tandem.kernels import dispatch as kernels
+from tandem.kernels.dispatch import GreedyDraws
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -217,7 +218,7 @@ class Sampler:
         outputs: list[list[int]],
         blocked: list[frozenset[int]],
         allowed: torch.Tensor | None = None,
-        greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        greedy: GreedyDraws | None = None,
     ) -> SampledBatch:
         """logits [R, V] of R sequences. token_indices: which output token each row draws (its
         seeded noise); histories: prompt + output ids of rows with a repetition penalty (else []);
@@ -228,6 +229,10 @@ class Sampler:
         num_rows = logits.shape[0]
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} rows to sample; the sampler holds {self.max_rows}")
+        if greedy is not None and greedy[0].shape[0] != num_rows:
+            raise ValueError(
+                f"greedy draws of {greedy[0].shape[0]} rows for {num_rows} rows of logits"
+            )
         host = self._host[self._turn]
         self._turn ^= 1
         raw = logits.float()

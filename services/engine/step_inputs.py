@@ -51,7 +51,7 @@ _FIELDS = (
 )
 
 
-_MAX_CACHED_VIEWS = 4096  # InputBuffers.views' cache: a few MB at most
+_MAX_CACHED_VIEWS = 256  # InputBuffers.views' cache (~7 KB an entry)
 
 
 def packed_layout(
