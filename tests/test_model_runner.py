@@ -134,8 +134,8 @@ def test_capture_ladder():
     assert [graphs.size_for(n) for n in (1, 3, 9, 33, 40, 41)] == [1, 4, 16, 40, 40, None]
 
 
-def _generate(model_dir, enforce_eager, prompts, options, max_num_seqs=8):
-    engine = LLMEngine(
+def _engine(model_dir, enforce_eager, max_num_seqs=8):
+    return LLMEngine(
         EngineConfig(
             str(model_dir),
             block_size=4,
@@ -144,6 +144,10 @@ def _generate(model_dir, enforce_eager, prompts, options, max_num_seqs=8):
             enforce_eager=enforce_eager,
         )
     )
+
+
+def _generate(model_dir, enforce_eager, prompts, options, max_num_seqs=8):
+    engine = _engine(model_dir, enforce_eager, max_num_seqs)
     return run_to_completion(engine, prompts, options), engine
 
 
@@ -205,15 +209,7 @@ def test_the_decode_graph_draws_greedily_and_the_sampler_starts_from_it(
     options = {rid: variants[i % len(variants)] for i, rid in enumerate(prompts)}
 
     def outputs(enforce_eager):
-        engine = LLMEngine(
-            EngineConfig(
-                str(model_dirs["llama"]),
-                block_size=4,
-                num_blocks=128,
-                max_num_seqs=8,
-                enforce_eager=enforce_eager,
-            )
-        )
+        engine = _engine(model_dirs["llama"], enforce_eager)
         draws, handed = [], []
         real_draw, real_sample = dispatch.greedy_draw, engine.runner.sampler.sample
         signature = inspect.signature(real_sample)
