@@ -804,7 +804,9 @@ class ModelRunner:
         if step.graph_size is not None:
             rows = len(step.sample_indices)
             logits, greedy = graphs.run(step.graph_size)
-            return None, logits[:rows], tuple(t[:rows] for t in greedy)
+            if rows < step.graph_size:  # padding rows past the batch
+                logits, greedy = logits[:rows], tuple(t[:rows] for t in greedy)
+            return None, logits, greedy
         lora = LoRABatch(self.lora_pool, inputs.lora_meta) if inputs.lora_meta is not None else None
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache, lora)
         if not step.sample_indices:
