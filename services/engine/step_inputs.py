@@ -51,7 +51,7 @@ _FIELDS = (
 )
 
 
-_MAX_CACHED_VIEWS = 256  # InputBuffers.views' cache (~7 KB an entry)
+_MAX_CACHED_REGIONS = 256  # InputBuffers' layouts and views by counts (~7 KB an entry)
 
 
 def packed_layout(
@@ -92,6 +92,16 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> np.ndarra
         np.asarray(table, dtype=np.int64)[positions // block_size] * block_size
         + positions % block_size
     )
+
+
+@dataclass(frozen=True)
+class _Regions:
+    """A step's packed region for one set of counts: packed_layout's fields, their total length,
+    and each field as a view of the device buffer."""
+
+    layout: dict[str, tuple[int, int]]
+    used: int
+    views: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -175,9 +185,10 @@ class InputBuffers:
         self.incremental_tables = True
         self._table_rows: list[tuple[list[int], int]] = []
         self._tables_epoch = 0
-        # views() by its counts: a decode stream repeats a few of them step after step, and a
-        # dozen slices cost a step's upload ~0.04 ms of host time on an H100's host (step_host.py).
-        self._views: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+        # A step's layout and device views by its counts (_regions): a decode stream repeats a
+        # few of them step after step, and a dozen slices cost a step's upload ~0.04 ms of host
+        # time on an H100's host (step_host.py).
+        self._regions: dict[tuple[int, ...], _Regions] = {}
 
     def host_buffer(self) -> torch.Tensor:
         """The next of the two host buffers (a tensor-parallel follower fills it with rank 0's step)."""
@@ -195,17 +206,23 @@ class InputBuffers:
     ) -> dict[str, torch.Tensor]:
         """The packed region's fields for a step with these counts (packed_layout's arguments), as
         views of the device buffer: made once per counts and shared (read them, never rebind)."""
-        counts = (num_tokens, num_seqs, num_samples, num_pending, num_table_entries)
-        views = self._views.get(counts)
-        if views is None:
-            if len(self._views) >= _MAX_CACHED_VIEWS:
-                self._views.clear()
+        return self._regions_for(
+            (num_tokens, num_seqs, num_samples, num_pending, num_table_entries)
+        ).views
+
+    def _regions_for(self, counts: tuple[int, ...]) -> _Regions:
+        regions = self._regions.get(counts)
+        if regions is None:
+            if len(self._regions) >= _MAX_CACHED_REGIONS:
+                self._regions.clear()
             layout = packed_layout(*counts, self.num_lora_slots)
-            views = self._views[counts] = {
+            views = {
                 name: self.packed[offset : offset + length]
                 for name, (offset, length) in layout.items()
             }
-        return views
+            used = sum(length for _, length in layout.values())
+            regions = self._regions[counts] = _Regions(layout, used, views)
+        return regions
 
     def graph_metadata(
         self, batch_size: int, num_kv_splits: int | None, max_seq_len: int
@@ -368,9 +385,8 @@ class InputBuffers:
         places = np.arange(num_entries) + np.repeat(
             np.arange(num_seqs) * self.max_blocks_per_seq + first - row_starts, lengths
         )
-        layout = packed_layout(
-            num_tokens, num_rows, num_samples, len(pending_rows), num_entries, self.num_lora_slots
-        )
+        counts = (num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
+        regions = self._regions_for(counts)
         buf = host.numpy()
         num_real = starts[-1]
         if graph_size:
@@ -405,12 +421,10 @@ class InputBuffers:
                 LoRAMetadata.host_arrays(token_slots, self.num_lora_slots),
             )
         for name, values in fields:
-            offset, length = layout[name]
+            offset, length = regions.layout[name]
             buf[offset : offset + length] = values
-        used = sum(length for _, length in layout.values())
-        counts = (num_tokens, num_rows, num_samples, len(pending_rows), num_entries)
         return PackedStep(
-            host[:used],
+            host[: regions.used],
             counts,
             max(batch.num_new_tokens),
             max(seq_lens),
