@@ -12,6 +12,7 @@ nothing to hide behind, so its host work adds to the split's time to the second 
 
 --trace-first: the imported sequence's first step() call under torch.profiler as well (CPU ops
 and the CUDA runtime calls they make, by own time): the host work cProfile shows only as C.
+Per batch size also: one decode step's pack alone, called over and over (a hot-cache floor).
 --parts: the first step() call taken apart by wall clock (schedule, pack, upload, the graph's
 replay, the draws, the rest), back to back and after --idle-ms asleep or spinning (an engine idle
 between requests), beside a step in the stream: no profiler hooks, so the numbers are the call's own.
@@ -60,6 +61,7 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
             f"\n## batch {batch}: unprofiled, {period_ms:.3f} ms a step = the forward and the draws "
             f"{forward_ms:.3f} ms + the engine's host work {period_ms - forward_ms:.3f} ms"
         )
+    print(f"## batch {batch}: packing one decode step's inputs alone {_pack_alone(engine):.1f} us")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -94,6 +96,26 @@ def profile_batch(engine: LLMEngine, batch: int, steps: int, prompt_len: int, to
     for (path, line, name), (_, calls, own, _, _) in rows:
         where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
         print(f"{own / steps * 1e3:>12.3f} {calls / steps:>11.1f}  {where}")
+
+
+def _pack_alone(engine: LLMEngine, calls: int = 200, repeats: int = 7) -> float:
+    """Microseconds a call of InputBuffers.pack takes on the engine's next decode step, packed
+    over and over (median of repeats of calls; a hot cache, so a floor for the step's pack)."""
+    inputs = engine.runner.inputs
+    pack, seen = inputs.pack, []
+    inputs.pack = lambda *args: seen.append(args) or pack(*args)
+    try:
+        engine.step()
+    finally:
+        del inputs.pack  # the instance attribute shadowed the method
+    args = seen[-1]
+    runs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            pack(*args)
+        runs.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(runs)
 
 
 def first_steps(engine: LLMEngine, prompt_len: int, repeats: int, top: int = 0) -> None:
