@@ -60,6 +60,10 @@ class LeaseTable(Protocol):
 
 _STOP = object()
 
+# How long the engine thread waits, GIL released, for the loop to take a step's outputs (a loop
+# busy elsewhere gets them later, as before).
+_HANDOVER_WAIT_S = 0.002
+
 # Test-only: the engine thread runs this many engine steps as one and hands their outputs over
 # as one multi-token output per sequence, the shape speculative decoding's steps will have
 # (tests/test_internal_plane.py drives the whole path with it). Unset: 1.
@@ -368,15 +372,25 @@ class EngineCore:
                 self._deliver(request_id, EngineFailure(exc))
             return
         if outputs:  # one hop to the loop per step, not per output
-            self.loop.call_soon_threadsafe(self._put_all, outputs)
+            taken = threading.Event()
+            self.loop.call_soon_threadsafe(self._put_all, outputs, taken)
+            # Hand the GIL to the loop until it has the outputs. Otherwise this thread keeps it
+            # through the stats and the next step's launch (Python, its short GIL-free calls
+            # rarely won by a waiting thread) and each token waits ~1.5 ms on the loop's side;
+            # with overlap scheduling the device is still busy with the step launched before.
+            taken.wait(_HANDOVER_WAIT_S)
         self._record_stats(outputs)
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         self.loop.call_soon_threadsafe(self._put, request_id, item)
 
-    def _put_all(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            self._put(out.request_id, out)
+    def _put_all(self, outputs: list[StepOutput], taken: threading.Event | None = None) -> None:
+        try:
+            for out in outputs:
+                self._put(out.request_id, out)
+        finally:
+            if taken is not None:
+                taken.set()
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
