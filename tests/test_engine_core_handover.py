@@ -1,13 +1,20 @@
-"""The engine thread hands each step's outputs to the event loop before it starts the next step:
-it releases the GIL until the loop has them, rather than keeping it through the next step's host
+"""The engine thread hands each step's outputs to the event loop before it starts the next step
+(while the step after them runs on the device, overlap scheduling's default): it releases the GIL
+until the loop has them, rather than keeping it through the next step's host
 work (a waiting loop thread seldom wins the GIL from a busy Python thread before Python's switch
-interval, 5 ms), so a token does not wait on the worker's side for the step after it."""
+interval, 5 ms), so a token does not wait on the worker's side for the step after it.
+
+The engine's wait is bounded (2 ms); the test lifts the bound so that a loaded machine's slow
+wake-up of the loop does not count against the handover. Against the old code the test is not
+deterministic either way: the loop sometimes wins the GIL by itself (while the engine thread
+writes to the loop's wake-up pipe), which is why it asks for most outputs in time, not all."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from tandem.engine import engine_core
 from tandem.engine.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm_engine import LLMEngine
@@ -62,7 +69,8 @@ async def _serve(model_dir, num_tokens: int) -> list:
         core.close()
 
 
-def test_each_steps_outputs_reach_the_loop_before_the_next_step_starts(model_dirs):
+def test_each_steps_outputs_reach_the_loop_before_the_next_step_starts(model_dirs, monkeypatch):
+    monkeypatch.setattr(engine_core, "_HANDOVER_WAIT_S", 0.1)
     num_tokens = 12
     events = asyncio.run(_serve(model_dirs["llama"], num_tokens))
     made = [i for i, (kind, _) in enumerate(events) if kind == "made"]
@@ -74,5 +82,4 @@ def test_each_steps_outputs_reach_the_loop_before_the_next_step_starts(model_dir
         any(m < i for i in launches) and t < min(i for i in launches if i > m)
         for m, t in zip(made[:-1], taken[:-1])
     )
-    # A 2-core CI machine may delay the loop's wake-up past the engine's bounded wait now and then.
     assert in_time >= (num_tokens - 1) * 0.75, "".join(kind[0] for kind, _ in events)

@@ -376,9 +376,12 @@ class EngineCore:
             self.loop.call_soon_threadsafe(self._put_all, outputs, taken)
             # Hand the GIL to the loop until it has the outputs. Otherwise this thread keeps it
             # through the stats and the next step's launch (Python, its short GIL-free calls
-            # rarely won by a waiting thread) and each token waits ~1.5 ms on the loop's side;
-            # with overlap scheduling the device is still busy with the step launched before.
-            taken.wait(_HANDOVER_WAIT_S)
+            # rarely won by a waiting thread) and each token waits ~1.5 ms on the loop's side.
+            # Only while the device is busy with the step launched before (overlap scheduling)
+            # or nothing is left to run: with no step in flight (--no-overlap-scheduling, a step
+            # that verified drafts) the next launch goes first, or the device would wait.
+            if self.engine.has_step_in_flight or not self.engine.num_unfinished:
+                taken.wait(_HANDOVER_WAIT_S)
         self._record_stats(outputs)
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:

@@ -150,6 +150,11 @@ class LLMEngine:
         return self.scheduler.num_unfinished
 
     @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a launched step's draws are still to be read (overlap scheduling)."""
+        return self._in_flight is not None
+
+    @property
     def current_batch_ids(self) -> list[str]:
         """The requests of the step being run; read only when it failed, so not built every step."""
         return [seq.request_id for batch in self._current_batches for seq in batch.seqs]
