@@ -1,8 +1,8 @@
 """The engine thread hands each step's outputs to the event loop before it starts the next step
 (while the step after them runs on the device, overlap scheduling's default): it releases the GIL
-until the loop has them, rather than keeping it through the next step's host
-work (a waiting loop thread seldom wins the GIL from a busy Python thread before Python's switch
-interval, 5 ms), so a token does not wait on the worker's side for the step after it.
+until the loop has them, rather than keeping it through the next step's host work (a waiting loop
+thread seldom wins the GIL from a busy Python thread before Python's switch interval, 5 ms), so a
+token does not wait on the worker's side for the step after it.
 
 The engine's wait is bounded (2 ms); the test lifts the bound so that a loaded machine's slow
 wake-up of the loop does not count against the handover. Against the old code the test is not
