@@ -71,6 +71,11 @@ async def _serve(model_dir, num_tokens: int) -> list:
 
 def test_each_steps_outputs_reach_the_loop_before_the_next_step_starts(model_dirs, monkeypatch):
     monkeypatch.setattr(engine_core, "_HANDOVER_WAIT_S", 0.1)
+    # As on an accelerator, where a launched step still runs on the device when the next starts
+    # (a CPU step has run by then, and the engine goes on without waiting).
+    monkeypatch.setattr(
+        LLMEngine, "has_step_in_flight", property(lambda engine: engine._in_flight is not None)
+    )
     num_tokens = 12
     events = asyncio.run(_serve(model_dirs["llama"], num_tokens))
     made = [i for i, (kind, _) in enumerate(events) if kind == "made"]
@@ -83,3 +88,16 @@ def test_each_steps_outputs_reach_the_loop_before_the_next_step_starts(model_dir
         for m, t in zip(made[:-1], taken[:-1])
     )
     assert in_time >= (num_tokens - 1) * 0.75, "".join(kind[0] for kind, _ in events)
+
+
+def test_a_cpu_step_is_not_in_flight_once_launched(model_dirs):
+    """On the CPU the forward runs when the step is launched: the engine thread does not wait for
+    the loop then (the next forward would run beside the loop's Python, on another core)."""
+    engine = LLMEngine(EngineConfig(str(model_dirs["llama"]), block_size=4, num_blocks=64))
+    try:
+        engine.add_request("r", [5, 9, 2, 7], SamplingOptions(max_tokens=8, ignore_eos=True))
+        engine.step()
+        assert engine._in_flight is not None  # overlap scheduling: its draws read next step
+        assert not engine.has_step_in_flight
+    finally:
+        engine.close()

@@ -379,7 +379,8 @@ class EngineCore:
             # rarely won by a waiting thread) and each token waits ~1.5 ms on the loop's side.
             # Only while the device is busy with the step launched before (overlap scheduling)
             # or nothing is left to run: with no step in flight (--no-overlap-scheduling, a step
-            # that verified drafts) the next launch goes first, or the device would wait.
+            # that verified drafts, the CPU, whose next forward would run beside the loop's
+            # Python) the next launch goes first.
             if self.engine.has_step_in_flight or not self.engine.num_unfinished:
                 taken.wait(_HANDOVER_WAIT_S)
         self._record_stats(outputs)

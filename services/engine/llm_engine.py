@@ -151,8 +151,10 @@ class LLMEngine:
 
     @property
     def has_step_in_flight(self) -> bool:
-        """Whether a launched step's draws are still to be read (overlap scheduling)."""
-        return self._in_flight is not None
+        """Whether the device still computes a launched step whose draws are still to be read
+        (overlap scheduling on an accelerator; on the CPU a step has run by the time it is
+        launched)."""
+        return self._in_flight is not None and self.runner.device.type != "cpu"
 
     @property
     def current_batch_ids(self) -> list[str]:
