@@ -103,10 +103,11 @@ def main() -> None:
             num_blocks=args.num_blocks,
         )
     )
-    asyncio.run(_run(engine, 1, args.prompt_len, 8, seed=0))  # warm-up (graphs, shapes)
+    for streams in counts:  # warm-up: each batch's shapes (and graphs) before anything is timed
+        asyncio.run(_run(engine, streams, args.prompt_len, 8, seed=0))
     print(
         f"# a step's outputs: from the step's return on the engine thread to the loop taking "
-        f"them, ms; {args.repeats} passes per row in turns, prompt {args.prompt_len}, "
+        f"them, ms; {args.repeats} passes per row in turns (each other round the other first), prompt {args.prompt_len}, "
         f"{args.max_tokens} tokens each; device {args.device}"
     )
     print(f"{'streams':>8}{'engine thread':>15}{'median':>9}{'p90':>9}{'max':>9}{'tok/s':>11}")
@@ -114,7 +115,8 @@ def main() -> None:
         lags: dict[str, list[float]] = {name: [] for name in _VARIANTS}
         rates: dict[str, list[float]] = {name: [] for name in _VARIANTS}
         for r in range(args.repeats):
-            for name, bound in _VARIANTS.items():
+            order = list(_VARIANTS.items())
+            for name, bound in order if r % 2 == 0 else order[::-1]:
                 engine_core._HANDOVER_WAIT_S = bound
                 try:
                     got, rate = asyncio.run(
