@@ -60,8 +60,8 @@ class LeaseTable(Protocol):
 
 _STOP = object()
 
-# How long the engine thread waits, GIL released, for the loop to take a step's outputs (a loop
-# busy elsewhere gets them later, as before).
+# How long the engine thread waits, GIL released, for the loop to take what it was handed (a
+# step's outputs, command replies; a loop busy elsewhere gets them later, as before).
 _HANDOVER_WAIT_S = 0.002
 
 # Test-only: the engine thread runs this many engine steps as one and hands their outputs over
@@ -146,6 +146,9 @@ class EngineCore:
         self._next_event_id = 0
         # Seconds each request admitted since the last stats record waited in the command queue.
         self._new_request_waits: list[float] = []
+        # Whether something a request or a caller waits for (outputs, a command's reply, a
+        # failure) went to the loop since the last handover (_hand_over).
+        self._posted = False
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
@@ -270,6 +273,7 @@ class EngineCore:
             self._apply_commands(self._wait_time())
             if self._stopping:
                 break
+            self._hand_over()  # the commands' replies, before the next step's launch
             if self.engine.num_unfinished and not self._held:
                 self._step()
             self._publish_kv_events()
@@ -306,14 +310,14 @@ class EngineCore:
             result = self._handlers[type(command)](command)
         except Exception as exc:  # noqa: BLE001 - reported to whoever sent the command
             if future is not None:
-                self.loop.call_soon_threadsafe(_set_exception, future, exc)
+                self._post(_set_exception, future, exc)
             elif isinstance(command, AddRequest):
                 self._deliver(command.request_id, EngineFailure(exc))
             else:
                 log.exception("engine command %s failed", type(command).__name__)
             return
         if future is not None:
-            self.loop.call_soon_threadsafe(_set_result, future, result)
+            self._post(_set_result, future, result)
 
     def _check_idle(self, command: CheckIdle) -> None:
         if not (command.unless_held and self._held):
@@ -366,35 +370,50 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its batch, not the worker
             log.exception("engine step failed")
             if outputs:  # what the steps before it made is its sequences'
-                self.loop.call_soon_threadsafe(self._put_all, outputs)
+                self._post(self._put_all, outputs)
             for request_id in self.engine.current_batch_ids:
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, EngineFailure(exc))
             return
         if outputs:  # one hop to the loop per step, not per output
-            taken = threading.Event()
-            self.loop.call_soon_threadsafe(self._put_all, outputs, taken)
-            # Hand the GIL to the loop until it has the outputs. Otherwise this thread keeps it
-            # through the stats and the next step's launch (Python, its short GIL-free calls
-            # rarely won by a waiting thread) and each token waits ~1.5 ms on the loop's side.
-            # Only while the device is busy with the step launched before (overlap scheduling)
-            # or nothing is left to run: with no step in flight (--no-overlap-scheduling, a step
-            # that verified drafts, the CPU, whose next forward would run beside the loop's
-            # Python) the next launch goes first.
-            if self.engine.has_step_in_flight or not self.engine.num_unfinished:
-                taken.wait(_HANDOVER_WAIT_S)
+            self._post(self._put_all, outputs)
+            self._hand_over()
         self._record_stats(outputs)
 
-    def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
-        self.loop.call_soon_threadsafe(self._put, request_id, item)
+    def _post(self, callback, *args) -> None:
+        """Hands callback(*args) to the loop: something a request or a caller waits for (the
+        stats and the KV events, which nobody waits for, go by call_soon_threadsafe alone)."""
+        self.loop.call_soon_threadsafe(callback, *args)
+        self._posted = True
 
-    def _put_all(self, outputs: list[StepOutput], taken: threading.Event | None = None) -> None:
+    def _hand_over(self) -> None:
+        """Lets the loop take what was posted before this thread goes on: waits, GIL released,
+        until the loop has run it (at most _HANDOVER_WAIT_S). Otherwise this thread keeps the GIL
+        through the stats and the next step's launch (Python, its short GIL-free calls rarely won
+        by a waiting thread) and each token, each reply, waits ~1.5 ms on the loop's side. Only
+        while the device is busy with the step launched before (overlap scheduling) or nothing
+        is left to run: with no step in flight (--no-overlap-scheduling, a step that verified
+        drafts, the CPU, whose next forward would run beside the loop's Python) the next launch
+        goes first. One wait covers all that was posted since the last (the loop runs its
+        callbacks in order)."""
+        if not self._posted:
+            return
+        self._posted = False
+        if not (self.engine.has_step_in_flight or not self.engine.num_unfinished):
+            return
+        taken = threading.Event()
         try:
-            for out in outputs:
-                self._put(out.request_id, out)
-        finally:
-            if taken is not None:
-                taken.set()
+            self.loop.call_soon_threadsafe(taken.set)
+        except RuntimeError:  # the loop closed meanwhile: nobody to hand over to
+            return
+        taken.wait(_HANDOVER_WAIT_S)
+
+    def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
+        self._post(self._put, request_id, item)
+
+    def _put_all(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self._put(out.request_id, out)
 
     def _put(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
