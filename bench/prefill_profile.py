@@ -6,7 +6,8 @@
 1. The 8B layer's GEMMs at 256, 2048 and 8192 rows under each BLAS library PyTorch can pick
    (cuBLAS, cuBLASLt), in TFLOP/s against the H200's dense bf16 peak (L2 flushed before each);
    with --quantization fp8 also the FP8 product the engine runs (torch._scaled_mm with per-token
-   and per-channel scales) alone and with its activations' quantization, against the FP8 peak.
+   and per-channel scales) alone and with its activations' quantization, against the FP8 peak,
+   and the same product with one scale per tensor, with and without fast accumulation.
 2. One fresh 2048-token prompt in the engine (the TTFT row, in-process): its wall time from
    add_request to the first token, and the GPU time of its kernels by kind (torch profiler), so
    that the wall is held against the kernels' sum (what is not kernel time is host time the GPU
@@ -162,6 +163,83 @@ def fp8_gemm_rates(device: torch.device) -> None:
             f"{total[1]:14.4f}{layer_flops / total[1] / 1e9:9.0f}"
             f"   x32 layers: {total[0] * 32:.1f} / {total[1] * 32:.1f} ms"
         )
+
+
+def fp8_scale_modes(device: torch.device) -> None:
+    """torch._scaled_mm's scale granularities at the 8B layer's shapes: per-token x per-channel
+    (what the engine runs: kernels/fp8.py) against one scale per tensor (what a static-scale
+    checkpoint could run), each with and without fast accumulation, and the bf16 product beside
+    them: whether the row-wise scales cost the prefill's GEMMs their FP8 rate."""
+    import triton.testing
+
+    from tandem.kernels.fp8 import FP8
+
+    gen = torch.Generator(device).manual_seed(0)
+    modes = ("row", "row+fast", "tensor", "tensor+fast")
+    print(
+        f"FP8 _scaled_mm by scale granularity, ms (TFLOP/s; dense FP8 peak {2 * BF16_DENSE_TFLOPS:.0f}):"
+    )
+    print(f"  {'rows':>5} {'gemm':<8}{'bf16':>16}" + "".join(f"{m:>16}" for m in modes))
+    errors: dict[str, float] = {}  # the largest relative error (Frobenius) of any product
+    for rows in (2048, 8192):
+        total = dict.fromkeys(("bf16",) + modes, 0.0)
+        for name, (n, k) in LAYER_GEMMS.items():
+            weight = torch.randn(n, k, generator=gen, device=device).bfloat16() * 0.02
+            x = torch.randn(rows, k, generator=gen, device=device).bfloat16()
+            wq, xq = weight.to(FP8), x.to(FP8)
+            scales = {
+                "row": (
+                    torch.rand(rows, 1, generator=gen, device=device) + 0.5,
+                    torch.rand(1, n, generator=gen, device=device) + 0.5,
+                ),
+                "tensor": (torch.ones((), device=device), torch.ones((), device=device)),
+            }
+            flops = 2 * rows * n * k
+            line = f"  {rows:5d} {name:<8}"
+            for mode in ("bf16",) + modes:
+                if mode == "bf16":
+                    fn = lambda: F.linear(x, weight)  # noqa: E731
+                else:
+                    sa, sb = scales[mode.split("+")[0]]
+                    fast = mode.endswith("+fast")
+
+                    def fn(sa=sa, sb=sb, fast=fast):
+                        return torch._scaled_mm(
+                            xq,
+                            wq.t(),
+                            scale_a=sa,
+                            scale_b=sb,
+                            out_dtype=torch.bfloat16,
+                            use_fast_accum=fast,
+                        )
+
+                try:
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                except RuntimeError as exc:  # a granularity this build's CUDA path refuses
+                    print(f"  {mode}: {str(exc).splitlines()[0][:100]}")
+                    ms = float("nan")
+                else:
+                    if mode != "bf16":  # the product against float32 arithmetic on its operands
+                        sa, sb = scales[mode.split("+")[0]]
+                        want = (xq.float() * sa) @ (wq.float() * sb.view(-1, 1)).t()
+                        diff = (fn().float() - want).norm() / want.norm()
+                        errors[mode] = max(errors.get(mode, 0.0), diff.item())
+                total[mode] += ms
+                line += f"{ms:9.4f}{flops / ms / 1e9:6.0f} "
+            print(line)
+        layer_flops = 2 * rows * sum(n * k for n, k in LAYER_GEMMS.values())
+        print(
+            f"  {rows:5d} {'layer':<8}"
+            + "".join(f"{ms:9.4f}{layer_flops / ms / 1e9:6.0f} " for ms in total.values())
+        )
+        print(
+            f"  {rows:5d} x32 layers ms: "
+            + ", ".join(f"{m} {v * 32:.1f}" for m, v in total.items())
+        )
+    print(
+        "  largest relative error against float32 arithmetic on the same FP8 operands: "
+        + ", ".join(f"{m} {e:.2e}" for m, e in errors.items())
+    )
 
 
 def idle_gaps(prof, window: str) -> None:
@@ -332,6 +410,7 @@ def main() -> None:
         gemm_rates(device)
         if args.quantization == "fp8":
             fp8_gemm_rates(device)
+            fp8_scale_modes(device)
     shape = SHAPES["llama-3.1-8b"]
     write_checkpoint(Path(args.model_dir), shape, device)
     engine = LLMEngine(
