@@ -8,7 +8,8 @@ loop, woken, waited for the GIL.
 An EngineCore on an asyncio loop, as in a worker; --streams requests at a time, each of
 --max-tokens tokens after a --prompt-len prompt, each read by a task of its own. Per stream count,
 in turns --repeats times: with the wait for outputs and replies, with it for outputs only
-(aeef4a5's engine thread), and without it (its bound set to 0: the engine thread before aeef4a5).
+(replies not waited for, as in aeef4a5's engine thread), and without it (its bound set to 0: the
+engine thread before aeef4a5).
 Meanwhile a caller on the loop asks the engine thread for the time (a command with a reply and no
 work, as a decode's reservation or a peer's LeasePrefix) again and again (--call-every-ms apart).
 Prints the lag from each step's return on the engine thread to the loop taking its outputs (the

@@ -63,6 +63,10 @@ _STOP = object()
 # How long the engine thread waits, GIL released, for the loop to take what it was handed (a
 # step's outputs, command replies; a loop busy elsewhere gets them later, as before).
 _HANDOVER_WAIT_S = 0.002
+# The loop's turns the engine thread waits for after the one that ran the posted callbacks: the
+# tasks those woke (a stream's reader, a command's caller) run in the next turn, and a caller
+# behind asyncio.wait_for (its own task, before Python 3.12) in the one after.
+_HANDOVER_TURNS = 2
 
 # Test-only: the engine thread runs this many engine steps as one and hands their outputs over
 # as one multi-token output per sequence, the shape speculative decoding's steps will have
@@ -395,7 +399,8 @@ class EngineCore:
         is left to run: with no step in flight (--no-overlap-scheduling, a step that verified
         drafts, the CPU, whose next forward would run beside the loop's Python) the next launch
         goes first. One wait covers all that was posted since the last (the loop runs its
-        callbacks in order)."""
+        callbacks in order), and the _HANDOVER_TURNS turns after it: the tasks that what was posted
+        woke run then."""
         if not self._posted:
             return
         self._posted = False
@@ -403,10 +408,18 @@ class EngineCore:
             return
         taken = threading.Event()
         try:
-            self.loop.call_soon_threadsafe(taken.set)
+            self.loop.call_soon_threadsafe(self._after_turns, taken, _HANDOVER_TURNS)
         except RuntimeError:  # the loop closed meanwhile: nobody to hand over to
             return
         taken.wait(_HANDOVER_WAIT_S)
+
+    def _after_turns(self, taken: threading.Event, turns: int) -> None:
+        """Sets taken once the loop has run `turns` more turns (on the loop: what this turn
+        schedules runs in the next)."""
+        if turns:
+            self.loop.call_soon(self._after_turns, taken, turns - 1)
+        else:
+            taken.set()
 
     def _deliver(self, request_id: str, item: StepOutput | EngineFailure) -> None:
         self._post(self._put, request_id, item)
