@@ -7,9 +7,10 @@ loop, woken, waited for the GIL.
 
 An EngineCore on an asyncio loop, as in a worker; --streams requests at a time, each of
 --max-tokens tokens after a --prompt-len prompt, each read by a task of its own. Per stream count,
-in turns --repeats times: with the wait for outputs and replies, with it for outputs only
-(replies not waited for, as in aeef4a5's engine thread), and without it (its bound set to 0: the
-engine thread before aeef4a5).
+in turns --repeats times: with the wait for outputs and replies (and the tasks they wake: the
+loop's _HANDOVER_TURNS turns after them), with it until the posted callbacks ran only (0 turns),
+with it for outputs only (replies not waited for, as in aeef4a5's engine thread), and without it
+(its bound set to 0: the engine thread before aeef4a5).
 Meanwhile a caller on the loop asks the engine thread for the time (a command with a reply and no
 work, as a decode's reservation or a peer's LeasePrefix) again and again (--call-every-ms apart).
 Prints the lag from each step's return on the engine thread to the loop taking its outputs (the
@@ -48,11 +49,13 @@ class _Ping:
     on a step's scale)."""
 
 
-# name -> (the wait's bound, whether replies are waited for too)
+# name -> (the wait's bound, whether replies are waited for too, the loop's turns waited for after
+# the posted callbacks)
 _VARIANTS = {
-    "wait": (engine_core._HANDOVER_WAIT_S, True),
-    "outputs only": (engine_core._HANDOVER_WAIT_S, False),
-    "no wait": (0.0, False),
+    "wait": (engine_core._HANDOVER_WAIT_S, True, engine_core._HANDOVER_TURNS),
+    "0 turns": (engine_core._HANDOVER_WAIT_S, True, 0),
+    "outputs only": (engine_core._HANDOVER_WAIT_S, False, engine_core._HANDOVER_TURNS),
+    "no wait": (0.0, False, 0),
 }
 
 
@@ -211,8 +214,8 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in _VARIANTS}
         for r in range(args.repeats):
             order = list(_VARIANTS.items())
-            for name, (bound, replies_wait) in order if r % 2 == 0 else order[::-1]:
-                engine_core._HANDOVER_WAIT_S = bound
+            for name, (bound, replies_wait, turns) in order if r % 2 == 0 else order[::-1]:
+                engine_core._HANDOVER_WAIT_S, engine_core._HANDOVER_TURNS = bound, turns
                 try:
                     got, rate = asyncio.run(
                         _run(
@@ -227,7 +230,7 @@ def main() -> None:
                         )
                     )
                 finally:
-                    engine_core._HANDOVER_WAIT_S = _VARIANTS["wait"][0]
+                    engine_core._HANDOVER_WAIT_S, _, engine_core._HANDOVER_TURNS = _VARIANTS["wait"]
                 for kind, samples in got.items():
                     lags[name][kind] += [x for x in samples if not math.isnan(x)]
                 rates[name].append(rate)

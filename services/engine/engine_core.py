@@ -60,12 +60,14 @@ class LeaseTable(Protocol):
 
 _STOP = object()
 
-# How long the engine thread waits, GIL released, for the loop to take what it was handed (a
-# step's outputs, command replies; a loop busy elsewhere gets them later, as before).
+# How long the engine thread waits in all, GIL released, for the loop to take what it was handed
+# (a step's outputs, command replies) while one launched step runs on the device: the waits
+# after its outputs and before the next launch share it (a loop busy elsewhere gets them later,
+# as before).
 _HANDOVER_WAIT_S = 0.002
 # The loop's turns the engine thread waits for after the one that ran the posted callbacks: the
-# tasks those woke (a stream's reader, a command's caller) run in the next turn, and a caller
-# behind asyncio.wait_for (its own task, before Python 3.12) in the one after.
+# tasks those woke (a stream's reader, a command's caller) run in the next turn, and one behind
+# asyncio.shield (a prefix lease's holder) in the one after.
 _HANDOVER_TURNS = 2
 
 # Test-only: the engine thread runs this many engine steps as one and hands their outputs over
@@ -153,6 +155,10 @@ class EngineCore:
         # Whether something a request or a caller waits for (outputs, a command's reply, a
         # failure) went to the loop since the last handover (_hand_over).
         self._posted = False
+        # The launched step (its iteration) the handovers' waits were for, and what is left of
+        # their shared bound.
+        self._waited_for = -1
+        self._wait_left = 0.0
         self._handlers = {
             AddRequest: self._add,
             AbortRequest: lambda c: engine.abort_request(c.request_id),
@@ -395,23 +401,37 @@ class EngineCore:
         until the loop has run it (at most _HANDOVER_WAIT_S). Otherwise this thread keeps the GIL
         through the stats and the next step's launch (Python, its short GIL-free calls rarely won
         by a waiting thread) and each token, each reply, waits ~1.5 ms on the loop's side. Only
-        while the device is busy with the step launched before (overlap scheduling) or nothing
-        is left to run: with no step in flight (--no-overlap-scheduling, a step that verified
-        drafts, the CPU, whose next forward would run beside the loop's Python) the next launch
-        goes first. One wait covers all that was posted since the last (the loop runs its
-        callbacks in order), and the _HANDOVER_TURNS turns after it: the tasks that what was posted
-        woke run then."""
+        while the device is busy with the step launched before (overlap scheduling; its draws'
+        event not reached) or nothing is left to run or queued: with no step on the device
+        (--no-overlap-scheduling, a step that verified drafts, one the device has finished, the
+        CPU, whose next forward would run beside the loop's Python) the next launch goes first.
+        The waits while one step runs share _HANDOVER_WAIT_S. One wait covers all that was
+        posted since the last (the loop runs its callbacks in order), and the _HANDOVER_TURNS
+        turns after it: the tasks that what was posted woke run then."""
         if not self._posted:
             return
         self._posted = False
-        if not (self.engine.has_step_in_flight or not self.engine.num_unfinished):
+        e = self.engine
+        running = e.has_step_in_flight
+        if running:
+            if e.counters.iteration != self._waited_for:  # a step launched since the last wait
+                self._waited_for, self._wait_left = e.counters.iteration, _HANDOVER_WAIT_S
+            bound = self._wait_left
+        elif not (e.num_unfinished or self._commands.qsize()):
+            bound = _HANDOVER_WAIT_S  # idle: the wait delays the stats only
+        else:
+            return
+        if bound <= 0:
             return
         taken = threading.Event()
         try:
             self.loop.call_soon_threadsafe(self._after_turns, taken, _HANDOVER_TURNS)
         except RuntimeError:  # the loop closed meanwhile: nobody to hand over to
             return
-        taken.wait(_HANDOVER_WAIT_S)
+        started = time.perf_counter()
+        taken.wait(bound)
+        if running:
+            self._wait_left -= time.perf_counter() - started
 
     def _after_turns(self, taken: threading.Event, turns: int) -> None:
         """Sets taken once the loop has run `turns` more turns (on the loop: what this turn

@@ -153,8 +153,12 @@ class LLMEngine:
     def has_step_in_flight(self) -> bool:
         """Whether the device still computes a launched step whose draws are still to be read
         (overlap scheduling on an accelerator; on the CPU a step has run by the time it is
-        launched)."""
-        return self._in_flight is not None and self.runner.device.type != "cpu"
+        launched): its draws' event not reached yet (a step without one counts as running)."""
+        step = self._in_flight
+        if step is None or self.runner.device.type == "cpu":
+            return False
+        ready = step.draws.ready if step.draws is not None else None
+        return ready is None or not ready.query()
 
     @property
     def current_batch_ids(self) -> list[str]:
