@@ -355,6 +355,30 @@ def _same_bytes(got_q, want_q, x, scale) -> None:
     raise AssertionError(f"{len(differ)} of {x.numel()} FP8 bytes differ:\n" + "\n".join(lines))
 
 
+def test_fp8_products_with_fast_accumulation_on_llama_8b_shapes():
+    """The FP8 product a prefill step runs (torch._scaled_mm with fast accumulation: partial sums
+    not promoted to float32 along K) within bf16 output rounding of float32 arithmetic on the
+    same FP8 operands and scales, per-channel and 128-column block scales, K up to 14,336."""
+    from tandem.kernels import fp8
+
+    gen = torch.Generator("cuda").manual_seed(3)
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        x = torch.randn(2048, K, generator=gen, device="cuda").bfloat16()
+        for groups in (1, K // 128):
+            w, s = fp8.quantize_rows(
+                torch.randn(N, K, generator=gen, device="cuda") / K**0.5, groups
+            )
+            xq, x_scale = fp8.quantize_rows(x, groups)
+            got = fp8.fp8_linear_quantized(xq, x_scale, w, s, torch.bfloat16).float()
+            want = fp8.dequantize_rows(xq, x_scale) @ fp8.dequantize_rows(w, s).t()
+            rel = ((got - want).norm() / want.norm()).item()
+            worst = ((got - want).abs().max() / want.pow(2).mean().sqrt()).item()
+            # bf16 rounds each output (each group's, block-scaled) to 2^-9 of itself: on the CPU,
+            # which accumulates in float32, 1.7e-3 of the norm row-scaled and 2.4e-3 block-scaled,
+            # the worst element 1.5e-2 / 2.0e-2 of the RMS (smaller shapes).
+            assert rel < 5e-3 and worst < 5e-2, (N, K, groups, rel, worst)
+
+
 def test_fp8_gemvs_and_the_activation_quantizer_on_llama_8b_shapes():
     """The FP8 GEMVs (weight-only dequantization) within bf16 output rounding of the dequantized
     product, row- and block-scaled; the one-kernel activation quantizer bit for bit as torch's, and
