@@ -19,7 +19,8 @@
 # e2e: the handover taken apart on one GPU, prefill and decode two processes on cuda:0 (bench/disagg_e2e.py).
 # procstep: bench/engine_process.py alone (the served step against in-process over the same contexts).
 # stephost: the engine's host work per step (bench/step_host.py), block tables written whole and as new entries.
-# enghandover: a step's outputs to the worker's loop, the engine thread's wait on and off (bench/engine_handover.py).
+# enghandover: a step's outputs and a command's reply to the worker's loop and its tasks, the engine thread's
+# wait in its variants (bench/engine_handover.py).
 # moe: the fused MoE kernel against its torch reference at Qwen3-30B-A3B's layer shape, and a served
 # Qwen3-MoE-shaped engine cut to MOE_LAYERS layers (bench/moe.py).
 set -u
@@ -148,8 +149,8 @@ if has stephost; then  # issue 28: the engine's host work per step, the device's
     2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/step-host.txt" | tail -60
 fi
 if has enghandover; then  # issue 39: the engine thread's wait for the loop, on and off in turns
-  ckpt && timeout "${ENGHANDOVER_S:-240}" python3 bench/engine_handover.py --device cuda --model "$CKPT" \
-    --streams "${ENGHANDOVER_STREAMS:-1,16,64}" --prompt-len 512 --max-tokens 64 --repeats 3 --num-blocks 16384 \
+  ckpt && timeout "${ENGHANDOVER_S:-400}" python3 bench/engine_handover.py --device cuda --model "$CKPT" \
+    --streams "${ENGHANDOVER_STREAMS:-1,16,64}" --prompt-len 512 --max-tokens 64 --repeats 3 --num-blocks 16384 --call-every-ms 2 \
     2>&1 | grep -v "NIXL\|Loading weights" | tee "$OUT/engine-handover.txt" | tail -10
 fi
 if has moe; then  # issue 29: grouped-GEMM MoE kernel vs torch, per token count, and a served row
