@@ -81,7 +81,7 @@ async def _run(
     # A command whose reply is when the engine thread applied it (nothing else: ReadCounters
     # would add its own host time, ~1 ms on the 8B model, to each turn).
     core._handlers[_Ping] = lambda c: time.perf_counter()
-    if not replies_wait:  # the engine thread of aeef4a5: no wait between the commands and a step
+    if not replies_wait:  # as in aeef4a5: no wait between the commands and a step
         apply_commands = core._apply_commands
 
         def apply_then_go_on(first_wait):
@@ -128,7 +128,8 @@ async def _run(
     async def reader(queue: asyncio.Queue) -> int:
         num_tokens = 0
         while True:
-            out = await asyncio.wait_for(queue.get(), timeout=300)
+            async with asyncio.timeout(300):  # (no task of its own, unlike wait_for on 3.11)
+                out = await queue.get()
             lags["read"].append(time.perf_counter() - returned_at.pop(id(out), math.nan))
             num_tokens += len(out.new_token_ids)
             if out.finished:
