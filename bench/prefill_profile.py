@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from collections import defaultdict
@@ -196,23 +197,20 @@ def fp8_scale_modes(device: torch.device) -> None:
             }
             flops = 2 * rows * n * k
             line = f"  {rows:5d} {name:<8}"
-            for mode in ("bf16",) + modes:
-                if mode == "bf16":
-                    fn = lambda: F.linear(x, weight)  # noqa: E731
-                else:
-                    sa, sb = scales[mode.split("+")[0]]
-                    fast = mode.endswith("+fast")
-
-                    def fn(sa=sa, sb=sb, fast=fast):
-                        return torch._scaled_mm(
-                            xq,
-                            wq.t(),
-                            scale_a=sa,
-                            scale_b=sb,
-                            out_dtype=torch.bfloat16,
-                            use_fast_accum=fast,
-                        )
-
+            products = {"bf16": lambda: F.linear(x, weight)}
+            for mode in modes:
+                granularity, _, fast = mode.partition("+")
+                sa, sb = scales[granularity]
+                products[mode] = functools.partial(
+                    torch._scaled_mm,
+                    xq,
+                    wq.t(),
+                    scale_a=sa,
+                    scale_b=sb,
+                    out_dtype=torch.bfloat16,
+                    use_fast_accum=bool(fast),
+                )
+            for mode, fn in products.items():
                 try:
                     ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
                 except RuntimeError as exc:  # a granularity this build's CUDA path refuses
@@ -220,7 +218,7 @@ def fp8_scale_modes(device: torch.device) -> None:
                     ms = float("nan")
                 else:
                     if mode != "bf16":  # the product against float32 arithmetic on its operands
-                        sa, sb = scales[mode.split("+")[0]]
+                        sa, sb = fn.keywords["scale_a"], fn.keywords["scale_b"]
                         want = (xq.float() * sa) @ (wq.float() * sb.view(-1, 1)).t()
                         diff = (fn().float() - want).norm() / want.norm()
                         errors[mode] = max(errors.get(mode, 0.0), diff.item())
